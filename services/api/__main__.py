@@ -1,0 +1,3 @@
+from services.api.main import main
+
+main()

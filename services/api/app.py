@@ -1,0 +1,478 @@
+"""OpenAI-compatible HTTP API: turns chat requests into encode jobs and a generation job.
+
+Per request:
+
+1. parse and validate the body (``schemas``), authenticate (``EPD_API_KEYS``);
+2. fetch / decode each image once (SSRF-guarded, bounded), hash its pixels, store its bytes
+   content-addressed; for each distinct image whose EC object is not stored yet, publish one
+   ``EncodeJob`` with ``Nats-Msg-Id = <EC key>`` so concurrent duplicates collapse;
+3. record the request (``ChatRequestRecord``) for replay, subscribe to its token subject, then
+   publish the ``GenerationJob``;
+4. forward tokens (SSE or one JSON body) until the final result, an error, or the deadline.
+
+Typed ``shared.errors`` are translated to OpenAI-shaped HTTP errors here and only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
+from shared import metrics, protocol
+from shared.config import ApiSettings
+from shared.ecstore.factory import ec_store_from_settings
+from shared.ecstore.store import ECStore
+from shared.errors import (
+    DeadlineExceeded,
+    EPDError,
+    InvalidRequest,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+    error_from_code,
+)
+from shared.fingerprint import encoder_fingerprint
+from shared.jetstream import JetStreamPublisher, connect, ensure_topology
+from shared.logs import REQUEST_ID
+from shared.media import ImageFetcher, LoadedImage, MediaLimits, load_image
+from shared.protocol import (
+    ChatRequestRecord,
+    EncodeJob,
+    ErrorEvent,
+    FinalResult,
+    GenerationJob,
+    ImageRef,
+    Subjects,
+    TokenChunk,
+    WorkerHeartbeat,
+)
+
+log = logging.getLogger(__name__)
+
+
+def error_response(err: EPDError) -> JSONResponse:
+    return JSONResponse(
+        status_code=err.http_status,
+        content={"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}},
+    )
+
+
+@dataclass
+class WorkerView:
+    """Live workers seen through their heartbeats."""
+
+    stale_s: float
+    seen: dict[tuple[str, str], WorkerHeartbeat] = field(default_factory=dict)
+
+    def update(self, hb: WorkerHeartbeat) -> None:
+        self.seen[(hb.role, hb.worker_id)] = hb
+
+    def live(self) -> dict[str, list[WorkerHeartbeat]]:
+        now = time.time()
+        out: dict[str, list[WorkerHeartbeat]] = {}
+        for (role, _), hb in list(self.seen.items()):
+            if now - hb.sent_at <= self.stale_s:
+                out.setdefault(role, []).append(hb)
+        return out
+
+
+class ApiService:
+    """State shared by the request handlers: connections, store, fetcher, worker view."""
+
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.subjects = Subjects(settings.subject_prefix)
+        self.model_name = settings.served_model_name()
+        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype, engine=settings.engine)
+        self.limits = MediaLimits(
+            max_image_bytes=settings.max_image_bytes,
+            max_pixels=settings.max_image_pixels,
+            fetch_timeout_s=settings.fetch_timeout_s,
+            allowed_networks=tuple(settings.url_allow_networks),
+            allowed_hosts=tuple(settings.url_allow_hosts),
+        )
+        self.workers = WorkerView(settings.worker_stale_s)
+        self.nc = None
+        self.js = None
+        self.publisher: JetStreamPublisher | None = None
+        self.store: ECStore | None = None
+        self.fetcher: ImageFetcher | None = None
+        self._subs: list = []
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
+        self.js = self.nc.jetstream()
+        await ensure_topology(self.js, self.settings, self.subjects)
+        self.publisher = JetStreamPublisher(self.js)
+        self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
+        self.fetcher = ImageFetcher(self.limits)
+        self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
+        for stream, durable in (
+            (self.subjects.stream_generate, protocol.CONSUMER_PREFILL),
+            (self.subjects.stream_encode, protocol.CONSUMER_ENCODER),
+        ):
+            subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
+            self._subs.append(await self.nc.subscribe(subject, cb=self._on_max_deliveries))
+        log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
+
+    async def stop(self) -> None:
+        if self.fetcher is not None:
+            await self.fetcher.aclose()
+        if self.nc is not None:
+            await self.nc.drain()
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            hb = protocol.decode(msg.data, WorkerHeartbeat)
+        except protocol.ProtocolError:
+            return
+        if hb.fingerprint and hb.fingerprint != self.fingerprint and (hb.role, hb.worker_id) not in self.workers.seen:
+            log.warning(
+                "%s worker %s has encoder fingerprint %s, the API expects %s (different model, dtype or engine?)",
+                hb.role, hb.worker_id, hb.fingerprint, self.fingerprint,
+            )
+        self.workers.update(hb)
+
+    async def _on_max_deliveries(self, msg) -> None:
+        """A job exhausted its deliveries (its workers kept dying): fail it cleanly, never hang."""
+        try:
+            advisory = json.loads(msg.data)
+            raw = await self.js.get_msg(advisory["stream"], advisory["stream_seq"])
+            job = protocol.decode(raw.data)
+        except Exception as exc:
+            log.warning("could not read max-deliveries advisory: %s", exc)
+            return
+        if isinstance(job, GenerationJob):
+            event = ErrorEvent(
+                request_id=job.request_id, code="worker_failed", stage="prefill", http_status=502,
+                message=f"the generation job failed {self.settings.max_deliver} times (workers crashed or timed out)",
+            )
+            await self.publisher.publish(self.subjects.tokens(job.request_id), event, request_id=job.request_id)
+        elif isinstance(job, EncodeJob):
+            event = protocol.ECFailed(
+                request_id=job.request_id, item_hash=job.image.item_hash, fingerprint=job.fingerprint,
+                code="max_deliveries", message=f"encode job failed {self.settings.max_deliver} times",
+                created_at=time.time(),
+            )
+            await self.publisher.publish(
+                self.subjects.ec_failed(job.fingerprint, job.image.item_hash), event, request_id=job.request_id
+            )
+
+    # -- request pipeline ------------------------------------------------------------------
+    async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
+        """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
+        assert self.store is not None and self.fetcher is not None and self.publisher is not None
+        loaded: list[LoadedImage] = await asyncio.gather(*(load_image(u, self.fetcher, self.limits) for u in urls))
+        refs: list[ImageRef] = []
+        distinct: dict[str, ImageRef] = {}
+        for img in loaded:
+            if img.content_hash not in distinct:
+                media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
+                distinct[img.content_hash] = ImageRef(
+                    item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height
+                )
+                await self._queue_encode(request_id, distinct[img.content_hash])
+            refs.append(distinct[img.content_hash])
+        return refs
+
+    async def _queue_encode(self, request_id: str, ref: ImageRef) -> None:
+        if await asyncio.to_thread(self.store.exists, ref.item_hash):
+            log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
+            return
+        key = self.store.key(ref.item_hash)
+        job = EncodeJob(
+            request_id=request_id, image=ref, fingerprint=self.fingerprint, ec_key=key, created_at=time.time()
+        )
+        fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=request_id, msg_id=key)
+        log.info("encode job for %s %s", ref.item_hash[:12], "queued" if fresh else "already queued (deduplicated)")
+
+    async def submit(self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float,
+                     deadline: float):
+        """Record the request, subscribe to its tokens, publish the generation job."""
+        record = ChatRequestRecord(
+            request_id=request_id, received_at=received_at, model=parsed.model,
+            body=redact_images(parsed.body, [r.item_hash for r in refs]), images=tuple(refs),
+        )
+        job = GenerationJob(
+            request_id=request_id, model=parsed.model, messages=parsed.messages, images=tuple(refs),
+            fingerprint=self.fingerprint, sampling=parsed.sampling, stream=parsed.stream,
+            deadline=deadline, created_at=time.time(),
+        )
+        payload_limit = self.nc.max_payload
+        if len(protocol.encode(job)) > payload_limit:
+            raise PayloadTooLarge(f"the prompt is too large (over {payload_limit} bytes encoded)")
+        try:
+            await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
+        except Exception as exc:  # the record is for debugging; its loss must not fail the request
+            log.warning("could not record request: %s", exc)
+        sub = await self.nc.subscribe(self.subjects.tokens(request_id))
+        try:
+            await self.publisher.publish(self.subjects.generate_jobs, job, request_id=request_id, msg_id=request_id)
+        except Exception:
+            await sub.unsubscribe()
+            raise
+        return sub
+
+
+async def token_events(sub, deadline: float) -> AsyncIterator[protocol.Message]:
+    """Messages on a request's token subject until a final result or error; deadline-bounded.
+    Drops chunks a redelivered job repeats (``seq`` already forwarded)."""
+    forwarded = 0
+    try:
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                raise DeadlineExceeded("the request passed its deadline before the model finished")
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except asyncio.TimeoutError:
+                continue
+            try:
+                event = protocol.decode(msg.data)
+            except protocol.ProtocolError as exc:
+                log.warning("dropping undecodable token message: %s", exc)
+                continue
+            if isinstance(event, TokenChunk):
+                if event.seq < forwarded:
+                    continue
+                forwarded = event.seq + len(event.token_ids)
+                yield event
+            elif isinstance(event, (FinalResult, ErrorEvent)):
+                yield event
+                return
+    finally:
+        await sub.unsubscribe()
+
+
+def _usage(final: FinalResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def create_app(settings: ApiSettings) -> FastAPI:
+    service = ApiService(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="epd-serve", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(EPDError)
+    async def _epd_error(request: Request, exc: EPDError):
+        return error_response(exc)
+
+    def check_auth(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not any(
+            hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys
+        ):
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer <key>)")
+
+    @app.get("/health")
+    async def health():
+        live = service.workers.live()
+        connected = service.nc is not None and service.nc.is_connected
+        body = {
+            "status": "ok" if connected else "unavailable",
+            "nats": connected,
+            "model": service.model_name,
+            "encoder_fingerprint": service.fingerprint,
+            "workers": {role: len(hbs) for role, hbs in live.items()},
+        }
+        return JSONResponse(body, status_code=200 if connected else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_auth(request)
+        return {
+            "object": "list",
+            "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd-serve"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        received_at = time.time()
+        check_auth(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        token = REQUEST_ID.set(request_id)
+        metrics.IN_FLIGHT.labels("api").inc()
+        try:
+            raw = await _read_body(request, settings.max_body_bytes)
+            parsed = parse_chat_request(
+                parse_json_body(raw),
+                served_model=service.model_name,
+                max_images=settings.max_images_per_request,
+                max_tokens_limit=settings.max_tokens_limit,
+                default_max_tokens=settings.default_max_tokens,
+            )
+            deadline = received_at + settings.request_timeout_s
+            if service.nc is None or not service.nc.is_connected:
+                raise ServiceUnavailable("not connected to NATS")
+            refs = await asyncio.wait_for(
+                service.prepare_images(request_id, parsed.image_urls), timeout=max(0.0, deadline - time.time())
+            )
+            sub = await service.submit(request_id, parsed, refs, received_at, deadline)
+            events = token_events(sub, deadline)
+            log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
+            if parsed.stream:
+                # Wait for the first event so an early failure still gets a real HTTP status.
+                first = await anext(events)
+                if isinstance(first, ErrorEvent):
+                    raise _event_error(first)
+                return StreamingResponse(
+                    _sse(first, events, request_id, parsed, received_at),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
+                )
+            return await _complete(events, request_id, parsed, received_at)
+        except asyncio.TimeoutError:
+            return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
+        except EPDError as exc:
+            return _finish_error(exc)
+        finally:
+            metrics.IN_FLIGHT.labels("api").dec()
+            REQUEST_ID.reset(token)
+
+    return app
+
+
+def _finish_error(exc: EPDError) -> JSONResponse:
+    level = logging.WARNING if exc.http_status < 500 else logging.ERROR
+    log.log(level, "request failed: %s %s: %s", exc.http_status, exc.code, exc.message)
+    metrics.REQUESTS.labels(str(exc.http_status)).inc()
+    return error_response(exc)
+
+
+def _event_error(event: ErrorEvent) -> EPDError:
+    err = error_from_code(event.code, event.message)
+    err.http_status = event.http_status
+    return err
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _completion_body(request_id: str, parsed: ParsedRequest, final: FinalResult, created: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": final.text}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": final.finish_reason, "logprobs": None}
+    if parsed.return_token_ids:
+        choice["token_ids"] = list(final.token_ids)
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": parsed.model,
+        "choices": [choice],
+        "usage": _usage(final),
+    }
+
+
+async def _complete(events, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
+    first_token_at = None
+    async for event in events:
+        if isinstance(event, TokenChunk) and first_token_at is None:
+            first_token_at = time.time()
+            metrics.TTFT.observe(first_token_at - received_at)
+        elif isinstance(event, ErrorEvent):
+            raise _event_error(event)
+        elif isinstance(event, FinalResult):
+            metrics.E2E.observe(time.time() - received_at)
+            metrics.REQUESTS.labels("200").inc()
+            log.info("completed: %d tokens, finish=%s, sources=%s", event.completion_tokens, event.finish_reason,
+                     event.ec_sources)
+            return JSONResponse(_completion_body(request_id, parsed, event, int(received_at)))
+    raise ServiceUnavailable("token stream ended without a result")
+
+
+async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_at: float) -> AsyncIterator[bytes]:
+    created = int(received_at)
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice.update(extra)
+        body = {
+            "id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": parsed.model, "choices": [choice],
+        }
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    token = REQUEST_ID.set(request_id)
+    metrics.IN_FLIGHT.labels("api_stream").inc()
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        first_token_seen = False
+
+        async def all_events():
+            yield first
+            async for ev in events:
+                yield ev
+
+        try:
+            async for event in all_events():
+                if isinstance(event, TokenChunk):
+                    if not first_token_seen:
+                        first_token_seen = True
+                        metrics.TTFT.observe(time.time() - received_at)
+                    extra = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
+                    if event.text or extra:
+                        yield chunk({"content": event.text}, **extra)
+                elif isinstance(event, FinalResult):
+                    yield chunk({}, event.finish_reason)
+                    if parsed.include_usage:
+                        body = {
+                            "id": request_id, "object": "chat.completion.chunk", "created": created,
+                            "model": parsed.model, "choices": [], "usage": _usage(event),
+                        }
+                        yield f"data: {json.dumps(body)}\n\n".encode()
+                    metrics.E2E.observe(time.time() - received_at)
+                    metrics.REQUESTS.labels("200").inc()
+                elif isinstance(event, ErrorEvent):
+                    raise _event_error(event)
+        except EPDError as exc:
+            # Headers are gone: report in-band, the way OpenAI-compatible servers do.
+            log.error("stream failed: %s: %s", exc.code, exc.message)
+            metrics.REQUESTS.labels(str(exc.http_status)).inc()
+            err = {"error": {"message": exc.message, "type": exc.error_type, "param": None, "code": exc.code}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        metrics.IN_FLIGHT.labels("api_stream").dec()
+        REQUEST_ID.reset(token)

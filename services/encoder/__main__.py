@@ -1,0 +1,3 @@
+from services.encoder.main import main
+
+main()

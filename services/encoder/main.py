@@ -1,0 +1,19 @@
+"""Encoder worker process: ``python -m services.encoder`` (or ``epd encoder``)."""
+
+from __future__ import annotations
+
+from shared.config import EncoderSettings
+from shared.logs import setup_logging
+from shared.worker import run_worker
+
+
+def main() -> None:
+    settings = EncoderSettings()
+    setup_logging(settings.log_level, service="encoder")
+    from services.encoder.handler import EncoderHandler
+
+    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size, concurrency=settings.batch_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The ``epd`` command line.
+
+  epd up                     embedded NATS + S3 + api/encoder/prefill, serving on :8000
+  epd model build-tiny DIR   write a deterministic random-weight model folder
+  epd api | encoder | prefill    run one service (settings from EPD_* env vars)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path("var")
+
+
+def _cmd_service(name: str):
+    def run(_args: argparse.Namespace) -> int:
+        import importlib
+
+        importlib.import_module(f"services.{name}.main").main()
+        return 0
+
+    return run
+
+
+def _cmd_build_tiny(args: argparse.Namespace) -> int:
+    from shared.models.tiny import build_tiny_model
+
+    started = time.perf_counter()
+    path = build_tiny_model(Path(args.out), arch=args.arch, size=args.size, seed=args.seed)
+    print(f"wrote {args.arch}/{args.size} (seed {args.seed}) to {path} in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def default_model_dir(data_dir: Path) -> Path:
+    return data_dir / "models" / "qwen2-vl-tiny"
+
+
+def _example_image_data_url() -> str:
+    from PIL import Image
+
+    img = Image.new("RGB", (56, 56))
+    img.putdata([((x * 37) % 256, (y * 53) % 256, ((x + y) * 11) % 256) for y in range(56) for x in range(56)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from shared.config import CommonSettings
+    from shared.infra import EmbeddedNats, EmbeddedS3, InfraError
+    from shared.launcher import Stack, StackError
+
+    started = time.perf_counter()
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    common = CommonSettings()
+    model_path = Path(args.model) if args.model else common.model_path
+    if model_path is None:
+        model_path = default_model_dir(data_dir)
+        if not (model_path / "config.json").is_file():
+            from shared.models.tiny import build_tiny_model
+
+            print(f"no model configured (EPD_MODEL_PATH): building the tiny test model in {model_path}")
+            build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)
+    model_path = model_path.resolve()
+
+    access_key = common.s3_access_key.get_secret_value()
+    secret_key = common.s3_secret_key.get_secret_value()
+    nats = EmbeddedNats(data_dir / "nats", port=args.nats_port)
+    s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
+    stack: Stack | None = None
+
+    def shutdown(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        nats.start()
+        s3.start()
+        env = {
+            "EPD_NATS_URL": nats.url,
+            "EPD_S3_ENDPOINT": s3.endpoint,
+            "EPD_S3_ACCESS_KEY": access_key,
+            "EPD_S3_SECRET_KEY": secret_key,
+            "EPD_MODEL_PATH": str(model_path),
+            "EPD_ENGINE": args.engine,
+            "EPD_HOST": args.host,
+        }
+        stack = Stack(env=env, log_dir=data_dir / "logs", topology=args.topology, api_port=args.port,
+                      replicas={"encoder": args.encoders})
+        stack.start()
+        stack.wait_ready(timeout=args.ready_timeout)
+        elapsed = time.perf_counter() - started
+        url = f"http://{args.host}:{args.port}"
+        model_name = model_path.name if not common.model_name else common.model_name
+        print(
+            f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
+            f"topology {args.topology})\n"
+            f"  NATS {nats.url}   S3 http://{s3.endpoint}   logs {data_dir / 'logs'}\n\n"
+            "Try it:\n"
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
+            f'{{"model": "{model_name}", "max_tokens": 16, "messages": [{{"role": "user", "content": ['
+            f'{{"type": "text", "text": "Describe this image."}}, '
+            f'{{"type": "image_url", "image_url": {{"url": "{_example_image_data_url()}"}}}}]}}]}}\'\n\n'
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while True:
+            for proc in stack.processes:
+                if not proc.alive():
+                    raise StackError(f"service {proc.name} exited ({proc.popen.returncode}); log {proc.log_path}:\n"
+                                     f"{proc.log_tail()}")
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        return 0
+    except (InfraError, StackError) as exc:
+        print(f"epd up failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+        s3.stop()
+        nats.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="epd-serve: disaggregated EPD serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start embedded NATS + S3 and all services")
+    up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
+    up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
+    up.add_argument("--engine", default=os.environ.get("EPD_ENGINE", "transformers"))
+    up.add_argument("--topology", default="e-pd", choices=["e-pd"])
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--s3-port", type=int, default=9000)
+    up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
+    up.add_argument("--ready-timeout", type=float, default=180.0)
+    up.set_defaults(func=_cmd_up)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser("build-tiny", help="write a deterministic random-weight model folder")
+    tiny.add_argument("out", nargs="?", default=str(default_model_dir(DEFAULT_DATA_DIR)))
+    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "llava"])
+    tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_build_tiny)
+
+    for name in ("api", "encoder", "prefill"):
+        sub.add_parser(name, help=f"run the {name} service (EPD_* env settings)").set_defaults(
+            func=_cmd_service(name)
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

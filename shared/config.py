@@ -1,0 +1,129 @@
+"""Typed settings, one class per service, read from ``EPD_*`` environment variables.
+
+Each service builds its settings once in ``main()`` and passes them down; nothing below reads
+the environment. Secrets are ``SecretStr`` so they never show up in reprs or logs.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
+
+
+CSV = Annotated[tuple[str, ...], NoDecode]
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service shares: where NATS and the store are, which model, stream limits."""
+
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True)
+
+    # NATS / JetStream
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    subject_prefix: str = "epd"
+    stream_max_age_s: float = Field(24 * 3600, gt=0, description="how long streams keep messages (replay window)")
+    stream_max_bytes: int = Field(1024**3, gt=0, description="size cap per stream")
+    dup_window_s: float = Field(120, gt=0, description="JetStream de-duplication window (<= max age)")
+    ack_wait_s: float = Field(30, gt=0)
+    max_deliver: int = Field(3, ge=1)
+
+    # Object store (MinIO / any S3)
+    store_backend: str = "s3"
+    s3_endpoint: str = "127.0.0.1:9000"
+    s3_access_key: SecretStr = SecretStr("minioadmin")
+    s3_secret_key: SecretStr = SecretStr("minioadmin")
+    s3_secure: bool = False
+    s3_region: str | None = None
+    s3_bucket: str = "epd"
+    store_fs_root: Path = Path("var/store")
+    namespace: str = "epd"
+    max_ec_object_bytes: int = Field(512 * 1024**2, gt=0)
+    max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
+
+    # Model / engine
+    model_path: Path | None = None
+    model_name: str | None = None
+    engine: str = "transformers"
+    dtype: str = "float32"
+    torch_threads: int = Field(1, ge=1, description="same value in every stage for bit-identical output")
+
+    worker_id: str = Field(default_factory=default_worker_id)
+    log_level: str = "INFO"
+    metrics_port: int | None = None
+
+    @field_validator("namespace", "subject_prefix")
+    @classmethod
+    def _no_separators(cls, v: str) -> str:
+        if not v or any(c in v for c in "/.*> "):
+            raise ValueError("must be non-empty and contain no '/', '.', '*', '>' or spaces")
+        return v
+
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model_path is not None:
+            return Path(self.model_path).name
+        return "epd-model"
+
+    def require_model_path(self) -> Path:
+        if self.model_path is None:
+            raise ValueError("EPD_MODEL_PATH is not set (a local model folder)")
+        path = Path(self.model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"EPD_MODEL_PATH={path} is not a model folder (no config.json)")
+        return path
+
+
+class ApiSettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: CSV = ()
+    request_timeout_s: float = Field(300, gt=0, description="deadline for a whole request")
+    max_body_bytes: int = Field(64 * 1024**2, gt=0)
+    max_images_per_request: int = Field(8, ge=0)
+    max_tokens_limit: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    fetch_timeout_s: float = Field(10, gt=0)
+    url_allow_networks: CSV = ()
+    url_allow_hosts: CSV = ()
+    worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
+
+    _split = field_validator("api_keys", "url_allow_networks", "url_allow_hosts", mode="before")(_split_csv)
+
+
+class EncoderSettings(CommonSettings):
+    batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
+    # Fault injection for tests and chaos drills: sleep this long inside each encode.
+    fault_encode_delay_s: float = Field(0, ge=0)
+
+
+class PrefillSettings(CommonSettings):
+    role: str = "pd"
+    ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
+    max_concurrent_jobs: int = Field(8, ge=1)
+    local_cache_bytes: int = Field(512 * 1024**2, ge=0)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ("pd",):
+            raise ValueError(f"unknown prefill role {v!r}; supported: 'pd' (E|PD)")
+        return v

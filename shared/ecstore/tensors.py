@@ -1,0 +1,39 @@
+"""torch <-> EC object conversion (imports torch; only model workers use this module)."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.ecstore.format import ECObject
+from shared.engines.base import EncodedImage
+
+_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+
+
+def tensor_to_raw(t: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
+    """Raw little-endian bytes, safetensors dtype name and shape of a CPU copy of ``t``."""
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return raw, _TO_ST[t.dtype], tuple(t.shape)
+
+
+def raw_to_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(_FROM_ST[dtype]).reshape(shape)
+
+
+def encoded_to_extra(item: EncodedImage) -> dict:
+    return {"grid_thw": list(item.grid_thw)} if item.grid_thw is not None else {}
+
+
+def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
+    grid = obj.extra.get("grid_thw")
+    return EncodedImage(
+        features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
+        grid_thw=tuple(int(x) for x in grid) if grid else None,
+    )

@@ -1,0 +1,135 @@
+"""Typed errors raised by the shared library.
+
+Services translate them at their edge: the API maps ``code``/``http_status`` to OpenAI-shaped
+HTTP errors; workers put ``code`` and the message into an ``ErrorEvent`` for the API. Nothing in
+``shared`` knows about HTTP beyond the suggested status carried here.
+"""
+
+from __future__ import annotations
+
+
+class EPDError(Exception):
+    """Base class. ``code`` is a stable machine-readable string; ``http_status`` a suggestion."""
+
+    code: str = "internal_error"
+    http_status: int = 500
+    #: OpenAI error "type" field.
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# -- client errors -----------------------------------------------------------------------------
+class InvalidRequest(EPDError):
+    code = "invalid_request"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class UnsupportedContent(InvalidRequest):
+    code = "unsupported_content"
+
+
+class InvalidImage(InvalidRequest):
+    """The bytes are not a decodable image, or its size is out of bounds."""
+
+    code = "invalid_image"
+
+
+class PayloadTooLarge(InvalidRequest):
+    code = "payload_too_large"
+
+
+class TooManyImages(InvalidRequest):
+    code = "too_many_images"
+
+
+class URLNotAllowed(InvalidRequest):
+    """An image URL that resolves to a private / loopback / link-local target (SSRF guard)."""
+
+    code = "url_not_allowed"
+
+
+class Unauthorized(EPDError):
+    code = "invalid_api_key"
+    http_status = 401
+    error_type = "authentication_error"
+
+
+# -- upstream / server errors ------------------------------------------------------------------
+class FetchFailed(EPDError):
+    """An image URL could not be fetched (DNS, connect, HTTP error status)."""
+
+    code = "image_fetch_failed"
+    http_status = 502
+    error_type = "upstream_error"
+
+
+class FetchTimeout(FetchFailed):
+    code = "image_fetch_timeout"
+    http_status = 504
+
+
+class DeadlineExceeded(EPDError):
+    code = "deadline_exceeded"
+    http_status = 504
+    error_type = "timeout_error"
+
+
+class ServiceUnavailable(EPDError):
+    code = "service_unavailable"
+    http_status = 503
+
+
+class StoreError(EPDError):
+    """The object store failed (network, auth). Transient from the caller's point of view."""
+
+    code = "store_error"
+    http_status = 503
+
+
+class ECLoadError(EPDError):
+    """An EC object could not be used; ``reason`` is one of ``shared.ecstore.format.MissReason``."""
+
+    code = "ec_load_failed"
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class MediaMissing(EPDError):
+    """A referenced image is not in the object store (expired or never stored)."""
+
+    code = "media_missing"
+    http_status = 500
+
+
+class EngineError(EPDError):
+    code = "engine_error"
+
+
+ERRORS_BY_CODE: dict[str, type[EPDError]] = {}
+
+
+def _register(cls: type[EPDError]) -> None:
+    ERRORS_BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(EPDError)
+
+
+def error_from_code(code: str, message: str) -> EPDError:
+    """Rebuild a typed error from an ``ErrorEvent`` (unknown codes become ``EPDError``)."""
+    cls = ERRORS_BY_CODE.get(code, EPDError)
+    if cls is ECLoadError:
+        return ECLoadError(message, reason="unknown")
+    err = cls(message)
+    if cls is EPDError:
+        err.code = code
+    return err

