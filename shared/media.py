@@ -59,10 +59,12 @@ IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
 HASH_SCHEMA = b"epd-img-v1"
-#: Formats Pillow may even try to parse. Deliberately short: every extra plugin is attack surface
-#: (EPS would shell out to Ghostscript, TIFF drags in libtiff). MPO is how Pillow names many
-#: phone-camera JPEGs, so it must stay next to JPEG.
-DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+#: Pillow openers that may even try to parse the bytes. Deliberately short: every extra plugin is
+#: attack surface (EPS would shell out to Ghostscript, TIFF drags in libtiff). Many phone-camera
+#: JPEGs come back with format "MPO": Pillow reaches those through the JPEG opener.
+DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Formats Pillow reports that have no opener of their own, and the opener that produces them.
+_OPENER_OF_FORMAT = {"MPO": "JPEG"}
 MAX_URL_CHARS = 16 * 1024
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _KNOWN_SCHEMES = frozenset({"http", "https"})
@@ -106,6 +108,10 @@ class MediaLimits:
         if bad:
             raise ValueError(f"allowed_schemes may only contain http/https, got {sorted(bad)}")
         _parse_networks(self.allowed_networks)  # raises ValueError on a bad CIDR
+        Image.init()
+        unknown = [f for f in self.allowed_formats if f not in Image.OPEN]
+        if unknown or not self.allowed_formats:
+            raise ValueError(f"allowed_formats must be Pillow opener names; unknown: {unknown}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -156,7 +162,7 @@ class LoadedImage:
         # recorded size keeps a tampered-with ``data`` from becoming a bomb.
         limits = MediaLimits(max_image_bytes=max(len(self.data), 1),
                              max_pixels=max(self.width * self.height, 1),
-                             allowed_formats=(self.format,))
+                             allowed_formats=(_OPENER_OF_FORMAT.get(self.format, self.format),))
         rgb, _, _ = decode_image(self.data, limits)
         return rgb
 
@@ -276,6 +282,13 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     """
     if not url[:5].lower() == "data:":
         raise InvalidRequest("not a data: URL")
+    # Cheap bound before any copy of the string: base64 is 4/3 of the bytes; allow 10% for
+    # line breaks plus a generous header. The exact check on the payload follows.
+    if len(url) > limits.max_image_bytes * 4 // 3 * 11 // 10 + 4096:
+        raise PayloadTooLarge(
+            f"data URL is {len(url)} characters, too long for the image limit of "
+            f"{limits.max_image_bytes} bytes"
+        )
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise InvalidRequest("malformed data URL: missing ',' between the media type and data")
@@ -694,7 +707,9 @@ class ImageFetcher:
                     raise FetchFailed(
                         f"fetching image from {host} failed: HTTP {status} {reason}".rstrip()
                     )
-                return await self._read_body(response, host)
+                body = await self._read_body(response, host)
+                logger.debug("image fetch: %d bytes from %s", len(body), host)
+                return body
             finally:
                 await response.aclose()
         finally:
