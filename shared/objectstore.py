@@ -19,8 +19,10 @@ Contract (both backends):
   for objects over ``max_bytes``, checking the size before reading the body and never reading
   more than ``max_bytes + 1`` bytes.
 * ``delete`` of a missing key is not an error. ``list`` yields objects whose key starts with
-  ``prefix`` (plain string prefix, not only whole segments) in key order, with ``metadata={}``
-  (S3 listings carry no user metadata: use ``stat``).
+  ``prefix`` (plain string prefix, not only whole segments) with ``metadata={}`` (S3 listings
+  carry no user metadata: use ``stat``). The order is the backend's: AWS and MinIO list in
+  UTF-8 byte order, SeaweedFS directory by directory (``p/a`` before ``p-dash``); sort if it
+  matters. The fs backend sorts by UTF-8 bytes.
 * A missing bucket is a configuration problem: ``put``/``get``/``delete``/``list`` raise
   :class:`~shared.errors.StoreError`. ``stat``/``exists`` report the key missing instead (an S3
   HEAD response carries no error code to tell the two apart).
@@ -218,7 +220,8 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Objects whose key starts with ``prefix``, in key order, with ``metadata={}``."""
+        """Objects whose key starts with ``prefix``, with ``metadata={}``; order is the
+        backend's (not necessarily sorted)."""
 
 
 # -- S3 ----------------------------------------------------------------------------------------
@@ -499,6 +502,16 @@ class LocalDirObjectStore(ObjectStore):
         except OSError as exc:
             raise StoreError(f"fs {op} {key or ''} under {self.root} failed: {exc}") from exc
 
+    def _makedirs(self, path: Path) -> None:
+        """Create ``path`` below the root. Unlike ``Path.mkdir(exist_ok=True)`` this does not
+        fail when a concurrent ``delete`` removes a directory right after it "exists"."""
+        rel = path.relative_to(self.root).parts
+        current = self.root
+        for part in rel:
+            current = current / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(current)
+
     def _write_atomic(self, path: Path, data: bytes) -> None:
         tmp = path.parent / f".{secrets.token_hex(8)}.tmp"
         try:
@@ -532,15 +545,16 @@ class LocalDirObjectStore(ObjectStore):
             "metadata": meta,
         }, sort_keys=True).encode()
         with self._errors("put", key):
-            for attempt in range(5):
-                data_path.parent.mkdir(parents=True, exist_ok=True)
+            attempts = 20
+            for attempt in range(attempts):
                 try:
+                    self._makedirs(data_path.parent)
                     self._write_atomic(meta_path, sidecar)
                     self._write_atomic(data_path, data)
                     return
                 except FileNotFoundError:
-                    # a concurrent delete pruned the (empty) directory: recreate and retry
-                    if attempt == 4:
+                    # a concurrent delete pruned a directory on our path: recreate and retry
+                    if attempt == attempts - 1 or not self.root.is_dir():
                         raise
 
     def get(self, key: str, max_bytes: int) -> bytes | None:

@@ -112,6 +112,9 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
     media_key: str
     width: int
     height: int
+    #: False when the API found the EC object already stored and queued no encode job, so a
+    #: worker that then misses in the store must not wait for an encoder.
+    encode_queued: bool = True
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -236,7 +239,6 @@ Message = Union[
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-_KNOWN_KINDS = {cls.__struct_config__.tag for cls in Message.__args__}  # type: ignore[attr-defined]
 
 
 def encode(msg: Message) -> bytes:

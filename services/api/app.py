@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -180,17 +181,17 @@ class ApiService:
         for img in loaded:
             if img.content_hash not in distinct:
                 media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
-                distinct[img.content_hash] = ImageRef(
-                    item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height
-                )
-                await self._queue_encode(request_id, distinct[img.content_hash])
+                ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
+                if await asyncio.to_thread(self.store.exists, ref.item_hash):
+                    log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
+                    ref = msgspec.structs.replace(ref, encode_queued=False)
+                else:
+                    await self._queue_encode(request_id, ref)
+                distinct[img.content_hash] = ref
             refs.append(distinct[img.content_hash])
         return refs
 
     async def _queue_encode(self, request_id: str, ref: ImageRef) -> None:
-        if await asyncio.to_thread(self.store.exists, ref.item_hash):
-            log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
-            return
         key = self.store.key(ref.item_hash)
         job = EncodeJob(
             request_id=request_id, image=ref, fingerprint=self.fingerprint, ec_key=key, created_at=time.time()

@@ -117,6 +117,8 @@ class EncoderHandler(Handler):
 
     def _compute(self, data: bytes, item_hash: str):
         if self.settings.fault_encode_delay_s:
+            log.warning("fault injection: sleeping %.1fs before encoding %s", self.settings.fault_encode_delay_s,
+                        item_hash[:12])
             time.sleep(self.settings.fault_encode_delay_s)
         return encode_image_bytes(self.engine, data, item_hash, self.limits)
 

@@ -234,7 +234,7 @@ class PrefillHandler(Handler):
                 return await self._from_store(ref, request_id), "store"
             except ECValidationError as exc:
                 reason = exc.reason
-            if reason is MissReason.NOT_FOUND and sub is not None and self.settings.ec_wait_s > 0:
+            if reason is MissReason.NOT_FOUND and ref.encode_queued and sub is not None and self.settings.ec_wait_s > 0:
                 reason = await self._wait_for_encoder(sub, ref)
                 if reason is None:
                     try:

@@ -353,6 +353,7 @@ def _rewrite_weights(src: Path, dst: Path, *, arch: str, seed: int) -> int:
             out_name = "vision_tower.vision_model." + name[len("vision_tower.") :]
         tensors[out_name] = _draw(out_name, shapes[name], seed).contiguous()
     save_file(dict(sorted(tensors.items())), str(dst), metadata={"format": "pt"})
+    dst.chmod(0o644)  # safetensors creates the file 0600; the folder is shared read-only data
     return sum(t.numel() for t in tensors.values())
 
 

@@ -1,0 +1,128 @@
+"""Shared pytest fixtures: real NATS (JetStream) and S3 (SeaweedFS) servers, started once.
+
+Both servers are session-scoped (SeaweedFS needs ~1 s to start and 2-4 s to stop); tests
+isolate themselves with unique stream names / a fresh bucket per test.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from shared.infra import EmbeddedNats, EmbeddedS3
+from shared.objectstore import S3ObjectStore
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """A JetStream-enabled nats-server on random ports (``.url``, ``.monitor_url``)."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
+    """A SeaweedFS S3 server on random ports (``.endpoint``, ``.access_key``, ``.secret_key``)."""
+    server = EmbeddedS3(
+        tmp_path_factory.mktemp("s3"),
+        access_key=f"epdtest{secrets.token_hex(4)}",
+        secret_key=secrets.token_urlsafe(24),
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server: EmbeddedS3) -> Iterator[S3ObjectStore]:
+    """An :class:`S3ObjectStore` on a fresh, empty bucket of ``s3_server``."""
+    bucket = f"epd-test-{uuid.uuid4().hex[:16]}"
+    store = S3ObjectStore(
+        s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
+    store.ensure_bucket()
+    yield store
+    try:
+        for info in list(store.list("")):
+            store.delete(info.key)
+    except Exception:  # noqa: BLE001 - cleanup only; the server's data dir is temporary
+        pass
+
+
+# -- models and service stacks ------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny random-weight Qwen2-VL model, built once per session."""
+    from shared.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-vl-tiny", arch="qwen2_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference_engine(tiny_model_dir):
+    """The aggregated reference: the transformers engine in this process, 1 thread like the workers."""
+    from shared.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(tiny_model_dir, dtype="float32", threads=1, model_id="qwen2-vl-tiny")
+
+
+def _start_stack(nats_server, s3_server, model_dir, log_dir, *, services=None, roles=None, service_env=None, **env_overrides):
+    from shared.infra import free_port
+    from shared.launcher import Stack
+    from tests.stackutil import RunningStack, stack_env
+
+    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
+    stack = Stack(env=env, log_dir=log_dir, api_port=free_port(), service_env=service_env or {})
+    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    try:
+        if services is None:
+            stack.start()
+        else:
+            for name in services:
+                stack.add(name)
+        stack.wait_ready(timeout=180, roles=roles)
+    except BaseException:
+        stack.stop()
+        raise
+    return running
+
+
+@pytest.fixture(scope="session")
+def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
+    """api + encoder + prefill(pd) processes on the session's NATS and S3, tiny Qwen2-VL."""
+    from shared.infra import free_port
+
+    metrics_port = free_port()
+    running = _start_stack(
+        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-stack-logs"),
+        service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
+        EPD_MAX_IMAGES_PER_REQUEST="2",
+        EPD_MAX_IMAGE_BYTES=str(512 * 1024),
+    )
+    running.prefill_metrics_port = metrics_port
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+@pytest.fixture(scope="module")
+def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
+    """Just the API (no workers), with API keys and a short request deadline."""
+    running = _start_stack(
+        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("api-only-logs"),
+        services=["api"], roles={}, EPD_API_KEYS="sk-test-1, sk-test-2", EPD_REQUEST_TIMEOUT_S="2",
+    )
+    running.request_timeout_s = 2
+    try:
+        yield running
+    finally:
+        running.stack.stop()

@@ -1,0 +1,124 @@
+"""Helpers for end-to-end tests: images, stacks of real service processes, stream reading."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from shared import protocol
+from shared.infra import EmbeddedNats, EmbeddedS3
+from shared.launcher import Stack
+from shared.protocol import Subjects
+
+
+def noise_image(seed: int, size: tuple[int, int]) -> Image.Image:
+    """A deterministic RGB noise image of ``size`` (width, height)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(img: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+def user_message(text: str, image_urls: list[str]) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    parts.append({"type": "text", "text": text})
+    return {"role": "user", "content": parts}
+
+
+def engine_messages(text: str, n_images: int) -> list[dict[str, Any]]:
+    """The same message as ``user_message`` in the engine's placeholder form."""
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+@dataclass
+class RunningStack:
+    stack: Stack
+    nats_url: str
+    prefix: str
+    namespace: str
+    bucket: str
+    env: dict[str, str]
+    prefill_metrics_port: int | None = None
+    request_timeout_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return self.stack.base_url
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+    def chat(self, messages: list[dict], *, timeout: float = 120, headers: dict | None = None, **params: Any) -> httpx.Response:
+        body = {"model": "qwen2-vl-tiny", "messages": messages, **params}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout, headers=headers)
+
+    def stream_messages(self, stream_attr: str) -> list[tuple[str, dict, protocol.Message]]:
+        return read_stream(self.nats_url, getattr(self.subjects, stream_attr))
+
+
+def stack_env(nats: EmbeddedNats, s3: EmbeddedS3, model_dir: Path, **overrides: str) -> tuple[dict[str, str], str, str, str]:
+    tag = uuid.uuid4().hex[:8]
+    prefix, namespace, bucket = f"t{tag}", f"ns{tag}", f"epd-{tag}"
+    env = {
+        "EPD_NATS_URL": nats.url,
+        "EPD_S3_ENDPOINT": s3.endpoint,
+        "EPD_S3_ACCESS_KEY": s3.access_key,
+        "EPD_S3_SECRET_KEY": s3.secret_key,
+        "EPD_S3_BUCKET": bucket,
+        "EPD_NAMESPACE": namespace,
+        "EPD_SUBJECT_PREFIX": prefix,
+        "EPD_MODEL_PATH": str(model_dir),
+        "EPD_MODEL_NAME": "qwen2-vl-tiny",
+        "EPD_TORCH_THREADS": "1",
+        "EPD_URL_ALLOW_NETWORKS": "127.0.0.0/8",
+        "EPD_LOG_LEVEL": "INFO",
+    }
+    env.update(overrides)
+    return env, prefix, namespace, bucket
+
+
+def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Message]]:
+    """Every message still in ``stream``: (subject, headers, decoded message), in order."""
+
+    async def main():
+        import nats
+        from nats.js.errors import NotFoundError
+
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(stream)
+            out = []
+            if info.state.messages == 0:
+                return out
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                try:
+                    raw = await js.get_msg(stream, seq)
+                except NotFoundError:
+                    continue
+                out.append((raw.subject, dict(raw.headers or {}), protocol.decode(raw.data)))
+            return out
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())

@@ -1,0 +1,139 @@
+"""Bad input gets its status code and an OpenAI-shaped error; the services keep serving."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import socket
+import threading
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.stackutil import data_url, noise_image, png_bytes, user_message
+
+pytestmark = pytest.mark.slow
+
+GREEDY = dict(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A loopback HTTP server with one PNG at /ok.png and a 404 elsewhere."""
+    png = png_bytes(noise_image(61, (56, 56)))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/ok.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post_raw(stack, content: bytes, headers=None):
+    return httpx.post(f"{stack.url}/v1/chat/completions", content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def _image_msg(url):
+    return [user_message("Describe.", [url])]
+
+
+def _assert_error(resp, status, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code, err
+
+
+def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, image_server):
+    tiny_png = png_bytes(noise_image(62, (8, 8)))
+    big = Image.new("RGB", (600, 600))
+    buf = io.BytesIO()
+    big.save(buf, format="BMP")  # ~1 MB, over the stack's EPD_MAX_IMAGE_BYTES (512 KiB)
+    too_large_url = "data:image/bmp;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    cases = [
+        ("invalid json", lambda: _post_raw(epd_stack, b"{not json"), 400, "invalid_request"),
+        ("no messages", lambda: epd_stack.chat([], **GREEDY), 400, "invalid_request"),
+        ("unsupported part", lambda: epd_stack.chat(
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], **GREEDY), 400,
+         "unsupported_content"),
+        ("undecodable image", lambda: epd_stack.chat(
+            _image_msg("data:image/png;base64," + base64.b64encode(b"not an image at all").decode()), **GREEDY),
+         400, "invalid_image"),
+        ("truncated png", lambda: epd_stack.chat(
+            _image_msg("data:image/png;base64," + base64.b64encode(tiny_png[: len(tiny_png) // 2]).decode()),
+            **GREEDY), 400, "invalid_image"),
+        ("bad base64", lambda: epd_stack.chat(_image_msg("data:image/png;base64,@@@###"), **GREEDY), 400, None),
+        ("too many images", lambda: epd_stack.chat(
+            [user_message("x", [data_url(noise_image(63, (8, 8)))] * 3)], **GREEDY), 400, "too_many_images"),
+        ("too large image", lambda: epd_stack.chat(_image_msg(too_large_url), **GREEDY), 400, "payload_too_large"),
+        ("private url", lambda: epd_stack.chat(_image_msg("http://10.1.2.3/cat.png"), **GREEDY), 400,
+         "url_not_allowed"),
+        ("link-local url", lambda: epd_stack.chat(_image_msg("http://169.254.169.254/latest/meta-data"), **GREEDY),
+         400, "url_not_allowed"),
+        ("ftp url", lambda: epd_stack.chat(_image_msg("ftp://example.com/a.png"), **GREEDY), 400, None),
+        ("url 404", lambda: epd_stack.chat(_image_msg(f"{image_server}/missing.png"), **GREEDY), 502,
+         "image_fetch_failed"),
+        ("unreachable url", lambda: epd_stack.chat(_image_msg(f"http://127.0.0.1:{closed_port()}/a.png"), **GREEDY),
+         502, "image_fetch_failed"),
+        ("bad temperature", lambda: epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7), 400, None),
+        ("unknown model", lambda: httpx.post(f"{epd_stack.url}/v1/chat/completions", timeout=30, json={
+            "model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 400, None),
+    ]
+    for name, call, status, code in cases:
+        resp = call()
+        try:
+            _assert_error(resp, status, code)
+        except AssertionError as exc:
+            raise AssertionError(f"case {name!r}: {exc}") from exc
+
+    # Still serving: an image by URL from the allow-listed loopback server, and a data URL.
+    ok = epd_stack.chat(_image_msg(f"{image_server}/ok.png"), **GREEDY)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 4
+    ok = epd_stack.chat(_image_msg(data_url(noise_image(64, (56, 56)))), **GREEDY)
+    assert ok.status_code == 200, ok.text
+
+
+def test_api_keys_and_deadline(api_only_stack):
+    """An API with no workers behind it: auth is enforced, and a request ends at its deadline."""
+    r = httpx.get(f"{api_only_stack.url}/v1/models", timeout=10)
+    _assert_error(r, 401, "invalid_api_key")
+    r = httpx.get(f"{api_only_stack.url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    _assert_error(r, 401, "invalid_api_key")
+    r = httpx.get(f"{api_only_stack.url}/v1/models", headers={"Authorization": "Bearer sk-test-1"}, timeout=10)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "qwen2-vl-tiny"
+
+    headers = {"Authorization": "Bearer sk-test-1"}
+    r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=30, **GREEDY)
+    assert api_only_stack.request_timeout_s <= 3
+    _assert_error(r, 504, "deadline_exceeded")
+    # Streaming: the deadline still ends it with a real status, before any byte is sent.
+    r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=30, stream=True, **GREEDY)
+    _assert_error(r, 504, "deadline_exceeded")
+    # /health stays public and reports no workers.
+    h = httpx.get(f"{api_only_stack.url}/health", timeout=10).json()
+    assert h["status"] == "ok" and h["workers"] == {}

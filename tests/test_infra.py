@@ -1,0 +1,258 @@
+"""The embedded NATS / SeaweedFS servers really work, stop, and fail clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+from minio import Minio
+
+from shared.infra import (
+    EmbeddedNats,
+    EmbeddedS3,
+    InfraError,
+    PortInUseError,
+    find_binary,
+    free_port,
+    port_available,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _connectable(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still "exists"; check its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def listening_socket():
+    """A socket listening on a random 127.0.0.1 port (the port is 'taken')."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s
+    s.close()
+
+
+# -- NATS --------------------------------------------------------------------------------------
+async def test_jetstream_publish_and_pull_consume(nats_server: EmbeddedNats) -> None:
+    assert nats_server.url.startswith("nats://127.0.0.1:")
+    nc = await nats.connect(nats_server.url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        assert nc.max_payload == 8 * 1024 * 1024  # from the generated config
+        js = nc.jetstream()
+        name = f"T{uuid.uuid4().hex[:8]}"
+        await js.add_stream(name=name, subjects=[f"{name}.>"])
+        try:
+            ack = await js.publish(f"{name}.work", b"hello", headers={"Nats-Msg-Id": "m1"})
+            assert ack.stream == name and ack.seq == 1
+            dup = await js.publish(f"{name}.work", b"hello", headers={"Nats-Msg-Id": "m1"})
+            assert dup.duplicate
+            big = os.urandom(2 * 1024 * 1024)  # over the 1 MB server default
+            await js.publish(f"{name}.big", big)
+
+            sub = await js.pull_subscribe(f"{name}.work", durable="workers")
+            msgs = await sub.fetch(1, timeout=5)
+            assert [m.data for m in msgs] == [b"hello"]
+            await msgs[0].ack_sync()
+            info = await js.consumer_info(name, "workers")
+            assert info.num_ack_pending == 0 and info.num_pending == 0
+        finally:
+            await js.delete_stream(name)
+    finally:
+        await nc.close()
+
+
+def test_nats_health_endpoint(nats_server: EmbeddedNats) -> None:
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{nats_server.monitor_url}/healthz?js-enabled-only=true", timeout=2) as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_nats_stop_closes_port(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "nats")
+    with server:
+        port, pid = server.port, server.pid
+        assert pid is not None and _connectable(port) and server.is_running()
+        assert server.log_path.exists() and "Server is ready" in server.log_path.read_text()
+    assert server.stop_seconds is not None and server.stop_seconds < 5
+    assert not server.is_running() and not _pid_alive(pid)
+    assert not _connectable(port)
+    assert server.stop() is None  # idempotent
+    with pytest.raises(InfraError):
+        _ = server.url
+
+
+async def test_nats_restart_on_same_dir_keeps_jetstream_data(tmp_path: Path) -> None:
+    async def roundtrip(url: str, publish: bool) -> int:
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+        try:
+            js = nc.jetstream()
+            if publish:
+                await js.add_stream(name="KEEP", subjects=["keep.>"])
+                await js.publish("keep.x", b"persisted")
+            return (await js.stream_info("KEEP")).state.messages
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path) as a:
+        assert await roundtrip(a.url, publish=True) == 1
+    with EmbeddedNats(tmp_path) as b:
+        assert await roundtrip(b.url, publish=False) == 1
+
+
+def test_nats_fixed_port_taken_gives_clear_error(tmp_path: Path, listening_socket) -> None:
+    port = listening_socket.getsockname()[1]
+    assert not port_available(port)
+    server = EmbeddedNats(tmp_path, port=port)
+    with pytest.raises(PortInUseError) as excinfo:
+        server.start()
+    msg = str(excinfo.value)
+    assert str(port) in msg and "already in use" in msg and "nats-server" in msg
+    assert excinfo.value.port == port
+    assert server.pid is None  # nothing was launched
+
+
+def test_nats_fixed_port_is_used(tmp_path: Path) -> None:
+    port = free_port()
+    with EmbeddedNats(tmp_path, port=port) as server:
+        assert server.url == f"nats://127.0.0.1:{port}"
+
+
+def test_nats_startup_failure_reports_exit_and_log_tail(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path, extra_config="this_is { not valid config")
+    with pytest.raises(InfraError) as excinfo:
+        server.start(timeout=10)
+    msg = str(excinfo.value)
+    assert "exited during startup" in msg and "exit code" in msg
+    assert str(server.log_path) in msg
+    assert "nats-server" in msg and len(msg.splitlines()) > 1  # the log tail follows
+    assert not server.is_running()
+
+
+def test_server_dies_with_its_python_parent(tmp_path: Path) -> None:
+    """SIGKILL the Python process that started nats-server: PDEATHSIG stops the server."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from shared.infra import EmbeddedNats
+        s = EmbeddedNats({str(tmp_path)!r}).start()
+        print(s.pid, s.port, flush=True)
+        time.sleep(60)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line, "child did not start the server"
+        pid, port = map(int, line.split())
+        assert _pid_alive(pid)
+        child.kill()
+        child.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(pid), "nats-server outlived its parent"
+        assert not _connectable(port)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_server_started_from_a_short_lived_thread_survives_it(tmp_path: Path) -> None:
+    """PDEATHSIG is per forking *thread*: starting from a worker thread must not tie the
+    server's life to that thread (asyncio.to_thread, executors)."""
+    import threading
+
+    server = EmbeddedNats(tmp_path)
+    t = threading.Thread(target=server.start)
+    t.start()
+    t.join()
+    try:
+        time.sleep(0.2)
+        assert server.is_running() and _connectable(server.port)
+    finally:
+        server.stop()
+
+
+def test_find_binary_prefers_venv_bin() -> None:
+    assert Path(find_binary("nats-server")).parent == Path(sys.executable).parent
+    with pytest.raises(InfraError, match="not found"):
+        find_binary("definitely-not-a-binary-epd")
+
+
+# -- S3 ----------------------------------------------------------------------------------------
+def test_s3_fixture_serves_authenticated_s3(s3_server: EmbeddedS3) -> None:
+    assert s3_server.endpoint == f"127.0.0.1:{s3_server.port}"
+    assert s3_server.secret_key not in repr(s3_server)
+    ident = json.loads(s3_server.identities_path.read_text())
+    assert ident["identities"][0]["credentials"][0]["accessKey"] == s3_server.access_key
+    assert (s3_server.identities_path.stat().st_mode & 0o777) == 0o600
+    client = Minio(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, secure=False)
+    client.list_buckets()  # authenticated call works
+    anon = Minio(s3_server.endpoint, secure=False)
+    with pytest.raises(Exception):
+        anon.list_buckets()  # anonymous access is refused
+
+
+def test_s3_fixed_port_taken_gives_clear_error(tmp_path: Path, listening_socket) -> None:
+    port = listening_socket.getsockname()[1]
+    server = EmbeddedS3(tmp_path, port=port)
+    with pytest.raises(PortInUseError) as excinfo:
+        server.start()
+    assert str(port) in str(excinfo.value) and "already in use" in str(excinfo.value)
+    assert server.pid is None
+
+
+def test_s3_stop_closes_ports_and_restart_keeps_data(tmp_path: Path) -> None:
+    """One extra SeaweedFS start/stop/start (~5 s): the `epd up` restart path."""
+    import io
+
+    s3_port = free_port()
+    a = EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234",
+                   port=s3_port)
+    with a:
+        assert a.endpoint == f"127.0.0.1:{s3_port}"
+        ports, pid = dict(a.ports), a.pid
+        c = Minio(a.endpoint, a.access_key, a.secret_key, secure=False)
+        c.make_bucket("keep")
+        c.put_object("keep", "k", io.BytesIO(b"v"), 1)
+    assert pid is not None and not _pid_alive(pid)
+    assert a.stop_seconds is not None
+    for flag, port in ports.items():
+        assert not _connectable(port), f"{flag} {port} still open after stop"
+    with EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234",
+                    port=s3_port) as b:
+        c = Minio(b.endpoint, b.access_key, b.secret_key, secure=False)
+        resp = c.get_object("keep", "k")
+        try:
+            assert resp.read() == b"v"
+        finally:
+            resp.close()
+            resp.release_conn()
