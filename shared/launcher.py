@@ -123,9 +123,10 @@ class Stack:
 
     def wait_ready(self, timeout: float = 120.0, *, roles: dict[str, int] | None = None) -> dict:
         """Wait until the API answers and at least the given number of workers per role beat."""
-        want = roles or {
-            WORKER_ROLES[n]: self.replicas.get(n, 1) for n in TOPOLOGY_SERVICES[self.topology] if n in WORKER_ROLES
-        }
+        if roles is None:
+            roles = {
+                WORKER_ROLES[n]: self.replicas.get(n, 1) for n in TOPOLOGY_SERVICES[self.topology] if n in WORKER_ROLES
+            }
         deadline = time.monotonic() + timeout
         health = None
         while time.monotonic() < deadline:
@@ -136,7 +137,7 @@ class Stack:
                         f"{proc.log_tail()}"
                     )
             health = self.health()
-            if health and all(health.get("workers", {}).get(r, 0) >= n for r, n in want.items()):
+            if health and all(health.get("workers", {}).get(r, 0) >= n for r, n in roles.items()):
                 return health
             time.sleep(0.25)
         tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.log_tail(10)}" for p in self.processes)

@@ -477,25 +477,34 @@ class TransformersEngine(Engine):
                 pixels = self.processor.image_processor(images=[img], return_tensors="pt")
             except (ValueError, TypeError) as exc:
                 raise InvalidImage(f"images[{i}] cannot be preprocessed: {exc}") from exc
-            with torch.inference_mode():
-                if self.is_mrope:
-                    grid = pixels["image_grid_thw"]
-                    res = self.model.get_image_features(
-                        pixel_values=pixels["pixel_values"], image_grid_thw=grid, return_dict=True
-                    )
-                    grid_thw: tuple[int, int, int] | None = tuple(int(x) for x in grid[0].tolist())  # type: ignore[assignment]
-                else:
-                    res = self.model.get_image_features(
-                        pixel_values=pixels["pixel_values"],
-                        vision_feature_layer=self.config.vision_feature_layer,
-                        vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-                        return_dict=True,
-                    )
-                    grid_thw = None
+            try:
+                res, grid_thw = self._encode_pixels(pixels)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise EngineError(f"encoding images[{i}] failed: {exc}") from exc
             feats = res.pooler_output[0]
             feats = feats.reshape(-1, feats.shape[-1]).detach().to("cpu").contiguous()
             out.append(EncodedImage(features=feats, grid_thw=grid_thw))
         return out
+
+    def _encode_pixels(self, pixels: Any) -> tuple[Any, tuple[int, int, int] | None]:
+        # no_grad rather than inference_mode: the features leave the engine, and callers may
+        # modify them in place (not allowed on inference tensors outside inference mode).
+        with torch.no_grad():
+            if self.is_mrope:
+                grid = pixels["image_grid_thw"]
+                res = self.model.get_image_features(
+                    pixel_values=pixels["pixel_values"], image_grid_thw=grid, return_dict=True
+                )
+                grid_thw: tuple[int, int, int] | None = tuple(int(x) for x in grid[0].tolist())  # type: ignore[assignment]
+            else:
+                res = self.model.get_image_features(
+                    pixel_values=pixels["pixel_values"],
+                    vision_feature_layer=self.config.vision_feature_layer,
+                    vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+                    return_dict=True,
+                )
+                grid_thw = None
+        return res, grid_thw
 
     def generate(
         self,
