@@ -197,16 +197,22 @@ class DecodeState:
             kv = [(tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(n_layers)]
         except (KeyError, ValueError, TypeError) as exc:
             raise EngineError(f"malformed decode state: {exc}") from exc
-        expected_layers = config.get_text_config(decoder=True).num_hidden_layers
-        if n_layers != expected_layers:
-            raise EngineError(f"decode state has {n_layers} KV layers, model has {expected_layers}")
+        text_cfg = config.get_text_config(decoder=True)
+        if n_layers != text_cfg.num_hidden_layers:
+            raise EngineError(f"decode state has {n_layers} KV layers, model has {text_cfg.num_hidden_layers}")
+        kv_heads = text_cfg.num_key_value_heads or text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        want = (1, kv_heads, st["past_len"], head_dim)
         for k, v in kv:
-            if k.ndim != 4 or k.shape != v.shape or k.shape[2] != st["past_len"]:
-                raise EngineError(f"decode state KV shape {tuple(k.shape)} does not match past_len {st['past_len']}")
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise EngineError(f"decode state KV shape {tuple(k.shape)} does not match the model's {want}")
         generator = None
         if "generator_state" in tensors:
             generator = torch.Generator(device="cpu")
-            generator.set_state(tensors["generator_state"])
+            try:
+                generator.set_state(tensors["generator_state"])
+            except (RuntimeError, TypeError) as exc:
+                raise EngineError(f"malformed generator state: {exc}") from exc
         return cls(
             cache=DynamicCache(kv, config=config),
             past_len=int(st["past_len"]),
