@@ -80,7 +80,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
 
+    # Explicit for SIGINT too: a shell's background job starts with SIGINT ignored.
     signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
     try:
         nats.start()
         s3.start()

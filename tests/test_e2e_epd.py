@@ -257,3 +257,27 @@ def test_openai_client_non_streaming_and_streaming(epd_stack, reference_engine):
             finish = choice.finish_reason or finish
     assert "".join(pieces) == want_text
     assert finish == "length" and usage.completion_tokens == 12
+
+
+def test_sampling_seed_and_stop_through_the_api(epd_stack, reference_engine):
+    image = noise_image(81, (56, 56))
+    msgs = [user_message("Tell me a story.", [data_url(image)])]
+    params = dict(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, return_token_ids=True)
+    a = epd_stack.chat(msgs, seed=1234, **params).json()["choices"][0]
+    b = epd_stack.chat(msgs, seed=1234, **params).json()["choices"][0]
+    c = epd_stack.chat(msgs, seed=4321, **params).json()["choices"][0]
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]  # control: the seed matters
+    # Same as the engine sampling in-process with that seed.
+    want = [ev.token_id for ev in reference_engine.generate(
+        engine_messages("Tell me a story.", 1), reference_engine.encode([image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))]
+    assert a["token_ids"] == want
+
+    # A stop string cut from the greedy text ends the completion right before it.
+    full = epd_stack.chat(msgs, **GREEDY).json()["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert len(stop) == 2
+    cut = epd_stack.chat(msgs, temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["message"]["content"] == full[: full.index(stop)]
