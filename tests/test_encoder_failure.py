@@ -43,7 +43,7 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
 
         item = content_hash_of(image)
         ready = [m for _, _, m in running.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
-        assert [m.producer for m in ready] == [fast_worker_id(fast)]
+        assert [m.producer for m in ready] == [worker_id_from_log(fast)]
         final = next(m for _, _, m in running.stream_messages("stream_results")
                      if isinstance(m, FinalResult) and m.request_id == body["id"])
         assert final.ec_sources[item] == "store"  # the redelivered job's output, not a local fallback
@@ -51,7 +51,36 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
         stack.stop()
 
 
-def fast_worker_id(proc) -> str:
+def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path):
+    """SIGTERM stops fetching but finishes the job in hand, acks it and exits 0."""
+    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, tiny_model_dir)
+    stack = Stack(env=env, log_dir=tmp_path / "logs", topology="e-pd", api_port=_free_port(),
+                  service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "4"}})
+    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    try:
+        stack.start()
+        stack.wait_ready(timeout=120)
+        encoder = next(p for p in stack.processes if p.name == "encoder")
+        image = noise_image(72, (56, 56))
+        text = "Describe the image."
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(lambda: running.chat([user_message(text, [data_url(image)])], timeout=120, **GREEDY))
+            _wait_for_log(encoder, "fault injection", timeout=60)
+            encoder.popen.send_signal(signal.SIGTERM)
+            assert encoder.popen.wait(timeout=60) == 0
+            resp = future.result(timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == reference_tokens(reference_engine, text, [image])
+        log_text = encoder.log_path.read_text()
+        assert "draining" in log_text and "waiting for 1 in-flight job" in log_text
+        item = content_hash_of(image)
+        ready = [m for _, _, m in running.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
+        assert len(ready) == 1 and ready[0].producer == worker_id_from_log(encoder)
+    finally:
+        stack.stop()
+
+
+def worker_id_from_log(proc) -> str:
     for line in proc.log_path.read_text().splitlines():
         if "consuming" in line and "encoder worker" in line:
             return line.split("encoder worker ", 1)[1].split(" ", 1)[0]
