@@ -1,0 +1,100 @@
+"""The encoder handler without a broker: idempotency, poison jobs, retries (fs-backed store, real engine)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.encoder.handler import EncoderHandler
+from shared import protocol
+from shared.config import EncoderSettings
+from shared.ecstore.store import ECStore
+from shared.errors import StoreError
+from shared.media import content_hash_of
+from shared.objectstore import LocalDirObjectStore
+from shared.protocol import ECFailed, ECReady, EncodeJob, ImageRef, Subjects
+from shared.worker import Action, Delivery, WorkerContext
+from tests.stackutil import noise_image, png_bytes
+
+
+class RecordingPublisher:
+    def __init__(self):
+        self.sent: list[tuple[str, protocol.Message]] = []
+
+    async def publish(self, subject, msg, *, request_id, msg_id=None):
+        self.sent.append((subject, msg))
+        return True
+
+
+@pytest.fixture
+async def handler(tmp_path, tiny_model_dir, reference_engine):
+    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path, max_deliver=3)
+    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=reference_engine.encoder_fingerprint,
+                    producer="w1")
+    h = EncoderHandler(settings, engine=reference_engine, store=store)
+    publisher = RecordingPublisher()
+    await h.setup(WorkerContext(settings, Subjects("t"), publisher))
+    h.publisher = publisher
+    yield h
+    await h.close()
+
+
+def _job(handler, image, *, fingerprint=None, media=True):
+    item = content_hash_of(image)
+    key = handler.store.put_media(item, png_bytes(image)) if media else f"t/media/{item}"
+    ref = ImageRef(item_hash=item, media_key=key, width=image.width, height=image.height)
+    return EncodeJob(request_id="r1", image=ref, fingerprint=fingerprint or handler.fingerprint,
+                     ec_key=handler.store.key(item), created_at=time.time())
+
+
+def _delivery(job, n=1, max_deliver=3):
+    return Delivery(data=protocol.encode(job), subject="t.encode.jobs", headers={}, num_delivered=n,
+                    max_deliver=max_deliver)
+
+
+async def test_encodes_then_is_idempotent(handler):
+    job = _job(handler, noise_image(1, (56, 56)))
+    verdict = await handler.handle(_delivery(job))
+    assert verdict.action is Action.ACK
+    (subject, ready), = handler.publisher.sent
+    assert isinstance(ready, ECReady) and ready.encode_s > 0 and subject == f"t.ec.ready.{handler.fingerprint}.{job.image.item_hash}"
+    assert handler.store.load(job.image.item_hash).n_tokens == ready.n_tokens
+
+    # Redelivered (or duplicated) job: announced again, not recomputed.
+    verdict = await handler.handle(_delivery(job, n=2))
+    assert verdict.action is Action.ACK
+    again = handler.publisher.sent[-1][1]
+    assert isinstance(again, ECReady) and again.encode_s == 0.0
+
+
+async def test_poison_jobs_are_terminated_with_an_event(handler):
+    missing = _job(handler, noise_image(2, (56, 56)), media=False)
+    verdict = await handler.handle(_delivery(missing))
+    assert verdict.action is Action.TERM
+    failed = handler.publisher.sent[-1][1]
+    assert isinstance(failed, ECFailed) and failed.code == "media_missing"
+
+    foreign = _job(handler, noise_image(3, (56, 56)), fingerprint="0" * 24)
+    verdict = await handler.handle(_delivery(foreign))
+    assert verdict.action is Action.TERM
+    assert handler.publisher.sent[-1][1].code == "fingerprint_mismatch"
+
+    garbage = Delivery(data=b"\x00garbage", subject="t.encode.jobs", headers={}, num_delivered=1, max_deliver=3)
+    assert (await handler.handle(garbage)).action is Action.TERM
+
+
+async def test_transient_failures_retry_then_give_up(handler, monkeypatch):
+    job = _job(handler, noise_image(4, (56, 56)))
+
+    def broken_put(*args, **kwargs):
+        raise StoreError("store down")
+
+    monkeypatch.setattr(handler.store.store, "put", broken_put)
+    verdict = await handler.handle(_delivery(job, n=1))
+    assert verdict.action is Action.NAK and verdict.delay_s > 0
+    assert not any(isinstance(m, ECFailed) for _, m in handler.publisher.sent)
+    verdict = await handler.handle(_delivery(job, n=3))  # last attempt
+    assert verdict.action is Action.TERM
+    failed = handler.publisher.sent[-1][1]
+    assert isinstance(failed, ECFailed) and "3 attempts" in failed.message
