@@ -32,7 +32,7 @@ from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
 from shared.encoding import encode_image_bytes, load_engine, media_limits
 from shared.engines.base import EncodedImage, Engine, GenerationStats, SamplingParams
-from shared.errors import EPDError, InvalidRequest, MediaMissing, StoreError
+from shared.errors import DeadlineExceeded, EPDError, InvalidRequest, MediaMissing, StoreError
 from shared.protocol import ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef, TokenChunk
 from shared.worker import Handler, Verdict, WorkerContext
 
@@ -161,6 +161,8 @@ class PrefillHandler(Handler):
             try:
                 for event in self.engine.generate(job.messages, images, params, stats):
                     loop.call_soon_threadsafe(queue.put_nowait, event)
+                    if time.time() > job.deadline:  # nobody is waiting any more: free the engine
+                        raise DeadlineExceeded("request deadline passed during generation")
             except BaseException as exc:  # re-raised on the event loop side
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             else:
