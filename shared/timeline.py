@@ -1,0 +1,359 @@
+"""A request's stage timeline, built from its messages alone, as text or a self-contained HTML page.
+
+Sources of the times (all wall clock, seconds since the epoch):
+
+* each message's JetStream timestamp (when the stream stored it);
+* trace headers (``Epd-Stage``: who published, ``Epd-Started-At``: when that worker took the job
+  it was working on, ``Epd-Received-At``: when the API received the request);
+* payload fields: ``ChatRequestRecord.received_at``, ``ECReady.encode_started_at/encode_s/
+  created_at``, and the worker's stage durations in ``FinalResult.timings`` (``features_s``,
+  ``prefill_s``) and ``ec_sources`` (where each image's features came from, and why).
+
+Stages (names are stable: tests, the HTML page and the README use them): ``received``,
+``image intake``, ``encode queued`` (until an encoder took the job), ``no encode job`` (EC already
+stored) / ``encode deduplicated`` (another request's job encodes the image), ``encode``,
+``EC stored``, ``EC announced`` (already stored, not recomputed), ``encode failed``,
+``generation queued`` (until a prefill worker took the job), ``EC from local cache`` /
+``EC loaded from store`` / ``EC recomputed locally`` (with the reason) / ``EC encoded in process``
+(agg), ``prefill``, ``first token``, ``redelivered``, ``KV hand-off`` / ``decode queued`` (E|P|D),
+``decode``, ``done`` / ``error``. A span has an end; a point does not.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared import protocol
+from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
+from shared.replay import RequestCase, StreamMessage, Summary, iso_time
+
+SERVICE_COLORS = {
+    "api": "#4e79a7",
+    "encoder": "#f28e2b",
+    "prefill": "#59a14f",
+    "decode": "#b07aa1",
+    "replay": "#76b7b2",
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    service: str
+    start: float
+    end: float | None = None
+    detail: str = ""
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - self.start)
+
+    def to_json(self, t0: float) -> dict[str, Any]:
+        return {
+            "name": self.name, "service": self.service, "detail": self.detail,
+            "start_s": round(self.start - t0, 6),
+            "end_s": None if self.end is None else round(self.end - t0, 6),
+            "duration_s": None if self.duration is None else round(self.duration, 6),
+        }
+
+
+@dataclass
+class Timeline:
+    request_id: str
+    t0: float
+    stages: list[Stage]
+    summary: Summary
+    notes: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "t0": self.t0,
+            "t0_iso": iso_time(self.t0),
+            "summary": self.summary.to_json(),
+            "stages": [s.to_json(self.t0) for s in self.stages],
+            "notes": list(self.notes),
+        }
+
+
+_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store", "local": "EC encoded in process"}
+
+
+def _ec_stage(source: str) -> tuple[str, str]:
+    """("EC recomputed locally", "reason") for "recomputed:<reason>" etc."""
+    if source.startswith("recomputed"):
+        _, _, reason = source.partition(":")
+        return "EC recomputed locally", reason or "unknown"
+    return _SOURCE_STAGE.get(source, f"EC from {source}"), ""
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def build_timeline(case: RequestCase) -> Timeline:
+    rid = case.request_id
+    t0 = case.received_at
+    summary = case.summary()
+    stages: list[Stage] = []
+    record, job = case.record, case.generation_job
+    own = [m for m in case.messages if m.request_id == rid]
+
+    first_stage = own[0].stage if own and own[0].stage else "api"
+    detail = f"{summary.images} image(s)"
+    if summary.model:
+        detail += f", model {summary.model}"
+    if summary.replay_of:
+        detail += f", replay of {summary.replay_of}"
+    stages.append(Stage("received", "replay" if first_stage == "replay" else "api", t0, None, detail))
+    api_out = [m.time for m in own if m.stage == "api" and m.time >= t0]
+    if summary.images and api_out:
+        stages.append(Stage("image intake", "api", t0, min(api_out),
+                            f"fetch, decode, hash and store {summary.images} image(s)"))
+
+    # -- encode side -----------------------------------------------------------------------
+    queued: dict[str, StreamMessage] = {m.msg.image.item_hash: m for m in case.of(EncodeJob)  # type: ignore[union-attr]
+                                        if m.request_id == rid}
+    refs = list(record.images if record else ()) or list(job.images if job else ())
+    distinct = {r.item_hash: r for r in refs}
+    ready = {m.msg.item_hash: m for m in case.of(ECReady)}  # type: ignore[union-attr]
+    for item, ref in distinct.items():
+        if item in queued:
+            continue
+        if not ref.encode_queued:
+            stages.append(Stage("no encode job", "api", _queued_time(case, t0), None,
+                                f"item {item[:12]}: EC object already stored (or encoded in the worker)"))
+        else:
+            by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]
+            stages.append(Stage("encode deduplicated", "api", _queued_time(case, t0), None,
+                                f"item {item[:12]}: an encode job was already queued by {by}"))
+    for item, m in queued.items():
+        ev_msg = ready.get(item)
+        taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
+        stages.append(Stage("encode queued", "api", m.time, taken, f"item {item[:12]}"))
+    for m in case.of(ECReady):
+        ev: ECReady = m.msg  # type: ignore[assignment]
+        whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
+        if ev.encode_started_at:
+            end = ev.encode_started_at + ev.encode_s
+            stages.append(Stage("encode", "encoder", ev.encode_started_at, end,
+                                f"item {ev.item_hash[:12]}: {ev.n_tokens} tokens on {ev.producer}{whose}"))
+            stages.append(Stage("EC stored", "encoder", end, max(end, ev.created_at),
+                                f"{ev.nbytes} bytes -> {ev.ec_key}"))
+        else:
+            stages.append(Stage("EC announced", "encoder", ev.created_at, None,
+                                f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}"))
+    for m in case.of(ECFailed):
+        ev_f: ECFailed = m.msg  # type: ignore[assignment]
+        stages.append(Stage("encode failed", "encoder", m.time, None,
+                            f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}"))
+
+    # -- generation side -------------------------------------------------------------------
+    gen_msgs = [m for m in case.of(GenerationJob) if m.request_id == rid]
+    prefill_msgs = [m for m in own if m.stage == "prefill"]
+    taken = prefill_msgs[0].header_time(protocol.HDR_STARTED_AT) if prefill_msgs else None
+    for i, gm in enumerate(gen_msgs):
+        again = getattr(gm.msg, "reprefill", 0)
+        name = "generation queued" if not again else "re-prefill queued"
+        took = taken if i == 0 else None
+        stages.append(Stage(name, "api" if not again else "decode", gm.time, took,
+                            f"{len(gm.msg.images)} image placeholder(s), max_tokens "  # type: ignore[union-attr]
+                            f"{gm.msg.sampling.max_tokens}, temperature {gm.msg.sampling.temperature:g}"))
+
+    final, error = case.final, case.error
+    decode_jobs = [m for m in own if m.kind == "decode_job"]
+    timings: dict[str, float] = dict(final.timings) if final else {}
+    sources: dict[str, str] = dict(final.ec_sources) if final else {}
+    if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
+        dj = decode_jobs[0].msg
+        timings = {**dict(getattr(dj, "timings", {}) or {}), **{k: v for k, v in timings.items()
+                                                                   if k not in ("features_s", "prefill_s")}}
+        sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
+    if taken is not None:
+        features_end = taken + timings.get("features_s", 0.0)
+        for item, source in sources.items():
+            name, reason = _ec_stage(source)
+            stages.append(Stage(name, "prefill", taken, features_end,
+                                f"item {item[:12]}" + (f": {reason}" if reason else "")))
+        if "prefill_s" in timings:
+            stages.append(Stage("prefill", "prefill", features_end, features_end + timings["prefill_s"],
+                                f"{final.prompt_tokens} prompt tokens" if final else ""))
+
+    chunks = case.chunks()
+    all_chunks = [m for m in case.of(TokenChunk) if m.request_id == rid]
+    attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]
+    for a in attempts[1:]:
+        first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]
+        stages.append(Stage("redelivered", chunks[0].stage or "prefill", first_of, None,
+                            f"the job was delivered again (attempt {a}); tokens restart at seq 0"))
+    first_token = chunks[0].time if chunks else None
+    if first_token is not None:
+        stages.append(Stage("first token", chunks[0].stage or "prefill", first_token, None,
+                            f"TTFT {_ms(first_token - t0)}"))
+    end_msg = case.terminal
+    if decode_jobs and first_token is not None:
+        dj_msg = decode_jobs[0]
+        stages.append(Stage("KV hand-off", "prefill", first_token, dj_msg.time,
+                            f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object"))
+        decode_taken = end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == "decode" else None
+        stages.append(Stage("decode queued", "prefill", dj_msg.time, decode_taken))
+        if decode_taken and end_msg is not None:
+            stages.append(Stage("decode", "decode", decode_taken, end_msg.time, _decode_detail(final, case)))
+    elif first_token is not None and end_msg is not None and final is not None:
+        stages.append(Stage("decode", end_msg.stage or "prefill", first_token, end_msg.time,
+                            _decode_detail(final, case)))
+    if final is not None and end_msg is not None:
+        stages.append(Stage("done", end_msg.stage or "prefill", end_msg.time, None,
+                            f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
+                            f"{_ms(end_msg.time - t0)}, worker {final.worker}"))
+    elif error is not None and end_msg is not None:
+        stages.append(Stage("error", error.stage or end_msg.stage or "api", end_msg.time, None,
+                            f"{error.code} (HTTP {error.http_status}): {error.message}"))
+
+    stages.sort(key=lambda s: (s.start, 0 if s.end is None else 1))
+    return Timeline(rid, t0, stages, summary, list(case.notes))
+
+
+def _queued_time(case: RequestCase, t0: float) -> float:
+    """When the generation job was published (the API decided about encode jobs by then)."""
+    gen = [m for m in case.of(GenerationJob) if m.request_id == case.request_id]
+    return gen[0].time if gen else t0
+
+
+def _decode_detail(final: FinalResult | None, case: RequestCase) -> str:
+    if final is None:
+        return ""
+    n = final.completion_tokens
+    decode_s = final.timings.get("decode_s")
+    per = f", {decode_s / (n - 1) * 1e3:.1f} ms/token" if decode_s and n > 1 else ""
+    return f"{n} tokens{per}"
+
+
+# -- text ---------------------------------------------------------------------------------------
+def render_summary(s: Summary) -> str:
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}s"
+
+    tokens = "-" if s.completion_tokens is None else str(s.completion_tokens)
+    line = (f"{s.request_id}  {iso_time(s.received_at)}  {s.status:<10}  images {s.images}  tokens {tokens:>4}  "
+            f"TTFT {sec(s.ttft_s):>7}  E2E {sec(s.e2e_s):>7}")
+    if s.replay_of:
+        line += f"  replay of {s.replay_of}"
+    if s.error:
+        line += f"  {s.error}"
+    return line
+
+
+def render_text(tl: Timeline) -> str:
+    lines = [f"timeline (t0 = received {iso_time(tl.t0)}):",
+             f"  {'start':>10} {'end':>10} {'duration':>10}  {'service':<8} {'stage':<22} detail"]
+    for s in tl.stages:
+        end = "" if s.end is None else f"{(s.end - tl.t0) * 1e3:+.1f}"
+        lines.append(f"  {f'{(s.start - tl.t0) * 1e3:+.1f}':>10} {end:>10} {_ms(s.duration):>10}  "
+                     f"{s.service:<8} {s.name:<22} {s.detail}")
+    lines.append("  (times in ms after t0)")
+    return "\n".join(lines)
+
+
+def render_messages(case: RequestCase) -> str:
+    t0 = case.received_at
+    lines = [f"messages ({len(case.messages)}, in time order):"]
+    for m in case.messages:
+        body = protocol.to_builtins(m.msg) if m.msg is not None else {"undecodable": m.error}
+        headers = {k: v for k, v in m.headers.items() if k.startswith(("Epd-", "Nats-Msg-Id"))}
+        lines.append(f"  {(m.time - t0) * 1e3:+10.1f} ms  {m.stream}#{m.seq}  {m.subject}  {m.kind}")
+        lines.append(f"      headers {json.dumps(headers, sort_keys=True)}")
+        lines.append(f"      {json.dumps(body, sort_keys=True, ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
+# -- HTML ---------------------------------------------------------------------------------------
+def render_html(case: RequestCase, tl: Timeline | None = None) -> str:
+    """A self-contained page (inline CSS and SVG, no script, no external asset): the request's
+    summary, a waterfall of its stages across services, the stage table and every message."""
+    tl = tl or build_timeline(case)
+    e = html.escape
+    t0 = tl.t0
+    lo = min([s.start for s in tl.stages] + [t0]) - t0  # < 0 only for clock skew between machines
+    hi = max([s.end or s.start for s in tl.stages] + [t0]) - t0
+    total = max(hi - lo, 1e-3)
+    label_w, chart_w, row_h, top = 230, 640, 22, 24
+    height = top + row_h * len(tl.stages) + 10
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 120}" height="{height}" '
+           f'role="img" aria-label="waterfall of request {e(tl.request_id)}">']
+    for i in range(5):  # grid with time ticks
+        x = label_w + chart_w * i / 4
+        svg.append(f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 6}" class="grid"/>'
+                   f'<text x="{x:.1f}" y="{top - 10}" class="tick">{(lo + total * i / 4) * 1e3:.1f} ms</text>')
+    for row, s in enumerate(tl.stages):
+        y = top + row * row_h
+        color = SERVICE_COLORS.get(s.service, "#9c755f")
+        x = label_w + chart_w * (s.start - t0 - lo) / total
+        svg.append(f'<text x="{label_w - 8}" y="{y + 15}" class="label">{e(s.name)}</text>')
+        tip = f"{s.name} ({s.service}) {(s.start - t0) * 1e3:+.1f} ms"
+        if s.end is None:
+            svg.append(f'<path d="M{x:.1f} {y + 4} l6 7 l-6 7 l-6 -7 z" fill="{color}"><title>{e(tip)}</title></path>'
+                       f'<text x="{x + 10:.1f}" y="{y + 15}" class="dur">{(s.start - t0) * 1e3:+.1f} ms</text>')
+        else:
+            w = max(1.5, chart_w * (s.end - s.start) / total)
+            svg.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" rx="2" fill="{color}">'
+                       f'<title>{e(tip)}, {_ms(s.duration)}</title></rect>'
+                       f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="dur">{_ms(s.duration)}</text>')
+    svg.append("</svg>")
+
+    sm = tl.summary
+    facts = [
+        ("status", sm.status), ("received", iso_time(sm.received_at)), ("images", str(sm.images)),
+        ("prompt tokens", "-" if sm.prompt_tokens is None else str(sm.prompt_tokens)),
+        ("completion tokens", "-" if sm.completion_tokens is None else str(sm.completion_tokens)),
+        ("TTFT", _ms(sm.ttft_s) or "-"), ("E2E", _ms(sm.e2e_s) or "-"), ("source", case.source),
+    ]
+    if sm.replay_of:
+        facts.append(("replay of", sm.replay_of))
+    if sm.error:
+        facts.append(("error", sm.error))
+    legend = " ".join(f'<span class="key" style="background:{c}"></span>{e(n)}' for n, c in SERVICE_COLORS.items())
+    rows = "".join(
+        f"<tr><td>{(s.start - t0) * 1e3:+.1f} ms</td><td>{'' if s.end is None else f'{(s.end - t0) * 1e3:+.1f} ms'}"
+        f"</td><td>{_ms(s.duration)}</td><td>{e(s.service)}</td><td>{e(s.name)}</td><td>{e(s.detail)}</td></tr>"
+        for s in tl.stages
+    )
+    msgs = "".join(
+        f"<details><summary>{(m.time - t0) * 1e3:+.1f} ms &middot; {e(m.stream)}#{m.seq} &middot; {e(m.subject)} "
+        f"&middot; <b>{e(m.kind)}</b></summary><pre>{e(json.dumps(m.to_json(), indent=2, ensure_ascii=False))}"
+        f"</pre></details>"
+        for m in case.messages
+    )
+    notes = "".join(f"<li>{e(n)}</li>" for n in tl.notes)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>epd request {e(tl.request_id)}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
+h1 {{ font-size: 18px; }} h2 {{ font-size: 15px; margin-top: 28px; }}
+table {{ border-collapse: collapse; }} td, th {{ padding: 2px 10px; border-bottom: 1px solid #eee; text-align: left; }}
+.facts td:first-child {{ color: #666; }}
+svg .label {{ font-size: 12px; text-anchor: end; }} svg .dur {{ font-size: 11px; fill: #444; }}
+svg .tick {{ font-size: 10px; fill: #888; text-anchor: middle; }} svg .grid {{ stroke: #eee; }}
+.key {{ display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 12px; }}
+pre {{ background: #f7f7f7; padding: 8px; overflow-x: auto; }} details {{ margin: 2px 0; }}
+</style></head>
+<body>
+<h1>Request <code>{e(tl.request_id)}</code></h1>
+<table class="facts">{''.join(f'<tr><td>{e(k)}</td><td>{e(v)}</td></tr>' for k, v in facts)}</table>
+<h2>Waterfall</h2>
+<div>{legend}</div>
+{''.join(svg)}
+<h2>Stages</h2>
+<table><tr><th>start</th><th>end</th><th>duration</th><th>service</th><th>stage</th><th>detail</th></tr>{rows}</table>
+{f'<h2>Notes</h2><ul>{notes}</ul>' if notes else ''}
+<h2>Messages ({len(case.messages)})</h2>
+{msgs}
+</body></html>
+"""
