@@ -1,4 +1,2 @@
-"""Decode workers for the E|P|D topology (KV cache handed over by prefill).
-
-Not built yet: today the prefill worker's ``pd`` role prefills and decodes (E|PD).
-"""
+"""Decode workers for the E|P|D topology: continue requests from KV objects written by prefill
+workers (role ``prefill``), many requests batched into one LM forward per step."""

@@ -1,0 +1,147 @@
+"""Topology is configuration: what ``epd up --topology agg | e-pd | e-p-d`` starts, and the ``agg``
+behaviour of the API (no encode jobs) and of the agg worker (encodes in process, no store, no
+encoder) - in process, against the real NATS and S3 servers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from shared import launcher, protocol
+from shared.cli import build_parser
+from shared.config import ApiSettings, DecodeSettings, PrefillSettings
+from shared.launcher import TOPOLOGY_SERVICES, Stack
+from shared.protocol import EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
+from tests.stackutil import data_url, engine_messages, noise_image, png_bytes, read_stream, stack_env
+from tests.test_e2e_epd import reference_tokens
+
+
+@pytest.mark.parametrize(
+    "topology, services, role",
+    [("agg", ["api", "prefill"], "agg"), ("e-pd", ["api", "encoder", "prefill"], "pd"),
+     ("e-p-d", ["api", "encoder", "prefill", "decode"], "prefill")],
+)
+def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, topology, services, role):
+    started = []
+
+    def fake_start(name, env, log_path, cwd=None):
+        started.append((name, env))
+        return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(launcher, "start_service", fake_start)
+    stack = Stack(env={"EPD_ROLE": "pd", "EPD_X": "1"}, log_dir=tmp_path, topology=topology,
+                  service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}})
+    stack.start()
+    assert [name for name, _ in started] == services == list(TOPOLOGY_SERVICES[topology])
+    for name, env in started:
+        assert env["EPD_TOPOLOGY"] == topology and env["EPD_X"] == "1"
+        assert env["EPD_ROLE"] == role  # the topology decides the prefill role
+    # The env each service gets is valid for its settings class.
+    envs = dict(started)
+    assert ApiSettings(**_kwargs(envs["api"])).topology == topology
+    assert PrefillSettings(**_kwargs(envs["prefill"])).role == role
+    if "decode" in envs:
+        assert DecodeSettings(**_kwargs(envs["decode"])).max_batch_size == 4
+    assert build_parser().parse_args(["up", "--topology", topology]).topology == topology
+
+
+def _kwargs(env):
+    known = {"EPD_TOPOLOGY", "EPD_ROLE", "EPD_MAX_BATCH_SIZE"}
+    return {k[4:].lower(): v for k, v in env.items() if k in known}
+
+
+def test_unknown_topology_and_role_are_refused():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--topology", "p-d"])
+    with pytest.raises(ValueError):
+        ApiSettings(topology="e|p|d")
+    with pytest.raises(ValueError):
+        PrefillSettings(role="decode")
+
+
+def test_vllm_engine_refuses_the_split_roles():
+    from shared.encoding import require_kv_handoff_engine
+    from shared.errors import EngineError
+
+    require_kv_handoff_engine("transformers", "prefill")  # control
+    for role in ("prefill", "decode"):
+        with pytest.raises(EngineError, match="vLLM"):
+            require_kv_handoff_engine("vllm", role)
+
+
+# -- agg, in process ----------------------------------------------------------------------------
+@pytest.fixture
+def env(nats_server, s3_server, tiny_model_dir):
+    env, *_ = stack_env(nats_server, s3_server, tiny_model_dir)
+    return {k[4:].lower(): v for k, v in env.items()}
+
+
+@pytest.mark.parametrize("topology, queued", [("agg", False), ("e-pd", True)])
+def test_api_queues_encode_jobs_except_in_agg(env, topology, queued):
+    from services.api.app import ApiService
+
+    settings = ApiSettings(**env, topology=topology)
+
+    async def main():
+        service = ApiService(settings)
+        await service.start()
+        try:
+            return await service.prepare_images("req-topology", [data_url(noise_image(91, (56, 56)))])
+        finally:
+            await service.stop()
+
+    (ref,) = asyncio.run(main())
+    assert ref.encode_queued is queued
+    jobs = [m for _, _, m in read_stream(settings.nats_url, Subjects(settings.subject_prefix).stream_encode)
+            if isinstance(m, EncodeJob)]
+    assert len(jobs) == int(queued)
+
+
+def test_agg_worker_encodes_in_process(env, reference_engine):
+    from services.prefill.handler import PrefillHandler
+    from shared.ecstore.factory import ec_store_from_settings
+    from shared.jetstream import JetStreamPublisher, connect, ensure_topology
+    from shared.media import content_hash_of
+    from shared.worker import Delivery, WorkerContext
+
+    settings = PrefillSettings(**env, role="agg")
+    subjects = Subjects(settings.subject_prefix)
+    image = noise_image(92, (64, 48))
+    item = content_hash_of(image)
+    ec = ec_store_from_settings(settings, reference_engine.encoder_fingerprint)
+    media_key = ec.put_media(item, png_bytes(image))
+    rid = f"agg-{uuid.uuid4().hex[:8]}"
+    job = GenerationJob(
+        request_id=rid, model="qwen2-vl-tiny", messages=engine_messages("Describe the image.", 1),
+        images=(ImageRef(item_hash=item, media_key=media_key, width=64, height=48, encode_queued=False),),
+        fingerprint=reference_engine.encoder_fingerprint,
+        sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True), stream=False,
+        deadline=time.time() + 60, created_at=time.time(),
+    )
+
+    async def main():
+        nc = await connect(settings, name="test-agg")
+        js = nc.jetstream()
+        await ensure_topology(js, settings, subjects)
+        handler = PrefillHandler(settings, engine=reference_engine)
+        await handler.setup(WorkerContext(settings, subjects, JetStreamPublisher(js), nc))
+        sub = await nc.subscribe(subjects.tokens(rid))
+        try:
+            verdict = await handler.handle(Delivery(protocol.encode(job), subjects.generate_jobs,
+                                                    {protocol.HDR_REQUEST_ID: rid}, 1, 3))
+            while True:
+                event = protocol.decode((await sub.next_msg(timeout=30)).data)
+                if isinstance(event, FinalResult):
+                    return verdict, event
+        finally:
+            await handler.close()
+            await nc.close()
+
+    verdict, final = asyncio.run(main())
+    assert verdict.action.value == "ack"
+    assert list(final.token_ids) == reference_tokens(reference_engine, "Describe the image.", [image])
+    assert final.ec_sources == {item: "local"}
+    assert not ec.exists(item)  # the baseline neither reads nor writes EC objects
