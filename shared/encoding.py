@@ -6,15 +6,17 @@ import logging
 import time
 
 from shared.config import CommonSettings
-from shared.engines import make_engine
-from shared.engines.base import EncodedImage, Engine
-from shared.errors import InvalidImage
+from shared.engines import engine_class, make_engine
+from shared.engines.base import EncodedImage, Engine, MediaImage
+from shared.errors import EngineError, InvalidImage
 from shared.media import MediaLimits, decode_image
 
 log = logging.getLogger(__name__)
 
 
-def load_engine(settings: CommonSettings) -> Engine:
+def load_engine(settings: CommonSettings, *, role: str = "") -> Engine:
+    """The engine of ``settings.engine``; ``role`` ("encoder", "pd", "agg", ...) lets an engine
+    pick its part (vLLM: EC producer for "encoder", EC consumer for "pd")."""
     model_dir = settings.require_model_path()
     started = time.perf_counter()
     engine = make_engine(
@@ -23,6 +25,7 @@ def load_engine(settings: CommonSettings) -> Engine:
         dtype=settings.dtype,
         threads=settings.torch_threads,
         model_id=settings.served_model_name(),
+        **engine_class(settings.engine).options_from_settings(settings, role=role),
     )
     log.info(
         "engine %s loaded %s in %.2fs (encoder fingerprint %s)",
@@ -41,3 +44,26 @@ def encode_image_bytes(engine: Engine, data: bytes, item_hash: str, limits: Medi
     if content_hash != item_hash:
         raise InvalidImage(f"stored image hashes to {content_hash[:12]}, expected item {item_hash[:12]}")
     return engine.encode([image])[0]
+
+
+def media_image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> MediaImage:
+    """Decode stored image bytes for a connector engine, checking they are the item they claim to be."""
+    image, content_hash, _fmt = decode_image(data, limits)
+    if content_hash != item_hash:
+        raise InvalidImage(f"stored image hashes to {content_hash[:12]}, expected item {item_hash[:12]}")
+    return MediaImage(image=image, item_hash=item_hash)
+
+
+#: Engines whose decode state can be handed from a prefill worker to a decode worker (E|P|D).
+KV_HANDOFF_ENGINES = frozenset({"transformers"})
+
+
+def require_kv_handoff_engine(engine: str, role: str) -> None:
+    """Refuse, at start-up, a prefill/decode split on an engine that cannot hand off its KV cache."""
+    if engine not in KV_HANDOFF_ENGINES:
+        raise EngineError(
+            f"the {engine!r} engine cannot run the {role!r} role: E|P|D hands the KV cache from prefill to "
+            f"decode workers through the object store, which only the {', '.join(sorted(KV_HANDOFF_ENGINES))} "
+            "engine does today (a vLLM KV connector for the store is not built yet; see README, 'E|P|D "
+            "topology'). Use EPD_ENGINE=transformers for E|P|D, or the e-pd topology with this engine."
+        )

@@ -1,4 +1,6 @@
-"""Encoder fingerprint: the version component of every EC object key.
+"""Fingerprints: the version component of every EC object key and every KV object key.
+
+**Encoder fingerprint** (:func:`encoder_fingerprint`, versions EC objects):
 
 The fingerprint is computed from the model folder itself (no torch needed, so the API service
 can compute it too): the full ``config.json``, the raw bytes of every vision-tower and projector
@@ -6,6 +8,13 @@ tensor in the safetensors files, the image-processor config, the compute dtype a
 kind. Any change to any of those gives a new fingerprint, so a store shared by several model
 versions (or engines whose kernels differ numerically) can never serve one's encoder outputs to
 another.
+
+**Model fingerprint** (:func:`model_fingerprint`, versions KV objects): the same idea over the
+WHOLE model - every tensor in the safetensors files (vision tower and language model), the full
+``config.json``, ``generation_config.json``, the processor and tokenizer files and the chat
+template, the dtype and the engine. A KV cache is only valid for the exact LM weights that
+produced it, and its token ids only for the exact tokenizer, so a decode worker of another
+model can never continue a request from it.
 """
 
 from __future__ import annotations
@@ -49,10 +58,15 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def _hash_encoder_tensors(model_dir: Path, digest: "hashlib._Hash") -> int:
+    return _hash_tensors(model_dir, digest, is_encoder_tensor)
+
+
+def _hash_tensors(model_dir: Path, digest: "hashlib._Hash", select) -> int:
+    """Feed name, dtype, shape and bytes of every selected tensor (sorted) into ``digest``."""
     count = 0
     for st_path in sorted(model_dir.glob("*.safetensors")):
         header, data_start = read_safetensors_header(st_path)
-        names = sorted(n for n in header if n != "__metadata__" and is_encoder_tensor(n))
+        names = sorted(n for n in header if n != "__metadata__" and select(n))
         with st_path.open("rb") as fh:
             for name in names:
                 info = header[name]
@@ -85,4 +99,41 @@ def encoder_fingerprint(model_dir: str | Path, *, dtype: str, engine: str) -> st
             digest.update(f"|{name}|".encode() + _canonical_json(path))
     if _hash_encoder_tensors(model_dir, digest) == 0:
         raise ValueError(f"no vision-encoder tensors found in {model_dir}/*.safetensors")
+    return digest.hexdigest()[:FINGERPRINT_HEX_CHARS]
+
+
+MODEL_FINGERPRINT_SCHEMA = "epd-model-fp-v1"
+#: Besides config.json and the weights: files that change what a KV cache or its tokens mean.
+MODEL_FILES = (
+    "generation_config.json",
+    *PROCESSOR_CONFIG_FILES,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+def model_fingerprint(model_dir: str | Path, *, dtype: str, engine: str) -> str:
+    """Fingerprint of the whole model (all weights, config, tokenizer, template) in ``dtype``
+    under ``engine``: the version of KV objects. Reads every weight byte once (about 1-2 GB/s)."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {model_dir}")
+    digest = hashlib.sha256()
+    digest.update(f"{MODEL_FINGERPRINT_SCHEMA}|engine={engine}|dtype={dtype}|".encode())
+    digest.update(b"config|" + _canonical_json(config_path))
+    for name in MODEL_FILES:
+        path = model_dir / name
+        if path.is_file():
+            data = _canonical_json(path) if name.endswith(".json") else path.read_bytes()
+            digest.update(f"|{name}|{len(data)}|".encode() + data)
+    if _hash_tensors(model_dir, digest, lambda _name: True) == 0:
+        raise ValueError(f"no tensors found in {model_dir}/*.safetensors")
     return digest.hexdigest()[:FINGERPRINT_HEX_CHARS]

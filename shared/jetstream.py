@@ -7,8 +7,11 @@ updates the stream in place.
 
 from __future__ import annotations
 
+import contextvars
 import logging
-from typing import Protocol
+import re
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client as NATS
@@ -16,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.config import CommonSettings
 from shared.errors import ServiceUnavailable
 from shared.protocol import Message, Subjects
@@ -27,6 +30,26 @@ log = logging.getLogger(__name__)
 _ERR_STREAM_EXISTS_DIFFERENT = 10058
 _ERR_CONSUMER_EXISTS_DIFFERENT = 10148
 
+#: Trace headers added to every message published from this context (``Epd-Stage``,
+#: ``Epd-Received-At``, ``Epd-Started-At``): the API sets them per request, the worker runner per
+#: job, so handlers publish with them without knowing. Context-local, so concurrent jobs never mix.
+TRACE_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("epd_trace_headers", default={})
+
+
+def set_trace(stage: str, *, received_at: float | str | None = None, started_at: float | None = None):
+    """Set the trace headers of the current context; returns the token for ``TRACE_HEADERS.reset``."""
+    headers = {protocol.HDR_STAGE: stage}
+    if received_at:
+        headers[protocol.HDR_RECEIVED_AT] = received_at if isinstance(received_at, str) else f"{received_at:.6f}"
+    if started_at:
+        headers[protocol.HDR_STARTED_AT] = f"{started_at:.6f}"
+    return TRACE_HEADERS.set(headers)
+
+
+def redact_url(url: str) -> str:
+    """``nats://user:secret@host`` -> ``nats://***@host``: URLs in errors and logs carry no credentials."""
+    return re.sub(r"(?<=://)[^@/]*@", "***@", url)
+
 
 class Publisher(Protocol):
     """What handlers need to emit messages; a broker-free fake can record them in tests."""
@@ -34,24 +57,31 @@ class Publisher(Protocol):
     async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool: ...
 
 
-async def connect(settings: CommonSettings, *, name: str, connect_timeout: float = 5.0) -> NATS:
-    """Connect to NATS; raises ServiceUnavailable with the URL (never the password) on failure."""
-    kwargs = {}
+async def connect(settings: CommonSettings, *, name: str, connect_timeout: float = 5.0, **options: Any) -> NATS:
+    """Connect to NATS; raises ServiceUnavailable with the URL (never the password) on failure.
+
+    Services reconnect forever (the default). ``options`` override the client's options, e.g.
+    ``max_reconnect_attempts=1`` for a CLI that must fail fast when NATS is unreachable."""
+    kwargs: dict[str, Any] = {
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+    }
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
         kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""
     try:
         return await nats.connect(
-            settings.nats_url,
+            # A comma-separated list seeds a NATS cluster; the client also learns the other members.
+            [url.strip() for url in settings.nats_url.split(",") if url.strip()],
             name=name,
             connect_timeout=connect_timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            **kwargs,
+            **{**kwargs, **options},
         )
     except Exception as exc:  # nats raises several unrelated types here
-        raise ServiceUnavailable(f"cannot connect to NATS at {settings.nats_url}: {type(exc).__name__}: {exc}") from exc
+        raise ServiceUnavailable(
+            f"cannot connect to NATS at {redact_url(settings.nats_url)}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamConfig]:
@@ -66,6 +96,7 @@ def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamC
             max_age=settings.stream_max_age_s,
             max_bytes=settings.stream_max_bytes,
             duplicate_window=dup_window,
+            num_replicas=settings.stream_replicas,
         )
         for name, subjs in subjects.streams().items()
     ]
@@ -88,6 +119,7 @@ def consumer_configs(settings: CommonSettings, subjects: Subjects) -> dict[str, 
     return {
         subjects.stream_encode: durable(protocol.CONSUMER_ENCODER, subjects.encode_jobs),
         subjects.stream_generate: durable(protocol.CONSUMER_PREFILL, subjects.generate_jobs),
+        subjects.stream_decode: durable(protocol.CONSUMER_DECODE, subjects.decode_jobs),
     }
 
 
@@ -121,10 +153,12 @@ class JetStreamPublisher:
 
     async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool:
         """Returns False when JetStream dropped it as a duplicate of ``msg_id``."""
+        data = protocol.encode(msg)
         ack = await self.js.publish(
             subject,
-            protocol.encode(msg),
+            data,
             timeout=self.timeout,
-            headers=protocol.headers_for(msg, request_id, msg_id=msg_id),
+            headers=protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get()),
         )
+        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))  # type: ignore[attr-defined]
         return not ack.duplicate

@@ -24,10 +24,24 @@ from shared.infra import _spawn
 
 log = logging.getLogger(__name__)
 
+#: Topologies (``epd up --topology``): which services run.
+#:
+#: * ``agg``: api + one worker doing encode, prefill and decode in process (the baseline);
+#: * ``e-pd``: api + encoder workers + prefill workers that also decode;
+#: * ``e-p-d``: api + encoder workers + prefill workers + decode workers (KV via the store).
 TOPOLOGY_SERVICES = {
+    "agg": ("api", "prefill"),
     "e-pd": ("api", "encoder", "prefill"),
+    "e-p-d": ("api", "encoder", "prefill", "decode"),
 }
-WORKER_ROLES = {"encoder": "encoder", "prefill": "prefill"}
+#: What each topology sets for every service: the API reads EPD_TOPOLOGY (agg: no encode
+#: jobs), the prefill worker EPD_ROLE. ``service_env`` / ``extra_env`` still override.
+TOPOLOGY_ENV = {
+    "agg": {"EPD_TOPOLOGY": "agg", "EPD_ROLE": "agg"},
+    "e-pd": {"EPD_TOPOLOGY": "e-pd", "EPD_ROLE": "pd"},
+    "e-p-d": {"EPD_TOPOLOGY": "e-p-d", "EPD_ROLE": "prefill"},
+}
+WORKER_ROLES = {"encoder": "encoder", "prefill": "prefill", "decode": "decode"}
 
 
 class StackError(RuntimeError):
@@ -63,13 +77,17 @@ class ServiceProcess:
             self.popen.wait(5)
 
 
+def service_command(module_name: str, python: str = sys.executable) -> list[str]:
+    """A service's command line, ``python -m services.<module_name>``: docker-compose.yml runs the same."""
+    return [python, "-m", f"services.{module_name}"]
+
+
 def start_service(module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None) -> ServiceProcess:
     """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     with log_path.open("ab") as fh:
-        popen = _spawn([sys.executable, "-m", f"services.{module_name}"], log_fh=fh, cwd=cwd or Path.cwd(),
-                       env=full_env)
+        popen = _spawn(service_command(module_name), log_fh=fh, cwd=cwd or Path.cwd(), env=full_env)
     return ServiceProcess(module_name, popen, log_path)
 
 
@@ -92,6 +110,9 @@ class Stack:
     replicas: dict[str, int] = field(default_factory=dict)
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     processes: list[ServiceProcess] = field(default_factory=list)
+    #: Workers serve Prometheus ``/metrics`` on base + 1, + 2, ... in start order (None: not at all).
+    metrics_port_base: int | None = None
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -106,10 +127,15 @@ class Stack:
         return self
 
     def add(self, name: str, *, index: int = 0, extra_env: dict[str, str] | None = None) -> ServiceProcess:
-        env = {**self.env, **self.service_env.get(name, {}), **(extra_env or {})}
+        env = {**self.env, **TOPOLOGY_ENV.get(self.topology, {}), **self.service_env.get(name, {}), **(extra_env or {})}
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
         env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")
+        if name != "api":  # the heartbeat file `epd healthcheck` reads, as in docker-compose.yml
+            env.setdefault("EPD_HEALTH_FILE", str(self.log_dir / f"{name}-{index}.health"))
+        if name != "api" and self.metrics_port_base:
+            env.setdefault("EPD_METRICS_PORT", str(self.metrics_port_base + 1 + len(self.metrics_ports)))
+            self.metrics_ports[f"{name}-{index}"] = int(env["EPD_METRICS_PORT"])
         proc = start_service(name, env, self.log_dir / f"{name}-{index}.log")
         self.processes.append(proc)
         return proc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import sys
 
@@ -18,9 +19,32 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str = "INFO", *, service: str = "") -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, service, pid, logger, request_id, message (+ exc)."""
+
+    def __init__(self, service: str = ""):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "service": self.service,
+            "pid": record.process,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def setup_logging(level: str = "INFO", *, service: str = "", fmt: str = "text") -> None:
+    """Root logging to stderr; ``fmt`` "text" (LOG_FORMAT) or "json" (:class:`JsonFormatter`)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else logging.Formatter(LOG_FORMAT))
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

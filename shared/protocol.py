@@ -17,9 +17,15 @@ subject                            stream               message
 <p>.ec.ready.<fp>.<item>           <P>_EVENTS           ECReady (an EC object was written)
 <p>.ec.failed.<fp>.<item>          <P>_EVENTS           ECFailed (an encode job gave up)
 <p>.generate.jobs                  <P>_GENERATE         GenerationJob (work; consumer "prefill")
+<p>.decode.jobs                    <P>_DECODE           DecodeJob (work; consumer "decode"; E|P|D)
 <p>.tokens.<request_id>            <P>_RESULTS          TokenChunk / FinalResult / ErrorEvent
 <p>.workers.heartbeat.<role>       (core NATS only)     WorkerHeartbeat
+<p>.imported.<request_id>.<kind>   <P>_IMPORTED         any of the above (``epd replay import``)
 =================================  ===================  ============================================
+
+Headers on every message: ``Epd-Request-Id``, ``Epd-Kind``, ``Epd-Sent-At``, and the trace headers
+``Epd-Stage`` (the publishing service), ``Epd-Received-At`` (when the API received the request) and,
+from workers, ``Epd-Started-At`` (when the worker took the job it publishes for).
 
 Streams use limits retention (not work-queue) so they keep what passed through them for replay.
 """
@@ -27,7 +33,7 @@ Streams use limits retention (not work-queue) so they keep what passed through t
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 import msgspec
 
@@ -38,10 +44,17 @@ HDR_MSG_ID = "Nats-Msg-Id"
 HDR_REQUEST_ID = "Epd-Request-Id"
 HDR_KIND = "Epd-Kind"
 HDR_SENT_AT = "Epd-Sent-At"
+# Trace headers (``shared.jetstream.trace``): which service published, when the request reached
+# the API, and when the publishing worker took the job it was working on. With the stream's own
+# timestamp they let ``epd replay show`` draw a request's timeline from the messages alone.
+HDR_STAGE = "Epd-Stage"
+HDR_RECEIVED_AT = "Epd-Received-At"
+HDR_STARTED_AT = "Epd-Started-At"
 
 # Durable consumer names ---------------------------------------------------------------------
 CONSUMER_ENCODER = "encoder"
 CONSUMER_PREFILL = "prefill"
+CONSUMER_DECODE = "decode"
 
 
 class ProtocolError(ValueError):
@@ -61,13 +74,19 @@ class Subjects:
         self.encode_jobs = f"{p}.encode.jobs"
         self.ec_events_all = f"{p}.ec.>"
         self.generate_jobs = f"{p}.generate.jobs"
+        self.decode_jobs = f"{p}.decode.jobs"
         self.tokens_all = f"{p}.tokens.>"
         self.heartbeat_all = f"{p}.workers.heartbeat.>"
+        # Cases imported by ``epd replay import`` (not in ``streams()``: only the replay tool
+        # creates it; no worker consumes it, so imported jobs are never executed by accident).
+        self.imported_all = f"{p}.imported.>"
+        self.stream_imported = f"{P}_IMPORTED"
 
         self.stream_requests = f"{P}_REQUESTS"
         self.stream_encode = f"{P}_ENCODE"
         self.stream_events = f"{P}_EVENTS"
         self.stream_generate = f"{P}_GENERATE"
+        self.stream_decode = f"{P}_DECODE"
         self.stream_results = f"{P}_RESULTS"
 
     def request(self, request_id: str) -> str:
@@ -89,6 +108,10 @@ class Subjects:
     def heartbeat(self, role: str) -> str:
         return f"{self.prefix}.workers.heartbeat.{role}"
 
+    def imported(self, request_id: str, kind: str = "*") -> str:
+        """An imported message of a request (``kind``: the message tag; ``*`` for all of them)."""
+        return f"{self.prefix}.imported.{request_id}.{kind}"
+
     def streams(self) -> dict[str, list[str]]:
         """Stream name -> subjects, for idempotent creation at start-up."""
         return {
@@ -96,6 +119,7 @@ class Subjects:
             self.stream_encode: [self.encode_jobs],
             self.stream_events: [self.ec_events_all],
             self.stream_generate: [self.generate_jobs],
+            self.stream_decode: [self.decode_jobs],
             self.stream_results: [self.tokens_all],
         }
 
@@ -135,6 +159,8 @@ class ChatRequestRecord(_Msg, frozen=True, kw_only=True, tag="chat_request"):
     model: str
     body: dict[str, Any]
     images: tuple[ImageRef, ...] = ()
+    #: set by ``epd replay run``: the request this one re-runs.
+    replay_of: str = ""
 
 
 class EncodeJob(_Msg, frozen=True, kw_only=True, tag="encode_job"):
@@ -157,6 +183,8 @@ class ECReady(_Msg, frozen=True, kw_only=True, tag="ec_ready"):
     producer: str
     encode_s: float
     created_at: float
+    #: wall-clock start of the vision encoder run (0: nothing was computed, e.g. already stored).
+    encode_started_at: float = 0.0
 
 
 class ECFailed(_Msg, frozen=True, kw_only=True, tag="ec_failed"):
@@ -170,7 +198,11 @@ class ECFailed(_Msg, frozen=True, kw_only=True, tag="ec_failed"):
 
 class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     """Prefill (+ decode in E|PD) one request. ``messages`` hold ``{"type": "image"}`` parts in
-    the order of ``images`` (one entry per placeholder; duplicates allowed)."""
+    the order of ``images`` (one entry per placeholder; duplicates allowed).
+
+    ``reprefill`` > 0: a decode worker found the KV object of the previous prefill unusable
+    (missing, corrupt) and sent the request back (bounded by ``EPD_MAX_REPREFILLS``); it is
+    also the KV object's attempt number."""
 
     request_id: str
     model: str
@@ -181,6 +213,31 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     stream: bool
     deadline: float
     created_at: float
+    reprefill: int = 0
+
+
+class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
+    """Continue a prefilled request (E|P|D). Published by a prefill worker (role ``prefill``)
+    after it stored the KV object and streamed the first ``emitted`` token(s) (``TokenChunk``
+    seq ``0 .. emitted-1``); the decode worker continues at seq ``emitted``. Published with
+    ``Nats-Msg-Id = <request_id>-decode-<kv_attempt>`` so a redelivered prefill adds no second
+    job. ``generation`` is the original job, for a re-prefill when the KV object is unusable."""
+
+    request_id: str
+    kv_key: str
+    kv_attempt: int
+    kv_nbytes: int
+    model_fingerprint: str
+    sampling: SamplingSpec
+    deadline: float
+    created_at: float
+    emitted: int
+    emitted_text: str
+    prompt_tokens: int
+    generation: GenerationJob
+    timings: dict[str, float] = {}
+    ec_sources: dict[str, str] = {}
+    prefill_worker: str = ""
 
 
 class TokenChunk(_Msg, frozen=True, kw_only=True, tag="token_chunk"):
@@ -231,6 +288,7 @@ Message = Union[
     ECReady,
     ECFailed,
     GenerationJob,
+    DecodeJob,
     TokenChunk,
     FinalResult,
     ErrorEvent,
@@ -263,12 +321,17 @@ def to_builtins(msg: Message) -> dict[str, Any]:
     return msgspec.to_builtins(msg)
 
 
-def headers_for(msg: Message, request_id: str, *, msg_id: str | None = None) -> dict[str, str]:
+def headers_for(
+    msg: Message, request_id: str, *, msg_id: str | None = None, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """NATS headers of a message: request id, kind, send time (+ ``extra``, e.g. trace headers)."""
     headers = {
         HDR_REQUEST_ID: request_id,
         HDR_KIND: type(msg).__struct_config__.tag,  # type: ignore[attr-defined]
         HDR_SENT_AT: f"{time.time():.6f}",
     }
+    if extra:
+        headers.update(extra)
     if msg_id:
         headers[HDR_MSG_ID] = msg_id
     return headers

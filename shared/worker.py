@@ -10,6 +10,9 @@ which owns NATS, signals and settings:
 * the handler's verdict becomes ``ack`` / ``nak(delay)`` / ``term``; an exception that escapes
   the handler becomes ``nak`` with a delay (redelivered up to ``max_deliver``);
 * a heartbeat on core NATS every 2 s (the API's ``/health`` lists live workers);
+* trace headers on everything a handler publishes for a job (``Epd-Stage``, ``Epd-Started-At``,
+  ``Epd-Received-At``; ``shared.jetstream.set_trace``), the ``epd:requests_in_flight{service=<role>}``
+  gauge, and consumer lag (``epd:consumer_num_pending``) polled every 5 s;
 * SIGTERM / SIGINT: stop fetching, finish what is in flight (up to ``drain_timeout_s``), close.
 """
 
@@ -29,9 +32,10 @@ from typing import Any, Callable, TypeVar
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.config import CommonSettings
-from shared.jetstream import JetStreamPublisher, Publisher, connect, ensure_topology
+from shared.health import HealthFile
+from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
 from shared.protocol import Subjects, WorkerHeartbeat
 
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEARTBEAT_INTERVAL_S = 2.0
+#: How often a worker polls its durable consumer's pending counts (``epd:consumer_num_pending``).
+LAG_POLL_INTERVAL_S = 5.0
 
 
 class Action(enum.Enum):
@@ -153,6 +159,8 @@ class WorkerRunner:
         self.drain_timeout_s = drain_timeout_s
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # Refreshed with every heartbeat while connected and consuming (``epd healthcheck``).
+        self.health = HealthFile(settings.health_file) if settings.health_file else None
 
     def request_stop(self) -> None:
         if not self.stopping.is_set():
@@ -169,6 +177,7 @@ class WorkerRunner:
             stream = getattr(self.subjects, self.handler.stream_attr)
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)
             heartbeat = asyncio.create_task(self._heartbeat(nc))
+            lag = asyncio.create_task(self._poll_lag(js, stream))
             log.info(
                 "%s worker %s consuming %s/%s", self.handler.role, self.settings.worker_id, stream, self.handler.durable
             )
@@ -176,6 +185,9 @@ class WorkerRunner:
                 await self._consume(psub)
             finally:
                 heartbeat.cancel()
+                lag.cancel()
+                if self.health is not None:  # not consuming any more: unhealthy while draining
+                    self.health.remove()
                 await self._drain()
                 await psub.unsubscribe()
         finally:
@@ -220,8 +232,15 @@ class WorkerRunner:
             published_at=meta.timestamp.timestamp() if meta.timestamp else None,
         )
         token = REQUEST_ID.set(delivery.request_id)
+        # Everything the handler publishes for this job says who published it, when this worker
+        # took the job, and when the request reached the API (carried over from the job's headers).
+        trace = set_trace(
+            self.handler.role, received_at=delivery.headers.get(protocol.HDR_RECEIVED_AT), started_at=time.time()
+        )
         ticker = asyncio.create_task(self._keep_alive(msg))
         self.handler.in_flight += 1
+        in_flight = metrics.IN_FLIGHT.labels(self.handler.role)
+        in_flight.inc()
         try:
             try:
                 verdict = await self.handler.handle(delivery)
@@ -242,6 +261,8 @@ class WorkerRunner:
         finally:
             ticker.cancel()
             self.handler.in_flight -= 1
+            in_flight.dec()
+            TRACE_HEADERS.reset(trace)
             REQUEST_ID.reset(token)
 
     async def _keep_alive(self, msg: Any) -> None:
@@ -253,11 +274,31 @@ class WorkerRunner:
             except Exception as exc:
                 log.debug("in_progress failed: %s", exc)
 
+    async def _poll_lag(self, js: Any, stream: str) -> None:
+        """Consumer lag for ``/metrics``: what waits in the stream and what is being worked on."""
+        pending = metrics.CONSUMER_PENDING.labels(stream, self.handler.durable)
+        ack_pending = metrics.CONSUMER_ACK_PENDING.labels(stream, self.handler.durable)
+        while True:
+            try:
+                info = await js.consumer_info(stream, self.handler.durable)
+                pending.set(info.num_pending or 0)
+                ack_pending.set(info.num_ack_pending or 0)
+            except Exception as exc:
+                log.debug("consumer info failed: %s", exc)
+            await asyncio.sleep(LAG_POLL_INTERVAL_S)
+
     async def _heartbeat(self, nc: NATS) -> None:
         subject = self.subjects.heartbeat(self.handler.role)
         while True:
             try:
                 await nc.publish(subject, protocol.encode(self.handler.heartbeat(self.settings)))
+                if self.health is not None:
+                    # The file says "connected" only after a PING/PONG round trip just now (flush
+                    # skips the round trip while reconnecting, hence is_connected too).
+                    await nc.flush(timeout=HEARTBEAT_INTERVAL_S)
+                    if nc.is_connected:
+                        self.health.write(role=self.handler.role, worker_id=self.settings.worker_id,
+                                          in_flight=self.handler.in_flight)
             except Exception as exc:
                 log.debug("heartbeat failed: %s", exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)

@@ -67,6 +67,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def vllm_work_dir(tmp_path_factory):
+    """One project-local folder for every vLLM engine of the session (caches, IPC sockets). Short,
+    because vLLM puts unix sockets there (108-byte path limit)."""
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tiny_model_dir, vllm_work_dir):
+    """The aggregated vLLM reference: a plain vLLM engine (no EC connector) in this process."""
+    from shared.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(tiny_model_dir, dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
 def reference_engine(tiny_model_dir):
     """The aggregated reference: the transformers engine in this process, 1 thread like the workers."""
     from shared.engines.transformers_engine import TransformersEngine
@@ -74,7 +93,8 @@ def reference_engine(tiny_model_dir):
     return TransformersEngine(tiny_model_dir, dtype="float32", threads=1, model_id="qwen2-vl-tiny")
 
 
-def _start_stack(nats_server, s3_server, model_dir, log_dir, *, services=None, roles=None, service_env=None, **env_overrides):
+def _start_stack(nats_server, s3_server, model_dir, log_dir, *, services=None, roles=None, service_env=None,
+                 ready_timeout=180, **env_overrides):
     from shared.infra import free_port
     from shared.launcher import Stack
     from tests.stackutil import RunningStack, stack_env
@@ -88,7 +108,7 @@ def _start_stack(nats_server, s3_server, model_dir, log_dir, *, services=None, r
         else:
             for name in services:
                 stack.add(name)
-        stack.wait_ready(timeout=180, roles=roles)
+        stack.wait_ready(timeout=ready_timeout, roles=roles)
     except BaseException:
         stack.stop()
         raise
@@ -122,6 +142,43 @@ def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         services=["api"], roles={}, EPD_API_KEYS="sk-test-1, sk-test-2", EPD_REQUEST_TIMEOUT_S="2",
     )
     running.request_timeout_s = 2
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, *, service_env=None, **env_overrides):
+    """A whole stack of one topology (``shared.launcher.TOPOLOGY_SERVICES``), ready."""
+    from shared.infra import free_port
+    from shared.launcher import Stack
+    from tests.stackutil import RunningStack, stack_env
+
+    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
+    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
+    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    try:
+        stack.start()
+        stack.wait_ready(timeout=180)
+    except BaseException:
+        stack.stop()
+        raise
+    return running
+
+
+@pytest.fixture(scope="session")
+def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
+    """E|P|D: api + encoder + prefill (role ``prefill``) + decode processes, tiny Qwen2-VL.
+
+    A short ack wait (4 s) so a killed decode worker's job is redelivered quickly, and decode
+    workers that sleep 50 ms after each step (fault injection; numerics unchanged) so a test can
+    act while a request is being decoded. Tests may stop and start decode workers
+    (``stack.add("decode", ...)``) but leave one running."""
+    running = _start_topology(
+        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-split-logs"), "e-p-d",
+        service_env={"decode": {"EPD_FAULT_DECODE_STEP_DELAY_S": "0.05"}},
+        EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024), EPD_ACK_WAIT_S="4",
+    )
     try:
         yield running
     finally:

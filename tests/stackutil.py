@@ -92,6 +92,8 @@ def stack_env(nats: EmbeddedNats, s3: EmbeddedS3, model_dir: Path, **overrides: 
         "EPD_TORCH_THREADS": "1",
         "EPD_URL_ALLOW_NETWORKS": "127.0.0.0/8",
         "EPD_LOG_LEVEL": "INFO",
+        # JetStream reserves max_bytes per stream up front: many test stacks share one server.
+        "EPD_STREAM_MAX_BYTES": str(64 * 1024**2),
     }
     env.update(overrides)
     return env, prefix, namespace, bucket

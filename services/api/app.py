@@ -27,11 +27,11 @@ from typing import Any, AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
-from shared import metrics, protocol
+from shared import metrics, protocol, replay, timeline
 from shared.config import ApiSettings
 from shared.ecstore.factory import ec_store_from_settings
 from shared.ecstore.store import ECStore
@@ -45,10 +45,11 @@ from shared.errors import (
     error_from_code,
 )
 from shared.fingerprint import encoder_fingerprint
-from shared.jetstream import JetStreamPublisher, connect, ensure_topology
+from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
 from shared.media import ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import (
+    DecodeJob,
     ChatRequestRecord,
     EncodeJob,
     ErrorEvent,
@@ -122,6 +123,7 @@ class ApiService:
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
         for stream, durable in (
             (self.subjects.stream_generate, protocol.CONSUMER_PREFILL),
+            (self.subjects.stream_decode, protocol.CONSUMER_DECODE),
             (self.subjects.stream_encode, protocol.CONSUMER_ENCODER),
         ):
             subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
@@ -155,10 +157,11 @@ class ApiService:
         except Exception as exc:
             log.warning("could not read max-deliveries advisory: %s", exc)
             return
-        if isinstance(job, GenerationJob):
+        if isinstance(job, (GenerationJob, DecodeJob)):
+            stage, what = ("decode", "decode") if isinstance(job, DecodeJob) else ("prefill", "generation")
             event = ErrorEvent(
-                request_id=job.request_id, code="worker_failed", stage="prefill", http_status=502,
-                message=f"the generation job failed {self.settings.max_deliver} times (workers crashed or timed out)",
+                request_id=job.request_id, code="worker_failed", stage=stage, http_status=502,
+                message=f"the {what} job failed {self.settings.max_deliver} times (workers crashed or timed out)",
             )
             await self.publisher.publish(self.subjects.tokens(job.request_id), event, request_id=job.request_id)
         elif isinstance(job, EncodeJob):
@@ -182,7 +185,9 @@ class ApiService:
             if img.content_hash not in distinct:
                 media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
                 ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
-                if await asyncio.to_thread(self.store.exists, ref.item_hash):
+                if self.settings.topology == "agg":  # the agg worker encodes in process
+                    ref = msgspec.structs.replace(ref, encode_queued=False)
+                elif await asyncio.to_thread(self.store.exists, ref.item_hash):
                     log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
                     ref = msgspec.structs.replace(ref, encode_queued=False)
                 else:
@@ -310,6 +315,18 @@ def create_app(settings: ApiSettings) -> FastAPI:
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/requests/{request_id}")
+    async def debug_request(request: Request, request_id: str, format: str = "html"):
+        """The request's waterfall page (``?format=json``: its messages and timeline as JSON)."""
+        check_auth(request)
+        if service.nc is None or not service.nc.is_connected:
+            raise ServiceUnavailable("not connected to NATS")
+        case = await replay.find_case(service.nc, service.subjects, request_id)
+        tl = timeline.build_timeline(case)
+        if format == "json":
+            return JSONResponse({"case": case.to_json(), "timeline": tl.to_json()})
+        return HTMLResponse(timeline.render_html(case, tl))
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         check_auth(request)
@@ -324,6 +341,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         check_auth(request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         token = REQUEST_ID.set(request_id)
+        trace = set_trace("api", received_at=received_at)  # headers of everything published below
         metrics.IN_FLIGHT.labels("api").inc()
         try:
             raw = await _read_body(request, settings.max_body_bytes)
@@ -360,6 +378,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return _finish_error(exc)
         finally:
             metrics.IN_FLIGHT.labels("api").dec()
+            TRACE_HEADERS.reset(trace)
             REQUEST_ID.reset(token)
 
     return app
@@ -406,6 +425,16 @@ def _completion_body(request_id: str, parsed: ParsedRequest, final: FinalResult,
     }
 
 
+def _observe_final(final: FinalResult, received_at: float, first_token_at: float | None) -> None:
+    """E2E, time per output token (after the first) and token counts of a completed request."""
+    now = time.time()
+    metrics.E2E.observe(now - received_at)
+    if first_token_at is not None and final.completion_tokens > 1:
+        metrics.TPOT.observe((now - first_token_at) / (final.completion_tokens - 1))
+    metrics.PROMPT_TOKENS.inc(final.prompt_tokens)
+    metrics.GENERATION_TOKENS.inc(final.completion_tokens)
+
+
 async def _complete(events, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
     first_token_at = None
     async for event in events:
@@ -415,7 +444,7 @@ async def _complete(events, request_id: str, parsed: ParsedRequest, received_at:
         elif isinstance(event, ErrorEvent):
             raise _event_error(event)
         elif isinstance(event, FinalResult):
-            metrics.E2E.observe(time.time() - received_at)
+            _observe_final(event, received_at, first_token_at)
             metrics.REQUESTS.labels("200").inc()
             log.info("completed: %d tokens, finish=%s, sources=%s", event.completion_tokens, event.finish_reason,
                      event.ec_sources)
@@ -440,6 +469,7 @@ async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_a
     try:
         yield chunk({"role": "assistant", "content": ""})
         first_token_seen = False
+        first_token_at = None
 
         async def all_events():
             yield first
@@ -451,7 +481,8 @@ async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_a
                 if isinstance(event, TokenChunk):
                     if not first_token_seen:
                         first_token_seen = True
-                        metrics.TTFT.observe(time.time() - received_at)
+                        first_token_at = time.time()
+                        metrics.TTFT.observe(first_token_at - received_at)
                     extra = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
                     if event.text or extra:
                         yield chunk({"content": event.text}, **extra)
@@ -463,7 +494,7 @@ async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_a
                             "model": parsed.model, "choices": [], "usage": _usage(event),
                         }
                         yield f"data: {json.dumps(body)}\n\n".encode()
-                    metrics.E2E.observe(time.time() - received_at)
+                    _observe_final(event, received_at, first_token_at)
                     metrics.REQUESTS.labels("200").inc()
                 elif isinstance(event, ErrorEvent):
                     raise _event_error(event)

@@ -10,7 +10,7 @@ from shared.logs import setup_logging
 
 def main() -> None:
     settings = ApiSettings()
-    setup_logging(settings.log_level, service="api")
+    setup_logging(settings.log_level, service="api", fmt=settings.log_format)
     from services.api.app import create_app
 
     uvicorn.run(

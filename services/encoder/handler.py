@@ -1,5 +1,8 @@
 """Encoder worker: EncodeJob -> vision encoder -> versioned EC object in the store -> ECReady.
 
+With a connector engine (``EPD_ENGINE=vllm``) the engine runs as an encoder-only EC producer and
+its own EC connector writes the object; the worker announces it once the store has it.
+
 Idempotent: a valid object already stored for the job's key is announced again, not recomputed.
 A job that cannot succeed (bad image, wrong model version, missing media) is answered with an
 ``ECFailed`` event and terminated, so prefill workers stop waiting and encode locally or fail
@@ -10,6 +13,7 @@ the last attempt publishes ``ECFailed``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -19,7 +23,7 @@ from shared.ecstore.factory import ec_store_from_settings
 from shared.ecstore.format import ECValidationError
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
-from shared.encoding import encode_image_bytes, load_engine, media_limits
+from shared.encoding import encode_image_bytes, load_engine, media_image_from_bytes, media_limits
 from shared.engines.base import Engine
 from shared.errors import EPDError, InvalidImage, MediaMissing, StoreError
 from shared.protocol import ECFailed, ECReady, EncodeJob
@@ -40,6 +44,7 @@ class EncoderHandler(Handler):
         self.store = store
         self.limits = media_limits(settings)
         self.ctx: WorkerContext | None = None
+        self._owned_engine: Engine | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -48,7 +53,8 @@ class EncoderHandler(Handler):
     async def setup(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         if self.engine is None:
-            self.engine = await self.run_compute(load_engine, self.settings)
+            self.engine = await self.run_compute(functools.partial(load_engine, self.settings, role=self.role))
+            self._owned_engine = self.engine
         if self.store is None:
             self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
 
@@ -102,6 +108,9 @@ class EncoderHandler(Handler):
         data = await asyncio.to_thread(self.store.get_media, job.image.media_key)
         if data is None:
             raise MediaMissing(f"image {item[:12]} is not in the store (key {job.image.media_key})")
+        started_at = time.time()
+        if self.engine.features_via_connector:
+            return await self._produce(job, data, attempt, started_at)
         started = time.perf_counter()
         encoded = await self.run_compute(self._compute, data, item)
         encode_s = time.perf_counter() - started
@@ -111,18 +120,47 @@ class EncoderHandler(Handler):
             self.store.save, item, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded)
         )
         log.info("encoded %s: %d tokens, %d bytes, %.3fs (attempt %d)", item[:12], shape[0], nbytes, encode_s, attempt)
-        await self._ready(job, shape[0], nbytes, encode_s)
+        await self._ready(job, shape[0], nbytes, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels("encoded").inc()
         return Verdict.ack()
+
+    async def _produce(self, job: EncodeJob, data: bytes, attempt: int, started_at: float) -> Verdict:
+        """Connector engines (vLLM): the engine's own EC connector writes the object while it
+        encodes; announce it only once the store has it."""
+        assert self.store is not None and self.engine is not None
+        item = job.image.item_hash
+        started = time.perf_counter()
+        run = asyncio.to_thread if self.engine.concurrent else self.run_compute
+        n_tokens = await run(self._compute, data, item)
+        encode_s = time.perf_counter() - started
+        metrics.ENCODE_SECONDS.observe(encode_s)
+        info = None
+        if await asyncio.to_thread(self.store.exists, item):
+            info = await asyncio.to_thread(self.store.store.stat, self.store.key(item))
+        if info is None:  # e.g. the store was down during the save: retried, then ECFailed
+            raise StoreError(f"the {self.engine.name} engine's EC connector did not store item {item[:12]}")
+        log.info("encoded %s via the %s connector: %d tokens, %d bytes, %.3fs (attempt %d)",
+                 item[:12], self.engine.name, n_tokens, info.size, encode_s, attempt)
+        await self._ready(job, n_tokens, info.size, encode_s, started_at=started_at)
+        metrics.ENCODE_JOBS.labels("encoded").inc()
+        return Verdict.ack()
+
+    async def close(self) -> None:
+        await super().close()
+        if self._owned_engine is not None:  # vLLM: stops its engine processes
+            await asyncio.to_thread(self._owned_engine.close)
 
     def _compute(self, data: bytes, item_hash: str):
         if self.settings.fault_encode_delay_s:
             log.warning("fault injection: sleeping %.1fs before encoding %s", self.settings.fault_encode_delay_s,
                         item_hash[:12])
             time.sleep(self.settings.fault_encode_delay_s)
+        if self.engine.features_via_connector:  # -> token count; the connector stores the output
+            return self.engine.produce([media_image_from_bytes(data, item_hash, self.limits)])[0]
         return encode_image_bytes(self.engine, data, item_hash, self.limits)
 
-    async def _ready(self, job: EncodeJob, n_tokens: int, nbytes: int, encode_s: float) -> None:
+    async def _ready(self, job: EncodeJob, n_tokens: int, nbytes: int, encode_s: float, *,
+                     started_at: float = 0.0) -> None:
         assert self.ctx is not None
         event = ECReady(
             request_id=job.request_id,
@@ -134,6 +172,7 @@ class EncoderHandler(Handler):
             producer=self.settings.worker_id,
             encode_s=encode_s,
             created_at=time.time(),
+            encode_started_at=started_at,
         )
         await self.ctx.publisher.publish(
             self.ctx.subjects.ec_ready(job.fingerprint, job.image.item_hash), event, request_id=job.request_id

@@ -9,7 +9,7 @@ from shared.worker import run_worker
 
 def main() -> None:
     settings = EncoderSettings()
-    setup_logging(settings.log_level, service="encoder")
+    setup_logging(settings.log_level, service="encoder", fmt=settings.log_format)
     from services.encoder.handler import EncoderHandler
 
     run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size, concurrency=settings.batch_size)

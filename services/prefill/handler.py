@@ -1,4 +1,16 @@
-"""Prefill worker, ``pd`` role (E|PD): GenerationJob -> encoder outputs -> prefill + decode -> tokens.
+"""Prefill worker: GenerationJob -> encoder outputs -> prefill (+ decode) -> tokens.
+
+Roles (``EPD_ROLE``):
+
+* ``pd`` (E|PD): prefill and decode here, streaming every token.
+* ``prefill`` (E|P|D): prefill, stream the first token, write the decode state (KV cache, last
+  token, positions / M-RoPE delta, sampling RNG state, tokens so far) as a KV object
+  (``shared.ecstore.kv``) and publish a ``DecodeJob`` for the decode workers. If the state
+  cannot be handed off (over ``EPD_MAX_KV_OBJECT_BYTES``, store down, job too large for NATS)
+  the worker decodes the request itself, as ``pd`` would (logged, counted in
+  ``epd:kv_handoffs_total``). A request that finishes with its first token never leaves.
+* ``agg``: the baseline - encode + prefill + decode in this process; encoder outputs come from
+  the local cache or local encoding, never from the store or an encoder worker.
 
 Where each image's features come from, in order:
 
@@ -11,6 +23,12 @@ Where each image's features come from, in order:
    (repairing a bad object). The reason is logged and counted
    (``epd:ec_lookups_total{source="recomputed",reason=...}``).
 
+With a connector engine (``EPD_ENGINE=vllm``) features never pass through this worker: it waits for
+the encoder the same way (steps 2-3, existence check only), then hands vLLM the image with its item
+hash; vLLM's EC connector (``shared.ecstore.vllm_connector``) loads the stored output or, on any
+miss or failed validation, vLLM encodes the image itself. ``ec_sources`` then report what the
+connector did (``store`` / ``recomputed:<reason>``). vLLM batches concurrent jobs itself.
+
 Tokens go to ``<prefix>.tokens.<request_id>`` as ``TokenChunk`` messages numbered by ``seq``; a
 redelivered job regenerates from the start (same seed, same tokens) with a higher ``attempt`` and
 the API forwards only what it has not sent yet.
@@ -19,6 +37,7 @@ the API forwards only what it has not sent yet.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import zlib
@@ -26,14 +45,23 @@ from collections import OrderedDict
 
 from shared import metrics, protocol
 from shared.config import PrefillSettings
-from shared.ecstore.factory import ec_store_from_settings
+from shared.ecstore.factory import ec_store_from_settings, kv_store_from_settings
+from shared.ecstore.kv import KVStore
 from shared.ecstore.format import ECValidationError, MissReason
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
-from shared.encoding import encode_image_bytes, load_engine, media_limits
-from shared.engines.base import EncodedImage, Engine, GenerationStats, SamplingParams
+from shared.encoding import (
+    encode_image_bytes,
+    load_engine,
+    media_image_from_bytes,
+    media_limits,
+    require_kv_handoff_engine,
+)
+from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest, MediaMissing, StoreError
-from shared.protocol import ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef, TokenChunk
+from shared.fingerprint import model_fingerprint
+from shared.objectstore import ObjectTooLarge
+from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef, TokenChunk
 from shared.worker import Handler, Verdict, WorkerContext
 
 log = logging.getLogger(__name__)
@@ -81,14 +109,17 @@ class PrefillHandler(Handler):
     stream_attr = "stream_generate"
     durable = protocol.CONSUMER_PREFILL
 
-    def __init__(self, settings: PrefillSettings, engine: Engine | None = None, store: ECStore | None = None):
+    def __init__(self, settings: PrefillSettings, engine: Engine | None = None, store: ECStore | None = None,
+                 kv_store: KVStore | None = None):
         super().__init__()
         self.settings = settings
         self.engine = engine
         self.store = store
+        self.kv_store = kv_store
         self.cache = FeatureCache(settings.local_cache_bytes)
         self.limits = media_limits(settings)
         self.ctx: WorkerContext | None = None
+        self._owned_engine: Engine | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -96,10 +127,20 @@ class PrefillHandler(Handler):
 
     async def setup(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        if self.settings.role == "prefill":
+            require_kv_handoff_engine(self.settings.engine, "prefill")
         if self.engine is None:
-            self.engine = await self.run_compute(load_engine, self.settings)
+            self.engine = await self.run_compute(functools.partial(load_engine, self.settings, role=self.settings.role))
+            self._owned_engine = self.engine
         if self.store is None:
             self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+        if self.settings.role == "prefill" and self.kv_store is None:
+            fp = await asyncio.to_thread(
+                model_fingerprint, self.settings.require_model_path(), dtype=self.settings.dtype,
+                engine=self.settings.engine,
+            )
+            self.kv_store = await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
+            log.info("role prefill: KV objects under model fingerprint %s", fp)
 
     # -- job -------------------------------------------------------------------------------
     async def handle(self, delivery) -> Verdict:
@@ -154,26 +195,59 @@ class PrefillHandler(Handler):
             ignore_eos=sp.ignore_eos,
         )
         stats = GenerationStats()
+        out = _TokenOutput(self.ctx, job, attempt)
+        if self.settings.role == "prefill":
+            if await self._prefill_and_hand_off(job, images, params, stats, out, sources, t0, t_features):
+                return
+        else:
+            await self._stream(out, lambda: self.engine.generate(job.messages, images, params, stats))
+        if stats.extra.get("ec_sources"):  # connector engines report where each item's features came from
+            sources.update(stats.extra["ec_sources"])
+        t_end = time.perf_counter()
+        final = FinalResult(
+            request_id=job.request_id,
+            attempt=attempt,
+            token_ids=tuple(out.token_ids),
+            text="".join(out.text_parts),
+            finish_reason=out.finish_reason,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens,
+            timings={
+                "features_s": t_features - t0,
+                "prefill_s": stats.prefill_s,
+                "decode_s": stats.decode_s,
+                "first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
+                "total_s": t_end - t0,
+            },
+            ec_sources=sources,
+            worker=self.settings.worker_id,
+        )
+        await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), final, request_id=job.request_id)
+        log.info(
+            "done: %d prompt + %d completion tokens, finish=%s, features %.3fs, total %.3fs, sources=%s",
+            stats.prompt_tokens, stats.completion_tokens, out.finish_reason, t_features - t0, t_end - t0, sources,
+        )
+
+    async def _stream(self, out: "_TokenOutput", make_events) -> None:
+        """Run ``make_events()`` (an iterator of TokenEvents, driven in the engine thread) and
+        publish every event as it comes."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def produce() -> None:
             try:
-                for event in self.engine.generate(job.messages, images, params, stats):
+                for event in make_events():
                     loop.call_soon_threadsafe(queue.put_nowait, event)
-                    if time.time() > job.deadline:  # nobody is waiting any more: free the engine
+                    if time.time() > out.job.deadline:  # nobody is waiting any more: free the engine
                         raise DeadlineExceeded("request deadline passed during generation")
             except BaseException as exc:  # re-raised on the event loop side
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             else:
                 loop.call_soon_threadsafe(queue.put_nowait, _DONE)
 
-        compute = asyncio.ensure_future(self.run_compute(produce))
-        subject = self.ctx.subjects.tokens(job.request_id)
-        token_ids: list[int] = []
-        text_parts: list[str] = []
-        finish_reason = "length"
-        first_token_at = None
+        # A concurrent engine (vLLM) batches requests itself: don't serialize them in the engine thread.
+        run = asyncio.to_thread if self.engine.concurrent else self.run_compute
+        compute = asyncio.ensure_future(run(produce))
         while True:
             event = await queue.get()
             if event is _DONE:
@@ -181,51 +255,82 @@ class PrefillHandler(Handler):
             if isinstance(event, BaseException):
                 await compute
                 raise event
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            chunk = TokenChunk(
-                request_id=job.request_id, attempt=attempt, seq=len(token_ids),
-                token_ids=(event.token_id,), text=event.text,
-            )
-            token_ids.append(event.token_id)
-            text_parts.append(event.text)
-            if event.finish_reason:
-                finish_reason = event.finish_reason
-            await self.ctx.publisher.publish(subject, chunk, request_id=job.request_id)
+            await out.publish(event)
         await compute
-        t_end = time.perf_counter()
-        final = FinalResult(
-            request_id=job.request_id,
-            attempt=attempt,
-            token_ids=tuple(token_ids),
-            text="".join(text_parts),
-            finish_reason=finish_reason,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
-            timings={
-                "features_s": t_features - t0,
-                "prefill_s": stats.prefill_s,
-                "decode_s": stats.decode_s,
-                "first_token_s": (first_token_at - t0) if first_token_at else 0.0,
-                "total_s": t_end - t0,
-            },
-            ec_sources=sources,
-            worker=self.settings.worker_id,
+
+    # -- E|P|D hand-off --------------------------------------------------------------------
+    def _prefill_first(self, job: GenerationJob, images, params: SamplingParams, stats: GenerationStats):
+        """Engine thread: prefill and the first token's event. Returns (state, event iterator, event)."""
+        state = self.engine.prefill(job.messages, images, params, stats)
+        events = self.engine.decode(state, params, stats)
+        return state, events, next(events)
+
+    def _encode_kv(self, job: GenerationJob, state) -> tuple[str, bytes]:
+        """Engine thread: the decode state as a KV object (torch -> bytes)."""
+        from shared.ecstore.tensors import decode_state_to_raw
+
+        tensors, meta = decode_state_to_raw(state)
+        return self.kv_store.encode(job.request_id, job.reprefill, tensors, meta, protocol.to_builtins(job.sampling))
+
+    async def _prefill_and_hand_off(self, job: GenerationJob, images, params: SamplingParams, stats: GenerationStats,
+                                    out: "_TokenOutput", sources: dict[str, str], t0: float, t_features: float) -> bool:
+        """Role ``prefill``. True when a decode worker now owns the request; False when this
+        worker finished it (first token was the last, or the hand-off was impossible and the
+        request was decoded here)."""
+        assert self.ctx is not None and self.kv_store is not None
+        state, events, first = await self.run_compute(self._prefill_first, job, images, params, stats)
+        await out.publish(first)
+        if first.finish_reason is not None:
+            metrics.KV_HANDOFFS.labels("finished_in_prefill").inc()
+            return False
+        t_handoff = time.perf_counter()
+        try:
+            key, blob = await self.run_compute(self._encode_kv, job, state)
+            decode_job = DecodeJob(
+                request_id=job.request_id, kv_key=key, kv_attempt=job.reprefill, kv_nbytes=len(blob),
+                model_fingerprint=self.kv_store.fingerprint, sampling=job.sampling, deadline=job.deadline,
+                created_at=time.time(), emitted=len(out.token_ids), emitted_text="".join(out.text_parts),
+                prompt_tokens=stats.prompt_tokens, generation=job,
+                timings={"features_s": t_features - t0, "prefill_s": stats.prefill_s,
+                         "first_token_s": (out.first_token_at or t_handoff) - t0},
+                ec_sources=sources, prefill_worker=self.settings.worker_id,
+            )
+            limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
+            if len(protocol.encode(decode_job)) > limit:
+                raise ValueError(f"decode job over the NATS payload limit of {limit} bytes")
+            await asyncio.to_thread(self.kv_store.put, key, blob)
+        except (ObjectTooLarge, StoreError, ValueError) as exc:
+            reason = "too_large" if isinstance(exc, (ObjectTooLarge, ValueError)) else "store_error"
+            log.warning("cannot hand off to a decode worker (%s: %s): decoding here", reason, exc)
+            metrics.KV_HANDOFFS.labels(f"local_{reason}").inc()
+            await self._stream(out, lambda: events)
+            return False
+        await self.ctx.publisher.publish(
+            self.ctx.subjects.decode_jobs, decode_job, request_id=job.request_id,
+            msg_id=f"{job.request_id}-decode-{job.reprefill}",
         )
-        await self.ctx.publisher.publish(subject, final, request_id=job.request_id)
+        metrics.KV_HANDOFFS.labels("handed_off").inc()
         log.info(
-            "done: %d prompt + %d completion tokens, finish=%s, features %.3fs, total %.3fs, sources=%s",
-            stats.prompt_tokens, stats.completion_tokens, finish_reason, t_features - t0, t_end - t0, sources,
+            "handed off: %d prompt tokens, KV %s (%d bytes) in %.3fs, features %.3fs, prefill %.3fs, sources=%s",
+            stats.prompt_tokens, key, len(blob), time.perf_counter() - t_handoff, t_features - t0, stats.prefill_s,
+            sources,
         )
+        return True
 
     # -- encoder outputs -------------------------------------------------------------------
-    async def resolve_image(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
+    async def resolve_image(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | MediaImage, str]:
         """Features for one image and where they came from ("local_cache", "store", "recomputed:<reason>")."""
         assert self.ctx is not None and self.store is not None
+        if self.engine is not None and self.engine.features_via_connector:
+            return await self._resolve_for_connector(ref)
         cached = self.cache.get(ref.item_hash)
         if cached is not None:
             metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
             return cached, "local_cache"
+        if self.settings.role == "agg":  # the baseline: no store, no encoder workers
+            item = await self._encode_locally(ref, request_id, write_back=False)
+            metrics.EC_LOOKUPS.labels("local", "hit", "").inc()
+            return item, "local"
 
         reason = MissReason.NOT_FOUND
         sub = None
@@ -252,6 +357,37 @@ class PrefillHandler(Handler):
         metrics.EC_LOOKUPS.labels("recomputed", "hit", reason.value).inc()
         return item, f"recomputed:{reason.value}"
 
+    async def _resolve_for_connector(self, ref: ImageRef) -> tuple[MediaImage, str]:
+        """Connector engines (vLLM): the engine's EC connector loads the stored output itself and
+        encodes the image when it cannot. Here, as on the transformers path, wait until the
+        encoder has stored the item (or gave up, or ``ec_wait_s`` passed), then hand over the
+        image. The source is provisional; the engine reports the real one after generating."""
+        assert self.ctx is not None and self.store is not None
+        if self.settings.role != "agg" and ref.encode_queued and self.ctx.nc is not None and self.settings.ec_wait_s > 0:
+            sub = await self.ctx.nc.subscribe(self.ctx.subjects.ec_any(self.fingerprint, ref.item_hash))
+            try:
+                try:
+                    stored = await asyncio.to_thread(self.store.exists, ref.item_hash)
+                except StoreError as exc:
+                    log.warning("existence check of %s failed (%s): not waiting", ref.item_hash[:12], exc)
+                    stored = True
+                if not stored:
+                    reason = await self._wait_for_encoder(sub, ref)
+                    if reason is not None:
+                        log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
+            finally:
+                await sub.unsubscribe()
+        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
+        if data is None:
+            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
+        image = await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
+        return image, "local" if self.settings.role == "agg" else "connector"
+
+    async def close(self) -> None:
+        await super().close()
+        if self._owned_engine is not None:  # vLLM: stops its engine processes
+            await asyncio.to_thread(self._owned_engine.close)
+
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
         obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
         item = ec_object_to_encoded(obj)
@@ -276,12 +412,14 @@ class PrefillHandler(Handler):
             return None
         return MissReason.TIMEOUT
 
-    async def _encode_locally(self, ref: ImageRef, request_id: str) -> EncodedImage:
+    async def _encode_locally(self, ref: ImageRef, request_id: str, *, write_back: bool = True) -> EncodedImage:
         data = await asyncio.to_thread(self.store.get_media, ref.media_key)
         if data is None:
             raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
         item = await self.run_compute(encode_image_bytes, self.engine, data, ref.item_hash, self.limits)
         self.cache.put(ref.item_hash, item)
+        if not write_back:
+            return item
         raw, dtype, shape = tensor_to_raw(item.features)
         try:  # write back: repairs a corrupt / missing object for the next request
             await asyncio.to_thread(self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape,
@@ -294,3 +432,31 @@ class PrefillHandler(Handler):
         assert self.ctx is not None
         event = ErrorEvent(request_id=job.request_id, code=code, message=message, stage="prefill", http_status=status)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
+
+
+class _TokenOutput:
+    """Publishes a request's token events as ``TokenChunk`` s (seq = token index) and keeps what
+    went out, for the FinalResult or the DecodeJob."""
+
+    def __init__(self, ctx: WorkerContext, job: GenerationJob, attempt: int):
+        self.ctx = ctx
+        self.job = job
+        self.attempt = attempt
+        self.subject = ctx.subjects.tokens(job.request_id)
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.finish_reason = "length"
+        self.first_token_at: float | None = None
+
+    async def publish(self, event) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        chunk = TokenChunk(
+            request_id=self.job.request_id, attempt=self.attempt, seq=len(self.token_ids),
+            token_ids=(event.token_id,), text=event.text,
+        )
+        self.token_ids.append(event.token_id)
+        self.text_parts.append(event.text)
+        if event.finish_reason:
+            self.finish_reason = event.finish_reason
+        await self.ctx.publisher.publish(self.subject, chunk, request_id=self.job.request_id)

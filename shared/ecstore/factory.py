@@ -1,9 +1,10 @@
-"""Build the object store and EC store from settings (the only place that reads store settings)."""
+"""Build the object store, EC store and KV store from settings (the only place that reads store settings)."""
 
 from __future__ import annotations
 
 from shared.config import CommonSettings
 from shared.ecstore.store import ECStore
+from shared.ecstore.kv import KVStore
 from shared.objectstore import ObjectStore, make_object_store
 
 
@@ -33,4 +34,16 @@ def ec_store_from_settings(settings: CommonSettings, fingerprint: str) -> ECStor
         producer=settings.worker_id,
         max_object_bytes=settings.max_ec_object_bytes,
         max_media_bytes=settings.max_image_bytes,
+    )
+
+
+def kv_store_from_settings(settings: CommonSettings, model_fingerprint: str) -> KVStore:
+    store = object_store_from_settings(settings)
+    store.ensure_bucket()
+    return KVStore(
+        store,
+        namespace=settings.namespace,
+        fingerprint=model_fingerprint,
+        producer=settings.worker_id,
+        max_object_bytes=settings.max_kv_object_bytes,
     )

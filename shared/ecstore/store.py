@@ -136,7 +136,11 @@ class ECStore:
         key = self.media_key(item_hash)
         if not self.store.exists(key):
             self.store.put(key, data)
+            metrics.MEDIA_BYTES.labels("put").inc(len(data))
         return key
 
     def get_media(self, key: str) -> bytes | None:
-        return self.store.get(key, max_bytes=self.max_media_bytes)
+        data = self.store.get(key, max_bytes=self.max_media_bytes)
+        if data is not None:
+            metrics.MEDIA_BYTES.labels("get").inc(len(data))
+        return data

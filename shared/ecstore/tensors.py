@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.ecstore.format import ECObject
+from shared.ecstore.format import ECObject, RawTensor
+from shared.ecstore.kv import KVObject
 from shared.engines.base import EncodedImage
 
 _TO_ST = {
@@ -37,3 +38,19 @@ def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
         features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
         grid_thw=tuple(int(x) for x in grid) if grid else None,
     )
+
+
+# -- KV objects (E|P|D hand-off) ----------------------------------------------------------------
+def decode_state_to_raw(state) -> tuple[dict[str, RawTensor], dict[str, str]]:
+    """A ``DecodeState`` as raw tensors + its metadata, for :class:`shared.ecstore.kv.KVStore`."""
+    tensors, meta = state.to_tensors()
+    return {name: RawTensor(*tensor_to_raw(t)) for name, t in tensors.items()}, meta
+
+
+def kv_object_to_state(obj: KVObject, config):
+    """Rebuild the ``DecodeState`` of a validated KV object (``config``: the model config).
+    Raises EngineError when the state does not fit the model (layers, heads, shapes)."""
+    from shared.engines.transformers_engine import DecodeState
+
+    tensors = {name: raw_to_tensor(t.data, t.dtype, t.shape) for name, t in obj.tensors.items()}
+    return DecodeState.from_tensors(tensors, obj.state_metadata, config)

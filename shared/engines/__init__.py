@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 ENGINES: dict[str, str] = {
     "transformers": "shared.engines.transformers_engine:TransformersEngine",
+    "vllm": "shared.engines.vllm_engine:VllmEngine",
 }
 
 

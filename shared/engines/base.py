@@ -54,6 +54,16 @@ class EncodedImage:
 
 
 @dataclass(frozen=True)
+class MediaImage:
+    """An image for engines whose encoder outputs travel through their own EC connector
+    (``Engine.features_via_connector``): the decoded RGB image and its content hash, which is
+    the item part of the EC key (``shared.media.content_hash_of``)."""
+
+    image: "Image.Image"
+    item_hash: str
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token. ``text`` is the newly decodable text (may be empty mid-codepoint).
 
@@ -78,6 +88,20 @@ class Engine(abc.ABC):
     """A loaded model. Subclasses register in :mod:`shared.engines` under a short name."""
 
     name: str = "base"
+    #: False (transformers): encoder outputs pass through the worker - ``encode`` returns them
+    #: and ``generate`` takes :class:`EncodedImage` items. True (vLLM): they move through the
+    #: engine's own EC connector and the store - :meth:`produce` stores them and ``generate``
+    #: takes :class:`MediaImage` items (the engine loads or, failing that, encodes them itself).
+    features_via_connector: bool = False
+    #: ``generate`` / ``produce`` may run in several threads at once (the engine batches them);
+    #: False: one caller thread at a time.
+    concurrent: bool = False
+
+    @classmethod
+    def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
+        """Engine-specific constructor options from the worker's settings (``role``: the worker
+        role, e.g. "encoder", "pd", "agg"). The default engine needs none."""
+        return {}
 
     @property
     @abc.abstractmethod
@@ -104,6 +128,11 @@ class Engine(abc.ABC):
         """Prefill + decode. ``messages`` use OpenAI roles; content is a string or a list of
         ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts. Yields tokens as they
         are produced; fills ``stats`` if given."""
+
+    def produce(self, images: Sequence[MediaImage]) -> list[int]:
+        """Connector engines: run the encoder on each image and have the EC connector store the
+        output under its item hash. Returns the feature token count per image."""
+        raise NotImplementedError(f"the {self.name} engine passes encoder outputs through the worker")
 
     def close(self) -> None:  # pragma: no cover - default no-op
         """Release resources."""

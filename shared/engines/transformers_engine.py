@@ -148,6 +148,12 @@ class DecodeState:
     emitted: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def advance(self, token: int) -> None:
+        """Record ``token`` sampled from the logits of ``last_token`` (which is now in the cache)."""
+        self.past_len += 1
+        self.last_token = token
+        self.output_ids.append(token)
+
     def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(keys, values)``, each ``[1, n_kv_heads, past_len, head_dim]``."""
         out = []
@@ -346,6 +352,66 @@ class StopStringMatcher:
         out = self._text[self._emitted :]
         self._emitted = len(self._text)
         return out
+
+
+class DecodeStream:
+    """Per-request decode bookkeeping around a :class:`DecodeState`: incremental
+    detokenization, stop strings, EOS and ``max_tokens``. Model compute is not done here, so
+    the single-request loop (:meth:`TransformersEngine.decode`) and the batched one
+    (``shared.engines.transformers_batch``) share the exact same token -> event logic.
+
+    Tokens ``output_ids[:emitted]`` were already emitted by an earlier owner of the state
+    (prefill in E|P|D, or a worker that died): they are replayed silently through the
+    detokenizer and stop matcher so the text continues exactly where that owner stopped.
+    """
+
+    def __init__(self, engine: "TransformersEngine", state: DecodeState, params: SamplingParams):
+        validate_params(params)
+        self.state = state
+        self.params = params
+        self._eos = engine.eos_token_ids
+        self._detok = IncrementalDetokenizer(engine.tokenizer, engine.byte_token_ids, engine.special_token_ids)
+        self._stopper = StopStringMatcher(params.stop)
+        self.finish_reason: str | None = None
+        for tok in state.output_ids[: state.emitted]:
+            self._stopper.feed(self._detok.add(tok))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_step(self) -> bool:
+        """True when every sampled token was emitted: the next event needs a decode step."""
+        return not self.finished and self.state.emitted >= len(self.state.output_ids)
+
+    def emit(self) -> TokenEvent:
+        """The event of the next not-yet-emitted token of ``state.output_ids``."""
+        if self.finished:
+            raise EngineError("decode stream already finished")
+        state, params = self.state, self.params
+        idx = state.emitted
+        tok = state.output_ids[idx]
+        state.emitted = n_out = idx + 1
+        text, hit_stop = self._stopper.feed(self._detok.add(tok))
+        finish: str | None = None
+        if hit_stop:
+            finish = "stop"
+        elif tok in self._eos and not params.ignore_eos:
+            finish = "stop"
+        elif n_out >= params.max_tokens:
+            finish = "length"
+        if finish is not None and not hit_stop:
+            # Release held-back text: the stream ends here without a stop string; a stop
+            # string may still complete inside the flushed tail.
+            tail, hit_tail = self._stopper.feed(self._detok.flush())
+            text += tail
+            if not hit_tail:
+                text += self._stopper.finish()
+            else:
+                finish = "stop"
+        self.finish_reason = finish
+        return TokenEvent(token_id=tok, text=text, finish_reason=finish)
 
 
 # -- sampling -----------------------------------------------------------------------------------
@@ -702,8 +768,10 @@ class TransformersEngine(Engine):
         q = p + state.rope_delta
         return torch.tensor([[[p]], [[q]], [[q]], [[q]]], dtype=torch.long)
 
-    def decode_step(self, state: DecodeState, params: SamplingParams) -> int:
-        """Feed ``state.last_token`` to the LM, sample the next token, advance ``state``."""
+    def decode_logits(self, state: DecodeState) -> torch.Tensor:
+        """Feed ``state.last_token`` through the LM (extending ``state.cache``) and return the
+        next-token logits ``[vocab]``. ``state``'s token fields are not advanced: see
+        :meth:`DecodeState.advance`."""
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([[state.last_token]], dtype=torch.long),
@@ -712,11 +780,13 @@ class TransformersEngine(Engine):
                 use_cache=True,
                 logits_to_keep=1,
             )
-        nxt = sample_next(out.logits[0, -1], params, state.generator)
         state.cache = out.past_key_values
-        state.past_len += 1
-        state.last_token = nxt
-        state.output_ids.append(nxt)
+        return out.logits[0, -1]
+
+    def decode_step(self, state: DecodeState, params: SamplingParams) -> int:
+        """Feed ``state.last_token`` to the LM, sample the next token, advance ``state``."""
+        nxt = sample_next(self.decode_logits(state), params, state.generator)
+        state.advance(nxt)
         return nxt
 
     def decode(
@@ -727,44 +797,18 @@ class TransformersEngine(Engine):
         Finish reasons: ``"stop"`` on an EOS token (unless ``ignore_eos``) or a stop string (the
         text then ends right before it), ``"length"`` after ``max_tokens`` tokens.
         """
-        validate_params(params)
-        detok = IncrementalDetokenizer(self.tokenizer, self.byte_token_ids, self.special_token_ids)
-        stopper = StopStringMatcher(params.stop)
-        # Replay tokens already emitted by an earlier owner of this state (handoff), silently,
-        # so detokenizer / stop matcher continue from the same text.
-        for tok in state.output_ids[: state.emitted]:
-            stopper.feed(detok.add(tok))
+        stream = DecodeStream(self, state, params)
         try:
             while True:
                 t0 = time.perf_counter()
-                idx = state.emitted
-                if idx >= len(state.output_ids):
+                if stream.needs_step:
                     self.decode_step(state, params)
-                tok = state.output_ids[idx]
-                state.emitted = idx + 1
-                n_out = idx + 1
-                text, hit_stop = stopper.feed(detok.add(tok))
-                finish: str | None = None
-                if hit_stop:
-                    finish = "stop"
-                elif tok in self.eos_token_ids and not params.ignore_eos:
-                    finish = "stop"
-                elif n_out >= params.max_tokens:
-                    finish = "length"
-                if finish is not None and not hit_stop:
-                    # Release held-back text: the stream ends here without a stop string; a
-                    # stop string may still complete inside the flushed tail.
-                    tail, hit_tail = stopper.feed(detok.flush())
-                    text += tail
-                    if not hit_tail:
-                        text += stopper.finish()
-                    else:
-                        finish = "stop"
+                event = stream.emit()
                 if stats is not None:
-                    stats.completion_tokens = n_out
+                    stats.completion_tokens = state.emitted
                     stats.decode_s += time.perf_counter() - t0
-                yield TokenEvent(token_id=tok, text=text, finish_reason=finish)
-                if finish is not None:
+                yield event
+                if event.finish_reason is not None:
                     return
         except (RuntimeError, ValueError, IndexError) as exc:
             raise EngineError(f"decode failed: {exc}") from exc

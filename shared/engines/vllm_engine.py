@@ -1,0 +1,434 @@
+"""Engine backed by vLLM (``AsyncLLM`` driven in-process; vLLM runs its engine core and model
+worker as child processes).
+
+With vLLM, encoder outputs do not pass through the worker: they move through vLLM's own EC
+connector interface, implemented over the project's store by
+:class:`shared.ecstore.vllm_connector.MinioECConnector`. So this engine has
+``features_via_connector = True``:
+
+* in an encoder worker (``ec_role="ec_producer"``) vLLM runs encoder-only (no KV cache);
+  :meth:`VllmEngine.produce` runs it on an image and the connector stores the output under the
+  image's item hash;
+* in a prefill worker (``ec_role="ec_consumer"``) :meth:`VllmEngine.generate` takes the images
+  themselves; the connector prefetches each stored output, and an item that is missing or fails
+  validation is encoded by vLLM locally, so a request always completes;
+* without a role (``agg``) it is a plain vLLM engine.
+
+The image's content hash is passed as vLLM's multimodal uuid, so vLLM's ``mm_hash`` - the
+connector's identifier - is the project's item hash and the keys line up with the API's.
+
+Calls are thread-safe: every call is a coroutine on one private event loop thread that owns the
+``AsyncLLM``; concurrent ``generate`` calls are batched by vLLM (``concurrent = True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from shared.engines.base import Engine, GenerationStats, MediaImage, SamplingParams, TokenEvent
+from shared.errors import EngineError, InvalidRequest
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_CLASS = "MinioECConnector"
+CONNECTOR_MODULE = "shared.ecstore.vllm_connector"
+#: worker role -> vLLM EC role ("agg" and anything else: a plain engine)
+EC_ROLES = {"encoder": "ec_producer", "pd": "ec_consumer"}
+_EVENT_TIMEOUT_S = 600.0
+_END = object()
+
+
+def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
+    """Point vLLM's caches, compile artefacts and IPC sockets at folders under ``work_dir``
+    (environment variables are vLLM's only interface for these, and its child processes inherit
+    them; values the operator set are kept). Call before vLLM is imported."""
+    work_dir = Path(work_dir).resolve()
+    wanted = {
+        "VLLM_CACHE_ROOT": work_dir / "cache",
+        "VLLM_CONFIG_ROOT": work_dir / "config",
+        "VLLM_ASSETS_CACHE": work_dir / "assets",
+        "VLLM_RPC_BASE_PATH": work_dir / "rpc",
+        "TORCHINDUCTOR_CACHE_DIR": work_dir / "inductor",
+        "TRITON_CACHE_DIR": work_dir / "triton",
+    }
+    # torch fills in TORCHINDUCTOR_CACHE_DIR with its default (/tmp/torchinductor_<user>) the first
+    # time anything asks (importing transformers does): only an operator's own value is kept.
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default_cache_dir()):
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    except ImportError:  # pragma: no cover - torch always ships it
+        pass
+    applied: dict[str, str] = {}
+    for name, path in wanted.items():
+        value = os.environ.setdefault(name, str(path))
+        Path(value).mkdir(parents=True, exist_ok=True)
+        applied[name] = value
+    # No phoning home, no hub: models are local folders.
+    for name, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("HF_HUB_OFFLINE", "1"),
+                        ("TRANSFORMERS_OFFLINE", "1")):
+        applied[name] = os.environ.setdefault(name, value)
+    return applied
+
+
+def connector_extra_config(settings: Any) -> dict[str, Any]:
+    """``ec_connector_extra_config`` for a worker's store settings (credentials stay in the env)."""
+    return {
+        "backend": settings.store_backend,
+        "endpoint": settings.s3_endpoint,
+        "bucket": settings.s3_bucket,
+        "namespace": settings.namespace,
+        "secure": settings.s3_secure,
+        "region": settings.s3_region,
+        "fs_root": str(Path(settings.store_fs_root).resolve()) if settings.store_backend == "fs" else "",
+        "access_key_env": "EPD_S3_ACCESS_KEY",
+        "secret_key_env": "EPD_S3_SECRET_KEY",
+        "max_object_bytes": settings.max_ec_object_bytes,
+        "producer_id": settings.worker_id,
+    }
+
+
+class VllmEngine(Engine):
+    """A model folder served by vLLM, optionally as an EC producer or consumer."""
+
+    name = "vllm"
+    features_via_connector = True
+    concurrent = True
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        threads: int | None = None,
+        model_id: str | None = None,
+        ec_role: str | None = None,
+        ec_extra_config: dict[str, Any] | None = None,
+        s3_credentials: tuple[Any, Any] | None = None,
+        connector: tuple[str, str] = (CONNECTOR_CLASS, CONNECTOR_MODULE),
+        work_dir: str | Path = "var/vllm",
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 16,
+        engine_args: dict[str, Any] | None = None,
+        start_timeout_s: float = 900.0,
+    ):
+        """``threads`` is accepted for interface parity and ignored: vLLM binds its own worker
+        threads (``VLLM_CPU_OMP_THREADS_BIND``). ``s3_credentials`` (secret values) are exported
+        under the env names of ``ec_extra_config`` when those are unset, for vLLM's processes.
+        ``connector`` (class name, module) may name a subclass of the project's connector."""
+        self.model_dir = Path(model_dir).resolve()
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineError(f"no config.json in model folder {self.model_dir}")
+        if ec_role not in (None, "ec_producer", "ec_consumer", "ec_both"):
+            raise EngineError(f"unknown vLLM EC role {ec_role!r}")
+        self.dtype_name = dtype
+        self.ec_role = ec_role
+        self._model_id = model_id or self.model_dir.name
+        self.env = configure_vllm_environment(Path(work_dir))
+        if ec_role and s3_credentials is not None:
+            extra = ec_extra_config or {}
+            for env_name, secret in zip(
+                (extra.get("access_key_env", "EPD_S3_ACCESS_KEY"), extra.get("secret_key_env", "EPD_S3_SECRET_KEY")),
+                s3_credentials,
+            ):
+                value = secret.get_secret_value() if hasattr(secret, "get_secret_value") else str(secret)
+                os.environ.setdefault(env_name, value)
+
+        from transformers import AutoConfig, AutoProcessor
+        from vllm import AsyncEngineArgs
+        from vllm.config import ECTransferConfig
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.processor = AutoProcessor.from_pretrained(self.model_dir)
+        self.tokenizer = self.processor.tokenizer
+        self.image_token_id = int(config.image_token_id)
+        self.chat_template = getattr(self.processor, "chat_template", None) or getattr(
+            self.tokenizer, "chat_template", None
+        )
+        if not self.chat_template:
+            raise EngineError(f"model folder {self.model_dir} has no chat template")
+
+        ec_transfer_config = None
+        if ec_role:
+            ec_transfer_config = ECTransferConfig(
+                ec_connector=connector[0],
+                ec_connector_module_path=connector[1],
+                ec_role=ec_role,
+                ec_connector_extra_config=dict(ec_extra_config or {}),
+            )
+        args = dict(
+            model=str(self.model_dir),
+            served_model_name=[self._model_id],
+            dtype=dtype,
+            seed=0,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=int(kv_cache_gib * 1024**3),
+            ec_transfer_config=ec_transfer_config,
+            disable_log_stats=False,  # connector counters reach this process with the stats
+        )
+        args.update(engine_args or {})
+        self.engine_args = AsyncEngineArgs(**args)
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        started = time.perf_counter()
+        try:
+            self._llm = self._call(self._create(), timeout=start_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.start_seconds = time.perf_counter() - started
+        self.vllm_config = self._llm.vllm_config
+        from shared.ecstore.vllm_connector import vllm_encoder_fingerprint
+
+        # The same function the connector uses in vLLM's processes: one version for both sides.
+        self._fingerprint = vllm_encoder_fingerprint(self.vllm_config.model_config)
+        log.info("vLLM engine %s (%s) started in %.1fs; encoder fingerprint %s",
+                 self.model_dir, ec_role or "plain", self.start_seconds, self._fingerprint)
+
+    @classmethod
+    def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
+        ec_role = EC_ROLES.get(role)
+        return dict(
+            ec_role=ec_role,
+            ec_extra_config=connector_extra_config(settings) if ec_role else None,
+            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if ec_role else None,
+            work_dir=settings.vllm_dir,
+            enforce_eager=settings.vllm_enforce_eager,
+            max_model_len=settings.vllm_max_model_len,
+            kv_cache_gib=settings.vllm_kv_cache_gib,
+            max_num_seqs=settings.vllm_max_num_seqs,
+            engine_args=dict(settings.vllm_engine_args),
+        )
+
+    # -- loop plumbing ----------------------------------------------------------------------
+    async def _create(self):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(self.engine_args)
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    # -- Engine API -------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def encoder_fingerprint(self) -> str:
+        return self._fingerprint
+
+    def encode(self, images: Sequence["Image.Image"]):
+        raise EngineError("the vLLM engine moves encoder outputs through its EC connector: use produce()")
+
+    def render_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
+        from shared.engines.transformers_engine import normalize_messages
+
+        norm = normalize_messages(messages)
+        try:
+            return self.processor.apply_chat_template(
+                norm, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
+            raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+
+    def build_prompt(self, messages: list[dict[str, Any]], images: Sequence[MediaImage]) -> dict[str, Any]:
+        """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids."""
+        from shared.engines.transformers_engine import check_image_count
+
+        check_image_count(messages, len(images))
+        for i, item in enumerate(images):
+            if not isinstance(item, MediaImage):
+                raise InvalidRequest(f"images[{i}] is not a MediaImage ({type(item).__name__})")
+        text = self.render_prompt(messages)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        n_placeholders = sum(1 for t in ids if t == self.image_token_id)
+        if n_placeholders != len(images):
+            raise InvalidRequest(
+                f"prompt has {n_placeholders} image placeholder tokens for {len(images)} image(s); "
+                "text parts must not contain image tokens",
+                param="messages",
+            )
+        prompt: dict[str, Any] = {"prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": [item.image for item in images]}
+            prompt["multi_modal_uuids"] = {"image": [item.item_hash for item in images]}
+        return prompt
+
+    @staticmethod
+    def sampling_params(params: SamplingParams, *, max_tokens: int | None = None, final_only: bool = False):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from shared.engines.transformers_engine import validate_params
+
+        validate_params(params)
+        return VllmSamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=max_tokens if max_tokens is not None else params.max_tokens,
+            seed=params.seed if params.temperature > 0 else None,
+            stop=list(params.stop) or None,
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+        )
+
+    async def _pump(self, prompt: dict[str, Any], sp: Any, request_id: str, out: "queue.Queue") -> None:
+        try:
+            async for output in self._llm.generate(prompt, sp, request_id):
+                out.put(output)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            out.put(exc)
+        else:
+            out.put(_END)
+
+    def _outputs(self, prompt: dict[str, Any], sp: Any) -> Iterator[Any]:
+        """RequestOutputs of one request, in the caller's thread; aborts it if abandoned."""
+        request_id = f"epd-{uuid.uuid4().hex}"
+        out: queue.Queue = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(self._pump(prompt, sp, request_id, out), self._loop)
+        finished = False
+        try:
+            while True:
+                try:
+                    item = out.get(timeout=_EVENT_TIMEOUT_S)
+                except queue.Empty:
+                    raise EngineError(f"vLLM produced nothing for {_EVENT_TIMEOUT_S:.0f}s") from None
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    error = _translate(item)
+                    if error is item:
+                        raise item
+                    raise error from item
+                yield item
+        finally:
+            if not finished:  # the caller stopped early (deadline, error): free vLLM's slot
+                future.cancel()
+                try:
+                    self._call(self._llm.abort(request_id), timeout=10)
+                except Exception as exc:  # noqa: BLE001 - best effort
+                    log.debug("abort of %s failed: %s", request_id, exc)
+
+    def generate(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Prefill + decode in vLLM; ``images`` are :class:`MediaImage` items (the connector
+        loads their stored encoder outputs or vLLM encodes them). Fills ``stats.extra
+        ["ec_sources"]`` with where each item's features came from (connector's report)."""
+        prompt = self.build_prompt(messages, images)
+        sp = self.sampling_params(params)
+        t0 = time.perf_counter()
+        first_at: float | None = None
+        pending: TokenEvent | None = None  # held back until we know whether it is the last
+        n_out = 0
+        for output in self._outputs(prompt, sp):
+            completion = output.outputs[0]
+            if stats is not None and output.prompt_token_ids is not None:
+                stats.prompt_tokens = len(output.prompt_token_ids)
+            new_ids = list(completion.token_ids)
+            if new_ids and first_at is None:
+                first_at = time.perf_counter()
+            for i, token_id in enumerate(new_ids):
+                if pending is not None:
+                    yield pending
+                text = completion.text if i == len(new_ids) - 1 else ""
+                pending = TokenEvent(token_id=int(token_id), text=text)
+            n_out += len(new_ids)
+            if not new_ids and completion.text and pending is not None:
+                pending = TokenEvent(pending.token_id, pending.text + completion.text)
+            if stats is not None:
+                stats.completion_tokens = n_out
+            if output.finished:
+                reason = completion.finish_reason
+                if reason not in ("stop", "length"):
+                    raise EngineError(f"vLLM finished the request with {reason!r}")
+                if stats is not None:
+                    now = time.perf_counter()
+                    stats.prefill_s = (first_at or now) - t0
+                    stats.decode_s = now - (first_at or now)
+                    sources = (output.ec_transfer_params or {}).get("epd_ec_sources")
+                    if sources:
+                        stats.extra["ec_sources"] = dict(sources)
+                if pending is not None:
+                    yield TokenEvent(pending.token_id, pending.text, finish_reason=reason)
+                return
+        raise EngineError("vLLM ended the request without a final output")
+
+    def produce(self, images: Sequence[MediaImage]) -> list[int]:
+        """Encoder-only producer: encode each image; the connector stores the output under its
+        item hash before vLLM finishes the request. Returns the token count per image."""
+        if self.ec_role not in ("ec_producer", "ec_both"):
+            raise EngineError(f"produce() needs an EC producer engine (role {self.ec_role!r})")
+        messages = [{"role": "user", "content": [{"type": "image"}]}]
+        sp = self.sampling_params(SamplingParams(max_tokens=1, temperature=0.0), final_only=True)
+        counts = []
+        for item in images:  # one request per image: per-item results, errors stay per image
+            prompt = self.build_prompt(messages, [item])
+            final = None
+            for output in self._outputs(prompt, sp):
+                final = output
+            items = ((final.ec_transfer_params or {}) if final is not None else {}).get("epd_ec_items") or {}
+            info = items.get(item.item_hash)
+            if not info:
+                raise EngineError(f"vLLM producer reported no EC item for {item.item_hash[:12]}")
+            counts.append(int(info["n_tokens"]))
+        return counts
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is not None and self._loop.is_running():
+            async def shutdown() -> None:
+                llm.shutdown()
+
+            try:
+                self._call(shutdown(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("vLLM shutdown: %s", exc)
+            self._llm = None
+        self._stop_loop()
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """vLLM's errors as typed project errors: bad requests -> InvalidRequest, the rest -> EngineError."""
+    from vllm.exceptions import VLLMValidationError
+
+    if isinstance(exc, (InvalidRequest, EngineError)):
+        return exc
+    if isinstance(exc, (VLLMValidationError, ValueError)):
+        return InvalidRequest(f"vLLM rejected the request: {exc}")
+    if isinstance(exc, asyncio.CancelledError):
+        return EngineError("vLLM request was cancelled")
+    return EngineError(f"vLLM failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,149 @@
+"""vLLM engines through the store, no epd-serve service involved: a vLLM EC producer engine
+(encoder-only) -> MinioECConnector -> the real S3 server -> a vLLM EC consumer engine, compared
+token for token (greedy) with a plain vLLM engine (no connector) on the same prompts.
+
+Engines are module-scoped (producer, consumer) or session-scoped (the plain reference): starting
+one takes ~40 s here. The consumer loads ``tests.vllm_faults.FaultInjectingECConnector`` - the
+project's connector unchanged unless a test leaves a fault instruction for an item.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prometheus_client import REGISTRY
+
+from shared.ecstore.store import ECStore
+from shared.objectstore import S3ObjectStore
+from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media
+
+pytestmark = pytest.mark.slow
+
+AK_ENV, SK_ENV = "EPD_TEST_VLLM_AK", "EPD_TEST_VLLM_SK"
+
+
+@pytest.fixture(scope="module")
+def store_config(s3_server):
+    os.environ[AK_ENV], os.environ[SK_ENV] = s3_server.access_key, s3_server.secret_key
+    bucket = f"vllm-e2e-{uuid.uuid4().hex[:10]}"
+    S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
+    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "vllm", "access_key_env": AK_ENV,
+            "secret_key_env": SK_ENV}
+
+
+@pytest.fixture(scope="module")
+def fault_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ec-faults")
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_reference, tiny_model_dir, vllm_work_dir, store_config, fault_dir):
+    """(producer, consumer), started together. vLLM's processes inherit the fault dir variable."""
+    from shared.engines.vllm_engine import VllmEngine
+
+    os.environ[FAULT_DIR_ENV] = str(fault_dir)
+    common = dict(dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir, ec_extra_config=store_config)
+    with ThreadPoolExecutor(2) as pool:
+        producer_f = pool.submit(VllmEngine, tiny_model_dir, ec_role="ec_producer", **common)
+        consumer_f = pool.submit(VllmEngine, tiny_model_dir, ec_role="ec_consumer",
+                                 connector=("FaultInjectingECConnector", "tests.vllm_faults"), **common)
+        started = []
+        try:
+            for f in (producer_f, consumer_f):
+                started.append(f.result())
+        except BaseException:
+            for engine in started:
+                engine.close()
+            raise
+    producer, consumer = started
+    try:
+        yield producer, consumer
+    finally:
+        consumer.close()
+        producer.close()
+        os.environ.pop(FAULT_DIR_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def ec_store(engines, s3_server, store_config):
+    producer, _ = engines
+    raw = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, store_config["bucket"])
+    return ECStore(raw, namespace=store_config["namespace"], fingerprint=producer.encoder_fingerprint, producer="test")
+
+
+def test_engines_agree_on_the_encoder_version(vllm_reference, engines, tiny_model_dir):
+    from shared.fingerprint import encoder_fingerprint
+
+    producer, consumer = engines
+    want = encoder_fingerprint(tiny_model_dir, dtype="float32", engine="vllm")  # what the API computes
+    assert producer.encoder_fingerprint == consumer.encoder_fingerprint == vllm_reference.encoder_fingerprint == want
+
+
+@pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
+def test_consumer_uses_stored_outputs_and_equals_plain_vllm(vllm_reference, engines, ec_store, name, text, specs):
+    producer, consumer = engines
+    items = [media(seed, size) for seed, size in specs]
+    counts = producer.produce(items)
+    for item, n in zip(items, counts):
+        obj = ec_store.load(item.item_hash)  # stored, valid, under the vLLM fingerprint
+        assert obj.n_tokens == n
+    got, stats = generate(consumer, text, items)
+    want, _ = generate(vllm_reference, text, items)
+    assert got == want and len(got) == GREEDY.max_tokens
+    assert stats.extra["ec_sources"] == {item.item_hash: "store" for item in items}
+
+
+def test_swapped_objects_change_the_output(vllm_reference, engines, ec_store):
+    """Negative control: the consumer really used the stored tensors. Image A's object is replaced
+    by a valid object holding B's features: the consumer given image A answers like B."""
+    producer, consumer = engines
+    a, b = media(21, (56, 56)), media(22, (56, 56))
+    producer.produce([a, b])
+    obj_b = ec_store.load(b.item_hash)
+    ec_store.save(a.item_hash, obj_b.data, dtype=obj_b.dtype, shape=obj_b.shape)
+    got, stats = generate(consumer, "Describe the image.", [a])
+    assert stats.extra["ec_sources"] == {a.item_hash: "store"}
+    want_b, _ = generate(vllm_reference, "Describe the image.", [b])
+    want_a, _ = generate(vllm_reference, "Describe the image.", [a])
+    assert want_a != want_b
+    assert got == want_b
+
+
+def _lookups(outcome: str, reason: str) -> float:
+    return REGISTRY.get_sample_value(
+        "epd:ec_connector_lookups_total",
+        {"model_name": "qwen2-vl-tiny", "engine": "0", "outcome": outcome, "reason": reason},
+    ) or 0.0
+
+
+@pytest.mark.parametrize("action,reason,seed", [("delete", "not_found", 41), ("corrupt", "checksum_mismatch", 42)])
+def test_object_lost_after_the_existence_check_still_completes(vllm_reference, engines, ec_store, fault_dir,
+                                                                action, reason, seed):
+    producer, consumer = engines
+    item = media(seed, (64, 48))
+    producer.produce([item])
+    assert ec_store.exists(item.item_hash)
+    before = _lookups("fallback", reason)
+    (fault_dir / item.item_hash).write_text(action)
+    got, stats = generate(consumer, "Describe the image.", [item])
+    assert (fault_dir / f"{item.item_hash}.done").read_text() == action  # the fault hit the load
+    assert stats.extra["ec_sources"] == {item.item_hash: f"recomputed:{reason}"}
+    want, _ = generate(vllm_reference, "Describe the image.", [item])
+    assert got == want
+    # The fallback is counted, with its reason (stats reach this process with the engine's outputs).
+    deadline = time.monotonic() + 10
+    while _lookups("fallback", reason) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _lookups("fallback", reason) == before + 1
+
+
+def test_unstored_item_is_encoded_by_the_consumer(vllm_reference, engines):
+    _, consumer = engines
+    item = media(51, (56, 56))
+    got, stats = generate(consumer, "What is this?", [item])
+    assert stats.extra["ec_sources"] == {item.item_hash: "recomputed:not_found"}
+    assert got == generate(vllm_reference, "What is this?", [item])[0]

@@ -1,0 +1,30 @@
+"""Helpers shared by the vLLM end-to-end tests (engines and stack)."""
+
+from __future__ import annotations
+
+from shared.engines.base import GenerationStats, MediaImage, SamplingParams
+from shared.media import content_hash_of
+from tests.stackutil import engine_messages, noise_image
+
+#: Where tests leave fault instructions for tests.vllm_faults.FaultInjectingECConnector.
+FAULT_DIR_ENV = "EPD_TEST_EC_FAULT_DIR"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CASES = [
+    ("non-square", "Describe the image.", [(11, (64, 48))]),
+    ("square", "What color dominates?", [(12, (56, 56))]),
+    ("two-images", "Compare these two images.", [(14, (56, 84)), (15, (84, 56))]),
+]
+
+
+def media(seed: int, size: tuple[int, int]) -> MediaImage:
+    """A deterministic noise image with its content hash (the item hash the API computes)."""
+    image = noise_image(seed, size)
+    return MediaImage(image=image, item_hash=content_hash_of(image))
+
+
+def generate(engine, text: str, items: list[MediaImage]) -> tuple[list[int], GenerationStats]:
+    """Greedy token ids of one user turn (images first, then ``text``) and the engine's stats."""
+    stats = GenerationStats()
+    events = list(engine.generate(engine_messages(text, len(items)), items, GREEDY, stats))
+    assert events[-1].finish_reason == "length"
+    return [e.token_id for e in events], stats
