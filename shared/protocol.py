@@ -33,6 +33,7 @@ Streams use limits retention (not work-queue) so they keep what passed through t
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any, Mapping, Union
 
 import msgspec
@@ -148,6 +149,13 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+def effective_seed(request_id: str, seed: int | None) -> int:
+    """The sampling seed of a job: the client's, else one derived from the request id. A
+    redelivered job therefore samples the tokens it already streamed, and a replay under a new
+    id reproduces a recorded request by passing ``effective_seed(original_id, None)``."""
+    return seed if seed is not None else zlib.crc32(request_id.encode())
 
 
 class ChatRequestRecord(_Msg, frozen=True, kw_only=True, tag="chat_request"):

@@ -42,7 +42,6 @@ import logging
 import re
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -163,13 +162,6 @@ def check_request_id(request_id: str) -> str:
             f"(at most {MAX_REQUEST_ID_CHARS} characters), e.g. chatcmpl-0123abcd..."
         )
     return request_id
-
-
-def derived_seed(request_id: str) -> int:
-    """The sampling seed a worker uses when the client gave none (``request_seed`` in
-    ``services/prefill/handler.py``; tests keep the two equal). A replay runs under a new request
-    id, so it must pass this seed explicitly to sample the recorded tokens again."""
-    return zlib.crc32(request_id.encode())
 
 
 def new_replay_id() -> str:
@@ -746,7 +738,7 @@ async def replay_request(
     for the live encoder version, or its media bytes to encode from), else :class:`MediaExpired`;
     an encode job is queued when the EC object is missing and an encoder is alive, otherwise the
     prefill worker encodes locally. With ``keep_seed`` a request sampled with the worker's derived
-    seed keeps it (:func:`derived_seed` of the original id), so sampled requests reproduce too.
+    seed keeps it (``protocol.effective_seed`` of the original id), so sampled requests reproduce too.
     """
     reader = reader or StreamReader(nc)
     case = await find_case(nc, subjects, request_id, reader=reader)
@@ -782,7 +774,7 @@ async def replay_request(
     sampling = job.sampling
     if sampling.seed is None and sampling.temperature > 0:
         if keep_seed:
-            sampling = msgspec.structs.replace(sampling, seed=derived_seed(request_id))
+            sampling = msgspec.structs.replace(sampling, seed=protocol.effective_seed(request_id, None))
             notes.append(f"sampled without a client seed: replaying with the original's derived seed {sampling.seed}")
         else:
             notes.append("sampled without a client seed and --new-seed: the replay samples with its own seed")

@@ -24,7 +24,7 @@ import httpx
 import nats
 import pytest
 
-from shared import replay
+from shared import protocol, replay
 from shared.config import CommonSettings
 from shared.infra import EmbeddedNats, free_port
 from shared.jetstream import ensure_topology
@@ -175,7 +175,7 @@ def test_replayed_greedy_request_reproduces_its_tokens(epd_stack, s3_server):
 def test_replayed_sampled_request_reuses_the_derived_seed(epd_stack, s3_server):
     rid, tokens = chat_id(epd_stack, 303, **SAMPLED)  # no client seed: the worker derived one from rid
     same = run_replay(epd_stack, s3_server, rid)
-    assert same.seed == replay.derived_seed(rid)
+    assert same.seed == protocol.effective_seed(rid, None)
     assert same.identical is True and list(same.result.token_ids) == tokens
     # Negative control: sampling with the replay's own seed gives other tokens, and the diff shows them.
     other = run_replay(epd_stack, s3_server, rid, keep_seed=False)

@@ -172,12 +172,12 @@ def test_request_ids_and_durations():
         parse_duration("soon")
 
 
-def test_derived_seed_is_the_prefill_workers_seed():
-    from services.prefill.handler import request_seed
+def test_effective_seed_is_the_clients_else_derived_from_the_request_id():
+    from shared.protocol import effective_seed
 
-    for rid in ("chatcmpl-1", "chatcmpl-" + "f" * 32, "replay-x"):
-        assert replay.derived_seed(rid) == request_seed(rid, None)
-    assert replay.derived_seed("chatcmpl-1") != replay.derived_seed("chatcmpl-2")  # control
+    assert effective_seed("chatcmpl-1", 7) == 7
+    assert effective_seed("chatcmpl-1", None) == effective_seed("chatcmpl-1", None)
+    assert effective_seed("chatcmpl-1", None) != effective_seed("chatcmpl-2", None)  # control
 
 
 def test_outcome_diff_marks_the_changed_tokens():

@@ -40,7 +40,6 @@ import asyncio
 import functools
 import logging
 import time
-import zlib
 from collections import OrderedDict
 
 from shared import metrics, protocol
@@ -96,12 +95,6 @@ class FeatureCache:
         while self.nbytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
             self.nbytes -= self._size(old)
-
-
-def request_seed(request_id: str, seed: int | None) -> int:
-    """The seed used for sampling: the client's, else one derived from the request id, so a
-    redelivered job samples the same tokens it already streamed."""
-    return seed if seed is not None else zlib.crc32(request_id.encode())
 
 
 class PrefillHandler(Handler):
@@ -190,7 +183,7 @@ class PrefillHandler(Handler):
             max_tokens=sp.max_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
-            seed=request_seed(job.request_id, sp.seed),
+            seed=protocol.effective_seed(job.request_id, sp.seed),
             stop=tuple(sp.stop),
             ignore_eos=sp.ignore_eos,
         )
