@@ -51,8 +51,10 @@ _END = object()
 
 def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
     """Point vLLM's caches, compile artefacts and IPC sockets at folders under ``work_dir``
-    (environment variables are vLLM's only interface for these, and its child processes inherit
-    them; values the operator set are kept). Call before vLLM is imported."""
+    (``EPD_VLLM_DIR``). Environment variables are vLLM's and torch's only interface for these and
+    vLLM's child processes inherit them, so they are set here, overriding inherited values (torch
+    itself fills in ``TORCHINDUCTOR_CACHE_DIR`` with /tmp/torchinductor_<user> the first time
+    anything asks). Call before vLLM is imported."""
     work_dir = Path(work_dir).resolve()
     wanted = {
         "VLLM_CACHE_ROOT": work_dir / "cache",
@@ -62,20 +64,10 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": work_dir / "inductor",
         "TRITON_CACHE_DIR": work_dir / "triton",
     }
-    # torch fills in TORCHINDUCTOR_CACHE_DIR with its default (/tmp/torchinductor_<user>) the first
-    # time anything asks (importing transformers does): only an operator's own value is kept.
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default_cache_dir()):
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    except ImportError:  # pragma: no cover - torch always ships it
-        pass
     applied: dict[str, str] = {}
     for name, path in wanted.items():
-        value = os.environ.setdefault(name, str(path))
-        Path(value).mkdir(parents=True, exist_ok=True)
-        applied[name] = value
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[name] = applied[name] = str(path)
     # No phoning home, no hub: models are local folders.
     for name, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("HF_HUB_OFFLINE", "1"),
                         ("TRANSFORMERS_OFFLINE", "1")):
