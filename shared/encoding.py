@@ -1,7 +1,11 @@
-"""Model-side helpers shared by the encoder and prefill workers (synchronous; engine thread)."""
+"""Model-side helpers shared by the encoder and prefill workers: engine loading, image encoding
+(synchronous, engine thread) and :class:`ModelHandler`, the handler base that owns both."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from typing import TYPE_CHECKING
 import logging
 import time
 
@@ -10,6 +14,10 @@ from shared.engines import engine_class, make_engine
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.errors import EngineError, InvalidImage
 from shared.media import MediaLimits, decode_image
+from shared.worker import Handler, WorkerContext
+
+if TYPE_CHECKING:
+    from shared.ecstore.store import ECStore
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +75,44 @@ def require_kv_handoff_engine(engine: str, role: str) -> None:
             "engine does today (a vLLM KV connector for the store is not built yet; see README, 'E|P|D "
             "topology'). Use EPD_ENGINE=transformers for E|P|D, or the e-pd topology with this engine."
         )
+
+
+class ModelHandler(Handler):
+    """A worker handler with an engine and the EC store of that engine's encoder fingerprint.
+
+    Both are built in :meth:`setup` unless given (tests pass a shared engine and a store); an
+    engine built here is closed in :meth:`close` (vLLM stops its engine processes then)."""
+
+    def __init__(self, settings: CommonSettings, engine: Engine | None = None, store: "ECStore | None" = None):
+        super().__init__()
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.limits = media_limits(settings)
+        self.ctx: WorkerContext | None = None
+        self._owned_engine: Engine | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.encoder_fingerprint if self.engine else ""
+
+    @property
+    def engine_role(self) -> str:
+        """The part the engine plays for this worker (see :func:`load_engine`)."""
+        return self.role
+
+    async def setup(self, ctx: WorkerContext) -> None:
+        from shared.ecstore.factory import ec_store_from_settings
+
+        self.ctx = ctx
+        if self.engine is None:
+            self.engine = await self.run_compute(functools.partial(load_engine, self.settings, role=self.engine_role))
+            self._owned_engine = self.engine
+        if self.store is None:
+            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._owned_engine is not None:
+            await asyncio.to_thread(self._owned_engine.close)
+

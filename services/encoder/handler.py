@@ -13,50 +13,31 @@ the last attempt publishes ``ECFailed``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
 from shared import metrics, protocol
 from shared.config import EncoderSettings
-from shared.ecstore.factory import ec_store_from_settings
 from shared.ecstore.format import ECValidationError
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
-from shared.encoding import encode_image_bytes, load_engine, media_image_from_bytes, media_limits
+from shared.encoding import ModelHandler, encode_image_bytes, media_image_from_bytes
 from shared.engines.base import Engine
 from shared.errors import EPDError, InvalidImage, MediaMissing, StoreError
 from shared.protocol import ECFailed, ECReady, EncodeJob
-from shared.worker import Handler, Verdict, WorkerContext
+from shared.worker import Verdict
 
 log = logging.getLogger(__name__)
 
 
-class EncoderHandler(Handler):
+class EncoderHandler(ModelHandler):
     role = "encoder"
     stream_attr = "stream_encode"
     durable = protocol.CONSUMER_ENCODER
 
     def __init__(self, settings: EncoderSettings, engine: Engine | None = None, store: ECStore | None = None):
-        super().__init__()
-        self.settings = settings
-        self.engine = engine
-        self.store = store
-        self.limits = media_limits(settings)
-        self.ctx: WorkerContext | None = None
-        self._owned_engine: Engine | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        return self.engine.encoder_fingerprint if self.engine else ""
-
-    async def setup(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
-        if self.engine is None:
-            self.engine = await self.run_compute(functools.partial(load_engine, self.settings, role=self.role))
-            self._owned_engine = self.engine
-        if self.store is None:
-            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+        super().__init__(settings, engine, store)
+        self.settings: EncoderSettings = settings
 
     async def handle(self, delivery) -> Verdict:
         try:
@@ -144,11 +125,6 @@ class EncoderHandler(Handler):
         await self._ready(job, n_tokens, info.size, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels("encoded").inc()
         return Verdict.ack()
-
-    async def close(self) -> None:
-        await super().close()
-        if self._owned_engine is not None:  # vLLM: stops its engine processes
-            await asyncio.to_thread(self._owned_engine.close)
 
     def _compute(self, data: bytes, item_hash: str):
         if self.settings.fault_encode_delay_s:

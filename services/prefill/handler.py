@@ -37,31 +37,24 @@ the API forwards only what it has not sent yet.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import OrderedDict
 
 from shared import metrics, protocol
 from shared.config import PrefillSettings
-from shared.ecstore.factory import ec_store_from_settings, kv_store_from_settings
+from shared.ecstore.factory import kv_store_from_settings
 from shared.ecstore.kv import KVStore
 from shared.ecstore.format import ECValidationError, MissReason
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
-from shared.encoding import (
-    encode_image_bytes,
-    load_engine,
-    media_image_from_bytes,
-    media_limits,
-    require_kv_handoff_engine,
-)
+from shared.encoding import ModelHandler, encode_image_bytes, media_image_from_bytes, require_kv_handoff_engine
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest, MediaMissing, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import ObjectTooLarge
 from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef, TokenChunk
-from shared.worker import Handler, Verdict, WorkerContext
+from shared.worker import Verdict, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +90,26 @@ class FeatureCache:
             self.nbytes -= self._size(old)
 
 
-class PrefillHandler(Handler):
+class PrefillHandler(ModelHandler):
     role = "prefill"
     stream_attr = "stream_generate"
     durable = protocol.CONSUMER_PREFILL
 
     def __init__(self, settings: PrefillSettings, engine: Engine | None = None, store: ECStore | None = None,
                  kv_store: KVStore | None = None):
-        super().__init__()
-        self.settings = settings
-        self.engine = engine
-        self.store = store
+        super().__init__(settings, engine, store)
+        self.settings: PrefillSettings = settings
         self.kv_store = kv_store
         self.cache = FeatureCache(settings.local_cache_bytes)
-        self.limits = media_limits(settings)
-        self.ctx: WorkerContext | None = None
-        self._owned_engine: Engine | None = None
 
     @property
-    def fingerprint(self) -> str:
-        return self.engine.encoder_fingerprint if self.engine else ""
+    def engine_role(self) -> str:
+        return self.settings.role
 
     async def setup(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
         if self.settings.role == "prefill":
             require_kv_handoff_engine(self.settings.engine, "prefill")
-        if self.engine is None:
-            self.engine = await self.run_compute(functools.partial(load_engine, self.settings, role=self.settings.role))
-            self._owned_engine = self.engine
-        if self.store is None:
-            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+        await super().setup(ctx)
         if self.settings.role == "prefill" and self.kv_store is None:
             fp = await asyncio.to_thread(
                 model_fingerprint, self.settings.require_model_path(), dtype=self.settings.dtype,
@@ -375,11 +358,6 @@ class PrefillHandler(Handler):
             raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
         image = await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
         return image, "local" if self.settings.role == "agg" else "connector"
-
-    async def close(self) -> None:
-        await super().close()
-        if self._owned_engine is not None:  # vLLM: stops its engine processes
-            await asyncio.to_thread(self._owned_engine.close)
 
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
         obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
