@@ -8,25 +8,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.launcher import Stack
 from shared.protocol import ECReady, FinalResult
 from shared.media import content_hash_of
-from tests.stackutil import RunningStack, data_url, noise_image, stack_env, user_message
+from tests.conftest import _start_stack
+from tests.stackutil import data_url, noise_image, user_message
 from tests.test_e2e_epd import GREEDY, reference_tokens
 
 pytestmark = pytest.mark.slow
 
 
 def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path):
-    env, prefix, namespace, bucket = stack_env(
-        nats_server, s3_server, tiny_model_dir, EPD_ACK_WAIT_S="3", EPD_EC_WAIT_S="120"
-    )
-    stack = Stack(env=env, log_dir=tmp_path / "logs", topology="e-pd", api_port=_free_port(),
-                  service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "60"}})
-    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    running = _start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
+                           service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "60"}},
+                           EPD_ACK_WAIT_S="3", EPD_EC_WAIT_S="120")
+    stack = running.stack
     try:
-        stack.start()
-        stack.wait_ready(timeout=120)
         slow = next(p for p in stack.processes if p.name == "encoder")
 
         image = noise_image(71, (64, 48))
@@ -53,13 +49,10 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
 
 def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path):
     """SIGTERM stops fetching but finishes the job in hand, acks it and exits 0."""
-    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, tiny_model_dir)
-    stack = Stack(env=env, log_dir=tmp_path / "logs", topology="e-pd", api_port=_free_port(),
-                  service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "4"}})
-    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    running = _start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
+                           service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "4"}})
+    stack = running.stack
     try:
-        stack.start()
-        stack.wait_ready(timeout=120)
         encoder = next(p for p in stack.processes if p.name == "encoder")
         image = noise_image(72, (56, 56))
         text = "Describe the image."
@@ -95,9 +88,3 @@ def _wait_for_log(proc, needle: str, timeout: float) -> None:
         assert proc.alive(), proc.log_tail()
         time.sleep(0.2)
     raise AssertionError(f"{needle!r} not in {proc.log_path}:\n{proc.log_tail()}")
-
-
-def _free_port() -> int:
-    from shared.infra import free_port
-
-    return free_port()
