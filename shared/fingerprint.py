@@ -84,15 +84,21 @@ def _hash_tensors(model_dir: Path, digest: "hashlib._Hash", select) -> int:
     return count
 
 
-def encoder_fingerprint(model_dir: str | Path, *, dtype: str, engine: str) -> str:
-    """Fingerprint of the encoder outputs that ``engine`` produces from ``model_dir`` in ``dtype``."""
-    model_dir = Path(model_dir)
+def _start_digest(model_dir: Path, schema: str, *, dtype: str, engine: str) -> "hashlib._Hash":
+    """A sha256 seeded with the schema, engine, dtype and the canonical ``config.json``."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in model folder {model_dir}")
     digest = hashlib.sha256()
-    digest.update(f"{FINGERPRINT_SCHEMA}|engine={engine}|dtype={dtype}|".encode())
+    digest.update(f"{schema}|engine={engine}|dtype={dtype}|".encode())
     digest.update(b"config|" + _canonical_json(config_path))
+    return digest
+
+
+def encoder_fingerprint(model_dir: str | Path, *, dtype: str, engine: str) -> str:
+    """Fingerprint of the encoder outputs that ``engine`` produces from ``model_dir`` in ``dtype``."""
+    model_dir = Path(model_dir)
+    digest = _start_digest(model_dir, FINGERPRINT_SCHEMA, dtype=dtype, engine=engine)
     for name in PROCESSOR_CONFIG_FILES:
         path = model_dir / name
         if path.is_file():
@@ -123,12 +129,7 @@ def model_fingerprint(model_dir: str | Path, *, dtype: str, engine: str) -> str:
     """Fingerprint of the whole model (all weights, config, tokenizer, template) in ``dtype``
     under ``engine``: the version of KV objects. Reads every weight byte once (about 1-2 GB/s)."""
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-    digest = hashlib.sha256()
-    digest.update(f"{MODEL_FINGERPRINT_SCHEMA}|engine={engine}|dtype={dtype}|".encode())
-    digest.update(b"config|" + _canonical_json(config_path))
+    digest = _start_digest(model_dir, MODEL_FINGERPRINT_SCHEMA, dtype=dtype, engine=engine)
     for name in MODEL_FILES:
         path = model_dir / name
         if path.is_file():
