@@ -452,6 +452,17 @@ def validate_params(params: SamplingParams) -> None:
         raise InvalidRequest("stop must be a list of strings", param="stop")
 
 
+def render_chat_prompt(processor: Any, chat_template: str, messages: list[dict[str, Any]]) -> str:
+    """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
+    ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
+    norm = normalize_messages(messages)
+    try:
+        return processor.apply_chat_template(norm, chat_template=chat_template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
+        raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+
+
 # -- engine -------------------------------------------------------------------------------------
 
 
@@ -594,13 +605,7 @@ class TransformersEngine(Engine):
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to ``messages`` with ``add_generation_prompt=True``."""
-        norm = normalize_messages(messages)
-        try:
-            return self.processor.apply_chat_template(
-                norm, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
-            raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+        return render_chat_prompt(self.processor, self.chat_template, messages)
 
     def expected_image_tokens(self, item: EncodedImage) -> int | None:
         """Token count the processor would give this image, or ``None`` if it cannot be known."""

@@ -238,15 +238,9 @@ class VllmEngine(Engine):
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
-        from shared.engines.transformers_engine import normalize_messages
+        from shared.engines.transformers_engine import render_chat_prompt
 
-        norm = normalize_messages(messages)
-        try:
-            return self.processor.apply_chat_template(
-                norm, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
-            raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+        return render_chat_prompt(self.processor, self.chat_template, messages)
 
     def build_prompt(self, messages: list[dict[str, Any]], images: Sequence[MediaImage]) -> dict[str, Any]:
         """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids."""
