@@ -16,6 +16,11 @@ _TO_ST = {
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 
 
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"F32"`` (KeyError for dtypes the format does not carry)."""
+    return _TO_ST[dtype]
+
+
 def tensor_to_raw(t: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
     """Raw little-endian bytes, safetensors dtype name and shape of a CPU copy of ``t``."""
     t = t.detach().to("cpu").contiguous()

@@ -82,7 +82,7 @@ from shared.ecstore.format import ECObject, ECValidationError, MissReason
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import raw_to_tensor, tensor_to_raw
 from shared.fingerprint import encoder_fingerprint
-from shared.objectstore import make_object_store
+from shared.objectstore import ObjectStore, make_object_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,22 +112,23 @@ def _as_bool(name: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "0", "false", "no"):
         return value.strip().lower() in ("1", "true", "yes")
-    raise ValueError(f"ec_connector_extra_config.{name} must be a boolean, got {value!r}")
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
 
 
 def _as_number(name: str, value: Any, kind: type, minimum: float) -> Any:
     try:
         number = kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"ec_connector_extra_config.{name} must be a number, got {value!r}") from None
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
     if isinstance(value, bool) or number < minimum:
-        raise ValueError(f"ec_connector_extra_config.{name} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return number
 
 
 @dataclasses.dataclass(frozen=True)
 class MinioECConfig:
-    """``ec_connector_extra_config`` of :class:`MinioECConnector`.
+    """``ec_connector_extra_config`` of :class:`MinioECConnector` (and ``kv_connector_extra_config``
+    of :class:`shared.ecstore.vllm_kv_connector.MinioKVConnector`: same store, same keys).
 
     Credentials are never in the config: ``access_key_env`` / ``secret_key_env`` name the
     environment variables that hold them (read once, in each vLLM process, never logged).
@@ -157,61 +158,67 @@ class MinioECConfig:
     producer_id: str = ""
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "MinioECConfig":
+    def from_extra(cls, extra: Mapping[str, Any] | None,
+                   section: str = "ec_connector_extra_config") -> "MinioECConfig":
+        """Parse and check a connector's extra config (``section`` names it in error messages)."""
         extra = dict(extra or {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - set(fields))
         if unknown:
-            raise ValueError(
-                f"unknown ec_connector_extra_config key(s) {unknown}; known: {sorted(fields)}"
-            )
+            raise ValueError(f"unknown {section} key(s) {unknown}; known: {sorted(fields)}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = fields[name].default
             if isinstance(default, bool):
-                values[name] = _as_bool(name, value)
+                values[name] = _as_bool(f"{section}.{name}", value)
             elif isinstance(default, int):
-                values[name] = _as_number(name, value, int, 0 if name == "local_cache_bytes" else 1)
+                values[name] = _as_number(f"{section}.{name}", value, int, 0 if name == "local_cache_bytes" else 1)
             elif isinstance(default, float):
-                values[name] = _as_number(name, value, float, 0.0)
+                values[name] = _as_number(f"{section}.{name}", value, float, 0.0)
             elif value is None and name == "region":
                 values[name] = None
             elif not isinstance(value, str):
-                raise ValueError(f"ec_connector_extra_config.{name} must be a string, got {value!r}")
+                raise ValueError(f"{section}.{name} must be a string, got {value!r}")
             else:
                 values[name] = value
         config = cls(**values)
         if not config.namespace or any(c in config.namespace for c in "/.*> "):
-            raise ValueError(f"ec_connector_extra_config.namespace {config.namespace!r} must be non-empty "
+            raise ValueError(f"{section}.namespace {config.namespace!r} must be non-empty "
                              "and contain no '/', '.', '*', '>' or spaces")
         if config.backend not in ("s3", "fs"):
-            raise ValueError(f"ec_connector_extra_config.backend must be 's3' or 'fs', got {config.backend!r}")
+            raise ValueError(f"{section}.backend must be 's3' or 'fs', got {config.backend!r}")
         if config.backend == "fs" and not config.fs_root:
-            raise ValueError("ec_connector_extra_config.fs_root is required with backend 'fs'")
+            raise ValueError(f"{section}.fs_root is required with backend 'fs'")
         return config
 
-    def make_store(self, fingerprint: str) -> ECStore:
-        """The EC store this config points at (credentials read from the named env vars)."""
+    def object_store(self) -> ObjectStore:
+        """The object store this config points at (credentials read from the named env vars)."""
         if self.backend == "fs":
-            store = make_object_store("fs", root=Path(self.fs_root))
-        else:
-            access_key = os.environ.get(self.access_key_env, "")
-            secret_key = os.environ.get(self.secret_key_env, "")
-            if not access_key or not secret_key:
-                raise ValueError(
-                    f"MinioECConnector: set the S3 credentials in ${self.access_key_env} and "
-                    f"${self.secret_key_env} (names from ec_connector_extra_config access_key_env / "
-                    "secret_key_env)"
-                )
-            store = make_object_store(
-                "s3", endpoint=self.endpoint, access_key=access_key, secret_key=secret_key,
-                bucket=self.bucket, secure=self.secure, region=self.region,
+            return make_object_store("fs", root=Path(self.fs_root))
+        access_key = os.environ.get(self.access_key_env, "")
+        secret_key = os.environ.get(self.secret_key_env, "")
+        if not access_key or not secret_key:
+            raise ValueError(
+                f"epd-serve vLLM connector: set the S3 credentials in ${self.access_key_env} and "
+                f"${self.secret_key_env} (names from the connector's extra config access_key_env / "
+                "secret_key_env)"
             )
+        return make_object_store(
+            "s3", endpoint=self.endpoint, access_key=access_key, secret_key=secret_key,
+            bucket=self.bucket, secure=self.secure, region=self.region,
+        )
+
+    @property
+    def producer(self) -> str:
+        return self.producer_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
+
+    def make_store(self, fingerprint: str) -> ECStore:
+        """The EC store this config points at."""
         return ECStore(
-            store,
+            self.object_store(),
             namespace=self.namespace,
             fingerprint=fingerprint,
-            producer=self.producer_id or f"vllm-{socket.gethostname()}-{os.getpid()}",
+            producer=self.producer,
             max_object_bytes=self.max_object_bytes,
         )
 

@@ -93,6 +93,10 @@ class Engine(abc.ABC):
     #: engine's own EC connector and the store - :meth:`produce` stores them and ``generate``
     #: takes :class:`MediaImage` items (the engine loads or, failing that, encodes them itself).
     features_via_connector: bool = False
+    #: False (transformers): E|P|D hands the decode state over through the worker (``prefill`` /
+    #: ``decode`` / a KV object it writes). True (vLLM): through the engine's own KV connector and
+    #: the store - ``prefill_for_handoff`` stores it and ``generate(..., kv_params=...)`` loads it.
+    kv_via_connector: bool = False
     #: ``generate`` / ``produce`` may run in several threads at once (the engine batches them);
     #: False: one caller thread at a time.
     concurrent: bool = False

@@ -14,6 +14,11 @@ connector interface, implemented over the project's store by
   validation is encoded by vLLM locally, so a request always completes;
 * without a role (``agg``) it is a plain vLLM engine.
 
+E|P|D: a prefill worker's engine is also a KV producer and a decode worker's a KV consumer
+(:class:`shared.ecstore.vllm_kv_connector.MinioKVConnector`): :meth:`VllmEngine.prefill_for_handoff`
+computes the prompt and has the connector store its KV cache; :meth:`VllmEngine.generate` with
+``kv_params`` loads it (or prefills again when it is unusable) and decodes.
+
 The image's content hash is passed as vLLM's multimodal uuid, so vLLM's ``mm_hash`` - the
 connector's identifier - is the project's item hash and the keys line up with the API's.
 
@@ -43,8 +48,14 @@ log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "MinioECConnector"
 CONNECTOR_MODULE = "shared.ecstore.vllm_connector"
+KV_CONNECTOR_CLASS = "MinioKVConnector"
+KV_CONNECTOR_MODULE = "shared.ecstore.vllm_kv_connector"
 #: worker role -> vLLM EC role ("agg" and anything else: a plain engine)
-EC_ROLES = {"encoder": "ec_producer", "pd": "ec_consumer"}
+EC_ROLES = {"encoder": "ec_producer", "pd": "ec_consumer", "prefill": "ec_consumer", "decode": "ec_consumer"}
+#: worker role -> vLLM KV role (E|P|D: the KV cache moves through the KV connector and the store)
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+#: vLLM's CPU backend accepts a KV connector only with this block size (16 fails: "No common block size")
+CPU_KV_CONNECTOR_BLOCK_SIZE = 32
 _EVENT_TIMEOUT_S = 600.0
 _END = object()
 
@@ -75,8 +86,13 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
     return applied
 
 
-def connector_extra_config(settings: Any) -> dict[str, Any]:
-    """``ec_connector_extra_config`` for a worker's store settings (credentials stay in the env)."""
+def connector_extra_config(settings: Any, role: str = "") -> dict[str, Any]:
+    """``ec_connector_extra_config`` (and ``kv_connector_extra_config``) for a worker's store
+    settings (credentials stay in the env). KV objects are bounded by ``EPD_MAX_KV_OBJECT_BYTES``
+    where the worker has that setting."""
+    max_bytes = settings.max_ec_object_bytes
+    if role in KV_ROLES:
+        max_bytes = max(max_bytes, settings.max_kv_object_bytes)
     return {
         "backend": settings.store_backend,
         "endpoint": settings.s3_endpoint,
@@ -87,7 +103,7 @@ def connector_extra_config(settings: Any) -> dict[str, Any]:
         "fs_root": str(Path(settings.store_fs_root).resolve()) if settings.store_backend == "fs" else "",
         "access_key_env": "EPD_S3_ACCESS_KEY",
         "secret_key_env": "EPD_S3_SECRET_KEY",
-        "max_object_bytes": settings.max_ec_object_bytes,
+        "max_object_bytes": max_bytes,
         "producer_id": settings.worker_id,
     }
 
@@ -97,6 +113,7 @@ class VllmEngine(Engine):
 
     name = "vllm"
     features_via_connector = True
+    kv_via_connector = True
     concurrent = True
 
     def __init__(
@@ -108,6 +125,7 @@ class VllmEngine(Engine):
         model_id: str | None = None,
         ec_role: str | None = None,
         ec_extra_config: dict[str, Any] | None = None,
+        kv_role: str | None = None,
         s3_credentials: tuple[Any, Any] | None = None,
         connector: tuple[str, str] = (CONNECTOR_CLASS, CONNECTOR_MODULE),
         work_dir: str | Path = "var/vllm",
@@ -127,11 +145,14 @@ class VllmEngine(Engine):
             raise EngineError(f"no config.json in model folder {self.model_dir}")
         if ec_role not in (None, "ec_producer", "ec_consumer", "ec_both"):
             raise EngineError(f"unknown vLLM EC role {ec_role!r}")
+        if kv_role not in (None, "kv_producer", "kv_consumer"):
+            raise EngineError(f"unknown vLLM KV role {kv_role!r}")
         self.dtype_name = dtype
         self.ec_role = ec_role
+        self.kv_role = kv_role
         self._model_id = model_id or self.model_dir.name
         self.env = configure_vllm_environment(Path(work_dir))
-        if ec_role and s3_credentials is not None:
+        if (ec_role or kv_role) and s3_credentials is not None:
             extra = ec_extra_config or {}
             for env_name, secret in zip(
                 (extra.get("access_key_env", "EPD_S3_ACCESS_KEY"), extra.get("secret_key_env", "EPD_S3_SECRET_KEY")),
@@ -142,7 +163,7 @@ class VllmEngine(Engine):
 
         from transformers import AutoConfig, AutoProcessor
         from vllm import AsyncEngineArgs
-        from vllm.config import ECTransferConfig
+        from vllm.config import ECTransferConfig, KVTransferConfig
 
         config = AutoConfig.from_pretrained(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
@@ -162,6 +183,15 @@ class VllmEngine(Engine):
                 ec_role=ec_role,
                 ec_connector_extra_config=dict(ec_extra_config or {}),
             )
+        kv_transfer_config = None
+        if kv_role:
+            # The KV connector reads the same store settings as the EC connector.
+            kv_transfer_config = KVTransferConfig(
+                kv_connector=KV_CONNECTOR_CLASS,
+                kv_connector_module_path=KV_CONNECTOR_MODULE,
+                kv_role=kv_role,
+                kv_connector_extra_config=dict(ec_extra_config or {}),
+            )
         args = dict(
             model=str(self.model_dir),
             served_model_name=[self._model_id],
@@ -172,8 +202,14 @@ class VllmEngine(Engine):
             max_num_seqs=max_num_seqs,
             kv_cache_memory_bytes=int(kv_cache_gib * 1024**3),
             ec_transfer_config=ec_transfer_config,
+            kv_transfer_config=kv_transfer_config,
             disable_log_stats=False,  # connector counters reach this process with the stats
         )
+        if kv_role:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                args["block_size"] = CPU_KV_CONNECTOR_BLOCK_SIZE
         args.update(engine_args or {})
         self.engine_args = AsyncEngineArgs(**args)
 
@@ -198,10 +234,13 @@ class VllmEngine(Engine):
     @classmethod
     def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
         ec_role = EC_ROLES.get(role)
+        kv_role = KV_ROLES.get(role)
+        store_extra = connector_extra_config(settings, role) if (ec_role or kv_role) else None
         return dict(
             ec_role=ec_role,
-            ec_extra_config=connector_extra_config(settings) if ec_role else None,
-            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if ec_role else None,
+            kv_role=kv_role,
+            ec_extra_config=store_extra,
+            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if store_extra else None,
             work_dir=settings.vllm_dir,
             enforce_eager=settings.vllm_enforce_eager,
             max_model_len=settings.vllm_max_model_len,
@@ -266,7 +305,8 @@ class VllmEngine(Engine):
         return prompt
 
     @staticmethod
-    def sampling_params(params: SamplingParams, *, max_tokens: int | None = None, final_only: bool = False):
+    def sampling_params(params: SamplingParams, *, max_tokens: int | None = None, final_only: bool = False,
+                        kv_transfer_params: dict[str, Any] | None = None):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -283,6 +323,8 @@ class VllmEngine(Engine):
             ignore_eos=params.ignore_eos,
             skip_special_tokens=True,
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+            # vLLM hands these to its KV connector (how its own P/D proxies pass them)
+            extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
         )
 
     async def _pump(self, prompt: dict[str, Any], sp: Any, request_id: str, out: "queue.Queue") -> None:
@@ -330,12 +372,21 @@ class VllmEngine(Engine):
         images: Sequence[MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
+        *,
+        kv_params: dict[str, Any] | None = None,
     ) -> Iterator[TokenEvent]:
         """Prefill + decode in vLLM; ``images`` are :class:`MediaImage` items (the connector
         loads their stored encoder outputs or vLLM encodes them). Fills ``stats.extra
-        ["ec_sources"]`` with where each item's features came from (connector's report)."""
+        ["ec_sources"]`` with where each item's features came from (connector's report).
+
+        ``kv_params`` (KV consumer engines, E|P|D decode): the ``kv_transfer_params`` that
+        :meth:`prefill_for_handoff` returned for the same messages and images. The prompt's KV
+        cache is loaded from the store instead of computed; ``stats.extra["kv_source"]`` says
+        what happened ("store", or "recomputed:<reason>" when vLLM had to prefill again)."""
+        if kv_params is not None and self.kv_role != "kv_consumer":
+            raise EngineError(f"loading a handed-off KV cache needs a KV consumer engine (role {self.kv_role!r})")
         prompt = self.build_prompt(messages, images)
-        sp = self.sampling_params(params)
+        sp = self.sampling_params(params, kv_transfer_params=kv_params)
         t0 = time.perf_counter()
         first_at: float | None = None
         pending: TokenEvent | None = None  # held back until we know whether it is the last
@@ -368,10 +419,51 @@ class VllmEngine(Engine):
                     sources = (output.ec_transfer_params or {}).get("epd_ec_sources")
                     if sources:
                         stats.extra["ec_sources"] = dict(sources)
+                    if kv_params is not None:
+                        stats.extra["kv_source"] = str((output.kv_transfer_params or {}).get(
+                            "epd_kv_source", "recomputed:unknown"))
                 if pending is not None:
                     yield TokenEvent(pending.token_id, pending.text, finish_reason=reason)
                 return
         raise EngineError("vLLM ended the request without a final output")
+
+    def prefill_for_handoff(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        *,
+        request_name: str,
+        attempt: int,
+        stats: GenerationStats | None = None,
+    ) -> dict[str, Any]:
+        """KV producer engines (E|P|D prefill): compute the prompt and have the KV connector
+        store its KV cache as the KV object of (``request_name``, ``attempt``). Returns the
+        ``kv_transfer_params`` a decode engine's :meth:`generate` takes. vLLM samples one token
+        to finish the request; it is not used: the decode engine computes the last prompt token
+        again and samples every output token itself, so seeded sampling draws exactly as in an
+        aggregated run."""
+        if self.kv_role != "kv_producer":
+            raise EngineError(f"prefill_for_handoff() needs a KV producer engine (role {self.kv_role!r})")
+        prompt = self.build_prompt(messages, images)
+        handoff = {"do_remote_decode": True, "epd_kv_request": request_name, "epd_kv_attempt": attempt}
+        sp = self.sampling_params(params, max_tokens=1, final_only=True, kv_transfer_params=handoff)
+        t0 = time.perf_counter()
+        final = None
+        for output in self._outputs(prompt, sp):
+            final = output
+        if final is None or not final.finished:
+            raise EngineError("vLLM ended the prefill request without a final output")
+        kv = dict(final.kv_transfer_params or {})
+        if "epd_kv_key" not in kv:
+            raise EngineError(f"vLLM's KV connector reported no KV object for {request_name} (params {kv})")
+        if stats is not None:
+            stats.prompt_tokens = len(final.prompt_token_ids or ())
+            stats.prefill_s = time.perf_counter() - t0
+            sources = (final.ec_transfer_params or {}).get("epd_ec_sources")
+            if sources:
+                stats.extra["ec_sources"] = dict(sources)
+        return kv
 
     def produce(self, images: Sequence[MediaImage]) -> list[int]:
         """Encoder-only producer: encode each image; the connector stores the output under its
