@@ -63,7 +63,7 @@ def media_image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> 
 
 
 #: Engines whose decode state can be handed from a prefill worker to a decode worker (E|P|D).
-KV_HANDOFF_ENGINES = frozenset({"transformers"})
+KV_HANDOFF_ENGINES = frozenset({"transformers", "vllm"})
 
 
 def require_kv_handoff_engine(engine: str, role: str) -> None:
@@ -71,9 +71,9 @@ def require_kv_handoff_engine(engine: str, role: str) -> None:
     if engine not in KV_HANDOFF_ENGINES:
         raise EngineError(
             f"the {engine!r} engine cannot run the {role!r} role: E|P|D hands the KV cache from prefill to "
-            f"decode workers through the object store, which only the {', '.join(sorted(KV_HANDOFF_ENGINES))} "
-            "engine does today (a vLLM KV connector for the store is not built yet; see README, 'E|P|D "
-            "topology'). Use EPD_ENGINE=transformers for E|P|D, or the e-pd topology with this engine."
+            f"decode workers through the object store, which only these engines do: "
+            f"{', '.join(sorted(KV_HANDOFF_ENGINES))} (see README, 'E|P|D topology'). Use one of them for "
+            "E|P|D, or the e-pd topology with this engine."
         )
 
 

@@ -270,6 +270,9 @@ class FinalResult(_Msg, frozen=True, kw_only=True, tag="final_result"):
     timings: dict[str, float] = {}
     ec_sources: dict[str, str] = {}
     worker: str = ""
+    #: E|P|D: where the decode worker's KV state came from - "store", or "recomputed:<reason>"
+    #: when a vLLM decode engine had to prefill the request again; "" outside E|P|D
+    kv_source: str = ""
 
 
 class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):

@@ -148,7 +148,8 @@ def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         running.stack.stop()
 
 
-def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, *, service_env=None, **env_overrides):
+def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, *, service_env=None, ready_timeout=180,
+                    **env_overrides):
     """A whole stack of one topology (``shared.launcher.TOPOLOGY_SERVICES``), ready."""
     from shared.infra import free_port
     from shared.launcher import Stack
@@ -159,7 +160,7 @@ def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, *, ser
     running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
     try:
         stack.start()
-        stack.wait_ready(timeout=180)
+        stack.wait_ready(timeout=ready_timeout)
     except BaseException:
         stack.stop()
         raise

@@ -33,12 +33,14 @@ from shared.config import DecodeSettings
 from shared.ecstore.factory import kv_store_from_settings
 from shared.ecstore.format import MissReason, ObjectValidationError
 from shared.ecstore.kv import KVObject, KVStore
-from shared.encoding import load_engine, require_kv_handoff_engine
-from shared.engines.base import Engine, SamplingParams, TokenEvent
-from shared.errors import EPDError, StoreError
+from shared.ecstore.store import ECStore
+from shared.encoding import ModelHandler, media_image_from_bytes, require_kv_handoff_engine
+from shared.engines.base import Engine, GenerationStats, MediaImage, SamplingParams, TokenEvent
+from shared.errors import EPDError, MediaMissing, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, SamplingSpec, TokenChunk
-from shared.worker import Delivery, Handler, Verdict, WorkerContext
+from shared.token_stream import TokenOutput, stream_events
+from shared.worker import Delivery, Verdict, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +49,26 @@ class KVUnusable(Exception):
     """The KV object validated but does not fit (sampling spec or model shapes disagree)."""
 
 
-class DecodeHandler(Handler):
+class DecodeHandler(ModelHandler):
+    """Engine and EC store (connector engines read the request's images from it) come from
+    :class:`ModelHandler`; the KV store is this worker's own."""
+
     role = "decode"
     stream_attr = "stream_decode"
     durable = protocol.CONSUMER_DECODE
 
-    def __init__(self, settings: DecodeSettings, engine: Engine | None = None, kv_store: KVStore | None = None):
-        super().__init__()
-        self.settings = settings
-        self.engine = engine
+    def __init__(self, settings: DecodeSettings, engine: Engine | None = None, kv_store: KVStore | None = None,
+                 store: ECStore | None = None):
+        super().__init__(settings, engine, store)
+        self.settings: DecodeSettings = settings
         self.kv_store = kv_store
-        self.ctx: WorkerContext | None = None
         self.batcher = None
         self.model_fingerprint = ""
         self._sweeper: asyncio.Task | None = None
 
-    @property
-    def fingerprint(self) -> str:  # heartbeats carry the encoder fingerprint, like every worker
-        return self.engine.encoder_fingerprint if self.engine else ""
-
     async def setup(self, ctx: WorkerContext) -> None:
-        from services.decode.batcher import DecodeBatcher
-        from shared.engines.transformers_batch import BatchDecoder
-
-        self.ctx = ctx
         require_kv_handoff_engine(self.settings.engine, "decode")
-        if self.engine is None:
-            self.engine = await self.run_compute(load_engine, self.settings)
+        await super().setup(ctx)
         if self.kv_store is None:
             fp = await asyncio.to_thread(
                 model_fingerprint, self.settings.require_model_path(), dtype=self.settings.dtype,
@@ -81,8 +76,13 @@ class DecodeHandler(Handler):
             )
             self.kv_store = await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
         self.model_fingerprint = self.kv_store.fingerprint
-        decoder = BatchDecoder(self.engine, max_batch=self.settings.max_batch_size)
-        self.batcher = DecodeBatcher(decoder, self.run_compute, step_delay_s=self.settings.fault_decode_step_delay_s)
+        if not self.engine.kv_via_connector:  # (vLLM loads the KV itself and batches concurrent requests)
+            from services.decode.batcher import DecodeBatcher
+            from shared.engines.transformers_batch import BatchDecoder
+
+            decoder = BatchDecoder(self.engine, max_batch=self.settings.max_batch_size)
+            self.batcher = DecodeBatcher(decoder, self.run_compute,
+                                         step_delay_s=self.settings.fault_decode_step_delay_s)
         if self.settings.kv_sweep_interval_s > 0:
             self._sweeper = asyncio.create_task(self._sweep_forever())
         log.info("decode worker ready: model fingerprint %s, max batch %d", self.model_fingerprint,
@@ -110,6 +110,8 @@ class DecodeHandler(Handler):
             await self._error(job, "deadline_exceeded", 504, "request deadline passed before a decode worker took it")
             await self._delete(job.kv_key)
             return Verdict.term("deadline passed")
+        if self.engine is not None and self.engine.kv_via_connector:
+            return await self._handle_via_connector(job, delivery)
 
         try:
             obj = await asyncio.to_thread(
@@ -208,11 +210,74 @@ class DecodeHandler(Handler):
         final = FinalResult(
             request_id=job.request_id, attempt=attempt, token_ids=all_ids, text="".join(texts),
             finish_reason=finish, prompt_tokens=job.prompt_tokens, completion_tokens=len(all_ids),
-            timings=timings, ec_sources=dict(job.ec_sources), worker=self.settings.worker_id,
+            timings=timings, ec_sources=dict(job.ec_sources), worker=self.settings.worker_id, kv_source="store",
         )
         await self.ctx.publisher.publish(subject, final, request_id=job.request_id)
         log.info("done: %d completion tokens (%d here), finish=%s, decode %.3fs, KV %d bytes", len(all_ids),
                  len(token_ids), finish, t_end - t0, obj.nbytes)
+
+    # -- connector engines (vLLM) -------------------------------------------------------------
+    async def _handle_via_connector(self, job: DecodeJob, delivery: Delivery) -> Verdict:
+        """The engine's KV connector loads the KV object (validated: checksum, model version,
+        request, prompt token ids, layout) and vLLM continues from it; when the object is missing
+        or unusable vLLM prefills the request again itself (it has the prompt and the images), so
+        there is no re-prefill round trip here. The engine samples every output token, seeded as
+        in an aggregated run."""
+        assert self.ctx is not None and self.store is not None
+        gen = job.generation
+        try:
+            images = await asyncio.gather(*(self._media(ref) for ref in gen.images))
+        except StoreError as exc:
+            if not delivery.is_last_attempt:
+                return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
+            await self._error(job, exc.code, exc.message, exc.http_status)
+            return Verdict.term(exc.message)
+        except EPDError as exc:
+            await self._error(job, exc.code, exc.message, exc.http_status)
+            return Verdict.term(exc.message)
+        sp = job.sampling
+        params = SamplingParams(
+            max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+            seed=protocol.effective_seed(job.request_id, sp.seed), stop=tuple(sp.stop), ignore_eos=sp.ignore_eos,
+        )
+        kv_params = {"do_remote_prefill": True, "epd_kv_key": job.kv_key, "epd_kv_request": job.request_id,
+                     "epd_kv_attempt": job.kv_attempt}
+        stats = GenerationStats()
+        out = TokenOutput(self.ctx, gen, delivery.num_delivered)
+        t0 = time.perf_counter()
+        try:
+            await stream_events(out, lambda: self.engine.generate(gen.messages, list(images), params, stats,
+                                                                   kv_params=kv_params), asyncio.to_thread)
+        except EPDError as exc:
+            log.error("decode failed: %s: %s", exc.code, exc.message)
+            await self._error(job, exc.code, f"{type(exc).__name__}: {exc.message}", exc.http_status)
+            await self._delete(job.kv_key)
+            return Verdict.term(exc.message)
+        t_end = time.perf_counter()
+        kv_source = str(stats.extra.get("kv_source", ""))
+        if kv_source != "store":
+            metrics.REPREFILLS.labels(kv_source.removeprefix("recomputed:") or "unknown").inc()
+        timings = dict(job.timings)
+        timings.update({"decode_s": t_end - t0,
+                        "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0})
+        final = FinalResult(
+            request_id=job.request_id, attempt=delivery.num_delivered, token_ids=tuple(out.token_ids),
+            text="".join(out.text_parts), finish_reason=out.finish_reason, prompt_tokens=stats.prompt_tokens,
+            completion_tokens=len(out.token_ids), timings=timings, ec_sources=dict(job.ec_sources),
+            worker=self.settings.worker_id, kv_source=kv_source,
+        )
+        await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), final, request_id=job.request_id)
+        log.info("done: %d completion tokens, finish=%s, decode %.3fs, kv=%s", len(out.token_ids), out.finish_reason,
+                 t_end - t0, kv_source)
+        await self._delete(job.kv_key)
+        return Verdict.ack()
+
+    async def _media(self, ref) -> MediaImage:
+        assert self.store is not None
+        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
+        if data is None:
+            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
+        return await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
 
     # -- failure paths -----------------------------------------------------------------------
     async def _reprefill(self, job: DecodeJob, reason: MissReason, detail: str) -> None:

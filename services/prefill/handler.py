@@ -50,16 +50,14 @@ from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
 from shared.encoding import ModelHandler, encode_image_bytes, media_image_from_bytes, require_kv_handoff_engine
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
-from shared.errors import DeadlineExceeded, EPDError, InvalidRequest, MediaMissing, StoreError
+from shared.errors import EngineError, EPDError, InvalidRequest, MediaMissing, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import ObjectTooLarge
-from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef, TokenChunk
+from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef
+from shared.token_stream import TokenOutput, stream_events
 from shared.worker import Verdict, WorkerContext
 
 log = logging.getLogger(__name__)
-
-_DONE = object()
-
 
 class FeatureCache:
     """A byte-bounded LRU of encoder outputs, by item hash."""
@@ -171,9 +169,10 @@ class PrefillHandler(ModelHandler):
             ignore_eos=sp.ignore_eos,
         )
         stats = GenerationStats()
-        out = _TokenOutput(self.ctx, job, attempt)
+        out = TokenOutput(self.ctx, job, attempt)
         if self.settings.role == "prefill":
-            if await self._prefill_and_hand_off(job, images, params, stats, out, sources, t0, t_features):
+            hand_off = self._hand_off_via_connector if self.engine.kv_via_connector else self._prefill_and_hand_off
+            if await hand_off(job, images, params, stats, out, sources, t0, t_features):
                 return
         else:
             await self._stream(out, lambda: self.engine.generate(job.messages, images, params, stats))
@@ -204,35 +203,9 @@ class PrefillHandler(ModelHandler):
             stats.prompt_tokens, stats.completion_tokens, out.finish_reason, t_features - t0, t_end - t0, sources,
         )
 
-    async def _stream(self, out: "_TokenOutput", make_events) -> None:
-        """Run ``make_events()`` (an iterator of TokenEvents, driven in the engine thread) and
-        publish every event as it comes."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def produce() -> None:
-            try:
-                for event in make_events():
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
-                    if time.time() > out.job.deadline:  # nobody is waiting any more: free the engine
-                        raise DeadlineExceeded("request deadline passed during generation")
-            except BaseException as exc:  # re-raised on the event loop side
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            else:
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
+    async def _stream(self, out: TokenOutput, make_events) -> None:
         # A concurrent engine (vLLM) batches requests itself: don't serialize them in the engine thread.
-        run = asyncio.to_thread if self.engine.concurrent else self.run_compute
-        compute = asyncio.ensure_future(run(produce))
-        while True:
-            event = await queue.get()
-            if event is _DONE:
-                break
-            if isinstance(event, BaseException):
-                await compute
-                raise event
-            await out.publish(event)
-        await compute
+        await stream_events(out, make_events, asyncio.to_thread if self.engine.concurrent else self.run_compute)
 
     # -- E|P|D hand-off --------------------------------------------------------------------
     def _prefill_first(self, job: GenerationJob, images, params: SamplingParams, stats: GenerationStats):
@@ -249,7 +222,7 @@ class PrefillHandler(ModelHandler):
         return self.kv_store.encode(job.request_id, job.reprefill, tensors, meta, protocol.to_builtins(job.sampling))
 
     async def _prefill_and_hand_off(self, job: GenerationJob, images, params: SamplingParams, stats: GenerationStats,
-                                    out: "_TokenOutput", sources: dict[str, str], t0: float, t_features: float) -> bool:
+                                    out: TokenOutput, sources: dict[str, str], t0: float, t_features: float) -> bool:
         """Role ``prefill``. True when a decode worker now owns the request; False when this
         worker finished it (first token was the last, or the hand-off was impossible and the
         request was decoded here)."""
@@ -291,6 +264,51 @@ class PrefillHandler(ModelHandler):
             stats.prompt_tokens, key, len(blob), time.perf_counter() - t_handoff, t_features - t0, stats.prefill_s,
             sources,
         )
+        return True
+
+    async def _hand_off_via_connector(self, job: GenerationJob, images, params: SamplingParams,
+                                      stats: GenerationStats, out: TokenOutput, sources: dict[str, str], t0: float,
+                                      t_features: float) -> bool:
+        """Role ``prefill`` on a KV-connector engine (vLLM): the engine computes the prompt and its
+        KV connector stores the KV cache (``shared.ecstore.vllm_kv_connector``); the decode
+        worker's engine loads it and samples *every* output token (this worker streams none), so
+        sampling draws exactly as in an aggregated run. True when a decode worker owns the
+        request; False when this worker generated it (one-token requests, failed hand-off)."""
+        assert self.ctx is not None and self.kv_store is not None
+        if params.max_tokens <= 1:  # nothing to hand off: decoding here is the whole request
+            metrics.KV_HANDOFFS.labels("finished_in_prefill").inc()
+            await self._stream(out, lambda: self.engine.generate(job.messages, images, params, stats))
+            return False
+        expected_key = self.kv_store.key(job.request_id, job.reprefill)
+        try:
+            kv_params = await asyncio.to_thread(
+                self.engine.prefill_for_handoff, job.messages, images, params,
+                request_name=job.request_id, attempt=job.reprefill, stats=stats,
+            )
+            if kv_params.get("epd_kv_key") != expected_key:
+                raise EngineError(f"the engine stored the KV under {kv_params.get('epd_kv_key')!r}, not "
+                                  f"{expected_key!r}: prefill and decode would disagree on the model version")
+        except EngineError as exc:
+            log.warning("cannot hand off to a decode worker (%s): decoding here", exc)
+            metrics.KV_HANDOFFS.labels("local_engine_error").inc()
+            await self._stream(out, lambda: self.engine.generate(job.messages, images, params, stats))
+            return False
+        if stats.extra.get("ec_sources"):
+            sources.update(stats.extra["ec_sources"])
+        decode_job = DecodeJob(
+            request_id=job.request_id, kv_key=expected_key, kv_attempt=job.reprefill, kv_nbytes=0,
+            model_fingerprint=self.kv_store.fingerprint, sampling=job.sampling, deadline=job.deadline,
+            created_at=time.time(), emitted=0, emitted_text="", prompt_tokens=stats.prompt_tokens, generation=job,
+            timings={"features_s": t_features - t0, "prefill_s": stats.prefill_s},
+            ec_sources=sources, prefill_worker=self.settings.worker_id,
+        )
+        await self.ctx.publisher.publish(
+            self.ctx.subjects.decode_jobs, decode_job, request_id=job.request_id,
+            msg_id=f"{job.request_id}-decode-{job.reprefill}",
+        )
+        metrics.KV_HANDOFFS.labels("handed_off").inc()
+        log.info("handed off through the KV connector: %d prompt tokens, KV %s, features %.3fs, prefill %.3fs, "
+                 "sources=%s", stats.prompt_tokens, expected_key, t_features - t0, stats.prefill_s, sources)
         return True
 
     # -- encoder outputs -------------------------------------------------------------------
@@ -403,31 +421,3 @@ class PrefillHandler(ModelHandler):
         assert self.ctx is not None
         event = ErrorEvent(request_id=job.request_id, code=code, message=message, stage="prefill", http_status=status)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
-
-
-class _TokenOutput:
-    """Publishes a request's token events as ``TokenChunk`` s (seq = token index) and keeps what
-    went out, for the FinalResult or the DecodeJob."""
-
-    def __init__(self, ctx: WorkerContext, job: GenerationJob, attempt: int):
-        self.ctx = ctx
-        self.job = job
-        self.attempt = attempt
-        self.subject = ctx.subjects.tokens(job.request_id)
-        self.token_ids: list[int] = []
-        self.text_parts: list[str] = []
-        self.finish_reason = "length"
-        self.first_token_at: float | None = None
-
-    async def publish(self, event) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        chunk = TokenChunk(
-            request_id=self.job.request_id, attempt=self.attempt, seq=len(self.token_ids),
-            token_ids=(event.token_id,), text=event.text,
-        )
-        self.token_ids.append(event.token_id)
-        self.text_parts.append(event.text)
-        if event.finish_reason:
-            self.finish_reason = event.finish_reason
-        await self.ctx.publisher.publish(self.subject, chunk, request_id=self.job.request_id)
