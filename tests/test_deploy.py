@@ -44,12 +44,15 @@ APPS = {
     "api-gpu": dc.AppSpec("services.api", "api", "gpu"),
     "encoder-gpu": dc.AppSpec("services.encoder", "encoder", "gpu", gpu_device=True),
     "prefill-gpu": dc.AppSpec("services.prefill", "prefill", "gpu", role="pd", gpu_device=True),
+    "prefill-only-gpu": dc.AppSpec("services.prefill", "prefill", "gpu", role="prefill", gpu_device=True),
+    "decode-gpu": dc.AppSpec("services.decode", "decode", "gpu", gpu_device=True),
 }
 INFRA = {"nats", "minio", "minio-init"}
 PROFILES = {
     "e-pd": {"api", "encoder", "prefill"},
     "e-p-d": {"api", "encoder", "prefill-only", "decode"},
     "gpu-e-pd": {"api-gpu", "encoder-gpu", "prefill-gpu"},
+    "gpu-e-p-d": {"api-gpu", "encoder-gpu", "prefill-only-gpu", "decode-gpu"},
 }
 SETTINGS_OF = {
     "services.api": "ApiSettings",
@@ -221,7 +224,7 @@ def test_profiles_run_what_epd_up_runs(compose):
     """Each profile starts the services `epd up --topology T` starts, with the env T gives them."""
     from shared.launcher import TOPOLOGY_ENV, TOPOLOGY_SERVICES
 
-    topology_of = {"e-pd": "e-pd", "e-p-d": "e-p-d", "gpu-e-pd": "e-pd"}
+    topology_of = {"e-pd": "e-pd", "e-p-d": "e-p-d", "gpu-e-pd": "e-pd", "gpu-e-p-d": "e-p-d"}
     for profile, services in PROFILES.items():
         topology = topology_of[profile]
         modules = sorted(APPS[s].module.split(".", 1)[1] for s in services)
@@ -259,12 +262,12 @@ def kv_handoff_problems(compose: dict) -> list[str]:
 
 def test_e_p_d_services_use_an_engine_that_hands_off_kv(compose):
     assert kv_handoff_problems(compose) == []
-    # Negative control: a GPU decode service on vLLM (what a gpu-e-p-d profile would need today).
-    gpu_decode = {**compose["services"]["decode"], "environment": {
-        **compose["services"]["decode"]["environment"], "EPD_ENGINE": "vllm"}}
-    broken_compose = {**compose, "services": {**compose["services"], "decode-gpu": gpu_decode}}
+    # Negative control: a decode service on an engine without a KV hand-off.
+    other_decode = {**compose["services"]["decode"], "environment": {
+        **compose["services"]["decode"]["environment"], "EPD_ENGINE": "onnx"}}
+    broken_compose = {**compose, "services": {**compose["services"], "decode-onnx": other_decode}}
     assert kv_handoff_problems(broken_compose) == [
-        "decode-gpu: E|P|D with engine 'vllm', which cannot hand off the KV cache"]
+        "decode-onnx: E|P|D with engine 'onnx', which cannot hand off the KV cache"]
 
 
 # -- environment --------------------------------------------------------------------------------
