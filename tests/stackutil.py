@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,3 +125,47 @@ def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Me
             await nc.close()
 
     return asyncio.run(main())
+
+
+# -- decode workers of a running E|P|D stack ------------------------------------------------------
+def decoders(stack):
+    """The live decode worker processes of a RunningStack."""
+    return [p for p in stack.stack.processes if p.name == "decode" and p.alive()]
+
+
+def start_decoder(stack, **env):
+    """Start one more decode worker (the launcher's command and env, plus ``env``)."""
+    index = sum(1 for p in stack.stack.processes if p.name == "decode")
+    return stack.stack.add("decode", index=index, extra_env={k: str(v) for k, v in env.items()})
+
+
+def stop_decoders(stack, sig=signal.SIGTERM):
+    for proc in decoders(stack):
+        proc.stop(sig)
+
+
+def stream_killing_a_decoder(stack, body: dict, victim, *, after: int = 3, timeout: float = 600):
+    """Stream a chat completion; once ``after`` tokens have arrived, SIGKILL ``victim`` (a decode
+    worker process: its whole process group) and start a new decode worker. Returns (token ids,
+    request id, tokens seen when killing or None, whether [DONE] arrived)."""
+    import json
+
+    ids, rid, killed_after, done = [], None, None, False
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=timeout) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            rid = event["id"]
+            for choice in event.get("choices", []):
+                ids.extend(choice.get("token_ids", []))
+            if killed_after is None and len(ids) >= after:
+                victim.stop(signal.SIGKILL)
+                killed_after = len(ids)
+                start_decoder(stack)
+    return ids, rid, killed_after, done

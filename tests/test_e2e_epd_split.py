@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +21,8 @@ from shared.engines.base import SamplingParams
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
-from tests.stackutil import data_url, engine_messages, noise_image, user_message
+from tests.stackutil import data_url, engine_messages, noise_image, stream_killing_a_decoder, user_message
+from tests.stackutil import decoders as _decoders, start_decoder as _start_decoder, stop_decoders as _stop_decoders
 from tests.test_e2e_epd import CASES, GREEDY, api_tokens, reference_tokens
 
 pytestmark = pytest.mark.slow
@@ -56,20 +56,6 @@ def _wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _decoders(stack):
-    return [p for p in stack.stack.processes if p.name == "decode" and p.alive()]
-
-
-def _start_decoder(stack, **env):
-    index = sum(1 for p in stack.stack.processes if p.name == "decode")
-    return stack.stack.add("decode", index=index, extra_env={k: str(v) for k, v in env.items()})
-
-
-def _stop_decoders(stack, sig=signal.SIGTERM):
-    for proc in _decoders(stack):
-        proc.stop(sig)
 
 
 @pytest.fixture
@@ -225,24 +211,7 @@ def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine,
         SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))]
     body = {"model": "qwen2-vl-tiny", "messages": [user_message(text, [data_url(image)])], "stream": True,
             **GREEDY, "max_tokens": 64}
-    ids, rid, killed_after, done = [], None, None, False
-    with httpx.stream("POST", f"{epd_stack_epd.url}/v1/chat/completions", json=body, timeout=180) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            rid = event["id"]
-            for choice in event.get("choices", []):
-                ids.extend(choice.get("token_ids", []))
-            if killed_after is None and len(ids) >= 3:
-                victim.stop(signal.SIGKILL)
-                killed_after = len(ids)
-                _start_decoder(epd_stack_epd)
+    ids, rid, killed_after, done = stream_killing_a_decoder(epd_stack_epd, body, victim, timeout=180)
     assert done and killed_after is not None and killed_after < len(want)
     assert ids == want  # complete, no token twice, none missing
     final = _final(epd_stack_epd, rid)

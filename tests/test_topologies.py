@@ -62,14 +62,15 @@ def test_unknown_topology_and_role_are_refused():
         PrefillSettings(role="decode")
 
 
-def test_vllm_engine_refuses_the_split_roles():
+def test_split_roles_need_an_engine_that_hands_off_the_kv_cache():
     from shared.encoding import require_kv_handoff_engine
     from shared.errors import EngineError
 
-    require_kv_handoff_engine("transformers", "prefill")  # control
-    for role in ("prefill", "decode"):
-        with pytest.raises(EngineError, match="vLLM"):
-            require_kv_handoff_engine("vllm", role)
+    for engine in ("transformers", "vllm"):  # both hand it off (vLLM through its KV connector)
+        for role in ("prefill", "decode"):
+            require_kv_handoff_engine(engine, role)
+    with pytest.raises(EngineError, match="'onnx' engine cannot run the 'decode' role"):
+        require_kv_handoff_engine("onnx", "decode")
 
 
 # -- agg, in process ----------------------------------------------------------------------------

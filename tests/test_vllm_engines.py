@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from shared.ecstore.store import ECStore
 from shared.objectstore import S3ObjectStore
-from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media
+from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media, s3_connector_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +27,7 @@ AK_ENV, SK_ENV = "EPD_TEST_VLLM_AK", "EPD_TEST_VLLM_SK"
 
 @pytest.fixture(scope="module")
 def store_config(s3_server):
-    os.environ[AK_ENV], os.environ[SK_ENV] = s3_server.access_key, s3_server.secret_key
-    bucket = f"vllm-e2e-{uuid.uuid4().hex[:10]}"
-    S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
-    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "vllm", "access_key_env": AK_ENV,
-            "secret_key_env": SK_ENV}
+    return s3_connector_config(s3_server, namespace="vllm", ak_env=AK_ENV, sk_env=SK_ENV)
 
 
 @pytest.fixture(scope="module")

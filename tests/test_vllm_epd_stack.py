@@ -20,7 +20,7 @@ from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
 from tests.conftest import _start_topology
-from tests.stackutil import engine_messages, noise_image
+from tests.stackutil import data_url, decoders, engine_messages, noise_image, stream_killing_a_decoder, user_message
 from tests.test_e2e_epd import api_tokens
 from tests.vllmutil import CASES, generate, media
 
@@ -35,6 +35,8 @@ def vllm_epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         ready_timeout=900,  # three vLLM engines start at once (~150 s on 2 busy cores)
         EPD_ENGINE="vllm", EPD_VLLM_DIR=str(work / "vllm"),
         EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024),
+        EPD_ACK_WAIT_S="4",  # a killed decode worker's job is redelivered quickly
+        EPD_REQUEST_TIMEOUT_S="600",  # ... but its replacement's vLLM takes a while to start
     )
     try:
         yield running
@@ -175,3 +177,23 @@ def test_unusable_kv_object_is_prefilled_again_by_the_decode_engine(vllm_epd_sta
         engine_messages("Hello there.", 0), [], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
     assert tokens == list(final.token_ids) == want
     assert key not in _kv_keys(store, vllm_epd_stack)  # the bad object is gone too
+
+
+def test_killed_decode_worker_request_completes(vllm_epd_stack, vllm_reference):
+    """SIGKILL the decode worker (and its vLLM processes) after it streamed tokens: JetStream
+    redelivers the job to a new decode worker, whose vLLM loads the same KV object (it is deleted
+    only when the request ends) and regenerates the same tokens under the same seq numbers; the API
+    forwards only what it has not sent, so the client gets one complete, correct stream. Runs last:
+    it replaces the module's decode worker."""
+    (victim,) = decoders(vllm_epd_stack)
+    text, image, n = "Describe the image.", noise_image(321, (64, 48)), 300
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    want = [e.token_id for e in vllm_reference.generate(engine_messages(text, 1), [media(321, (64, 48))], params)]
+    body = {"model": "qwen2-vl-tiny", "messages": [user_message(text, [data_url(image)])], "stream": True,
+            "temperature": 0, "max_tokens": n, "ignore_eos": True, "return_token_ids": True}
+    ids, rid, killed_after, done = stream_killing_a_decoder(vllm_epd_stack, body, victim, timeout=600)
+    assert done and killed_after is not None and killed_after < n
+    assert ids == want  # complete, no token twice, none missing
+    final = _final(vllm_epd_stack, rid)
+    assert final.attempt == 2 and list(final.token_ids) == want
+    assert final.kv_source == "store"  # the second worker loaded the same KV object

@@ -7,7 +7,6 @@ Reference: a plain vLLM engine run aggregated in this process on the same prompt
 
 from __future__ import annotations
 
-import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +18,7 @@ from shared.engines.base import GenerationStats
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from tests.stackutil import engine_messages
-from tests.vllmutil import CASES, GREEDY, generate, media
+from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +27,7 @@ AK_ENV, SK_ENV = "EPD_TEST_VLLM_KV_AK", "EPD_TEST_VLLM_KV_SK"
 
 @pytest.fixture(scope="module")
 def store_config(s3_server):
-    os.environ[AK_ENV], os.environ[SK_ENV] = s3_server.access_key, s3_server.secret_key
-    bucket = f"vllm-kv-{uuid.uuid4().hex[:10]}"
-    S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
-    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "vkv", "access_key_env": AK_ENV,
-            "secret_key_env": SK_ENV}
+    return s3_connector_config(s3_server, namespace="vkv", ak_env=AK_ENV, sk_env=SK_ENV)
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,17 @@ def produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, ch
     return params, layers
 
 
+def consumer(tiny_model_dir, s3_server, bucket):
+    """(scheduler half, worker half) of a decode engine's connector."""
+    return tuple(make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", role)
+                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
+
+
+def stored(tiny_model_dir, s3_server, bucket, prompt):
+    """Finished prefill params of ``prompt`` (blocks 1, 2, 3 in the producer) and the producer's caches."""
+    return produce(tiny_model_dir, s3_server, bucket, prompt, [1, 2, 3], f"req-{uuid.uuid4().hex[:8]}")
+
+
 @pytest.mark.parametrize("chunks", [(None,), (6, 5)], ids=["one-step", "chunked"])
 def test_producer_to_consumer_moves_the_prompt_blocks(tiny_model_dir, s3_server, bucket, chunks):
     prompt = list(range(100, 111))  # 11 tokens: blocks of 4 -> 3 blocks, the last one partly filled
@@ -144,8 +155,7 @@ def test_producer_to_consumer_moves_the_prompt_blocks(tiny_model_dir, s3_server,
     assert params["do_remote_prefill"] is True and params["epd_kv_tokens"] == len(prompt)
     assert params["epd_kv_key"].endswith(f"/{name}-0")
 
-    sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.SCHEDULER)
-    worker = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.WORKER)
+    sched, worker = consumer(tiny_model_dir, s3_server, bucket)
     req = fake_request(prompt, params)
     assert decide(sched, req) == len(prompt) - 1  # all but the last token, whose logits vLLM needs
     sched.update_state_after_alloc(req, None, len(prompt) - 1)
@@ -163,9 +173,8 @@ def test_producer_to_consumer_moves_the_prompt_blocks(tiny_model_dir, s3_server,
 
 def test_a_local_prefix_hit_loads_only_the_rest(tiny_model_dir, s3_server, bucket):
     prompt = list(range(200, 211))
-    params, src = produce(tiny_model_dir, s3_server, bucket, prompt, [1, 2, 3], f"req-{uuid.uuid4().hex[:8]}")
-    sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.SCHEDULER)
-    worker = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.WORKER)
+    params, src = stored(tiny_model_dir, s3_server, bucket, prompt)
+    sched, worker = consumer(tiny_model_dir, s3_server, bucket)
     req = fake_request(prompt, params)
     assert decide(sched, req, num_computed=BLOCK) == len(prompt) - 1 - BLOCK  # vLLM's cache had block 0
     sched.update_state_after_alloc(req, None, len(prompt) - 1 - BLOCK)
@@ -178,7 +187,7 @@ def test_a_local_prefix_hit_loads_only_the_rest(tiny_model_dir, s3_server, bucke
 
 
 def test_requests_without_handoff_params_are_ignored(tiny_model_dir, s3_server, bucket):
-    sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.SCHEDULER)
+    sched, _ = consumer(tiny_model_dir, s3_server, bucket)
     assert sched.get_num_new_matched_tokens(fake_request([1, 2, 3], None), 0) == (0, False)
     producer = make_connector(tiny_model_dir, s3_server, bucket, "kv_producer", KVConnectorRole.SCHEDULER)
     req = fake_request([1, 2, 3, 4, 5], None)
@@ -190,8 +199,8 @@ def test_requests_without_handoff_params_are_ignored(tiny_model_dir, s3_server, 
 
 def test_unusable_objects_are_not_loaded(tiny_model_dir, s3_server, bucket):
     prompt = list(range(300, 311))
-    params, _ = produce(tiny_model_dir, s3_server, bucket, prompt, [1, 2, 3], f"req-{uuid.uuid4().hex[:8]}")
-    sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.SCHEDULER)
+    params, _ = stored(tiny_model_dir, s3_server, bucket, prompt)
+    sched, _ = consumer(tiny_model_dir, s3_server, bucket)
     other_prompt = fake_request(prompt[:-1] + [999], params)  # the object was computed for another prompt
     assert decide(sched, other_prompt) == 0
     assert sched.request_finished(other_prompt, [])[1] == {"epd_kv_source": "recomputed:item_mismatch"}
@@ -208,9 +217,8 @@ def test_unusable_objects_are_not_loaded(tiny_model_dir, s3_server, bucket):
 
 def test_a_failed_block_write_is_reported_for_recomputation(tiny_model_dir, s3_server, bucket):
     prompt = list(range(400, 411))
-    params, _ = produce(tiny_model_dir, s3_server, bucket, prompt, [1, 2, 3], f"req-{uuid.uuid4().hex[:8]}")
-    sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.SCHEDULER)
-    worker = make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", KVConnectorRole.WORKER)
+    params, _ = stored(tiny_model_dir, s3_server, bucket, prompt)
+    sched, worker = consumer(tiny_model_dir, s3_server, bucket)
     req = fake_request(prompt, params)
     assert decide(sched, req) == len(prompt) - 1
     sched.update_state_after_alloc(req, None, len(prompt) - 1)

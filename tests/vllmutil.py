@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
 from shared.engines.base import GenerationStats, MediaImage, SamplingParams
 from shared.media import content_hash_of
+from shared.objectstore import S3ObjectStore
 from tests.stackutil import engine_messages, noise_image
 
 #: Where tests leave fault instructions for tests.vllm_faults.FaultInjectingECConnector.
@@ -28,3 +32,13 @@ def generate(engine, text: str, items: list[MediaImage]) -> tuple[list[int], Gen
     events = list(engine.generate(engine_messages(text, len(items)), items, GREEDY, stats))
     assert events[-1].finish_reason == "length"
     return [e.token_id for e in events], stats
+
+
+def s3_connector_config(s3_server, *, namespace: str, ak_env: str, sk_env: str) -> dict:
+    """A fresh bucket and the connector extra config pointing at it; the credentials go into the
+    environment variables the config names (vLLM's processes inherit them)."""
+    os.environ[ak_env], os.environ[sk_env] = s3_server.access_key, s3_server.secret_key
+    bucket = f"{namespace}-{uuid.uuid4().hex[:10]}"
+    S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
+    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": namespace, "access_key_env": ak_env,
+            "secret_key_env": sk_env}
