@@ -149,7 +149,10 @@ class ApiService:
         self.workers.update(hb)
 
     async def _on_max_deliveries(self, msg) -> None:
-        """A job exhausted its deliveries (its workers kept dying): fail it cleanly, never hang."""
+        """A job exhausted its deliveries (its workers kept dying): fail it cleanly, never hang.
+
+        JetStream sends the advisory when a worker next pulls after the last delivery's ack wait
+        (tests/test_max_deliveries.py); with no worker left, the request's deadline ends it."""
         try:
             advisory = json.loads(msg.data)
             raw = await self.js.get_msg(advisory["stream"], advisory["stream_seq"])
