@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.server
 import io
@@ -12,6 +13,8 @@ import httpx
 import pytest
 from PIL import Image
 
+from shared.protocol import ErrorEvent
+from shared.replay import list_requests
 from tests.stackutil import data_url, noise_image, png_bytes, user_message
 
 pytestmark = pytest.mark.slow
@@ -134,6 +137,23 @@ def test_api_keys_and_deadline(api_only_stack):
     # Streaming: the deadline still ends it with a real status, before any byte is sent.
     r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=30, stream=True, **GREEDY)
     _assert_error(r, 504, "deadline_exceeded")
+    # Both are on record as ended by the API with an error (not "incomplete": nothing else answered).
+    abandoned = {m.request_id: m for _, _, m in api_only_stack.stream_messages("stream_results")
+                 if isinstance(m, ErrorEvent) and m.stage == "api"}
+    assert len(abandoned) >= 2
+    assert {(e.code, e.http_status) for e in abandoned.values()} == {("deadline_exceeded", 504)}
+
+    async def statuses():
+        import nats
+
+        nc = await nats.connect(api_only_stack.nats_url)
+        try:
+            return {s.request_id: s.status for s in await list_requests(nc, api_only_stack.subjects, limit=50)}
+        finally:
+            await nc.close()
+
+    listed = asyncio.run(statuses())
+    assert all(listed[rid] == "error" for rid in abandoned)
     # /health stays public and reports no workers.
     h = httpx.get(f"{api_only_stack.url}/health", timeout=10).json()
     assert h["status"] == "ok" and h["workers"] == {}

@@ -16,6 +16,7 @@ Typed ``shared.errors`` are translated to OpenAI-shaped HTTP errors here and onl
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -38,7 +39,6 @@ from shared.ecstore.store import ECStore
 from shared.errors import (
     DeadlineExceeded,
     EPDError,
-    InvalidRequest,
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
@@ -234,16 +234,30 @@ class ApiService:
             raise
         return sub
 
+    async def record_abandoned(self, request_id: str, error: EPDError) -> None:
+        """The API gave up on a request (its deadline passed): say so on its token subject, so the
+        results stream - and ``epd replay`` - show it ended with an error, not "incomplete"."""
+        event = ErrorEvent(request_id=request_id, code=error.code, message=error.message, stage="api",
+                           http_status=error.http_status)
+        try:
+            await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
+        except Exception as exc:  # best effort: the client gets its error either way
+            log.warning("could not record the abandoned request: %s", exc)
 
-async def token_events(sub, deadline: float) -> AsyncIterator[protocol.Message]:
-    """Messages on a request's token subject until a final result or error; deadline-bounded.
-    Drops chunks a redelivered job repeats (``seq`` already forwarded)."""
+
+async def token_events(sub, deadline: float, on_deadline=None) -> AsyncIterator[protocol.Message]:
+    """Messages on a request's token subject until a final result or error; deadline-bounded
+    (``on_deadline()`` is awaited before DeadlineExceeded is raised). Drops chunks a redelivered
+    job repeats (``seq`` already forwarded)."""
     forwarded = 0
     try:
         while True:
             left = deadline - time.time()
             if left <= 0:
-                raise DeadlineExceeded("the request passed its deadline before the model finished")
+                error = DeadlineExceeded("the request passed its deadline before the model finished")
+                if on_deadline is not None:
+                    await on_deadline(error)
+                raise error
             try:
                 msg = await sub.next_msg(timeout=left)
             except asyncio.TimeoutError:
@@ -362,7 +376,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 service.prepare_images(request_id, parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
             sub = await service.submit(request_id, parsed, refs, received_at, deadline)
-            events = token_events(sub, deadline)
+            events = token_events(sub, deadline, functools.partial(service.record_abandoned, request_id))
             log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
             if parsed.stream:
                 # Wait for the first event so an early failure still gets a real HTTP status.
