@@ -128,3 +128,69 @@ def test_latency_token_byte_and_lag_metrics_are_exposed(epd_stack):
     lag = [ls for n, ls in worker1 if n == "epd:consumer_num_pending"]
     assert lag and dict(lag[0])["consumer"] == "prefill" and dict(lag[0])["stream"] == epd_stack.subjects.stream_generate
     assert value(worker1, "epd:consumer_num_pending", consumer="prefill") == 0
+
+
+def test_consumer_lag_gauges_follow_a_backlog(nats_server):
+    """The lag gauges a worker exports count what waits in its stream and what it holds unacked:
+    3 jobs queued with nobody consuming -> pending 3; one taken and not acked -> 2 and 1."""
+    import asyncio
+    import uuid
+
+    from prometheus_client import REGISTRY
+
+    from shared import protocol
+    from shared.config import PrefillSettings
+    from shared.jetstream import ensure_topology
+    from shared.protocol import Subjects
+    from shared.worker import Handler, WorkerRunner
+
+    class Idle(Handler):
+        role = "prefill"
+        stream_attr = "stream_generate"
+        durable = protocol.CONSUMER_PREFILL
+
+        async def setup(self, ctx):  # never called: this test does not consume
+            raise AssertionError
+
+        async def handle(self, delivery):
+            raise AssertionError
+
+    prefix = f"lag{uuid.uuid4().hex[:8]}"
+    settings = PrefillSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_bytes=8 * 1024**2)
+    subjects = Subjects(prefix)
+    runner = WorkerRunner(Idle(), settings)
+    labels = {"stream": subjects.stream_generate, "consumer": protocol.CONSUMER_PREFILL}
+
+    def gauges():
+        return (REGISTRY.get_sample_value("epd:consumer_num_pending", labels),
+                REGISTRY.get_sample_value("epd:consumer_num_ack_pending", labels))
+
+    async def poll_once(js):
+        task = asyncio.create_task(runner._poll_lag(js, subjects.stream_generate))
+        await asyncio.sleep(0.5)  # the first poll is immediate, the next one 5 s later
+        task.cancel()
+        return gauges()
+
+    async def main():
+        import nats
+
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            await ensure_topology(js, settings, subjects)
+            empty = await poll_once(js)
+            for i in range(3):
+                await js.publish(subjects.generate_jobs, f"job {i}".encode())
+            queued = await poll_once(js)
+            psub = await js.pull_subscribe_bind(durable=protocol.CONSUMER_PREFILL, stream=subjects.stream_generate)
+            (taken,) = await psub.fetch(1, timeout=5)
+            held = await poll_once(js)
+            await taken.ack()
+            return empty, queued, held
+        finally:
+            await nc.close()
+
+    empty, queued, held = asyncio.run(main())
+    assert empty == (0, 0)
+    assert queued == (3, 0)
+    assert held == (2, 1)
