@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from shared.config import CommonSettings
 from shared.engines import engine_class, make_engine
 from shared.engines.base import EncodedImage, Engine, MediaImage
-from shared.errors import EngineError, InvalidImage
+from shared.errors import EngineError, InvalidImage, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.worker import Handler, WorkerContext
 
 if TYPE_CHECKING:
     from shared.ecstore.store import ECStore
+    from shared.protocol import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,20 @@ class ModelHandler(Handler):
             self._owned_engine = self.engine
         if self.store is None:
             self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+
+    async def media_bytes(self, ref: "ImageRef") -> bytes:
+        """A request's stored image bytes. Raises MediaMissing when they are gone."""
+        assert self.store is not None
+        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
+        if data is None:
+            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
+        return data
+
+    async def media_image(self, ref: "ImageRef") -> MediaImage:
+        """A request's image from the store, checked against its item hash (connector engines
+        take images, not features). Raises MediaMissing when it is gone."""
+        data = await self.media_bytes(ref)
+        return await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
 
     async def close(self) -> None:
         await super().close()

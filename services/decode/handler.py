@@ -34,9 +34,9 @@ from shared.ecstore.factory import kv_store_from_settings
 from shared.ecstore.format import MissReason, ObjectValidationError
 from shared.ecstore.kv import KVObject, KVStore
 from shared.ecstore.store import ECStore
-from shared.encoding import ModelHandler, media_image_from_bytes, require_kv_handoff_engine
-from shared.engines.base import Engine, GenerationStats, MediaImage, SamplingParams, TokenEvent
-from shared.errors import EPDError, MediaMissing, StoreError
+from shared.encoding import ModelHandler, require_kv_handoff_engine
+from shared.engines.base import Engine, GenerationStats, SamplingParams, TokenEvent
+from shared.errors import EPDError, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, SamplingSpec, TokenChunk
 from shared.token_stream import TokenOutput, stream_events
@@ -226,7 +226,7 @@ class DecodeHandler(ModelHandler):
         assert self.ctx is not None and self.store is not None
         gen = job.generation
         try:
-            images = await asyncio.gather(*(self._media(ref) for ref in gen.images))
+            images = await asyncio.gather(*(self.media_image(ref) for ref in gen.images))
         except StoreError as exc:
             if not delivery.is_last_attempt:
                 return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
@@ -271,13 +271,6 @@ class DecodeHandler(ModelHandler):
                  t_end - t0, kv_source)
         await self._delete(job.kv_key)
         return Verdict.ack()
-
-    async def _media(self, ref) -> MediaImage:
-        assert self.store is not None
-        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
-        if data is None:
-            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
-        return await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
 
     # -- failure paths -----------------------------------------------------------------------
     async def _reprefill(self, job: DecodeJob, reason: MissReason, detail: str) -> None:

@@ -48,9 +48,9 @@ from shared.ecstore.kv import KVStore
 from shared.ecstore.format import ECValidationError, MissReason
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
-from shared.encoding import ModelHandler, encode_image_bytes, media_image_from_bytes, require_kv_handoff_engine
+from shared.encoding import ModelHandler, encode_image_bytes, require_kv_handoff_engine
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
-from shared.errors import EngineError, EPDError, InvalidRequest, MediaMissing, StoreError
+from shared.errors import EngineError, EPDError, InvalidRequest, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import ObjectTooLarge
 from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef
@@ -371,11 +371,7 @@ class PrefillHandler(ModelHandler):
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
             finally:
                 await sub.unsubscribe()
-        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
-        if data is None:
-            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
-        image = await asyncio.to_thread(media_image_from_bytes, data, ref.item_hash, self.limits)
-        return image, "local" if self.settings.role == "agg" else "connector"
+        return await self.media_image(ref), "local" if self.settings.role == "agg" else "connector"
 
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
         obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
@@ -402,9 +398,7 @@ class PrefillHandler(ModelHandler):
         return MissReason.TIMEOUT
 
     async def _encode_locally(self, ref: ImageRef, request_id: str, *, write_back: bool = True) -> EncodedImage:
-        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
-        if data is None:
-            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
+        data = await self.media_bytes(ref)
         item = await self.run_compute(encode_image_bytes, self.engine, data, ref.item_hash, self.limits)
         self.cache.put(ref.item_hash, item)
         if not write_back:

@@ -176,7 +176,8 @@ class _Saving:
 class MinioKVConnector(KVConnectorBase_V1):
     """vLLM KV connector over the epd-serve KV store (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _inherit_vllm_log_handlers()
         transfer = self._kv_transfer_config
@@ -524,9 +525,9 @@ def check_kv_object(obj: KVObject, prompt: tuple[int, ...], block_size: int,
         have = {name[len(_LAYER_PREFIX):]: (math.prod(t.shape[1:]), t.dtype) for name, t in tensors.items()}
         if set(have) != set(layout):
             raise ObjectValidationError(MissReason.SHAPE_MISMATCH,
-                                        f"layers {sorted(have)[:3]}... do not match this engine's {sorted(layout)[:3]}...")
+                                        f"layers {sorted(have)[:3]}... != this engine's {sorted(layout)[:3]}...")
         for name, expected in layout.items():
             if have[name] != expected:
                 raise ObjectValidationError(MissReason.SHAPE_MISMATCH,
-                                            f"layer {name}: object (values per block, dtype) {have[name]} vs engine {expected}")
+                                            f"layer {name}: (values per block, dtype) {have[name]} != {expected}")
     return tensors, n

@@ -86,13 +86,10 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
     return applied
 
 
-def connector_extra_config(settings: Any, role: str = "") -> dict[str, Any]:
-    """``ec_connector_extra_config`` (and ``kv_connector_extra_config``) for a worker's store
-    settings (credentials stay in the env). KV objects are bounded by ``EPD_MAX_KV_OBJECT_BYTES``
-    where the worker has that setting."""
-    max_bytes = settings.max_ec_object_bytes
-    if role in KV_ROLES:
-        max_bytes = max(max_bytes, settings.max_kv_object_bytes)
+def connector_extra_config(settings: Any, *, kv: bool = False) -> dict[str, Any]:
+    """``ec_connector_extra_config`` (``kv=True``: ``kv_connector_extra_config``) for a worker's
+    store settings (credentials stay in the env). Objects are bounded by ``EPD_MAX_EC_OBJECT_BYTES``
+    (``EPD_MAX_KV_OBJECT_BYTES``)."""
     return {
         "backend": settings.store_backend,
         "endpoint": settings.s3_endpoint,
@@ -103,7 +100,7 @@ def connector_extra_config(settings: Any, role: str = "") -> dict[str, Any]:
         "fs_root": str(Path(settings.store_fs_root).resolve()) if settings.store_backend == "fs" else "",
         "access_key_env": "EPD_S3_ACCESS_KEY",
         "secret_key_env": "EPD_S3_SECRET_KEY",
-        "max_object_bytes": max_bytes,
+        "max_object_bytes": settings.max_kv_object_bytes if kv else settings.max_ec_object_bytes,
         "producer_id": settings.worker_id,
     }
 
@@ -126,6 +123,7 @@ class VllmEngine(Engine):
         ec_role: str | None = None,
         ec_extra_config: dict[str, Any] | None = None,
         kv_role: str | None = None,
+        kv_extra_config: dict[str, Any] | None = None,
         s3_credentials: tuple[Any, Any] | None = None,
         connector: tuple[str, str] = (CONNECTOR_CLASS, CONNECTOR_MODULE),
         work_dir: str | Path = "var/vllm",
@@ -153,7 +151,7 @@ class VllmEngine(Engine):
         self._model_id = model_id or self.model_dir.name
         self.env = configure_vllm_environment(Path(work_dir))
         if (ec_role or kv_role) and s3_credentials is not None:
-            extra = ec_extra_config or {}
+            extra = ec_extra_config or kv_extra_config or {}
             for env_name, secret in zip(
                 (extra.get("access_key_env", "EPD_S3_ACCESS_KEY"), extra.get("secret_key_env", "EPD_S3_SECRET_KEY")),
                 s3_credentials,
@@ -185,12 +183,12 @@ class VllmEngine(Engine):
             )
         kv_transfer_config = None
         if kv_role:
-            # The KV connector reads the same store settings as the EC connector.
+            kv_extra = kv_extra_config if kv_extra_config is not None else ec_extra_config
             kv_transfer_config = KVTransferConfig(
                 kv_connector=KV_CONNECTOR_CLASS,
                 kv_connector_module_path=KV_CONNECTOR_MODULE,
                 kv_role=kv_role,
-                kv_connector_extra_config=dict(ec_extra_config or {}),
+                kv_connector_extra_config=dict(kv_extra or {}),
             )
         args = dict(
             model=str(self.model_dir),
@@ -235,12 +233,12 @@ class VllmEngine(Engine):
     def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
         ec_role = EC_ROLES.get(role)
         kv_role = KV_ROLES.get(role)
-        store_extra = connector_extra_config(settings, role) if (ec_role or kv_role) else None
         return dict(
             ec_role=ec_role,
             kv_role=kv_role,
-            ec_extra_config=store_extra,
-            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if store_extra else None,
+            ec_extra_config=connector_extra_config(settings) if ec_role else None,
+            kv_extra_config=connector_extra_config(settings, kv=True) if kv_role else None,
+            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if (ec_role or kv_role) else None,
             work_dir=settings.vllm_dir,
             enforce_eager=settings.vllm_enforce_eager,
             max_model_len=settings.vllm_max_model_len,
