@@ -166,9 +166,18 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
                 REGISTRY.get_sample_value("epd:consumer_num_ack_pending", labels))
 
     async def poll_once(js):
+        from shared import metrics
+
+        for gauge in (metrics.CONSUMER_PENDING, metrics.CONSUMER_ACK_PENDING):
+            gauge.labels(labels["stream"], labels["consumer"]).set(-1)  # "not polled yet"
         task = asyncio.create_task(runner._poll_lag(js, subjects.stream_generate))
-        await asyncio.sleep(0.5)  # the first poll is immediate, the next one 5 s later
-        task.cancel()
+        try:  # the first poll is immediate, the next one 5 s later
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if -1 not in gauges():
+                    break
+        finally:
+            task.cancel()
         return gauges()
 
     async def main():
