@@ -71,6 +71,18 @@ def check_image_count(messages: list[dict[str, Any]], n_images: int) -> int:
     return n
 
 
+def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: int) -> None:
+    """Raise :class:`InvalidRequest` unless the tokenized prompt has exactly one image placeholder
+    token per image (a literal "<|image_pad|>" typed into a text part would add one)."""
+    n_placeholders = sum(1 for t in ids if t == image_token_id)
+    if n_placeholders != n_images:
+        raise InvalidRequest(
+            f"prompt has {n_placeholders} image placeholder tokens for {n_images} image(s); "
+            "text parts must not contain image tokens",
+            param="messages",
+        )
+
+
 def _iter_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
@@ -665,14 +677,7 @@ class TransformersEngine(Engine):
         # renders BOS would get it twice, so skip the automatic one then.
         add_special = not (bos and text.startswith(bos))
         ids: list[int] = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        n_placeholders = sum(1 for t in ids if t == self.image_token_id)
-        if n_placeholders != len(images):
-            # e.g. a literal "<|image_pad|>" typed into a text part.
-            raise InvalidRequest(
-                f"prompt has {n_placeholders} image placeholder tokens for {len(images)} image(s); "
-                "text parts must not contain image tokens",
-                param="messages",
-            )
+        check_placeholder_tokens(ids, self.image_token_id, len(images))
         expanded: list[int] = []
         k = 0
         for t in ids:

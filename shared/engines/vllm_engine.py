@@ -281,21 +281,15 @@ class VllmEngine(Engine):
 
     def build_prompt(self, messages: list[dict[str, Any]], images: Sequence[MediaImage]) -> dict[str, Any]:
         """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids."""
-        from shared.engines.transformers_engine import check_image_count
+        from shared.engines.transformers_engine import check_image_count, check_placeholder_tokens
 
         check_image_count(messages, len(images))
         for i, item in enumerate(images):
             if not isinstance(item, MediaImage):
                 raise InvalidRequest(f"images[{i}] is not a MediaImage ({type(item).__name__})")
         text = self.render_prompt(messages)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        n_placeholders = sum(1 for t in ids if t == self.image_token_id)
-        if n_placeholders != len(images):
-            raise InvalidRequest(
-                f"prompt has {n_placeholders} image placeholder tokens for {len(images)} image(s); "
-                "text parts must not contain image tokens",
-                param="messages",
-            )
+        check_placeholder_tokens(self.tokenizer(text, add_special_tokens=False)["input_ids"], self.image_token_id,
+                                 len(images))
         prompt: dict[str, Any] = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": [item.image for item in images]}
