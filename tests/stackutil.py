@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,22 @@ def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Me
             await nc.close()
 
     return asyncio.run(main())
+
+
+def wait_for(predicate, timeout: float, what: str, *, interval: float = 0.1):
+    """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def kv_keys(store, stack) -> set[str]:
+    """Keys of the KV objects (E|P|D hand-offs) in a RunningStack's bucket."""
+    return {info.key for info in store.list(f"{stack.namespace}/kv/")}
 
 
 # -- decode workers of a running E|P|D stack ------------------------------------------------------

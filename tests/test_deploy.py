@@ -659,21 +659,11 @@ async def _nats_connects(url: str, **creds: str) -> bool:
     return True
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 @pytest.mark.slow
 def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, tiny_model_dir, tmp_path):
     from shared.infra import free_port
     from shared.launcher import Stack
-    from tests.stackutil import data_url, noise_image, user_message
+    from tests.stackutil import data_url, noise_image, user_message, wait_for
 
     tag = uuid.uuid4().hex[:8]
     # What a user's .env would hold: .env.example + secrets + a private bucket/prefix.
@@ -713,7 +703,8 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
         stack.wait_ready(timeout=180, roles={"encoder": 1, "prefill": 1})
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 15, f"{name} healthcheck")
+            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 15, f"{name} healthcheck",
+                     interval=0.25)
 
         # API keys as compose requires them.
         body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "temperature": 0,
@@ -728,14 +719,16 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
         wrong = run_healthcheck(healthchecks["encoder"], envs["prefill"])
         assert wrong.returncode == 1 and "expected encoder" in wrong.stderr
         nats.stop()
-        wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 20, "api unhealthy")
+        wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 20, "api unhealthy",
+                 interval=0.25)
         for name in ("encoder", "prefill"):
             wait_for(lambda: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
-                     20, f"{name} unhealthy without NATS")
+                     20, f"{name} unhealthy without NATS", interval=0.25)
         # ... and NATS back makes them pass again.
         nats.start()
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 60, f"{name} healthy again")
+            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 60, f"{name} healthy again",
+                     interval=0.25)
 
         # A stopped worker is unhealthy at once (its heartbeat file is removed on SIGTERM).
         encoder = next(p for p in stack.processes if p.name == "encoder")

@@ -21,8 +21,9 @@ from shared.engines.base import SamplingParams
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
-from tests.stackutil import data_url, engine_messages, noise_image, stream_killing_a_decoder, user_message
+from tests.stackutil import data_url, engine_messages, kv_keys, noise_image, stream_killing_a_decoder, user_message
 from tests.stackutil import decoders as _decoders, start_decoder as _start_decoder, stop_decoders as _stop_decoders
+from tests.stackutil import wait_for
 from tests.test_e2e_epd import CASES, GREEDY, api_tokens, reference_tokens
 
 pytestmark = pytest.mark.slow
@@ -42,20 +43,6 @@ def _final(stack, request_id) -> FinalResult:
 @pytest.fixture
 def store(epd_stack_epd, s3_server):
     return S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack_epd.bucket)
-
-
-def _kv_keys(store, stack) -> set[str]:
-    return {info.key for info in store.list(f"{stack.namespace}/kv/")}
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -91,7 +78,7 @@ def test_epd_split_equals_aggregated(epd_stack_epd, reference_engine, store, nam
     final = _final(epd_stack_epd, rid)
     assert final.worker.startswith("decode-") and final.timings["kv_bytes"] == jobs[0].kv_nbytes
     assert jobs[0].prefill_worker.startswith("prefill-")
-    _wait_for(lambda: jobs[0].kv_key not in _kv_keys(store, epd_stack_epd), 10, "KV object deletion")
+    wait_for(lambda: jobs[0].kv_key not in kv_keys(store, epd_stack_epd), 10, "KV object deletion")
 
 
 def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, reference_engine):
@@ -154,7 +141,7 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
     with ThreadPoolExecutor(len(BATCH)) as pool:
         futures = [pool.submit(run, case) for case in BATCH]
         # All decode jobs wait in the stream; then one worker takes them in one fetch.
-        _wait_for(lambda: len(epd_stack_epd.stream_messages("stream_decode")) >= before + len(BATCH), 120,
+        wait_for(lambda: len(epd_stack_epd.stream_messages("stream_decode")) >= before + len(BATCH), 120,
                   "the decode jobs")
         _start_decoder(epd_stack_epd)  # 50 ms per step: they overlap even if loading KV takes a while
         results = [f.result(timeout=180) for f in futures]
@@ -179,10 +166,10 @@ def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, 
     image = noise_image(71, (56, 56))
     text = "Describe the image."
     want = reference_tokens(reference_engine, text, [image])
-    existing = _kv_keys(store, epd_stack_epd)
+    existing = kv_keys(store, epd_stack_epd)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(api_tokens, epd_stack_epd, text, [image])
-        new = _wait_for(lambda: _kv_keys(store, epd_stack_epd) - existing, 120, "the KV object")
+        new = wait_for(lambda: kv_keys(store, epd_stack_epd) - existing, 120, "the KV object")
         (key,) = new
         blob = bytearray(store.get(key, max_bytes=1 << 30))
         blob[-7] ^= 0xFF  # a flipped byte inside the KV tensors
@@ -196,7 +183,7 @@ def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, 
     assert sorted(g.reprefill for g in gens) == [0, 1]  # prefilled once more, and only once
     assert sorted(j.kv_attempt for j in _messages_of(epd_stack_epd, "stream_decode", DecodeJob, rid)) == [0, 1]
     assert re.search(rf"kv miss key=\S*{rid}-0 reason=checksum_mismatch", _decode_log(epd_stack_epd))
-    _wait_for(lambda: not {k for k in _kv_keys(store, epd_stack_epd) if rid in k}, 10, "KV cleanup")
+    wait_for(lambda: not {k for k in kv_keys(store, epd_stack_epd) if rid in k}, 10, "KV cleanup")
 
 
 def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine, restore_decoder):

@@ -20,7 +20,9 @@ from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
 from tests.conftest import _start_topology
-from tests.stackutil import data_url, decoders, engine_messages, noise_image, stream_killing_a_decoder, user_message
+from tests.stackutil import (
+    data_url, decoders, engine_messages, kv_keys, noise_image, stream_killing_a_decoder, user_message, wait_for,
+)
 from tests.test_e2e_epd import api_tokens
 from tests.vllmutil import CASES, generate, media
 
@@ -61,10 +63,6 @@ def _decode_jobs(stack, request_id):
             if isinstance(m, DecodeJob) and m.request_id == request_id]
 
 
-def _kv_keys(store, stack) -> set[str]:
-    return {info.key for info in store.list(f"{stack.namespace}/kv/")}
-
-
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
 def test_epd_on_vllm_equals_aggregated_vllm(vllm_epd_stack, vllm_reference, store, name, text, specs):
     images = [noise_image(seed, size) for seed, size in specs]
@@ -80,10 +78,8 @@ def test_epd_on_vllm_equals_aggregated_vllm(vllm_epd_stack, vllm_reference, stor
     assert final.kv_source == "store"  # the decode engine loaded the prefill engine's KV
     assert set(final.ec_sources.values()) == {"store"}
     assert final.worker != job.prefill_worker
-    deadline = time.monotonic() + 10  # the decode worker deletes the object when the request ends
-    while any(rid in k for k in _kv_keys(store, vllm_epd_stack)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(rid in k for k in _kv_keys(store, vllm_epd_stack))
+    # The decode worker deletes the object when the request ends.
+    wait_for(lambda: not any(rid in k for k in kv_keys(store, vllm_epd_stack)), 10, "KV cleanup")
 
 
 BATCH = [
@@ -176,7 +172,7 @@ def test_unusable_kv_object_is_prefilled_again_by_the_decode_engine(vllm_epd_sta
     want = [e.token_id for e in vllm_reference.generate(
         engine_messages("Hello there.", 0), [], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
     assert tokens == list(final.token_ids) == want
-    assert key not in _kv_keys(store, vllm_epd_stack)  # the bad object is gone too
+    assert key not in kv_keys(store, vllm_epd_stack)  # the bad object is gone too
 
 
 def test_killed_decode_worker_request_completes(vllm_epd_stack, vllm_reference):
