@@ -93,14 +93,16 @@ def reference_engine(tiny_model_dir):
     return TransformersEngine(tiny_model_dir, dtype="float32", threads=1, model_id="qwen2-vl-tiny")
 
 
-def _start_stack(nats_server, s3_server, model_dir, log_dir, *, services=None, roles=None, service_env=None,
-                 ready_timeout=180, **env_overrides):
+def _start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
+                 service_env=None, ready_timeout=180, **env_overrides):
+    """A ready stack: every service of ``topology`` (``shared.launcher.TOPOLOGY_SERVICES``), or
+    just ``services``; ``roles`` are the worker roles to wait for."""
     from shared.infra import free_port
     from shared.launcher import Stack
     from tests.stackutil import RunningStack, stack_env
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
-    stack = Stack(env=env, log_dir=log_dir, api_port=free_port(), service_env=service_env or {})
+    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
     running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
     try:
         if services is None:
@@ -148,23 +150,9 @@ def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         running.stack.stop()
 
 
-def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, *, service_env=None, ready_timeout=180,
-                    **env_overrides):
-    """A whole stack of one topology (``shared.launcher.TOPOLOGY_SERVICES``), ready."""
-    from shared.infra import free_port
-    from shared.launcher import Stack
-    from tests.stackutil import RunningStack, stack_env
-
-    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
-    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
-    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
-    try:
-        stack.start()
-        stack.wait_ready(timeout=ready_timeout)
-    except BaseException:
-        stack.stop()
-        raise
-    return running
+def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, **kwargs):
+    """A whole stack of one topology, ready (see :func:`_start_stack`)."""
+    return _start_stack(nats_server, s3_server, model_dir, log_dir, topology=topology, **kwargs)
 
 
 @pytest.fixture(scope="session")
