@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 from shared.config import CommonSettings
 from shared.engines import engine_class, make_engine
-from shared.engines.base import EncodedImage, Engine, MediaImage
+from shared.engines.base import EncodedImage, Engine, MediaImage, SamplingParams
 from shared.errors import EngineError, InvalidImage, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.worker import Handler, WorkerContext
 
 if TYPE_CHECKING:
     from shared.ecstore.store import ECStore
-    from shared.protocol import ImageRef
+    from shared.protocol import ImageRef, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ def media_image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> 
     if content_hash != item_hash:
         raise InvalidImage(f"stored image hashes to {content_hash[:12]}, expected item {item_hash[:12]}")
     return MediaImage(image=image, item_hash=item_hash)
+
+
+def sampling_params(spec: "SamplingSpec", *, seed: int | None) -> SamplingParams:
+    """The engine's sampling settings for a job's wire ``SamplingSpec``; ``seed`` is the one the
+    job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
+    return SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=seed,
+        stop=tuple(spec.stop), ignore_eos=spec.ignore_eos,
+    )
 
 
 #: Engines whose decode state can be handed from a prefill worker to a decode worker (E|P|D).

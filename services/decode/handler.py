@@ -34,8 +34,8 @@ from shared.ecstore.factory import kv_store_from_settings
 from shared.ecstore.format import MissReason, ObjectValidationError
 from shared.ecstore.kv import KVObject, KVStore
 from shared.ecstore.store import ECStore
-from shared.encoding import ModelHandler, require_kv_handoff_engine
-from shared.engines.base import Engine, GenerationStats, SamplingParams, TokenEvent
+from shared.encoding import ModelHandler, require_kv_handoff_engine, sampling_params
+from shared.engines.base import Engine, GenerationStats, TokenEvent
 from shared.errors import EPDError, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, SamplingSpec, TokenChunk
@@ -152,11 +152,7 @@ class DecodeHandler(ModelHandler):
 
     async def _decode(self, job: DecodeJob, obj: KVObject, attempt: int) -> None:
         assert self.ctx is not None and self.batcher is not None
-        sp = job.sampling
-        params = SamplingParams(
-            max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-            seed=obj.state.get("seed"), stop=tuple(sp.stop), ignore_eos=sp.ignore_eos,
-        )
+        params = sampling_params(job.sampling, seed=obj.state.get("seed"))
         engine = self.engine
 
         def make_state():  # engine thread
@@ -235,11 +231,7 @@ class DecodeHandler(ModelHandler):
         except EPDError as exc:
             await self._error(job, exc.code, exc.message, exc.http_status)
             return Verdict.term(exc.message)
-        sp = job.sampling
-        params = SamplingParams(
-            max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-            seed=protocol.effective_seed(job.request_id, sp.seed), stop=tuple(sp.stop), ignore_eos=sp.ignore_eos,
-        )
+        params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
         kv_params = {"do_remote_prefill": True, "epd_kv_key": job.kv_key, "epd_kv_request": job.request_id,
                      "epd_kv_attempt": job.kv_attempt}
         stats = GenerationStats()

@@ -48,7 +48,7 @@ from shared.ecstore.kv import KVStore
 from shared.ecstore.format import ECValidationError, MissReason
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
-from shared.encoding import ModelHandler, encode_image_bytes, require_kv_handoff_engine
+from shared.encoding import ModelHandler, encode_image_bytes, require_kv_handoff_engine, sampling_params
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import EngineError, EPDError, InvalidRequest, StoreError
 from shared.fingerprint import model_fingerprint
@@ -159,15 +159,7 @@ class PrefillHandler(ModelHandler):
         sources = {h: src for h, (_, src) in by_hash.items()}
         t_features = time.perf_counter()
 
-        sp = job.sampling
-        params = SamplingParams(
-            max_tokens=sp.max_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            seed=protocol.effective_seed(job.request_id, sp.seed),
-            stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos,
-        )
+        params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
         stats = GenerationStats()
         out = TokenOutput(self.ctx, job, attempt)
         if self.settings.role == "prefill":
