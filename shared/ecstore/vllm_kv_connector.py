@@ -202,8 +202,10 @@ class MinioKVConnector(KVConnectorBase_V1):
         self._requests: dict[str, "Request"] = {}  # producer: requests being saved (cached steps lack the prompt)
         self._sources: dict[str, str] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._layout: dict[str, tuple[int, str]] | None = None
         if role == KVConnectorRole.SCHEDULER and self.is_consumer:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.config.fetch_threads, "epd-kv-fetch")
+            self._layout = self._expected_layout()  # what every fetched object is checked against
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._invalid_blocks: set[int] = set()
@@ -280,30 +282,27 @@ class MinioKVConnector(KVConnectorBase_V1):
             raise ValueError(f"malformed kv_transfer_params {params!r}")
         return key, name, attempt
 
-    def expected_layout(self) -> dict[str, tuple[int, str]]:
-        """Layer name -> (values per block, safetensors dtype) of this engine's paged cache. (The
-        block's exact shape depends on the attention backend - ``[kv_heads, block_size, 2 *
-        head_size]`` on the CPU - and is checked against the cache itself in the worker.)"""
-        layout: dict[str, tuple[int, str]] = {}
-        for group in self._kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            for name in group.layer_names:
-                layout[name] = (2 * spec.num_kv_heads * spec.head_size * self.block_size,
-                                safetensors_dtype(spec.dtype))
-        return layout
+    def _expected_layout(self) -> dict[str, tuple[int, str]] | None:
+        """Layer name -> (values per block, safetensors dtype) of this engine's paged cache; None
+        when the cache spec is of a kind this cannot read (the worker still checks every block's
+        shape against the cache itself). The block's exact shape depends on the attention backend
+        - ``[kv_heads, block_size, 2 * head_size]`` on the CPU."""
+        try:
+            return {
+                name: (2 * group.kv_cache_spec.num_kv_heads * group.kv_cache_spec.head_size * self.block_size,
+                       safetensors_dtype(group.kv_cache_spec.dtype))
+                for group in self._kv_cache_config.kv_cache_groups
+                for name in group.layer_names
+            }
+        except Exception as exc:  # noqa: BLE001 - unknown spec types
+            log.debug("no expected KV layout: %s", exc)
+            return None
 
     def _fetch_and_check(self, key: str, name: str, attempt: int, prompt: tuple[int, ...]) -> tuple[dict, int]:
         """Fetch thread: the validated tensors of ``key`` and how many leading prompt tokens they
         hold. Raises ObjectValidationError."""
         obj = self._store.load(key, request_id=name, attempt=attempt)
-        return check_kv_object(obj, prompt, self.block_size, self.expected_layout_or_none())
-
-    def expected_layout_or_none(self) -> dict[str, tuple[int, str]] | None:
-        try:
-            return self.expected_layout()
-        except Exception as exc:  # noqa: BLE001 - unknown spec types: the worker checks shapes
-            log.debug("no expected KV layout: %s", exc)
-            return None
+        return check_kv_object(obj, prompt, self.block_size, self._layout)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         rid = request.request_id
