@@ -112,6 +112,27 @@ class EngineError(EPDError):
     code = "engine_error"
 
 
+class ModelMismatch(EPDError):
+    """A job prepared by a worker of another model (a deployment error: no retry)."""
+
+    code = "model_mismatch"
+    http_status = 500
+
+
+class KVUnavailable(EPDError):
+    """A request's KV state could not be used, even after the allowed re-prefills."""
+
+    code = "kv_unavailable"
+    http_status = 502
+
+
+class WorkerFailed(EPDError):
+    """A job exhausted its deliveries: its workers kept crashing or timing out."""
+
+    code = "worker_failed"
+    http_status = 502
+
+
 ERRORS_BY_CODE: dict[str, type[EPDError]] = {}
 
 

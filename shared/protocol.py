@@ -38,6 +38,8 @@ from typing import Any, Mapping, Union
 
 import msgspec
 
+from shared.errors import EPDError
+
 PROTOCOL_VERSION = 1
 
 # Nats headers -------------------------------------------------------------------------------
@@ -276,11 +278,27 @@ class FinalResult(_Msg, frozen=True, kw_only=True, tag="final_result"):
 
 
 class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):
+    """A request ended with an error. Build it with :func:`error_event` from a typed error."""
+
     request_id: str
     code: str
     message: str
     stage: str
     http_status: int = 500
+
+    def __post_init__(self) -> None:
+        # Checked on construction too (msgspec checks types only when decoding): an event that
+        # the API cannot decode would leave its client waiting for the deadline.
+        if not (isinstance(self.code, str) and isinstance(self.message, str)):
+            raise TypeError(f"ErrorEvent code and message must be str, got {self.code!r}, {self.message!r}")
+        if type(self.http_status) is not int or not 400 <= self.http_status <= 599:
+            raise ValueError(f"ErrorEvent http_status must be an int 400..599, got {self.http_status!r}")
+
+
+def error_event(request_id: str, stage: str, error: EPDError, *, message: str | None = None) -> ErrorEvent:
+    """The ``ErrorEvent`` for ``error`` (its code and HTTP status; ``message`` overrides its text)."""
+    return ErrorEvent(request_id=request_id, code=error.code, stage=stage, http_status=error.http_status,
+                      message=error.message if message is None else message)
 
 
 class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):

@@ -42,6 +42,7 @@ from shared.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
+    WorkerFailed,
     error_from_code,
 )
 from shared.fingerprint import encoder_fingerprint
@@ -162,10 +163,8 @@ class ApiService:
             return
         if isinstance(job, (GenerationJob, DecodeJob)):
             stage, what = ("decode", "decode") if isinstance(job, DecodeJob) else ("prefill", "generation")
-            event = ErrorEvent(
-                request_id=job.request_id, code="worker_failed", stage=stage, http_status=502,
-                message=f"the {what} job failed {self.settings.max_deliver} times (workers crashed or timed out)",
-            )
+            event = protocol.error_event(job.request_id, stage, WorkerFailed(
+                f"the {what} job failed {self.settings.max_deliver} times (workers crashed or timed out)"))
             await self.publisher.publish(self.subjects.tokens(job.request_id), event, request_id=job.request_id)
         elif isinstance(job, EncodeJob):
             event = protocol.ECFailed(
@@ -237,8 +236,7 @@ class ApiService:
     async def record_abandoned(self, request_id: str, error: EPDError) -> None:
         """The API gave up on a request (its deadline passed): say so on its token subject, so the
         results stream - and ``epd replay`` - show it ended with an error, not "incomplete"."""
-        event = ErrorEvent(request_id=request_id, code=error.code, message=error.message, stage="api",
-                           http_status=error.http_status)
+        event = protocol.error_event(request_id, "api", error)
         try:
             await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
         except Exception as exc:  # best effort: the client gets its error either way

@@ -36,9 +36,9 @@ from shared.ecstore.kv import KVObject, KVStore
 from shared.ecstore.store import ECStore
 from shared.encoding import ModelHandler, require_kv_handoff_engine, sampling_params
 from shared.engines.base import Engine, GenerationStats, TokenEvent
-from shared.errors import EPDError, StoreError
+from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch, StoreError
 from shared.fingerprint import model_fingerprint
-from shared.protocol import DecodeJob, ErrorEvent, FinalResult, SamplingSpec, TokenChunk
+from shared.protocol import DecodeJob, FinalResult, SamplingSpec, TokenChunk
 from shared.token_stream import TokenOutput, stream_events
 from shared.worker import Delivery, Verdict, WorkerContext
 
@@ -102,12 +102,12 @@ class DecodeHandler(ModelHandler):
         if delivery.published_at:
             metrics.QUEUE_SECONDS.labels("decode").observe(max(0.0, time.time() - delivery.published_at))
         if job.model_fingerprint != self.model_fingerprint:
-            await self._error(job, "model_mismatch", 500,
-                              f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
-                              f"{self.model_fingerprint}: prefill and decode workers must serve the same model")
+            await self._error(job, ModelMismatch(
+                f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
+                f"{self.model_fingerprint}: prefill and decode workers must serve the same model"))
             return Verdict.term("model fingerprint mismatch")
         if time.time() > job.deadline:
-            await self._error(job, "deadline_exceeded", 504, "request deadline passed before a decode worker took it")
+            await self._error(job, DeadlineExceeded("request deadline passed before a decode worker took it"))
             await self._delete(job.kv_key)
             return Verdict.term("deadline passed")
         if self.engine is not None and self.engine.kv_via_connector:
@@ -130,12 +130,12 @@ class DecodeHandler(ModelHandler):
             await self._reprefill(job, MissReason.SHAPE_MISMATCH, str(exc))
             return Verdict.ack()
         except asyncio.TimeoutError:
-            await self._error(job, "deadline_exceeded", 504, "request deadline passed during decoding")
+            await self._error(job, DeadlineExceeded("request deadline passed during decoding"))
             await self._delete(job.kv_key)
             return Verdict.term("deadline passed")
         except EPDError as exc:
             log.error("decode failed: %s: %s", exc.code, exc.message)
-            await self._error(job, exc.code, f"{type(exc).__name__}: {exc.message}", exc.http_status)
+            await self._error(job, exc, message=f"{type(exc).__name__}: {exc.message}")
             return Verdict.term(exc.message)
         await self._delete(job.kv_key)
         return Verdict.ack()
@@ -226,10 +226,10 @@ class DecodeHandler(ModelHandler):
         except StoreError as exc:
             if not delivery.is_last_attempt:
                 return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
-            await self._error(job, exc.code, exc.message, exc.http_status)
+            await self._error(job, exc)
             return Verdict.term(exc.message)
         except EPDError as exc:
-            await self._error(job, exc.code, exc.message, exc.http_status)
+            await self._error(job, exc)
             return Verdict.term(exc.message)
         params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
         kv_params = {"do_remote_prefill": True, "epd_kv_key": job.kv_key, "epd_kv_request": job.request_id,
@@ -242,7 +242,7 @@ class DecodeHandler(ModelHandler):
                                                                    kv_params=kv_params), asyncio.to_thread)
         except EPDError as exc:
             log.error("decode failed: %s: %s", exc.code, exc.message)
-            await self._error(job, exc.code, f"{type(exc).__name__}: {exc.message}", exc.http_status)
+            await self._error(job, exc, message=f"{type(exc).__name__}: {exc.message}")
             await self._delete(job.kv_key)
             return Verdict.term(exc.message)
         t_end = time.perf_counter()
@@ -271,10 +271,8 @@ class DecodeHandler(ModelHandler):
         await self._delete(job.kv_key)
         gen = job.generation
         if gen.reprefill >= self.settings.max_reprefills:
-            await self._error(
-                job, "kv_unavailable", 502,
-                f"the request's KV state was unusable ({reason.value}: {detail}) after {gen.reprefill} re-prefill(s)",
-            )
+            await self._error(job, KVUnavailable(
+                f"the request's KV state was unusable ({reason.value}: {detail}) after {gen.reprefill} re-prefill(s)"))
             return
         again = msgspec.structs.replace(gen, reprefill=gen.reprefill + 1, created_at=time.time())
         await self.ctx.publisher.publish(
@@ -285,9 +283,9 @@ class DecodeHandler(ModelHandler):
         log.warning("KV object %s unusable (%s): re-prefill %d of at most %d", job.kv_key, reason.value,
                     again.reprefill, self.settings.max_reprefills)
 
-    async def _error(self, job: DecodeJob, code: str, status: int, message: str) -> None:
+    async def _error(self, job: DecodeJob, error: EPDError, *, message: str | None = None) -> None:
         assert self.ctx is not None
-        event = ErrorEvent(request_id=job.request_id, code=code, message=message, stage="decode", http_status=status)
+        event = protocol.error_event(job.request_id, "decode", error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
 
     async def _delete(self, key: str) -> None:

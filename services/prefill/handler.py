@@ -50,10 +50,10 @@ from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
 from shared.encoding import ModelHandler, encode_image_bytes, require_kv_handoff_engine, sampling_params
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
-from shared.errors import EngineError, EPDError, InvalidRequest, StoreError
+from shared.errors import DeadlineExceeded, EngineError, EPDError, InvalidRequest, StoreError
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import ObjectTooLarge
-from shared.protocol import DecodeJob, ECFailed, ErrorEvent, FinalResult, GenerationJob, ImageRef
+from shared.protocol import DecodeJob, ECFailed, FinalResult, GenerationJob, ImageRef
 from shared.token_stream import TokenOutput, stream_events
 from shared.worker import Verdict, WorkerContext
 
@@ -126,13 +126,13 @@ class PrefillHandler(ModelHandler):
         if delivery.published_at:
             metrics.QUEUE_SECONDS.labels("generate").observe(max(0.0, time.time() - delivery.published_at))
         if time.time() > job.deadline:
-            await self._error(job, "deadline_exceeded", "request deadline passed before a worker took it", 504)
+            await self._error(job, DeadlineExceeded("request deadline passed before a worker took it"))
             metrics.GENERATION_JOBS.labels("expired").inc()
             return Verdict.term("deadline passed")
         try:
             await self._generate(job, delivery.num_delivered)
         except InvalidRequest as exc:
-            await self._error(job, exc.code, exc.message, exc.http_status)
+            await self._error(job, exc)
             metrics.GENERATION_JOBS.labels("rejected").inc()
             return Verdict.term(exc.message)
         except Exception as exc:
@@ -141,9 +141,8 @@ class PrefillHandler(ModelHandler):
                 metrics.GENERATION_JOBS.labels("retried").inc()
                 return Verdict.nak(1.0 * delivery.num_delivered, str(exc))
             log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, EPDError))
-            code = exc.code if isinstance(exc, EPDError) else "engine_error"
-            status = exc.http_status if isinstance(exc, EPDError) else 500
-            await self._error(job, code, f"{type(exc).__name__}: {exc}", status)
+            error = exc if isinstance(exc, EPDError) else EngineError(str(exc))
+            await self._error(job, error, message=f"{type(exc).__name__}: {exc}")
             metrics.GENERATION_JOBS.labels("failed").inc()
             return Verdict.term(str(exc))
         metrics.GENERATION_JOBS.labels("ok").inc()
@@ -403,7 +402,7 @@ class PrefillHandler(ModelHandler):
             log.warning("could not write back %s: %s", ref.item_hash[:12], exc)
         return item
 
-    async def _error(self, job: GenerationJob, code: str, message: str, status: int) -> None:
+    async def _error(self, job: GenerationJob, error: EPDError, *, message: str | None = None) -> None:
         assert self.ctx is not None
-        event = ErrorEvent(request_id=job.request_id, code=code, message=message, stage="prefill", http_status=status)
+        event = protocol.error_event(job.request_id, "prefill", error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
