@@ -14,6 +14,7 @@ import pytest
 
 from shared.infra import EmbeddedNats, EmbeddedS3
 from shared.objectstore import S3ObjectStore
+from tests.stackutil import start_stack
 
 
 @pytest.fixture(scope="session")
@@ -93,37 +94,13 @@ def reference_engine(tiny_model_dir):
     return TransformersEngine(tiny_model_dir, dtype="float32", threads=1, model_id="qwen2-vl-tiny")
 
 
-def _start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
-                 service_env=None, ready_timeout=180, **env_overrides):
-    """A ready stack: every service of ``topology`` (``shared.launcher.TOPOLOGY_SERVICES``), or
-    just ``services``; ``roles`` are the worker roles to wait for."""
-    from shared.infra import free_port
-    from shared.launcher import Stack
-    from tests.stackutil import RunningStack, stack_env
-
-    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
-    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
-    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
-    try:
-        if services is None:
-            stack.start()
-        else:
-            for name in services:
-                stack.add(name)
-        stack.wait_ready(timeout=ready_timeout, roles=roles)
-    except BaseException:
-        stack.stop()
-        raise
-    return running
-
-
 @pytest.fixture(scope="session")
 def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """api + encoder + prefill(pd) processes on the session's NATS and S3, tiny Qwen2-VL."""
     from shared.infra import free_port
 
     metrics_port = free_port()
-    running = _start_stack(
+    running = start_stack(
         nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-stack-logs"),
         service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
         EPD_MAX_IMAGES_PER_REQUEST="2",
@@ -139,7 +116,7 @@ def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """Just the API (no workers), with API keys and a short request deadline."""
-    running = _start_stack(
+    running = start_stack(
         nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("api-only-logs"),
         services=["api"], roles={}, EPD_API_KEYS="sk-test-1, sk-test-2", EPD_REQUEST_TIMEOUT_S="2",
     )
@@ -150,23 +127,19 @@ def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         running.stack.stop()
 
 
-def _start_topology(nats_server, s3_server, model_dir, log_dir, topology, **kwargs):
-    """A whole stack of one topology, ready (see :func:`_start_stack`)."""
-    return _start_stack(nats_server, s3_server, model_dir, log_dir, topology=topology, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """E|P|D: api + encoder + prefill (role ``prefill``) + decode processes, tiny Qwen2-VL.
 
-    A short ack wait (4 s) so a killed decode worker's job is redelivered quickly, and decode
-    workers that sleep 50 ms after each step (fault injection; numerics unchanged) so a test can
+    An ack wait of 15 s: a killed decode worker's job is redelivered within it, and a worker
+    starved of CPU on a loaded machine (it sends ``in_progress`` every ack_wait/3) keeps its job.
+    Decode workers sleep 50 ms after each step (fault injection; numerics unchanged) so a test can
     act while a request is being decoded. Tests may stop and start decode workers
     (``stack.add("decode", ...)``) but leave one running."""
-    running = _start_topology(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-split-logs"), "e-p-d",
+    running = start_stack(
+        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-split-logs"), topology="e-p-d",
         service_env={"decode": {"EPD_FAULT_DECODE_STEP_DELAY_S": "0.05"}},
-        EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024), EPD_ACK_WAIT_S="4",
+        EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024), EPD_ACK_WAIT_S="15",
     )
     try:
         yield running

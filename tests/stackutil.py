@@ -1,14 +1,20 @@
-"""Helpers for end-to-end tests: images, stacks of real service processes, stream reading."""
+"""Helpers for end-to-end tests, one per job: images, stacks of real service processes, chat
+requests and SSE parsing, metrics parsing, publishing a job and collecting its events, reading
+what a request left on record (exactly-one final result, tokens grouped by attempt and seq), and
+waiting on conditions."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import json
+import re
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +25,10 @@ from PIL import Image
 from shared import protocol
 from shared.infra import EmbeddedNats, EmbeddedS3
 from shared.launcher import Stack
-from shared.protocol import Subjects
+from shared.protocol import ErrorEvent, FinalResult, Subjects, TokenChunk
+
+#: Greedy request parameters of the equality tests (the API's extension returns token ids).
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
 
 
 def noise_image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -77,6 +86,134 @@ class RunningStack:
     def stream_messages(self, stream_attr: str) -> list[tuple[str, dict, protocol.Message]]:
         return read_stream(self.nats_url, getattr(self.subjects, stream_attr))
 
+    def messages_of(self, stream_attr: str, cls: type, request_id: str) -> list:
+        """The ``cls`` messages of ``request_id`` still in the stream ``stream_attr``, in order."""
+        return [m for _, _, m in self.stream_messages(stream_attr) if isinstance(m, cls) and m.request_id == request_id]
+
+    def log_of(self, service: str) -> str:
+        """The logs of every process of ``service`` this stack started (live or not)."""
+        return "\n".join(p.log_path.read_text() for p in self.stack.processes if p.name == service)
+
+
+def start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
+                service_env=None, ready_timeout=300, **env_overrides) -> RunningStack:
+    """A ready stack on the session's NATS and S3: every service of ``topology``
+    (``shared.launcher.TOPOLOGY_SERVICES``), or just ``services``; ``roles`` are the worker roles
+    to wait for. ``env_overrides`` are ``EPD_*`` settings for every service, ``service_env`` per
+    service. The caller stops it (``running.stack.stop()``)."""
+    from shared.infra import free_port
+
+    env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
+    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
+    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    try:
+        if services is None:
+            stack.start()
+        else:
+            for name in services:
+                stack.add(name)
+        stack.wait_ready(timeout=ready_timeout, roles=roles)
+    except BaseException:
+        stack.stop()
+        raise
+    return running
+
+
+# -- chat requests and SSE ------------------------------------------------------------------------
+def chat_body(text: str, images: list[Image.Image], **params: Any) -> dict[str, Any]:
+    """A chat completion body: one user turn with ``images`` (data URLs) then ``text``."""
+    return {"model": "qwen2-vl-tiny", "messages": [user_message(text, [data_url(im) for im in images])], **params}
+
+
+def api_tokens(stack: RunningStack, text: str, images: list[Image.Image], **params: Any) -> tuple[list[int], dict]:
+    """Greedy (``GREEDY`` + ``params``) completion token ids through the API, and the response body."""
+    resp = stack.chat([user_message(text, [data_url(im) for im in images])], **{**GREEDY, **params})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    return body["choices"][0]["token_ids"], body
+
+
+@dataclass
+class SSEStream:
+    """What a streaming chat completion sent: its ``data:`` events (parsed), whether ``[DONE]``
+    closed it, and the token ids of every chunk in order."""
+
+    events: list[dict] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for ev in self.events for choice in ev.get("choices", []) for t in choice.get("token_ids", [])]
+
+    @property
+    def text(self) -> str:
+        return "".join((choice.get("delta") or {}).get("content") or ""
+                       for ev in self.events for choice in ev.get("choices", []))
+
+    @property
+    def errors(self) -> list[dict]:
+        return [ev["error"] for ev in self.events if "error" in ev]
+
+
+def parse_sse(lines: Iterable[str], stream: SSEStream | None = None) -> Iterator[dict]:
+    """Parse SSE ``lines`` into ``stream`` (events, done), yielding each event as it arrives. A
+    line after ``[DONE]``, or a ``data:`` line that is not JSON, fails the test."""
+    stream = stream if stream is not None else SSEStream()
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line == "" or line.startswith(":"), f"not an SSE line: {line!r}"
+            continue
+        assert not stream.done, f"data after [DONE]: {line!r}"
+        if line == "data: [DONE]":
+            stream.done = True
+            continue
+        event = json.loads(line[len("data: "):])
+        stream.events.append(event)
+        yield event
+
+
+def stream_chat(stack: RunningStack, body: dict, *, timeout: float = 300, on_event=None) -> SSEStream:
+    """POST ``body`` with ``stream: true`` and read the whole SSE stream; ``on_event(event,
+    stream)`` is called after each event (e.g. to kill a worker mid-stream)."""
+    out = SSEStream()
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=timeout) as resp:
+        assert resp.status_code == 200, resp.read()
+        for event in parse_sse(resp.iter_lines(), out):
+            if on_event is not None:
+                on_event(event, out)
+    return out
+
+
+# -- metrics --------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\d+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition: (name, labels, value)."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not a Prometheus sample: {line!r}"
+        samples.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return samples
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (0.0 when none)."""
+    return sum(v for n, lab, v in parse_metrics(text)
+               if n == name and all(lab.get(k) == str(want) for k, want in labels.items()))
+
+
+def scrape(url: str) -> str:
+    """The text of a ``/metrics`` endpoint."""
+    resp = httpx.get(url, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.text
+
 
 def stack_env(nats: EmbeddedNats, s3: EmbeddedS3, model_dir: Path, **overrides: str) -> tuple[dict[str, str], str, str, str]:
     tag = uuid.uuid4().hex[:8]
@@ -128,8 +265,89 @@ def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Me
     return asyncio.run(main())
 
 
+# -- a request's events --------------------------------------------------------------------------
+@dataclass
+class JobOutcome:
+    """The events on a request's token subject after a job was published: its token chunks and
+    the terminal event (``FinalResult`` or ``ErrorEvent``)."""
+
+    chunks: list[TokenChunk]
+    terminal: FinalResult | ErrorEvent
+
+    @property
+    def tokens(self) -> list[int]:
+        return stream_tokens(self.chunks, self.terminal)
+
+
+async def publish_and_collect(nats_url: str, subjects: Subjects, subject: str, msg: protocol.Message,
+                              request_id: str, *, timeout: float = 300) -> JobOutcome:
+    """Subscribe to ``request_id``'s token subject, publish ``msg`` to the JetStream ``subject``,
+    and collect chunks until the terminal event (or fail after ``timeout``)."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe(subjects.tokens(request_id))
+        await nc.jetstream().publish(subject, protocol.encode(msg), headers=protocol.headers_for(msg, request_id))
+        deadline = time.monotonic() + timeout
+        chunks: list[TokenChunk] = []
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no final event for {request_id} within {timeout:.0f}s ({len(chunks)} chunks)"
+            try:
+                raw = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                continue
+            event = protocol.decode(raw.data)
+            if isinstance(event, TokenChunk):
+                chunks.append(event)
+            elif isinstance(event, (FinalResult, ErrorEvent)):
+                return JobOutcome(chunks, event)
+    finally:
+        await nc.close()
+
+
+def run_job(stack: RunningStack, subject: str, msg: protocol.Message, *, timeout: float = 300) -> JobOutcome:
+    """:func:`publish_and_collect` on a running stack (``msg.request_id``)."""
+    return asyncio.run(publish_and_collect(stack.nats_url, stack.subjects, subject, msg, msg.request_id,
+                                           timeout=timeout))
+
+
+def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent | None = None) -> list[int]:
+    """The token ids a client gets from these chunks. Chunks are grouped by (attempt, seq): a
+    redelivered job re-emits the seq numbers it already sent, and every copy of a seq must carry
+    the same tokens (else the test fails: a redelivery changed the output). Each seq counts once,
+    taken from ``final``'s attempt where that attempt emitted it (earlier seqs may come from the
+    prefill worker's own attempt). Seqs must run 0..n-1 without a gap."""
+    by_key: dict[tuple[int, int], tuple[int, ...]] = {}
+    for c in chunks:
+        assert by_key.setdefault((c.attempt, c.seq), c.token_ids) == c.token_ids, f"seq {c.seq} sent twice differently"
+    by_seq: dict[int, tuple[int, ...]] = {}
+    for (attempt, seq), ids in sorted(by_key.items()):
+        if seq in by_seq:
+            assert by_seq[seq] == ids, f"attempt {attempt} re-emitted seq {seq} as {ids}, not {by_seq[seq]}"
+        if seq not in by_seq or (isinstance(final, FinalResult) and attempt == final.attempt):
+            by_seq[seq] = ids
+    assert sorted(by_seq) == list(range(len(by_seq))), f"seq numbers with a gap: {sorted(by_seq)}"
+    return [t for seq in sorted(by_seq) for t in by_seq[seq]]
+
+
+def final_result(stack: RunningStack, request_id: str, *, timeout: float = 60) -> FinalResult:
+    """The one ``FinalResult`` of ``request_id`` on record (waits until it is there; two finals
+    - a redelivered job finished twice - fail the test, and so does an ``ErrorEvent``)."""
+    def finals():
+        events = [m for m in stack.messages_of("stream_results", (FinalResult, ErrorEvent), request_id)]
+        assert not any(isinstance(m, ErrorEvent) for m in events), events
+        return events
+
+    found = wait_for(finals, timeout, f"the final result of {request_id}")
+    assert len(found) == 1, f"{len(found)} final results for {request_id}: {found}"
+    return found[0]
+
+
 def wait_for(predicate, timeout: float, what: str, *, interval: float = 0.1):
-    """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout`` passes."""
+    """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout`` passes.
+    Use generous timeouts: they bound a failure, they are not a speed requirement."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = predicate()
@@ -165,24 +383,14 @@ def stream_killing_a_decoder(stack, body: dict, victim, *, after: int = 3, timeo
     """Stream a chat completion; once ``after`` tokens have arrived, SIGKILL ``victim`` (a decode
     worker process: its whole process group) and start a new decode worker. Returns (token ids,
     request id, tokens seen when killing or None, whether [DONE] arrived)."""
-    import json
+    killed: list[int] = []
 
-    ids, rid, killed_after, done = [], None, None, False
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=timeout) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            rid = event["id"]
-            for choice in event.get("choices", []):
-                ids.extend(choice.get("token_ids", []))
-            if killed_after is None and len(ids) >= after:
-                victim.stop(signal.SIGKILL)
-                killed_after = len(ids)
-                start_decoder(stack)
-    return ids, rid, killed_after, done
+    def on_event(event, stream):
+        assert "error" not in event, event
+        if not killed and len(stream.token_ids) >= after:
+            victim.stop(signal.SIGKILL)
+            killed.append(len(stream.token_ids))
+            start_decoder(stack)
+
+    out = stream_chat(stack, body, timeout=timeout, on_event=on_event)
+    return out.token_ids, out.events[-1]["id"] if out.events else None, (killed or [None])[0], out.done

@@ -10,7 +10,7 @@ import pytest
 
 from shared.protocol import ECReady, FinalResult
 from shared.media import content_hash_of
-from tests.conftest import _start_stack
+from tests.stackutil import start_stack
 from tests.stackutil import data_url, noise_image, user_message
 from tests.test_e2e_epd import GREEDY, reference_tokens
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path):
-    running = _start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
+    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
                            service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "60"}},
                            EPD_ACK_WAIT_S="3", EPD_EC_WAIT_S="120")
     stack = running.stack
@@ -49,7 +49,7 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
 
 def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path):
     """SIGTERM stops fetching but finishes the job in hand, acks it and exits 0."""
-    running = _start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
+    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
                            service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "4"}})
     stack = running.stack
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from shared import protocol
 from shared.protocol import ECFailed, EncodeJob, GenerationJob, ImageRef
-from tests.conftest import _start_stack
+from tests.stackutil import start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ ACK_WAIT_S, MAX_DELIVER, REQUEST_TIMEOUT_S = 1, 2, 60
 @pytest.fixture(scope="module")
 def crashing_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """The API only; the test is the (crashing) worker."""
-    running = _start_stack(
+    running = start_stack(
         nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("max-deliver-logs"),
         services=["api"], roles={}, EPD_ACK_WAIT_S=str(ACK_WAIT_S), EPD_MAX_DELIVER=str(MAX_DELIVER),
         EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),

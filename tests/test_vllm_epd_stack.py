@@ -19,9 +19,9 @@ from shared.engines.base import SamplingParams
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
-from tests.conftest import _start_topology
 from tests.stackutil import (
-    data_url, decoders, engine_messages, kv_keys, noise_image, stream_killing_a_decoder, user_message, wait_for,
+    data_url, decoders, engine_messages, kv_keys, noise_image, start_stack, stream_killing_a_decoder, user_message,
+    wait_for,
 )
 from tests.test_e2e_epd import api_tokens
 from tests.vllmutil import CASES, generate, media
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm_epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("vepd")
-    running = _start_topology(
-        nats_server, s3_server, tiny_model_dir, work / "logs", "e-p-d",
+    running = start_stack(
+        nats_server, s3_server, tiny_model_dir, work / "logs", topology="e-p-d",
         ready_timeout=900,  # three vLLM engines start at once (~150 s on 2 busy cores)
         EPD_ENGINE="vllm", EPD_VLLM_DIR=str(work / "vllm"),
         EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024),

@@ -14,7 +14,7 @@ import pytest
 from shared.infra import free_port
 from shared.media import content_hash_of
 from shared.protocol import ECReady, FinalResult
-from tests.conftest import _start_stack
+from tests.stackutil import start_stack
 from tests.stackutil import data_url, noise_image, user_message
 from tests.vllmutil import CASES, generate, media
 
@@ -27,7 +27,7 @@ GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=Tr
 def vllm_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     metrics_port = free_port()
     work = tmp_path_factory.mktemp("vs")
-    running = _start_stack(
+    running = start_stack(
         nats_server, s3_server, tiny_model_dir, work / "logs",
         service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
         ready_timeout=900,  # two vLLM engines start at once (~40-90 s each on 2 cores)
