@@ -8,6 +8,7 @@ import http.server
 import io
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -15,11 +16,14 @@ from PIL import Image
 
 from shared.protocol import ErrorEvent
 from shared.replay import list_requests
+from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import data_url, noise_image, png_bytes, user_message
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(temperature=0, max_tokens=4, ignore_eos=True)
+GREEDY = {**_GREEDY, "max_tokens": 4}
+#: A request that no worker answers must end at its deadline; one that takes this long hangs.
+HANG_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +66,11 @@ def _image_msg(url):
     return [user_message("Describe.", [url])]
 
 
-def _assert_error(resp, status, code=None):
+def _assert_error(resp, status, code):
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and err["message"]
-    if code:
-        assert err["code"] == code, err
+    assert err["code"] == code, err
 
 
 def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, image_server):
@@ -89,7 +92,8 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
         ("truncated png", lambda: epd_stack.chat(
             _image_msg("data:image/png;base64," + base64.b64encode(tiny_png[: len(tiny_png) // 2]).decode()),
             **GREEDY), 400, "invalid_image"),
-        ("bad base64", lambda: epd_stack.chat(_image_msg("data:image/png;base64,@@@###"), **GREEDY), 400, None),
+        ("bad base64", lambda: epd_stack.chat(_image_msg("data:image/png;base64,@@@###"), **GREEDY), 400,
+         "invalid_request"),
         ("too many images", lambda: epd_stack.chat(
             [user_message("x", [data_url(noise_image(63, (8, 8)))] * 3)], **GREEDY), 400, "too_many_images"),
         ("too large image", lambda: epd_stack.chat(_image_msg(too_large_url), **GREEDY), 400, "payload_too_large"),
@@ -97,14 +101,16 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
          "url_not_allowed"),
         ("link-local url", lambda: epd_stack.chat(_image_msg("http://169.254.169.254/latest/meta-data"), **GREEDY),
          400, "url_not_allowed"),
-        ("ftp url", lambda: epd_stack.chat(_image_msg("ftp://example.com/a.png"), **GREEDY), 400, None),
+        ("ftp url", lambda: epd_stack.chat(_image_msg("ftp://example.com/a.png"), **GREEDY), 400,
+         "unsupported_content"),
         ("url 404", lambda: epd_stack.chat(_image_msg(f"{image_server}/missing.png"), **GREEDY), 502,
          "image_fetch_failed"),
         ("unreachable url", lambda: epd_stack.chat(_image_msg(f"http://127.0.0.1:{closed_port()}/a.png"), **GREEDY),
          502, "image_fetch_failed"),
-        ("bad temperature", lambda: epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7), 400, None),
+        ("bad temperature", lambda: epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7), 400,
+         "invalid_request"),
         ("unknown model", lambda: httpx.post(f"{epd_stack.url}/v1/chat/completions", timeout=30, json={
-            "model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 400, None),
+            "model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request"),
     ]
     for name, call, status, code in cases:
         resp = call()
@@ -130,13 +136,19 @@ def test_api_keys_and_deadline(api_only_stack):
     r = httpx.get(f"{api_only_stack.url}/v1/models", headers={"Authorization": "Bearer sk-test-1"}, timeout=10)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "qwen2-vl-tiny"
 
+    # No worker answers: the request ends with 504 at the deadline the API was configured with
+    # (EPD_REQUEST_TIMEOUT_S), not before it, and without hanging. Streaming too: the deadline
+    # still ends it with a real status, before any byte is sent. (The API starts the clock when
+    # the request arrives, after the client's; 50 ms allow for wall vs monotonic clock rates.)
+    deadline_s = float(api_only_stack.env["EPD_REQUEST_TIMEOUT_S"])
     headers = {"Authorization": "Bearer sk-test-1"}
-    r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=30, **GREEDY)
-    assert api_only_stack.request_timeout_s <= 3
-    _assert_error(r, 504, "deadline_exceeded")
-    # Streaming: the deadline still ends it with a real status, before any byte is sent.
-    r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=30, stream=True, **GREEDY)
-    _assert_error(r, 504, "deadline_exceeded")
+    for stream in (False, True):
+        started = time.monotonic()
+        r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=HANG_S, stream=stream,
+                                **GREEDY)
+        elapsed = time.monotonic() - started
+        _assert_error(r, 504, "deadline_exceeded")
+        assert deadline_s - 0.05 <= elapsed < HANG_S, (stream, elapsed, deadline_s)
     # Both are on record as ended by the API with an error (not "incomplete": nothing else answered).
     abandoned = {m.request_id: m for _, _, m in api_only_stack.stream_messages("stream_results")
                  if isinstance(m, ErrorEvent) and m.stage == "api"}

@@ -1,47 +1,37 @@
 """Prometheus metrics against the running E|PD stack: the EC outcome counters move exactly as
 expected for a hit, a miss and a fallback; latency, token, byte, in-flight and consumer-lag
-metrics are exposed in vLLM's ``prefix:name`` style on the API and on the workers."""
+metrics are exposed in vLLM's ``prefix:name`` style on the API and on the workers, and the
+in-flight and lag gauges follow a request the workers hold."""
 
 from __future__ import annotations
 
-import httpx
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from shared.ecstore.store import ECStore
 from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
 from shared.media import content_hash_of
 from shared.objectstore import S3ObjectStore
-from tests.stackutil import data_url, noise_image, user_message
+from tests.stackutil import GREEDY as _GREEDY
+from tests.stackutil import data_url, metric_value, noise_image, parse_metrics, scrape, user_message, wait_for
 from tests.test_replay import find_case
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True, return_token_ids=True)
+GREEDY = {**_GREEDY, "max_tokens": 6}
 EC = "epd:ec_lookups_total"
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text -> {(name, labels): value}."""
-    out = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        name, _, labels = series.partition("{")
-        pairs = frozenset(tuple(p.split("=", 1)) for p in labels.rstrip("}").replace('"', "").split(",") if p)
-        out[(name, pairs)] = float(value)
-    return out
-
-
-def value(samples, name: str, **labels: str) -> float:
-    want = {(k, v) for k, v in labels.items()}
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+def worker_metrics_url(stack) -> str:
+    return f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"
 
 
 def ec_counts(stack) -> dict[tuple[str, str, str], float]:
-    samples = scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics")
-    return {(dict(ls)["source"], dict(ls)["outcome"], dict(ls)["reason"]): v
-            for (n, ls), v in samples.items() if n == EC}
+    return {(labels["source"], labels["outcome"], labels["reason"]): v
+            for name, labels, v in parse_metrics(scrape(worker_metrics_url(stack))) if name == EC}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -95,16 +85,38 @@ def test_ec_outcome_counters_for_a_hit_a_miss_and_a_fallback(epd_stack, s3_serve
     assert find_case(epd_stack, rid2).final.ec_sources == {item2: "recomputed:checksum_mismatch"}
 
 
-def test_latency_token_byte_and_lag_metrics_are_exposed(epd_stack):
-    api_url = f"{epd_stack.url}/metrics"
-    worker_url = f"http://127.0.0.1:{epd_stack.prefill_metrics_port}/metrics"
+def test_latency_token_byte_in_flight_and_lag_metrics(epd_stack):
+    """One request, held: the encoder is paused (SIGSTOP) so the prefill worker takes the job and
+    waits for its features. While it waits, the in-flight gauges (API and worker) and the
+    worker's ack-pending lag gauge read 1; once the encoder resumes and the request completes,
+    they return to 0. Then every latency, token and byte metric moved by this one request."""
+    api_url, worker_url = f"{epd_stack.url}/metrics", worker_metrics_url(epd_stack)
     api0, worker0 = scrape(api_url), scrape(worker_url)
-    body = ask(epd_stack, noise_image(403, (56, 56)))
-    api1 = scrape(api_url)
-    worker1 = scrape(worker_url)  # the lag gauges are set when the worker starts, then every 5 s
+    encoder = next(p for p in epd_stack.stack.processes if p.name == "encoder" and p.alive())
+    lag = dict(stream=epd_stack.subjects.stream_generate, consumer="prefill")
+
+    def gauges():
+        api, worker = scrape(api_url), scrape(worker_url)
+        return (metric_value(api, "epd:requests_in_flight", service="api"),
+                metric_value(worker, "epd:requests_in_flight", service="prefill"),
+                metric_value(worker, "epd:consumer_num_ack_pending", **lag),
+                metric_value(worker, "epd:consumer_num_pending", **lag))
+
+    with ThreadPoolExecutor(1) as pool:
+        os.killpg(encoder.popen.pid, signal.SIGSTOP)
+        try:
+            future = pool.submit(ask, epd_stack, noise_image(403, (56, 56)))
+            # The worker polls its lag every 5 s and waits up to EPD_EC_WAIT_S (30 s) for the
+            # encoder before encoding locally: 25 s leave several polls and no fallback.
+            wait_for(lambda: gauges()[:3] == (1, 1, 1), 25, "in-flight and ack-pending gauges to read 1")
+        finally:
+            os.killpg(encoder.popen.pid, signal.SIGCONT)
+        body = future.result(timeout=300)
+    wait_for(lambda: gauges() == (0, 0, 0, 0), 60, "the gauges to return to 0 after the request")
+    api1, worker1 = scrape(api_url), scrape(worker_url)
 
     def moved(before, after, name, **labels):
-        return value(after, name, **labels) - value(before, name, **labels)
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
     # API: one more request in every latency histogram, its tokens counted, TPOT in range.
     for name in ("epd:time_to_first_token_seconds_count", "epd:e2e_request_latency_seconds_count",
@@ -117,22 +129,22 @@ def test_latency_token_byte_and_lag_metrics_are_exposed(epd_stack):
     assert moved(api0, api1, "epd:prompt_tokens_total") == body["usage"]["prompt_tokens"]
     assert moved(api0, api1, "epd:media_bytes_total", direction="put") > 0  # the new image was stored
     assert moved(api0, api1, "epd:message_bytes_total", kind="generation_job") > 0
-    assert value(api1, "epd:requests_in_flight", service="api") == 0
 
-    # Worker: queue time, bytes it read and published, in-flight, consumer lag.
+    # Worker: queue time, bytes it read and published; the lag gauges are labelled with the
+    # worker's stream and durable consumer.
     assert moved(worker0, worker1, "epd:queue_time_seconds_count", stream="generate") == 1
     assert moved(worker0, worker1, "epd:ec_bytes_total", direction="get") > 0
     assert moved(worker0, worker1, "epd:message_bytes_total", kind="token_chunk") > 0
     assert moved(worker0, worker1, "epd:message_bytes_total", kind="final_result") > 0
-    assert value(worker1, "epd:requests_in_flight", service="prefill") == 0
-    lag = [ls for n, ls in worker1 if n == "epd:consumer_num_pending"]
-    assert lag and dict(lag[0])["consumer"] == "prefill" and dict(lag[0])["stream"] == epd_stack.subjects.stream_generate
-    assert value(worker1, "epd:consumer_num_pending", consumer="prefill") == 0
+    series = [labels for name, labels, _ in parse_metrics(worker1) if name == "epd:consumer_num_pending"]
+    assert series == [lag], series
 
 
 def test_consumer_lag_gauges_follow_a_backlog(nats_server):
     """The lag gauges a worker exports count what waits in its stream and what it holds unacked:
-    3 jobs queued with nobody consuming -> pending 3; one taken and not acked -> 2 and 1."""
+    3 jobs queued with nobody consuming -> pending 3; one taken and not acked -> 2 and 1; all
+    taken and acked -> back to 0. Each poll starts from -1 ("not polled"), so a gauge that is
+    never set fails here instead of reading 0."""
     import asyncio
     import uuid
 
@@ -171,11 +183,10 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
         for gauge in (metrics.CONSUMER_PENDING, metrics.CONSUMER_ACK_PENDING):
             gauge.labels(labels["stream"], labels["consumer"]).set(-1)  # "not polled yet"
         task = asyncio.create_task(runner._poll_lag(js, subjects.stream_generate))
-        try:  # the first poll is immediate, the next one 5 s later
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if -1 not in gauges():
-                    break
+        try:  # the first poll is immediate (the next one 5 s later); 60 s only catch a hang
+            async with asyncio.timeout(60):
+                while -1 in gauges():
+                    await asyncio.sleep(0.05)
         finally:
             task.cancel()
         return gauges()
@@ -192,14 +203,21 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
                 await js.publish(subjects.generate_jobs, f"job {i}".encode())
             queued = await poll_once(js)
             psub = await js.pull_subscribe_bind(durable=protocol.CONSUMER_PREFILL, stream=subjects.stream_generate)
-            (taken,) = await psub.fetch(1, timeout=5)
+            (taken,) = await psub.fetch(1, timeout=30)
             held = await poll_once(js)
-            await taken.ack()
-            return empty, queued, held
+            await taken.ack_sync()
+            rest = await psub.fetch(2, timeout=30)
+            while len(rest) < 2:
+                rest += await psub.fetch(2 - len(rest), timeout=30)
+            for msg in rest:
+                await msg.ack_sync()
+            drained = await poll_once(js)
+            return empty, queued, held, drained
         finally:
             await nc.close()
 
-    empty, queued, held = asyncio.run(main())
+    empty, queued, held, drained = asyncio.run(main())
     assert empty == (0, 0)
     assert queued == (3, 0)
     assert held == (2, 1)
+    assert drained == (0, 0)

@@ -3,6 +3,7 @@ synthetic case, case-file validation, the seed contract, the JSON log format).""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import logging
@@ -136,19 +137,23 @@ def test_case_documents_are_validated():
             "stream": "S", "subject": "s", "seq": 1, "time": T0, "headers": {},
             "data": base64.b64encode(protocol.encode(_job())).decode()}]}]}
     assert replay.validate_case_doc(good) is good
+    case, message = good["cases"][0], good["cases"][0]["messages"][0]
+    # Each bad document fails with its own error type and a message that names what is wrong.
     bad_cases = [
-        {"format": "other"},
-        {**good, "version": 99},
-        {**good, "cases": []},
-        {**good, "cases": [{**good["cases"][0], "request_id": "a.b"}]},
-        {**good, "cases": [{**good["cases"][0], "messages": [{**good["cases"][0]["messages"][0], "data": "!!"}]}]},
-        {**good, "cases": [{**good["cases"][0], "messages": [{**good["cases"][0]["messages"][0],
-                                                               "data": base64.b64encode(b"\x93junk").decode()}]}]},
-        {**good, "cases": [{**good["cases"][0], "media": [{"item_hash": 1}]}]},
+        ({"format": "other"}, replay.CaseFileError, "not an epd-replay-case document"),
+        ({**good, "version": 99}, replay.CaseFileError, "unsupported case file version 99"),
+        ({**good, "cases": []}, replay.CaseFileError, "holds no cases"),
+        ({**good, "cases": [{**case, "request_id": "a.b"}]}, replay.InvalidRequestId, "invalid request id 'a.b'"),
+        ({**good, "cases": [{**case, "messages": [{**message, "data": "!!"}]}]}, replay.CaseFileError,
+         "message 0: not a valid protocol message"),
+        ({**good, "cases": [{**case, "messages": [{**message, "data": base64.b64encode(b"\x93junk").decode()}]}]},
+         replay.CaseFileError, "message 0: not a valid protocol message"),
+        ({**good, "cases": [{**case, "media": [{"item_hash": 1}]}]}, replay.CaseFileError, "'media' must be a list"),
     ]
-    for doc in bad_cases:
-        with pytest.raises((replay.CaseFileError, replay.InvalidRequestId)):
+    for doc, error, needle in bad_cases:
+        with pytest.raises(error) as info:
             replay.validate_case_doc(doc)
+        assert needle in str(info.value), (doc, str(info.value))
 
 
 def test_case_file_size_is_bounded(tmp_path, monkeypatch):
@@ -168,8 +173,9 @@ def test_request_ids_and_durations():
         with pytest.raises(replay.InvalidRequestId):
             replay.check_request_id(bad)
     assert [parse_duration(x) for x in ("90", "30s", "15m", "2h", "1d")] == [90, 30, 900, 7200, 86400]
-    with pytest.raises(Exception):
-        parse_duration("soon")
+    for bad in ("soon", "", "5x", "-5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"invalid duration {bad!r}"):
+            parse_duration(bad)
 
 
 def test_effective_seed_is_the_clients_else_derived_from_the_request_id():
