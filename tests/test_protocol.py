@@ -65,3 +65,37 @@ def test_subjects_are_namespaced_and_streams_do_not_overlap():
     assert set(a.streams()).isdisjoint(b.streams())
     with pytest.raises(ValueError):
         Subjects("bad.prefix")
+
+
+def test_error_event_is_built_from_a_typed_error():
+    from shared.errors import DeadlineExceeded, KVUnavailable, ModelMismatch
+
+    for error, status in ((KVUnavailable("gone"), 502), (DeadlineExceeded("late"), 504), (ModelMismatch("other"), 500)):
+        event = protocol.error_event("r1", "decode", error)
+        assert (event.code, event.http_status, event.message, event.stage) == (error.code, status, error.message,
+                                                                                 "decode")
+        assert protocol.decode(protocol.encode(event), ErrorEvent) == event
+    assert protocol.error_event("r1", "decode", KVUnavailable("x"), message="y").message == "y"
+
+
+@pytest.mark.parametrize("fields", [
+    {"message": 502, "http_status": "gone"},  # the old decode worker's swapped arguments
+    {"message": "gone", "http_status": "502"},
+    {"message": "gone", "http_status": 200},
+    {"message": "gone", "http_status": True},
+])
+def test_an_error_event_the_api_could_not_decode_cannot_be_built(fields):
+    with pytest.raises((TypeError, ValueError)):
+        ErrorEvent(request_id="r1", code="kv_unavailable", stage="decode", **fields)
+    # control: the same fields, well typed, build and decode
+    good = ErrorEvent(request_id="r1", code="kv_unavailable", stage="decode", message="gone", http_status=502)
+    assert protocol.decode(protocol.encode(good)) == good
+
+
+def test_an_ill_typed_error_event_on_the_wire_is_refused():
+    """What the API does with an event a worker built wrongly: decoding fails, it is never taken
+    for a valid error (the reason a client of the old decode worker waited for its deadline)."""
+    raw = msgspec.msgpack.encode({"kind": "error", "v": 1, "request_id": "r1", "code": "kv_unavailable",
+                                  "message": 502, "stage": "decode", "http_status": "gone"})
+    with pytest.raises(ProtocolError):
+        protocol.decode(raw)
