@@ -4,7 +4,6 @@ per-row (M-RoPE) positions are what makes it so (negative controls break each)."
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from shared.engines.transformers_batch import BatchDecoder
 from shared.engines.transformers_engine import TransformersEngine
 from shared.errors import InvalidRequest
 from shared.models.tiny import build_tiny_model
+from tests.stackutil import noise_image
 
 ARCHS = ["qwen2_vl", "llava"]
 N = 24
@@ -21,13 +21,6 @@ N = 24
 #: max |diff| ~2-3e-6 for logits of magnitude ~4 (a few float32 ulps). Tokens flip only when the
 #: top two logits are closer than that; the smallest top-2 margin seen here is ~7e-4.
 LOGIT_TOLERANCE = 1e-4
-
-
-def _noise(seed: int, size: tuple[int, int]):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
 # Different prompt lengths (text only, one image of several sizes, two images) -> padding.
@@ -52,7 +45,7 @@ def requests_(engine):
     out = []
     for text, specs in PROMPTS:
         parts = [{"type": "image"} for _ in specs] + [{"type": "text", "text": text}]
-        out.append(([{"role": "user", "content": parts}], engine.encode([_noise(s, size) for s, size in specs])))
+        out.append(([{"role": "user", "content": parts}], engine.encode([noise_image(s, size) for s, size in specs])))
     return out
 
 
@@ -188,10 +181,11 @@ def test_membership_errors(engine, requests_):
     with pytest.raises(InvalidRequest):
         dec.add("bad", state, SamplingParams(max_tokens=0))
     dec.add("a", state, _greedy())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'a' is already in the batch"):
         dec.add("a", engine.prefill(*requests_[4], _greedy()), _greedy())
     dec.add("b", engine.prefill(*requests_[4], _greedy()), _greedy())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"batch is full \(2\)"):
         dec.add("c", engine.prefill(*requests_[4], _greedy()), _greedy())
-    with pytest.raises(KeyError):
+    assert len(dec) == 2  # the refused adds left the batch as it was
+    with pytest.raises(KeyError, match="nope"):
         dec.remove("nope")

@@ -6,15 +6,13 @@ process (encode + generate, no NATS, no store).
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from shared import protocol
 from shared.ecstore.format import encode_ec_object
 from shared.ecstore.store import META_FINGERPRINT, META_SCHEMA, ECStore
 from shared.ecstore.format import SCHEMA
@@ -23,11 +21,23 @@ from shared.engines.base import SamplingParams
 from shared.media import content_hash_of
 from shared.objectstore import S3ObjectStore
 from shared.protocol import ECReady, EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec
-from tests.stackutil import data_url, engine_messages, noise_image, png_bytes, user_message
+# GREEDY and api_tokens are imported from here by other test modules too.
+from tests.stackutil import (
+    GREEDY,
+    api_tokens,
+    data_url,
+    engine_messages,
+    final_result,
+    metric_value,
+    noise_image,
+    png_bytes,
+    run_job,
+    scrape,
+    user_message,
+)
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
 REF_PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 CASES = [
@@ -39,14 +49,8 @@ CASES = [
 
 
 def reference_tokens(engine, text, images):
+    """Greedy tokens of the aggregated reference: ``engine`` encodes and generates in process."""
     return [ev.token_id for ev in engine.generate(engine_messages(text, len(images)), engine.encode(images), REF_PARAMS)]
-
-
-def api_tokens(stack, text, images, **extra):
-    resp = stack.chat([user_message(text, [data_url(im) for im in images])], **{**GREEDY, **extra})
-    assert resp.status_code == 200, resp.text
-    body = resp.json()
-    return body["choices"][0]["token_ids"], body
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
@@ -63,23 +67,18 @@ def test_disaggregated_equals_aggregated(epd_stack, reference_engine, name, text
 
 
 def test_text_only_request_publishes_no_encode_job(epd_stack):
-    before = len(epd_stack.stream_messages("stream_encode"))
     resp = epd_stack.chat([{"role": "user", "content": "Hello there, how are you?"}], **GREEDY)
     assert resp.status_code == 200, resp.text
+    rid = resp.json()["id"]
     assert len(resp.json()["choices"][0]["token_ids"]) == 12
-    assert len(epd_stack.stream_messages("stream_encode")) == before
-    # Control: an image request does publish one.
-    resp = epd_stack.chat([user_message("Hi", [data_url(noise_image(21, (56, 56)))])], **GREEDY)
+    assert epd_stack.messages_of("stream_encode", EncodeJob, rid) == []
+    assert final_result(epd_stack, rid).ec_sources == {}
+    # Control: an image request does publish one, for its image.
+    image = noise_image(21, (56, 56))
+    resp = epd_stack.chat([user_message("Hi", [data_url(image)])], **GREEDY)
     assert resp.status_code == 200, resp.text
-    assert len(epd_stack.stream_messages("stream_encode")) == before + 1
-
-
-def _final_results(stack, request_ids):
-    finals = {}
-    for _subject, _hdrs, msg in stack.stream_messages("stream_results"):
-        if isinstance(msg, FinalResult) and msg.request_id in request_ids:
-            finals[msg.request_id] = msg
-    return finals
+    jobs = epd_stack.messages_of("stream_encode", EncodeJob, resp.json()["id"])
+    assert [j.image.item_hash for j in jobs] == [content_hash_of(image)]
 
 
 def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
@@ -95,9 +94,9 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
     ready = [m for _, _, m in epd_stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
     assert len(jobs) == 1
     assert len(ready) == 1 and ready[0].encode_s > 0
-    finals = _final_results(epd_stack, {r.json()["id"] for r in responses})
-    assert len(finals) == n
-    sources = [f.ec_sources[item] for f in finals.values()]
+    finals = [final_result(epd_stack, r.json()["id"]) for r in responses]  # exactly one each
+    assert len({f.request_id for f in finals}) == n
+    sources = [f.ec_sources[item] for f in finals]
     assert all(s in ("store", "local_cache") for s in sources), sources
 
 
@@ -116,37 +115,23 @@ def _put_valid_object(ec_store, engine, image):
     return item, raw, dtype, shape, encoded
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _prefill_metrics(stack) -> str:
-    return httpx.get(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics", timeout=5).text
-
-
-def _prefill_log(stack) -> str:
-    return "\n".join(p.log_path.read_text() for p in stack.stack.processes if p.name == "prefill")
+def _recomputed(stack, reason: str) -> float:
+    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"), "epd:ec_lookups_total",
+                        source="recomputed", reason=reason)
 
 
 def _run_damaged(epd_stack, reference_engine, image, reason):
     text = "Describe the image."
     want = reference_tokens(reference_engine, text, [image])
-    before = _metric(_prefill_metrics(epd_stack), "epd:ec_lookups_total", source="recomputed", reason=reason)
+    before = _recomputed(epd_stack, reason)
     encode_jobs_before = len(epd_stack.stream_messages("stream_encode"))
     got, body = api_tokens(epd_stack, text, [image])
     assert got == want
     item = content_hash_of(image)
-    final = _final_results(epd_stack, {body["id"]})[body["id"]]
+    final = final_result(epd_stack, body["id"])
     assert final.ec_sources[item] == f"recomputed:{reason}"
-    after = _metric(_prefill_metrics(epd_stack), "epd:ec_lookups_total", source="recomputed", reason=reason)
-    assert after == before + 1
-    assert re.search(rf"ec miss key=\S*{item}\S* reason={reason}", _prefill_log(epd_stack))
+    assert _recomputed(epd_stack, reason) == before + 1
+    assert re.search(rf"ec miss key=\S*{item}\S* reason={reason}", epd_stack.log_of("prefill"))
     # The API saw a valid-looking object and queued no encode job: the worker did not wait.
     assert len(epd_stack.stream_messages("stream_encode")) == encode_jobs_before
     return item
@@ -175,51 +160,45 @@ def test_ec_object_of_another_fingerprint_is_not_used(epd_stack, reference_engin
 
 
 def test_ec_object_under_another_fingerprint_key_is_never_hit(epd_stack, reference_engine, ec_store):
+    """An object stored for the same image by another encoder version lives under another key:
+    the API does not see it (it queues an encode job) and the worker does not load it."""
     image = noise_image(43, (56, 56))
+    item = content_hash_of(image)
     other = ECStore(ec_store.store, namespace=ec_store.namespace, fingerprint="f" * 24, producer="other-model")
+    assert other.key(item) != ec_store.key(item)
     wrong = reference_engine.encode([noise_image(44, (56, 56))])[0]  # deliberately wrong features
     raw, dtype, shape = tensor_to_raw(wrong.features)
-    other.save(content_hash_of(image), raw, dtype=dtype, shape=shape, extra=encoded_to_extra(wrong))
+    other.save(item, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(wrong))
     text = "Describe the image."
-    got, _ = api_tokens(epd_stack, text, [image])
+    got, body = api_tokens(epd_stack, text, [image])
     assert got == reference_tokens(reference_engine, text, [image])
+    # Negative control: the foreign object's features would have given other tokens.
+    assert [ev.token_id for ev in reference_engine.generate(engine_messages(text, 1), [wrong], REF_PARAMS)] != got
+    # The API found no object for our encoder version, so it queued this request's encode job.
+    jobs = epd_stack.messages_of("stream_encode", EncodeJob, body["id"])
+    assert [j.image.item_hash for j in jobs] == [item]
+    assert final_result(epd_stack, body["id"]).ec_sources[item] in ("store", "local_cache")
 
 
-def test_ec_object_deleted_after_scheduling_is_recomputed(epd_stack, reference_engine, ec_store, nats_server):
+def test_ec_object_deleted_after_scheduling_is_recomputed(epd_stack, reference_engine, ec_store):
     """The API saw the object (no encode job queued); it vanished before the worker loaded it."""
     image = noise_image(45, (56, 56))
     item, *_ = _put_valid_object(ec_store, reference_engine, image)
     media_key = ec_store.put_media(item, png_bytes(image))
     ec_store.store.delete(ec_store.key(item))
     text = "Describe the image."
-    request_id = f"test-deleted-{int(time.time() * 1000)}"
+    request_id = f"test-deleted-{uuid.uuid4().hex[:12]}"
     job = GenerationJob(
         request_id=request_id, model="qwen2-vl-tiny", messages=engine_messages(text, 1),
         images=(ImageRef(item_hash=item, media_key=media_key, width=56, height=56, encode_queued=False),),
         fingerprint=ec_store.fingerprint, sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True),
         stream=False, deadline=time.time() + 120, created_at=time.time(),
     )
-    final = asyncio.run(_publish_and_wait(nats_server.url, epd_stack.subjects, job))
-    assert isinstance(final, FinalResult)
-    assert list(final.token_ids) == reference_tokens(reference_engine, text, [image])
-    assert final.ec_sources[item] == "recomputed:not_found"
-
-
-async def _publish_and_wait(nats_url, subjects, job, timeout=120):
-    import nats
-
-    nc = await nats.connect(nats_url)
-    try:
-        sub = await nc.subscribe(subjects.tokens(job.request_id))
-        await nc.jetstream().publish(subjects.generate_jobs, protocol.encode(job),
-                                     headers=protocol.headers_for(job, job.request_id))
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            msg = protocol.decode((await sub.next_msg(timeout=deadline - time.time())).data)
-            if not isinstance(msg, protocol.TokenChunk):
-                return msg
-    finally:
-        await nc.close()
+    outcome = run_job(epd_stack, epd_stack.subjects.generate_jobs, job, timeout=120)
+    assert isinstance(outcome.terminal, FinalResult), outcome.terminal
+    want = reference_tokens(reference_engine, text, [image])
+    assert outcome.tokens == list(outcome.terminal.token_ids) == want
+    assert final_result(epd_stack, request_id).ec_sources[item] == "recomputed:not_found"
 
 
 # -- the official OpenAI client -----------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,21 +20,15 @@ from shared.engines.transformers_engine import (
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
 from shared.fingerprint import encoder_fingerprint
 from shared.models.tiny import build_tiny_model
+from tests.stackutil import noise_image
 
 ARCHS = ["qwen2_vl", "llava"]
 N_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _noise(w: int, h: int, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
 # 64x48 and 56x56 both give a 4x4 Qwen2-VL patch grid (same token count: swappable features).
-IMAGES = {"wide": _noise(64, 48, 1), "square": _noise(56, 56, 2), "thin": _noise(90, 40, 3)}
+IMAGES = {"wide": noise_image(1, (64, 48)), "square": noise_image(2, (56, 56)), "thin": noise_image(3, (90, 40))}
 
 
 def _user(*parts):
@@ -335,6 +328,10 @@ def test_identity_and_fingerprint(engine, model_dirs):
     assert engine.name == "transformers"
     assert engine.model_id == folder.name
     assert engine.encoder_fingerprint == encoder_fingerprint(folder, dtype="float32", engine="transformers")
+    # Controls: the fingerprint tells encoders apart (other weights, other dtype).
+    other = model_dirs["llava" if engine.arch == "qwen2_vl" else "qwen2_vl"]
+    assert encoder_fingerprint(other, dtype="float32", engine="transformers") != engine.encoder_fingerprint
+    assert encoder_fingerprint(folder, dtype="bfloat16", engine="transformers") != engine.encoder_fingerprint
     assert TransformersEngine.__init__.__kwdefaults__["threads"] == 1
 
 

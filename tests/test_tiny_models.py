@@ -11,6 +11,7 @@ import pytest
 
 from shared.fingerprint import is_encoder_tensor, read_safetensors_header
 from shared.models.tiny import ARCHS, SIZES, build_tiny_model
+from tests.stackutil import noise_image
 
 TINY_ARCHS = ["qwen2_vl", "llava"]
 
@@ -84,13 +85,6 @@ def test_checkpoint_uses_hub_layout_and_fan_in_init(builds, arch):
     assert norms and all(bool((t == 1).all()) for t in norms)
 
 
-def _noise(w: int, h: int, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_folder_loads_with_transformers(builds, arch):
     import torch
@@ -129,7 +123,7 @@ def test_folder_loads_with_transformers(builds, arch):
         assert text.endswith("<|im_start|>assistant\n")
     else:
         assert text == "USER: <image>\nWhat is this?\nASSISTANT:"
-    inputs = processor(text=text, images=[_noise(64, 48, 0)], return_tensors="pt")
+    inputs = processor(text=text, images=[noise_image(0, (64, 48))], return_tensors="pt")
     n_img = int((inputs["input_ids"] == cfg.image_token_id).sum())
     assert n_img == (4 if arch == "qwen2_vl" else 36)
     with torch.inference_mode():
@@ -141,7 +135,7 @@ def test_qwen_tiny_image_sizes_stay_small(builds):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(builds[("qwen2_vl", 0, "a")])
-    big = processor.image_processor(images=[_noise(640, 480, 1)], return_tensors="pt")
+    big = processor.image_processor(images=[noise_image(1, (640, 480))], return_tensors="pt")
     t, h, w = big["image_grid_thw"][0].tolist()
     assert t * h * w // 4 <= 16  # max_pixels 112*112 -> at most 16 image tokens
 

@@ -53,13 +53,16 @@ def _kwargs(env):
     return {k[4:].lower(): v for k, v in env.items() if k in known}
 
 
-def test_unknown_topology_and_role_are_refused():
-    with pytest.raises(SystemExit):
+def test_unknown_topology_and_role_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["up", "--topology", "p-d"])
-    with pytest.raises(ValueError):
+    assert exc.value.code == 2 and "invalid choice: 'p-d'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown topology 'e\|p\|d'"):
         ApiSettings(topology="e|p|d")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown prefill role 'decode'"):
         PrefillSettings(role="decode")
+    # Controls: the known ones are accepted.
+    assert ApiSettings(topology="agg").topology == "agg" and PrefillSettings(role="agg").role == "agg"
 
 
 def test_split_roles_need_an_engine_that_hands_off_the_kv_cache():
@@ -143,6 +146,9 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
 
     verdict, final = asyncio.run(main())
     assert verdict.action.value == "ack"
-    assert list(final.token_ids) == reference_tokens(reference_engine, "Describe the image.", [image])
+    want = reference_tokens(reference_engine, "Describe the image.", [image])
+    assert list(final.token_ids) == want
+    # Negative control: another image gives other tokens, so the equality above can fail.
+    assert reference_tokens(reference_engine, "Describe the image.", [noise_image(93, (64, 48))]) != want
     assert final.ec_sources == {item: "local"}
     assert not ec.exists(item)  # the baseline neither reads nor writes EC objects
