@@ -2,42 +2,42 @@
 decode processes on the tiny Qwen2-VL.
 
 The reference for every equality check is the transformers engine run aggregated in this process
-(``tests.test_e2e_epd.reference_tokens``), as for E|PD.
+(``tests.test_e2e_epd.reference_tokens``), as for E|PD. The decode worker's error events are
+tested in ``tests/test_decode_errors.py`` (a stack of their own: misconfigured decode workers).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from shared import protocol
 from shared.engines.base import SamplingParams
-from shared.fingerprint import model_fingerprint
+from shared.media import content_hash_of
 from shared.objectstore import S3ObjectStore
-from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec, TokenChunk
-from tests.stackutil import data_url, engine_messages, kv_keys, noise_image, stream_killing_a_decoder, user_message
-from tests.stackutil import decoders as _decoders, start_decoder as _start_decoder, stop_decoders as _stop_decoders
-from tests.stackutil import wait_for
-from tests.test_e2e_epd import CASES, GREEDY, api_tokens, reference_tokens
+from shared.protocol import DecodeJob, ECReady, EncodeJob, GenerationJob, TokenChunk
+from tests.stackutil import (
+    GREEDY,
+    api_tokens,
+    chat_body,
+    data_url,
+    decoders,
+    engine_messages,
+    final_result,
+    kv_keys,
+    noise_image,
+    start_decoder,
+    stop_decoders,
+    stream_chat,
+    stream_killing_a_decoder,
+    stream_tokens,
+    user_message,
+    wait_for,
+)
+from tests.test_e2e_epd import CASES, REF_PARAMS, reference_tokens
 
 pytestmark = pytest.mark.slow
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _messages_of(stack, stream_attr, cls, request_id):
-    return [m for _, _, m in stack.stream_messages(stream_attr) if isinstance(m, cls) and m.request_id == request_id]
-
-
-def _final(stack, request_id) -> FinalResult:
-    finals = _messages_of(stack, "stream_results", FinalResult, request_id)
-    assert len(finals) >= 1
-    return finals[0]
 
 
 @pytest.fixture
@@ -49,12 +49,25 @@ def store(epd_stack_epd, s3_server):
 def restore_decoder(epd_stack_epd):
     """Whatever a test does to the decode workers, a decode worker runs afterwards."""
     yield
-    if not _decoders(epd_stack_epd):
-        _start_decoder(epd_stack_epd)
+    if not decoders(epd_stack_epd):
+        start_decoder(epd_stack_epd)
 
 
-def _decode_log(stack) -> str:
-    return "\n".join(p.log_path.read_text() for p in stack.stack.processes if p.name == "decode")
+def _other_images_change_the_output(engine, text, specs, got) -> bool:
+    """Negative control: other images' features give other tokens, so an equality can fail.
+    (Several other image sets: the tiny model's output depends only weakly on some images.)"""
+    return any(reference_tokens(engine, text, [noise_image(seed + k, size) for seed, size in specs]) != got
+               for k in (1000, 2000, 3000))
+
+
+def _decoded_final(stack, store, request_id):
+    """The one ``FinalResult`` of a request that went through a decode worker. The worker deletes
+    the request's KV object after it published its final result, so once no KV object of the
+    request is left a second final result (a bug) would already be on record: ``final_result``
+    alone returns as soon as the first one is there."""
+    wait_for(lambda: not {k for k in kv_keys(store, stack) if request_id in k}, 60,
+             f"the KV objects of {request_id} to be deleted")
+    return final_result(stack, request_id)
 
 
 # -- equality with the aggregated run -----------------------------------------------------------
@@ -66,19 +79,15 @@ def test_epd_split_equals_aggregated(epd_stack_epd, reference_engine, store, nam
     assert got == want
     assert body["usage"]["completion_tokens"] == len(want) == 12
     assert body["choices"][0]["message"]["content"] == reference_engine.tokenizer.decode(want, skip_special_tokens=True)
-    # Negative control: other images' features give other tokens, so the equality above can fail.
-    # (Several other image sets: the tiny model's output depends only weakly on some images.)
-    assert any(reference_tokens(reference_engine, text, [noise_image(seed + k, size) for seed, size in specs]) != got
-               for k in (1000, 2000, 3000))
+    assert _other_images_change_the_output(reference_engine, text, specs, got)
 
     # It really went prefill -> KV object -> decode worker, and the KV object is gone after.
     rid = body["id"]
-    jobs = _messages_of(epd_stack_epd, "stream_decode", DecodeJob, rid)
+    jobs = epd_stack_epd.messages_of("stream_decode", DecodeJob, rid)
     assert len(jobs) == 1 and jobs[0].emitted == 1 and jobs[0].kv_nbytes > 0
-    final = _final(epd_stack_epd, rid)
+    final = _decoded_final(epd_stack_epd, store, rid)
     assert final.worker.startswith("decode-") and final.timings["kv_bytes"] == jobs[0].kv_nbytes
     assert jobs[0].prefill_worker.startswith("prefill-")
-    wait_for(lambda: jobs[0].kv_key not in kv_keys(store, epd_stack_epd), 10, "KV object deletion")
 
 
 def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, reference_engine):
@@ -96,24 +105,68 @@ def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, 
     assert [ev.token_id for ev in other] != want  # control: the seed matters
 
 
-def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_engine):
+def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_engine, store):
     image = noise_image(61, (64, 48))
     text = "Describe the image."
     want = reference_tokens(reference_engine, text, [image])
-    body = {"model": "qwen2-vl-tiny", "messages": [user_message(text, [data_url(image)])], "stream": True, **GREEDY}
-    ids = []
-    with httpx.stream("POST", f"{epd_stack_epd.url}/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices", []):
-                    ids.extend(choice.get("token_ids", []))
-    assert ids == want
+    out = stream_chat(epd_stack_epd, chat_body(text, [image], **GREEDY), timeout=120)
+    assert out.done and out.errors == [] and out.token_ids == want
+    # What the workers sent (prefill seq 0, decode seq 1..): one copy per seq, no gap.
+    rid = out.events[0]["id"]
+    chunks = epd_stack_epd.messages_of("stream_results", TokenChunk, rid)
+    assert stream_tokens(chunks, _decoded_final(epd_stack_epd, store, rid)) == want
     # max_tokens=1: the first token is the last; prefill finishes it, no decode job.
     resp = epd_stack_epd.chat([user_message(text, [data_url(image)])], **{**GREEDY, "max_tokens": 1})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == want[:1]
-    assert _messages_of(epd_stack_epd, "stream_decode", DecodeJob, resp.json()["id"]) == []
+    assert epd_stack_epd.messages_of("stream_decode", DecodeJob, resp.json()["id"]) == []
+    assert final_result(epd_stack_epd, resp.json()["id"]).worker.startswith("prefill-")
+
+
+# -- one image, encoded once ----------------------------------------------------------------------
+def _encode_jobs_and_ready(stack, item: str) -> tuple[list[EncodeJob], list[ECReady]]:
+    jobs = [m for _, _, m in stack.stream_messages("stream_encode") if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    ready = [m for _, _, m in stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
+    return jobs, ready
+
+
+def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack_epd, reference_engine, store):
+    """N concurrent requests with the same (new) image: one encode job, one ECReady, and every
+    answer equals the aggregated run of its prompt."""
+    image = noise_image(91, (64, 64))
+    item = content_hash_of(image)
+    prompts = [f"Prompt number {i}: describe the image." for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: api_tokens(epd_stack_epd, p, [image]), prompts))
+
+    jobs, ready = _encode_jobs_and_ready(epd_stack_epd, item)
+    assert len(jobs) == 1, jobs
+    assert len(ready) == 1 and ready[0].encode_s > 0, ready
+    for prompt, (got, body) in zip(prompts, results):
+        assert got == reference_tokens(reference_engine, prompt, [image]), prompt
+        final = _decoded_final(epd_stack_epd, store, body["id"])
+        assert final.ec_sources[item] in ("store", "local_cache"), final.ec_sources
+    assert _other_images_change_the_output(reference_engine, prompts[0], [(91, (64, 64))], results[0][0])
+
+
+def test_same_image_twice_in_one_request_is_encoded_once(epd_stack_epd, reference_engine, store):
+    """One request with the same (new) image twice: one encode job, and the output equals the
+    aggregated run with the image twice - not with it once, nor with two different images."""
+    image, other = noise_image(92, (56, 56)), noise_image(93, (56, 56))
+    item = content_hash_of(image)
+    text = "Compare these two images."
+    got, body = api_tokens(epd_stack_epd, text, [image, image])
+
+    jobs, ready = _encode_jobs_and_ready(epd_stack_epd, item)
+    assert len(jobs) == 1 and len(ready) == 1, (jobs, ready)
+    assert got == reference_tokens(reference_engine, text, [image, image])
+    # Controls: both placeholders matter, and both get this image's features.
+    once = [ev.token_id for ev in reference_engine.generate(
+        engine_messages(text, 1), reference_engine.encode([image]), REF_PARAMS)]
+    assert got != once
+    assert got != reference_tokens(reference_engine, text, [image, other])
+    assert got != reference_tokens(reference_engine, text, [other, image])
+    assert _decoded_final(epd_stack_epd, store, body["id"]).worker.startswith("decode-")
 
 
 # -- batching -----------------------------------------------------------------------------------
@@ -126,11 +179,11 @@ BATCH = [
 ]
 
 
-def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack_epd, reference_engine,
+def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack_epd, reference_engine, store,
                                                                        restore_decoder):
     """5 requests of different prompt lengths and lengths through ONE decode worker, decoded
     together (one forward per step, rows joining and leaving), each equal to its single run."""
-    _stop_decoders(epd_stack_epd)
+    stop_decoders(epd_stack_epd)
     before = len(epd_stack_epd.stream_messages("stream_decode"))
 
     def run(case):
@@ -142,27 +195,28 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
         futures = [pool.submit(run, case) for case in BATCH]
         # All decode jobs wait in the stream; then one worker takes them in one fetch.
         wait_for(lambda: len(epd_stack_epd.stream_messages("stream_decode")) >= before + len(BATCH), 120,
-                  "the decode jobs")
-        _start_decoder(epd_stack_epd)  # 50 ms per step: they overlap even if loading KV takes a while
+                 "the decode jobs")
+        start_decoder(epd_stack_epd)  # 50 ms per step: they overlap even if loading KV takes a while
         results = [f.result(timeout=180) for f in futures]
 
-    rows = []
+    rows, workers = [], set()
     for (text, specs, n), (got, body) in zip(BATCH, results):
         images = [noise_image(s, size) for s, size in specs]
         want = [ev.token_id for ev in reference_engine.generate(
             engine_messages(text, len(images)), reference_engine.encode(images),
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
         assert got == want, text
-        final = _final(epd_stack_epd, body["id"])
+        final = _decoded_final(epd_stack_epd, store, body["id"])
         rows.append(final.timings["decode_batch_rows_max"])
-        assert final.worker == _final(epd_stack_epd, results[0][1]["id"]).worker  # one decode worker
+        workers.add(final.worker)
+    assert len(workers) == 1, workers  # one decode worker
     assert max(rows) >= 4, rows  # they really were decoded together
 
 
 # -- failures -----------------------------------------------------------------------------------
 def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, reference_engine, store,
                                                                  restore_decoder):
-    _stop_decoders(epd_stack_epd)
+    stop_decoders(epd_stack_epd)
     image = noise_image(71, (56, 56))
     text = "Describe the image."
     want = reference_tokens(reference_engine, text, [image])
@@ -174,87 +228,38 @@ def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, 
         blob = bytearray(store.get(key, max_bytes=1 << 30))
         blob[-7] ^= 0xFF  # a flipped byte inside the KV tensors
         store.put(key, bytes(blob), metadata=store.stat(key).metadata)
-        _start_decoder(epd_stack_epd)
+        start_decoder(epd_stack_epd)
         got, body = future.result(timeout=180)
     assert got == want
     rid = body["id"]
     assert key.endswith(f"{rid}-0")
-    gens = _messages_of(epd_stack_epd, "stream_generate", GenerationJob, rid)
+    gens = epd_stack_epd.messages_of("stream_generate", GenerationJob, rid)
     assert sorted(g.reprefill for g in gens) == [0, 1]  # prefilled once more, and only once
-    assert sorted(j.kv_attempt for j in _messages_of(epd_stack_epd, "stream_decode", DecodeJob, rid)) == [0, 1]
-    assert re.search(rf"kv miss key=\S*{rid}-0 reason=checksum_mismatch", _decode_log(epd_stack_epd))
-    wait_for(lambda: not {k for k in kv_keys(store, epd_stack_epd) if rid in k}, 10, "KV cleanup")
+    assert sorted(j.kv_attempt for j in epd_stack_epd.messages_of("stream_decode", DecodeJob, rid)) == [0, 1]
+    assert re.search(rf"kv miss key=\S*{rid}-0 reason=checksum_mismatch", epd_stack_epd.log_of("decode"))
+    assert list(_decoded_final(epd_stack_epd, store, rid).token_ids) == want
 
 
-def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine, restore_decoder):
-    """SIGKILL the decode worker after it streamed tokens: the job is redelivered, the next
-    worker decodes again from the KV object (same tokens, same seq numbers), the API drops what
-    it already forwarded, and the client gets the complete, correct answer."""
-    (victim,) = _decoders(epd_stack_epd)  # 50 ms per step: 63 steps take >= 3 s
+def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine, store, restore_decoder):
+    """SIGKILL the decode worker after it streamed tokens: the job is redelivered (after the
+    stack's 15 s ack wait), the next worker decodes again from the KV object (same tokens, same
+    seq numbers), the API drops what it already forwarded, and the client gets the complete,
+    correct answer."""
+    (victim,) = decoders(epd_stack_epd)  # 50 ms per step: 63 steps take >= 3 s
     image = noise_image(72, (64, 48))
     text = "Describe the image."
     want = [ev.token_id for ev in reference_engine.generate(
         engine_messages(text, 1), reference_engine.encode([image]),
         SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))]
-    body = {"model": "qwen2-vl-tiny", "messages": [user_message(text, [data_url(image)])], "stream": True,
-            **GREEDY, "max_tokens": 64}
+    body = chat_body(text, [image], **{**GREEDY, "max_tokens": 64})
     ids, rid, killed_after, done = stream_killing_a_decoder(epd_stack_epd, body, victim, timeout=180)
     assert done and killed_after is not None and killed_after < len(want)
     assert ids == want  # complete, no token twice, none missing
-    final = _final(epd_stack_epd, rid)
+    final = _decoded_final(epd_stack_epd, store, rid)  # exactly one: the killed attempt never finished
     assert final.attempt == 2 and list(final.token_ids) == want
-    # The second worker re-emitted what the first had sent, under the same seq numbers.
-    chunks = _messages_of(epd_stack_epd, "stream_results", TokenChunk, rid)
+    # The second worker re-emitted what the first had sent, under the same seq numbers (the
+    # copies agree: stream_tokens checks every (attempt, seq)).
+    chunks = epd_stack_epd.messages_of("stream_results", TokenChunk, rid)
+    assert stream_tokens(chunks, final) == want
     seq1 = [c for c in chunks if c.seq == 1]
-    assert {c.attempt for c in seq1} == {1, 2} and len({c.token_ids for c in seq1}) == 1
-
-
-async def _publish_and_wait(nats_url, subjects, subject, msg, request_id, timeout=60):
-    import nats
-
-    nc = await nats.connect(nats_url)
-    try:
-        sub = await nc.subscribe(subjects.tokens(request_id))
-        await nc.jetstream().publish(subject, protocol.encode(msg), headers=protocol.headers_for(msg, request_id))
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            event = protocol.decode((await sub.next_msg(timeout=deadline - time.time())).data)
-            if not isinstance(event, TokenChunk):
-                return event
-    finally:
-        await nc.close()
-
-
-def _crafted_decode_job(stack, tiny_model_dir, request_id, *, reprefill, fingerprint=None):
-    fp = fingerprint or model_fingerprint(tiny_model_dir, dtype="float32", engine="transformers")
-    sampling = SamplingSpec(temperature=0, max_tokens=8, ignore_eos=True)
-    gen = GenerationJob(
-        request_id=request_id, model="qwen2-vl-tiny", messages=engine_messages("Hello", 0), images=(),
-        fingerprint="x", sampling=sampling, stream=False, deadline=time.time() + 60, created_at=time.time(),
-        reprefill=reprefill,
-    )
-    return DecodeJob(
-        request_id=request_id, kv_key=f"{stack.namespace}/kv/{fp}/{request_id}-{reprefill}", kv_attempt=reprefill,
-        kv_nbytes=1, model_fingerprint=fp, sampling=sampling, deadline=gen.deadline, created_at=time.time(),
-        emitted=1, emitted_text="", prompt_tokens=5, generation=gen,
-    )
-
-
-def test_reprefills_are_bounded(epd_stack_epd, tiny_model_dir):
-    """A KV object that is missing again after the last allowed re-prefill ends the request with
-    a clear error instead of looping."""
-    rid = f"test-bounded-{int(time.time() * 1000)}"
-    job = _crafted_decode_job(epd_stack_epd, tiny_model_dir, rid, reprefill=2)  # EPD_MAX_REPREFILLS=2
-    event = asyncio.run(_publish_and_wait(epd_stack_epd.nats_url, epd_stack_epd.subjects,
-                                          epd_stack_epd.subjects.decode_jobs, job, rid))
-    assert isinstance(event, ErrorEvent) and event.code == "kv_unavailable" and event.http_status == 502
-    assert "not_found" in event.message
-    assert _messages_of(epd_stack_epd, "stream_generate", GenerationJob, rid) == []  # no further prefill
-
-
-def test_decode_job_of_another_model_is_refused(epd_stack_epd, tiny_model_dir):
-    rid = f"test-othermodel-{int(time.time() * 1000)}"
-    job = _crafted_decode_job(epd_stack_epd, tiny_model_dir, rid, reprefill=0, fingerprint="0" * 24)
-    event = asyncio.run(_publish_and_wait(epd_stack_epd.nats_url, epd_stack_epd.subjects,
-                                          epd_stack_epd.subjects.decode_jobs, job, rid))
-    assert isinstance(event, ErrorEvent) and event.code == "model_mismatch"
+    assert {c.attempt for c in seq1} == {1, 2}

@@ -3,7 +3,8 @@
 Per job:
 
 1. Refuse a job of another model (its ``model_fingerprint`` is not this worker's): an
-   ``ErrorEvent`` (``model_mismatch``) - prefill and decode workers must run the same model.
+   ``ErrorEvent`` (``model_mismatch``) - prefill and decode workers must run the same model -
+   and its KV object is deleted (no worker will read it).
 2. Load the KV object (``shared.ecstore.kv``: validated schema, model fingerprint, request,
    attempt, layout, sha256, size bound). Missing or unusable -> **re-prefill**: the original
    ``GenerationJob`` goes back to the prefill workers with ``reprefill + 1`` (at most
@@ -32,7 +33,7 @@ from shared import metrics, protocol
 from shared.config import DecodeSettings
 from shared.ecstore.factory import kv_store_from_settings
 from shared.ecstore.format import MissReason, ObjectValidationError
-from shared.ecstore.kv import KVObject, KVStore
+from shared.ecstore.kv import KVObject, KVStore, kv_prefix
 from shared.ecstore.store import ECStore
 from shared.encoding import ModelHandler, require_kv_handoff_engine, sampling_params
 from shared.engines.base import Engine, GenerationStats, TokenEvent
@@ -105,6 +106,7 @@ class DecodeHandler(ModelHandler):
             await self._error(job, ModelMismatch(
                 f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
                 f"{self.model_fingerprint}: prefill and decode workers must serve the same model"))
+            await self._delete(job.kv_key)  # the request is over: no worker will read its KV object
             return Verdict.term("model fingerprint mismatch")
         if time.time() > job.deadline:
             await self._error(job, DeadlineExceeded("request deadline passed before a decode worker took it"))
@@ -136,6 +138,7 @@ class DecodeHandler(ModelHandler):
         except EPDError as exc:
             log.error("decode failed: %s: %s", exc.code, exc.message)
             await self._error(job, exc, message=f"{type(exc).__name__}: {exc.message}")
+            await self._delete(job.kv_key)
             return Verdict.term(exc.message)
         await self._delete(job.kv_key)
         return Verdict.ack()
@@ -289,6 +292,11 @@ class DecodeHandler(ModelHandler):
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
 
     async def _delete(self, key: str) -> None:
+        """Delete a job's KV object (of any model fingerprint); a key outside this namespace's KV
+        objects - the job is not trusted on the paths that do not load it - is left alone."""
+        if not key.startswith(kv_prefix(self.kv_store.namespace)):
+            log.warning("not deleting %s: not a KV object key", key)
+            return
         try:
             await asyncio.to_thread(self.kv_store.delete, key)
         except (StoreError, ValueError) as exc:  # the sweeper removes it later
