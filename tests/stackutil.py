@@ -332,16 +332,58 @@ def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent 
     return [t for seq in sorted(by_seq) for t in by_seq[seq]]
 
 
-def final_result(stack: RunningStack, request_id: str, *, timeout: float = 60) -> FinalResult:
-    """The one ``FinalResult`` of ``request_id`` on record (waits until it is there; two finals
-    - a redelivered job finished twice - fail the test, and so does an ``ErrorEvent``)."""
+def busy_work_consumers(nats_url: str, subjects: Subjects) -> dict[str, tuple[int, int]]:
+    """The work consumers (encode, generate, decode) that still hold a job: name -> (pending,
+    delivered but not acked). A worker acks a job only after publishing everything it sends for
+    it, so once this is empty no further event of a finished request can appear."""
+
+    async def main():
+        import nats
+        from nats.js.errors import NotFoundError
+
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            busy = {}
+            for stream, durable in ((subjects.stream_encode, protocol.CONSUMER_ENCODER),
+                                    (subjects.stream_generate, protocol.CONSUMER_PREFILL),
+                                    (subjects.stream_decode, protocol.CONSUMER_DECODE)):
+                try:
+                    info = await js.consumer_info(stream, durable)
+                except NotFoundError:  # a stack without that stage
+                    continue
+                if info.num_pending or info.num_ack_pending:
+                    busy[durable] = (info.num_pending, info.num_ack_pending)
+            return busy
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def final_result(stack: RunningStack, request_id: str, *, timeout: float = 120) -> FinalResult:
+    """The one ``FinalResult`` of ``request_id`` on record. Waits until it is there and until
+    the stack's workers hold no job (so a second final - a redelivered job finished twice -
+    would be on record too); two finals fail the test, and so does an ``ErrorEvent``."""
     def finals():
         events = [m for m in stack.messages_of("stream_results", (FinalResult, ErrorEvent), request_id)]
         assert not any(isinstance(m, ErrorEvent) for m in events), events
         return events
 
-    found = wait_for(finals, timeout, f"the final result of {request_id}")
-    assert len(found) == 1, f"{len(found)} final results for {request_id}: {found}"
+    wait_for(finals, timeout, f"the final result of {request_id}")
+    busy: dict = {}
+
+    def settled():
+        busy.clear()
+        busy.update(busy_work_consumers(stack.nats_url, stack.subjects))
+        return not busy
+
+    try:
+        wait_for(settled, timeout, f"the workers to ack every job after {request_id}", interval=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (still held: {busy})") from None
+    found = finals()
+    assert len(found) == 1, f"{len(found)} final results for {request_id}: {[(f.attempt, f.worker) for f in found]}"
     return found[0]
 
 
@@ -394,3 +436,16 @@ def stream_killing_a_decoder(stack, body: dict, victim, *, after: int = 3, timeo
 
     out = stream_chat(stack, body, timeout=timeout, on_event=on_event)
     return out.token_ids, out.events[-1]["id"] if out.events else None, (killed or [None])[0], out.done
+
+
+def epd_cli(env: dict[str, str], *args: str, timeout: float = 300):
+    """Run the ``epd`` CLI (``shared.cli.main``) in a subprocess of this interpreter, from the
+    repository root, with ``env`` (e.g. a RunningStack's ``env``) added to this process's
+    environment. Returns the ``subprocess.CompletedProcess`` (text stdout / stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from shared.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])

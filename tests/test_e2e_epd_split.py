@@ -60,16 +60,6 @@ def _other_images_change_the_output(engine, text, specs, got) -> bool:
                for k in (1000, 2000, 3000))
 
 
-def _decoded_final(stack, store, request_id):
-    """The one ``FinalResult`` of a request that went through a decode worker. The worker deletes
-    the request's KV object after it published its final result, so once no KV object of the
-    request is left a second final result (a bug) would already be on record: ``final_result``
-    alone returns as soon as the first one is there."""
-    wait_for(lambda: not {k for k in kv_keys(store, stack) if request_id in k}, 60,
-             f"the KV objects of {request_id} to be deleted")
-    return final_result(stack, request_id)
-
-
 # -- equality with the aggregated run -----------------------------------------------------------
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
 def test_epd_split_equals_aggregated(epd_stack_epd, reference_engine, store, name, text, specs):
@@ -85,9 +75,10 @@ def test_epd_split_equals_aggregated(epd_stack_epd, reference_engine, store, nam
     rid = body["id"]
     jobs = epd_stack_epd.messages_of("stream_decode", DecodeJob, rid)
     assert len(jobs) == 1 and jobs[0].emitted == 1 and jobs[0].kv_nbytes > 0
-    final = _decoded_final(epd_stack_epd, store, rid)
+    final = final_result(epd_stack_epd, rid)
     assert final.worker.startswith("decode-") and final.timings["kv_bytes"] == jobs[0].kv_nbytes
     assert jobs[0].prefill_worker.startswith("prefill-")
+    assert jobs[0].kv_key not in kv_keys(store, epd_stack_epd)  # deleted before the worker acked
 
 
 def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, reference_engine):
@@ -114,7 +105,7 @@ def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_e
     # What the workers sent (prefill seq 0, decode seq 1..): one copy per seq, no gap.
     rid = out.events[0]["id"]
     chunks = epd_stack_epd.messages_of("stream_results", TokenChunk, rid)
-    assert stream_tokens(chunks, _decoded_final(epd_stack_epd, store, rid)) == want
+    assert stream_tokens(chunks, final_result(epd_stack_epd, rid)) == want
     # max_tokens=1: the first token is the last; prefill finishes it, no decode job.
     resp = epd_stack_epd.chat([user_message(text, [data_url(image)])], **{**GREEDY, "max_tokens": 1})
     assert resp.status_code == 200, resp.text
@@ -144,7 +135,7 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack_epd, referen
     assert len(ready) == 1 and ready[0].encode_s > 0, ready
     for prompt, (got, body) in zip(prompts, results):
         assert got == reference_tokens(reference_engine, prompt, [image]), prompt
-        final = _decoded_final(epd_stack_epd, store, body["id"])
+        final = final_result(epd_stack_epd, body["id"])
         assert final.ec_sources[item] in ("store", "local_cache"), final.ec_sources
     assert _other_images_change_the_output(reference_engine, prompts[0], [(91, (64, 64))], results[0][0])
 
@@ -166,7 +157,7 @@ def test_same_image_twice_in_one_request_is_encoded_once(epd_stack_epd, referenc
     assert got != once
     assert got != reference_tokens(reference_engine, text, [image, other])
     assert got != reference_tokens(reference_engine, text, [other, image])
-    assert _decoded_final(epd_stack_epd, store, body["id"]).worker.startswith("decode-")
+    assert final_result(epd_stack_epd, body["id"]).worker.startswith("decode-")
 
 
 # -- batching -----------------------------------------------------------------------------------
@@ -206,7 +197,7 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
             engine_messages(text, len(images)), reference_engine.encode(images),
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
         assert got == want, text
-        final = _decoded_final(epd_stack_epd, store, body["id"])
+        final = final_result(epd_stack_epd, body["id"])
         rows.append(final.timings["decode_batch_rows_max"])
         workers.add(final.worker)
     assert len(workers) == 1, workers  # one decode worker
@@ -237,7 +228,7 @@ def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, 
     assert sorted(g.reprefill for g in gens) == [0, 1]  # prefilled once more, and only once
     assert sorted(j.kv_attempt for j in epd_stack_epd.messages_of("stream_decode", DecodeJob, rid)) == [0, 1]
     assert re.search(rf"kv miss key=\S*{rid}-0 reason=checksum_mismatch", epd_stack_epd.log_of("decode"))
-    assert list(_decoded_final(epd_stack_epd, store, rid).token_ids) == want
+    assert list(final_result(epd_stack_epd, rid).token_ids) == want
 
 
 def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine, store, restore_decoder):
@@ -255,7 +246,7 @@ def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine,
     ids, rid, killed_after, done = stream_killing_a_decoder(epd_stack_epd, body, victim, timeout=180)
     assert done and killed_after is not None and killed_after < len(want)
     assert ids == want  # complete, no token twice, none missing
-    final = _decoded_final(epd_stack_epd, store, rid)  # exactly one: the killed attempt never finished
+    final = final_result(epd_stack_epd, rid)  # exactly one: the killed attempt never finished
     assert final.attempt == 2 and list(final.token_ids) == want
     # The second worker re-emitted what the first had sent, under the same seq numbers (the
     # copies agree: stream_tokens checks every (attempt, seq)).
