@@ -383,7 +383,8 @@ def final_result(stack: RunningStack, request_id: str, *, timeout: float = 120) 
     except AssertionError as exc:
         raise AssertionError(f"{exc} (still held: {busy})") from None
     found = finals()
-    assert len(found) == 1, f"{len(found)} final results for {request_id}: {[(f.attempt, f.worker) for f in found]}"
+    attempts = [(f.attempt, f.worker) for f in found]
+    assert len(found) == 1, f"{len(found)} final results for {request_id} (attempt, worker): {attempts}"
     return found[0]
 
 
