@@ -230,9 +230,11 @@ class DecodeHandler(ModelHandler):
             if not delivery.is_last_attempt:
                 return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
             await self._error(job, exc)
+            await self._delete(job.kv_key)  # the request is over
             return Verdict.term(exc.message)
         except EPDError as exc:
             await self._error(job, exc)
+            await self._delete(job.kv_key)
             return Verdict.term(exc.message)
         params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
         kv_params = {"do_remote_prefill": True, "epd_kv_key": job.kv_key, "epd_kv_request": job.request_id,
