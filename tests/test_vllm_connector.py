@@ -10,6 +10,7 @@ with ``identifier`` / ``mm_position`` / ``data``); the positions are vLLM's own 
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from shared.ecstore.vllm_connector import (
 )
 from shared.fingerprint import encoder_fingerprint
 from shared.objectstore import S3ObjectStore
+from tests.stackutil import wait_for
 
 HIDDEN = 96  # tiny Qwen2-VL LM width
 AK_ENV, SK_ENV = "EPD_TEST_CONNECTOR_AK", "EPD_TEST_CONNECTOR_SK"
@@ -86,9 +88,9 @@ def request(*features):
     return SimpleNamespace(request_id=f"req-{uuid.uuid4().hex[:8]}", mm_features=list(features))
 
 
-def schedule(conn, req, timeout=15.0):
+def schedule(conn, req, timeout=120.0):
     """Call ensure_cache_available the way the scheduler does each step until it admits the request.
-    Returns how many steps it was deferred."""
+    Returns how many steps it was deferred. ``timeout`` only catches a hang."""
     deferred = 0
     deadline = time.monotonic() + timeout
     while not conn.ensure_cache_available(req, 0):
@@ -326,17 +328,25 @@ def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
     schedule(down, req)
     assert stats_of(down)["lookup|miss|store_error"] == 1
 
+    # A fetch that outlasts fetch_timeout_s: the load is held until the test releases it, so the
+    # request is admitted (falling back to local encoding) while the fetch is still running.
     item = ident()
     produce(tiny_model_dir, s3_env, bucket, item, features_tensor(9))
     slow = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
-                          extra_config(s3_env, bucket, fetch_timeout_s=0.2))
-    original = slow._load_item
-    slow._load_item = lambda i: (time.sleep(1.0), original(i))[1]
-    started = time.monotonic()
-    schedule(slow, request(feature(item, 4)))
-    assert time.monotonic() - started < 0.9  # gave up waiting, did not block on the fetch
-    assert not slow.has_cache_item(item)
-    assert stats_of(slow)["lookup|fallback|timeout"] == 1
+                          extra_config(s3_env, bucket, fetch_timeout_s=0.5))
+    original, release = slow._load_item, threading.Event()
+    slow._load_item = lambda i: (release.wait(300), original(i))[1]
+    req = request(feature(item, 4))
+    try:
+        schedule(slow, req)
+        assert not release.is_set()  # admitted without waiting for the fetch
+        assert not slow.has_cache_item(item)
+        slow.update_state_after_alloc(req, 0)
+        assert slow.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).loads == []
+        assert slow.request_finished(req)[1] == {PARAMS_SOURCES: {item: "recomputed:timeout"}}
+        assert stats_of(slow)["lookup|fallback|timeout"] == 1
+    finally:
+        release.set()
 
 
 def test_item_without_local_input_is_reported_unavailable(tiny_model_dir, s3_env, bucket):
@@ -344,10 +354,14 @@ def test_item_without_local_input_is_reported_unavailable(tiny_model_dir, s3_env
     item itself (no pixels in it) ends up there."""
     sched = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
     req = request(feature(ident(), 4, with_data=False))
-    deadline = time.monotonic() + 10
-    while not sched.take_unavailable_requests() and time.monotonic() < deadline:
-        assert not sched.ensure_cache_available(req, 0)
-        time.sleep(0.005)
+
+    def reported():  # one scheduler step: the admission check, then vLLM takes the failed requests
+        admitted = sched.ensure_cache_available(req, 0)
+        failed = sched.take_unavailable_requests()
+        assert failed or not admitted, "admitted without its input, and never reported unavailable"
+        return failed
+
+    assert wait_for(reported, 120, "the request to be reported unavailable", interval=0.005) == {req.request_id}
     assert sched.take_unavailable_requests() == set()  # reported once
     ok = request(feature(ident(), 4))
     schedule(sched, ok)

@@ -10,15 +10,14 @@ project's connector unchanged unless a test leaves a fault instruction for an it
 from __future__ import annotations
 
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client import REGISTRY
 
 from shared.ecstore.store import ECStore
 from shared.objectstore import S3ObjectStore
-from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media, s3_connector_config
+from tests.stackutil import wait_for
+from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media, s3_connector_config, started_engines
 
 pytestmark = pytest.mark.slow
 
@@ -38,28 +37,14 @@ def fault_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(vllm_reference, tiny_model_dir, vllm_work_dir, store_config, fault_dir):
     """(producer, consumer), started together. vLLM's processes inherit the fault dir variable."""
-    from shared.engines.vllm_engine import VllmEngine
-
     os.environ[FAULT_DIR_ENV] = str(fault_dir)
     common = dict(dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir, ec_extra_config=store_config)
-    with ThreadPoolExecutor(2) as pool:
-        producer_f = pool.submit(VllmEngine, tiny_model_dir, ec_role="ec_producer", **common)
-        consumer_f = pool.submit(VllmEngine, tiny_model_dir, ec_role="ec_consumer",
-                                 connector=("FaultInjectingECConnector", "tests.vllm_faults"), **common)
-        started = []
-        try:
-            for f in (producer_f, consumer_f):
-                started.append(f.result())
-        except BaseException:
-            for engine in started:
-                engine.close()
-            raise
-    producer, consumer = started
     try:
-        yield producer, consumer
+        with started_engines(tiny_model_dir, dict(ec_role="ec_producer", **common),
+                             dict(ec_role="ec_consumer", connector=("FaultInjectingECConnector", "tests.vllm_faults"),
+                                  **common)) as pair:
+            yield pair
     finally:
-        consumer.close()
-        producer.close()
         os.environ.pop(FAULT_DIR_ENV, None)
 
 
@@ -129,10 +114,9 @@ def test_object_lost_after_the_existence_check_still_completes(vllm_reference, e
     assert stats.extra["ec_sources"] == {item.item_hash: f"recomputed:{reason}"}
     want, _ = generate(vllm_reference, "Describe the image.", [item])
     assert got == want
-    # The fallback is counted, with its reason (stats reach this process with the engine's outputs).
-    deadline = time.monotonic() + 10
-    while _lookups("fallback", reason) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # The fallback is counted, with its reason (stats reach this process with the engine's outputs,
+    # possibly a little after them).
+    wait_for(lambda: _lookups("fallback", reason) >= before + 1, 120, f"the fallback count ({reason})")
     assert _lookups("fallback", reason) == before + 1
 
 

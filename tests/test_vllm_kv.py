@@ -8,7 +8,6 @@ Reference: a plain vLLM engine run aggregated in this process on the same prompt
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -18,7 +17,7 @@ from shared.engines.base import GenerationStats
 from shared.fingerprint import model_fingerprint
 from shared.objectstore import S3ObjectStore
 from tests.stackutil import engine_messages
-from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config
+from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config, started_engines
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +34,10 @@ def engines(vllm_reference, tiny_model_dir, vllm_work_dir, store_config):
     """(prefill, decode) engines, started together. The decode engine has no prefix cache, so
     every request that is not loaded from the store is computed in full (nothing left over from
     an earlier test can stand in for a load)."""
-    from shared.engines.vllm_engine import VllmEngine
-
     common = dict(dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir, ec_extra_config=store_config)
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(VllmEngine, tiny_model_dir, kv_role="kv_producer", **common),
-                   pool.submit(VllmEngine, tiny_model_dir, kv_role="kv_consumer",
-                               engine_args={"enable_prefix_caching": False}, **common)]
-        started = []
-        try:
-            for f in futures:
-                started.append(f.result())
-        except BaseException:
-            for engine in started:
-                engine.close()
-            raise
-    try:
-        yield tuple(started)
-    finally:
-        for engine in started:
-            engine.close()
+    with started_engines(tiny_model_dir, dict(kv_role="kv_producer", **common),
+                         dict(kv_role="kv_consumer", engine_args={"enable_prefix_caching": False}, **common)) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import uuid
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from shared.ecstore.vllm_kv_connector import (
     check_kv_object,
     vllm_model_fingerprint,
 )
+from shared.infra import EmbeddedS3
 from shared.objectstore import S3ObjectStore
 
 AK_ENV, SK_ENV = "EPD_TEST_KVC_AK", "EPD_TEST_KVC_SK"
@@ -34,19 +36,26 @@ NUM_BLOCKS = 16
 
 
 @pytest.fixture(scope="module")
-def bucket(s3_server):
+def credentials(s3_server):
+    """The session S3 server's credentials, in the env variables the connectors' config names."""
     os.environ[AK_ENV], os.environ[SK_ENV] = s3_server.access_key, s3_server.secret_key
+    return s3_server.access_key, s3_server.secret_key
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server, credentials):
     name = f"kvc-{uuid.uuid4().hex[:10]}"
     S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, name).ensure_bucket()
     return name
 
 
-def make_connector(model_dir, s3_server, bucket, kv_role, role):
-    """A connector built from what vLLM hands it: a KVTransferConfig, the model, cache and KV cache configs."""
+def make_connector(model_dir, s3_server, bucket, kv_role, role, **extra):
+    """A connector built from what vLLM hands it: a KVTransferConfig, the model, cache and KV cache
+    configs. ``extra``: more ``kv_connector_extra_config`` settings."""
     transfer = KVTransferConfig(
         kv_connector="MinioKVConnector", kv_connector_module_path="shared.ecstore.vllm_kv_connector", kv_role=kv_role,
         kv_connector_extra_config={"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "ns",
-                                   "access_key_env": AK_ENV, "secret_key_env": SK_ENV},
+                                   "access_key_env": AK_ENV, "secret_key_env": SK_ENV, **extra},
     )
     vllm_config = SimpleNamespace(
         kv_transfer_config=transfer,
@@ -95,8 +104,9 @@ def run_worker_step(worker, meta, layers):
     worker.clear_connector_metadata()
 
 
-def decide(sched, req, num_computed=0, timeout=15.0):
-    """Ask get_num_new_matched_tokens each 'step' until it stops answering 'not yet'."""
+def decide(sched, req, num_computed=0, timeout=120.0):
+    """Ask get_num_new_matched_tokens each 'step' until it stops answering 'not yet' (``timeout``
+    only catches a hang)."""
     deadline = time.monotonic() + timeout
     while True:
         n, load_async = sched.get_num_new_matched_tokens(req, num_computed)
@@ -135,9 +145,9 @@ def produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, ch
     return params, layers
 
 
-def consumer(tiny_model_dir, s3_server, bucket):
+def consumer(tiny_model_dir, s3_server, bucket, **extra):
     """(scheduler half, worker half) of a decode engine's connector."""
-    return tuple(make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", role)
+    return tuple(make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", role, **extra)
                  for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
 
 
@@ -229,6 +239,46 @@ def test_a_failed_block_write_is_reported_for_recomputation(tiny_model_dir, s3_s
     assert not any(t.any() for t in wrong.values())  # nothing half-written
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_connector_worker_meta()))
     assert sched.request_finished(req, [4, 5, 6])[1] == {"epd_kv_source": "recomputed:shape_mismatch"}
+
+
+@pytest.fixture
+def pausable_s3(credentials, tmp_path):
+    """A SeaweedFS of this test's own (same credentials as the session's, so the connectors' env
+    names work), which the test may pause with SIGSTOP; it is resumed and stopped afterwards."""
+    access_key, secret_key = credentials
+    server = EmbeddedS3(tmp_path / "s3", access_key=access_key, secret_key=secret_key)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.pid is not None:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_fetch_slower_than_the_timeout_is_prefilled_again(tiny_model_dir, pausable_s3):
+    """The store stops answering (its process is paused) while the decode side fetches a stored
+    object: after ``fetch_timeout_s`` the connector answers 0 external tokens - vLLM prefills the
+    whole prompt itself, as for any unusable object - instead of blocking the scheduler on the
+    fetch, and the request's ``kv_source`` says why."""
+    bucket = f"kvc-slow-{uuid.uuid4().hex[:8]}"
+    S3ObjectStore(pausable_s3.endpoint, pausable_s3.access_key, pausable_s3.secret_key, bucket).ensure_bucket()
+    prompt = list(range(500, 511))
+    params, _ = stored(tiny_model_dir, pausable_s3, bucket, prompt)
+    sched, _ = consumer(tiny_model_dir, pausable_s3, bucket, fetch_timeout_s=1.0)
+    req = fake_request(prompt, params)
+    os.kill(pausable_s3.pid, signal.SIGSTOP)
+    try:
+        assert decide(sched, req) == 0  # decided while the store still has not answered
+        sched.update_state_after_alloc(req, None, 0)
+        assert sched.build_connector_meta(step(new=[new_req(req, [1, 2, 3])])).loads == []
+        assert sched.request_finished(req, [1, 2, 3])[1] == {"epd_kv_source": "recomputed:timeout"}
+    finally:
+        os.kill(pausable_s3.pid, signal.SIGCONT)
+    # Control: with the store answering again, the same object loads for the same prompt.
+    again = fake_request(prompt, params)
+    assert decide(sched, again) == len(prompt) - 1
+    assert sched.request_finished(again, [])[1] == {"epd_kv_source": "store"}
 
 
 def test_fingerprint_is_the_workers_model_fingerprint(tiny_model_dir):

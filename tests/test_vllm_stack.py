@@ -8,19 +8,24 @@ The reference for every equality check is a plain vLLM engine run aggregated in 
 
 from __future__ import annotations
 
-import httpx
+import json
+import stat
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from shared.infra import free_port
 from shared.media import content_hash_of
-from shared.protocol import ECReady, FinalResult
-from tests.stackutil import start_stack
-from tests.stackutil import data_url, noise_image, user_message
+from shared.protocol import ECReady, EncodeJob
+from tests.stackutil import (
+    GREEDY, api_tokens, chat_body, data_url, epd_cli, final_result, metric_value, noise_image, scrape, start_stack,
+    stream_chat, user_message, wait_for,
+)
 from tests.vllmutil import CASES, generate, media
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
+SAMPLED = dict(temperature=0.9, max_tokens=12, ignore_eos=True, return_token_ids=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +49,8 @@ def vllm_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         running.stack.stop()
 
 
-def api_tokens(stack, text, images):
-    resp = stack.chat([user_message(text, [data_url(im) for im in images])], **GREEDY)
-    assert resp.status_code == 200, resp.text
-    body = resp.json()
-    return body["choices"][0]["token_ids"], body
-
-
-def finals(stack, request_ids):
-    return {m.request_id: m for _, _, m in stack.stream_messages("stream_results")
-            if isinstance(m, FinalResult) and m.request_id in request_ids}
+def _ec_ready(stack, item: str) -> list[ECReady]:
+    return [m for _, _, m in stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
@@ -68,11 +65,12 @@ def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, tex
     assert others != got
     # The prefill worker's vLLM loaded every image's encoder output from the store: the encoder
     # worker's vLLM produced it (one ECReady per distinct image).
-    final = finals(vllm_stack, {body["id"]})[body["id"]]
+    final = final_result(vllm_stack, body["id"])
     hashes = {content_hash_of(im) for im in images}
     assert final.ec_sources == {h: "store" for h in hashes}
-    ready = {m.item_hash: m for _, _, m in vllm_stack.stream_messages("stream_events") if isinstance(m, ECReady)}
-    assert all(ready[h].n_tokens > 0 and ready[h].nbytes > 0 for h in hashes)
+    for h in hashes:
+        (ready,) = _ec_ready(vllm_stack, h)
+        assert ready.n_tokens > 0 and ready.nbytes > 0
 
 
 def test_text_only_and_streaming(vllm_stack, vllm_reference):
@@ -81,33 +79,83 @@ def test_text_only_and_streaming(vllm_stack, vllm_reference):
     want, _ = generate(vllm_reference, "Hello there, how are you?", [])
     assert resp.json()["choices"][0]["token_ids"] == want
 
-    image = noise_image(61, (56, 56))
-    body = {"model": "qwen2-vl-tiny", "messages": [user_message("Describe it.", [data_url(image)])],
-            "stream": True, **GREEDY}
-    streamed: list[int] = []
-    with httpx.stream("POST", f"{vllm_stack.url}/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                import json
-
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices", []):
-                    streamed.extend(choice.get("token_ids", []))
-    assert streamed == generate(vllm_reference, "Describe it.", [media(61, (56, 56))])[0]
+    out = stream_chat(vllm_stack, chat_body("Describe it.", [noise_image(61, (56, 56))], **GREEDY))
+    assert out.done and not out.errors
+    assert out.token_ids == generate(vllm_reference, "Describe it.", [media(61, (56, 56))])[0]
 
 
-def test_connector_counters_on_the_worker_metrics_endpoint(vllm_stack):
-    api_tokens(vllm_stack, "Count the objects.", [noise_image(71, (56, 56))])
-    text = httpx.get(f"http://127.0.0.1:{vllm_stack.prefill_metrics_port}/metrics", timeout=10).text
-    hits = [line for line in text.splitlines()
-            if line.startswith("epd:ec_connector_lookups_total{") and 'outcome="hit"' in line]
-    assert hits and sum(float(line.rsplit(" ", 1)[1]) for line in hits) >= 1, text[:2000]
-    assert "epd:ec_connector_seconds_count" in text
+def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_reference):
+    """Four requests at once with the same (new) image: the API queues one encode job for the
+    item (the others collapse on its Nats-Msg-Id), the encoder's vLLM produces one output, and
+    every request - each with its own prompt - equals its aggregated vLLM run."""
+    image, n = noise_image(81, (64, 48)), 4
+    item, url = content_hash_of(image), data_url(image)
+    prompts = [f"Prompt {i}: describe the image." for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        responses = list(pool.map(lambda p: vllm_stack.chat([user_message(p, [url])], **GREEDY), prompts))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+
+    jobs = [m for _, _, m in vllm_stack.stream_messages("stream_encode")
+            if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    assert len(jobs) == 1
+    assert len(_ec_ready(vllm_stack, item)) == 1
+    outputs = [r.json()["choices"][0]["token_ids"] for r in responses]
+    wants = [generate(vllm_reference, p, [media(81, (64, 48))])[0] for p in prompts]
+    assert outputs == wants
+    assert len({tuple(w) for w in wants}) > 1  # the prompts matter: each output is its own request's
+    sources = [final_result(vllm_stack, r.json()["id"]).ec_sources[item] for r in responses]
+    # From the store, or from vLLM's encoder cache when a request with the same item ran
+    # alongside: never encoded by the prefill worker.
+    assert set(sources) <= {"store", "engine_cache"} and "store" in sources, sources
+
+
+def _lookups(stack, outcome: str) -> float:
+    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
+                        "epd:ec_connector_lookups_total", outcome=outcome)
+
+
+def test_connector_counts_this_requests_store_hit(vllm_stack):
+    """The connector's counters on the prefill worker's /metrics: this request's one new image
+    adds exactly one lookup with outcome "hit" (taken from the store), none "engine_cache" (vLLM
+    had it already) and no miss or fallback."""
+    outcomes = ("hit", "engine_cache", "miss", "fallback")
+    before = {o: _lookups(vllm_stack, o) for o in outcomes}
+    image = noise_image(71, (56, 56))
+    _, body = api_tokens(vllm_stack, "Count the objects.", [image])
+    assert final_result(vllm_stack, body["id"]).ec_sources == {content_hash_of(image): "store"}
+    # The counters reach the worker's registry with vLLM's stats, possibly after the response.
+    wait_for(lambda: _lookups(vllm_stack, "hit") > before["hit"], 120, "the store hit to be counted")
+    after = {o: _lookups(vllm_stack, o) for o in outcomes}
+    assert {o: after[o] - before[o] for o in outcomes} == {"hit": 1, "engine_cache": 0, "miss": 0, "fallback": 0}
+    text = scrape(f"http://127.0.0.1:{vllm_stack.prefill_metrics_port}/metrics")
+    assert metric_value(text, "epd:ec_connector_seconds_count", op="fetch") >= 1
+
+
+def test_replay_of_a_sampled_request_on_vllm_reproduces_it(vllm_stack):
+    """``epd replay run`` of a request the vLLM stack sampled with its derived seed (no client
+    seed): the replay draws the same tokens (``--compare`` exits 0); with ``--new-seed`` it draws
+    others (exit 1) - the negative control."""
+    from shared.replay_cli import EXIT_DIFFERENT
+
+    got, body = api_tokens(vllm_stack, "Describe the image.", [noise_image(91, (56, 56))], **SAMPLED)
+    rid = body["id"]
+    same = epd_cli(vllm_stack.env, "replay", "run", rid, "--compare", "--json")
+    assert same.returncode == 0, same.stdout + same.stderr
+    out = json.loads(same.stdout)
+    assert out["replay_id"] != rid and out["greedy"] is False and out["identical"] is True
+    assert out["result"]["token_ids"] == got
+    other = epd_cli(vllm_stack.env, "replay", "run", rid, "--compare", "--new-seed", "--json")
+    assert other.returncode == EXIT_DIFFERENT, other.stdout + other.stderr
+    out = json.loads(other.stdout)
+    assert out["identical"] is False and out["result"]["token_ids"] != got
 
 
 def test_vllm_files_stay_in_the_project_folder(vllm_stack):
-    """Caches, compile artefacts and IPC sockets under EPD_VLLM_DIR, not in $HOME or /tmp defaults."""
-    for sub in ("cache", "config", "rpc", "inductor"):
-        assert (vllm_stack.vllm_dir / sub).is_dir(), sub
-    assert (vllm_stack.vllm_dir / "cache" / "modelinfos").is_dir()  # vLLM really wrote there
+    """vLLM's own files land under EPD_VLLM_DIR (the env variables the engine sets route them):
+    its model-info cache (``VLLM_CACHE_ROOT``) and its live IPC sockets (``VLLM_RPC_BASE_PATH``).
+    The folders themselves prove nothing (the engine creates them); what vLLM wrote into them does."""
+    infos = list((vllm_stack.vllm_dir / "cache" / "modelinfos").glob("*.json"))
+    assert infos, "vLLM wrote no model info under VLLM_CACHE_ROOT"
+    assert all("hash" in json.loads(p.read_text()) for p in infos)
+    sockets = [p for p in (vllm_stack.vllm_dir / "rpc").iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, "no vLLM IPC socket under VLLM_RPC_BASE_PATH while the engines run"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from shared.engines.base import GenerationStats, MediaImage, SamplingParams
 from shared.media import content_hash_of
@@ -42,3 +46,26 @@ def s3_connector_config(s3_server, *, namespace: str, ak_env: str, sk_env: str) 
     S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
     return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": namespace, "access_key_env": ak_env,
             "secret_key_env": sk_env}
+
+
+@contextlib.contextmanager
+def started_engines(model_dir: Path, *options: dict) -> Iterator[tuple]:
+    """One ``VllmEngine`` of ``model_dir`` per ``options`` dict (keyword arguments), started in
+    parallel (one takes ~40 s here) and closed, last first, on exit. When one fails to start, the
+    others are still waited for and closed before the error is raised: no engine is left behind."""
+    from shared.engines.vllm_engine import VllmEngine
+
+    started, error = [], None
+    with ThreadPoolExecutor(len(options)) as pool:
+        for future in [pool.submit(VllmEngine, model_dir, **kw) for kw in options]:
+            try:
+                started.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised once every engine is accounted for
+                error = error or exc
+    try:
+        if error is not None:
+            raise error
+        yield tuple(started)
+    finally:
+        for engine in reversed(started):
+            engine.close()
