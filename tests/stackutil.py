@@ -447,6 +447,8 @@ def epd_cli(env: dict[str, str], *args: str, timeout: float = 300):
     import subprocess
     import sys
 
-    code = "import sys; from shared.cli import main; sys.exit(main(sys.argv[1:]))"
+    # (the operator CLI must not pull in torch: it runs where no engine is installed)
+    code = ("import sys; from shared.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'the epd CLI imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import nats
@@ -42,24 +39,14 @@ from shared.protocol import (
     Subjects,
 )
 from shared.timeline import build_timeline
-from tests.stackutil import data_url, engine_messages, noise_image, stack_env, user_message
+from tests.stackutil import data_url, engine_messages, epd_cli, noise_image, stack_env, user_message
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True, return_token_ids=True)
 SAMPLED = dict(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True, return_token_ids=True)
 IMAGE_STAGES = ("received", "encode queued", "encode", "EC stored", "generation queued", "EC loaded from store",
                 "prefill", "first token", "decode", "done")
-_CLI = ("import sys; from shared.cli import main; rc = main(sys.argv[1:]); "
-        "assert 'torch' not in sys.modules, 'the replay CLI imported torch'; sys.exit(rc)")
-
-
-def epd_cli(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _CLI, *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
-
-
 def with_nats(url: str, fn):
     async def main():
         nc = await nats.connect(url)
