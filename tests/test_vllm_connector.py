@@ -368,6 +368,23 @@ def test_item_without_local_input_is_reported_unavailable(tiny_model_dir, s3_env
     assert sched.take_unavailable_requests() == set()
 
 
+def test_a_request_reported_unavailable_stays_unadmitted_until_taken(tiny_model_dir, s3_env, bucket):
+    """The unavailable decision holds across admission checks: a later check (before vLLM takes
+    the request through take_unavailable_requests) does not admit it without its input."""
+    sched = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
+    req = request(feature(ident(), 4, with_data=False))
+
+    def decided():
+        admitted = sched.ensure_cache_available(req, 0)
+        assert not admitted, "admitted without its input"
+        return req.request_id in sched._unavailable  # (white box: the decision is made)
+
+    wait_for(decided, 120, "the miss to be decided", interval=0.005)
+    assert sched.ensure_cache_available(req, 0) is False  # every item decided earlier: still not admitted
+    assert sched.ensure_cache_available(req, 0) is False
+    assert sched.take_unavailable_requests() == {req.request_id}
+
+
 # -- configuration and metrics -------------------------------------------------------------------
 def test_config_is_validated(tiny_model_dir, s3_env, bucket, monkeypatch):
     with pytest.raises(ValueError, match="unknown ec_connector_extra_config"):

@@ -489,7 +489,9 @@ class MinioECConnector(ECConnectorBase):
                     pending = True
             if rid in self._unavailable:
                 return False
-        return not pending
+        # (also when every item was decided in an earlier call: until vLLM takes the request
+        # through take_unavailable_requests it must not be admitted without its input)
+        return not pending and rid not in self._unavailable
 
     def _admit_held(self, request: "Request", feature: Any) -> None:
         ident = feature.identifier
