@@ -56,7 +56,10 @@ SERVICES = {"e-pd": ["api", "encoder", "prefill"], "agg": ["api", "prefill"]}
 # -- make run --------------------------------------------------------------------------------------
 def test_make_run_is_epd_up_on_port_8000():
     """README: `make run` starts everything (epd up) on http://127.0.0.1:8000, files under ./var."""
-    dry = subprocess.run(["make", "-n", "run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # (a clean make environment: under `make test` MAKELEVEL/MAKEFLAGS would add "make[1]: ..." lines)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "run"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env=env)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.strip().splitlines()[-1] == ".venv/bin/epd up"  # after the install steps, if any
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
