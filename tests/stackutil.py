@@ -332,10 +332,9 @@ def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent 
     return [t for seq in sorted(by_seq) for t in by_seq[seq]]
 
 
-def busy_work_consumers(nats_url: str, subjects: Subjects) -> dict[str, tuple[int, int]]:
-    """The work consumers (encode, generate, decode) that still hold a job: name -> (pending,
-    delivered but not acked). A worker acks a job only after publishing everything it sends for
-    it, so once this is empty no further event of a finished request can appear."""
+def work_consumers(nats_url: str, subjects: Subjects) -> dict[str, Any]:
+    """JetStream consumer info of the stack's work consumers (encode, generate, decode), by
+    durable name; a consumer the stack does not have (no such stage) is left out."""
 
     async def main():
         import nats
@@ -344,21 +343,27 @@ def busy_work_consumers(nats_url: str, subjects: Subjects) -> dict[str, tuple[in
         nc = await nats.connect(nats_url)
         try:
             js = nc.jetstream()
-            busy = {}
+            infos = {}
             for stream, durable in ((subjects.stream_encode, protocol.CONSUMER_ENCODER),
                                     (subjects.stream_generate, protocol.CONSUMER_PREFILL),
                                     (subjects.stream_decode, protocol.CONSUMER_DECODE)):
                 try:
-                    info = await js.consumer_info(stream, durable)
-                except NotFoundError:  # a stack without that stage
+                    infos[durable] = await js.consumer_info(stream, durable)
+                except NotFoundError:
                     continue
-                if info.num_pending or info.num_ack_pending:
-                    busy[durable] = (info.num_pending, info.num_ack_pending)
-            return busy
+            return infos
         finally:
             await nc.close()
 
     return asyncio.run(main())
+
+
+def busy_work_consumers(nats_url: str, subjects: Subjects) -> dict[str, tuple[int, int]]:
+    """The work consumers that still hold a job: name -> (pending, delivered but not acked). A
+    worker acks a job only after publishing everything it sends for it, so once this is empty no
+    further event of a finished request can appear."""
+    return {name: (info.num_pending, info.num_ack_pending) for name, info in work_consumers(nats_url, subjects).items()
+            if info.num_pending or info.num_ack_pending}
 
 
 def final_result(stack: RunningStack, request_id: str, *, timeout: float = 120) -> FinalResult:

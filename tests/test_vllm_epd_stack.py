@@ -7,7 +7,6 @@ The reference for every equality check is a plain vLLM engine run aggregated in 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -26,7 +25,7 @@ from shared.objectstore import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, SamplingSpec
 from tests.stackutil import (
     api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image, run_job,
-    scrape, start_stack, stream_killing_a_decoder, wait_for,
+    scrape, start_stack, stream_killing_a_decoder, wait_for, work_consumers,
 )
 from tests.vllmutil import CASES, generate, media
 
@@ -67,16 +66,7 @@ def _decode_job_ids(stack) -> set[str]:
 
 def _decode_consumer(stack):
     """The decode workers' JetStream consumer info (pending pull requests, unacked deliveries)."""
-    async def main():
-        import nats
-
-        nc = await nats.connect(stack.nats_url)
-        try:
-            return await nc.jetstream().consumer_info(stack.subjects.stream_decode, protocol.CONSUMER_DECODE)
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
+    return work_consumers(stack.nats_url, stack.subjects)[protocol.CONSUMER_DECODE]
 
 
 def _reference(vllm_reference, text, specs, max_tokens=12) -> list[int]:
