@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
 # One image for every epd-serve service. The service is chosen by the command, the same entry
-# points `epd up` and the tests start (shared/launcher.py): `python -m services.api`,
+# points `epd up` and the tests start (shared/tools/launcher.py): `python -m services.api`,
 # `... services.encoder`, `... services.prefill`, `... services.decode` (docker-compose.yml).
 #
 # Targets:

@@ -41,9 +41,9 @@ def main() -> None:
 
     from shared.engines.base import GenerationStats, SamplingParams
     from shared.engines.vllm_engine import VllmEngine
-    from shared.infra import EmbeddedS3
-    from shared.models.tiny import build_tiny_model
-    from shared.objectstore import S3ObjectStore
+    from shared.tools.infra import EmbeddedS3
+    from shared.tools.models.tiny import build_tiny_model
+    from shared.store.objects import S3ObjectStore
     from tests.stackutil import engine_messages
     from tests.vllmutil import media
 

@@ -17,7 +17,7 @@ from shared.media import MediaLimits, decode_image
 from shared.worker import Handler, WorkerContext
 
 if TYPE_CHECKING:
-    from shared.ecstore.store import ECStore
+    from shared.store.ec import ECStore
     from shared.protocol import ImageRef, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class ModelHandler(Handler):
         return self.role
 
     async def setup(self, ctx: WorkerContext) -> None:
-        from shared.ecstore.factory import ec_store_from_settings
+        from shared.store.factory import ec_store_from_settings
 
         self.ctx = ctx
         if self.engine is None:

@@ -92,7 +92,7 @@ class StoreError(EPDError):
 
 
 class ECLoadError(EPDError):
-    """An EC object could not be used; ``reason`` is one of ``shared.ecstore.format.MissReason``."""
+    """An EC object could not be used; ``reason`` is one of ``shared.store.format.MissReason``."""
 
     code = "ec_load_failed"
 

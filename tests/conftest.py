@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.infra import EmbeddedNats, EmbeddedS3
-from shared.objectstore import S3ObjectStore
+from shared.tools.infra import EmbeddedNats, EmbeddedS3
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import start_stack
 
 
@@ -62,7 +62,7 @@ def s3_store(s3_server: EmbeddedS3) -> Iterator[S3ObjectStore]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """The tiny random-weight Qwen2-VL model, built once per session."""
-    from shared.models.tiny import build_tiny_model
+    from shared.tools.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-vl-tiny", arch="qwen2_vl", size="tiny", seed=0)
 
@@ -97,7 +97,7 @@ def reference_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """api + encoder + prefill(pd) processes on the session's NATS and S3, tiny Qwen2-VL."""
-    from shared.infra import free_port
+    from shared.tools.infra import free_port
 
     metrics_port = free_port()
     running = start_stack(

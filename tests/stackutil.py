@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 
 from shared import protocol
-from shared.infra import EmbeddedNats, EmbeddedS3
-from shared.launcher import Stack
+from shared.tools.infra import EmbeddedNats, EmbeddedS3
+from shared.tools.launcher import Stack
 from shared.protocol import ErrorEvent, FinalResult, Subjects, TokenChunk
 
 #: Greedy request parameters of the equality tests (the API's extension returns token ids).
@@ -98,10 +98,10 @@ class RunningStack:
 def start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
                 service_env=None, ready_timeout=300, **env_overrides) -> RunningStack:
     """A ready stack on the session's NATS and S3: every service of ``topology``
-    (``shared.launcher.TOPOLOGY_SERVICES``), or just ``services``; ``roles`` are the worker roles
+    (``shared.tools.launcher.TOPOLOGY_SERVICES``), or just ``services``; ``roles`` are the worker roles
     to wait for. ``env_overrides`` are ``EPD_*`` settings for every service, ``service_env`` per
     service. The caller stops it (``running.stack.stop()``)."""
-    from shared.infra import free_port
+    from shared.tools.infra import free_port
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
     stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
@@ -445,7 +445,7 @@ def stream_killing_a_decoder(stack, body: dict, victim, *, after: int = 3, timeo
 
 
 def epd_cli(env: dict[str, str], *args: str, timeout: float = 300):
-    """Run the ``epd`` CLI (``shared.cli.main``) in a subprocess of this interpreter, from the
+    """Run the ``epd`` CLI (``shared.tools.cli.main``) in a subprocess of this interpreter, from the
     repository root, with ``env`` (e.g. a RunningStack's ``env``) added to this process's
     environment. Returns the ``subprocess.CompletedProcess`` (text stdout / stderr)."""
     import os
@@ -453,7 +453,7 @@ def epd_cli(env: dict[str, str], *args: str, timeout: float = 300):
     import sys
 
     # (the operator CLI must not pull in torch: it runs where no engine is installed)
-    code = ("import sys; from shared.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from shared.tools.cli import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'the epd CLI imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])

@@ -11,7 +11,7 @@ from shared.engines.base import SamplingParams
 from shared.engines.transformers_batch import BatchDecoder
 from shared.engines.transformers_engine import TransformersEngine
 from shared.errors import InvalidRequest
-from shared.models.tiny import build_tiny_model
+from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
 ARCHS = ["qwen2_vl", "llava"]

@@ -39,10 +39,10 @@ import httpx
 import msgspec
 import pytest
 
-from shared.ecstore.kv import decode_kv_object, encode_kv_object
+from shared.store.kv import decode_kv_object, encode_kv_object
 from shared.fingerprint import model_fingerprint
-from shared.launcher import ServiceProcess
-from shared.objectstore import S3ObjectStore
+from shared.tools.launcher import ServiceProcess
+from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec
 from tests.stackutil import (
     GREEDY,
@@ -89,7 +89,7 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory):
     """The tiny Qwen2-VL with other weights (seed 1): another model fingerprint."""
-    from shared.models.tiny import build_tiny_model
+    from shared.tools.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-vl-tiny-seed1", arch="qwen2_vl", size="tiny",
                             seed=1)

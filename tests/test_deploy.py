@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from shared import config
-from shared.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.health import run as health_run
-from shared.launcher import service_command
+from shared.tools.launcher import service_command
 from tests import deploycheck as dc
 
 ROOT = dc.ROOT
@@ -33,7 +33,7 @@ MODEL_PATH = "/models/model"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 # What docker-compose.yml must contain: one service per (profile, role), same entry points as
-# shared/launcher.py. Profile -> the epd-serve services it starts.
+# shared/tools/launcher.py. Profile -> the epd-serve services it starts.
 APPS = {
     "api": dc.AppSpec("services.api", "api", "cpu"),
     "encoder": dc.AppSpec("services.encoder", "encoder", "cpu"),
@@ -182,7 +182,7 @@ def test_every_app_service_is_in_a_profile(compose):
 # -- entry points -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(APPS))
 def test_command_is_our_entry_point(compose, name):
-    """compose runs exactly what shared/launcher.py (epd up, the tests) runs."""
+    """compose runs exactly what shared/tools/launcher.py (epd up, the tests) runs."""
     module = APPS[name].module
     assert compose["services"][name]["command"] == service_command(module.split(".", 1)[1], python="python")
     package = ROOT / module.replace(".", "/")
@@ -198,7 +198,7 @@ def test_healthcheck_is_the_epd_command(compose, name):
     args = build_parser().parse_args(test[2:])
     assert args.func is health_run and args.role == APPS[name].health_role
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["epd"] == "shared.cli:main"
+    assert scripts["epd"] == "shared.tools.cli:main"
 
 
 @pytest.mark.parametrize("module,role", [("services.encoder", "encoder"), ("services.prefill", "prefill"),
@@ -221,7 +221,7 @@ def test_worker_roles_match_their_handlers(module, role):
 
 def test_profiles_run_what_epd_up_runs(compose):
     """Each profile starts the services `epd up --topology T` starts, with the env T gives them."""
-    from shared.launcher import TOPOLOGY_ENV, TOPOLOGY_SERVICES
+    from shared.tools.launcher import TOPOLOGY_ENV, TOPOLOGY_SERVICES
 
     topology_of = {"e-pd": "e-pd", "e-p-d": "e-p-d", "gpu-e-pd": "e-pd", "gpu-e-p-d": "e-p-d"}
     for profile, services in PROFILES.items():
@@ -449,7 +449,7 @@ def test_minio_init_refuses_the_root_account_for_services(compose, tmp_path):
 def test_nats_url_may_list_a_cluster(nats_server):
     """Multi-node: EPD_NATS_URL seeds several members; EPD_STREAM_REPLICAS replicates the streams."""
     from shared.config import CommonSettings
-    from shared.infra import free_port
+    from shared.tools.infra import free_port
     from shared.jetstream import connect, stream_configs
     from shared.protocol import Subjects
 
@@ -603,7 +603,7 @@ class ComposeNats:
     """nats-server started with the compose service's config file and --user/--pass arguments."""
 
     def __init__(self, command: list[str], data_dir: Path):
-        from shared.infra import find_binary, free_port
+        from shared.tools.infra import find_binary, free_port
 
         self.port, self.http_port = free_port(), free_port()
         # The file compose mounts, with the container's /data volume pointed at a test folder.
@@ -661,8 +661,8 @@ async def _nats_connects(url: str, **creds: str) -> bool:
 
 @pytest.mark.slow
 def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, tiny_model_dir, tmp_path):
-    from shared.infra import free_port
-    from shared.launcher import Stack
+    from shared.tools.infra import free_port
+    from shared.tools.launcher import Stack
     from tests.stackutil import data_url, noise_image, user_message, wait_for
 
     tag = uuid.uuid4().hex[:8]

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.ecstore.format import encode_ec_object
-from shared.ecstore.store import META_FINGERPRINT, META_SCHEMA, ECStore
-from shared.ecstore.format import SCHEMA
-from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
+from shared.store.format import encode_ec_object
+from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
+from shared.store.format import SCHEMA
+from shared.store.tensors import encoded_to_extra, tensor_to_raw
 from shared.engines.base import SamplingParams
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from shared.protocol import ECReady, EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec
 # GREEDY and api_tokens are imported from here by other test modules too.
 from tests.stackutil import (

@@ -15,7 +15,7 @@ import pytest
 
 from shared.engines.base import SamplingParams
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ECReady, EncodeJob, GenerationJob, TokenChunk
 from tests.stackutil import (
     GREEDY,

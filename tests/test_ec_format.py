@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
-from shared.ecstore.format import ECValidationError, MissReason, decode_ec_object, ec_key, encode_ec_object
+from shared.store.format import ECValidationError, MissReason, decode_ec_object, ec_key, encode_ec_object
 
 FP, ITEM = "f" * 24, "1" * 64
 

@@ -9,10 +9,10 @@ import pytest
 from services.encoder.handler import EncoderHandler
 from shared import protocol
 from shared.config import EncoderSettings
-from shared.ecstore.store import ECStore
+from shared.store.ec import ECStore
 from shared.errors import StoreError
 from shared.media import content_hash_of
-from shared.objectstore import LocalDirObjectStore
+from shared.store.objects import LocalDirObjectStore
 from shared.protocol import ECFailed, ECReady, EncodeJob, ImageRef, Subjects
 from shared.worker import Action, Delivery, WorkerContext
 from tests.stackutil import noise_image, png_bytes

@@ -19,7 +19,7 @@ from shared.engines.transformers_engine import (
 )
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
 from shared.fingerprint import encoder_fingerprint
-from shared.models.tiny import build_tiny_model
+from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
 ARCHS = ["qwen2_vl", "llava"]

@@ -28,10 +28,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.config import CommonSettings
-from shared.infra import free_port, port_available
-from shared.launcher import Stack
+from shared.tools.infra import free_port, port_available
+from shared.tools.launcher import Stack
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob
 from tests.stackutil import GREEDY, RunningStack, final_result, noise_image, wait_for
@@ -63,7 +63,7 @@ def test_make_run_is_epd_up_on_port_8000():
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.strip().splitlines()[-1] == ".venv/bin/epd up"  # after the install steps, if any
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["epd"] == "shared.cli:main"
+    assert scripts["epd"] == "shared.tools.cli:main"
     args = build_parser().parse_args(["up"])
     assert (args.host, args.port, args.topology, Path(args.data_dir)) == ("127.0.0.1", 8000, "e-pd", DEFAULT_DATA_DIR)
     readme = (REPO / "README.md").read_text()

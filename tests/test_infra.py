@@ -17,7 +17,7 @@ import pytest
 from minio import Minio
 from minio.error import S3Error
 
-from shared.infra import (
+from shared.tools.infra import (
     EmbeddedNats,
     EmbeddedS3,
     InfraError,
@@ -168,7 +168,7 @@ def test_server_dies_with_its_python_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from shared.infra import EmbeddedNats
+        from shared.tools.infra import EmbeddedNats
         s = EmbeddedNats({str(tmp_path)!r}).start()
         print(s.pid, s.port, flush=True)
         time.sleep(60)

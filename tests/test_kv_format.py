@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
-from shared.ecstore.format import (
+from shared.store.format import (
     MissReason,
     ObjectValidationError,
     RawTensor,
     decode_tensor_object,
     encode_tensor_object,
 )
-from shared.ecstore.kv import KV_SCHEMA, KVStore, decode_kv_object, encode_kv_object, kv_key
+from shared.store.kv import KV_SCHEMA, KVStore, decode_kv_object, encode_kv_object, kv_key
 from shared.fingerprint import encoder_fingerprint, model_fingerprint, read_safetensors_header
-from shared.objectstore import ObjectTooLarge
+from shared.store.objects import ObjectTooLarge
 
 FP = "a" * 24
 
@@ -222,7 +222,7 @@ def test_sweep_removes_only_old_kv_objects(s3_store, tensors):
 
 # -- a real decode state through the store ------------------------------------------------------
 def test_decode_state_round_trip_through_the_store(s3_store, reference_engine, tiny_model_dir):
-    from shared.ecstore.tensors import decode_state_to_raw, kv_object_to_state
+    from shared.store.tensors import decode_state_to_raw, kv_object_to_state
     from shared.engines.base import SamplingParams
     from tests.stackutil import engine_messages, noise_image
 

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.ecstore.store import ECStore
-from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
+from shared.store.ec import ECStore
+from shared.store.tensors import encoded_to_extra, tensor_to_raw
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import data_url, metric_value, noise_image, parse_metrics, scrape, user_message, wait_for
 from tests.test_replay import find_case

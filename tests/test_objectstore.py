@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared.errors import EPDError, StoreError, error_from_code
-from shared.infra import EmbeddedS3, free_port
-from shared.objectstore import (
+from shared.tools.infra import EmbeddedS3, free_port
+from shared.store.objects import (
     STORE_BACKENDS,
     InvalidObjectKey,
     LocalDirObjectStore,
@@ -318,7 +318,7 @@ def test_make_object_store(tmp_path: Path) -> None:
     s3 = make_object_store("s3", endpoint="127.0.0.1:9000", access_key="a", secret_key="b",
                            bucket="bkt")
     assert isinstance(s3, S3ObjectStore)
-    by_path = make_object_store("shared.objectstore:LocalDirObjectStore", root=tmp_path)
+    by_path = make_object_store("shared.store.objects:LocalDirObjectStore", root=tmp_path)
     assert isinstance(by_path, LocalDirObjectStore)
     with pytest.raises(ValueError) as excinfo:
         make_object_store("gcs")
@@ -340,7 +340,7 @@ def test_import_is_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, shared.objectstore as m; "
+    code = ("import sys, shared.store.objects as m; "
             "print(','.join(x for x in ('torch', 'minio', 'urllib3') if x in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1])

@@ -21,14 +21,15 @@ import httpx
 import nats
 import pytest
 
-from shared import protocol, replay
+from shared import protocol
+from shared.tools import replay
 from shared.config import CommonSettings
 from shared.engines.base import SamplingParams
-from shared.infra import EmbeddedNats, free_port
+from shared.tools.infra import EmbeddedNats, free_port
 from shared.jetstream import ensure_topology
-from shared.launcher import Stack
+from shared.tools.launcher import Stack
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from shared.protocol import (
     HDR_RECEIVED_AT,
     HDR_STAGE,
@@ -176,7 +177,7 @@ def test_replayed_sampled_request_reuses_the_derived_seed(epd_stack, s3_server):
 
 
 def replay_cli_exit_different() -> int:
-    from shared.replay_cli import EXIT_DIFFERENT
+    from shared.tools.replay_cli import EXIT_DIFFERENT
 
     return EXIT_DIFFERENT
 

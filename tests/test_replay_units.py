@@ -11,7 +11,8 @@ import logging
 import msgspec
 import pytest
 
-from shared import protocol, replay, timeline
+from shared import protocol, timeline
+from shared.tools import replay
 from shared.jetstream import redact_url
 from shared.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
 from shared.protocol import (
@@ -25,7 +26,7 @@ from shared.protocol import (
     SamplingSpec,
     TokenChunk,
 )
-from shared.replay_cli import parse_duration
+from shared.tools.replay_cli import parse_duration
 
 T0 = 1_700_000_000.0
 ITEM = "ab" * 32

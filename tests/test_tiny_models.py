@@ -1,4 +1,4 @@
-"""The deterministic random-weight model folders (shared.models.tiny)."""
+"""The deterministic random-weight model folders (shared.tools.models.tiny)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shared.fingerprint import is_encoder_tensor, read_safetensors_header
-from shared.models.tiny import ARCHS, SIZES, build_tiny_model
+from shared.tools.models.tiny import ARCHS, SIZES, build_tiny_model
 from tests.stackutil import noise_image
 
 TINY_ARCHS = ["qwen2_vl", "llava"]

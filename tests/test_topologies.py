@@ -10,10 +10,11 @@ import uuid
 
 import pytest
 
-from shared import launcher, protocol
-from shared.cli import build_parser
+from shared import protocol
+from shared.tools import launcher
+from shared.tools.cli import build_parser
 from shared.config import ApiSettings, DecodeSettings, PrefillSettings
-from shared.launcher import TOPOLOGY_SERVICES, Stack
+from shared.tools.launcher import TOPOLOGY_SERVICES, Stack
 from shared.protocol import EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
 from tests.stackutil import data_url, engine_messages, noise_image, png_bytes, read_stream, stack_env
 from tests.test_e2e_epd import reference_tokens
@@ -106,7 +107,7 @@ def test_api_queues_encode_jobs_except_in_agg(env, topology, queued):
 
 def test_agg_worker_encodes_in_process(env, reference_engine):
     from services.prefill.handler import PrefillHandler
-    from shared.ecstore.factory import ec_store_from_settings
+    from shared.store.factory import ec_store_from_settings
     from shared.jetstream import JetStreamPublisher, connect, ensure_topology
     from shared.media import content_hash_of
     from shared.worker import Delivery, WorkerContext

@@ -23,9 +23,9 @@ from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import PlaceholderRange
 
-from shared.ecstore.format import SCHEMA
-from shared.ecstore.store import META_FINGERPRINT, META_SCHEMA, ECStore
-from shared.ecstore.vllm_connector import (
+from shared.store.format import SCHEMA
+from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
+from shared.connectors.s3_ec import (
     PARAMS_ITEMS,
     PARAMS_SOURCES,
     MinioECConfig,
@@ -33,7 +33,7 @@ from shared.ecstore.vllm_connector import (
     MinioECStats,
 )
 from shared.fingerprint import encoder_fingerprint
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import wait_for
 
 HIDDEN = 96  # tiny Qwen2-VL LM width
@@ -43,7 +43,7 @@ AK_ENV, SK_ENV = "EPD_TEST_CONNECTOR_AK", "EPD_TEST_CONNECTOR_SK"
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory):
     """The tiny Qwen2-VL with other weights (seed 1): same architecture, other version."""
-    from shared.models.tiny import build_tiny_model
+    from shared.tools.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models-s1") / "qwen2-vl-tiny", arch="qwen2_vl", size="tiny",
                             seed=1)
@@ -73,7 +73,7 @@ def make_connector(model_dir, ec_role, role, extra):
     model_config = SimpleNamespace(
         model=str(model_dir), revision=None, dtype=torch.float32, get_inputs_embeds_size=lambda: HIDDEN,
     )
-    ec = ECTransferConfig(ec_connector="MinioECConnector", ec_connector_module_path="shared.ecstore.vllm_connector",
+    ec = ECTransferConfig(ec_connector="MinioECConnector", ec_connector_module_path="shared.connectors.s3_ec",
                           ec_role=ec_role, ec_connector_extra_config=extra)
     return MinioECConnector(SimpleNamespace(ec_transfer_config=ec, model_config=model_config), role)
 
@@ -320,7 +320,7 @@ def test_bad_identifier_never_reaches_the_store(tiny_model_dir, s3_env, bucket):
 
 
 def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
-    from shared.infra import free_port
+    from shared.tools.infra import free_port
 
     down = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
                           {**extra_config(s3_env, bucket), "endpoint": f"127.0.0.1:{free_port()}"})

@@ -14,8 +14,8 @@ import os
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.ecstore.store import ECStore
-from shared.objectstore import S3ObjectStore
+from shared.store.ec import ECStore
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import wait_for
 from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media, s3_connector_config, started_engines
 

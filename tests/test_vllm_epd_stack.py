@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shared import protocol
-from shared.ecstore.format import media_key
+from shared.store.format import media_key
 from shared.engines.base import SamplingParams
 from shared.fingerprint import model_fingerprint
-from shared.infra import free_port
+from shared.tools.infra import free_port
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, SamplingSpec
 from tests.stackutil import (
     api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image, run_job,

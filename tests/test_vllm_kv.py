@@ -11,11 +11,11 @@ import uuid
 
 import pytest
 
-from shared.ecstore.format import RawTensor
-from shared.ecstore.kv import KVStore, kv_prefix
+from shared.store.format import RawTensor
+from shared.store.kv import KVStore, kv_prefix
 from shared.engines.base import GenerationStats
 from shared.fingerprint import model_fingerprint
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import engine_messages
 from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config, started_engines
 
@@ -82,7 +82,7 @@ def test_scrambled_kv_values_change_the_output(engines, vllm_reference, kv_store
     KV - the same object with other values (re-signed, so it validates) gives other tokens."""
     import torch
 
-    from shared.ecstore.tensors import raw_to_tensor, tensor_to_raw
+    from shared.store.tensors import raw_to_tensor, tensor_to_raw
 
     prefill, decoder = engines
     text, specs = CASES[0][1], CASES[0][2]

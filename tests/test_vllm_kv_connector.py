@@ -18,16 +18,16 @@ import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from shared.ecstore.format import MissReason, ObjectValidationError, RawTensor
-from shared.ecstore.kv import KVStore, decode_kv_object
-from shared.ecstore.vllm_kv_connector import (
+from shared.store.format import MissReason, ObjectValidationError, RawTensor
+from shared.store.kv import KVStore, decode_kv_object
+from shared.connectors.s3_kv import (
     STATE_SCHEMA,
     MinioKVConnector,
     check_kv_object,
     vllm_model_fingerprint,
 )
-from shared.infra import EmbeddedS3
-from shared.objectstore import S3ObjectStore
+from shared.tools.infra import EmbeddedS3
+from shared.store.objects import S3ObjectStore
 
 AK_ENV, SK_ENV = "EPD_TEST_KVC_AK", "EPD_TEST_KVC_SK"
 BLOCK, HEADS, HEAD = 4, 2, 3  # block size, KV heads, head size of the fake cache
@@ -53,7 +53,7 @@ def make_connector(model_dir, s3_server, bucket, kv_role, role, **extra):
     """A connector built from what vLLM hands it: a KVTransferConfig, the model, cache and KV cache
     configs. ``extra``: more ``kv_connector_extra_config`` settings."""
     transfer = KVTransferConfig(
-        kv_connector="MinioKVConnector", kv_connector_module_path="shared.ecstore.vllm_kv_connector", kv_role=kv_role,
+        kv_connector="MinioKVConnector", kv_connector_module_path="shared.connectors.s3_kv", kv_role=kv_role,
         kv_connector_extra_config={"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "ns",
                                    "access_key_env": AK_ENV, "secret_key_env": SK_ENV, **extra},
     )

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.infra import free_port
+from shared.tools.infra import free_port
 from shared.media import content_hash_of
 from shared.protocol import ECReady, EncodeJob
 from tests.stackutil import (
@@ -135,7 +135,7 @@ def test_replay_of_a_sampled_request_on_vllm_reproduces_it(vllm_stack):
     """``epd replay run`` of a request the vLLM stack sampled with its derived seed (no client
     seed): the replay draws the same tokens (``--compare`` exits 0); with ``--new-seed`` it draws
     others (exit 1) - the negative control."""
-    from shared.replay_cli import EXIT_DIFFERENT
+    from shared.tools.replay_cli import EXIT_DIFFERENT
 
     got, body = api_tokens(vllm_stack, "Describe the image.", [noise_image(91, (56, 56))], **SAMPLED)
     rid = body["id"]

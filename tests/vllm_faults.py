@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.ecstore.format import SCHEMA
-from shared.ecstore.store import META_FINGERPRINT, META_SCHEMA
-from shared.ecstore.vllm_connector import MinioECConnector
+from shared.store.format import SCHEMA
+from shared.store.ec import META_FINGERPRINT, META_SCHEMA
+from shared.connectors.s3_ec import MinioECConnector
 from tests.vllmutil import FAULT_DIR_ENV
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared.engines.base import GenerationStats, MediaImage, SamplingParams
 from shared.media import content_hash_of
-from shared.objectstore import S3ObjectStore
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import engine_messages, noise_image
 
 #: Where tests leave fault instructions for tests.vllm_faults.FaultInjectingECConnector.

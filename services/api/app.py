@@ -32,10 +32,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
-from shared import metrics, protocol, replay, timeline
+from shared import metrics, protocol, timeline
+from shared.tools import replay
 from shared.config import ApiSettings
-from shared.ecstore.factory import ec_store_from_settings
-from shared.ecstore.store import ECStore
+from shared.store.factory import ec_store_from_settings
+from shared.store.ec import ECStore
 from shared.errors import (
     DeadlineExceeded,
     EPDError,

@@ -5,7 +5,7 @@ Per job:
 1. Refuse a job of another model (its ``model_fingerprint`` is not this worker's): an
    ``ErrorEvent`` (``model_mismatch``) - prefill and decode workers must run the same model -
    and its KV object is deleted (no worker will read it).
-2. Load the KV object (``shared.ecstore.kv``: validated schema, model fingerprint, request,
+2. Load the KV object (``shared.store.kv``: validated schema, model fingerprint, request,
    attempt, layout, sha256, size bound). Missing or unusable -> **re-prefill**: the original
    ``GenerationJob`` goes back to the prefill workers with ``reprefill + 1`` (at most
    ``EPD_MAX_REPREFILLS`` times, then an ``ErrorEvent`` ``kv_unavailable``), the bad object
@@ -31,10 +31,10 @@ import msgspec
 
 from shared import metrics, protocol
 from shared.config import DecodeSettings
-from shared.ecstore.factory import kv_store_from_settings
-from shared.ecstore.format import MissReason, ObjectValidationError
-from shared.ecstore.kv import KVObject, KVStore, kv_prefix
-from shared.ecstore.store import ECStore
+from shared.store.factory import kv_store_from_settings
+from shared.store.format import MissReason, ObjectValidationError
+from shared.store.kv import KVObject, KVStore, kv_prefix
+from shared.store.ec import ECStore
 from shared.encoding import ModelHandler, require_kv_handoff_engine, sampling_params
 from shared.engines.base import Engine, GenerationStats, TokenEvent
 from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch, StoreError
@@ -159,7 +159,7 @@ class DecodeHandler(ModelHandler):
         engine = self.engine
 
         def make_state():  # engine thread
-            from shared.ecstore.tensors import kv_object_to_state
+            from shared.store.tensors import kv_object_to_state
 
             try:
                 return kv_object_to_state(obj, engine.config)

@@ -18,9 +18,9 @@ import time
 
 from shared import metrics, protocol
 from shared.config import EncoderSettings
-from shared.ecstore.format import ECValidationError
-from shared.ecstore.store import ECStore
-from shared.ecstore.tensors import encoded_to_extra, tensor_to_raw
+from shared.store.format import ECValidationError
+from shared.store.ec import ECStore
+from shared.store.tensors import encoded_to_extra, tensor_to_raw
 from shared.encoding import ModelHandler, encode_image_bytes, media_image_from_bytes
 from shared.engines.base import Engine
 from shared.errors import EPDError, InvalidImage, MediaMissing, StoreError

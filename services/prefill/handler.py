@@ -5,7 +5,7 @@ Roles (``EPD_ROLE``):
 * ``pd`` (E|PD): prefill and decode here, streaming every token.
 * ``prefill`` (E|P|D): prefill, stream the first token, write the decode state (KV cache, last
   token, positions / M-RoPE delta, sampling RNG state, tokens so far) as a KV object
-  (``shared.ecstore.kv``) and publish a ``DecodeJob`` for the decode workers. If the state
+  (``shared.store.kv``) and publish a ``DecodeJob`` for the decode workers. If the state
   cannot be handed off (over ``EPD_MAX_KV_OBJECT_BYTES``, store down, job too large for NATS)
   the worker decodes the request itself, as ``pd`` would (logged, counted in
   ``epd:kv_handoffs_total``). A request that finishes with its first token never leaves.
@@ -25,7 +25,7 @@ Where each image's features come from, in order:
 
 With a connector engine (``EPD_ENGINE=vllm``) features never pass through this worker: it waits for
 the encoder the same way (steps 2-3, existence check only), then hands vLLM the image with its item
-hash; vLLM's EC connector (``shared.ecstore.vllm_connector``) loads the stored output or, on any
+hash; vLLM's EC connector (``shared.connectors.s3_ec``) loads the stored output or, on any
 miss or failed validation, vLLM encodes the image itself. ``ec_sources`` then report what the
 connector did (``store`` / ``recomputed:<reason>``). vLLM batches concurrent jobs itself.
 
@@ -43,16 +43,16 @@ from collections import OrderedDict
 
 from shared import metrics, protocol
 from shared.config import PrefillSettings
-from shared.ecstore.factory import kv_store_from_settings
-from shared.ecstore.kv import KVStore
-from shared.ecstore.format import ECValidationError, MissReason
-from shared.ecstore.store import ECStore
-from shared.ecstore.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
+from shared.store.factory import kv_store_from_settings
+from shared.store.kv import KVStore
+from shared.store.format import ECValidationError, MissReason
+from shared.store.ec import ECStore
+from shared.store.tensors import ec_object_to_encoded, encoded_to_extra, tensor_to_raw
 from shared.encoding import ModelHandler, encode_image_bytes, require_kv_handoff_engine, sampling_params
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import DeadlineExceeded, EngineError, EPDError, InvalidRequest, StoreError
 from shared.fingerprint import model_fingerprint
-from shared.objectstore import ObjectTooLarge
+from shared.store.objects import ObjectTooLarge
 from shared.protocol import DecodeJob, ECFailed, FinalResult, GenerationJob, ImageRef
 from shared.token_stream import TokenOutput, stream_events
 from shared.worker import Verdict, WorkerContext
@@ -207,7 +207,7 @@ class PrefillHandler(ModelHandler):
 
     def _encode_kv(self, job: GenerationJob, state) -> tuple[str, bytes]:
         """Engine thread: the decode state as a KV object (torch -> bytes)."""
-        from shared.ecstore.tensors import decode_state_to_raw
+        from shared.store.tensors import decode_state_to_raw
 
         tensors, meta = decode_state_to_raw(state)
         return self.kv_store.encode(job.request_id, job.reprefill, tensors, meta, protocol.to_builtins(job.sampling))
@@ -261,7 +261,7 @@ class PrefillHandler(ModelHandler):
                                       stats: GenerationStats, out: TokenOutput, sources: dict[str, str], t0: float,
                                       t_features: float) -> bool:
         """Role ``prefill`` on a KV-connector engine (vLLM): the engine computes the prompt and its
-        KV connector stores the KV cache (``shared.ecstore.vllm_kv_connector``); the decode
+        KV connector stores the KV cache (``shared.connectors.s3_kv``); the decode
         worker's engine loads it and samples *every* output token (this worker streams none), so
         sampling draws exactly as in an aggregated run. True when a decode worker owns the
         request; False when this worker generated it (one-token requests, failed hand-off)."""

@@ -3,7 +3,7 @@ worker as child processes).
 
 With vLLM, encoder outputs do not pass through the worker: they move through vLLM's own EC
 connector interface, implemented over the project's store by
-:class:`shared.ecstore.vllm_connector.MinioECConnector`. So this engine has
+:class:`shared.connectors.s3_ec.MinioECConnector`. So this engine has
 ``features_via_connector = True``:
 
 * in an encoder worker (``ec_role="ec_producer"``) vLLM runs encoder-only (no KV cache);
@@ -15,7 +15,7 @@ connector interface, implemented over the project's store by
 * without a role (``agg``) it is a plain vLLM engine.
 
 E|P|D: a prefill worker's engine is also a KV producer and a decode worker's a KV consumer
-(:class:`shared.ecstore.vllm_kv_connector.MinioKVConnector`): :meth:`VllmEngine.prefill_for_handoff`
+(:class:`shared.connectors.s3_kv.MinioKVConnector`): :meth:`VllmEngine.prefill_for_handoff`
 computes the prompt and has the connector store its KV cache; :meth:`VllmEngine.generate` with
 ``kv_params`` loads it (or prefills again when it is unusable) and decodes.
 
@@ -47,9 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "MinioECConnector"
-CONNECTOR_MODULE = "shared.ecstore.vllm_connector"
+CONNECTOR_MODULE = "shared.connectors.s3_ec"
 KV_CONNECTOR_CLASS = "MinioKVConnector"
-KV_CONNECTOR_MODULE = "shared.ecstore.vllm_kv_connector"
+KV_CONNECTOR_MODULE = "shared.connectors.s3_kv"
 #: worker role -> vLLM EC role ("agg" and anything else: a plain engine)
 EC_ROLES = {"encoder": "ec_producer", "pd": "ec_consumer", "prefill": "ec_consumer", "decode": "ec_consumer"}
 #: worker role -> vLLM KV role (E|P|D: the KV cache moves through the KV connector and the store)
@@ -222,7 +222,7 @@ class VllmEngine(Engine):
             raise
         self.start_seconds = time.perf_counter() - started
         self.vllm_config = self._llm.vllm_config
-        from shared.ecstore.vllm_connector import vllm_encoder_fingerprint
+        from shared.connectors.s3_ec import vllm_encoder_fingerprint
 
         # The same function the connector uses in vLLM's processes: one version for both sides.
         self._fingerprint = vllm_encoder_fingerprint(self.vllm_config.model_config)

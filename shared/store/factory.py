@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from shared.config import CommonSettings
-from shared.ecstore.store import ECStore
-from shared.ecstore.kv import KVStore
-from shared.objectstore import ObjectStore, make_object_store
+from shared.store.ec import ECStore
+from shared.store.kv import KVStore
+from shared.store.objects import ObjectStore, make_object_store
 
 
 def object_store_from_settings(settings: CommonSettings) -> ObjectStore:

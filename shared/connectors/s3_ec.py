@@ -3,11 +3,11 @@
 Any vLLM 0.32 server can use it, with no epd-serve service running::
 
     --ec-transfer-config '{"ec_connector": "MinioECConnector",
-                           "ec_connector_module_path": "shared.ecstore.vllm_connector",
+                           "ec_connector_module_path": "shared.connectors.s3_ec",
                            "ec_role": "ec_producer",            # or "ec_consumer"
                            "ec_connector_extra_config": {"endpoint": "minio:9000", "bucket": "epd"}}'
 
-Objects are written and read through :class:`shared.ecstore.store.ECStore`: the same key scheme
+Objects are written and read through :class:`shared.store.ec.ECStore`: the same key scheme
 (``<namespace>/<encoder fingerprint>/<identifier>``), object format and validation as every other
 component. The identifier is vLLM's ``mm_hash`` of the item; epd-serve's workers pass the image's
 content hash as the multimodal uuid so that it equals the project's item hash. vLLM's mm_hash does
@@ -78,11 +78,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
-from shared.ecstore.format import ECObject, ECValidationError, MissReason
-from shared.ecstore.store import ECStore
-from shared.ecstore.tensors import raw_to_tensor, tensor_to_raw
+from shared.store.format import ECObject, ECValidationError, MissReason
+from shared.store.ec import ECStore
+from shared.store.tensors import raw_to_tensor, tensor_to_raw
 from shared.fingerprint import encoder_fingerprint
-from shared.objectstore import ObjectStore, make_object_store
+from shared.store.objects import ObjectStore, make_object_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,7 +128,7 @@ def _as_number(name: str, value: Any, kind: type, minimum: float) -> Any:
 @dataclasses.dataclass(frozen=True)
 class MinioECConfig:
     """``ec_connector_extra_config`` of :class:`MinioECConnector` (and ``kv_connector_extra_config``
-    of :class:`shared.ecstore.vllm_kv_connector.MinioKVConnector`: same store, same keys).
+    of :class:`shared.connectors.s3_kv.MinioKVConnector`: same store, same keys).
 
     Credentials are never in the config: ``access_key_env`` / ``secret_key_env`` name the
     environment variables that hold them (read once, in each vLLM process, never logged).

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.infra import _spawn
+from shared.tools.infra import _spawn
 
 log = logging.getLogger(__name__)
 

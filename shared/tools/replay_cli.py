@@ -1,4 +1,4 @@
-"""``epd replay``: list, show, run, export and import recorded requests (see ``shared.replay``).
+"""``epd replay``: list, show, run, export and import recorded requests (see ``shared.tools.replay``).
 
 Reads NATS and store settings from ``EPD_*`` like the services (``--nats-url`` / ``--prefix``
 override). Exit codes: 0 ok; 1 ``run --compare`` found a difference; 2 an error (unknown id,
@@ -105,7 +105,7 @@ async def _connect(settings):
 
 
 def _store(settings):
-    from shared.ecstore.factory import object_store_from_settings
+    from shared.store.factory import object_store_from_settings
 
     return object_store_from_settings(settings)
 
@@ -147,7 +147,7 @@ def _print_json(obj: Any) -> None:
 
 # -- commands ---------------------------------------------------------------------------------
 def _cmd_list(args: argparse.Namespace) -> int:
-    from shared import replay
+    from shared.tools import replay
     from shared.timeline import render_summary
 
     async def body(nc, subjects, _settings) -> int:
@@ -165,7 +165,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from shared import replay, timeline
+    from shared import timeline
+    from shared.tools import replay
 
     async def body(nc, subjects, _settings) -> int:
         case = await replay.find_case(nc, subjects, args.request_id)
@@ -191,7 +192,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from shared import replay
+    from shared.tools import replay
 
     async def body(nc, subjects, settings) -> int:
         out = await replay.replay_request(
@@ -240,7 +241,7 @@ def _print_outcome(out, *, compare: bool) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from shared import replay
+    from shared.tools import replay
 
     async def body(nc, subjects, settings) -> int:
         doc = await replay.export_cases(
@@ -265,7 +266,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from shared import replay
+    from shared.tools import replay
 
     doc = None
 

@@ -26,7 +26,7 @@ as data.
 
 EC objects (``epd-ec-v2``): one tensor ``features`` ``[n_tokens, hidden]`` and the fields
 ``dtype``, ``shape``, ``n_tokens`` and ``extra`` (JSON model layout, e.g. ``{"grid_thw": [1, 4, 6]}``).
-KV objects: see :mod:`shared.ecstore.kv`.
+KV objects: see :mod:`shared.store.kv`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV objects: the hand-off from a prefill worker to a decode worker (E|P|D), in the object store.
 
-A KV object is a tensor object (:mod:`shared.ecstore.format`, the same implementation as EC
+A KV object is a tensor object (:mod:`shared.store.format`, the same implementation as EC
 objects) with schema ``epd-kv-v1``:
 
 ==================  =============================================================
@@ -23,7 +23,7 @@ died, a request was abandoned) are removed by :meth:`KVStore.sweep`, which every
 runs periodically (objects older than ``EPD_KV_TTL_S``). A sweeper rather than an S3 lifecycle
 rule because lifecycle rules count in days and not every S3 server (nor the fs backend) has them.
 
-torch-free: conversion to and from ``DecodeState`` lives in :mod:`shared.ecstore.tensors`.
+torch-free: conversion to and from ``DecodeState`` lives in :mod:`shared.store.tensors`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shared import metrics
-from shared.ecstore.format import (
+from shared.store.format import (
     MAX_HEADER_BYTES,
     MissReason,
     ObjectValidationError,
@@ -45,7 +45,7 @@ from shared.ecstore.format import (
     encode_tensor_object,
 )
 from shared.errors import EPDError, StoreError
-from shared.objectstore import ObjectStore, ObjectTooLarge
+from shared.store.objects import ObjectStore, ObjectTooLarge
 
 log = logging.getLogger(__name__)
 

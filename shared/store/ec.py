@@ -20,7 +20,7 @@ import logging
 import time
 
 from shared import metrics
-from shared.ecstore.format import (
+from shared.store.format import (
     SCHEMA,
     ECObject,
     ECValidationError,
@@ -31,7 +31,7 @@ from shared.ecstore.format import (
     media_key,
 )
 from shared.errors import EPDError, StoreError
-from shared.objectstore import ObjectStore
+from shared.store.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -655,8 +655,8 @@ class LocalDirObjectStore(ObjectStore):
 # -- registry ----------------------------------------------------------------------------------
 #: Backend kinds for :func:`make_object_store`, as lazy ``"module:Class"`` references.
 STORE_BACKENDS: dict[str, str] = {
-    "s3": "shared.objectstore:S3ObjectStore",
-    "fs": "shared.objectstore:LocalDirObjectStore",
+    "s3": "shared.store.objects:S3ObjectStore",
+    "fs": "shared.store.objects:LocalDirObjectStore",
 }
 
 

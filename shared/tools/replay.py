@@ -53,12 +53,12 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared import protocol
 from shared.config import CommonSettings
-from shared.ecstore.format import ec_key as make_ec_key
-from shared.ecstore.format import media_key as make_media_key
-from shared.ecstore.store import ECStore
+from shared.store.format import ec_key as make_ec_key
+from shared.store.format import media_key as make_media_key
+from shared.store.ec import ECStore
 from shared.errors import EPDError, StoreError
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, set_trace
-from shared.objectstore import ObjectStore
+from shared.store.objects import ObjectStore
 from shared.protocol import (
     ChatRequestRecord,
     EncodeJob,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.ecstore.format import ECObject, RawTensor
-from shared.ecstore.kv import KVObject
+from shared.store.format import ECObject, RawTensor
+from shared.store.kv import KVObject
 from shared.engines.base import EncodedImage
 
 _TO_ST = {
@@ -47,7 +47,7 @@ def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
 
 # -- KV objects (E|P|D hand-off) ----------------------------------------------------------------
 def decode_state_to_raw(state) -> tuple[dict[str, RawTensor], dict[str, str]]:
-    """A ``DecodeState`` as raw tensors + its metadata, for :class:`shared.ecstore.kv.KVStore`."""
+    """A ``DecodeState`` as raw tensors + its metadata, for :class:`shared.store.kv.KVStore`."""
     tensors, meta = state.to_tensors()
     return {name: RawTensor(*tensor_to_raw(t)) for name, t in tensors.items()}, meta
 

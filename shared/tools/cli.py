@@ -4,7 +4,7 @@
   epd model build-tiny DIR   write a deterministic random-weight model folder
   epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
   epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
-  epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.replay_cli)
+  epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.tools.replay_cli)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _cmd_service(name: str):
 
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
-    from shared.models.tiny import build_tiny_model
+    from shared.tools.models.tiny import build_tiny_model
 
     started = time.perf_counter()
     path = build_tiny_model(Path(args.out), arch=args.arch, size=args.size, seed=args.seed)
@@ -49,7 +49,7 @@ def _tiny_model_is_current(path: Path) -> bool:
     with a head size vLLM's CPU attention lacks, is rebuilt)."""
     import json
 
-    from shared.models.tiny import SIZES
+    from shared.tools.models.tiny import SIZES
 
     try:
         text = json.loads((path / "config.json").read_text())["text_config"]
@@ -71,8 +71,8 @@ def _example_image_data_url() -> str:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import CommonSettings
-    from shared.infra import EmbeddedNats, EmbeddedS3, InfraError
-    from shared.launcher import Stack, StackError
+    from shared.tools.infra import EmbeddedNats, EmbeddedS3, InfraError
+    from shared.tools.launcher import Stack, StackError
 
     started = time.perf_counter()
     data_dir = Path(args.data_dir).resolve()
@@ -82,7 +82,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if model_path is None:
         model_path = default_model_dir(data_dir)
         if not _tiny_model_is_current(model_path):
-            from shared.models.tiny import build_tiny_model
+            from shared.tools.models.tiny import build_tiny_model
 
             print(f"no model configured (EPD_MODEL_PATH): building the tiny test model in {model_path}")
             build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_arguments(check)
     check.set_defaults(func=health.run)
 
-    from shared import replay_cli
+    from shared.tools import replay_cli
 
     replay_cli.add_parser(sub)
     return parser

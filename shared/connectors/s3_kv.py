@@ -4,7 +4,7 @@ prefill instance to a decode instance through the project's S3 / MinIO store (E|
 Any vLLM 0.32 server can use it::
 
     --kv-transfer-config '{"kv_connector": "MinioKVConnector",
-                           "kv_connector_module_path": "shared.ecstore.vllm_kv_connector",
+                           "kv_connector_module_path": "shared.connectors.s3_kv",
                            "kv_role": "kv_producer",              # prefill; "kv_consumer": decode
                            "kv_connector_extra_config": {"endpoint": "minio:9000", "bucket": "epd"}}'
 
@@ -20,7 +20,7 @@ between instances):
   and vLLM computes only the last prompt token (whose logits give the first output token) and
   then decodes. Its finished output carries ``{"epd_kv_source": "store" | "recomputed:<reason>"}``.
 
-Objects are KV objects of :mod:`shared.ecstore.kv` (schema ``epd-kv-v1``, the same format code
+Objects are KV objects of :mod:`shared.store.kv` (schema ``epd-kv-v1``, the same format code
 and validation as everything else in the store): key ``<namespace>/kv/<model fingerprint>/
 <request>-<attempt>``, where the model fingerprint covers every weight, the config, tokenizer,
 template, dtype and engine of the folder vLLM loaded - a decode instance running other weights
@@ -66,10 +66,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from shared.ecstore.format import MissReason, ObjectValidationError, RawTensor
-from shared.ecstore.kv import KVObject, KVStore
-from shared.ecstore.tensors import raw_to_tensor, safetensors_dtype, tensor_to_raw
-from shared.ecstore.vllm_connector import (
+from shared.store.format import MissReason, ObjectValidationError, RawTensor
+from shared.store.kv import KVObject, KVStore
+from shared.store.tensors import raw_to_tensor, safetensors_dtype, tensor_to_raw
+from shared.connectors.s3_ec import (
     ENGINE_NAME,
     MinioECConfig,
     _inherit_vllm_log_handlers,
