@@ -1,28 +1,44 @@
-"""Engine contract shared by every model backend (transformers today, vLLM later).
+"""The engine contract: what every model backend (transformers, vLLM) offers the workers.
 
-An engine owns one loaded vision-language model and exposes the three EPD stages as plain,
-synchronous, thread-confined calls. Workers run them in a dedicated executor thread so the
-asyncio event loop (NATS heartbeats, acks) never blocks on model compute.
+An engine owns one loaded vision-language model. The workers see only this module:
 
-Contract:
-* ``encode`` turns decoded RGB images into :class:`EncodedImage` items. The features of one
-  image depend only on that image (not on the batch it came in), so the encoder worker and a
-  prefill worker that encodes locally produce identical tensors.
-* ``generate`` consumes chat messages whose image parts are placeholders (in order) plus one
-  :class:`EncodedImage` per placeholder, and yields :class:`TokenEvent` items. With greedy
-  sampling the token ids equal ``transformers``' own ``generate()`` on the same inputs.
-* The engine is not thread-safe: one caller thread at a time.
+* :class:`Engine` - every engine: ``generate`` is an **async iterator** of :class:`TokenEvent`;
+  closing it early (``aclose()``, leaving an ``async for``, cancelling the task that iterates)
+  stops the request inside the engine and frees its slot. Compute never runs on the caller's
+  event loop: the engine owns its compute (the transformers engine a private thread, vLLM its
+  own engine processes).
+* **Capabilities** - small abstract mixins an engine class inherits, checked once at start-up
+  (``shared.engines.check_role``), in the spirit of vLLM's ``SupportsHMA`` + ``supports_hma()``:
+
+  - how encoder outputs move: :class:`FeaturesThroughWorker` (``encode`` returns features, the
+    worker stores and loads them, ``generate`` takes :class:`EncodedImage` items) or
+    :class:`FeaturesThroughConnector` (the engine's own EC connector stores and loads them,
+    ``produce`` encodes into the store, ``generate`` takes :class:`MediaImage` items);
+  - how E|P|D hands a request from prefill to decode: :class:`KVStateHandoff` (the decode
+    state passes through the worker as tensors, the worker writes the KV object) or
+    :class:`KVConnectorHandoff` (the engine's own KV connector writes and reads it).
+
+  Workers choose their strategies from these once, in ``setup``; no handler asks which engine
+  it runs.
+
+Determinism: with greedy sampling the token ids equal ``transformers``' own ``generate()`` on
+the same inputs, and the features of one image depend only on that image (not on its batch).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
 if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     import torch
     from PIL import Image
+
+    from shared.connectors.params import KVHandoff
+    from shared.store.format import RawTensor
+    from shared.store.kv import KVObject
+    from shared.topology import Role
 
 
 @dataclass(frozen=True)
@@ -55,8 +71,7 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class MediaImage:
-    """An image for engines whose encoder outputs travel through their own EC connector
-    (``Engine.features_via_connector``): the decoded RGB image and its content hash, which is
+    """An image for :class:`FeaturesThroughConnector` engines: the decoded RGB image and its content hash, which is
     the item part of the EC key (``shared.media.content_hash_of``)."""
 
     image: "Image.Image"
@@ -85,26 +100,14 @@ class GenerationStats:
 
 
 class Engine(abc.ABC):
-    """A loaded model. Subclasses register in :mod:`shared.engines` under a short name."""
+    """A loaded model. Engine classes register in :mod:`shared.engines` under a short name."""
 
     name: str = "base"
-    #: False (transformers): encoder outputs pass through the worker - ``encode`` returns them
-    #: and ``generate`` takes :class:`EncodedImage` items. True (vLLM): they move through the
-    #: engine's own EC connector and the store - :meth:`produce` stores them and ``generate``
-    #: takes :class:`MediaImage` items (the engine loads or, failing that, encodes them itself).
-    features_via_connector: bool = False
-    #: False (transformers): E|P|D hands the decode state over through the worker (``prefill`` /
-    #: ``decode`` / a KV object it writes). True (vLLM): through the engine's own KV connector and
-    #: the store - ``prefill_for_handoff`` stores it and ``generate(..., kv_params=...)`` loads it.
-    kv_via_connector: bool = False
-    #: ``generate`` / ``produce`` may run in several threads at once (the engine batches them);
-    #: False: one caller thread at a time.
-    concurrent: bool = False
 
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
-        """Engine-specific constructor options from the worker's settings (``role``: the worker
-        role, e.g. "encoder", "pd", "agg"). The default engine needs none."""
+    def options_from_settings(cls, settings: Any, *, role: "Role") -> dict[str, Any]:
+        """Engine-specific constructor options from the worker's settings and role. The default
+        engine needs none."""
         return {}
 
     @property
@@ -118,25 +121,119 @@ class Engine(abc.ABC):
         """Version of the encoder outputs this engine produces and accepts (see shared.fingerprint)."""
 
     @abc.abstractmethod
-    def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
-        """Run the vision encoder (+ projector) on RGB images, one item per image."""
+    def generate(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence["EncodedImage | MediaImage"],
+        params: SamplingParams,
+        stats: GenerationStats | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Prefill + decode one request (an async generator). ``messages`` use OpenAI roles;
+        content is a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
+        parts, one image item per image part, in order (:class:`EncodedImage` for
+        :class:`FeaturesThroughWorker` engines, :class:`MediaImage` for
+        :class:`FeaturesThroughConnector` engines). Fills ``stats`` if given (connector engines
+        put ``extra["ec_sources"]``: item hash -> where its features came from). Closing the
+        iterator early cancels the request in the engine."""
+
+    async def aclose(self) -> None:
+        """Release the model (vLLM stops its engine processes)."""
+
+
+# -- capabilities: how encoder outputs move -----------------------------------------------------
+class FeaturesThroughWorker(abc.ABC):
+    """Encoder outputs pass through the worker: :meth:`encode` returns them, the worker stores
+    and loads them, and ``generate`` takes :class:`EncodedImage` items."""
 
     @abc.abstractmethod
-    def generate(
+    async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+        """Run the vision encoder (+ projector) on RGB images, one item per image."""
+
+
+class FeaturesThroughConnector(abc.ABC):
+    """Encoder outputs move through the engine's own EC connector and the store: ``generate``
+    takes :class:`MediaImage` items (the connector loads each stored output, or the engine
+    encodes it when it cannot)."""
+
+    @abc.abstractmethod
+    async def produce(self, images: Sequence[MediaImage]) -> list[int]:
+        """Encoder-only: encode each image and have the EC connector store the output under its
+        item hash before returning. Returns the feature token count per image."""
+
+
+# -- capabilities: E|P|D hand-off -----------------------------------------------------------------
+class PrefilledRequest(Protocol):
+    """A prompt prefilled by a :class:`KVStateHandoff` engine, with its first token sampled."""
+
+    #: The first generated token (``finish_reason`` set when it is also the last).
+    first: TokenEvent
+
+    async def export(self) -> tuple[dict[str, "RawTensor"], dict[str, str]]:
+        """The decode state as raw tensors + string metadata (the KV object's payload)."""
+
+    def continue_here(self) -> AsyncIterator[TokenEvent]:
+        """Decode the rest in this engine (when the hand-off is impossible): the tokens after
+        ``first``. Closing it early cancels."""
+
+    async def release(self) -> None:
+        """Drop the state (handed off, or the request ended)."""
+
+
+class KVStateMismatch(Exception):
+    """A valid KV object whose state does not fit this engine's model (shapes, layout)."""
+
+
+class KVStateHandoff(abc.ABC):
+    """E|P|D through the worker: the prefill engine exports the decode state as tensors (the
+    worker writes the KV object) and the decode engine continues from the loaded object,
+    batching the requests it decodes."""
+
+    @abc.abstractmethod
+    async def prefill(
         self,
         messages: list[dict[str, Any]],
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Prefill + decode. ``messages`` use OpenAI roles; content is a string or a list of
-        ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts. Yields tokens as they
-        are produced; fills ``stats`` if given."""
+    ) -> PrefilledRequest:
+        """Prefill the prompt and sample the first token."""
 
-    def produce(self, images: Sequence[MediaImage]) -> list[int]:
-        """Connector engines: run the encoder on each image and have the EC connector store the
-        output under its item hash. Returns the feature token count per image."""
-        raise NotImplementedError(f"the {self.name} engine passes encoder outputs through the worker")
+    @abc.abstractmethod
+    def decode(self, obj: "KVObject", params: SamplingParams,
+               stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
+        """Continue a handed-off request from its KV object: the tokens after the ones prefill
+        emitted (``obj.state["emitted"]``), batched with the other requests this engine decodes.
+        Raises :class:`KVStateMismatch` (before any token) when the state does not fit this
+        model. Closing the iterator early removes the request from the batch."""
 
-    def close(self) -> None:  # pragma: no cover - default no-op
-        """Release resources."""
+
+class KVConnectorHandoff(abc.ABC):
+    """E|P|D through the engine's own KV connector: the prefill engine's connector stores the
+    KV cache; the decode engine's connector loads it (or the engine prefills again when it is
+    unusable) and the decode engine samples every output token."""
+
+    @abc.abstractmethod
+    async def prefill_for_handoff(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        *,
+        request_name: str,
+        attempt: int,
+        stats: GenerationStats | None = None,
+    ) -> "KVHandoff":
+        """Compute the prompt and have the KV connector store its KV cache as the KV object of
+        (``request_name``, ``attempt``). Returns where it is."""
+
+    @abc.abstractmethod
+    def generate_from_handoff(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        handoff: "KVHandoff",
+        stats: GenerationStats | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """``generate`` with the prompt's KV cache loaded from ``handoff`` instead of computed;
+        ``stats.extra["kv_source"]`` says what happened ("store", or "recomputed:<reason>")."""
