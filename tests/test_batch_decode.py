@@ -1,16 +1,27 @@
-"""Batched decode (BatchDecoder) on the tiny Qwen2-VL and LLaVA models: greedy tokens in a batch
-equal the same requests decoded alone; requests join and leave between steps; padding, masks and
-per-row (M-RoPE) positions are what makes it so (negative controls break each)."""
+"""Batched decode on the tiny Qwen2-VL and LLaVA models.
+
+* BatchDecoder (run in the engine's compute thread, as the engine runs it): greedy tokens in a
+  batch equal the same requests decoded alone; requests join and leave between steps; padding,
+  masks and per-row (M-RoPE) positions are what makes it so (negative controls break each).
+* The engine's decode loop (``TransformersEngine.decode`` of KV objects): concurrent requests
+  are stepped together and each equals ``generate()``; closing one early removes its row; more
+  requests than ``max_batch`` wait for a row.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import json
+import time
 
 import pytest
 import torch
 
-from shared.engines.base import SamplingParams
+from shared.engines.base import GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.transformers_batch import BatchDecoder
-from shared.engines.transformers_engine import TransformersEngine
+from shared.engines.transformers_engine import DecodeStream, TransformersEngine
 from shared.errors import InvalidRequest
+from shared.store.kv import KVObject
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
@@ -35,35 +46,56 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def engine(request, tmp_path_factory) -> TransformersEngine:
-    path = build_tiny_model(tmp_path_factory.mktemp(f"batch-{request.param}"), arch=request.param, seed=0)
-    return TransformersEngine(path, threads=1)
+def model_dir(request, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp(f"batch-{request.param}"), arch=request.param, seed=0)
 
 
 @pytest.fixture(scope="module")
-def requests_(engine):
+async def engine(model_dir):
+    engine = TransformersEngine(model_dir, threads=1)
+    yield engine
+    await engine.aclose()
+
+
+@pytest.fixture(scope="module")
+async def requests_(engine):
     out = []
     for text, specs in PROMPTS:
         parts = [{"type": "image"} for _ in specs] + [{"type": "text", "text": text}]
-        out.append(([{"role": "user", "content": parts}], engine.encode([noise_image(s, size) for s, size in specs])))
+        out.append(([{"role": "user", "content": parts}],
+                    await engine.encode([noise_image(s, size) for s, size in specs])))
     return out
+
+
+async def _drain(events):
+    return [e async for e in events]
+
+
+async def on_engine(engine, fn, *args):
+    """Run ``fn`` in the engine's compute thread (BatchDecoder and the sync steps live there)."""
+    return await engine._call(fn, *args)
 
 
 def _greedy(max_tokens: int = N, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def _single(engine, messages, images, params):
+async def _single(engine, messages, images, params):
     """Greedy tokens (the engine's own loop) and per-step logits of the request decoded alone."""
-    tokens = [e.token_id for e in engine.generate(messages, images, params)]
-    state = engine.prefill(messages, images, params)
+    tokens = [e.token_id for e in await _drain(engine.generate(messages, images, params))]
+    ids, logits = await on_engine(engine, _single_logits, engine, messages, images, params, len(tokens))
+    assert ids == tokens
+    return tokens, logits
+
+
+def _single_logits(engine, messages, images, params, n_tokens):
+    state = engine._prefill(messages, images, params)
     logits = []
-    while len(state.output_ids) < len(tokens):
+    while len(state.output_ids) < n_tokens:
         lg = engine.decode_logits(state)
         logits.append(lg.clone())
         state.advance(int(torch.argmax(lg)))
-    assert state.output_ids == tokens
-    return tokens, logits
+    return state.output_ids, logits
 
 
 def _run_batch(engine, reqs, params_of, joins, decoder_cls=BatchDecoder):
@@ -78,7 +110,7 @@ def _run_batch(engine, reqs, params_of, joins, decoder_cls=BatchDecoder):
         for i, at in enumerate(joins):
             if at == step:
                 messages, images = reqs[i]
-                dec.add(i, engine.prefill(messages, images, params_of(i)), params_of(i))
+                dec.add(i, engine._prefill(messages, images, params_of(i)), params_of(i))
         if not len(dec) and step > max(joins):
             break
         for key, ev in dec.step():
@@ -91,13 +123,13 @@ def _run_batch(engine, reqs, params_of, joins, decoder_cls=BatchDecoder):
     return tokens, logits, events, dec
 
 
-def test_batched_greedy_equals_single_with_joins_and_leaves(engine, requests_):
+async def test_batched_greedy_equals_single_with_joins_and_leaves(engine, requests_):
     params_of = lambda i: _greedy(N - 2 * i)  # noqa: E731 - leave at different steps
     joins = [0, 0, 0, 3, 5, 5]
-    got, batch_logits, _, dec = _run_batch(engine, requests_, params_of, joins)
+    got, batch_logits, _, dec = await on_engine(engine, _run_batch, engine, requests_, params_of, joins)
     max_diff, min_margin = 0.0, float("inf")
     for i, (messages, images) in enumerate(requests_):
-        want, single_logits = _single(engine, messages, images, params_of(i))
+        want, single_logits = await _single(engine, messages, images, params_of(i))
         assert got[i] == want, f"request {i}"
         for b, s in zip(batch_logits[i], single_logits):
             max_diff = max(max_diff, float((b - s).abs().max()))
@@ -109,7 +141,7 @@ def test_batched_greedy_equals_single_with_joins_and_leaves(engine, requests_):
     print(f"\n[{engine.arch}] batched vs single: max |logit diff| = {max_diff:.3g}, min top-2 margin = {min_margin:.3g}")
 
 
-def test_padding_mask_and_positions_matter(engine, requests_):
+async def test_padding_mask_and_positions_matter(engine, requests_):
     """Negative controls: ignoring the padding mask, or dropping the M-RoPE delta, changes tokens."""
 
     class NoMask(BatchDecoder):
@@ -124,29 +156,27 @@ def test_padding_mask_and_positions_matter(engine, requests_):
             return mask, pos
 
     joins = [0] * len(requests_)
-    good, *_ = _run_batch(engine, requests_, lambda i: _greedy(), joins)
-    bad, *_ = _run_batch(engine, requests_, lambda i: _greedy(), joins, decoder_cls=NoMask)
+    good, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins)
+    bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoMask)
     assert bad != good
     if engine.is_mrope:
-        bad, *_ = _run_batch(engine, requests_, lambda i: _greedy(), joins, decoder_cls=NoRopeDelta)
+        bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoRopeDelta)
         assert bad != good
 
 
-def test_a_request_alone_is_bit_identical(engine, requests_):
+async def test_a_request_alone_is_bit_identical(engine, requests_):
     messages, images = requests_[3]
-    want, single_logits = _single(engine, messages, images, _greedy())
-    got, logits, _, dec = _run_batch(engine, [requests_[3]], lambda i: _greedy(), [0])
+    want, single_logits = await _single(engine, messages, images, _greedy())
+    got, logits, _, dec = await on_engine(engine, _run_batch, engine, [requests_[3]], lambda i: _greedy(), [0])
     assert got[0] == want
     assert dec.max_rows_seen == 1
     assert len(logits[0]) == len(single_logits)
     assert all(torch.equal(a, b) for a, b in zip(logits[0], single_logits))
 
 
-def test_sampling_stop_strings_and_text_in_a_batch(engine, requests_):
-    """Seeded sampling, stop strings and EOS behave exactly as alone (same events, same text)."""
-    alone_text = "".join(e.text for e in engine.generate(*requests_[0], _greedy()))
-    stop = alone_text[len(alone_text) // 2 : len(alone_text) // 2 + 2]
-    params = [
+#: Seeded sampling, stop strings, EOS: per request (the stop string is filled in from the text).
+def _mixed_params(stop: str) -> list[SamplingParams]:
+    return [
         _greedy(stop=(stop,)),
         SamplingParams(max_tokens=N, temperature=0.9, top_p=0.9, seed=7),
         SamplingParams(max_tokens=N, temperature=1.0, seed=11, ignore_eos=True),
@@ -154,38 +184,151 @@ def test_sampling_stop_strings_and_text_in_a_batch(engine, requests_):
         SamplingParams(max_tokens=N, temperature=0.0),  # may stop at EOS
         _greedy(3),
     ]
-    _, _, events, _ = _run_batch(engine, requests_, lambda i: params[i], [0, 0, 1, 1, 2, 2])
+
+
+async def test_sampling_stop_strings_and_text_in_a_batch(engine, requests_):
+    """Seeded sampling, stop strings and EOS behave exactly as alone (same events, same text)."""
+    alone_text = "".join(e.text for e in await _drain(engine.generate(*requests_[0], _greedy())))
+    stop = alone_text[len(alone_text) // 2 : len(alone_text) // 2 + 2]
+    params = _mixed_params(stop)
+    _, _, events, _ = await on_engine(engine, _run_batch, engine, requests_, lambda i: params[i], [0, 0, 1, 1, 2, 2])
     for i, (messages, images) in enumerate(requests_):
-        alone = list(engine.generate(messages, images, params[i]))
+        alone = await _drain(engine.generate(messages, images, params[i]))
         assert events[i] == alone, f"request {i}"
     assert events[0][-1].finish_reason == "stop"
     assert "".join(e.text for e in events[0]) == alone_text[: alone_text.index(stop)]
 
 
-def test_remove_gives_back_a_state_that_decodes_on_alone(engine, requests_):
-    dec = BatchDecoder(engine)
-    for i in (0, 1, 2):
-        dec.add(i, engine.prefill(*requests_[i], _greedy()), _greedy())
-    for _ in range(5):
-        dec.step()
-    state = dec.remove(1)
-    assert len(dec) == 2 and dec.rows == 2
-    rest = [e.token_id for e in engine.decode(state, _greedy())]
-    want = [e.token_id for e in engine.generate(*requests_[1], _greedy())]
+async def test_remove_gives_back_a_state_that_decodes_on_alone(engine, requests_):
+    def batch_then_remove():
+        dec = BatchDecoder(engine)
+        for i in (0, 1, 2):
+            dec.add(i, engine._prefill(*requests_[i], _greedy()), _greedy())
+        for _ in range(5):
+            dec.step()
+        state = dec.remove(1)
+        assert len(dec) == 2 and dec.rows == 2
+        return state
+
+    state = await on_engine(engine, batch_then_remove)
+    # The single-request loop (generate's) continues it.
+    rest = [e.token_id for e in await _drain(engine._events(DecodeStream(engine, state, _greedy()), None))]
+    want = [e.token_id for e in await _drain(engine.generate(*requests_[1], _greedy()))]
     assert state.output_ids == want and rest == want[5:]
 
 
-def test_membership_errors(engine, requests_):
-    dec = BatchDecoder(engine, max_batch=2)
-    state = engine.prefill(*requests_[4], _greedy())
+async def test_membership_errors(engine, requests_):
+    def check():
+        dec = BatchDecoder(engine, max_batch=2)
+        state = engine._prefill(*requests_[4], _greedy())
+        with pytest.raises(InvalidRequest):
+            dec.add("bad", state, SamplingParams(max_tokens=0))
+        dec.add("a", state, _greedy())
+        with pytest.raises(ValueError, match="'a' is already in the batch"):
+            dec.add("a", engine._prefill(*requests_[4], _greedy()), _greedy())
+        dec.add("b", engine._prefill(*requests_[4], _greedy()), _greedy())
+        with pytest.raises(ValueError, match=r"batch is full \(2\)"):
+            dec.add("c", engine._prefill(*requests_[4], _greedy()), _greedy())
+        assert len(dec) == 2  # the refused adds left the batch as it was
+        with pytest.raises(KeyError, match="nope"):
+            dec.remove("nope")
+
+    await on_engine(engine, check)
+
+
+# -- the engine's decode loop (TransformersEngine.decode of KV objects) ------------------------
+async def _handed_off(engine, messages, images, params):
+    """What E|P|D does: prefill (first token emitted), export -> a KV object (as loaded)."""
+    request = await engine.prefill(messages, images, params)
+    try:
+        tensors, meta = await request.export()
+    finally:
+        await request.release()
+    obj = KVObject(request_id="r", attempt=0, tensors=tensors, state_metadata=meta, state=json.loads(meta["state"]),
+                   sampling={}, producer="test", created_at=0.0, nbytes=0)
+    return request.first, obj
+
+
+async def _decode_all(engine, first, obj, params, stats):
+    return [first] + await _drain(engine.decode(obj, params, stats))
+
+
+async def test_engine_decode_steps_concurrent_requests_together(engine, requests_):
+    """Concurrent decodes share the batched loop; each equals generate() event for event."""
+    alone_text = "".join(e.text for e in await _drain(engine.generate(*requests_[0], _greedy())))
+    stop = alone_text[len(alone_text) // 2 : len(alone_text) // 2 + 2]
+    params = _mixed_params(stop)
+    params[5] = _greedy()  # every request long enough to overlap the others
+    handed = [await _handed_off(engine, *req, params[i]) for i, req in enumerate(requests_)]
+    stats = [GenerationStats() for _ in requests_]
+    got = await asyncio.gather(*(_decode_all(engine, first, obj, params[i], stats[i])
+                                 for i, (first, obj) in enumerate(handed)))
+    for i, (messages, images) in enumerate(requests_):
+        assert got[i] == await _drain(engine.generate(messages, images, params[i])), f"request {i}"
+        assert stats[i].completion_tokens == len(got[i])
+        assert stats[i].prompt_tokens > 0 and stats[i].decode_s > 0
+    assert got[0][-1].finish_reason == "stop"
+    rows = [s.extra["decode_batch_rows_max"] for s in stats]
+    assert max(rows) == len(requests_), rows  # they really were stepped together
+    assert engine._decode_loop.active == 0 and len(engine._decode_loop.decoder) == 0
+
+
+async def test_closing_a_decode_early_removes_its_row(engine, requests_):
+    long = _greedy(N)
+    (first_a, obj_a), (first_b, obj_b) = [await _handed_off(engine, *requests_[i], long) for i in (1, 3)]
+    events_a = engine.decode(obj_a, long)
+    got_a = [await events_a.__anext__(), await events_a.__anext__()]
+    stats_b = GenerationStats()
+    task_b = asyncio.create_task(_decode_all(engine, first_b, obj_b, long, stats_b))
+    await events_a.aclose()  # leaves the batch before the next step
+    got_b = await task_b
+    want_a = await _drain(engine.generate(*requests_[1], long))
+    assert [first_a] + got_a == want_a[:3]
+    assert got_b == await _drain(engine.generate(*requests_[3], long))
+    assert engine._decode_loop.active == 0 and len(engine._decode_loop.decoder) == 0
+
+
+async def test_decode_of_a_state_that_does_not_fit_raises_before_any_token(engine, requests_):
+    _, obj = await _handed_off(engine, *requests_[0], _greedy())
+    k = obj.tensors["kv.0.k"]
+    state = dict(json.loads(obj.state_metadata["state"]), n_layers=99)
+    bad = [
+        KVObject(**{**obj.__dict__, "tensors": {n: t for n, t in obj.tensors.items() if n != "kv.0.k"}}),
+        KVObject(**{**obj.__dict__, "state_metadata": {**obj.state_metadata, "state": json.dumps(state)}}),
+        KVObject(**{**obj.__dict__, "tensors": {**obj.tensors, "kv.0.k": type(k)(k.data[: len(k.data) // 2], k.dtype,
+                                                                               (k.shape[0], k.shape[1], k.shape[2] // 2,
+                                                                                k.shape[3]))}}),
+    ]
+    for item in bad:
+        with pytest.raises(KVStateMismatch):
+            await engine.decode(item, _greedy()).__anext__()
     with pytest.raises(InvalidRequest):
-        dec.add("bad", state, SamplingParams(max_tokens=0))
-    dec.add("a", state, _greedy())
-    with pytest.raises(ValueError, match="'a' is already in the batch"):
-        dec.add("a", engine.prefill(*requests_[4], _greedy()), _greedy())
-    dec.add("b", engine.prefill(*requests_[4], _greedy()), _greedy())
-    with pytest.raises(ValueError, match=r"batch is full \(2\)"):
-        dec.add("c", engine.prefill(*requests_[4], _greedy()), _greedy())
-    assert len(dec) == 2  # the refused adds left the batch as it was
-    with pytest.raises(KeyError, match="nope"):
-        dec.remove("nope")
+        await engine.decode(obj, SamplingParams(max_tokens=0)).__anext__()
+    assert engine._decode_loop.active == 0
+
+
+async def test_more_requests_than_max_batch_wait_for_a_row(model_dir, requests_, monkeypatch):
+    """max_batch=2: four concurrent decodes complete (equal to generate()), never more than two
+    rows per step; the step delay (the test-side fault hook of tests/fault_workers.py) slows every step."""
+    from shared.engines.transformers_batch import BatchDecoder
+    from tests.fault_workers import slow_decode_steps
+
+    monkeypatch.setattr(BatchDecoder, "step", BatchDecoder.step)  # restored after the test
+    slow_decode_steps(0.02)
+    engine = TransformersEngine(model_dir, threads=1, max_batch=2)
+    try:
+        n = 8
+        handed = [await _handed_off(engine, *requests_[i], _greedy(n)) for i in range(4)]
+        stats = [GenerationStats() for _ in handed]
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(_decode_all(engine, first, obj, _greedy(n), stats[i])
+                                     for i, (first, obj) in enumerate(handed)))
+        elapsed = time.perf_counter() - t0
+        for i in range(4):
+            assert got[i] == await _drain(engine.generate(*requests_[i], _greedy(n))), f"request {i}"
+        rows = [s.extra["decode_batch_rows_max"] for s in stats]
+        assert max(rows) == 2, rows
+        assert engine._decode_loop.decoder.max_rows_seen == 2
+        assert elapsed >= 2 * (n - 1) * 0.02  # at least two rounds of n - 1 delayed steps
+    finally:
+        await engine.aclose()

@@ -1,23 +1,29 @@
-"""TransformersEngine on the tiny Qwen2-VL and LLaVA models: bit-exact against HF generate()."""
+"""TransformersEngine on the tiny Qwen2-VL and LLaVA models: bit-exact against HF generate(),
+through the engine's async API (its compute thread)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 
-from shared.engines.base import EncodedImage, GenerationStats, SamplingParams
+from shared.engines.base import EncodedImage, GenerationStats, KVStateMismatch, SamplingParams
+from shared.engines.prompts import check_image_count, count_image_placeholders
 from shared.engines.transformers_engine import (
     DecodeState,
     IncrementalDetokenizer,
     StopStringMatcher,
     TransformersEngine,
-    check_image_count,
-    count_image_placeholders,
 )
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
+from shared.store.format import RawTensor
+from shared.store.kv import KVObject
+from shared.store.tensors import tensor_to_raw
 from shared.fingerprint import encoder_fingerprint
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
@@ -66,18 +72,33 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def engine(request, model_dirs) -> TransformersEngine:
-    return TransformersEngine(model_dirs[request.param], threads=1)
+async def engine(request, model_dirs):
+    engine = TransformersEngine(model_dirs[request.param], threads=1)
+    yield engine
+    await engine.aclose()
 
 
 @pytest.fixture(scope="module")
-def qwen(model_dirs) -> TransformersEngine:
-    return TransformersEngine(model_dirs["qwen2_vl"], threads=1)
+async def qwen(model_dirs):
+    engine = TransformersEngine(model_dirs["qwen2_vl"], threads=1)
+    yield engine
+    await engine.aclose()
 
 
-def _run(engine, messages, encoded, params=GREEDY, stats=None):
-    events = list(engine.generate(messages, encoded, params, stats))
+async def _drain(events):
+    return [e async for e in events]
+
+
+async def _run(engine, messages, encoded, params=GREEDY, stats=None):
+    events = await _drain(engine.generate(messages, encoded, params, stats))
     return [e.token_id for e in events], "".join(e.text for e in events), events
+
+
+def _kv_object(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVObject:
+    """A KV object (as the decode worker loads it) holding a decode state's tensors + metadata."""
+    return KVObject(request_id="r", attempt=0, tensors={n: RawTensor(*tensor_to_raw(t)) for n, t in tensors.items()},
+                    state_metadata=meta, state=json.loads(meta["state"]), sampling={}, producer="test",
+                    created_at=0.0, nbytes=0)
 
 
 def _hf_generate(engine, messages, pil_images, max_new_tokens=N_TOKENS):
@@ -94,12 +115,12 @@ def _hf_generate(engine, messages, pil_images, max_new_tokens=N_TOKENS):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_matches_hf_generate(engine, case):
+async def test_greedy_matches_hf_generate(engine, case):
     messages, names = CASES[case]
     pil = [IMAGES[n] for n in names]
-    encoded = engine.encode(pil)
+    encoded = await engine.encode(pil)
     stats = GenerationStats()
-    ids, text, events = _run(engine, messages, encoded, stats=stats)
+    ids, text, events = await _run(engine, messages, encoded, stats=stats)
     ref = _hf_generate(engine, messages, pil)
     assert len(ref) == N_TOKENS
     assert ids == ref
@@ -110,8 +131,8 @@ def test_greedy_matches_hf_generate(engine, case):
     assert stats.prefill_s > 0 and stats.decode_s > 0
 
 
-def test_encode_shapes(engine):
-    encoded = engine.encode([IMAGES["wide"], IMAGES["thin"]])
+async def test_encode_shapes(engine):
+    encoded = await engine.encode([IMAGES["wide"], IMAGES["thin"]])
     for item in encoded:
         assert item.features.ndim == 2 and item.features.shape[1] == engine.hidden_size
         assert item.features.is_contiguous() and item.features.device.type == "cpu"
@@ -123,169 +144,231 @@ def test_encode_shapes(engine):
     else:
         assert all(e.grid_thw is None and e.n_tokens == 36 for e in encoded)
     # Per-image encoding: the same image alone or in a batch gives identical features.
-    alone = engine.encode([IMAGES["thin"]])[0]
+    alone = (await engine.encode([IMAGES["thin"]]))[0]
     assert torch.equal(alone.features, encoded[1].features)
 
 
-def test_other_images_features_change_the_output(engine):
+async def test_other_images_features_change_the_output(engine):
     """Negative control: the equality test above could fail."""
     messages, _ = CASES["one-image"]
-    wide, square = engine.encode([IMAGES["wide"], IMAGES["square"]])
+    wide, square = await engine.encode([IMAGES["wide"], IMAGES["square"]])
     assert wide.n_tokens == square.n_tokens
-    ids_wide, _, _ = _run(engine, messages, [wide])
-    ids_square, _, _ = _run(engine, messages, [square])
+    ids_wide, _, _ = await _run(engine, messages, [wide])
+    ids_square, _, _ = await _run(engine, messages, [square])
     assert ids_wide != ids_square
     assert _hf_generate(engine, messages, [IMAGES["wide"]]) != ids_square
 
 
-def test_mrope_delta_matters(qwen):
+async def test_mrope_delta_matters(qwen):
     """Decoding with rope_delta forced to 0 gives different tokens: the offset is load-bearing."""
     messages, names = CASES["two-images"]
-    encoded = qwen.encode([IMAGES[n] for n in names])
-    state = qwen.prefill(messages, encoded, GREEDY)
-    assert state.rope_delta < 0
-    good = [e.token_id for e in qwen.decode(state, GREEDY)]
-    bad_state = qwen.prefill(messages, encoded, GREEDY)
-    bad_state.rope_delta = 0
-    bad = [e.token_id for e in qwen.decode(bad_state, GREEDY)]
+    encoded = await qwen.encode([IMAGES[n] for n in names])
+    request = await qwen.prefill(messages, encoded, GREEDY)
+    assert request.state.rope_delta < 0
+    good = [request.first.token_id] + [e.token_id for e in await _drain(request.continue_here())]
+    bad_request = await qwen.prefill(messages, encoded, GREEDY)
+    bad_request.state.rope_delta = 0
+    bad = [bad_request.first.token_id] + [e.token_id for e in await _drain(bad_request.continue_here())]
     assert good[0] == bad[0]  # the first token comes from prefill
     assert good != bad
 
 
-def test_features_roundtrip_through_safetensors_bytes(engine):
+async def test_features_roundtrip_through_safetensors_bytes(engine):
     from safetensors.torch import load, save
 
     messages, names = CASES["two-images"]
-    encoded = engine.encode([IMAGES[n] for n in names])
+    encoded = await engine.encode([IMAGES[n] for n in names])
     blobs = [save({"features": e.features}) for e in encoded]
     restored = [EncodedImage(features=load(b)["features"], grid_thw=e.grid_thw) for b, e in zip(blobs, encoded)]
     assert all(torch.equal(a.features, b.features) for a, b in zip(encoded, restored))
-    assert _run(engine, messages, encoded)[0] == _run(engine, messages, restored)[0]
+    assert (await _run(engine, messages, encoded))[0] == (await _run(engine, messages, restored))[0]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)])
-def test_decode_state_roundtrip_through_safetensors_bytes(engine, sampling):
-    """Prefill in one place, serialize the state, decode elsewhere: same tokens and text."""
+async def test_decode_state_roundtrip_through_safetensors_bytes(engine, sampling):
+    """Prefill in one place, serialize the state, decode elsewhere (the engine's decode of a KV
+    object): same tokens and text."""
     from safetensors.torch import load, save
 
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
-    direct_ids, direct_text, _ = _run(engine, messages, encoded, sampling)
+    encoded = await engine.encode([IMAGES[n] for n in names])
+    direct_ids, direct_text, _ = await _run(engine, messages, encoded, sampling)
 
-    state = engine.prefill(messages, encoded, sampling)
-    tensors, meta = state.to_tensors()
+    request = await engine.prefill(messages, encoded, sampling)
+    tensors, meta = request.state.to_tensors()
+    await request.release()
     blob = save(tensors, metadata=meta)
     restored = DecodeState.from_tensors(load(blob), _safetensors_metadata(blob), engine.config)
-    events = list(engine.decode(restored, sampling))
+    assert restored.output_ids == [request.first.token_id] and restored.emitted == 1
+    events = [request.first] + await _drain(engine.decode(_kv_object(load(blob), _safetensors_metadata(blob)),
+                                                          sampling))
     assert [e.token_id for e in events] == direct_ids
     assert "".join(e.text for e in events) == direct_text
 
 
+async def test_export_is_the_decode_state(engine):
+    """export() gives the state's tensors as raw tensors + its metadata (the KV object's payload)."""
+    messages, names = CASES["one-image"]
+    request = await engine.prefill(messages, await engine.encode([IMAGES[n] for n in names]), GREEDY)
+    raw, meta = await request.export()
+    tensors, want_meta = request.state.to_tensors()
+    assert meta == want_meta and set(raw) == set(tensors)
+    assert all(raw[n] == RawTensor(*tensor_to_raw(t)) for n, t in tensors.items())
+    await request.release()
+    await request.release()  # twice is fine
+    with pytest.raises(EngineError):
+        await request.export()
+
+
 def _safetensors_metadata(blob: bytes) -> dict[str, str]:
-    import json
     import struct
 
     (n,) = struct.unpack("<Q", blob[:8])
     return json.loads(blob[8 : 8 + n])["__metadata__"]
 
 
-def test_decode_state_rejects_wrong_layer_count(engine):
+async def test_decode_state_rejects_wrong_layer_count(engine):
     messages, names = CASES["one-image"]
-    state = engine.prefill(messages, engine.encode([IMAGES[n] for n in names]), GREEDY)
-    tensors, meta = state.to_tensors()
+    request = await engine.prefill(messages, await engine.encode([IMAGES[n] for n in names]), GREEDY)
+    tensors, meta = request.state.to_tensors()
     tensors.pop("kv.0.k")
     with pytest.raises(EngineError):
         DecodeState.from_tensors(tensors, meta, engine.config)
+    # The engine's decode refuses it before any token.
+    events = engine.decode(_kv_object(tensors, meta), GREEDY)
+    with pytest.raises(KVStateMismatch):
+        await events.__anext__()
 
 
-def test_seeded_sampling_is_reproducible(engine):
+async def test_seeded_sampling_is_reproducible(engine):
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
+    encoded = await engine.encode([IMAGES[n] for n in names])
     params = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
-    a = _run(engine, messages, encoded, params)[0]
-    b = _run(engine, messages, encoded, params)[0]
-    c = _run(engine, messages, encoded, replace(params, seed=4321))[0]
-    greedy = _run(engine, messages, encoded)[0]
+    a = (await _run(engine, messages, encoded, params))[0]
+    b = (await _run(engine, messages, encoded, params))[0]
+    c = (await _run(engine, messages, encoded, replace(params, seed=4321)))[0]
+    greedy = (await _run(engine, messages, encoded))[0]
     assert a == b
     assert a != c
     assert a != greedy
     # seed=None draws a fresh random seed per request
-    d = _run(engine, messages, encoded, replace(params, seed=None))[0]
-    e = _run(engine, messages, encoded, replace(params, seed=None))[0]
+    d = (await _run(engine, messages, encoded, replace(params, seed=None)))[0]
+    e = (await _run(engine, messages, encoded, replace(params, seed=None)))[0]
     assert d != e
 
 
-def test_tiny_top_p_is_greedy(engine):
+async def test_tiny_top_p_is_greedy(engine):
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
+    encoded = await engine.encode([IMAGES[n] for n in names])
     nucleus = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, top_p=1e-6, seed=5, ignore_eos=True)
-    assert _run(engine, messages, encoded, nucleus)[0] == _run(engine, messages, encoded)[0]
+    assert (await _run(engine, messages, encoded, nucleus))[0] == (await _run(engine, messages, encoded))[0]
 
 
-def test_stop_strings_truncate(engine):
+async def test_stop_strings_truncate(engine):
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
-    ids, full_text, _ = _run(engine, messages, encoded)
+    encoded = await engine.encode([IMAGES[n] for n in names])
+    ids, full_text, _ = await _run(engine, messages, encoded)
     assert len(full_text) >= 8, full_text
     stop = full_text[4:7]
     expected = full_text[: full_text.index(stop)]
-    ids2, text2, events = _run(engine, messages, encoded, replace(GREEDY, stop=("\x00never\x00", stop)))
+    ids2, text2, events = await _run(engine, messages, encoded, replace(GREEDY, stop=("\x00never\x00", stop)))
     assert text2 == expected
     assert events[-1].finish_reason == "stop"
     assert ids2 == ids[: len(ids2)] and len(ids2) < len(ids)
     # A stop string that never appears changes nothing.
-    ids3, text3, events3 = _run(engine, messages, encoded, replace(GREEDY, stop=("\x00never\x00",)))
+    ids3, text3, events3 = await _run(engine, messages, encoded, replace(GREEDY, stop=("\x00never\x00",)))
     assert (ids3, text3, events3[-1].finish_reason) == (ids, full_text, "length")
 
 
-def test_eos_stops_unless_ignored(engine):
+async def test_eos_stops_unless_ignored(engine):
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
-    ids, _, _ = _run(engine, messages, encoded)
+    encoded = await engine.encode([IMAGES[n] for n in names])
+    ids, _, _ = await _run(engine, messages, encoded)
     saved = engine.eos_token_ids
     try:
         # Pretend the 4th generated token is EOS.
         engine.eos_token_ids = frozenset({ids[3]})
         k = ids.index(ids[3])
-        stopped, _, events = _run(engine, messages, encoded, replace(GREEDY, ignore_eos=False))
+        stopped, _, events = await _run(engine, messages, encoded, replace(GREEDY, ignore_eos=False))
         assert stopped == ids[: k + 1] and events[-1].finish_reason == "stop"
-        kept, _, _ = _run(engine, messages, encoded, GREEDY)
+        kept, _, _ = await _run(engine, messages, encoded, GREEDY)
         assert kept == ids
     finally:
         engine.eos_token_ids = saved
 
 
-def test_max_tokens_one(engine):
+async def test_max_tokens_one(engine):
     messages, names = CASES["one-image"]
-    encoded = engine.encode([IMAGES[n] for n in names])
-    ids, text, events = _run(engine, messages, encoded, replace(GREEDY, max_tokens=1))
+    encoded = await engine.encode([IMAGES[n] for n in names])
+    ids, text, events = await _run(engine, messages, encoded, replace(GREEDY, max_tokens=1))
     assert len(events) == 1 and events[0].finish_reason == "length"
-    assert ids == _run(engine, messages, encoded)[0][:1]
+    assert ids == (await _run(engine, messages, encoded))[0][:1]
 
 
-def test_placeholder_count_mismatch_raises(engine):
+async def test_closing_generate_early_stops_generation(engine):
+    """A long generation closed after 2 tokens (or whose task is cancelled) stops: no further
+    steps run for it, and the engine serves the next request promptly."""
+    messages, names = CASES["one-image"]
+    encoded = await engine.encode([IMAGES[n] for n in names])
+    t0 = time.perf_counter()
+    ids, _, _ = await _run(engine, messages, encoded, replace(GREEDY, max_tokens=8))
+    eight_tokens_s = time.perf_counter() - t0
+
+    long = replace(GREEDY, max_tokens=200)
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    events = engine.generate(messages, encoded, long, stats)
+    got = [await events.__anext__(), await events.__anext__()]
+    await events.aclose()
+    assert [e.token_id for e in got] == ids[:2]
+    # The next request runs right away (nothing of the long one is queued in front of it) ...
+    assert (await _run(engine, messages, encoded, replace(GREEDY, max_tokens=8)))[0] == ids
+    assert time.perf_counter() - t0 < 20 * eight_tokens_s + 5
+    # ... and the closed generation never stepped again.
+    assert stats.completion_tokens == 2
+
+    # Cancelling the task that iterates stops it too.
+    stats = GenerationStats()
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate(messages, encoded, long, stats):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    n = stats.completion_tokens
+    assert n < 200
+    assert (await _run(engine, messages, encoded, replace(GREEDY, max_tokens=8)))[0] == ids
+    assert stats.completion_tokens <= n + 1  # at most the step that was in flight
+
+
+async def test_placeholder_count_mismatch_raises(engine):
     one = CASES["one-image"][0]
     two = CASES["two-images"][0]
-    encoded = engine.encode([IMAGES["wide"], IMAGES["square"]])
+    encoded = await engine.encode([IMAGES["wide"], IMAGES["square"]])
     assert count_image_placeholders(two) == 2
     assert count_image_placeholders([{"role": "user", "content": "hi"}]) == 0
     with pytest.raises(InvalidRequest):
         check_image_count(one, 2)
     with pytest.raises(InvalidRequest):
-        list(engine.generate(one, encoded, GREEDY))
+        await _drain(engine.generate(one, encoded, GREEDY))
     with pytest.raises(InvalidRequest):
-        list(engine.generate(two, encoded[:1], GREEDY))
+        await _drain(engine.generate(two, encoded[:1], GREEDY))
     with pytest.raises(InvalidRequest):
-        list(engine.generate([{"role": "user", "content": "no image"}], encoded[:1], GREEDY))
+        await _drain(engine.generate([{"role": "user", "content": "no image"}], encoded[:1], GREEDY))
     # An image token typed as text is not an image slot.
     token = "<|image_pad|>" if engine.arch == "qwen2_vl" else "<image>"
     with pytest.raises(InvalidRequest):
-        list(engine.generate([_user(_text(f"look {token}"))], [], GREEDY))
+        await _drain(engine.generate([_user(_text(f"look {token}"))], [], GREEDY))
 
 
-def test_bad_inputs_raise_clear_errors(engine):
+async def test_bad_inputs_raise_clear_errors(engine):
     messages = CASES["one-image"][0]
-    good = engine.encode([IMAGES["wide"]])[0]
+    good = (await engine.encode([IMAGES["wide"]]))[0]
     h = engine.hidden_size
     bad_items = [
         EncodedImage(features=torch.zeros(good.n_tokens, h + 1), grid_thw=good.grid_thw),  # wrong width
@@ -299,7 +382,7 @@ def test_bad_inputs_raise_clear_errors(engine):
         bad_items.append(EncodedImage(features=good.features, grid_thw=(1, 3, 3)))
     for item in bad_items:
         with pytest.raises(InvalidRequest):
-            list(engine.generate(messages, [item], GREEDY))
+            await _drain(engine.generate(messages, [item], GREEDY))
     for params in (
         replace(GREEDY, max_tokens=0),
         replace(GREEDY, temperature=-1.0),
@@ -307,19 +390,19 @@ def test_bad_inputs_raise_clear_errors(engine):
         replace(GREEDY, max_tokens=10**9),
     ):
         with pytest.raises(InvalidRequest):
-            list(engine.generate(messages, [good], params))
+            await _drain(engine.generate(messages, [good], params))
     with pytest.raises(UnsupportedContent):
-        list(engine.generate([_user({"type": "audio"})], [], GREEDY))
+        await _drain(engine.generate([_user({"type": "audio"})], [], GREEDY))
     with pytest.raises(InvalidRequest):
-        list(engine.generate([{"role": "wizard", "content": "hi"}], [], GREEDY))
+        await _drain(engine.generate([{"role": "wizard", "content": "hi"}], [], GREEDY))
     with pytest.raises(InvalidRequest):
-        list(engine.generate([], [], GREEDY))
+        await _drain(engine.generate([], [], GREEDY))
     with pytest.raises(InvalidRequest):
-        engine.encode(["not an image"])  # type: ignore[list-item]
+        await engine.encode(["not an image"])  # type: ignore[list-item]
 
 
-def test_text_only_prompt(engine):
-    ids, text, events = _run(engine, [{"role": "user", "content": "Hello there"}], [])
+async def test_text_only_prompt(engine):
+    ids, text, events = await _run(engine, [{"role": "user", "content": "Hello there"}], [])
     assert len(ids) == N_TOKENS and events[-1].finish_reason == "length"
 
 
@@ -333,6 +416,32 @@ def test_identity_and_fingerprint(engine, model_dirs):
     assert encoder_fingerprint(other, dtype="float32", engine="transformers") != engine.encoder_fingerprint
     assert encoder_fingerprint(folder, dtype="bfloat16", engine="transformers") != engine.encoder_fingerprint
     assert TransformersEngine.__init__.__kwdefaults__["threads"] == 1
+
+
+async def test_options_and_aclose(model_dirs):
+    from types import SimpleNamespace
+
+    from shared.topology import Role
+
+    settings = SimpleNamespace(max_batch_size=3)
+    assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {"max_batch": 3}
+    for role in (Role.ENCODER, Role.PD, Role.PREFILL, Role.AGG):
+        assert TransformersEngine.options_from_settings(settings, role=role) == {}
+    engine = TransformersEngine(model_dirs["llava"], threads=1, max_batch=3)
+    assert engine._decode_loop.decoder.max_batch == 3
+    assert len(await engine.encode([IMAGES["wide"]])) == 1
+    # A generation in progress ends with an error when the engine closes under it.
+    running = engine.generate([{"role": "user", "content": "hi"}], [], replace(GREEDY, max_tokens=200))
+    await running.__anext__()
+    await engine.aclose()
+    with pytest.raises(EngineError, match="closed"):
+        await _drain(running)
+    await engine.aclose()  # idempotent
+    assert engine._executor._shutdown  # the compute thread is gone
+    with pytest.raises(EngineError, match="closed"):
+        await engine.encode([IMAGES["wide"]])
+    with pytest.raises(EngineError, match="closed"):
+        await _drain(engine.generate([{"role": "user", "content": "hi"}], [], GREEDY))
 
 
 def test_unknown_dtype_or_folder(tmp_path, model_dirs):

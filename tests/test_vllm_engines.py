@@ -1,6 +1,7 @@
 """vLLM engines through the store, no epd-serve service involved: a vLLM EC producer engine
-(encoder-only) -> MinioECConnector -> the real S3 server -> a vLLM EC consumer engine, compared
-token for token (greedy) with a plain vLLM engine (no connector) on the same prompts.
+(encoder-only) -> S3ECConnector -> the real S3 server -> a vLLM EC consumer engine, compared
+token for token (greedy) with a plain vLLM engine (no connector) on the same prompts. Closing a
+generation early aborts the request in vLLM.
 
 Engines are module-scoped (producer, consumer) or session-scoped (the plain reference): starting
 one takes ~40 s here. The consumer loads ``tests.vllm_faults.FaultInjectingECConnector`` - the
@@ -9,14 +10,17 @@ project's connector unchanged unless a test leaves a fault instruction for an it
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import pytest
 from prometheus_client import REGISTRY
 
+from shared.engines.base import SamplingParams
 from shared.store.ec import ECStore
 from shared.store.objects import S3ObjectStore
-from tests.stackutil import wait_for
+from tests.stackutil import engine_messages, wait_for
 from tests.vllmutil import CASES, FAULT_DIR_ENV, GREEDY, generate, media, s3_connector_config, started_engines
 
 pytestmark = pytest.mark.slow
@@ -64,31 +68,32 @@ def test_engines_agree_on_the_encoder_version(vllm_reference, engines, tiny_mode
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
-def test_consumer_uses_stored_outputs_and_equals_plain_vllm(vllm_reference, engines, ec_store, name, text, specs):
+async def test_consumer_uses_stored_outputs_and_equals_plain_vllm(vllm_reference, engines, ec_store, name, text,
+                                                                  specs):
     producer, consumer = engines
     items = [media(seed, size) for seed, size in specs]
-    counts = producer.produce(items)
+    counts = await producer.produce(items)
     for item, n in zip(items, counts):
         obj = ec_store.load(item.item_hash)  # stored, valid, under the vLLM fingerprint
         assert obj.n_tokens == n
-    got, stats = generate(consumer, text, items)
-    want, _ = generate(vllm_reference, text, items)
+    got, stats = await generate(consumer, text, items)
+    want, _ = await generate(vllm_reference, text, items)
     assert got == want and len(got) == GREEDY.max_tokens
     assert stats.extra["ec_sources"] == {item.item_hash: "store" for item in items}
 
 
-def test_swapped_objects_change_the_output(vllm_reference, engines, ec_store):
+async def test_swapped_objects_change_the_output(vllm_reference, engines, ec_store):
     """Negative control: the consumer really used the stored tensors. Image A's object is replaced
     by a valid object holding B's features: the consumer given image A answers like B."""
     producer, consumer = engines
     a, b = media(21, (56, 56)), media(22, (56, 56))
-    producer.produce([a, b])
+    await producer.produce([a, b])
     obj_b = ec_store.load(b.item_hash)
     ec_store.save(a.item_hash, obj_b.data, dtype=obj_b.dtype, shape=obj_b.shape)
-    got, stats = generate(consumer, "Describe the image.", [a])
+    got, stats = await generate(consumer, "Describe the image.", [a])
     assert stats.extra["ec_sources"] == {a.item_hash: "store"}
-    want_b, _ = generate(vllm_reference, "Describe the image.", [b])
-    want_a, _ = generate(vllm_reference, "Describe the image.", [a])
+    want_b, _ = await generate(vllm_reference, "Describe the image.", [b])
+    want_a, _ = await generate(vllm_reference, "Describe the image.", [a])
     assert want_a != want_b
     assert got == want_b
 
@@ -101,18 +106,18 @@ def _lookups(outcome: str, reason: str) -> float:
 
 
 @pytest.mark.parametrize("action,reason,seed", [("delete", "not_found", 41), ("corrupt", "checksum_mismatch", 42)])
-def test_object_lost_after_the_existence_check_still_completes(vllm_reference, engines, ec_store, fault_dir,
+async def test_object_lost_after_the_existence_check_still_completes(vllm_reference, engines, ec_store, fault_dir,
                                                                 action, reason, seed):
     producer, consumer = engines
     item = media(seed, (64, 48))
-    producer.produce([item])
+    await producer.produce([item])
     assert ec_store.exists(item.item_hash)
     before = _lookups("fallback", reason)
     (fault_dir / item.item_hash).write_text(action)
-    got, stats = generate(consumer, "Describe the image.", [item])
+    got, stats = await generate(consumer, "Describe the image.", [item])
     assert (fault_dir / f"{item.item_hash}.done").read_text() == action  # the fault hit the load
     assert stats.extra["ec_sources"] == {item.item_hash: f"recomputed:{reason}"}
-    want, _ = generate(vllm_reference, "Describe the image.", [item])
+    want, _ = await generate(vllm_reference, "Describe the image.", [item])
     assert got == want
     # The fallback is counted, with its reason (stats reach this process with the engine's outputs,
     # possibly a little after them).
@@ -120,9 +125,49 @@ def test_object_lost_after_the_existence_check_still_completes(vllm_reference, e
     assert _lookups("fallback", reason) == before + 1
 
 
-def test_unstored_item_is_encoded_by_the_consumer(vllm_reference, engines):
+async def test_unstored_item_is_encoded_by_the_consumer(vllm_reference, engines):
     _, consumer = engines
     item = media(51, (56, 56))
-    got, stats = generate(consumer, "What is this?", [item])
+    got, stats = await generate(consumer, "What is this?", [item])
     assert stats.extra["ec_sources"] == {item.item_hash: "recomputed:not_found"}
-    assert got == generate(vllm_reference, "What is this?", [item])[0]
+    assert got == (await generate(vllm_reference, "What is this?", [item]))[0]
+
+
+async def _settled(engine, timeout_s: float = 60.0) -> int:
+    """vLLM's number of unfinished requests, once it is 0 (or the timeout passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (n := await engine.num_unfinished_requests()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return n
+
+
+async def test_closing_generate_early_aborts_the_request(vllm_reference):
+    """A long generation closed after 2 tokens, or whose task is cancelled, is aborted in vLLM
+    (no unfinished request is left behind) and the engine serves the next request."""
+    item = media(61, (56, 56))
+    messages = engine_messages("Describe the image.", 1)
+    long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    want, _ = await generate(vllm_reference, "Describe the image.", [item])
+    assert await _settled(vllm_reference) == 0
+
+    events = vllm_reference.generate(messages, [item], long)
+    got = [await events.__anext__(), await events.__anext__()]
+    assert [e.token_id for e in got] == want[:2]
+    assert await vllm_reference.num_unfinished_requests() == 1  # still generating
+    await events.aclose()
+    assert await _settled(vllm_reference) == 0
+
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in vllm_reference.generate(messages, [item], long):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    assert await vllm_reference.num_unfinished_requests() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await _settled(vllm_reference) == 0
+    assert (await generate(vllm_reference, "Describe the image.", [item]))[0] == want

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -30,10 +31,10 @@ def media(seed: int, size: tuple[int, int]) -> MediaImage:
     return MediaImage(image=image, item_hash=content_hash_of(image))
 
 
-def generate(engine, text: str, items: list[MediaImage]) -> tuple[list[int], GenerationStats]:
+async def generate(engine, text: str, items: list[MediaImage]) -> tuple[list[int], GenerationStats]:
     """Greedy token ids of one user turn (images first, then ``text``) and the engine's stats."""
     stats = GenerationStats()
-    events = list(engine.generate(engine_messages(text, len(items)), items, GREEDY, stats))
+    events = [e async for e in engine.generate(engine_messages(text, len(items)), items, GREEDY, stats)]
     assert events[-1].finish_reason == "length"
     return [e.token_id for e in events], stats
 
@@ -46,6 +47,13 @@ def s3_connector_config(s3_server, *, namespace: str, ak_env: str, sk_env: str) 
     S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
     return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": namespace, "access_key_env": ak_env,
             "secret_key_env": sk_env}
+
+
+def close_engine(engine) -> None:
+    """``await engine.aclose()`` from synchronous code (a fixture's teardown), in a thread of its
+    own so it works whether or not an event loop runs in the caller's thread."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, engine.aclose()).result()
 
 
 @contextlib.contextmanager
@@ -68,4 +76,4 @@ def started_engines(model_dir: Path, *options: dict) -> Iterator[tuple]:
         yield tuple(started)
     finally:
         for engine in reversed(started):
-            engine.close()
+            close_engine(engine)

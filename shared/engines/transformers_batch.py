@@ -23,20 +23,28 @@ over the padded column count, so logits can differ from the single-request run i
 (measured on the tiny models: see README, "Batching"). Greedy tokens are equal unless two logits
 tie within that difference.
 
-Not thread-safe: call it from the engine thread only.
+Not thread-safe: call it from the engine's compute thread only.
+
+:class:`DecodeLoop` drives a :class:`BatchDecoder` for :meth:`TransformersEngine.decode`: requests
+join and leave from any thread (an event loop), the steps run in the compute thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 
-from shared.engines.base import SamplingParams, TokenEvent
+from shared import metrics
+from shared.engines.base import KVStateMismatch, SamplingParams, TokenEvent
 from shared.engines.transformers_engine import DecodeState, DecodeStream, TransformersEngine, sample_next
-from shared.errors import EngineError
+from shared.errors import EngineError, InvalidRequest
+from shared.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,8 @@ class BatchDecoder:
         self.last_logits: dict[Hashable, torch.Tensor] = {}
         #: largest number of rows seen in one forward (for metrics and tests).
         self.max_rows_seen = 0
+        #: keys of the rows of the last step's forward (empty when it ran none).
+        self.last_forward: tuple[Hashable, ...] = ()
         self._members: dict[Hashable, _Member] = {}
         # Members whose KV is not in the batch cache yet (they still have tokens to emit).
         self._waiting: list[Hashable] = []
@@ -121,6 +131,7 @@ class BatchDecoder:
         events: list[tuple[Hashable, TokenEvent]] = []
         finished: list[Hashable] = []
         self.last_logits.clear()
+        self.last_forward = ()
         try:
             for key in list(self._waiting):
                 member = self._members[key]
@@ -154,6 +165,7 @@ class BatchDecoder:
         return events
 
     def clear(self) -> None:
+        self.last_forward = ()
         self._members.clear()
         self._waiting.clear()
         self._rows.clear()
@@ -167,6 +179,7 @@ class BatchDecoder:
         engine = self.engine
         members = [self._members[k] for k in self._rows]
         self.max_rows_seen = max(self.max_rows_seen, len(members))
+        self.last_forward = tuple(self._rows)
         if len(members) == 1:
             # No padding in a single row: exactly the single-request call, bit for bit.
             state = members[0].state
@@ -262,6 +275,179 @@ class BatchDecoder:
         kv = [(k[i : i + 1, :, pad:].clone(), v[i : i + 1, :, pad:].clone()) for k, v in self._kv]
         member = self._members[self._rows[i]]
         member.state.cache = DynamicCache(kv, config=self.engine.config)
+
+
+# -- the decode loop ----------------------------------------------------------------------------
+class _Sink:
+    """Where one request's items go: an ``asyncio.Queue`` on the event loop of the coroutine that
+    reads them, fed from the compute thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop = loop
+        self.queue = queue
+
+    def post(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # that event loop is closed: nobody reads any more
+            pass
+
+
+@dataclass
+class _Join:
+    key: Hashable
+    state: DecodeState
+    params: SamplingParams
+    sink: _Sink
+
+
+class DecodeLoop:
+    """The batched decode loop behind :meth:`TransformersEngine.decode`.
+
+    * :meth:`join` (any thread; the engine calls it on the event loop) queues a request - its
+      ``DecodeState``, already built in the compute thread - with the queue its items go to;
+      the first join starts the loop. :meth:`leave` drops a request before the next step (a
+      no-op once it finished).
+    * The loop is a chain of compute-thread tasks, one step each, each submitting the next while
+      any request is left; other compute calls queued meanwhile (encode, prefill, building a
+      state) run between two steps. It ends when nothing is left; a later join starts it again.
+    * A step (tick): drops requests that left, admits queued joins while rows are free
+      (``max_batch``; the rest wait), runs one :meth:`BatchDecoder.step`, posts each event.
+    * What a queue receives: ``(TokenEvent, rows)`` items - ``rows``: the rows of the forward
+      that produced the token, 0 for a token that needed none - the last event with
+      ``finish_reason``; or one exception (the state does not fit: :class:`KVStateMismatch`;
+      the batched step failed; the engine closed), then nothing more.
+    """
+
+    def __init__(self, decoder: BatchDecoder, executor: Executor):
+        self.decoder = decoder
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._joins: list[_Join] = []
+        self._cancels: set[Hashable] = set()
+        self._sinks: dict[Hashable, _Sink] = {}
+        self._running = False
+        self._closed = False
+        self.steps = 0
+
+    @property
+    def active(self) -> int:
+        """Requests joined and not finished (decoding or waiting for a row)."""
+        with self._lock:
+            return len(self._sinks)
+
+    def join(self, key: Hashable, state: DecodeState, params: SamplingParams, loop: asyncio.AbstractEventLoop,
+             queue: asyncio.Queue) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            if key in self._sinks:
+                raise ValueError(f"{key!r} is already being decoded")
+            sink = _Sink(loop, queue)
+            self._joins.append(_Join(key, state, params, sink))
+            self._sinks[key] = sink
+            start = not self._running
+            self._running = True
+        if start:
+            self._schedule()
+
+    def leave(self, key: Hashable) -> None:
+        with self._lock:
+            if self._sinks.pop(key, None) is not None:
+                self._cancels.add(key)
+
+    def close(self) -> None:
+        """Fail every request still joined; the loop stops at its next tick."""
+        with self._lock:
+            self._closed = True
+            sinks, self._sinks = self._sinks, {}
+            self._joins.clear()
+        for sink in sinks.values():
+            sink.post(EngineError("the engine was closed"))
+
+    def _schedule(self) -> None:
+        try:
+            self._executor.submit(self._tick)
+        except RuntimeError as exc:  # the compute thread is shut down
+            self._fail_all(EngineError(f"the decode loop cannot run: {exc}"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            self._running = False
+            sinks, self._sinks = self._sinks, {}
+            self._joins.clear()
+            self._cancels.clear()
+        for sink in sinks.values():
+            sink.post(exc)
+
+    def _finish(self, key: Hashable, exc: BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.pop(key, None)
+        if sink is not None:
+            sink.post(exc)
+
+    # -- compute thread ---------------------------------------------------------------------
+    def _tick(self) -> None:
+        REQUEST_ID.set("-")  # this thread serves many requests; loop lines carry none
+        try:
+            more = self._step()
+        except BaseException as exc:  # a bug: fail every request rather than leave it hanging
+            log.exception("decode loop died")
+            self.decoder.clear()
+            self._fail_all(EngineError(f"decode loop died: {exc!r}"))
+            return
+        if more:
+            self._schedule()
+
+    def _step(self) -> bool:
+        """One tick; False when the loop ends (nothing left)."""
+        decoder = self.decoder
+        with self._lock:
+            if self._closed:
+                self._running = False
+                decoder.clear()
+                return False
+            cancels, self._cancels = self._cancels, set()
+        for key in cancels:
+            if key in decoder:
+                decoder.remove(key)
+        with self._lock:
+            room = max(0, decoder.max_batch - len(decoder))
+            joins, self._joins = self._joins[:room], self._joins[room:]
+            live = dict(self._sinks)
+        for join in joins:
+            if join.key not in live:  # left before it joined
+                continue
+            try:
+                decoder.add(join.key, join.state, join.params)
+            except InvalidRequest as exc:
+                self._finish(join.key, exc)
+            except EngineError as exc:  # the state's cache does not fit the model
+                self._finish(join.key, KVStateMismatch(str(exc)))
+        with self._lock:
+            if len(decoder) == 0 and not self._joins:
+                self._running = False
+                return False
+        members = [k for k in live if k in decoder]
+        try:
+            events = decoder.step()
+        except Exception as exc:  # the whole batch is gone (BatchDecoder cleared itself)
+            log.error("batched decode step failed for %d request(s): %s", len(members), exc)
+            for key in members:
+                self._finish(key, exc)
+            return True
+        self.steps += 1
+        forward = decoder.last_forward
+        if forward:
+            metrics.DECODE_BATCH_ROWS.observe(len(forward))
+        for key, event in events:
+            sink = live.get(key)
+            if sink is not None:
+                sink.post((event, len(forward) if key in forward else 0))
+            if event.finish_reason is not None:
+                with self._lock:
+                    self._sinks.pop(key, None)
+        return True
 
 
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,15 +1,22 @@
 """Engine backed by Hugging Face ``transformers`` on the CPU (Qwen2-VL and LLaVA families).
 
-The three EPD stages are separate, explicit steps so a later change can run them in different
-processes:
+The public API is the async contract of :mod:`shared.engines.base`; every torch call runs in
+the engine's one private compute thread (a single-worker executor), never on the caller's
+event loop, and never two at a time. The EPD stages are separate, explicit steps:
 
 * :meth:`TransformersEngine.encode` - image processor + vision tower + projector, one image at
   a time (features of an image never depend on the batch it came in).
 * :meth:`TransformersEngine.prefill` - chat template, tokenization, placeholder expansion,
   ``masked_scatter`` of the features, one LM forward over the prompt with explicit position ids,
-  first token sampled. Returns a :class:`DecodeState`.
-* :meth:`TransformersEngine.decode` - continues from a :class:`DecodeState` token by token with
-  incremental detokenization and stop handling, yielding :class:`TokenEvent` items.
+  first token sampled. Returns a :class:`TransformersPrefilled` around a :class:`DecodeState`.
+* decoding - token by token with incremental detokenization and stop handling
+  (:class:`DecodeStream`): one compute-thread hop per token for ``generate`` and
+  ``continue_here``; for ``decode`` (a handed-off KV object) the engine's batched decode loop
+  (``shared.engines.transformers_batch``), one forward per step over every request it decodes.
+
+Compute-thread hops are FIFO, so a long generation or the batched loop never starves other
+calls: they interleave step by step. Closing a token iterator early stops its work after the
+step in flight.
 
 With greedy sampling the token ids equal ``model.generate(**processor(text=..., images=...))``
 bit for bit, provided every stage runs with the same thread count and dtype. What makes this
@@ -20,25 +27,43 @@ silently uses wrong 1-D positions otherwise), a fresh ``DynamicCache`` per reque
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import itertools
 import json
 import logging
-import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence, TypeVar
 
 import torch
 
-from shared.engines.base import Engine, EncodedImage, GenerationStats, SamplingParams, TokenEvent
-from shared.errors import EngineError, InvalidImage, InvalidRequest, UnsupportedContent
+from shared.engines.base import (
+    EncodedImage,
+    Engine,
+    FeaturesThroughWorker,
+    GenerationStats,
+    KVStateHandoff,
+    KVStateMismatch,
+    SamplingParams,
+    TokenEvent,
+)
+from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
+from shared.errors import EngineError, InvalidImage, InvalidRequest
 from shared.fingerprint import encoder_fingerprint as _encoder_fingerprint
+from shared.topology import Role
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from shared.store.format import RawTensor
+    from shared.store.kv import KVObject
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -46,90 +71,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 #: Content part types that stand for one image (in order) in a message.
-IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
-TEXT_PART_TYPES = frozenset({"text", "input_text"})
-_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 DECODE_STATE_SCHEMA = "epd-decode-state-v1"
-
-
-# -- messages -----------------------------------------------------------------------------------
-
-
-def count_image_placeholders(messages: list[dict[str, Any]]) -> int:
-    """Number of image parts in ``messages`` (validates the message shape on the way)."""
-    return sum(1 for part in _iter_parts(messages) if part["type"] in IMAGE_PART_TYPES)
-
-
-def check_image_count(messages: list[dict[str, Any]], n_images: int) -> int:
-    """Raise :class:`InvalidRequest` unless ``messages`` hold exactly ``n_images`` image parts."""
-    n = count_image_placeholders(messages)
-    if n != n_images:
-        raise InvalidRequest(
-            f"messages contain {n} image placeholder(s) but {n_images} image(s) were given", param="messages"
-        )
-    return n
-
-
-def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: int) -> None:
-    """Raise :class:`InvalidRequest` unless the tokenized prompt has exactly one image placeholder
-    token per image (a literal "<|image_pad|>" typed into a text part would add one)."""
-    n_placeholders = sum(1 for t in ids if t == image_token_id)
-    if n_placeholders != n_images:
-        raise InvalidRequest(
-            f"prompt has {n_placeholders} image placeholder tokens for {n_images} image(s); "
-            "text parts must not contain image tokens",
-            param="messages",
-        )
-
-
-def _iter_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list", param="messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages")
-        content = msg.get("content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param="messages")
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(f"messages[{i}].content[{j}] must be an object with a type", param="messages")
-            ptype = part["type"]
-            if ptype in TEXT_PART_TYPES:
-                if not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param="messages")
-            elif ptype not in IMAGE_PART_TYPES:
-                raise UnsupportedContent(
-                    f"messages[{i}].content[{j}] has unsupported type {ptype!r}", param="messages"
-                )
-            yield part
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Canonical form for chat templates: string content, or ``{"type": "text", "text"}`` /
-    ``{"type": "image"}`` parts only (URLs and payloads dropped so no template or processor
-    ever tries to fetch anything)."""
-    list(_iter_parts(messages))  # validate
-    out: list[dict[str, Any]] = []
-    for msg in messages:
-        content = msg["content"]
-        if isinstance(content, str):
-            out.append({"role": msg["role"], "content": content})
-            continue
-        parts: list[dict[str, Any]] = []
-        for part in content:
-            if part["type"] in IMAGE_PART_TYPES:
-                parts.append({"type": "image"})
-            else:
-                parts.append({"type": "text", "text": part["text"]})
-        out.append({"role": msg["role"], "content": parts})
-    return out
 
 
 # -- decode state -------------------------------------------------------------------------------
@@ -369,8 +312,8 @@ class StopStringMatcher:
 class DecodeStream:
     """Per-request decode bookkeeping around a :class:`DecodeState`: incremental
     detokenization, stop strings, EOS and ``max_tokens``. Model compute is not done here, so
-    the single-request loop (:meth:`TransformersEngine.decode`) and the batched one
-    (``shared.engines.transformers_batch``) share the exact same token -> event logic.
+    the single-request loop (``generate`` / ``continue_here``) and the batched one
+    (``decode``, ``shared.engines.transformers_batch``) share the exact same token -> event logic.
 
     Tokens ``output_ids[:emitted]`` were already emitted by an earlier owner of the state
     (prefill in E|P|D, or a worker that died): they are replayed silently through the
@@ -449,37 +392,55 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def validate_params(params: SamplingParams) -> None:
-    if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
-        raise InvalidRequest("max_tokens must be a positive integer", param="max_tokens")
-    if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature)):
-        raise InvalidRequest("temperature must be a finite number", param="temperature")
-    if params.temperature < 0:
-        raise InvalidRequest("temperature must be >= 0", param="temperature")
-    if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
-        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
-    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0 or params.seed >= 2**63):
-        raise InvalidRequest("seed must be an integer in [0, 2**63)", param="seed")
-    if not all(isinstance(s, str) for s in params.stop):
-        raise InvalidRequest("stop must be a list of strings", param="stop")
+# -- prefilled request --------------------------------------------------------------------------
 
 
-def render_chat_prompt(processor: Any, chat_template: str, messages: list[dict[str, Any]]) -> str:
-    """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
-    ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
-    norm = normalize_messages(messages)
-    try:
-        return processor.apply_chat_template(norm, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False)
-    except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
-        raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+class TransformersPrefilled:
+    """A prefilled request of :class:`TransformersEngine` (a ``PrefilledRequest``): the decode
+    state with its first token already emitted (``state.emitted == 1``)."""
+
+    def __init__(self, engine: "TransformersEngine", stream: DecodeStream, first: TokenEvent,
+                 stats: GenerationStats | None):
+        self._engine = engine
+        self._stream: DecodeStream | None = stream
+        self._stats = stats
+        self.first = first
+
+    @property
+    def state(self) -> DecodeState:
+        return self._live().state
+
+    def _live(self) -> DecodeStream:
+        if self._stream is None:
+            raise EngineError("the prefilled request was released")
+        return self._stream
+
+    async def export(self) -> tuple[dict[str, "RawTensor"], dict[str, str]]:
+        """The decode state as raw tensors + metadata (``decode_state_to_raw``)."""
+        from shared.store.tensors import decode_state_to_raw
+
+        return await self._engine._call(decode_state_to_raw, self._live().state)
+
+    def continue_here(self) -> AsyncIterator[TokenEvent]:
+        """The tokens after ``first``, decoded in this engine (one compute-thread hop each);
+        updates the stats given to :meth:`TransformersEngine.prefill`."""
+        return self._engine._events(self._live(), self._stats)
+
+    async def release(self) -> None:
+        if self._stream is not None:
+            self._stream.state.cache = None  # the KV cache is the bulk of it
+            self._stream = None
 
 
 # -- engine -------------------------------------------------------------------------------------
 
 
-class TransformersEngine(Engine):
-    """A Qwen2-VL or LLaVA model folder loaded with ``transformers`` (CPU)."""
+class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
+    """A Qwen2-VL or LLaVA model folder loaded with ``transformers`` (CPU).
+
+    The constructor loads the model in the calling thread (blocking: call it off the event
+    loop); everything after that goes through the private compute thread. ``max_batch``: most
+    requests :meth:`decode` steps together (more wait for a free row)."""
 
     name = "transformers"
 
@@ -490,9 +451,12 @@ class TransformersEngine(Engine):
         dtype: str = "float32",
         threads: int | None = 1,
         model_id: str | None = None,
+        max_batch: int = 16,
     ):
         from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
         from transformers import Qwen2VLForConditionalGeneration
+
+        from shared.engines.transformers_batch import BatchDecoder, DecodeLoop
 
         self.model_dir = Path(model_dir)
         if dtype not in _DTYPES:
@@ -531,6 +495,16 @@ class TransformersEngine(Engine):
         )
         if not self.chat_template:
             raise EngineError(f"model folder {self.model_dir} has no chat template")
+
+        # The one compute thread: torch work stays off the event loop and is never concurrent.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="transformers-engine",
+            initializer=torch.set_num_threads if threads is not None else None,
+            initargs=(int(threads),) if threads is not None else (),
+        )
+        self._closed = False
+        self._keys = itertools.count()
+        self._decode_loop = DecodeLoop(BatchDecoder(self, max_batch=max_batch), self._executor)
         logger.info(
             "loaded %s (%s, %s, threads=%s) in %.2fs",
             self.model_dir,
@@ -539,6 +513,13 @@ class TransformersEngine(Engine):
             threads,
             time.perf_counter() - t0,
         )
+
+    @classmethod
+    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
+        """Decode workers: the batch size."""
+        if role is not Role.DECODE:
+            return {}
+        return {"max_batch": settings.max_batch_size}
 
     # -- Engine API ---------------------------------------------------------------------------
 
@@ -556,64 +537,110 @@ class TransformersEngine(Engine):
     def is_mrope(self) -> bool:
         return self.arch == "qwen2_vl"
 
-    def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
         """Image processor + vision tower + projector, one image per call (batch-independent)."""
-        from PIL import Image as PILImage
+        return await self._call(self._encode, images)
 
-        out: list[EncodedImage] = []
-        for i, img in enumerate(images):
-            if not isinstance(img, PILImage.Image):
-                raise InvalidImage(f"images[{i}] is not a PIL image ({type(img).__name__})")
-            if img.width < 1 or img.height < 1:
-                raise InvalidImage(f"images[{i}] is empty ({img.width}x{img.height})")
-            if img.mode != "RGB":
-                img = img.convert("RGB")
-            try:
-                pixels = self.processor.image_processor(images=[img], return_tensors="pt")
-            except (ValueError, TypeError) as exc:
-                raise InvalidImage(f"images[{i}] cannot be preprocessed: {exc}") from exc
-            try:
-                res, grid_thw = self._encode_pixels(pixels)
-            except (RuntimeError, ValueError, IndexError) as exc:
-                raise EngineError(f"encoding images[{i}] failed: {exc}") from exc
-            feats = res.pooler_output[0]
-            feats = feats.reshape(-1, feats.shape[-1]).detach().to("cpu").contiguous()
-            out.append(EncodedImage(features=feats, grid_thw=grid_thw))
-        return out
-
-    def _encode_pixels(self, pixels: Any) -> tuple[Any, tuple[int, int, int] | None]:
-        # no_grad rather than inference_mode: the features leave the engine, and callers may
-        # modify them in place (not allowed on inference tensors outside inference mode).
-        with torch.no_grad():
-            if self.is_mrope:
-                grid = pixels["image_grid_thw"]
-                res = self.model.get_image_features(
-                    pixel_values=pixels["pixel_values"], image_grid_thw=grid, return_dict=True
-                )
-                grid_thw: tuple[int, int, int] | None = tuple(int(x) for x in grid[0].tolist())  # type: ignore[assignment]
-            else:
-                res = self.model.get_image_features(
-                    pixel_values=pixels["pixel_values"],
-                    vision_feature_layer=self.config.vision_feature_layer,
-                    vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-                    return_dict=True,
-                )
-                grid_thw = None
-        return res, grid_thw
-
-    def generate(
+    async def generate(
         self,
         messages: list[dict[str, Any]],
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Prefill + decode (see the module docstring). This is a generator: input errors
-        (:class:`InvalidRequest`) are raised by the first ``next()``, before any event."""
-        state = self.prefill(messages, images, params, stats)
-        yield from self.decode(state, params, stats)
+    ) -> AsyncIterator[TokenEvent]:
+        """Prefill + decode (see the module docstring). Input errors (:class:`InvalidRequest`)
+        are raised by the first ``__anext__``, before any event."""
+        request = await self.prefill(messages, images, params, stats)
+        try:
+            yield request.first
+            if request.first.finish_reason is None:
+                async for event in request.continue_here():
+                    yield event
+        finally:
+            await request.release()
 
-    # -- prompt ---------------------------------------------------------------------------------
+    async def prefill(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[EncodedImage],
+        params: SamplingParams,
+        stats: GenerationStats | None = None,
+    ) -> TransformersPrefilled:
+        """Run the prompt through the LM and sample (and emit) the first token."""
+        stream, first = await self._call(self._prefill_first, messages, images, params, stats)
+        return TransformersPrefilled(self, stream, first, stats)
+
+    async def decode(self, obj: "KVObject", params: SamplingParams,
+                     stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
+        """Continue a handed-off request in the batched decode loop (see the base class).
+        ``stats``: ``completion_tokens`` counts every output token (prefill's too),
+        ``decode_s`` is the time from joining to the last event, ``extra
+        ["decode_batch_rows_max"]`` the most rows of a step this request was part of."""
+        validate_params(params)
+        t0 = time.perf_counter()
+        state = await self._call(self._state_from_object, obj)
+        already = state.emitted
+        if stats is not None:
+            stats.prompt_tokens = state.prompt_tokens
+        key = next(self._keys)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._decode_loop.join(key, state, params, asyncio.get_running_loop(), queue)
+        rows_max, n = 0, 0
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                event, rows = item
+                n += 1
+                rows_max = max(rows_max, rows)
+                if stats is not None:
+                    stats.completion_tokens = already + n
+                    stats.decode_s = time.perf_counter() - t0
+                    stats.extra["decode_batch_rows_max"] = rows_max
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self._decode_loop.leave(key)  # no-op once finished; frees the row when closed early
+
+    async def aclose(self) -> None:
+        """Fail what the decode loop still holds and shut the compute thread down (after the
+        call in flight)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._decode_loop.close()
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self.model = None  # type: ignore[assignment]
+
+    # -- compute thread plumbing ----------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the compute thread (keeping the caller's context: request ids in logs)."""
+        if self._closed:
+            raise EngineError("the engine is closed")
+        ctx = contextvars.copy_context()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn, *args)
+        except RuntimeError as exc:
+            if self._closed:  # shut down between the check and the submit
+                raise EngineError("the engine is closed") from exc
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                # aclose() dropped the queued call; the caller was not cancelled
+                raise EngineError("the engine was closed") from None
+            raise
+
+    async def _events(self, stream: DecodeStream, stats: GenerationStats | None) -> AsyncIterator[TokenEvent]:
+        """The remaining events of ``stream``, one compute-thread hop per token. Closing the
+        iterator stops after the step in flight."""
+        while not stream.finished:
+            yield await self._call(self._next_event, stream, stats)
+
+    # -- compute thread: prompt ----------------------------------------------------------------
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to ``messages`` with ``add_generation_prompt=True``."""
@@ -688,16 +715,75 @@ class TransformersEngine(Engine):
                 expanded.append(t)
         return expanded
 
-    # -- prefill / decode -----------------------------------------------------------------------
+    # -- compute thread: encode / prefill / decode ----------------------------------------------
 
-    def prefill(
+    def _encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+        from PIL import Image as PILImage
+
+        out: list[EncodedImage] = []
+        for i, img in enumerate(images):
+            if not isinstance(img, PILImage.Image):
+                raise InvalidImage(f"images[{i}] is not a PIL image ({type(img).__name__})")
+            if img.width < 1 or img.height < 1:
+                raise InvalidImage(f"images[{i}] is empty ({img.width}x{img.height})")
+            if img.mode != "RGB":
+                img = img.convert("RGB")
+            try:
+                pixels = self.processor.image_processor(images=[img], return_tensors="pt")
+            except (ValueError, TypeError) as exc:
+                raise InvalidImage(f"images[{i}] cannot be preprocessed: {exc}") from exc
+            try:
+                res, grid_thw = self._encode_pixels(pixels)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise EngineError(f"encoding images[{i}] failed: {exc}") from exc
+            feats = res.pooler_output[0]
+            feats = feats.reshape(-1, feats.shape[-1]).detach().to("cpu").contiguous()
+            out.append(EncodedImage(features=feats, grid_thw=grid_thw))
+        return out
+
+    def _encode_pixels(self, pixels: Any) -> tuple[Any, tuple[int, int, int] | None]:
+        # no_grad rather than inference_mode: the features leave the engine, and callers may
+        # modify them in place (not allowed on inference tensors outside inference mode).
+        with torch.no_grad():
+            if self.is_mrope:
+                grid = pixels["image_grid_thw"]
+                res = self.model.get_image_features(
+                    pixel_values=pixels["pixel_values"], image_grid_thw=grid, return_dict=True
+                )
+                grid_thw: tuple[int, int, int] | None = tuple(int(x) for x in grid[0].tolist())  # type: ignore[assignment]
+            else:
+                res = self.model.get_image_features(
+                    pixel_values=pixels["pixel_values"],
+                    vision_feature_layer=self.config.vision_feature_layer,
+                    vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+                    return_dict=True,
+                )
+                grid_thw = None
+        return res, grid_thw
+
+    def _prefill_first(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[EncodedImage],
+        params: SamplingParams,
+        stats: GenerationStats | None,
+    ) -> tuple[DecodeStream, TokenEvent]:
+        """Prefill, then emit the first token's event."""
+        state = self._prefill(messages, images, params, stats)
+        stream = DecodeStream(self, state, params)
+        first = stream.emit()
+        if stats is not None:
+            stats.completion_tokens = state.emitted
+        return stream, first
+
+    def _prefill(
         self,
         messages: list[dict[str, Any]],
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> DecodeState:
-        """Run the prompt through the LM and sample the first token."""
+        """Run the prompt through the LM and sample the first token (not emitted yet)."""
         from transformers import DynamicCache
 
         validate_params(params)
@@ -779,9 +865,9 @@ class TransformersEngine(Engine):
         return torch.tensor([[[p]], [[q]], [[q]], [[q]]], dtype=torch.long)
 
     def decode_logits(self, state: DecodeState) -> torch.Tensor:
-        """Feed ``state.last_token`` through the LM (extending ``state.cache``) and return the
-        next-token logits ``[vocab]``. ``state``'s token fields are not advanced: see
-        :meth:`DecodeState.advance`."""
+        """Compute thread only (the batch decoder's single-row step). Feed ``state.last_token``
+        through the LM (extending ``state.cache``) and return the next-token logits ``[vocab]``.
+        ``state``'s token fields are not advanced: see :meth:`DecodeState.advance`."""
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([[state.last_token]], dtype=torch.long),
@@ -793,35 +879,31 @@ class TransformersEngine(Engine):
         state.cache = out.past_key_values
         return out.logits[0, -1]
 
-    def decode_step(self, state: DecodeState, params: SamplingParams) -> int:
-        """Feed ``state.last_token`` to the LM, sample the next token, advance ``state``."""
-        nxt = sample_next(self.decode_logits(state), params, state.generator)
-        state.advance(nxt)
-        return nxt
-
-    def decode(
-        self, state: DecodeState, params: SamplingParams, stats: GenerationStats | None = None
-    ) -> Iterator[TokenEvent]:
-        """Emit events for the tokens in ``state`` and keep decoding until a stop condition.
-
-        Finish reasons: ``"stop"`` on an EOS token (unless ``ignore_eos``) or a stop string (the
-        text then ends right before it), ``"length"`` after ``max_tokens`` tokens.
-        """
-        stream = DecodeStream(self, state, params)
+    def _next_event(self, stream: DecodeStream, stats: GenerationStats | None) -> TokenEvent:
+        """The next event of ``stream``, decoding a token first when every sampled one was
+        emitted. Finish reasons: ``"stop"`` on an EOS token (unless ``ignore_eos``) or a stop
+        string (the text then ends right before it), ``"length"`` after ``max_tokens`` tokens."""
+        t0 = time.perf_counter()
+        state = stream.state
         try:
-            while True:
-                t0 = time.perf_counter()
-                if stream.needs_step:
-                    self.decode_step(state, params)
-                event = stream.emit()
-                if stats is not None:
-                    stats.completion_tokens = state.emitted
-                    stats.decode_s += time.perf_counter() - t0
-                yield event
-                if event.finish_reason is not None:
-                    return
+            if stream.needs_step:
+                state.advance(sample_next(self.decode_logits(state), stream.params, state.generator))
+            event = stream.emit()
         except (RuntimeError, ValueError, IndexError) as exc:
             raise EngineError(f"decode failed: {exc}") from exc
+        if stats is not None:
+            stats.completion_tokens = state.emitted
+            stats.decode_s += time.perf_counter() - t0
+        return event
+
+    def _state_from_object(self, obj: "KVObject") -> DecodeState:
+        """The decode state of a validated KV object; KVStateMismatch when it does not fit."""
+        from shared.store.tensors import kv_object_to_state
+
+        try:
+            return kv_object_to_state(obj, self.config)
+        except (EngineError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+            raise KVStateMismatch(str(exc)) from exc
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -837,6 +919,3 @@ class TransformersEngine(Engine):
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id and im_end is not None:
             ids.add(im_end)
         return frozenset(ids)
-
-    def close(self) -> None:
-        self.model = None  # type: ignore[assignment]

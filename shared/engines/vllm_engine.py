@@ -2,9 +2,8 @@
 worker as child processes).
 
 With vLLM, encoder outputs do not pass through the worker: they move through vLLM's own EC
-connector interface, implemented over the project's store by
-:class:`shared.connectors.s3_ec.MinioECConnector`. So this engine has
-``features_via_connector = True``:
+connector interface, implemented over the project's store (``shared.connectors``). So this
+engine is :class:`FeaturesThroughConnector`:
 
 * in an encoder worker (``ec_role="ec_producer"``) vLLM runs encoder-only (no KV cache);
   :meth:`VllmEngine.produce` runs it on an image and the connector stores the output under the
@@ -14,46 +13,68 @@ connector interface, implemented over the project's store by
   validation is encoded by vLLM locally, so a request always completes;
 * without a role (``agg``) it is a plain vLLM engine.
 
-E|P|D: a prefill worker's engine is also a KV producer and a decode worker's a KV consumer
-(:class:`shared.connectors.s3_kv.MinioKVConnector`): :meth:`VllmEngine.prefill_for_handoff`
-computes the prompt and has the connector store its KV cache; :meth:`VllmEngine.generate` with
-``kv_params`` loads it (or prefills again when it is unusable) and decodes.
+E|P|D (:class:`KVConnectorHandoff`): a prefill worker's engine is also a KV producer and a decode
+worker's a KV consumer: :meth:`VllmEngine.prefill_for_handoff` computes the prompt and has the KV
+connector store its KV cache; :meth:`VllmEngine.generate_from_handoff` loads it (or prefills
+again when it is unusable) and decodes. What passes between engine and connectors is typed in
+:mod:`shared.connectors.params`.
 
 The image's content hash is passed as vLLM's multimodal uuid, so vLLM's ``mm_hash`` - the
 connector's identifier - is the project's item hash and the keys line up with the API's.
 
-Calls are thread-safe: every call is a coroutine on one private event loop thread that owns the
-``AsyncLLM``; concurrent ``generate`` calls are batched by vLLM (``concurrent = True``).
+Threads and loops: the ``AsyncLLM`` lives on one private event loop thread (so one engine can
+serve callers on several event loops, and vLLM's own output handling never waits for a
+caller). The public API is async: a request runs as a task on the vLLM loop that forwards each
+``RequestOutput`` to the caller's loop (``call_soon_threadsafe`` into an ``asyncio.Queue``).
+Closing a token iterator early aborts the request in vLLM. Concurrent requests are batched by
+vLLM itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 
-from shared.engines.base import Engine, GenerationStats, MediaImage, SamplingParams, TokenEvent
+from shared.connectors.params import (
+    KVHandoff,
+    KVHandoffRequest,
+    MalformedParams,
+    ec_items_of,
+    ec_sources_of,
+    kv_source_of,
+)
+from shared.engines.base import (
+    Engine,
+    FeaturesThroughConnector,
+    GenerationStats,
+    KVConnectorHandoff,
+    MediaImage,
+    SamplingParams,
+    TokenEvent,
+)
+from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
 from shared.errors import EngineError, InvalidRequest
-
-if TYPE_CHECKING:
-    from PIL import Image
+from shared.topology import Role
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-CONNECTOR_CLASS = "MinioECConnector"
+CONNECTOR_CLASS = "S3ECConnector"
 CONNECTOR_MODULE = "shared.connectors.s3_ec"
-KV_CONNECTOR_CLASS = "MinioKVConnector"
+KV_CONNECTOR_CLASS = "S3KVConnector"
 KV_CONNECTOR_MODULE = "shared.connectors.s3_kv"
-#: worker role -> vLLM EC role ("agg" and anything else: a plain engine)
-EC_ROLES = {"encoder": "ec_producer", "pd": "ec_consumer", "prefill": "ec_consumer", "decode": "ec_consumer"}
+#: worker role -> vLLM EC role (``Role.AGG``: a plain engine)
+EC_ROLES: dict[Role, str] = {Role.ENCODER: "ec_producer", Role.PD: "ec_consumer", Role.PREFILL: "ec_consumer",
+                             Role.DECODE: "ec_consumer"}
 #: worker role -> vLLM KV role (E|P|D: the KV cache moves through the KV connector and the store)
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_ROLES: dict[Role, str] = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 #: vLLM's CPU backend accepts a KV connector only with this block size (16 fails: "No common block size")
 CPU_KV_CONNECTOR_BLOCK_SIZE = 32
 _EVENT_TIMEOUT_S = 600.0
@@ -105,13 +126,11 @@ def connector_extra_config(settings: Any, *, kv: bool = False) -> dict[str, Any]
     }
 
 
-class VllmEngine(Engine):
-    """A model folder served by vLLM, optionally as an EC producer or consumer."""
+class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
+    """A model folder served by vLLM, optionally as an EC producer or consumer and a KV producer
+    or consumer."""
 
     name = "vllm"
-    features_via_connector = True
-    kv_via_connector = True
-    concurrent = True
 
     def __init__(
         self,
@@ -222,7 +241,7 @@ class VllmEngine(Engine):
             raise
         self.start_seconds = time.perf_counter() - started
         self.vllm_config = self._llm.vllm_config
-        from shared.connectors.s3_ec import vllm_encoder_fingerprint
+        from shared.connectors.common import vllm_encoder_fingerprint
 
         # The same function the connector uses in vLLM's processes: one version for both sides.
         self._fingerprint = vllm_encoder_fingerprint(self.vllm_config.model_config)
@@ -230,7 +249,7 @@ class VllmEngine(Engine):
                  self.model_dir, ec_role or "plain", self.start_seconds, self._fingerprint)
 
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: str) -> dict[str, Any]:
+    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
         ec_role = EC_ROLES.get(role)
         kv_role = KV_ROLES.get(role)
         return dict(
@@ -253,13 +272,23 @@ class VllmEngine(Engine):
 
         return AsyncLLM.from_engine_args(self.engine_args)
 
-    def _call(self, coro, timeout: float | None = None):
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Blocking: run ``coro`` on the vLLM loop (start-up only, off any event loop)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _on_vllm_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the vLLM loop and await it from the caller's loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def _stop_loop(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+    def _live_llm(self) -> Any:
+        if self._llm is None:
+            raise EngineError("the vLLM engine is closed")
+        return self._llm
 
     # -- Engine API -------------------------------------------------------------------------
     @property
@@ -270,19 +299,13 @@ class VllmEngine(Engine):
     def encoder_fingerprint(self) -> str:
         return self._fingerprint
 
-    def encode(self, images: Sequence["Image.Image"]):
-        raise EngineError("the vLLM engine moves encoder outputs through its EC connector: use produce()")
-
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
-        from shared.engines.transformers_engine import render_chat_prompt
-
         return render_chat_prompt(self.processor, self.chat_template, messages)
 
     def build_prompt(self, messages: list[dict[str, Any]], images: Sequence[MediaImage]) -> dict[str, Any]:
-        """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids."""
-        from shared.engines.transformers_engine import check_image_count, check_placeholder_tokens
-
+        """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids.
+        (A template render and a tokenizer call on the prompt text: cheap enough for the event loop.)"""
         check_image_count(messages, len(images))
         for i, item in enumerate(images):
             if not isinstance(item, MediaImage):
@@ -302,8 +325,6 @@ class VllmEngine(Engine):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from shared.engines.transformers_engine import validate_params
-
         validate_params(params)
         return VllmSamplingParams(
             n=1,
@@ -319,26 +340,39 @@ class VllmEngine(Engine):
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
         )
 
-    async def _pump(self, prompt: dict[str, Any], sp: Any, request_id: str, out: "queue.Queue") -> None:
+    async def _pump(self, prompt: dict[str, Any], sp: Any, request_id: str, post: Callable[[Any], None]) -> None:
+        """vLLM loop: run one request, forwarding each output (then ``_END`` or the error)."""
         try:
-            async for output in self._llm.generate(prompt, sp, request_id):
-                out.put(output)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            out.put(exc)
+            async for output in self._live_llm().generate(prompt, sp, request_id):
+                post(output)
+        except asyncio.CancelledError:  # the caller stopped reading; AsyncLLM.generate aborted it
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's side
+            post(exc)
         else:
-            out.put(_END)
+            post(_END)
 
-    def _outputs(self, prompt: dict[str, Any], sp: Any) -> Iterator[Any]:
-        """RequestOutputs of one request, in the caller's thread; aborts it if abandoned."""
+    async def _outputs(self, prompt: dict[str, Any], sp: Any) -> AsyncIterator[Any]:
+        """The RequestOutputs of one request, on the caller's loop. Closing this iterator before
+        the request finished (or cancelling the task that reads it) aborts it in vLLM."""
+        self._live_llm()
         request_id = f"epd-{uuid.uuid4().hex}"
-        out: queue.Queue = queue.Queue()
-        future = asyncio.run_coroutine_threadsafe(self._pump(prompt, sp, request_id, out), self._loop)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def post(item: Any) -> None:  # vLLM loop -> caller's loop
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody reads any more
+                pass
+
+        pump = asyncio.run_coroutine_threadsafe(self._pump(prompt, sp, request_id, post), self._loop)
         finished = False
         try:
             while True:
                 try:
-                    item = out.get(timeout=_EVENT_TIMEOUT_S)
-                except queue.Empty:
+                    item = await asyncio.wait_for(outputs.get(), timeout=_EVENT_TIMEOUT_S)
+                except asyncio.TimeoutError:
                     raise EngineError(f"vLLM produced nothing for {_EVENT_TIMEOUT_S:.0f}s") from None
                 if item is _END:
                     finished = True
@@ -351,75 +385,105 @@ class VllmEngine(Engine):
                     raise error from item
                 yield item
         finally:
-            if not finished:  # the caller stopped early (deadline, error): free vLLM's slot
-                future.cancel()
-                try:
-                    self._call(self._llm.abort(request_id), timeout=10)
-                except Exception as exc:  # noqa: BLE001 - best effort
-                    log.debug("abort of %s failed: %s", request_id, exc)
+            if not finished:  # the caller stopped early (closed, cancelled, error): free vLLM's slot
+                pump.cancel()
+                await self._abort(request_id)
 
-    def generate(
+    async def _abort(self, request_id: str) -> None:
+        llm = self._llm
+        if llm is None:
+            return
+        try:
+            await asyncio.wait_for(self._on_vllm_loop(llm.abort(request_id)), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - best effort (the request may have just finished)
+            log.debug("abort of %s failed: %s", request_id, exc)
+
+    async def generate(
         self,
         messages: list[dict[str, Any]],
         images: Sequence[MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
-        *,
-        kv_params: dict[str, Any] | None = None,
-    ) -> Iterator[TokenEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         """Prefill + decode in vLLM; ``images`` are :class:`MediaImage` items (the connector
         loads their stored encoder outputs or vLLM encodes them). Fills ``stats.extra
-        ["ec_sources"]`` with where each item's features came from (connector's report).
+        ["ec_sources"]`` with where each item's features came from (connector's report)."""
+        async with contextlib.aclosing(self._token_events(messages, images, params, stats, None)) as events:
+            async for event in events:
+                yield event
 
-        ``kv_params`` (KV consumer engines, E|P|D decode): the ``kv_transfer_params`` that
-        :meth:`prefill_for_handoff` returned for the same messages and images. The prompt's KV
-        cache is loaded from the store instead of computed; ``stats.extra["kv_source"]`` says
-        what happened ("store", or "recomputed:<reason>" when vLLM had to prefill again)."""
-        if kv_params is not None and self.kv_role != "kv_consumer":
+    async def generate_from_handoff(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        handoff: KVHandoff,
+        stats: GenerationStats | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """KV consumer engines (E|P|D decode): ``generate`` with the prompt's KV cache loaded
+        from ``handoff`` (what :meth:`prefill_for_handoff` returned for the same messages and
+        images) instead of computed; ``stats.extra["kv_source"]`` says what happened ("store",
+        or "recomputed:<reason>" when vLLM had to prefill again)."""
+        if self.kv_role != "kv_consumer":
             raise EngineError(f"loading a handed-off KV cache needs a KV consumer engine (role {self.kv_role!r})")
+        async with contextlib.aclosing(self._token_events(messages, images, params, stats, handoff)) as events:
+            async for event in events:
+                yield event
+
+    async def _token_events(self, messages: list[dict[str, Any]], images: Sequence[MediaImage],
+                            params: SamplingParams, stats: GenerationStats | None,
+                            handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
         prompt = self.build_prompt(messages, images)
-        sp = self.sampling_params(params, kv_transfer_params=kv_params)
+        sp = self.sampling_params(params, kv_transfer_params=handoff.to_params() if handoff else None)
         t0 = time.perf_counter()
         first_at: float | None = None
         pending: TokenEvent | None = None  # held back until we know whether it is the last
         n_out = 0
-        for output in self._outputs(prompt, sp):
-            completion = output.outputs[0]
-            if stats is not None and output.prompt_token_ids is not None:
-                stats.prompt_tokens = len(output.prompt_token_ids)
-            new_ids = list(completion.token_ids)
-            if new_ids and first_at is None:
-                first_at = time.perf_counter()
-            for i, token_id in enumerate(new_ids):
-                if pending is not None:
-                    yield pending
-                text = completion.text if i == len(new_ids) - 1 else ""
-                pending = TokenEvent(token_id=int(token_id), text=text)
-            n_out += len(new_ids)
-            if not new_ids and completion.text and pending is not None:
-                pending = TokenEvent(pending.token_id, pending.text + completion.text)
-            if stats is not None:
-                stats.completion_tokens = n_out
-            if output.finished:
-                reason = completion.finish_reason
-                if reason not in ("stop", "length"):
-                    raise EngineError(f"vLLM finished the request with {reason!r}")
+        async with contextlib.aclosing(self._outputs(prompt, sp)) as outputs:
+            async for output in outputs:
+                completion = output.outputs[0]
+                if stats is not None and output.prompt_token_ids is not None:
+                    stats.prompt_tokens = len(output.prompt_token_ids)
+                new_ids = list(completion.token_ids)
+                if new_ids and first_at is None:
+                    first_at = time.perf_counter()
+                for i, token_id in enumerate(new_ids):
+                    if pending is not None:
+                        yield pending
+                    text = completion.text if i == len(new_ids) - 1 else ""
+                    pending = TokenEvent(token_id=int(token_id), text=text)
+                n_out += len(new_ids)
+                if not new_ids and completion.text and pending is not None:
+                    pending = TokenEvent(pending.token_id, pending.text + completion.text)
                 if stats is not None:
-                    now = time.perf_counter()
-                    stats.prefill_s = (first_at or now) - t0
-                    stats.decode_s = now - (first_at or now)
-                    sources = (output.ec_transfer_params or {}).get("epd_ec_sources")
-                    if sources:
-                        stats.extra["ec_sources"] = dict(sources)
-                    if kv_params is not None:
-                        stats.extra["kv_source"] = str((output.kv_transfer_params or {}).get(
-                            "epd_kv_source", "recomputed:unknown"))
-                if pending is not None:
-                    yield TokenEvent(pending.token_id, pending.text, finish_reason=reason)
-                return
+                    stats.completion_tokens = n_out
+                if output.finished:
+                    reason = completion.finish_reason
+                    if reason not in ("stop", "length"):
+                        raise EngineError(f"vLLM finished the request with {reason!r}")
+                    if stats is not None:
+                        now = time.perf_counter()
+                        stats.prefill_s = (first_at or now) - t0
+                        stats.decode_s = now - (first_at or now)
+                        sources = ec_sources_of(output.ec_transfer_params)
+                        if sources:
+                            stats.extra["ec_sources"] = sources
+                        if handoff is not None:
+                            stats.extra["kv_source"] = kv_source_of(output.kv_transfer_params)
+                    if pending is not None:
+                        yield TokenEvent(pending.token_id, pending.text, finish_reason=reason)
+                    return
         raise EngineError("vLLM ended the request without a final output")
 
-    def prefill_for_handoff(
+    async def _final_output(self, prompt: dict[str, Any], sp: Any) -> Any:
+        """The last RequestOutput of a ``final_only`` request (None when vLLM sent none)."""
+        final = None
+        async with contextlib.aclosing(self._outputs(prompt, sp)) as outputs:
+            async for output in outputs:
+                final = output
+        return final
+
+    async def prefill_for_handoff(
         self,
         messages: list[dict[str, Any]],
         images: Sequence[MediaImage],
@@ -428,36 +492,38 @@ class VllmEngine(Engine):
         request_name: str,
         attempt: int,
         stats: GenerationStats | None = None,
-    ) -> dict[str, Any]:
+    ) -> KVHandoff:
         """KV producer engines (E|P|D prefill): compute the prompt and have the KV connector
-        store its KV cache as the KV object of (``request_name``, ``attempt``). Returns the
-        ``kv_transfer_params`` a decode engine's :meth:`generate` takes. vLLM samples one token
-        to finish the request; it is not used: the decode engine computes the last prompt token
-        again and samples every output token itself, so seeded sampling draws exactly as in an
-        aggregated run."""
+        store its KV cache as the KV object of (``request_name``, ``attempt``). Returns where it
+        is, for a decode engine's :meth:`generate_from_handoff`. vLLM samples one token to finish
+        the request; it is not used: the decode engine computes the last prompt token again and
+        samples every output token itself, so seeded sampling draws exactly as in an aggregated
+        run."""
         if self.kv_role != "kv_producer":
             raise EngineError(f"prefill_for_handoff() needs a KV producer engine (role {self.kv_role!r})")
         prompt = self.build_prompt(messages, images)
-        handoff = {"do_remote_decode": True, "epd_kv_request": request_name, "epd_kv_attempt": attempt}
-        sp = self.sampling_params(params, max_tokens=1, final_only=True, kv_transfer_params=handoff)
+        ask = KVHandoffRequest(request_name, attempt).to_params()
+        sp = self.sampling_params(params, max_tokens=1, final_only=True, kv_transfer_params=ask)
         t0 = time.perf_counter()
-        final = None
-        for output in self._outputs(prompt, sp):
-            final = output
+        final = await self._final_output(prompt, sp)
         if final is None or not final.finished:
             raise EngineError("vLLM ended the prefill request without a final output")
-        kv = dict(final.kv_transfer_params or {})
-        if "epd_kv_key" not in kv:
-            raise EngineError(f"vLLM's KV connector reported no KV object for {request_name} (params {kv})")
+        try:
+            handoff = KVHandoff.from_params(final.kv_transfer_params)
+        except MalformedParams as exc:
+            raise EngineError(f"vLLM's KV connector reported an unusable KV object for {request_name}: {exc}") from exc
+        if handoff is None:
+            raise EngineError(f"vLLM's KV connector reported no KV object for {request_name} "
+                              f"(params {final.kv_transfer_params})")
         if stats is not None:
             stats.prompt_tokens = len(final.prompt_token_ids or ())
             stats.prefill_s = time.perf_counter() - t0
-            sources = (final.ec_transfer_params or {}).get("epd_ec_sources")
+            sources = ec_sources_of(final.ec_transfer_params)
             if sources:
-                stats.extra["ec_sources"] = dict(sources)
-        return kv
+                stats.extra["ec_sources"] = sources
+        return handoff
 
-    def produce(self, images: Sequence[MediaImage]) -> list[int]:
+    async def produce(self, images: Sequence[MediaImage]) -> list[int]:
         """Encoder-only producer: encode each image; the connector stores the output under its
         item hash before vLLM finishes the request. Returns the token count per image."""
         if self.ec_role not in ("ec_producer", "ec_both"):
@@ -466,29 +532,34 @@ class VllmEngine(Engine):
         sp = self.sampling_params(SamplingParams(max_tokens=1, temperature=0.0), final_only=True)
         counts = []
         for item in images:  # one request per image: per-item results, errors stay per image
-            prompt = self.build_prompt(messages, [item])
-            final = None
-            for output in self._outputs(prompt, sp):
-                final = output
-            items = ((final.ec_transfer_params or {}) if final is not None else {}).get("epd_ec_items") or {}
-            info = items.get(item.item_hash)
+            final = await self._final_output(self.build_prompt(messages, [item]), sp)
+            info = ec_items_of(final.ec_transfer_params if final is not None else None).get(item.item_hash)
             if not info:
                 raise EngineError(f"vLLM producer reported no EC item for {item.item_hash[:12]}")
             counts.append(int(info["n_tokens"]))
         return counts
 
-    def close(self) -> None:
-        llm = getattr(self, "_llm", None)
+    async def num_unfinished_requests(self) -> int:
+        """Requests vLLM is still working on (0 when idle: nothing left behind)."""
+        llm = self._live_llm()
+
+        async def count() -> int:
+            return llm.get_num_unfinished_requests()
+
+        return await self._on_vllm_loop(count())
+
+    async def aclose(self) -> None:
+        """Stop vLLM's engine processes and the private loop."""
+        llm, self._llm = self._llm, None
         if llm is not None and self._loop.is_running():
             async def shutdown() -> None:
                 llm.shutdown()
 
             try:
-                self._call(shutdown(), timeout=60)
+                await asyncio.wait_for(self._on_vllm_loop(shutdown()), timeout=60)
             except Exception as exc:  # noqa: BLE001 - closing anyway
                 log.warning("vLLM shutdown: %s", exc)
-            self._llm = None
-        self._stop_loop()
+        await asyncio.to_thread(self._stop_loop)
 
 
 def _translate(exc: BaseException) -> BaseException:

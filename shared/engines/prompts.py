@@ -1,0 +1,125 @@
+"""Prompt helpers shared by every engine: message validation and normalization, image
+placeholder counting and checking, chat template rendering, sampling parameter validation.
+
+torch-free and vLLM-free: both engines (and anything that only needs to look at messages)
+import it without pulling in a model library.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Sequence
+
+from shared.chat import ROLES
+from shared.engines.base import SamplingParams
+from shared.errors import InvalidRequest, UnsupportedContent
+
+#: Content part types that stand for one image (in order) in a message.
+IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
+TEXT_PART_TYPES = frozenset({"text", "input_text"})
+#: The chat roles (``shared.chat.ROLES``: the same set the API validates against).
+_ROLES = frozenset(ROLES)
+
+
+def _iter_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The content parts of ``messages`` (validating the message shape on the way)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages")
+        content = msg.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param="messages")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise InvalidRequest(f"messages[{i}].content[{j}] must be an object with a type", param="messages")
+            ptype = part["type"]
+            if ptype in TEXT_PART_TYPES:
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param="messages")
+            elif ptype not in IMAGE_PART_TYPES:
+                raise UnsupportedContent(
+                    f"messages[{i}].content[{j}] has unsupported type {ptype!r}", param="messages"
+                )
+            yield part
+
+
+def count_image_placeholders(messages: list[dict[str, Any]]) -> int:
+    """Number of image parts in ``messages`` (validates the message shape on the way)."""
+    return sum(1 for part in _iter_parts(messages) if part["type"] in IMAGE_PART_TYPES)
+
+
+def check_image_count(messages: list[dict[str, Any]], n_images: int) -> int:
+    """Raise :class:`InvalidRequest` unless ``messages`` hold exactly ``n_images`` image parts."""
+    n = count_image_placeholders(messages)
+    if n != n_images:
+        raise InvalidRequest(
+            f"messages contain {n} image placeholder(s) but {n_images} image(s) were given", param="messages"
+        )
+    return n
+
+
+def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: int) -> None:
+    """Raise :class:`InvalidRequest` unless the tokenized prompt has exactly one image placeholder
+    token per image (a literal "<|image_pad|>" typed into a text part would add one)."""
+    n_placeholders = sum(1 for t in ids if t == image_token_id)
+    if n_placeholders != n_images:
+        raise InvalidRequest(
+            f"prompt has {n_placeholders} image placeholder tokens for {n_images} image(s); "
+            "text parts must not contain image tokens",
+            param="messages",
+        )
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Canonical form for chat templates: string content, or ``{"type": "text", "text"}`` /
+    ``{"type": "image"}`` parts only (URLs and payloads dropped so no template or processor
+    ever tries to fetch anything)."""
+    list(_iter_parts(messages))  # validate
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        content = msg["content"]
+        if isinstance(content, str):
+            out.append({"role": msg["role"], "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            if part["type"] in IMAGE_PART_TYPES:
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        out.append({"role": msg["role"], "content": parts})
+    return out
+
+
+def render_chat_prompt(processor: Any, chat_template: str, messages: list[dict[str, Any]]) -> str:
+    """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
+    ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
+    norm = normalize_messages(messages)
+    try:
+        return processor.apply_chat_template(norm, chat_template=chat_template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
+        raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+
+
+def validate_params(params: SamplingParams) -> None:
+    """Raise :class:`InvalidRequest` for sampling settings no engine accepts."""
+    if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be a positive integer", param="max_tokens")
+    if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature)):
+        raise InvalidRequest("temperature must be a finite number", param="temperature")
+    if params.temperature < 0:
+        raise InvalidRequest("temperature must be >= 0", param="temperature")
+    if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
+        raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0 or params.seed >= 2**63):
+        raise InvalidRequest("seed must be an integer in [0, 2**63)", param="seed")
+    if not all(isinstance(s, str) for s in params.stop):
+        raise InvalidRequest("stop must be a list of strings", param="stop")
