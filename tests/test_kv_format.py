@@ -221,26 +221,28 @@ def test_sweep_removes_only_old_kv_objects(s3_store, tensors):
 
 
 # -- a real decode state through the store ------------------------------------------------------
-def test_decode_state_round_trip_through_the_store(s3_store, reference_engine, tiny_model_dir):
-    from shared.store.tensors import decode_state_to_raw, kv_object_to_state
+async def test_decode_state_round_trip_through_the_store(s3_store, reference_engine, tiny_model_dir):
+    from shared.store.tensors import kv_object_to_state
     from shared.engines.base import SamplingParams
     from tests.stackutil import engine_messages, noise_image
 
     engine = reference_engine
-    messages, images = engine_messages("Describe the image.", 1), engine.encode([noise_image(5, (64, 48))])
+    messages, images = engine_messages("Describe the image.", 1), await engine.encode([noise_image(5, (64, 48))])
     for params in (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
                    SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)):
-        want = list(engine.generate(messages, images, params))
-        state = engine.prefill(messages, images, params)
-        first = next(engine.decode(state, params))  # prefill's worker emits the first token
+        want = [e async for e in engine.generate(messages, images, params)]
+        prefilled = await engine.prefill(messages, images, params)  # prefill's worker emits the first token
+        tensors, state_metadata = await prefilled.export()
+        await prefilled.release()
         fp = model_fingerprint(tiny_model_dir, dtype="float32", engine="transformers")
         kv = KVStore(s3_store, namespace="ns", fingerprint=fp, producer="p", max_object_bytes=1 << 26)
-        key, blob = kv.encode("req-rt", 0, *decode_state_to_raw(state), SAMPLING)
+        key, blob = kv.encode("req-rt", 0, tensors, state_metadata, SAMPLING)
         kv.put(key, blob)
-        restored = kv_object_to_state(kv.load(key, request_id="req-rt", attempt=0), engine.config)
-        assert restored.rope_delta == state.rope_delta != 0  # Qwen2-VL M-RoPE offset carried
-        rest = list(engine.decode(restored, params))
-        assert [first, *rest] == want
+        obj = kv.load(key, request_id="req-rt", attempt=0)
+        restored = kv_object_to_state(obj, engine.config)
+        assert restored.rope_delta == json.loads(state_metadata["state"])["rope_delta"] != 0  # M-RoPE offset
+        rest = [e async for e in engine.decode(obj, params)]
+        assert [prefilled.first, *rest] == want
 
 
 # -- the model fingerprint ----------------------------------------------------------------------
@@ -277,3 +279,18 @@ def test_model_fingerprint_covers_lm_weights_tokenizer_dtype_engine(tiny_model_d
     cfg["model_max_length"] = 12345
     (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert fps(tok)[0] != base_model
+
+
+def test_kv_store_exists_and_stat(s3_store, tensors):
+    from shared.store.kv import KVRef
+
+    kv = KVStore(s3_store, namespace="ns", fingerprint=FP, producer="p", max_object_bytes=1 << 20)
+    ref = KVRef("req-stat", 0)
+    assert not kv.exists(ref) and kv.stat(ref) is None
+    key, blob = kv.encode(*ref, tensors, STATE_META, SAMPLING)
+    kv.put(key, blob)
+    assert kv.exists(ref) and kv.stat(ref).size == len(blob) and kv.object_key(ref) == key
+    other_model = KVStore(s3_store, namespace="ns", fingerprint="d" * 24, producer="p", max_object_bytes=1 << 20)
+    assert not other_model.exists(ref)
+    kv.delete(key)
+    assert not kv.exists(ref)

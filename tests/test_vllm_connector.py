@@ -1,4 +1,4 @@
-"""MinioECConnector driven the way vLLM 0.32's scheduler and workers drive it, against a real S3
+"""S3ECConnector driven the way vLLM 0.32's scheduler and workers drive it, against a real S3
 server (SeaweedFS), without starting an engine: fast, and every decision point is reachable.
 
 The scheduler-side calls follow ``vllm/v1/core/sched/scheduler.py``: ``ensure_cache_available``
@@ -23,15 +23,13 @@ from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import PlaceholderRange
 
-from shared.store.format import SCHEMA
+from shared.store.format import SCHEMA, MissReason
 from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
-from shared.connectors.s3_ec import (
-    PARAMS_ITEMS,
-    PARAMS_SOURCES,
-    MinioECConfig,
-    MinioECConnector,
-    MinioECStats,
-)
+from shared.connectors.common import ConnectorConfig
+from shared.connectors.params import EC_ITEMS, EC_SOURCES
+from shared.connectors.s3_ec import S3ECConnector
+from shared.connectors.s3_ec.metrics import Event, S3ECStats, Timing, Transfer
+from shared.connectors.s3_ec.state import LookupOutcome
 from shared.fingerprint import encoder_fingerprint
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import wait_for
@@ -73,9 +71,9 @@ def make_connector(model_dir, ec_role, role, extra):
     model_config = SimpleNamespace(
         model=str(model_dir), revision=None, dtype=torch.float32, get_inputs_embeds_size=lambda: HIDDEN,
     )
-    ec = ECTransferConfig(ec_connector="MinioECConnector", ec_connector_module_path="shared.connectors.s3_ec",
+    ec = ECTransferConfig(ec_connector="S3ECConnector", ec_connector_module_path="shared.connectors.s3_ec",
                           ec_role=ec_role, ec_connector_extra_config=extra)
-    return MinioECConnector(SimpleNamespace(ec_transfer_config=ec, model_config=model_config), role)
+    return S3ECConnector(SimpleNamespace(ec_transfer_config=ec, model_config=model_config), role)
 
 
 def feature(identifier, n_tokens, offset=5, with_data=True):
@@ -125,9 +123,12 @@ def produce(model_dir, s3_server, bucket, identifier, tensor):
     return producer
 
 
-def stats_of(conn) -> dict:
-    stats = conn.get_ec_connector_stats()
-    return stats.data if stats is not None else {}
+def stats_of(conn) -> S3ECStats:
+    """The connector's counters since the last call."""
+    return conn.get_ec_connector_stats() or S3ECStats()
+
+
+HIT, MISS, FALLBACK = LookupOutcome.HIT, LookupOutcome.MISS, LookupOutcome.FALLBACK
 
 
 def ident() -> str:
@@ -152,10 +153,10 @@ def test_producer_to_consumer_loads_the_exact_tensor(tiny_model_dir, s3_env, buc
     assert torch.equal(cache[item], t_item)
     assert not torch.equal(cache[item], t_other)  # negative control: the tensors differ
     _, params = sched.request_finished(req)
-    assert params == {PARAMS_SOURCES: {item: "store"}}
-    data = stats_of(sched)
-    assert data["lookup|hit|"] == 1 and data["bytes|get"] == t_item.numel() * 4
-    assert len(data["seconds|fetch"]) == 1
+    assert params == {EC_SOURCES: {item: "store"}}
+    stats = stats_of(sched)
+    assert stats.lookups(HIT) == 1 and stats.bytes(Transfer.GET) == t_item.numel() * 4
+    assert len(stats.samples(Timing.FETCH)) == 1
 
     # One format, one key scheme: the object is a plain EC object under the vLLM fingerprint the
     # API computes from the same folder (EPD_ENGINE=vllm, EPD_DTYPE=float32).
@@ -177,13 +178,13 @@ def test_producer_reports_items_and_resaves_lost_objects(tiny_model_dir, s3_env,
     req = request(feature(item, 4))
     assert sched.ensure_cache_available(req, 0)
     _, params = sched.request_finished(req)
-    assert params[PARAMS_ITEMS][item]["n_tokens"] == 4
-    assert params[PARAMS_ITEMS][item]["key"] == f"ns/{sched.fingerprint}/{item}"
+    assert params[EC_ITEMS][item]["n_tokens"] == 4
+    assert params[EC_ITEMS][item]["key"] == f"ns/{sched.fingerprint}/{item}"
 
     # A repeated request finds the output in vLLM's encoder cache (no encode, no save_caches):
     # start_save_caches stores it again when the store lost it.
     worker = make_connector(tiny_model_dir, "ec_producer", ECConnectorRole.WORKER, extra)
-    store = worker._store
+    store = worker.store
     assert not store.exists(item)
     meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(mm_features=req.mm_features)]))
     assert meta.save_candidates == [item]
@@ -202,21 +203,21 @@ def test_missing_object_is_a_miss_and_cached_briefly(tiny_model_dir, s3_env, buc
     assert not sched.has_cache_item(item)  # -> vLLM schedules the encoder for it
     sched.update_state_after_alloc(req, 0)
     assert sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).loads == []
-    assert sched.request_finished(req)[1] == {PARAMS_SOURCES: {item: "recomputed:not_found"}}
+    assert sched.request_finished(req)[1] == {EC_SOURCES: {item: "recomputed:not_found"}}
     # Within the TTL a second request is not deferred at all (negative answer reused).
     assert schedule(sched, request(feature(item, 4))) == 0
-    assert stats_of(sched)["lookup|miss|not_found"] == 2
+    assert stats_of(sched).lookups(MISS, MissReason.NOT_FOUND) == 2
 
 
 def _fault_on_load(conn, action, s3_server, bucket):
     """Apply ``action`` to the real stored object right before the connector's GET, i.e. after its
     existence check said yes (the window between has_cache_item's answer and the load)."""
     raw = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
-    original = conn._load_item
+    original = conn.connector_scheduler.load_item
     fired = []
 
     def load(identifier):
-        key = conn._store.key(identifier)
+        key = conn.store.key(identifier)
         if action == "delete":
             raw.delete(key)
         else:
@@ -226,7 +227,7 @@ def _fault_on_load(conn, action, s3_server, bucket):
         fired.append(identifier)
         return original(identifier)
 
-    conn._load_item = load
+    conn.connector_scheduler.load_item = load
     return fired
 
 
@@ -235,7 +236,7 @@ def test_object_lost_between_existence_check_and_load_falls_back(tiny_model_dir,
     item = ident()
     produce(tiny_model_dir, s3_env, bucket, item, features_tensor(4))
     sched = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
-    assert sched._store.exists(item)  # the cheap check says yes ...
+    assert sched.store.exists(item)  # the cheap check says yes ...
     fired = _fault_on_load(sched, action, s3_env, bucket)
     req = request(feature(item, 4))
     schedule(sched, req)  # ... the load fails: decided before commit, no exception
@@ -243,8 +244,8 @@ def test_object_lost_between_existence_check_and_load_falls_back(tiny_model_dir,
     assert not sched.has_cache_item(item)
     sched.update_state_after_alloc(req, 0)
     assert sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).loads == []
-    assert sched.request_finished(req)[1] == {PARAMS_SOURCES: {item: f"recomputed:{reason}"}}
-    assert stats_of(sched)[f"lookup|fallback|{reason}"] == 1
+    assert sched.request_finished(req)[1] == {EC_SOURCES: {item: f"recomputed:{reason}"}}
+    assert stats_of(sched).lookups(FALLBACK, MissReason(reason)) == 1
 
 
 def test_stale_positive_existence_answer_falls_back(tiny_model_dir, s3_env, bucket):
@@ -262,42 +263,42 @@ def test_stale_positive_existence_answer_falls_back(tiny_model_dir, s3_env, buck
     sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))  # evicts (local cache 0)
     assert not sched.has_cache_item(item)
 
-    S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket).delete(sched._store.key(item))
+    S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket).delete(sched.store.key(item))
     second = request(feature(item, 4))
     schedule(sched, second)
     flags, cache = allocate_and_load(sched, worker, second)
     assert flags == [False] and cache == {}
-    assert sched.request_finished(second)[1] == {PARAMS_SOURCES: {item: "recomputed:not_found"}}
-    data = stats_of(sched)
-    assert data["lookup|hit|"] == 1 and data["lookup|fallback|not_found"] == 1
+    assert sched.request_finished(second)[1] == {EC_SOURCES: {item: "recomputed:not_found"}}
+    stats = stats_of(sched)
+    assert stats.lookups(HIT) == 1 and stats.lookups(FALLBACK, MissReason.NOT_FOUND) == 1
 
 
 def test_other_model_weights_never_hit(tiny_model_dir, other_model_dir, s3_env, bucket):
     item = ident()
     produce(tiny_model_dir, s3_env, bucket, item, features_tensor(6))
     extra = extra_config(s3_env, bucket)
-    other = make_connector(other_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra)
+    # (no reuse of existence answers: the later copy under its key is looked up again)
+    other = make_connector(other_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, {**extra, "exists_ttl_s": 0})
     same = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra)
     assert other.fingerprint != same.fingerprint
 
     schedule(other, request(feature(item, 4)))
     assert not other.has_cache_item(item)
-    data = stats_of(other)
-    assert data["lookup|miss|not_found"] == 1 and "lookup|hit|" not in data
+    stats = stats_of(other)
+    assert stats.lookups(MISS, MissReason.NOT_FOUND) == 1 and stats.lookups(HIT) == 0
     # Control: the model that produced it does hit.
     schedule(same, request(feature(item, 4)))
     assert same.has_cache_item(item)
 
     # Even an object copied under the other model's key is refused by validation.
     raw = S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket)
-    raw.put(other._store.key(item), raw.get(same._store.key(item), max_bytes=1 << 30),
+    raw.put(other.store.key(item), raw.get(same.store.key(item), max_bytes=1 << 30),
             metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: other.fingerprint})
-    other._exists.clear()
     req = request(feature(item, 4))
     schedule(other, req)
     assert not other.has_cache_item(item)
     other.update_state_after_alloc(req, 0)  # vLLM allocates it for local encoding
-    assert other.request_finished(req)[1] == {PARAMS_SOURCES: {item: "recomputed:fingerprint_mismatch"}}
+    assert other.request_finished(req)[1] == {EC_SOURCES: {item: "recomputed:fingerprint_mismatch"}}
 
 
 def test_placeholder_count_mismatch_falls_back(tiny_model_dir, s3_env, bucket):
@@ -307,16 +308,16 @@ def test_placeholder_count_mismatch_falls_back(tiny_model_dir, s3_env, bucket):
     req = request(feature(item, 6))  # the prompt has room for 6 embeddings, the object has 4
     schedule(sched, req)
     assert not sched.has_cache_item(item)
-    assert stats_of(sched)["lookup|fallback|shape_mismatch"] == 1
+    assert stats_of(sched).lookups(FALLBACK, MissReason.SHAPE_MISMATCH) == 1
 
 
 def test_bad_identifier_never_reaches_the_store(tiny_model_dir, s3_env, bucket):
     sched = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
     req = request(feature("../../etc/passwd", 4))
     assert schedule(sched, req) == 0
-    assert stats_of(sched) == {"lookup|miss|bad_identifier": 1}
+    assert stats_of(sched).data == {"lookups": {"miss": {"bad_identifier": 1}}}
     producer = produce(tiny_model_dir, s3_env, bucket, "a/b", features_tensor(8))
-    assert producer._stats.data.get("count|save_skipped") == 1
+    assert stats_of(producer).events(Event.SAVE_SKIPPED) == 1
 
 
 def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
@@ -326,7 +327,7 @@ def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
                           {**extra_config(s3_env, bucket), "endpoint": f"127.0.0.1:{free_port()}"})
     req = request(feature(ident(), 4))
     schedule(down, req)
-    assert stats_of(down)["lookup|miss|store_error"] == 1
+    assert stats_of(down).lookups(MISS, MissReason.STORE_ERROR) == 1
 
     # A fetch that outlasts fetch_timeout_s: the load is held until the test releases it, so the
     # request is admitted (falling back to local encoding) while the fetch is still running.
@@ -334,8 +335,8 @@ def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
     produce(tiny_model_dir, s3_env, bucket, item, features_tensor(9))
     slow = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
                           extra_config(s3_env, bucket, fetch_timeout_s=0.5))
-    original, release = slow._load_item, threading.Event()
-    slow._load_item = lambda i: (release.wait(300), original(i))[1]
+    original, release = slow.connector_scheduler.load_item, threading.Event()
+    slow.connector_scheduler.load_item = lambda i: (release.wait(300), original(i))[1]
     req = request(feature(item, 4))
     try:
         schedule(slow, req)
@@ -343,8 +344,8 @@ def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
         assert not slow.has_cache_item(item)
         slow.update_state_after_alloc(req, 0)
         assert slow.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).loads == []
-        assert slow.request_finished(req)[1] == {PARAMS_SOURCES: {item: "recomputed:timeout"}}
-        assert stats_of(slow)["lookup|fallback|timeout"] == 1
+        assert slow.request_finished(req)[1] == {EC_SOURCES: {item: "recomputed:timeout"}}
+        assert stats_of(slow).lookups(FALLBACK, MissReason.TIMEOUT) == 1
     finally:
         release.set()
 
@@ -377,7 +378,8 @@ def test_a_request_reported_unavailable_stays_unadmitted_until_taken(tiny_model_
     def decided():
         admitted = sched.ensure_cache_available(req, 0)
         assert not admitted, "admitted without its input"
-        return req.request_id in sched._unavailable  # (white box: the decision is made)
+        state = sched.connector_scheduler.request_state(req.request_id)
+        return state is not None and state.unavailable  # (white box: the decision is made)
 
     wait_for(decided, 120, "the miss to be decided", interval=0.005)
     assert sched.ensure_cache_available(req, 0) is False  # every item decided earlier: still not admitted
@@ -388,12 +390,12 @@ def test_a_request_reported_unavailable_stays_unadmitted_until_taken(tiny_model_
 # -- configuration and metrics -------------------------------------------------------------------
 def test_config_is_validated(tiny_model_dir, s3_env, bucket, monkeypatch):
     with pytest.raises(ValueError, match="unknown ec_connector_extra_config"):
-        MinioECConfig.from_extra({"endpoint": "x:1", "secret_key": "inline secrets are refused"})
+        ConnectorConfig.from_extra({"endpoint": "x:1", "secret_key": "inline secrets are refused"})
     with pytest.raises(ValueError, match="namespace"):
-        MinioECConfig.from_extra({"namespace": "a/b"})
+        ConnectorConfig.from_extra({"namespace": "a/b"})
     with pytest.raises(ValueError, match="fetch_timeout_s"):
-        MinioECConfig.from_extra({"fetch_timeout_s": "soon"})
-    assert MinioECConfig.from_extra({"secure": "true", "exists_ttl_s": "1.5"}).secure is True
+        ConnectorConfig.from_extra({"fetch_timeout_s": "soon"})
+    assert ConnectorConfig.from_extra({"secure": "true", "exists_ttl_s": "1.5"}).secure is True
     monkeypatch.delenv(SK_ENV)
     with pytest.raises(ValueError, match=SK_ENV):
         make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
@@ -401,12 +403,20 @@ def test_config_is_validated(tiny_model_dir, s3_env, bucket, monkeypatch):
 
 def test_stats_reach_prometheus():
     types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
-    prom = MinioECConnector.build_prom_metrics(SimpleNamespace(ec_transfer_config=None), types, ["model_name", "engine"],
-                                               {0: ["m-test", "0"]})
-    stats = MinioECStats(data={"lookup|hit|": 2})
-    stats.aggregate(MinioECStats(data={"lookup|fallback|checksum_mismatch": 1, "bytes|get": 100,
-                                       "seconds|fetch": [0.01, 0.02]}))
-    assert stats.reduce()["lookup_hit"] == 2
+    prom = S3ECConnector.build_prom_metrics(SimpleNamespace(ec_transfer_config=None), types, ["model_name", "engine"],
+                                            {0: ["m-test", "0"]})
+    stats = S3ECStats()
+    stats.count_lookup(HIT, n=2)
+    other = S3ECStats()
+    other.count_lookup(FALLBACK, MissReason.CHECKSUM_MISMATCH)
+    other.add_bytes(Transfer.GET, 100)
+    other.observe(Timing.FETCH, 0.01)
+    other.observe(Timing.FETCH, 0.02)
+    # the counters cross processes as plain data
+    stats.aggregate(S3ECConnector.build_ec_connector_stats(other.data))
+    reduced = stats.reduce()
+    assert reduced["lookup_hit"] == 2 and reduced["lookup_fallback_checksum_mismatch"] == 1
+    assert reduced["bytes_get"] == 100 and reduced["seconds_fetch_n"] == 2
     prom.observe(stats.data, 0)
     value = REGISTRY.get_sample_value
     assert value("epd:ec_connector_lookups_total",
@@ -423,7 +433,7 @@ def test_api_process_never_imports_vllm_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, services.api.app, shared.engines, shared.engines.vllm_engine, shared.encoding; "
+    code = ("import sys, services.api.app, shared.engines, shared.engines.vllm_engine, shared.model_worker; "
             "print(','.join(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""

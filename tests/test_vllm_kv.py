@@ -1,5 +1,5 @@
 """E|P|D on vLLM, engine level: a vLLM prefill engine (KV producer) stores each prompt's KV cache
-through MinioKVConnector in a real S3 server, a vLLM decode engine (KV consumer, another set of
+through S3KVConnector in a real S3 server, a vLLM decode engine (KV consumer, another set of
 processes) loads it through ``kv_transfer_params`` and decodes.
 
 Reference: a plain vLLM engine run aggregated in this process on the same prompts and images.
@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from shared.connectors.params import KVHandoff
 from shared.store.format import RawTensor
 from shared.store.kv import KVStore, kv_prefix
 from shared.engines.base import GenerationStats
@@ -47,37 +48,42 @@ def kv_store(s3_server, store_config, tiny_model_dir):
     return KVStore(raw, namespace=store_config["namespace"], fingerprint=fp, producer="test", max_object_bytes=1 << 30)
 
 
-def handoff(prefill, text, items, name=None):
+async def handoff(prefill, text, items, name=None) -> tuple[KVHandoff, GenerationStats]:
     name = name or f"kv-{uuid.uuid4().hex[:12]}"
     stats = GenerationStats()
-    params = prefill.prefill_for_handoff(engine_messages(text, len(items)), items, GREEDY, request_name=name,
-                                         attempt=0, stats=stats)
-    return params, stats
+    stored = await prefill.prefill_for_handoff(engine_messages(text, len(items)), items, GREEDY, request_name=name,
+                                               attempt=0, stats=stats)
+    return stored, stats
 
 
-def decode(engine, text, items, kv_params):
+async def decode(engine, text, items, stored: KVHandoff):
     stats = GenerationStats()
-    events = list(engine.generate(engine_messages(text, len(items)), items, GREEDY, stats, kv_params=kv_params))
+    events = [e async for e in engine.generate_from_handoff(engine_messages(text, len(items)), items, GREEDY, stored,
+                                                             stats)]
     return [e.token_id for e in events], stats.extra.get("kv_source")
 
 
+def load(kv_store, stored: KVHandoff):
+    return kv_store.load(stored.key, request_id=stored.request, attempt=stored.attempt)
+
+
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
-def test_decode_from_the_stored_kv_equals_aggregated(engines, vllm_reference, kv_store, name, text, specs):
+async def test_decode_from_the_stored_kv_equals_aggregated(engines, vllm_reference, kv_store, name, text, specs):
     prefill, decoder = engines
     items = [media(seed, size) for seed, size in specs]
-    params, stats = handoff(prefill, text, items)
-    assert params["epd_kv_key"] == kv_store.key(params["epd_kv_request"], 0)  # one key scheme with the workers
-    assert params["epd_kv_tokens"] == stats.prompt_tokens > 0
-    obj = kv_store.load(params["epd_kv_key"], request_id=params["epd_kv_request"], attempt=0)
+    stored, stats = await handoff(prefill, text, items)
+    assert stored.key == kv_store.key(stored.request, 0)  # one key scheme with the workers
+    assert stored.prompt_tokens == stats.prompt_tokens > 0
+    obj = load(kv_store, stored)
     assert obj.state["num_tokens"] == stats.prompt_tokens and obj.state["block_size"] == 32
 
-    got, source = decode(decoder, text, items, params)
-    want, _ = generate(vllm_reference, text, items)
+    got, source = await decode(decoder, text, items, stored)
+    want, _ = await generate(vllm_reference, text, items)
     assert source == "store"
     assert got == want
 
 
-def test_scrambled_kv_values_change_the_output(engines, vllm_reference, kv_store):
+async def test_scrambled_kv_values_change_the_output(engines, vllm_reference, kv_store):
     """Negative control for the equality above: the decode engine really computes from the loaded
     KV - the same object with other values (re-signed, so it validates) gives other tokens."""
     import torch
@@ -87,8 +93,8 @@ def test_scrambled_kv_values_change_the_output(engines, vllm_reference, kv_store
     prefill, decoder = engines
     text, specs = CASES[0][1], CASES[0][2]
     items = [media(seed, size) for seed, size in specs]
-    params, _ = handoff(prefill, text, items)
-    obj = kv_store.load(params["epd_kv_key"], request_id=params["epd_kv_request"], attempt=0)
+    stored, _ = await handoff(prefill, text, items)
+    obj = load(kv_store, stored)
     gen = torch.Generator().manual_seed(0)
     tensors = {}
     for name, raw in obj.tensors.items():
@@ -96,12 +102,12 @@ def test_scrambled_kv_values_change_the_output(engines, vllm_reference, kv_store
         if name.startswith("kv."):
             t = torch.randn(t.shape, generator=gen) * t.std()
         tensors[name] = RawTensor(*tensor_to_raw(t))
-    key, blob = kv_store.encode(params["epd_kv_request"], 0, tensors, obj.state_metadata, obj.sampling)
+    key, blob = kv_store.encode(stored.request, 0, tensors, obj.state_metadata, obj.sampling)
     kv_store.put(key, blob)
 
-    got, source = decode(decoder, text, items, params)
+    got, source = await decode(decoder, text, items, stored)
     assert source == "store"
-    assert got != generate(vllm_reference, text, items)[0]
+    assert got != (await generate(vllm_reference, text, items))[0]
 
 
 def _flip_a_byte(kv_store, key):
@@ -115,40 +121,41 @@ def _flip_a_byte(kv_store, key):
     ("corrupted", "checksum_mismatch"),
     ("other_prompt", "item_mismatch"),
 ])
-def test_unusable_kv_is_prefilled_again_with_the_same_output(engines, vllm_reference, kv_store, fault, reason):
+async def test_unusable_kv_is_prefilled_again_with_the_same_output(engines, vllm_reference, kv_store, fault, reason):
     prefill, decoder = engines
     text, specs = CASES[1][1], CASES[1][2]
     items = [media(seed, size) for seed, size in specs]
     if fault == "other_prompt":  # a valid object, but computed for another request's prompt
-        params, _ = handoff(prefill, "Something else entirely.", [media(99, (56, 56))])
+        stored, _ = await handoff(prefill, "Something else entirely.", [media(99, (56, 56))])
     else:
-        params, _ = handoff(prefill, text, items)
+        stored, _ = await handoff(prefill, text, items)
         if fault == "deleted":
-            kv_store.delete(params["epd_kv_key"])
+            kv_store.delete(stored.key)
         else:
-            _flip_a_byte(kv_store, params["epd_kv_key"])
+            _flip_a_byte(kv_store, stored.key)
 
-    got, source = decode(decoder, text, items, params)
+    got, source = await decode(decoder, text, items, stored)
     assert source == f"recomputed:{reason}"
-    assert got == generate(vllm_reference, text, items)[0]
+    assert got == (await generate(vllm_reference, text, items))[0]
 
 
-def test_only_handoff_requests_store_kv(engines, kv_store, store_config):
+async def test_only_handoff_requests_store_kv(engines, kv_store, store_config):
     prefill, _ = engines
     before = {i.key for i in kv_store.store.list(kv_prefix(store_config["namespace"]))}
     stats = GenerationStats()
-    list(prefill.generate(engine_messages("Hello there.", 0), [], GREEDY, stats))  # a plain request
+    [e async for e in prefill.generate(engine_messages("Hello there.", 0), [], GREEDY, stats)]  # a plain request
     assert {i.key for i in kv_store.store.list(kv_prefix(store_config["namespace"]))} == before
-    params, _ = handoff(prefill, "Hello there.", [])  # control: a hand-off request stores one object
+    stored, _ = await handoff(prefill, "Hello there.", [])  # control: a hand-off request stores one object
     after = {i.key for i in kv_store.store.list(kv_prefix(store_config["namespace"]))}
-    assert after - before == {params["epd_kv_key"]}
+    assert after - before == {stored.key}
 
 
-def test_engines_refuse_the_wrong_kv_role(engines):
+async def test_engines_refuse_the_wrong_kv_role(engines):
     from shared.errors import EngineError
 
     prefill, decoder = engines
     with pytest.raises(EngineError, match="KV producer"):
-        decoder.prefill_for_handoff(engine_messages("Hi", 0), [], GREEDY, request_name="x", attempt=0)
+        await decoder.prefill_for_handoff(engine_messages("Hi", 0), [], GREEDY, request_name="x", attempt=0)
     with pytest.raises(EngineError, match="KV consumer"):
-        list(prefill.generate(engine_messages("Hi", 0), [], GREEDY, kv_params={"epd_kv_key": "k"}))
+        [e async for e in prefill.generate_from_handoff(engine_messages("Hi", 0), [], GREEDY,
+                                                        KVHandoff("k", "x"))]

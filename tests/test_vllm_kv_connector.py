@@ -1,4 +1,4 @@
-"""MinioKVConnector without an engine: its scheduler and worker halves driven the way vLLM 0.32
+"""S3KVConnector without an engine: its scheduler and worker halves driven the way vLLM 0.32
 drives them (``on_new_request`` -> ``update_state_after_alloc`` -> ``build_connector_meta`` each
 step -> worker ``save_kv_layer`` / ``wait_for_save`` / ``start_load_kv``), on fake paged caches,
 against a real S3 server. The engine-level tests are in ``tests/test_vllm_kv.py``."""
@@ -20,12 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from shared.store.format import MissReason, ObjectValidationError, RawTensor
 from shared.store.kv import KVStore, decode_kv_object
-from shared.connectors.s3_kv import (
-    STATE_SCHEMA,
-    MinioKVConnector,
-    check_kv_object,
-    vllm_model_fingerprint,
-)
+from shared.connectors.common import vllm_model_fingerprint
+from shared.connectors.params import KV_ATTEMPT, KV_SOURCE, KVHandoff, KVHandoffRequest
+from shared.connectors.s3_kv import S3KVConnector
+from shared.connectors.s3_kv.layout import STATE_SCHEMA, check_kv_object
 from shared.tools.infra import EmbeddedS3
 from shared.store.objects import S3ObjectStore
 
@@ -53,7 +51,7 @@ def make_connector(model_dir, s3_server, bucket, kv_role, role, **extra):
     """A connector built from what vLLM hands it: a KVTransferConfig, the model, cache and KV cache
     configs. ``extra``: more ``kv_connector_extra_config`` settings."""
     transfer = KVTransferConfig(
-        kv_connector="MinioKVConnector", kv_connector_module_path="shared.connectors.s3_kv", kv_role=kv_role,
+        kv_connector="S3KVConnector", kv_connector_module_path="shared.connectors.s3_kv", kv_role=kv_role,
         kv_connector_extra_config={"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "ns",
                                    "access_key_env": AK_ENV, "secret_key_env": SK_ENV, **extra},
     )
@@ -64,7 +62,7 @@ def make_connector(model_dir, s3_server, bucket, kv_role, role, **extra):
     )
     spec = SimpleNamespace(num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
     kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(LAYERS))])
-    return MinioKVConnector(vllm_config, role, kv_cache_config)
+    return S3KVConnector(vllm_config, role, kv_cache_config)
 
 
 def paged_cache(seed=None):
@@ -123,7 +121,7 @@ def produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, ch
     sched = make_connector(tiny_model_dir, s3_server, bucket, "kv_producer", KVConnectorRole.SCHEDULER)
     worker = make_connector(tiny_model_dir, s3_server, bucket, "kv_producer", KVConnectorRole.WORKER)
     layers = {name_: paged_cache(seed) for seed, name_ in enumerate(LAYERS)}
-    req = fake_request(prompt, {"do_remote_decode": True, "epd_kv_request": name, "epd_kv_attempt": 0})
+    req = fake_request(prompt, KVHandoffRequest(name, 0).to_params())
     sched.on_new_request(req)
     sched.update_state_after_alloc(req, None, 0)
     if chunks == (None,):
@@ -162,8 +160,9 @@ def test_producer_to_consumer_moves_the_prompt_blocks(tiny_model_dir, s3_server,
     producer_blocks, consumer_blocks = [7, 2, 11], [3, 9, 5]
     name = f"req-{uuid.uuid4().hex[:8]}"
     params, src = produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, chunks)
-    assert params["do_remote_prefill"] is True and params["epd_kv_tokens"] == len(prompt)
-    assert params["epd_kv_key"].endswith(f"/{name}-0")
+    handoff = KVHandoff.from_params(params)
+    assert handoff is not None and handoff.prompt_tokens == len(prompt) and handoff.request == name
+    assert handoff.key.endswith(f"/{name}-0")
 
     sched, worker = consumer(tiny_model_dir, s3_server, bucket)
     req = fake_request(prompt, params)
@@ -178,7 +177,7 @@ def test_producer_to_consumer_moves_the_prompt_blocks(tiny_model_dir, s3_server,
             assert torch.equal(dst[name_][c], src[name_][p])
         untouched = sorted(set(range(NUM_BLOCKS)) - set(consumer_blocks))
         assert not dst[name_][untouched].any()  # nothing else written
-    assert sched.request_finished(req, consumer_blocks)[1] == {"epd_kv_source": "store"}
+    assert sched.request_finished(req, consumer_blocks)[1] == {KV_SOURCE: "store"}
 
 
 def test_a_local_prefix_hit_loads_only_the_rest(tiny_model_dir, s3_server, bucket):
@@ -213,14 +212,19 @@ def test_unusable_objects_are_not_loaded(tiny_model_dir, s3_server, bucket):
     sched, _ = consumer(tiny_model_dir, s3_server, bucket)
     other_prompt = fake_request(prompt[:-1] + [999], params)  # the object was computed for another prompt
     assert decide(sched, other_prompt) == 0
-    assert sched.request_finished(other_prompt, [])[1] == {"epd_kv_source": "recomputed:item_mismatch"}
-    missing = fake_request(prompt, {**params, "epd_kv_attempt": 1,  # no object under attempt 1
-                                    "epd_kv_key": params["epd_kv_key"].removesuffix("-0") + "-1"})
+    assert sched.request_finished(other_prompt, [])[1] == {KV_SOURCE: "recomputed:item_mismatch"}
+    handoff = KVHandoff.from_params(params)
+    missing = fake_request(prompt, KVHandoff(handoff.key.removesuffix("-0") + "-1", handoff.request, 1,  # no object
+                                             handoff.prompt_tokens).to_params())
     assert decide(sched, missing) == 0
-    assert sched.request_finished(missing, [])[1] == {"epd_kv_source": "recomputed:not_found"}
-    forged = fake_request(prompt, {**params, "epd_kv_key": "ns/kv/0000/elsewhere-0"})  # not this model's key
+    assert sched.request_finished(missing, [])[1] == {KV_SOURCE: "recomputed:not_found"}
+    forged = fake_request(prompt, KVHandoff("ns/kv/0000/elsewhere-0", handoff.request, 0,  # not this model's key
+                                            handoff.prompt_tokens).to_params())
     assert decide(sched, forged) == 0
-    assert sched.request_finished(forged, [])[1] == {"epd_kv_source": "recomputed:fingerprint_mismatch"}
+    assert sched.request_finished(forged, [])[1] == {KV_SOURCE: "recomputed:fingerprint_mismatch"}
+    malformed = fake_request(prompt, {**params, KV_ATTEMPT: -1})
+    assert decide(sched, malformed) == 0
+    assert sched.request_finished(malformed, [])[1] == {KV_SOURCE: "recomputed:item_mismatch"}
     good = fake_request(prompt, params)  # control: the same object for its own prompt loads
     assert decide(sched, good) == len(prompt) - 1
 
@@ -238,7 +242,7 @@ def test_a_failed_block_write_is_reported_for_recomputation(tiny_model_dir, s3_s
     assert worker.get_block_ids_with_load_errors() == {4, 5, 6}
     assert not any(t.any() for t in wrong.values())  # nothing half-written
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_connector_worker_meta()))
-    assert sched.request_finished(req, [4, 5, 6])[1] == {"epd_kv_source": "recomputed:shape_mismatch"}
+    assert sched.request_finished(req, [4, 5, 6])[1] == {KV_SOURCE: "recomputed:shape_mismatch"}
 
 
 @pytest.fixture
@@ -272,13 +276,13 @@ def test_a_fetch_slower_than_the_timeout_is_prefilled_again(tiny_model_dir, paus
         assert decide(sched, req) == 0  # decided while the store still has not answered
         sched.update_state_after_alloc(req, None, 0)
         assert sched.build_connector_meta(step(new=[new_req(req, [1, 2, 3])])).loads == []
-        assert sched.request_finished(req, [1, 2, 3])[1] == {"epd_kv_source": "recomputed:timeout"}
+        assert sched.request_finished(req, [1, 2, 3])[1] == {KV_SOURCE: "recomputed:timeout"}
     finally:
         os.kill(pausable_s3.pid, signal.SIGCONT)
     # Control: with the store answering again, the same object loads for the same prompt.
     again = fake_request(prompt, params)
     assert decide(sched, again) == len(prompt) - 1
-    assert sched.request_finished(again, [])[1] == {"epd_kv_source": "store"}
+    assert sched.request_finished(again, [])[1] == {KV_SOURCE: "store"}
 
 
 def test_fingerprint_is_the_workers_model_fingerprint(tiny_model_dir):

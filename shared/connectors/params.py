@@ -8,6 +8,7 @@ No vLLM or torch import: the engine, the connectors and the tests share this mod
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -22,6 +23,21 @@ KV_SOURCE = "epd_kv_source"
 # ec_transfer_params keys (ours)
 EC_SOURCES = "epd_ec_sources"
 EC_ITEMS = "epd_ec_items"
+
+
+class Source(str, enum.Enum):
+    """Where a request's encoder output (``EC_SOURCES`` values) or KV cache (``KV_SOURCE``)
+    came from. On the wire: ``store``, ``engine_cache`` or ``recomputed:<reason>``."""
+
+    STORE = "store"
+    #: EC only: vLLM still held the item (encoder or prefix cache); the connector was not asked
+    ENGINE_CACHE = "engine_cache"
+    #: computed again by the engine, for a reason (a ``MissReason`` value)
+    RECOMPUTED = "recomputed"
+
+    def report(self, reason: str = "") -> str:
+        """The wire value (``recomputed:<reason>`` for RECOMPUTED)."""
+        return f"{self.value}:{reason}" if self is Source.RECOMPUTED else self.value
 
 
 class MalformedParams(ValueError):

@@ -69,6 +69,8 @@ class MissReason(str, enum.Enum):
     STORE_ERROR = "store_error"
     TIMEOUT = "timeout"
     ENCODER_FAILED = "encoder_failed"
+    #: the item's identifier cannot be an object key (vLLM connector: never looked up)
+    BAD_IDENTIFIER = "bad_identifier"
 
 
 class ObjectValidationError(ValueError):
@@ -78,10 +80,6 @@ class ObjectValidationError(ValueError):
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-#: The EC name of :class:`ObjectValidationError` (same class).
-ECValidationError = ObjectValidationError
 
 
 @dataclass(frozen=True)
@@ -338,7 +336,7 @@ def encode_ec_object(
 def decode_ec_object(blob: bytes, *, fingerprint: str, item_hash: str) -> ECObject:
     """Parse and validate an EC object against the expected fingerprint and item.
 
-    Raises :class:`ECValidationError`; never returns data that failed a check.
+    Raises :class:`ObjectValidationError`; never returns data that failed a check.
     """
     obj = decode_tensor_object(
         blob, schema=SCHEMA, fingerprint=fingerprint, id_field="item_hash", object_id=item_hash,

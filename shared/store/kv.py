@@ -1,7 +1,8 @@
 """KV objects: the hand-off from a prefill worker to a decode worker (E|P|D), in the object store.
 
 A KV object is a tensor object (:mod:`shared.store.format`, the same implementation as EC
-objects) with schema ``epd-kv-v1``:
+objects) with schema ``epd-kv-v1``, stored through :class:`KVStore`, the KV front of
+:class:`shared.store.tensor_store.TensorObjectStore`:
 
 ==================  =============================================================
 fingerprint         the MODEL fingerprint (all weights + config + tokenizer + dtype +
@@ -31,9 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from shared import metrics
 from shared.store.format import (
@@ -44,30 +44,32 @@ from shared.store.format import (
     decode_tensor_object,
     encode_tensor_object,
 )
-from shared.errors import EPDError, StoreError
 from shared.store.objects import ObjectStore, ObjectTooLarge
+from shared.store.tensor_store import META_FINGERPRINT, META_SCHEMA, TensorCodec, TensorObjectStore
 
-log = logging.getLogger(__name__)
+__all__ = ["KV_CODEC", "KV_SCHEMA", "KVCodec", "KVObject", "KVRef", "KVStore", "META_FINGERPRINT", "META_SCHEMA",
+           "decode_kv_object", "encode_kv_object", "kv_key", "kv_prefix"]
 
 KV_SCHEMA = "epd-kv-v1"
 _ID_FIELD = "request_id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
-# S3 user metadata (lets a HEAD tell a KV object's version without reading it).
-META_SCHEMA = "epd-schema"
-META_FINGERPRINT = "epd-fingerprint"
+_FOLDER = "kv"
+
+
+class KVRef(NamedTuple):
+    """What names a KV object within one model fingerprint."""
+
+    request_id: str
+    attempt: int
 
 
 def kv_prefix(namespace: str) -> str:
-    return f"{namespace}/kv/"
+    return f"{namespace}/{_FOLDER}/"
 
 
 def kv_key(namespace: str, fingerprint: str, request_id: str, attempt: int) -> str:
     """``<namespace>/kv/<model fingerprint>/<request_id>-<attempt>``."""
-    if not _REQUEST_ID.match(request_id):
-        raise ValueError(f"request id {request_id[:64]!r} cannot be part of an object key")
-    if not isinstance(attempt, int) or attempt < 0:
-        raise ValueError(f"attempt must be an int >= 0, got {attempt!r}")
-    return f"{kv_prefix(namespace)}{fingerprint}/{request_id}-{attempt}"
+    return f"{kv_prefix(namespace)}{fingerprint}/{KV_CODEC.name(KVRef(request_id, attempt))}"
 
 
 @dataclass(frozen=True)
@@ -152,19 +154,48 @@ def decode_kv_object(blob: bytes, *, fingerprint: str, request_id: str, attempt:
     )
 
 
-class KVStore:
+class KVCodec(TensorCodec[KVObject, KVRef]):
+    """KV objects: identified by (request, attempt), under ``<namespace>/kv/``."""
+
+    kind = "kv"
+    schema = KV_SCHEMA
+    folder = _FOLDER
+    not_found_level = logging.WARNING  # the prefill side said it stored the object
+
+    def name(self, ident: KVRef) -> str:
+        request_id, attempt = ident
+        if not isinstance(request_id, str) or not _REQUEST_ID.match(request_id):
+            raise ValueError(f"request id {str(request_id)[:64]!r} cannot be part of an object key")
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+            raise ValueError(f"attempt must be an int >= 0, got {attempt!r}")
+        return f"{request_id}-{attempt}"
+
+    def decode(self, blob: bytes, *, fingerprint: str, ident: KVRef) -> KVObject:
+        return decode_kv_object(blob, fingerprint=fingerprint, request_id=ident.request_id, attempt=ident.attempt)
+
+    def latency(self, op: str) -> Any:
+        return metrics.EC_STORE_LATENCY.labels(f"kv_{op}")
+
+    def transferred(self, direction: str) -> Any:
+        return metrics.KV_BYTES.labels(direction)
+
+    def lookup(self, outcome: str, reason: str) -> Any:
+        return metrics.KV_LOOKUPS.labels(outcome, reason)
+
+
+KV_CODEC = KVCodec()
+
+
+class KVStore(TensorObjectStore[KVObject, KVRef]):
     """KV objects of one model fingerprint in one object store (bounded, validated)."""
 
     def __init__(self, store: ObjectStore, *, namespace: str, fingerprint: str, producer: str,
                  max_object_bytes: int):
-        self.store = store
-        self.namespace = namespace
-        self.fingerprint = fingerprint
-        self.producer = producer
-        self.max_object_bytes = max_object_bytes
+        super().__init__(store, KV_CODEC, namespace=namespace, fingerprint=fingerprint, producer=producer,
+                         max_object_bytes=max_object_bytes)
 
     def key(self, request_id: str, attempt: int) -> str:
-        return kv_key(self.namespace, self.fingerprint, request_id, attempt)
+        return self.object_key(KVRef(request_id, attempt))
 
     def encode(self, request_id: str, attempt: int, tensors: Mapping[str, RawTensor],
                state_metadata: Mapping[str, str], sampling: Mapping[str, Any]) -> tuple[str, bytes]:
@@ -189,52 +220,11 @@ class KVStore:
         return key, blob
 
     def put(self, key: str, blob: bytes) -> None:
-        """Write an object made by :meth:`encode` (raises StoreError)."""
-        if len(blob) > self.max_object_bytes:
-            raise ObjectTooLarge(f"KV object of {len(blob)} bytes exceeds {self.max_object_bytes}", key=key)
-        with metrics.EC_STORE_LATENCY.labels("kv_put").time():
-            self.store.put(key, blob, metadata={META_SCHEMA: KV_SCHEMA, META_FINGERPRINT: self.fingerprint})
-        metrics.KV_BYTES.labels("put").inc(len(blob))
+        """Write an object made by :meth:`encode` (raises ObjectTooLarge, StoreError)."""
+        self.write(key, blob)
 
     def load(self, key: str, *, request_id: str, attempt: int) -> KVObject:
-        """Fetch and validate. Raises ObjectValidationError (with a MissReason); never bad data."""
-        expected = self.key(request_id, attempt)
-        if key != expected:  # another model's (or a forged) key: never read it
-            raise self._miss(key, MissReason.FINGERPRINT_MISMATCH, f"key is not this model's ({expected})")
-        try:
-            with metrics.EC_STORE_LATENCY.labels("kv_get").time():
-                blob = self.store.get(key, max_bytes=self.max_object_bytes)
-        except StoreError as exc:
-            raise self._miss(key, MissReason.STORE_ERROR, str(exc)) from exc
-        except EPDError as exc:  # ObjectTooLarge
-            raise self._miss(key, MissReason.TOO_LARGE, str(exc)) from exc
-        if blob is None:
-            raise self._miss(key, MissReason.NOT_FOUND, "no object")
-        try:
-            obj = decode_kv_object(blob, fingerprint=self.fingerprint, request_id=request_id, attempt=attempt)
-        except ObjectValidationError as exc:
-            raise self._miss(key, exc.reason, exc.detail) from exc
-        metrics.KV_BYTES.labels("get").inc(len(blob))
-        metrics.KV_LOOKUPS.labels("hit", "").inc()
-        return obj
-
-    def delete(self, key: str) -> None:
-        self.store.delete(key)
-
-    def sweep(self, max_age_s: float, *, now: float | None = None) -> int:
-        """Delete KV objects (of any fingerprint) last modified more than ``max_age_s`` ago.
-        Returns how many. Safe to run from several workers at once."""
-        cutoff = (time.time() if now is None else now) - max_age_s
-        removed = 0
-        for info in list(self.store.list(kv_prefix(self.namespace))):
-            if info.last_modified is not None and info.last_modified < cutoff:
-                self.store.delete(info.key)
-                removed += 1
-        if removed:
-            log.info("kv sweep: removed %d object(s) older than %.0fs", removed, max_age_s)
-        return removed
-
-    def _miss(self, key: str, reason: MissReason, detail: str) -> ObjectValidationError:
-        metrics.KV_LOOKUPS.labels("miss", reason.value).inc()
-        log.warning("kv miss key=%s reason=%s detail=%s", key, reason.value, detail)
-        return ObjectValidationError(reason, detail)
+        """Fetch and validate the object of (``request_id``, ``attempt``) at ``key``; a key that
+        is not this model's for them is never read (FINGERPRINT_MISMATCH). Raises
+        ObjectValidationError (with a MissReason); never bad data."""
+        return self.fetch(KVRef(request_id, attempt), request_id=request_id, key=key)
