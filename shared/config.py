@@ -14,6 +14,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.topology import PREFILL_SERVICE_ROLES, Role, Topology
+
 
 def _split_csv(value: object) -> object:
     if isinstance(value, str):
@@ -23,8 +25,10 @@ def _split_csv(value: object) -> object:
 
 CSV = Annotated[tuple[str, ...], NoDecode]
 
-TOPOLOGIES = ("agg", "e-pd", "e-p-d")
-PREFILL_ROLES = ("pd", "prefill", "agg")
+
+def _shown(value: object) -> object:
+    """A value for an error message: an enum member as its plain value."""
+    return str(value) if isinstance(value, str) else value
 
 
 def default_worker_id() -> str:
@@ -123,15 +127,15 @@ class ApiSettings(CommonSettings):
     url_allow_networks: CSV = ()
     url_allow_hosts: CSV = ()
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
-    #: Deployment shape. Only "agg" changes what the API does: it queues no encode jobs (the agg
-    #: worker encodes in process). "e-pd" / "e-p-d" differ in the workers only.
-    topology: str = "e-pd"
+    #: Deployment shape. The API reads only ``TOPOLOGIES[topology].uses_encoder``: without
+    #: encoder workers (agg) it queues no encode jobs. e-pd / e-p-d differ in the workers only.
+    topology: Topology = Topology.E_PD
 
-    @field_validator("topology")
+    @field_validator("topology", mode="before")
     @classmethod
-    def _known_topology(cls, v: str) -> str:
-        if v not in TOPOLOGIES:
-            raise ValueError(f"unknown topology {v!r}; supported: {', '.join(TOPOLOGIES)}")
+    def _known_topology(cls, v: object) -> object:
+        if v not in tuple(Topology):
+            raise ValueError(f"unknown topology {_shown(v)!r}; supported: {', '.join(Topology)}")
         return v
 
     _split = field_validator("api_keys", "url_allow_networks", "url_allow_hosts", mode="before")(_split_csv)
@@ -139,23 +143,20 @@ class ApiSettings(CommonSettings):
 
 class EncoderSettings(CommonSettings):
     batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
-    # Fault injection for tests and chaos drills: sleep this long inside each encode.
-    fault_encode_delay_s: float = Field(0, ge=0)
 
 
 class PrefillSettings(CommonSettings):
-    #: "pd": prefill + decode (E|PD); "prefill": prefill, then hand the KV state to decode
-    #: workers (E|P|D); "agg": encode + prefill + decode in this process (baseline).
-    role: str = "pd"
+    #: One of ``PREFILL_SERVICE_ROLES``: pd (E|PD), prefill (E|P|D), agg (baseline); see :class:`Role`.
+    role: Role = Role.PD
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
     max_concurrent_jobs: int = Field(8, ge=1)
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
 
-    @field_validator("role")
+    @field_validator("role", mode="before")
     @classmethod
-    def _known_role(cls, v: str) -> str:
-        if v not in PREFILL_ROLES:
-            raise ValueError(f"unknown prefill role {v!r}; supported: 'pd' (E|PD), 'prefill' (E|P|D), 'agg'")
+    def _known_role(cls, v: object) -> object:
+        if v not in PREFILL_SERVICE_ROLES:
+            raise ValueError(f"unknown prefill role {_shown(v)!r}; supported: {', '.join(PREFILL_SERVICE_ROLES)}")
         return v
 
 
@@ -166,5 +167,3 @@ class DecodeSettings(CommonSettings):
     max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
     kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept")
     kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")
-    # Fault injection for tests and chaos drills: sleep this long after each batched step.
-    fault_decode_step_delay_s: float = Field(0, ge=0)

@@ -83,7 +83,9 @@ def vllm_reference(tiny_model_dir, vllm_work_dir):
     try:
         yield engine
     finally:
-        engine.close()
+        from tests.vllmutil import close_engine
+
+        close_engine(engine)
 
 
 @pytest.fixture(scope="session")
@@ -133,12 +135,15 @@ def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 
     An ack wait of 15 s: a killed decode worker's job is redelivered within it, and a worker
     starved of CPU on a loaded machine (it sends ``in_progress`` every ack_wait/3) keeps its job.
-    Decode workers sleep 50 ms after each step (fault injection; numerics unchanged) so a test can
-    act while a request is being decoded. Tests may stop and start decode workers
-    (``stack.add("decode", ...)``) but leave one running."""
+    Decode workers sleep 50 ms after each step (fault injection, ``tests.fault_workers``; numerics
+    unchanged) so a test can act while a request is being decoded. Tests may stop and start decode
+    workers (``stack.add("decode", ...)``) but leave one running."""
+    from tests import fault_workers
+
     running = start_stack(
         nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-split-logs"), topology="e-p-d",
-        service_env={"decode": {"EPD_FAULT_DECODE_STEP_DELAY_S": "0.05"}},
+        service_env={"decode": {fault_workers.DECODE_STEP_DELAY_ENV: "0.05"}},
+        service_modules={"decode": fault_workers.MODULE},
         EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024), EPD_ACK_WAIT_S="15",
     )
     try:

@@ -60,6 +60,35 @@ def engine_messages(text: str, n_images: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
+def run_sync(coro):
+    """Run a coroutine to completion from synchronous test code, in a thread of its own (so it
+    works whether or not an event loop runs in the caller's thread). Engines own their compute
+    and hand results to whichever loop awaits them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _events(aiter) -> list:
+    return [ev async for ev in aiter]
+
+
+def engine_encode(engine, images: list[Image.Image]) -> list:
+    """``await engine.encode(images)`` from synchronous test code."""
+    return run_sync(engine.encode(images))
+
+
+def engine_events(engine, messages: list[dict[str, Any]], items: list, params, stats=None) -> list:
+    """Every TokenEvent of ``engine.generate(...)`` from synchronous test code."""
+    return run_sync(_events(engine.generate(messages, items, params, stats)))
+
+
+def engine_tokens(engine, messages: list[dict[str, Any]], items: list, params, stats=None) -> list[int]:
+    """The token ids of ``engine.generate(...)`` from synchronous test code."""
+    return [ev.token_id for ev in engine_events(engine, messages, items, params, stats)]
+
+
 @dataclass
 class RunningStack:
     stack: Stack
@@ -96,15 +125,17 @@ class RunningStack:
 
 
 def start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
-                service_env=None, ready_timeout=300, **env_overrides) -> RunningStack:
+                service_env=None, service_modules=None, ready_timeout=300, **env_overrides) -> RunningStack:
     """A ready stack on the session's NATS and S3: every service of ``topology``
-    (``shared.tools.launcher.TOPOLOGY_SERVICES``), or just ``services``; ``roles`` are the worker roles
+    (``shared.topology.TOPOLOGIES``), or just ``services``; ``roles`` are the worker roles
     to wait for. ``env_overrides`` are ``EPD_*`` settings for every service, ``service_env`` per
-    service. The caller stops it (``running.stack.stop()``)."""
+    service; ``service_modules`` runs a service through another module (``tests.fault_workers``).
+    The caller stops it (``running.stack.stop()``)."""
     from shared.tools.infra import free_port
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
-    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {})
+    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {},
+                  service_modules=service_modules or {})
     running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
     try:
         if services is None:

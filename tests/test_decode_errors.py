@@ -44,6 +44,7 @@ from shared.fingerprint import model_fingerprint
 from shared.tools.launcher import ServiceProcess
 from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec
+from tests import fault_workers
 from tests.stackutil import (
     GREEDY,
     data_url,
@@ -77,6 +78,7 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """E|P|D on the tiny Qwen2-VL with a long request deadline."""
     running = start_stack(
         nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("decode-errors-logs"), topology="e-p-d",
+        service_modules={"decode": fault_workers.MODULE},  # (a slow decode worker when a test asks)
         EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S), EPD_MAX_REPREFILLS=str(MAX_REPREFILLS),
     )
     running.request_timeout_s = REQUEST_TIMEOUT_S
@@ -274,7 +276,7 @@ def test_missing_kv_object_after_the_last_reprefill_ends_with_kv_unavailable(sta
 def test_deadline_passed_during_decoding(stack, slot, store):
     """A slow decode worker (0.25 s per step) still decoding at the deadline: it stops, sends
     ``deadline_exceeded`` (504) after the tokens it streamed, and deletes the KV object."""
-    slot.use(EPD_FAULT_DECODE_STEP_DELAY_S="0.25")
+    slot.use(**{fault_workers.DECODE_STEP_DELAY_ENV: "0.25"})
     rid = _rid("slow")
     sampling = SamplingSpec(temperature=0, max_tokens=2000, ignore_eos=True)  # >= 500 s at 0.25 s per step
     deadline = time.time() + 20  # prefill (one short text prompt) and the first decode steps fit well within

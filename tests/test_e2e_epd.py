@@ -23,6 +23,8 @@ from shared.store.objects import S3ObjectStore
 from shared.protocol import ECReady, EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec
 # GREEDY and api_tokens are imported from here by other test modules too.
 from tests.stackutil import (
+    engine_encode,
+    engine_tokens,
     GREEDY,
     api_tokens,
     data_url,
@@ -50,7 +52,7 @@ CASES = [
 
 def reference_tokens(engine, text, images):
     """Greedy tokens of the aggregated reference: ``engine`` encodes and generates in process."""
-    return [ev.token_id for ev in engine.generate(engine_messages(text, len(images)), engine.encode(images), REF_PARAMS)]
+    return engine_tokens(engine, engine_messages(text, len(images)), engine_encode(engine, images), REF_PARAMS)
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
@@ -109,7 +111,7 @@ def ec_store(epd_stack, s3_server, reference_engine):
 
 def _put_valid_object(ec_store, engine, image):
     item = content_hash_of(image)
-    encoded = engine.encode([image])[0]
+    encoded = engine_encode(engine, [image])[0]
     raw, dtype, shape = tensor_to_raw(encoded.features)
     ec_store.save(item, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded))
     return item, raw, dtype, shape, encoded
@@ -166,14 +168,14 @@ def test_ec_object_under_another_fingerprint_key_is_never_hit(epd_stack, referen
     item = content_hash_of(image)
     other = ECStore(ec_store.store, namespace=ec_store.namespace, fingerprint="f" * 24, producer="other-model")
     assert other.key(item) != ec_store.key(item)
-    wrong = reference_engine.encode([noise_image(44, (56, 56))])[0]  # deliberately wrong features
+    wrong = engine_encode(reference_engine, [noise_image(44, (56, 56))])[0]  # deliberately wrong features
     raw, dtype, shape = tensor_to_raw(wrong.features)
     other.save(item, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(wrong))
     text = "Describe the image."
     got, body = api_tokens(epd_stack, text, [image])
     assert got == reference_tokens(reference_engine, text, [image])
     # Negative control: the foreign object's features would have given other tokens.
-    assert [ev.token_id for ev in reference_engine.generate(engine_messages(text, 1), [wrong], REF_PARAMS)] != got
+    assert engine_tokens(reference_engine, engine_messages(text, 1), [wrong], REF_PARAMS) != got
     # The API found no object for our encoder version, so it queued this request's encode job.
     jobs = epd_stack.messages_of("stream_encode", EncodeJob, body["id"])
     assert [j.image.item_hash for j in jobs] == [item]
@@ -248,9 +250,10 @@ def test_sampling_seed_and_stop_through_the_api(epd_stack, reference_engine):
     assert a["token_ids"] == b["token_ids"]
     assert a["token_ids"] != c["token_ids"]  # control: the seed matters
     # Same as the engine sampling in-process with that seed.
-    want = [ev.token_id for ev in reference_engine.generate(
-        engine_messages("Tell me a story.", 1), reference_engine.encode([image]),
-        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))]
+    want = engine_tokens(
+        reference_engine,
+        engine_messages("Tell me a story.", 1), engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))
     assert a["token_ids"] == want
 
     # A stop string cut from the greedy text ends the completion right before it.

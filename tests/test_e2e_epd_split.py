@@ -18,6 +18,8 @@ from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ECReady, EncodeJob, GenerationJob, TokenChunk
 from tests.stackutil import (
+    engine_encode,
+    engine_tokens,
     GREEDY,
     api_tokens,
     chat_body,
@@ -86,14 +88,15 @@ def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, 
     params = dict(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, return_token_ids=True)
     got = epd_stack_epd.chat([user_message("Tell me a story.", [data_url(image)])], seed=1234, **params)
     assert got.status_code == 200, got.text
-    want = [ev.token_id for ev in reference_engine.generate(
-        engine_messages("Tell me a story.", 1), reference_engine.encode([image]),
-        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))]
+    want = engine_tokens(
+        reference_engine,
+        engine_messages("Tell me a story.", 1), engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))
     assert got.json()["choices"][0]["token_ids"] == want
-    other = reference_engine.generate(engine_messages("Tell me a story.", 1), reference_engine.encode([image]),
-                                      SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321,
-                                                     ignore_eos=True))
-    assert [ev.token_id for ev in other] != want  # control: the seed matters
+    other = engine_tokens(reference_engine, engine_messages("Tell me a story.", 1),
+                          engine_encode(reference_engine, [image]),
+                          SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True))
+    assert other != want  # control: the seed matters
 
 
 def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_engine, store):
@@ -152,8 +155,9 @@ def test_same_image_twice_in_one_request_is_encoded_once(epd_stack_epd, referenc
     assert len(jobs) == 1 and len(ready) == 1, (jobs, ready)
     assert got == reference_tokens(reference_engine, text, [image, image])
     # Controls: both placeholders matter, and both get this image's features.
-    once = [ev.token_id for ev in reference_engine.generate(
-        engine_messages(text, 1), reference_engine.encode([image]), REF_PARAMS)]
+    once = engine_tokens(
+        reference_engine,
+        engine_messages(text, 1), engine_encode(reference_engine, [image]), REF_PARAMS)
     assert got != once
     assert got != reference_tokens(reference_engine, text, [image, other])
     assert got != reference_tokens(reference_engine, text, [other, image])
@@ -193,9 +197,10 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
     rows, workers = [], set()
     for (text, specs, n), (got, body) in zip(BATCH, results):
         images = [noise_image(s, size) for s, size in specs]
-        want = [ev.token_id for ev in reference_engine.generate(
-            engine_messages(text, len(images)), reference_engine.encode(images),
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
+        want = engine_tokens(
+        reference_engine,
+            engine_messages(text, len(images)), engine_encode(reference_engine, images),
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         assert got == want, text
         final = final_result(epd_stack_epd, body["id"])
         rows.append(final.timings["decode_batch_rows_max"])
@@ -239,9 +244,10 @@ def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine,
     (victim,) = decoders(epd_stack_epd)  # 50 ms per step: 63 steps take >= 3 s
     image = noise_image(72, (64, 48))
     text = "Describe the image."
-    want = [ev.token_id for ev in reference_engine.generate(
-        engine_messages(text, 1), reference_engine.encode([image]),
-        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))]
+    want = engine_tokens(
+        reference_engine,
+        engine_messages(text, 1), engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     body = chat_body(text, [image], **{**GREEDY, "max_tokens": 64})
     ids, rid, killed_after, done = stream_killing_a_decoder(epd_stack_epd, body, victim, timeout=180)
     assert done and killed_after is not None and killed_after < len(want)

@@ -9,6 +9,7 @@ import pytest
 
 from shared.media import content_hash_of
 from shared.protocol import ECReady
+from tests.fault_workers import ENCODE_DELAY_ENV, MODULE as FAULT_WORKERS
 from tests.stackutil import api_tokens, final_result, noise_image, start_stack, wait_for
 from tests.test_e2e_epd import reference_tokens
 
@@ -22,7 +23,8 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
     # on a loaded machine (it sends in_progress every second) may see its job redelivered once
     # more; the generous max_deliver keeps such extra deliveries from exhausting the job.
     running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
-                          service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "600"}},
+                          service_env={"encoder": {ENCODE_DELAY_ENV: "600"}},
+                          service_modules={"encoder": FAULT_WORKERS},
                           EPD_ACK_WAIT_S="3", EPD_MAX_DELIVER="10", EPD_EC_WAIT_S="300")
     stack = running.stack
     try:
@@ -33,7 +35,7 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
             future = pool.submit(api_tokens, running, TEXT, [image], timeout=600)
             _wait_for_log(slow, "fault injection", timeout=120)  # the slow encoder holds the job
             slow.stop(sig=signal.SIGKILL)
-            fast = stack.add("encoder", index=1, extra_env={"EPD_FAULT_ENCODE_DELAY_S": "0"})
+            fast = stack.add("encoder", index=1, extra_env={ENCODE_DELAY_ENV: "0"})
             tokens, body = future.result(timeout=600)
         assert tokens == reference_tokens(reference_engine, TEXT, [image])
 
@@ -54,7 +56,8 @@ def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir
     # machine where seeing the log line and sending the signal may take seconds. The prefill
     # worker waits for the drained encoder's output (EPD_EC_WAIT_S) instead of encoding locally.
     running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
-                          service_env={"encoder": {"EPD_FAULT_ENCODE_DELAY_S": "15"}}, EPD_EC_WAIT_S="300")
+                          service_env={"encoder": {ENCODE_DELAY_ENV: "15"}},
+                          service_modules={"encoder": FAULT_WORKERS}, EPD_EC_WAIT_S="300")
     stack = running.stack
     try:
         encoder = next(p for p in stack.processes if p.name == "encoder")

@@ -1,4 +1,5 @@
-"""The encoder handler without a broker: idempotency, poison jobs, retries (fs-backed store, real engine)."""
+"""The encoder handler without a broker (``shared.worker.settle``, what the runner does with a message):
+idempotency, poison jobs, retries (fs-backed store, real engine)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shared.errors import StoreError
 from shared.media import content_hash_of
 from shared.store.objects import LocalDirObjectStore
 from shared.protocol import ECFailed, ECReady, EncodeJob, ImageRef, Subjects
-from shared.worker import Action, Delivery, WorkerContext
+from shared.worker import Action, Delivery, WorkerContext, settle
 from tests.stackutil import noise_image, png_bytes
 
 
@@ -55,14 +56,14 @@ def _delivery(job, n=1, max_deliver=3):
 
 async def test_encodes_then_is_idempotent(handler):
     job = _job(handler, noise_image(1, (56, 56)))
-    verdict = await handler.handle(_delivery(job))
+    verdict = await settle(handler, _delivery(job))
     assert verdict.action is Action.ACK
     (subject, ready), = handler.publisher.sent
     assert isinstance(ready, ECReady) and ready.encode_s > 0 and subject == f"t.ec.ready.{handler.fingerprint}.{job.image.item_hash}"
     assert handler.store.load(job.image.item_hash).n_tokens == ready.n_tokens
 
     # Redelivered (or duplicated) job: announced again, not recomputed.
-    verdict = await handler.handle(_delivery(job, n=2))
+    verdict = await settle(handler, _delivery(job, n=2))
     assert verdict.action is Action.ACK
     again = handler.publisher.sent[-1][1]
     assert isinstance(again, ECReady) and again.encode_s == 0.0
@@ -70,18 +71,20 @@ async def test_encodes_then_is_idempotent(handler):
 
 async def test_poison_jobs_are_terminated_with_an_event(handler):
     missing = _job(handler, noise_image(2, (56, 56)), media=False)
-    verdict = await handler.handle(_delivery(missing))
+    verdict = await settle(handler, _delivery(missing))
     assert verdict.action is Action.TERM
     failed = handler.publisher.sent[-1][1]
     assert isinstance(failed, ECFailed) and failed.code == "media_missing"
 
     foreign = _job(handler, noise_image(3, (56, 56)), fingerprint="0" * 24)
-    verdict = await handler.handle(_delivery(foreign))
+    verdict = await settle(handler, _delivery(foreign))
     assert verdict.action is Action.TERM
     assert handler.publisher.sent[-1][1].code == "fingerprint_mismatch"
 
     garbage = Delivery(data=b"\x00garbage", subject="t.encode.jobs", headers={}, num_delivered=1, max_deliver=3)
-    assert (await handler.handle(garbage)).action is Action.TERM
+    sent = len(handler.publisher.sent)
+    assert (await settle(handler, garbage)).action is Action.TERM
+    assert len(handler.publisher.sent) == sent  # no event: there is no job to tell
 
 
 async def test_transient_failures_retry_then_give_up(handler, monkeypatch):
@@ -91,10 +94,10 @@ async def test_transient_failures_retry_then_give_up(handler, monkeypatch):
         raise StoreError("store down")
 
     monkeypatch.setattr(handler.store.store, "put", broken_put)
-    verdict = await handler.handle(_delivery(job, n=1))
+    verdict = await settle(handler, _delivery(job, n=1))
     assert verdict.action is Action.NAK and verdict.delay_s > 0
     assert not any(isinstance(m, ECFailed) for _, m in handler.publisher.sent)
-    verdict = await handler.handle(_delivery(job, n=3))  # last attempt
+    verdict = await settle(handler, _delivery(job, n=3))  # last attempt
     assert verdict.action is Action.TERM
     failed = handler.publisher.sent[-1][1]
     assert isinstance(failed, ECFailed) and "3 attempts" in failed.message

@@ -1,6 +1,6 @@
 """E|P|D on vLLM, whole stack: real NATS, real S3 server, api + encoder + prefill (role
 ``prefill``) + decode processes, all with ``EPD_ENGINE=vllm``. Encoder outputs move through
-MinioECConnector, the prompt's KV cache through MinioKVConnector (``kv_transfer_params``).
+S3ECConnector, the prompt's KV cache through S3KVConnector (``kv_transfer_params``).
 
 The reference for every equality check is a plain vLLM engine run aggregated in this process.
 """
@@ -24,7 +24,8 @@ from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, SamplingSpec
 from tests.stackutil import (
-    api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image, run_job,
+    run_sync,
+    engine_tokens, api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image, run_job,
     scrape, start_stack, stream_killing_a_decoder, wait_for, work_consumers,
 )
 from tests.vllmutil import CASES, generate, media
@@ -72,17 +73,17 @@ def _decode_consumer(stack):
 def _reference(vllm_reference, text, specs, max_tokens=12) -> list[int]:
     items = [media(s, size) for s, size in specs]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [e.token_id for e in vllm_reference.generate(engine_messages(text, len(items)), items, params)]
+    return engine_tokens(vllm_reference, engine_messages(text, len(items)), items, params)
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
 def test_epd_on_vllm_equals_aggregated_vllm(vllm_epd_stack, vllm_reference, store, name, text, specs):
     images = [noise_image(seed, size) for seed, size in specs]
     got, body = api_tokens(vllm_epd_stack, text, images)
-    want, _ = generate(vllm_reference, text, [media(seed, size) for seed, size in specs])
+    want, _ = run_sync(generate(vllm_reference, text, [media(seed, size) for seed, size in specs]))
     assert got == want
     # Negative control: other images give other tokens, so the equality above can fail.
-    assert generate(vllm_reference, text, [media(seed + 1000, size) for seed, size in specs])[0] != got
+    assert run_sync(generate(vllm_reference, text, [media(seed + 1000, size) for seed, size in specs]))[0] != got
     rid = body["id"]
     (job,) = vllm_epd_stack.messages_of("stream_decode", DecodeJob, rid)  # prefill handed it off ...
     assert job.emitted == 0 and job.kv_key.endswith(f"/{rid}-0")  # ... and streamed nothing itself
@@ -162,7 +163,7 @@ def test_seeded_sampling_draws_as_in_the_aggregated_run(vllm_epd_stack, vllm_ref
 
     def sampled(seed):
         params = SamplingParams(max_tokens=16, temperature=0.9, seed=seed, ignore_eos=True)
-        return [e.token_id for e in vllm_reference.generate(engine_messages(text, 1), [item], params)]
+        return engine_tokens(vllm_reference, engine_messages(text, 1), [item], params)
 
     assert got == sampled(1234)
     assert got != sampled(4321)

@@ -1,6 +1,6 @@
 """E|PD on vLLM: real NATS, real S3 server, real api + encoder + prefill processes with
 ``EPD_ENGINE=vllm`` - the encoder worker runs vLLM as an encoder-only EC producer, the prefill
-worker runs vLLM as an EC consumer, encoder outputs move through MinioECConnector and the store.
+worker runs vLLM as an EC consumer, encoder outputs move through S3ECConnector and the store.
 
 The reference for every equality check is a plain vLLM engine run aggregated in this process
 (no connector, no NATS, no store), on the same prompts and images.
@@ -18,6 +18,7 @@ from shared.tools.infra import free_port
 from shared.media import content_hash_of
 from shared.protocol import ECReady, EncodeJob
 from tests.stackutil import (
+    run_sync,
     GREEDY, api_tokens, chat_body, data_url, epd_cli, final_result, metric_value, noise_image, scrape, start_stack,
     stream_chat, user_message, wait_for,
 )
@@ -57,11 +58,11 @@ def _ec_ready(stack, item: str) -> list[ECReady]:
 def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, text, specs):
     images = [noise_image(seed, size) for seed, size in specs]
     got, body = api_tokens(vllm_stack, text, images)
-    want, _ = generate(vllm_reference, text, [media(seed, size) for seed, size in specs])
+    want, _ = run_sync(generate(vllm_reference, text, [media(seed, size) for seed, size in specs]))
     assert got == want
     assert body["usage"]["completion_tokens"] == len(want) == 12
     # Negative control: other images give other tokens, so the equality above can fail.
-    others, _ = generate(vllm_reference, text, [media(seed + 1000, size) for seed, size in specs])
+    others, _ = run_sync(generate(vllm_reference, text, [media(seed + 1000, size) for seed, size in specs]))
     assert others != got
     # The prefill worker's vLLM loaded every image's encoder output from the store: the encoder
     # worker's vLLM produced it (one ECReady per distinct image).
@@ -76,12 +77,12 @@ def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, tex
 def test_text_only_and_streaming(vllm_stack, vllm_reference):
     resp = vllm_stack.chat([{"role": "user", "content": "Hello there, how are you?"}], **GREEDY)
     assert resp.status_code == 200, resp.text
-    want, _ = generate(vllm_reference, "Hello there, how are you?", [])
+    want, _ = run_sync(generate(vllm_reference, "Hello there, how are you?", []))
     assert resp.json()["choices"][0]["token_ids"] == want
 
     out = stream_chat(vllm_stack, chat_body("Describe it.", [noise_image(61, (56, 56))], **GREEDY))
     assert out.done and not out.errors
-    assert out.token_ids == generate(vllm_reference, "Describe it.", [media(61, (56, 56))])[0]
+    assert out.token_ids == run_sync(generate(vllm_reference, "Describe it.", [media(61, (56, 56))]))[0]
 
 
 def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_reference):
@@ -100,7 +101,7 @@ def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_refer
     assert len(jobs) == 1
     assert len(_ec_ready(vllm_stack, item)) == 1
     outputs = [r.json()["choices"][0]["token_ids"] for r in responses]
-    wants = [generate(vllm_reference, p, [media(81, (64, 48))])[0] for p in prompts]
+    wants = [run_sync(generate(vllm_reference, p, [media(81, (64, 48))]))[0] for p in prompts]
     assert outputs == wants
     assert len({tuple(w) for w in wants}) > 1  # the prompts matter: each output is its own request's
     sources = [final_result(vllm_stack, r.json()["id"]).ec_sources[item] for r in responses]

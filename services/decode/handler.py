@@ -1,19 +1,31 @@
-"""Decode worker (E|P|D): DecodeJob -> KV object -> batched decode -> tokens.
+"""Decode worker (E|P|D): DecodeJob -> the prefilled request's KV -> decode -> tokens.
 
 Per job:
 
 1. Refuse a job of another model (its ``model_fingerprint`` is not this worker's): an
    ``ErrorEvent`` (``model_mismatch``) - prefill and decode workers must run the same model -
-   and its KV object is deleted (no worker will read it).
-2. Load the KV object (``shared.store.kv``: validated schema, model fingerprint, request,
-   attempt, layout, sha256, size bound). Missing or unusable -> **re-prefill**: the original
-   ``GenerationJob`` goes back to the prefill workers with ``reprefill + 1`` (at most
-   ``EPD_MAX_REPREFILLS`` times, then an ``ErrorEvent`` ``kv_unavailable``), the bad object
-   is deleted, and this job is acked. A store that is down is retried first (nak).
-3. Join the batch (:mod:`services.decode.batcher`); stream every token as a ``TokenChunk``
-   whose ``seq`` continues after the tokens prefill emitted; the last one is followed by the
-   ``FinalResult`` (whole completion: prefill's tokens + ours).
-4. Delete the KV object and ack.
+   and its KV object is deleted (no worker will read it). Same for a job whose deadline passed.
+2. Decode with the strategy chosen in ``setup`` from the engine's capability:
+
+   * :class:`KVObjectDecode` (:class:`KVStateHandoff` engines): load the KV object
+     (``shared.store.kv``: validated schema, model fingerprint, request, attempt, layout,
+     sha256, size bound) and continue from it in the engine's batch. Missing or unusable
+     (or its state does not fit the model: ``KVStateMismatch``) -> **re-prefill**: the original
+     ``GenerationJob`` goes back to the prefill workers with ``reprefill + 1`` (at most
+     ``EPD_MAX_REPREFILLS`` times, then an ``ErrorEvent`` ``kv_unavailable``), the bad object
+     is deleted, and this job is acked. A store that is down is retried first.
+   * :class:`KVConnectorDecode` (:class:`KVConnectorHandoff` engines, vLLM): the engine's KV
+     connector loads the KV object (validated: checksum, model version, request, prompt token
+     ids, layout) and the engine continues from it; when it is missing or unusable the engine
+     prefills the request again itself (it has the prompt and the images), so there is no
+     re-prefill round trip. The engine samples every output token, seeded as in an aggregated
+     run.
+
+3. Stream every token as a ``TokenChunk`` whose ``seq`` continues after the tokens prefill
+   emitted; the last one is followed by the ``FinalResult`` (whole completion: prefill's tokens
+   + ours).
+4. Delete the KV object and ack. A request that ends in an error (``on_terminal``) gets an
+   ``ErrorEvent`` and its KV object is deleted too.
 
 A worker that dies mid-request never acks: JetStream redelivers the job after
 ``EPD_ACK_WAIT_S`` and the next worker decodes again from the KV object - the same state, the
@@ -23,38 +35,138 @@ the API drops as duplicates, and the request completes.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 
 from shared import metrics, protocol
 from shared.config import DecodeSettings
-from shared.store.factory import kv_store_from_settings
+from shared.connectors.params import KVHandoff
+from shared.engines import base
+from shared.engines.base import Engine, GenerationStats, KVStateMismatch
+from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch
+from shared.model_worker import ModelHandler, sampling_params
+from shared.protocol import DecodeJob, FinalResult, SamplingSpec
+from shared.store.ec import ECStore
 from shared.store.format import MissReason, ObjectValidationError
 from shared.store.kv import KVObject, KVStore, kv_prefix
-from shared.store.ec import ECStore
-from shared.encoding import ModelHandler, require_kv_handoff_engine, sampling_params
-from shared.engines.base import Engine, GenerationStats, TokenEvent
-from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch, StoreError
-from shared.fingerprint import model_fingerprint
-from shared.protocol import DecodeJob, FinalResult, SamplingSpec, TokenChunk
-from shared.token_stream import TokenOutput, stream_events
-from shared.worker import Delivery, Verdict, WorkerContext
+from shared.token_stream import TokenOutput
+from shared.topology import Role, Service
+from shared.worker import Delivery, Reject, Retry, WorkerContext
 
 log = logging.getLogger(__name__)
 
 
 class KVUnusable(Exception):
-    """The KV object validated but does not fit (sampling spec or model shapes disagree)."""
+    """The KV object cannot be decoded from: re-prefill the request."""
+
+    def __init__(self, reason: MissReason, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Decoded:
+    """What a decode strategy produced, for the FinalResult."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    kv_source: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DecodeStrategy(abc.ABC):
+    def __init__(self, handler: "DecodeHandler"):
+        self.handler = handler
+
+    @abc.abstractmethod
+    async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
+        """Stream the request's remaining tokens through ``out``. Raises :class:`KVUnusable`
+        to send the request back to prefill."""
+
+
+class KVObjectDecode(DecodeStrategy):
+    """Load the KV object the prefill worker wrote; the engine continues from it in its batch."""
+
+    async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
+        h = self.handler
+        engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]
+        try:
+            obj = await asyncio.to_thread(h.kv_store.load, job.kv_key, request_id=job.request_id,
+                                          attempt=job.kv_attempt)
+        except ObjectValidationError as exc:
+            if exc.reason is MissReason.STORE_ERROR and not delivery.is_last_attempt:
+                raise Retry(None, f"store unavailable: {exc}") from exc  # (then: re-prefill)
+            raise KVUnusable(exc.reason, str(exc)) from exc
+        self._check_sampling(job, obj)
+        params = sampling_params(job.sampling, seed=obj.state.get("seed"))
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        try:
+            await out.stream(engine.decode(obj, params, stats), deadline=job.deadline, what="decoding")
+        except KVStateMismatch as exc:
+            raise KVUnusable(MissReason.SHAPE_MISMATCH, str(exc)) from exc
+        t_end = time.perf_counter()
+        emitted_ids = tuple(obj.state.get("output_ids", [])[: job.emitted])
+        return Decoded(
+            token_ids=emitted_ids + tuple(out.token_ids), text=job.emitted_text + out.text,
+            prompt_tokens=job.prompt_tokens, kv_source="store",
+            timings={"decode_s": t_end - t0,
+                     "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
+                     "kv_bytes": float(obj.nbytes),
+                     "decode_batch_rows_max": float(stats.extra.get("decode_batch_rows_max", 0))},
+        )
+
+    @staticmethod
+    def _check_sampling(job: DecodeJob, obj: KVObject) -> None:
+        try:
+            sampling = msgspec.convert(obj.sampling, SamplingSpec)
+        except msgspec.ValidationError as exc:
+            raise KVUnusable(MissReason.CORRUPT, f"KV object sampling is malformed: {exc}") from exc
+        if sampling != job.sampling:
+            raise KVUnusable(MissReason.CORRUPT, f"KV object sampling {obj.sampling} does not match the job's")
+        if int(obj.state.get("emitted", -1)) != job.emitted:
+            raise KVUnusable(MissReason.CORRUPT,
+                             f"KV object emitted {obj.state.get('emitted')} tokens, the job says {job.emitted}")
+
+
+class KVConnectorDecode(DecodeStrategy):
+    """The engine's KV connector loads the KV object (or the engine prefills again)."""
+
+    async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
+        h = self.handler
+        engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]
+        gen = job.generation
+        images = await asyncio.gather(*(h.media_image(ref) for ref in gen.images))
+        params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
+        handoff = KVHandoff(key=job.kv_key, request=job.request_id, attempt=job.kv_attempt)
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        await out.stream(engine.generate_from_handoff(gen.messages, list(images), params, handoff, stats),
+                         deadline=job.deadline, what="decoding")
+        t_end = time.perf_counter()
+        kv_source = str(stats.extra.get("kv_source", ""))
+        if kv_source != "store":
+            metrics.REPREFILLS.labels(kv_source.removeprefix("recomputed:") or "unknown").inc()
+        return Decoded(
+            token_ids=tuple(out.token_ids), text=out.text, prompt_tokens=stats.prompt_tokens, kv_source=kv_source,
+            timings={"decode_s": t_end - t0,
+                     "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0},
+        )
 
 
 class DecodeHandler(ModelHandler):
     """Engine and EC store (connector engines read the request's images from it) come from
     :class:`ModelHandler`; the KV store is this worker's own."""
 
-    role = "decode"
+    service = Service.DECODE
+    role = Role.DECODE
+    job_type = DecodeJob
     stream_attr = "stream_decode"
     durable = protocol.CONSUMER_DECODE
 
@@ -63,31 +175,30 @@ class DecodeHandler(ModelHandler):
         super().__init__(settings, engine, store)
         self.settings: DecodeSettings = settings
         self.kv_store = kv_store
-        self.batcher = None
         self.model_fingerprint = ""
+        self.strategy: DecodeStrategy | None = None
         self._sweeper: asyncio.Task | None = None
 
     async def setup(self, ctx: WorkerContext) -> None:
-        require_kv_handoff_engine(self.settings.engine, "decode")
         await super().setup(ctx)
         if self.kv_store is None:
+            from shared.fingerprint import model_fingerprint
+            from shared.store.factory import kv_store_from_settings
+
             fp = await asyncio.to_thread(
                 model_fingerprint, self.settings.require_model_path(), dtype=self.settings.dtype,
                 engine=self.settings.engine,
             )
             self.kv_store = await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
         self.model_fingerprint = self.kv_store.fingerprint
-        if not self.engine.kv_via_connector:  # (vLLM loads the KV itself and batches concurrent requests)
-            from services.decode.batcher import DecodeBatcher
-            from shared.engines.transformers_batch import BatchDecoder
-
-            decoder = BatchDecoder(self.engine, max_batch=self.settings.max_batch_size)
-            self.batcher = DecodeBatcher(decoder, self.run_compute,
-                                         step_delay_s=self.settings.fault_decode_step_delay_s)
+        if isinstance(self.engine, base.KVConnectorHandoff):
+            self.strategy = KVConnectorDecode(self)
+        else:  # base.KVStateHandoff (the role's engine check passed)
+            self.strategy = KVObjectDecode(self)
         if self.settings.kv_sweep_interval_s > 0:
             self._sweeper = asyncio.create_task(self._sweep_forever())
-        log.info("decode worker ready: model fingerprint %s, max batch %d", self.model_fingerprint,
-                 self.settings.max_batch_size)
+        log.info("decode worker ready: model fingerprint %s, max batch %d, %s", self.model_fingerprint,
+                 self.settings.max_batch_size, type(self.strategy).__name__)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -95,190 +206,52 @@ class DecodeHandler(ModelHandler):
         await super().close()
 
     # -- job -------------------------------------------------------------------------------
-    async def handle(self, delivery: Delivery) -> Verdict:
-        try:
-            job = protocol.decode(delivery.data, DecodeJob)
-        except protocol.ProtocolError as exc:
-            return Verdict.term(f"undecodable decode job: {exc}")
-        if delivery.published_at:
-            metrics.QUEUE_SECONDS.labels("decode").observe(max(0.0, time.time() - delivery.published_at))
+    async def handle(self, job: DecodeJob, delivery: Delivery) -> None:
+        assert self.ctx is not None and self.strategy is not None
         if job.model_fingerprint != self.model_fingerprint:
-            await self._error(job, ModelMismatch(
+            raise Reject(ModelMismatch(
                 f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
                 f"{self.model_fingerprint}: prefill and decode workers must serve the same model"))
-            await self._delete(job.kv_key)  # the request is over: no worker will read its KV object
-            return Verdict.term("model fingerprint mismatch")
         if time.time() > job.deadline:
-            await self._error(job, DeadlineExceeded("request deadline passed before a decode worker took it"))
-            await self._delete(job.kv_key)
-            return Verdict.term("deadline passed")
-        if self.engine is not None and self.engine.kv_via_connector:
-            return await self._handle_via_connector(job, delivery)
-
+            raise Reject(DeadlineExceeded("request deadline passed before a decode worker took it"), outcome="expired")
+        out = TokenOutput(self.ctx, job.request_id, delivery.num_delivered, first_seq=job.emitted)
         try:
-            obj = await asyncio.to_thread(
-                self.kv_store.load, job.kv_key, request_id=job.request_id, attempt=job.kv_attempt
-            )
-            self._check_sampling(job, obj)
-        except (ObjectValidationError, KVUnusable) as exc:
-            reason = exc.reason if isinstance(exc, ObjectValidationError) else MissReason.CORRUPT
-            if reason is MissReason.STORE_ERROR and not delivery.is_last_attempt:
-                return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
-            await self._reprefill(job, reason, str(exc))
-            return Verdict.ack()
-        try:
-            await self._decode(job, obj, delivery.num_delivered)
+            decoded = await self.strategy.decode(job, delivery, out)
         except KVUnusable as exc:
-            await self._reprefill(job, MissReason.SHAPE_MISMATCH, str(exc))
-            return Verdict.ack()
-        except asyncio.TimeoutError:
-            await self._error(job, DeadlineExceeded("request deadline passed during decoding"))
-            await self._delete(job.kv_key)
-            return Verdict.term("deadline passed")
-        except EPDError as exc:
-            log.error("decode failed: %s: %s", exc.code, exc.message)
-            await self._error(job, exc, message=f"{type(exc).__name__}: {exc.message}")
-            await self._delete(job.kv_key)
-            return Verdict.term(exc.message)
+            await self._reprefill(job, exc.reason, str(exc))
+            return
+        await self._final(job, out, decoded)
         await self._delete(job.kv_key)
-        return Verdict.ack()
 
-    def _check_sampling(self, job: DecodeJob, obj: KVObject) -> None:
-        try:
-            sampling = msgspec.convert(obj.sampling, SamplingSpec)
-        except msgspec.ValidationError as exc:
-            raise KVUnusable(f"KV object sampling is malformed: {exc}") from exc
-        if sampling != job.sampling:
-            raise KVUnusable(f"KV object sampling {obj.sampling} does not match the job's")
-        if int(obj.state.get("emitted", -1)) != job.emitted:
-            raise KVUnusable(f"KV object emitted {obj.state.get('emitted')} tokens, the job says {job.emitted}")
-
-    async def _decode(self, job: DecodeJob, obj: KVObject, attempt: int) -> None:
-        assert self.ctx is not None and self.batcher is not None
-        params = sampling_params(job.sampling, seed=obj.state.get("seed"))
-        engine = self.engine
-
-        def make_state():  # engine thread
-            from shared.store.tensors import kv_object_to_state
-
-            try:
-                return kv_object_to_state(obj, engine.config)
-            except EPDError as exc:  # the object is valid but does not fit this model
-                raise KVUnusable(str(exc)) from exc
-
-        t0 = time.perf_counter()
-        subject = self.ctx.subjects.tokens(job.request_id)
-        key = (job.request_id, attempt)
-        queue = self.batcher.submit(key, make_state, params)
-        seq = job.emitted
-        token_ids: list[int] = []
-        texts: list[str] = [job.emitted_text]
-        finish = "length"
-        first_at = None
-        try:
-            while True:
-                left = job.deadline - time.time()
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                item = await asyncio.wait_for(queue.get(), timeout=left)
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, TokenEvent)
-                if first_at is None:
-                    first_at = time.perf_counter()
-                chunk = TokenChunk(request_id=job.request_id, attempt=attempt, seq=seq, token_ids=(item.token_id,),
-                                   text=item.text)
-                await self.ctx.publisher.publish(subject, chunk, request_id=job.request_id)
-                seq += 1
-                token_ids.append(item.token_id)
-                texts.append(item.text)
-                if item.finish_reason is not None:
-                    finish = item.finish_reason
-                    break
-        finally:
-            self.batcher.cancel(key)  # no-op once finished; frees the row on timeout / cancellation
-        t_end = time.perf_counter()
-        all_ids = tuple(obj.state.get("output_ids", [])[: job.emitted]) + tuple(token_ids)
-        timings = dict(job.timings)
-        timings.update({
-            "decode_s": t_end - t0,
-            "decode_first_token_s": (first_at - t0) if first_at else 0.0,
-            "kv_bytes": float(obj.nbytes),
-            "decode_batch_rows_max": float(self.batcher.decoder.max_rows_seen),
-        })
+    async def _final(self, job: DecodeJob, out: TokenOutput, decoded: Decoded) -> None:
+        assert self.ctx is not None
+        timings = {**job.timings, **decoded.timings}
         final = FinalResult(
-            request_id=job.request_id, attempt=attempt, token_ids=all_ids, text="".join(texts),
-            finish_reason=finish, prompt_tokens=job.prompt_tokens, completion_tokens=len(all_ids),
-            timings=timings, ec_sources=dict(job.ec_sources), worker=self.settings.worker_id, kv_source="store",
+            request_id=job.request_id, attempt=out.attempt, token_ids=decoded.token_ids, text=decoded.text,
+            finish_reason=out.finish_reason, prompt_tokens=decoded.prompt_tokens,
+            completion_tokens=len(decoded.token_ids), timings=timings, ec_sources=dict(job.ec_sources),
+            worker=self.settings.worker_id, kv_source=decoded.kv_source,
         )
-        await self.ctx.publisher.publish(subject, final, request_id=job.request_id)
-        log.info("done: %d completion tokens (%d here), finish=%s, decode %.3fs, KV %d bytes", len(all_ids),
-                 len(token_ids), finish, t_end - t0, obj.nbytes)
+        await self.ctx.publisher.publish(out.subject, final, request_id=job.request_id)
+        log.info("done: %d completion tokens (%d here), finish=%s, decode %.3fs, kv=%s", len(decoded.token_ids),
+                 len(out.token_ids), out.finish_reason, timings.get("decode_s", 0.0), decoded.kv_source)
 
-    # -- connector engines (vLLM) -------------------------------------------------------------
-    async def _handle_via_connector(self, job: DecodeJob, delivery: Delivery) -> Verdict:
-        """The engine's KV connector loads the KV object (validated: checksum, model version,
-        request, prompt token ids, layout) and vLLM continues from it; when the object is missing
-        or unusable vLLM prefills the request again itself (it has the prompt and the images), so
-        there is no re-prefill round trip here. The engine samples every output token, seeded as
-        in an aggregated run."""
-        assert self.ctx is not None and self.store is not None
-        gen = job.generation
-        try:
-            images = await asyncio.gather(*(self.media_image(ref) for ref in gen.images))
-        except StoreError as exc:
-            if not delivery.is_last_attempt:
-                return Verdict.nak(1.0 * delivery.num_delivered, f"store unavailable: {exc}")
-            await self._error(job, exc)
-            await self._delete(job.kv_key)  # the request is over
-            return Verdict.term(exc.message)
-        except EPDError as exc:
-            await self._error(job, exc)
-            await self._delete(job.kv_key)
-            return Verdict.term(exc.message)
-        params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
-        kv_params = {"do_remote_prefill": True, "epd_kv_key": job.kv_key, "epd_kv_request": job.request_id,
-                     "epd_kv_attempt": job.kv_attempt}
-        stats = GenerationStats()
-        out = TokenOutput(self.ctx, gen, delivery.num_delivered)
-        t0 = time.perf_counter()
-        try:
-            await stream_events(out, lambda: self.engine.generate(gen.messages, list(images), params, stats,
-                                                                   kv_params=kv_params), asyncio.to_thread)
-        except EPDError as exc:
-            log.error("decode failed: %s: %s", exc.code, exc.message)
-            await self._error(job, exc, message=f"{type(exc).__name__}: {exc.message}")
-            await self._delete(job.kv_key)
-            return Verdict.term(exc.message)
-        t_end = time.perf_counter()
-        kv_source = str(stats.extra.get("kv_source", ""))
-        if kv_source != "store":
-            metrics.REPREFILLS.labels(kv_source.removeprefix("recomputed:") or "unknown").inc()
-        timings = dict(job.timings)
-        timings.update({"decode_s": t_end - t0,
-                        "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0})
-        final = FinalResult(
-            request_id=job.request_id, attempt=delivery.num_delivered, token_ids=tuple(out.token_ids),
-            text="".join(out.text_parts), finish_reason=out.finish_reason, prompt_tokens=stats.prompt_tokens,
-            completion_tokens=len(out.token_ids), timings=timings, ec_sources=dict(job.ec_sources),
-            worker=self.settings.worker_id, kv_source=kv_source,
-        )
-        await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), final, request_id=job.request_id)
-        log.info("done: %d completion tokens, finish=%s, decode %.3fs, kv=%s", len(out.token_ids), out.finish_reason,
-                 t_end - t0, kv_source)
+    async def on_terminal(self, job: DecodeJob, error: EPDError, message: str) -> None:
+        """An ErrorEvent for the client; the request is over, so no worker will read its KV object."""
+        assert self.ctx is not None
+        event = protocol.error_event(job.request_id, "decode", error, message=message)
+        await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
         await self._delete(job.kv_key)
-        return Verdict.ack()
 
-    # -- failure paths -----------------------------------------------------------------------
+    # -- re-prefill and clean-up -----------------------------------------------------------
     async def _reprefill(self, job: DecodeJob, reason: MissReason, detail: str) -> None:
         """Send the request back to prefill (bounded), or end it with a clear error."""
         assert self.ctx is not None
-        await self._delete(job.kv_key)
         gen = job.generation
         if gen.reprefill >= self.settings.max_reprefills:
-            await self._error(job, KVUnavailable(
+            raise Reject(KVUnavailable(
                 f"the request's KV state was unusable ({reason.value}: {detail}) after {gen.reprefill} re-prefill(s)"))
-            return
+        await self._delete(job.kv_key)
         again = msgspec.structs.replace(gen, reprefill=gen.reprefill + 1, created_at=time.time())
         await self.ctx.publisher.publish(
             self.ctx.subjects.generate_jobs, again, request_id=job.request_id,
@@ -288,11 +261,6 @@ class DecodeHandler(ModelHandler):
         log.warning("KV object %s unusable (%s): re-prefill %d of at most %d", job.kv_key, reason.value,
                     again.reprefill, self.settings.max_reprefills)
 
-    async def _error(self, job: DecodeJob, error: EPDError, *, message: str | None = None) -> None:
-        assert self.ctx is not None
-        event = protocol.error_event(job.request_id, "decode", error, message=message)
-        await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
-
     async def _delete(self, key: str) -> None:
         """Delete a job's KV object (of any model fingerprint); a key outside this namespace's KV
         objects - the job is not trusted on the paths that do not load it - is left alone."""
@@ -301,7 +269,7 @@ class DecodeHandler(ModelHandler):
             return
         try:
             await asyncio.to_thread(self.kv_store.delete, key)
-        except (StoreError, ValueError) as exc:  # the sweeper removes it later
+        except (EPDError, ValueError) as exc:  # the sweeper removes it later
             log.warning("could not delete KV object %s: %s", key, exc)
 
     async def _sweep_forever(self) -> None:

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 from shared.config import DecodeSettings
 from shared.logs import setup_logging
+from shared.topology import Role, Service
 from shared.worker import run_worker
 
 
 def main() -> None:
     settings = DecodeSettings()
-    setup_logging(settings.log_level, service="decode", fmt=settings.log_format)
-    from shared.encoding import require_kv_handoff_engine
-    from shared.errors import EngineError
+    setup_logging(settings.log_level, service=Service.DECODE, fmt=settings.log_format)
+    from shared.model_worker import exit_unless_engine_fits
 
-    try:  # refuse before loading anything
-        require_kv_handoff_engine(settings.engine, "decode")
-    except EngineError as exc:
-        raise SystemExit(f"decode worker: {exc}") from None
+    exit_unless_engine_fits(settings, Role.DECODE)  # refuse before loading anything
     from services.decode.handler import DecodeHandler
 
-    # One fetch can take a whole batch; every job in flight is one row of the batch.
+    # One fetch can take a whole batch; every job in flight is one row of the engine's batch.
     run_worker(DecodeHandler(settings), settings, batch_size=settings.max_batch_size,
                concurrency=settings.max_batch_size)
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from shared.config import EncoderSettings
 from shared.logs import setup_logging
+from shared.topology import Role, Service
 from shared.worker import run_worker
 
 
 def main() -> None:
     settings = EncoderSettings()
-    setup_logging(settings.log_level, service="encoder", fmt=settings.log_format)
+    setup_logging(settings.log_level, service=Service.ENCODER, fmt=settings.log_format)
+    from shared.model_worker import exit_unless_engine_fits
+
+    exit_unless_engine_fits(settings, Role.ENCODER)  # refuse before loading anything
     from services.encoder.handler import EncoderHandler
 
     run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size, concurrency=settings.batch_size)

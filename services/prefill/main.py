@@ -9,15 +9,11 @@ from shared.worker import run_worker
 
 def main() -> None:
     settings = PrefillSettings()
-    setup_logging(settings.log_level, service=f"prefill-{settings.role}", fmt=settings.log_format)
-    if settings.role == "prefill":
-        from shared.encoding import require_kv_handoff_engine
-        from shared.errors import EngineError
+    role = settings.role
+    setup_logging(settings.log_level, service=f"prefill-{role}", fmt=settings.log_format)
+    from shared.model_worker import exit_unless_engine_fits
 
-        try:  # refuse before loading anything
-            require_kv_handoff_engine(settings.engine, settings.role)
-        except EngineError as exc:
-            raise SystemExit(f"prefill worker: {exc}") from None
+    exit_unless_engine_fits(settings, role)  # refuse before loading anything
     from services.prefill.handler import PrefillHandler
 
     run_worker(PrefillHandler(settings), settings, batch_size=1, concurrency=settings.max_concurrent_jobs)

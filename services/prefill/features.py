@@ -1,0 +1,227 @@
+"""Where a generating worker's images come from: one :class:`FeatureSource` per worker, chosen
+in ``setup`` from the role and the engine's capability.
+
+* :class:`LocalFeatures` (role ``agg``, engine :class:`FeaturesThroughWorker`): this worker's
+  in-memory cache, else it encodes the image itself. No store, no encoder workers.
+* :class:`StoredFeatures` (roles ``pd`` / ``prefill``, :class:`FeaturesThroughWorker`), in order:
+
+  1. this worker's in-memory cache (``local_cache``);
+  2. the EC store. The worker subscribes to the item's ``ec.ready`` / ``ec.failed`` events
+     *before* looking in the store, so an encoder finishing in between cannot be missed;
+  3. if the object is not there yet, the ready event (waiting up to ``ec_wait_s``) then the store;
+  4. else, and on any failed load (corrupt, other fingerprint, store down, encoder gave up), the
+     worker encodes the image itself from the stored image bytes and writes the result back
+     (repairing a bad object). The reason is logged and counted
+     (``epd:ec_lookups_total{source="recomputed",reason=...}``).
+
+* :class:`ConnectorFeatures` (:class:`FeaturesThroughConnector`, vLLM): features never pass
+  through this worker. It waits for the encoder the same way (steps 2-3, existence check only;
+  not in ``agg``), then hands the engine the image with its item hash; the engine's EC connector
+  (``shared.connectors.s3_ec``) loads the stored output or, on any miss or failed validation, the
+  engine encodes the image itself. The engine then reports what it did (``stats.extra
+  ["ec_sources"]``: ``store`` / ``recomputed:<reason>``).
+
+Each returns the image item the engine takes and where it came from (``local_cache``, ``local``,
+``store``, ``recomputed:<reason>``, ``connector``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+
+from shared import metrics
+from shared.engines import base
+from shared.engines.base import EncodedImage, MediaImage
+from shared.errors import StoreError
+from shared.jetstream import TypedSubscription, subscribe_typed
+from shared.protocol import ECFailed, ECReady, ImageRef
+from shared.store.format import ObjectValidationError, MissReason
+from shared.store.ec import ECStore
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from shared.worker import WorkerContext
+
+log = logging.getLogger(__name__)
+
+#: A request's image from the store, checked against its item hash (``ModelHandler.image``).
+ImageLoader = Callable[[ImageRef], Awaitable["Image.Image"]]
+
+
+class FeatureCache:
+    """A byte-bounded LRU of encoder outputs, by item hash."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[str, EncodedImage] = OrderedDict()
+
+    @staticmethod
+    def _size(item: EncodedImage) -> int:
+        return item.features.numel() * item.features.element_size()
+
+    def get(self, key: str) -> EncodedImage | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: str, item: EncodedImage) -> None:
+        size = self._size(item)
+        if size > self.max_bytes or key in self._items:
+            return
+        self._items[key] = item
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= self._size(old)
+
+
+class EncoderWait:
+    """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``)."""
+
+    def __init__(self, ctx: "WorkerContext", fingerprint: str, wait_s: float):
+        self.ctx = ctx
+        self.fingerprint = fingerprint
+        self.wait_s = wait_s
+
+    @contextlib.asynccontextmanager
+    async def watching(self, ref: ImageRef) -> AsyncIterator[TypedSubscription | None]:
+        """A subscription to the item's events (None when there is nothing to wait for: no
+        encode job was queued, no NATS connection, or ``ec_wait_s`` is 0). Open it before
+        looking in the store."""
+        if not (ref.encode_queued and self.ctx.nc is not None and self.wait_s > 0):
+            yield None
+            return
+        async with await subscribe_typed(self.ctx.nc, self.ctx.subjects.ec_any(self.fingerprint, ref.item_hash),
+                                         ECReady, ECFailed) as sub:
+            yield sub
+
+    async def wait(self, sub: TypedSubscription, ref: ImageRef) -> MissReason | None:
+        """None when the encoder announced the object; else why we stopped waiting."""
+        event = await sub.next(deadline=time.time() + self.wait_s)
+        if event is None:
+            return MissReason.TIMEOUT
+        if isinstance(event, ECFailed):
+            log.warning("encoder gave up on %s: %s: %s", ref.item_hash[:12], event.code, event.message)
+            return MissReason.ENCODER_FAILED
+        return None
+
+
+class FeatureSource(abc.ABC):
+    @abc.abstractmethod
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | MediaImage, str]:
+        """The engine's item for one image and where it came from."""
+
+
+class LocalFeatures(FeatureSource):
+    """Cache, else encode here (agg: no store, no encoder workers). Subclassed by
+    :class:`StoredFeatures`, which looks in the store in between and writes back."""
+
+    def __init__(self, engine: base.FeaturesThroughWorker, cache: FeatureCache, image: ImageLoader):
+        self.engine = engine
+        self.cache = cache
+        self.image = image
+
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
+        cached = self.cache.get(ref.item_hash)
+        if cached is not None:
+            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+            return cached, "local_cache"
+        item = await self.encode(ref)
+        metrics.EC_LOOKUPS.labels("local", "hit", "").inc()
+        return item, "local"
+
+    async def encode(self, ref: ImageRef) -> EncodedImage:
+        (item,) = await self.engine.encode([await self.image(ref)])
+        self.cache.put(ref.item_hash, item)
+        return item
+
+
+class StoredFeatures(LocalFeatures):
+    """Cache -> store -> wait for the encoder -> encode here with write-back (module docstring)."""
+
+    def __init__(self, engine: base.FeaturesThroughWorker, cache: FeatureCache, image: ImageLoader,
+                 store: ECStore, encoder: EncoderWait):
+        super().__init__(engine, cache, image)
+        self.store = store
+        self.encoder = encoder
+
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
+        cached = self.cache.get(ref.item_hash)
+        if cached is not None:
+            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+            return cached, "local_cache"
+        reason = MissReason.NOT_FOUND
+        async with self.encoder.watching(ref) as sub:
+            try:
+                return await self._from_store(ref, request_id), "store"
+            except ObjectValidationError as exc:
+                reason = exc.reason
+            if reason is MissReason.NOT_FOUND and sub is not None:
+                reason = await self.encoder.wait(sub, ref)
+                if reason is None:
+                    try:
+                        return await self._from_store(ref, request_id), "store"
+                    except ObjectValidationError as exc:
+                        reason = exc.reason
+
+        log.warning("encoding %s locally: %s", ref.item_hash[:12], reason.value)
+        item = await self.encode(ref)
+        await self._write_back(ref, item)
+        metrics.EC_LOOKUPS.labels("recomputed", "hit", reason.value).inc()
+        return item, f"recomputed:{reason.value}"
+
+    async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
+        from shared.store.tensors import ec_object_to_encoded
+
+        obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
+        item = ec_object_to_encoded(obj)
+        self.cache.put(ref.item_hash, item)
+        return item
+
+    async def _write_back(self, ref: ImageRef, item: EncodedImage) -> None:
+        """Repairs a corrupt / missing object for the next request."""
+        from shared.store.tensors import encoded_to_extra, tensor_to_raw
+
+        raw, dtype, shape = tensor_to_raw(item.features)
+        try:
+            await asyncio.to_thread(self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape,
+                                    extra=encoded_to_extra(item))
+        except StoreError as exc:
+            log.warning("could not write back %s: %s", ref.item_hash[:12], exc)
+
+
+class ConnectorFeatures(FeatureSource):
+    """Wait until the encoder has stored the item (or gave up, or ``ec_wait_s`` passed), then hand
+    over the image; the engine's EC connector loads the stored output itself and the engine
+    encodes the image when it cannot. The source is provisional: the engine reports the real one
+    after generating. ``encoder`` None (agg): no waiting."""
+
+    def __init__(self, image: ImageLoader, store: ECStore, encoder: EncoderWait | None):
+        self.image = image
+        self.store = store
+        self.encoder = encoder
+
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[MediaImage, str]:
+        if self.encoder is None:
+            return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), "local"
+        async with self.encoder.watching(ref) as sub:
+            if sub is not None:
+                try:
+                    stored = await asyncio.to_thread(self.store.exists, ref.item_hash)
+                except StoreError as exc:
+                    log.warning("existence check of %s failed (%s): not waiting", ref.item_hash[:12], exc)
+                    stored = True
+                if not stored:
+                    reason = await self.encoder.wait(sub, ref)
+                    if reason is not None:
+                        log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
+        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), "connector"

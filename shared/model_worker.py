@@ -1,0 +1,111 @@
+"""What the model workers (encoder, prefill, decode) share: :class:`ModelHandler`, the handler
+base that owns an engine and the EC store of its encoder fingerprint, plus the request-side
+helpers they all need (stored images checked against their item hash, sampling settings)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from shared.config import CommonSettings
+from shared.engines import check_role, engine_class, load_engine
+from shared.engines.base import Engine, MediaImage, SamplingParams
+from shared.errors import EngineError, InvalidImage, MediaMissing
+from shared.media import MediaLimits, decode_image
+from shared.topology import Role, service_of
+from shared.worker import Handler, WorkerContext
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from shared.protocol import ImageRef, SamplingSpec
+    from shared.store.ec import ECStore
+
+log = logging.getLogger(__name__)
+
+
+def exit_unless_engine_fits(settings: CommonSettings, role: Role) -> None:
+    """Start-up, before anything is loaded: exit with a clear message when ``settings.engine``
+    cannot play ``role`` (``shared.engines.check_role``)."""
+    try:
+        check_role(engine_class(settings.engine), role)
+    except EngineError as exc:
+        raise SystemExit(f"{service_of(role)} worker: {exc}") from None
+
+
+def media_limits(settings: CommonSettings) -> MediaLimits:
+    return MediaLimits(max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
+
+
+def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> "Image.Image":
+    """Decode stored image bytes, checking they are the item they claim to be."""
+    image, content_hash, _fmt = decode_image(data, limits)
+    if content_hash != item_hash:
+        raise InvalidImage(f"stored image hashes to {content_hash[:12]}, expected item {item_hash[:12]}")
+    return image
+
+
+def sampling_params(spec: "SamplingSpec", *, seed: int | None) -> SamplingParams:
+    """The engine's sampling settings for a job's wire ``SamplingSpec``; ``seed`` is the one the
+    job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
+    return SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=seed,
+        stop=tuple(spec.stop), ignore_eos=spec.ignore_eos,
+    )
+
+
+class ModelHandler(Handler):
+    """A worker handler with an engine and the EC store of that engine's encoder fingerprint.
+
+    Both are built in :meth:`setup` unless given (tests pass a shared engine and a store); an
+    engine built here (``shared.engines.load_engine`` for this handler's role) is closed in
+    :meth:`close` (vLLM stops its engine processes then). Subclasses set ``role`` before
+    ``setup`` and pick their strategies from the engine's capabilities in their own ``setup``:
+    the engine has what the role needs (``shared.engines.check_role``)."""
+
+    def __init__(self, settings: CommonSettings, engine: Engine | None = None, store: "ECStore | None" = None):
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.limits = media_limits(settings)
+        self.ctx: WorkerContext | None = None
+        self._owned_engine: Engine | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.encoder_fingerprint if self.engine else ""
+
+    async def setup(self, ctx: WorkerContext) -> None:
+        from shared.store.factory import ec_store_from_settings
+
+        self.ctx = ctx
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(load_engine, self.settings, self.role)
+            self._owned_engine = self.engine
+        else:  # (load_engine checks before loading)
+            check_role(type(self.engine), self.role)
+        if self.store is None:
+            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+
+    async def media_bytes(self, ref: "ImageRef") -> bytes:
+        """A request's stored image bytes. Raises MediaMissing when they are gone."""
+        assert self.store is not None
+        data = await asyncio.to_thread(self.store.get_media, ref.media_key)
+        if data is None:
+            raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
+        return data
+
+    async def image(self, ref: "ImageRef") -> "Image.Image":
+        """A request's image from the store, checked against its item hash. Raises MediaMissing
+        when it is gone, InvalidImage when it is not the item."""
+        data = await self.media_bytes(ref)
+        return await asyncio.to_thread(image_from_bytes, data, ref.item_hash, self.limits)
+
+    async def media_image(self, ref: "ImageRef") -> MediaImage:
+        """A request's image as :class:`FeaturesThroughConnector` engines take it."""
+        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash)
+
+    async def close(self) -> None:
+        if self._owned_engine is not None:
+            await self._owned_engine.aclose()
