@@ -1,17 +1,23 @@
-"""NATS connection, idempotent stream/consumer set-up, and typed publishing.
+"""NATS connection, idempotent stream/consumer set-up, typed publishing and typed subscriptions.
 
 Every service calls :func:`connect` then :func:`ensure_topology` at start-up; creating a stream
 or durable consumer that exists is a no-op, and a changed limit (max age, bytes, dup window)
 updates the stream in place.
+
+Whoever waits for messages on a subject (the request client for tokens, the prefill worker for
+an encoder's ``ECReady`` / ``ECFailed``, ``epd replay`` for heartbeats) does it through
+:func:`subscribe_typed`: decoded, type-checked, junk skipped and counted, bounded by a deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import re
-from collections.abc import Mapping
-from typing import Any, Protocol
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -162,3 +168,69 @@ class JetStreamPublisher:
         )
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))  # type: ignore[attr-defined]
         return not ack.duplicate
+
+
+M = TypeVar("M")
+
+
+class TypedSubscription(Generic[M]):
+    """A core NATS subscription that hands out decoded protocol messages of the expected types.
+
+    Undecodable messages, messages of a newer schema and messages of other types are skipped
+    and counted (``skipped``); nothing else is filtered here. Close it (``close()`` or ``async
+    with``) when done; closing twice is harmless. Build it with :func:`subscribe_typed`."""
+
+    def __init__(self, sub: Any, subject: str, expect: tuple[type, ...]):
+        self._sub = sub
+        self.subject = subject
+        self.expect = expect
+        self.skipped = 0
+        self._closed = False
+
+    async def next(self, *, deadline: float) -> M | None:
+        """The next expected message, or None once ``deadline`` (``time.time()``) has passed."""
+        while (left := deadline - time.time()) > 0:
+            try:
+                msg = await self._sub.next_msg(timeout=left)
+            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+                return None
+            try:
+                return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]
+            except protocol.ProtocolError as exc:
+                self.skipped += 1
+                log.warning("skipping a message on %s: %s", msg.subject, exc)
+        return None
+
+    async def until(self, deadline: float) -> AsyncIterator[M]:
+        """Every expected message until ``deadline`` (``time.time()``)."""
+        while (msg := await self.next(deadline=deadline)) is not None:
+            yield msg
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._sub.unsubscribe()
+        except Exception as exc:  # a closed connection has dropped the subscription already
+            log.debug("unsubscribe from %s: %s", self.subject, exc)
+
+    async def __aenter__(self) -> "TypedSubscription[M]":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = "") -> TypedSubscription:
+    """Subscribe to ``subject`` (in queue group ``queue``, if given) for messages of the ``expect``
+    types (any protocol message when none is given). Subscribe before publishing whatever
+    causes the awaited message, or it may be missed: core NATS keeps no history.
+
+    Usage::
+
+        async with await subscribe_typed(nc, subjects.ec_any(fp, item), ECReady, ECFailed) as sub:
+            event = await sub.next(deadline=time.time() + wait_s)  # None: nothing in time
+    """
+    sub = await nc.subscribe(subject, queue=queue)
+    return TypedSubscription(sub, subject, expect)

@@ -59,6 +59,11 @@ CONSUMER_ENCODER = "encoder"
 CONSUMER_PREFILL = "prefill"
 CONSUMER_DECODE = "decode"
 
+#: Queue group of the supervisors (one in every API process) that turn JetStream's
+#: MAX_DELIVERIES advisories into terminal events: NATS hands each advisory to one member, so N
+#: API replicas publish one event, not N (the event's msg id also dedups it in the stream).
+QUEUE_SUPERVISOR = "epd-supervisor"
+
 
 class ProtocolError(ValueError):
     """A message that cannot be decoded or has an unknown/newer schema."""
@@ -110,6 +115,11 @@ class Subjects:
 
     def heartbeat(self, role: str) -> str:
         return f"{self.prefix}.workers.heartbeat.{role}"
+
+    @staticmethod
+    def max_deliveries_advisory(stream: str, consumer: str) -> str:
+        """JetStream's advisory that a message of ``stream`` exhausted ``consumer``'s deliveries."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
     def imported(self, request_id: str, kind: str = "*") -> str:
         """An imported message of a request (``kind``: the message tag; ``*`` for all of them)."""

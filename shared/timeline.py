@@ -28,7 +28,7 @@ from typing import Any
 
 from shared import protocol
 from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
-from shared.tools.replay import RequestCase, StreamMessage, Summary, iso_time
+from shared.history import RequestCase, StreamMessage, Summary, iso_time
 
 SERVICE_COLORS = {
     "api": "#4e79a7",

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from shared.protocol import ErrorEvent
-from shared.tools.replay import list_requests
+from shared.history import list_requests
 from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import data_url, noise_image, png_bytes, user_message
 

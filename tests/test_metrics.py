@@ -16,7 +16,7 @@ from shared.store.tensors import encoded_to_extra, tensor_to_raw
 from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import GREEDY as _GREEDY
-from tests.stackutil import data_url, metric_value, noise_image, parse_metrics, scrape, user_message, wait_for
+from tests.stackutil import data_url, engine_encode, metric_value, noise_image, parse_metrics, scrape, user_message, wait_for
 from tests.test_replay import find_case
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def test_ec_outcome_counters_for_a_hit_a_miss_and_a_fallback(epd_stack, s3_serve
     item2 = content_hash_of(image2)
     store = ECStore(S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack.bucket),
                     namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint, producer="test")
-    encoded = reference_engine.encode([image2])[0]
+    encoded = engine_encode(reference_engine, [image2])[0]
     raw, dtype, shape = tensor_to_raw(encoded.features)
     store.save(item2, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded))
     key = store.key(item2)

@@ -99,3 +99,38 @@ def test_an_ill_typed_error_event_on_the_wire_is_refused():
                                   "message": 502, "stage": "decode", "http_status": "gone"})
     with pytest.raises(ProtocolError):
         protocol.decode(raw)
+
+
+def test_chat_messages_are_validated_once_into_one_struct_with_one_role_set():
+    """The API parses OpenAI messages into ``shared.chat.ChatMessage`` (developer -> system,
+    image_url -> image placeholder); the job carries them as the maps the engines read."""
+    from services.api.schemas import parse_chat_request
+    from shared.chat import ROLES, ChatMessage, ImagePart, TextPart
+    from shared.errors import InvalidRequest
+
+    body = {"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}},
+                                     {"type": "text", "text": "what?"}]},
+        {"role": "assistant", "content": None},
+    ]}
+    parsed = parse_chat_request(body, served_model="m", max_images=2, max_tokens_limit=8, default_max_tokens=4)
+    assert parsed.messages == [
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content=[ImagePart(), TextPart(text="what?")]),
+        ChatMessage(role="assistant", content=""),
+    ]
+    assert parsed.image_urls == ["data:x"]
+    wire = [m.to_wire() for m in parsed.messages]
+    assert wire == [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+                    {"role": "assistant", "content": ""}]
+    job = GenerationJob(request_id="r", model="m", messages=wire, images=(), fingerprint="f", sampling=SamplingSpec(),
+                        stream=False, deadline=1.0, created_at=0.0)
+    assert protocol.decode(protocol.encode(job), GenerationJob).messages == wire
+    # One role set: what the API accepts is what the engines accept; anything else is refused.
+    assert set(ROLES) == {"system", "user", "assistant", "developer"}
+    for role in ("tool", "function", None):
+        with pytest.raises(InvalidRequest, match=r"messages\[0\]\.role must be one of"):
+            parse_chat_request({"messages": [{"role": role, "content": "x"}]}, served_model="m", max_images=1,
+                               max_tokens_limit=8, default_max_tokens=4)

@@ -21,7 +21,7 @@ import httpx
 import nats
 import pytest
 
-from shared import protocol
+from shared import history, protocol
 from shared.tools import replay
 from shared.config import CommonSettings
 from shared.engines.base import SamplingParams
@@ -40,7 +40,7 @@ from shared.protocol import (
     Subjects,
 )
 from shared.timeline import build_timeline
-from tests.stackutil import data_url, engine_messages, epd_cli, noise_image, stack_env, user_message
+from tests.stackutil import data_url, engine_encode, engine_messages, engine_tokens, epd_cli, noise_image, stack_env, user_message
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +59,8 @@ def with_nats(url: str, fn):
     return asyncio.run(main())
 
 
-def find_case(stack, request_id: str) -> replay.RequestCase:
-    return with_nats(stack.nats_url, lambda nc: replay.find_case(nc, stack.subjects, request_id))
+def find_case(stack, request_id: str) -> history.RequestCase:
+    return with_nats(stack.nats_url, lambda nc: history.find_case(nc, stack.subjects, request_id))
 
 
 def bucket_store(s3_server, bucket: str) -> S3ObjectStore:
@@ -221,14 +221,14 @@ def test_unknown_ids_expired_messages_and_unreachable_nats_are_clear_errors(epd_
         from shared.jetstream import JetStreamPublisher
 
         await JetStreamPublisher(js).publish(subjects.request("chatcmpl-old"), rec, request_id="chatcmpl-old")
-        found = await replay.find_case(nc, subjects, "chatcmpl-old")
+        found = await history.find_case(nc, subjects, "chatcmpl-old")
         assert found.record == rec  # control: it is found while it is there
         deadline = time.monotonic() + 120  # max_age 1 s: bounds a server that never expires it
         while (await js.stream_info(subjects.stream_requests)).state.messages and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
         try:
-            with pytest.raises(replay.RequestNotFound, match="keeps messages for 1 s and is empty now"):
-                await replay.find_case(nc, subjects, "chatcmpl-old")
+            with pytest.raises(history.RequestNotFound, match="keeps messages for 1 s and is empty now"):
+                await history.find_case(nc, subjects, "chatcmpl-old")
         finally:
             for stream in subjects.streams():
                 await js.delete_stream(stream)
@@ -348,8 +348,8 @@ def test_replayed_sampled_e_p_d_requests_reproduce_their_tokens(epd_stack_epd, r
     def sampled_reference(seed: int) -> list[int]:
         params = SamplingParams(max_tokens=SAMPLED["max_tokens"], temperature=SAMPLED["temperature"],
                                 top_p=SAMPLED["top_p"], seed=seed, ignore_eos=True)
-        return [ev.token_id for ev in reference_engine.generate(
-            engine_messages("Describe the image.", 1), reference_engine.encode([image]), params)]
+        return engine_tokens(reference_engine, engine_messages("Describe the image.", 1),
+                             engine_encode(reference_engine, [image]), params)
 
     def replay_cli(rid: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
         out = epd_cli(stack.env, "replay", "run", rid, "--compare", "--timeout", "300", *extra)

@@ -11,7 +11,7 @@ import logging
 import msgspec
 import pytest
 
-from shared import protocol, timeline
+from shared import history, protocol, timeline
 from shared.tools import replay
 from shared.jetstream import redact_url
 from shared.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
@@ -39,7 +39,7 @@ def _sm(stream, seq, t, msg, *, stage="api", started=None, rid="req-1"):
     headers[protocol.HDR_RECEIVED_AT] = f"{T0:.6f}"
     if started is not None:
         headers[protocol.HDR_STARTED_AT] = f"{started:.6f}"
-    return replay.StreamMessage.build(stream, seq, "subj", t, headers, protocol.encode(msg))
+    return history.StreamMessage.build(stream, seq, "subj", t, headers, protocol.encode(msg))
 
 
 def _job(rid="req-1"):
@@ -48,7 +48,7 @@ def _job(rid="req-1"):
                          created_at=T0 + 0.02)
 
 
-def _epd_case(*, split: bool = False) -> replay.RequestCase:
+def _epd_case(*, split: bool = False) -> history.RequestCase:
     rid = "req-1"
     msgs = [
         _sm("P_REQUESTS", 1, T0 + 0.010, ChatRequestRecord(request_id=rid, received_at=T0, model="m", body={},
@@ -78,7 +78,7 @@ def _epd_case(*, split: bool = False) -> replay.RequestCase:
             ec_sources={ITEM: "store"}), stage="prefill", started=started))
     msgs.append(_sm("P_RESULTS", 20, T0 + 0.800, final, stage="decode" if split else "prefill",
                     started=T0 + 0.560 if split else started))
-    return replay.RequestCase(rid, replay._ordered(msgs))
+    return history.RequestCase(rid, history.ordered(msgs))
 
 
 def test_timeline_of_an_epd_image_request():
@@ -109,7 +109,7 @@ def test_timeline_of_a_split_request_shows_the_kv_hand_off_and_a_recompute_reaso
     case = _epd_case(split=True)
     final_msg = case.terminal
     recomputed = msgspec.structs.replace(final_msg.msg, ec_sources={ITEM: "recomputed:timeout"})
-    case.messages[case.messages.index(final_msg)] = replay.StreamMessage.build(
+    case.messages[case.messages.index(final_msg)] = history.StreamMessage.build(
         final_msg.stream, final_msg.seq, final_msg.subject, final_msg.time, final_msg.headers, protocol.encode(recomputed))
     tl = timeline.build_timeline(case)
     by_name = {s.name: s for s in tl.stages}
@@ -144,7 +144,7 @@ def test_case_documents_are_validated():
         ({"format": "other"}, replay.CaseFileError, "not an epd-replay-case document"),
         ({**good, "version": 99}, replay.CaseFileError, "unsupported case file version 99"),
         ({**good, "cases": []}, replay.CaseFileError, "holds no cases"),
-        ({**good, "cases": [{**case, "request_id": "a.b"}]}, replay.InvalidRequestId, "invalid request id 'a.b'"),
+        ({**good, "cases": [{**case, "request_id": "a.b"}]}, history.InvalidRequestId, "invalid request id 'a.b'"),
         ({**good, "cases": [{**case, "messages": [{**message, "data": "!!"}]}]}, replay.CaseFileError,
          "message 0: not a valid protocol message"),
         ({**good, "cases": [{**case, "messages": [{**message, "data": base64.b64encode(b"\x93junk").decode()}]}]},
@@ -169,10 +169,10 @@ def test_case_file_size_is_bounded(tmp_path, monkeypatch):
 
 def test_request_ids_and_durations():
     for good in ("chatcmpl-0123abcd", "replay-ff", "a_b"):
-        assert replay.check_request_id(good) == good
+        assert history.check_request_id(good) == good
     for bad in ("", "a.b", "a*", "a b", "x" * 500, "a>"):
-        with pytest.raises(replay.InvalidRequestId):
-            replay.check_request_id(bad)
+        with pytest.raises(history.InvalidRequestId):
+            history.check_request_id(bad)
     assert [parse_duration(x) for x in ("90", "30s", "15m", "2h", "1d")] == [90, 30, 900, 7200, 86400]
     for bad in ("soon", "", "5x", "-5"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"invalid duration {bad!r}"):

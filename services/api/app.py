@@ -10,6 +10,11 @@ Per request:
    publish the ``GenerationJob``;
 4. forward tokens (SSE or one JSON body) until the final result, an error, or the deadline.
 
+Steps 2-4 speak the request protocol through ``shared.client.RequestClient`` (the one
+implementation, shared with ``epd replay run``). The process also runs the delivery supervisor
+(``services.api.supervisor``): in a queue group, so one API replica fails each job that exhausted
+its deliveries.
+
 Typed ``shared.errors`` are translated to OpenAI-shaped HTTP errors here and only here.
 """
 
@@ -32,8 +37,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
-from shared import metrics, protocol, timeline
-from shared.tools import replay
+from services.api.supervisor import DeliverySupervisor
+from shared import history, metrics, protocol, timeline
+from shared.client import RequestClient, TokenStream
 from shared.config import ApiSettings
 from shared.store.factory import ec_store_from_settings
 from shared.store.ec import ECStore
@@ -43,15 +49,14 @@ from shared.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
-    WorkerFailed,
     error_from_code,
 )
 from shared.fingerprint import encoder_fingerprint
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
 from shared.media import ImageFetcher, LoadedImage, MediaLimits, load_image
+from shared.topology import TOPOLOGIES
 from shared.protocol import (
-    DecodeJob,
     ChatRequestRecord,
     EncodeJob,
     ErrorEvent,
@@ -93,7 +98,8 @@ class WorkerView:
 
 
 class ApiService:
-    """State shared by the request handlers: connections, store, fetcher, worker view."""
+    """State shared by the request handlers: connections, request client, store, fetcher,
+    worker view, delivery supervisor."""
 
     def __init__(self, settings: ApiSettings):
         self.settings = settings
@@ -110,7 +116,8 @@ class ApiService:
         self.workers = WorkerView(settings.worker_stale_s)
         self.nc = None
         self.js = None
-        self.publisher: JetStreamPublisher | None = None
+        self.client: RequestClient | None = None
+        self.supervisor: DeliverySupervisor | None = None
         self.store: ECStore | None = None
         self.fetcher: ImageFetcher | None = None
         self._subs: list = []
@@ -119,20 +126,18 @@ class ApiService:
         self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.settings, self.subjects)
-        self.publisher = JetStreamPublisher(self.js)
+        publisher = JetStreamPublisher(self.js)
+        self.client = RequestClient(self.nc, self.subjects, publisher)
         self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
-        for stream, durable in (
-            (self.subjects.stream_generate, protocol.CONSUMER_PREFILL),
-            (self.subjects.stream_decode, protocol.CONSUMER_DECODE),
-            (self.subjects.stream_encode, protocol.CONSUMER_ENCODER),
-        ):
-            subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
-            self._subs.append(await self.nc.subscribe(subject, cb=self._on_max_deliveries))
+        self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
+        await self.supervisor.start()
         log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.fetcher is not None:
             await self.fetcher.aclose()
         if self.nc is not None:
@@ -150,37 +155,10 @@ class ApiService:
             )
         self.workers.update(hb)
 
-    async def _on_max_deliveries(self, msg) -> None:
-        """A job exhausted its deliveries (its workers kept dying): fail it cleanly, never hang.
-
-        JetStream sends the advisory when a worker next pulls after the last delivery's ack wait
-        (tests/test_max_deliveries.py); with no worker left, the request's deadline ends it."""
-        try:
-            advisory = json.loads(msg.data)
-            raw = await self.js.get_msg(advisory["stream"], advisory["stream_seq"])
-            job = protocol.decode(raw.data)
-        except Exception as exc:
-            log.warning("could not read max-deliveries advisory: %s", exc)
-            return
-        if isinstance(job, (GenerationJob, DecodeJob)):
-            stage, what = ("decode", "decode") if isinstance(job, DecodeJob) else ("prefill", "generation")
-            event = protocol.error_event(job.request_id, stage, WorkerFailed(
-                f"the {what} job failed {self.settings.max_deliver} times (workers crashed or timed out)"))
-            await self.publisher.publish(self.subjects.tokens(job.request_id), event, request_id=job.request_id)
-        elif isinstance(job, EncodeJob):
-            event = protocol.ECFailed(
-                request_id=job.request_id, item_hash=job.image.item_hash, fingerprint=job.fingerprint,
-                code="max_deliveries", message=f"encode job failed {self.settings.max_deliver} times",
-                created_at=time.time(),
-            )
-            await self.publisher.publish(
-                self.subjects.ec_failed(job.fingerprint, job.image.item_hash), event, request_id=job.request_id
-            )
-
     # -- request pipeline ------------------------------------------------------------------
     async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
         """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
-        assert self.store is not None and self.fetcher is not None and self.publisher is not None
+        assert self.store is not None and self.fetcher is not None and self.client is not None
         loaded: list[LoadedImage] = await asyncio.gather(*(load_image(u, self.fetcher, self.limits) for u in urls))
         refs: list[ImageRef] = []
         distinct: dict[str, ImageRef] = {}
@@ -188,94 +166,36 @@ class ApiService:
             if img.content_hash not in distinct:
                 media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
                 ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
-                if self.settings.topology == "agg":  # the agg worker encodes in process
+                if not TOPOLOGIES[self.settings.topology].uses_encoder:  # agg: its worker encodes in process
                     ref = msgspec.structs.replace(ref, encode_queued=False)
                 elif await asyncio.to_thread(self.store.exists, ref.item_hash):
                     log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
                     ref = msgspec.structs.replace(ref, encode_queued=False)
                 else:
-                    await self._queue_encode(request_id, ref)
+                    await self.client.queue_encode(EncodeJob(
+                        request_id=request_id, image=ref, fingerprint=self.fingerprint,
+                        ec_key=self.store.key(ref.item_hash), created_at=time.time(),
+                    ))
                 distinct[img.content_hash] = ref
             refs.append(distinct[img.content_hash])
         return refs
 
-    async def _queue_encode(self, request_id: str, ref: ImageRef) -> None:
-        key = self.store.key(ref.item_hash)
-        job = EncodeJob(
-            request_id=request_id, image=ref, fingerprint=self.fingerprint, ec_key=key, created_at=time.time()
-        )
-        fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=request_id, msg_id=key)
-        log.info("encode job for %s %s", ref.item_hash[:12], "queued" if fresh else "already queued (deduplicated)")
-
     async def submit(self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float,
-                     deadline: float):
-        """Record the request, subscribe to its tokens, publish the generation job."""
+                     deadline: float) -> TokenStream:
+        """Record the request and publish its generation job; its token stream, bounded by
+        ``deadline`` (at which the request is recorded as abandoned by the API)."""
+        assert self.client is not None
         record = ChatRequestRecord(
             request_id=request_id, received_at=received_at, model=parsed.model,
             body=redact_images(parsed.body, [r.item_hash for r in refs]), images=tuple(refs),
         )
         job = GenerationJob(
-            request_id=request_id, model=parsed.model, messages=parsed.messages, images=tuple(refs),
-            fingerprint=self.fingerprint, sampling=parsed.sampling, stream=parsed.stream,
+            request_id=request_id, model=parsed.model, messages=[m.to_wire() for m in parsed.messages],
+            images=tuple(refs), fingerprint=self.fingerprint, sampling=parsed.sampling, stream=parsed.stream,
             deadline=deadline, created_at=time.time(),
         )
-        payload_limit = self.nc.max_payload
-        if len(protocol.encode(job)) > payload_limit:
-            raise PayloadTooLarge(f"the prompt is too large (over {payload_limit} bytes encoded)")
-        try:
-            await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
-        except Exception as exc:  # the record is for debugging; its loss must not fail the request
-            log.warning("could not record request: %s", exc)
-        sub = await self.nc.subscribe(self.subjects.tokens(request_id))
-        try:
-            await self.publisher.publish(self.subjects.generate_jobs, job, request_id=request_id, msg_id=request_id)
-        except Exception:
-            await sub.unsubscribe()
-            raise
-        return sub
-
-    async def record_abandoned(self, request_id: str, error: EPDError) -> None:
-        """The API gave up on a request (its deadline passed): say so on its token subject, so the
-        results stream - and ``epd replay`` - show it ended with an error, not "incomplete"."""
-        event = protocol.error_event(request_id, "api", error)
-        try:
-            await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
-        except Exception as exc:  # best effort: the client gets its error either way
-            log.warning("could not record the abandoned request: %s", exc)
-
-
-async def token_events(sub, deadline: float, on_deadline=None) -> AsyncIterator[protocol.Message]:
-    """Messages on a request's token subject until a final result or error; deadline-bounded
-    (``on_deadline()`` is awaited before DeadlineExceeded is raised). Drops chunks a redelivered
-    job repeats (``seq`` already forwarded)."""
-    forwarded = 0
-    try:
-        while True:
-            left = deadline - time.time()
-            if left <= 0:
-                error = DeadlineExceeded("the request passed its deadline before the model finished")
-                if on_deadline is not None:
-                    await on_deadline(error)
-                raise error
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except asyncio.TimeoutError:
-                continue
-            try:
-                event = protocol.decode(msg.data)
-            except protocol.ProtocolError as exc:
-                log.warning("dropping undecodable token message: %s", exc)
-                continue
-            if isinstance(event, TokenChunk):
-                if event.seq < forwarded:
-                    continue
-                forwarded = event.seq + len(event.token_ids)
-                yield event
-            elif isinstance(event, (FinalResult, ErrorEvent)):
-                yield event
-                return
-    finally:
-        await sub.unsubscribe()
+        return await self.client.submit(job, record=record,
+                                        on_deadline=functools.partial(self.client.record_abandoned, request_id))
 
 
 def _usage(final: FinalResult) -> dict[str, int]:
@@ -337,7 +257,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         check_auth(request)
         if service.nc is None or not service.nc.is_connected:
             raise ServiceUnavailable("not connected to NATS")
-        case = await replay.find_case(service.nc, service.subjects, request_id)
+        case = await history.find_case(service.nc, service.subjects, request_id)
         tl = timeline.build_timeline(case)
         if format == "json":
             return JSONResponse({"case": case.to_json(), "timeline": tl.to_json()})
@@ -374,20 +294,26 @@ def create_app(settings: ApiSettings) -> FastAPI:
             refs = await asyncio.wait_for(
                 service.prepare_images(request_id, parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
-            sub = await service.submit(request_id, parsed, refs, received_at, deadline)
-            events = token_events(sub, deadline, functools.partial(service.record_abandoned, request_id))
+            events = await service.submit(request_id, parsed, refs, received_at, deadline)
             log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
-            if parsed.stream:
+            if not parsed.stream:
+                try:
+                    return await _complete(events, request_id, parsed, received_at)
+                finally:
+                    await events.aclose()
+            try:
                 # Wait for the first event so an early failure still gets a real HTTP status.
                 first = await anext(events)
                 if isinstance(first, ErrorEvent):
                     raise _event_error(first)
-                return StreamingResponse(
-                    _sse(first, events, request_id, parsed, received_at),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
-                )
-            return await _complete(events, request_id, parsed, received_at)
+            except BaseException:
+                await events.aclose()
+                raise
+            return StreamingResponse(
+                _sse(first, events, request_id, parsed, received_at),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
+            )
         except asyncio.TimeoutError:
             return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
@@ -451,7 +377,7 @@ def _observe_final(final: FinalResult, received_at: float, first_token_at: float
     metrics.GENERATION_TOKENS.inc(final.completion_tokens)
 
 
-async def _complete(events, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
+async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
     first_token_at = None
     async for event in events:
         if isinstance(event, TokenChunk) and first_token_at is None:
@@ -468,7 +394,7 @@ async def _complete(events, request_id: str, parsed: ParsedRequest, received_at:
     raise ServiceUnavailable("token stream ended without a result")
 
 
-async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_at: float) -> AsyncIterator[bytes]:
+async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float) -> AsyncIterator[bytes]:
     created = int(received_at)
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
@@ -522,5 +448,6 @@ async def _sse(first, events, request_id: str, parsed: ParsedRequest, received_a
             yield f"data: {json.dumps(err)}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
+        await events.aclose()  # the client may have gone away mid-stream
         metrics.IN_FLIGHT.labels("api_stream").dec()
         REQUEST_ID.reset(token)

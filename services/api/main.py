@@ -6,11 +6,12 @@ import uvicorn
 
 from shared.config import ApiSettings
 from shared.logs import setup_logging
+from shared.topology import Service
 
 
 def main() -> None:
     settings = ApiSettings()
-    setup_logging(settings.log_level, service="api", fmt=settings.log_format)
+    setup_logging(settings.log_level, service=Service.API, fmt=settings.log_format)
     from services.api.app import create_app
 
     uvicorn.run(

@@ -1,8 +1,9 @@
 """OpenAI chat-completions request parsing and validation (no I/O).
 
-Turns a JSON body into a :class:`ParsedRequest`: normalized messages whose image parts are
-``{"type": "image"}`` placeholders, the image URLs in placeholder order, and sampling settings.
-Every rejection is a typed ``shared.errors`` exception naming the offending parameter.
+Turns a JSON body into a :class:`ParsedRequest`: typed messages (``shared.chat.ChatMessage``, the
+one place chat messages are validated) whose image parts are ``ImagePart`` placeholders, the image
+URLs in placeholder order, and sampling settings. Every rejection is a typed ``shared.errors``
+exception naming the offending parameter.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.chat import ChatMessage, ImagePart, Part, TextPart, check_role
 from shared.errors import InvalidRequest, TooManyImages, UnsupportedContent
 from shared.protocol import SamplingSpec
 
-ROLES = ("system", "user", "assistant", "developer")
 MAX_STOP_SEQUENCES = 4
 
 
 @dataclass
 class ParsedRequest:
     model: str
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     image_urls: list[str]
     sampling: SamplingSpec
     stream: bool
@@ -51,14 +52,14 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(value)
 
 
-def _parse_content(content: Any, index: int, image_urls: list[str], max_images: int) -> str | list[dict]:
+def _parse_content(content: Any, index: int, image_urls: list[str], max_images: int) -> str | list[Part]:
     if isinstance(content, str):
         return content
     if content is None:
         return ""
     if not isinstance(content, list):
         raise InvalidRequest(f"messages[{index}].content must be a string or a list of parts", param="messages")
-    parts: list[dict] = []
+    parts: list[Part] = []
     for j, part in enumerate(content):
         where = f"messages[{index}].content[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -67,7 +68,7 @@ def _parse_content(content: Any, index: int, image_urls: list[str], max_images: 
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}.text must be a string", param="messages")
-            parts.append({"type": "text", "text": part["text"]})
+            parts.append(TextPart(text=part["text"]))
         elif kind == "image_url":
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
@@ -76,7 +77,7 @@ def _parse_content(content: Any, index: int, image_urls: list[str], max_images: 
             if len(image_urls) >= max_images:
                 raise TooManyImages(f"at most {max_images} images per request", param="messages")
             image_urls.append(url)
-            parts.append({"type": "image"})
+            parts.append(ImagePart())
         else:
             raise UnsupportedContent(
                 f"{where}: content part type '{kind}' is not supported (supported: text, image_url)",
@@ -98,15 +99,13 @@ def parse_chat_request(
         raise InvalidRequest("only n=1 is supported", param="n")
 
     image_urls: list[str] = []
-    normalized: list[dict[str, Any]] = []
+    normalized: list[ChatMessage] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}", param="messages")
+        role = check_role(message.get("role"), f"messages[{i}]")
         content = _parse_content(message.get("content"), i, image_urls, max_images)
-        normalized.append({"role": "system" if role == "developer" else role, "content": content})
+        normalized.append(ChatMessage(role=role, content=content))
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:

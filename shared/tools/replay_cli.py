@@ -1,4 +1,5 @@
-"""``epd replay``: list, show, run, export and import recorded requests (see ``shared.tools.replay``).
+"""``epd replay``: list, show, run, export and import recorded requests (``shared.history`` reads
+them, ``shared.tools.replay`` re-runs, exports and imports them).
 
 Reads NATS and store settings from ``EPD_*`` like the services (``--nats-url`` / ``--prefix``
 override). Exit codes: 0 ok; 1 ``run --compare`` found a difference; 2 an error (unknown id,
@@ -147,11 +148,11 @@ def _print_json(obj: Any) -> None:
 
 # -- commands ---------------------------------------------------------------------------------
 def _cmd_list(args: argparse.Namespace) -> int:
-    from shared.tools import replay
+    from shared import history
     from shared.timeline import render_summary
 
     async def body(nc, subjects, _settings) -> int:
-        rows = await replay.list_requests(nc, subjects, since_s=args.since, status=args.status, limit=args.limit)
+        rows = await history.list_requests(nc, subjects, since_s=args.since, status=args.status, limit=args.limit)
         if args.json:
             _print_json([r.to_json() for r in rows])
         elif not rows:
@@ -165,11 +166,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from shared import timeline
-    from shared.tools import replay
+    from shared import history, timeline
 
     async def body(nc, subjects, _settings) -> int:
-        case = await replay.find_case(nc, subjects, args.request_id)
+        case = await history.find_case(nc, subjects, args.request_id)
         tl = timeline.build_timeline(case)
         if args.html:
             Path(args.html).write_text(timeline.render_html(case, tl), encoding="utf-8")
@@ -266,6 +266,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
+    from shared.history import HistoryError
     from shared.tools import replay
 
     doc = None
@@ -286,7 +287,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     try:
         doc = replay.read_case_file(args.file)
-    except replay.ReplayError as exc:
+    except HistoryError as exc:
         print(f"epd replay: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
     return _run(args, body)

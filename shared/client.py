@@ -1,0 +1,161 @@
+"""The request client: the one implementation of the request protocol, for the API and for replay.
+
+A request, as :class:`RequestClient` sends it (the API for every chat request, ``epd replay run``
+for a re-run; nothing else publishes these):
+
+1. one :class:`~shared.protocol.EncodeJob` per distinct image whose EC object is not stored yet,
+   with ``Nats-Msg-Id = <EC key>`` so that concurrent duplicates (another request with the same
+   image, a replay) collapse into one job (:meth:`RequestClient.queue_encode`);
+2. the :class:`~shared.protocol.ChatRequestRecord` on ``<p>.requests.<id>``, for replay and the
+   debug page (best effort: its loss does not fail the request);
+3. a subscription to ``<p>.tokens.<id>``, made BEFORE the job is published (core NATS keeps no
+   history: a fast worker's first tokens would be lost);
+4. the :class:`~shared.protocol.GenerationJob` with ``Nats-Msg-Id = <request id>``;
+5. a :class:`TokenStream` of what the workers publish on the tokens subject.
+
+The token stream's one dedup rule: a ``TokenChunk`` is new iff its ``seq`` is at or past the end of
+what was already forwarded, so the first copy of each seq wins, whatever its ``attempt`` (a
+redelivered job restarts at seq 0 and repeats the tokens it already streamed: the seed is derived
+from the request id, ``protocol.effective_seed``). The first ``FinalResult`` or ``ErrorEvent``
+ends it; so does the job's deadline (``DeadlineExceeded``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+
+from shared import protocol
+from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
+from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, subscribe_typed
+from shared.protocol import (
+    ChatRequestRecord,
+    EncodeJob,
+    ErrorEvent,
+    FinalResult,
+    GenerationJob,
+    Subjects,
+    TokenChunk,
+)
+
+log = logging.getLogger(__name__)
+
+TokenEvent = TokenChunk | FinalResult | ErrorEvent
+Terminal = FinalResult | ErrorEvent
+
+
+class TokenStream:
+    """The events of one request: ``TokenChunk`` s (deduplicated, see the module docstring), then
+    one ``FinalResult`` or ``ErrorEvent``, as an async iterator.
+
+    At the deadline it awaits ``on_deadline(error)`` (e.g. to record that the caller gave up) and
+    raises :class:`DeadlineExceeded`. It unsubscribes when it ends; call :meth:`aclose` when
+    leaving it earlier (closing twice is harmless)."""
+
+    def __init__(self, sub: TypedSubscription, *, request_id: str, deadline: float,
+                 on_deadline: Callable[[EPDError], Awaitable[None]] | None = None):
+        self._sub = sub
+        self.request_id = request_id
+        self.deadline = deadline
+        self.on_deadline = on_deadline
+        #: tokens forwarded so far (the seq the next new chunk starts at)
+        self.forwarded = 0
+        #: chunks dropped as copies of what was already forwarded (a redelivered job's)
+        self.duplicates = 0
+        self._done = False
+
+    def __aiter__(self) -> "TokenStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        while True:
+            event = await self._sub.next(deadline=self.deadline)
+            if event is None:
+                await self.aclose()
+                error = DeadlineExceeded("the request passed its deadline before the model finished")
+                if self.on_deadline is not None:
+                    await self.on_deadline(error)
+                raise error
+            if isinstance(event, TokenChunk):
+                if event.seq < self.forwarded:
+                    self.duplicates += 1
+                    continue
+                self.forwarded = event.seq + len(event.token_ids)
+                return event
+            await self.aclose()  # FinalResult or ErrorEvent: the end
+            return event
+
+    async def aclose(self) -> None:
+        self._done = True
+        await self._sub.close()
+
+    async def collect(self) -> tuple[list[TokenChunk], Terminal]:
+        """Every forwarded chunk and the terminal event (raises DeadlineExceeded at the deadline)."""
+        chunks: list[TokenChunk] = []
+        try:
+            async for event in self:
+                if isinstance(event, TokenChunk):
+                    chunks.append(event)
+                else:
+                    return chunks, event
+        finally:
+            await self.aclose()
+        raise RuntimeError(f"the token stream of {self.request_id} was closed before its end")
+
+
+def chunk_texts(chunks: list[TokenChunk]) -> list[str]:
+    """One text per token of ``chunks`` (a chunk's text goes with its first token)."""
+    return [chunk.text if i == 0 else "" for chunk in chunks for i in range(len(chunk.token_ids))]
+
+
+class RequestClient:
+    """Submits requests to the workers over JetStream and reads their token streams."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, publisher: Publisher | None = None):
+        self.nc = nc
+        self.subjects = subjects
+        self.publisher = publisher if publisher is not None else JetStreamPublisher(nc.jetstream())
+
+    async def queue_encode(self, job: EncodeJob) -> bool:
+        """Publish an encode job (``Nats-Msg-Id`` = its EC key). False: a job for the same EC
+        object is already queued within the duplicate window (JetStream dropped this one)."""
+        fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=job.request_id,
+                                             msg_id=job.ec_key)
+        log.info("encode job for %s %s", job.image.item_hash[:12], "queued" if fresh else
+                 "already queued (deduplicated)")
+        return fresh
+
+    async def submit(self, job: GenerationJob, *, record: ChatRequestRecord | None = None,
+                     on_deadline: Callable[[EPDError], Awaitable[None]] | None = None) -> TokenStream:
+        """Record the request (``record``, best effort), subscribe to its tokens, publish ``job``.
+        Returns its token stream, bounded by ``job.deadline``. Raises PayloadTooLarge when the job
+        does not fit in one NATS message."""
+        request_id = job.request_id
+        payload_limit = self.nc.max_payload
+        if len(protocol.encode(job)) > payload_limit:
+            raise PayloadTooLarge(f"the prompt is too large (over {payload_limit} bytes encoded)")
+        if record is not None:
+            try:
+                await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
+            except Exception as exc:  # the record is for debugging; its loss must not fail the request
+                log.warning("could not record request: %s", exc)
+        sub = await subscribe_typed(self.nc, self.subjects.tokens(request_id), TokenChunk, FinalResult, ErrorEvent)
+        try:
+            await self.publisher.publish(self.subjects.generate_jobs, job, request_id=request_id, msg_id=request_id)
+        except BaseException:
+            await sub.close()
+            raise
+        return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_deadline=on_deadline)
+
+    async def record_abandoned(self, request_id: str, error: EPDError, *, stage: str = "api") -> None:
+        """Say on the request's token subject that its caller gave up (e.g. at the deadline), so
+        the results stream - and ``epd replay`` - show it ended with an error, not "incomplete"."""
+        event = protocol.error_event(request_id, stage, error)
+        try:
+            await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
+        except Exception as exc:  # best effort: the caller reports the error either way
+            log.warning("could not record the abandoned request: %s", exc)

@@ -1,0 +1,191 @@
+"""The request client and the typed subscription on a real NATS server, with the test playing the
+workers: what a request publishes (msg ids included), the token stream's one dedup rule, junk
+skipping, and the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import nats
+import pytest
+
+from shared import protocol
+from shared.client import RequestClient, chunk_texts
+from shared.config import CommonSettings
+from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
+from shared.jetstream import JetStreamPublisher, ensure_topology, subscribe_typed
+from shared.protocol import (
+    ChatRequestRecord,
+    ECFailed,
+    ECReady,
+    EncodeJob,
+    ErrorEvent,
+    FinalResult,
+    GenerationJob,
+    ImageRef,
+    SamplingSpec,
+    Subjects,
+    TokenChunk,
+)
+
+ITEM = "cd" * 32
+REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)
+
+
+def _job(rid: str, deadline: float, *, messages=None) -> GenerationJob:
+    return GenerationJob(request_id=rid, model="m", messages=messages or [{"role": "user", "content": "hi"}],
+                         images=(), fingerprint="fp", sampling=SamplingSpec(temperature=0, max_tokens=4),
+                         stream=False, deadline=deadline, created_at=time.time())
+
+
+def _chunk(rid: str, attempt: int, seq: int, tok: int) -> TokenChunk:
+    return TokenChunk(request_id=rid, attempt=attempt, seq=seq, token_ids=(tok,), text=f"<{tok}>")
+
+
+def _final(rid: str, tokens: tuple[int, ...]) -> FinalResult:
+    return FinalResult(request_id=rid, attempt=2, token_ids=tokens, text="".join(f"<{t}>" for t in tokens),
+                       finish_reason="length", prompt_tokens=1, completion_tokens=len(tokens))
+
+
+@pytest.fixture
+def deployment(nats_server):
+    """A fresh subject prefix with its streams on the session's NATS."""
+    prefix = f"cl{uuid.uuid4().hex[:8]}"
+    settings = CommonSettings(nats_url=nats_server.url, subject_prefix=prefix)
+    subjects = Subjects(prefix)
+
+    async def setup():
+        nc = await nats.connect(nats_server.url)
+        await ensure_topology(nc.jetstream(), settings, subjects)
+        await nc.close()
+
+    asyncio.run(setup())
+    yield nats_server.url, subjects
+
+    async def teardown():
+        nc = await nats.connect(nats_server.url)
+        for stream in subjects.streams():
+            await nc.jetstream().delete_stream(stream)
+        await nc.close()
+
+    asyncio.run(teardown())
+
+
+async def _worker_takes_job(nc, subjects: Subjects) -> GenerationJob:
+    """The generation job as a worker sees it (the last one on the stream)."""
+    raw = await nc.jetstream().get_last_msg(subjects.stream_generate, subjects.generate_jobs)
+    return protocol.decode(raw.data, GenerationJob)
+
+
+def test_first_copy_of_each_seq_wins_whatever_the_attempt_and_junk_is_skipped(deployment):
+    url, subjects = deployment
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = RequestClient(nc, subjects)
+            record = ChatRequestRecord(request_id=rid, received_at=time.time(), model="m", body={})
+            stream = await client.submit(_job(rid, time.time() + 30), record=record)
+            assert (await _worker_takes_job(nc, subjects)).request_id == rid
+            js, tokens = nc.jetstream(), subjects.tokens(rid)
+            pub = JetStreamPublisher(js)
+            # Attempt 1 streams two tokens and dies; attempt 2 (a redelivery) restarts at seq 0 and
+            # - here, to tell the copies apart - says other tokens for the seqs already forwarded.
+            for msg in (_chunk(rid, 1, 0, 10), _chunk(rid, 1, 1, 11), _chunk(rid, 2, 0, 90), _chunk(rid, 2, 1, 91)):
+                await pub.publish(tokens, msg, request_id=rid)
+            await nc.publish(tokens, b"\x93junk")  # undecodable: skipped
+            await pub.publish(tokens, ECFailed(request_id=rid, item_hash=ITEM, fingerprint="fp", code="x",
+                                               message="wrong type", created_at=0.0), request_id=rid)
+            for msg in (_chunk(rid, 2, 2, 12), _chunk(rid, 1, 2, 80), _final(rid, (10, 11, 12))):
+                await pub.publish(tokens, msg, request_id=rid)
+            chunks, final = await stream.collect()
+            # The record and the job went out with their msg ids.
+            rec = await js.get_last_msg(subjects.stream_requests, subjects.request(rid))
+            job = await js.get_last_msg(subjects.stream_generate, subjects.generate_jobs)
+            return chunks, final, stream, rec, job
+        finally:
+            await nc.close()
+
+    chunks, final, stream, rec, job = asyncio.run(main())
+    assert [(c.attempt, c.seq, c.token_ids) for c in chunks] == [(1, 0, (10,)), (1, 1, (11,)), (2, 2, (12,))]
+    assert chunk_texts(chunks) == ["<10>", "<11>", "<12>"]
+    assert isinstance(final, FinalResult) and final.token_ids == (10, 11, 12)
+    assert stream.duplicates == 3 and stream.forwarded == 3
+    assert stream._sub.skipped == 2  # the undecodable message and the ECFailed
+    assert protocol.decode(rec.data, ChatRequestRecord).request_id == rid
+    assert job.headers[protocol.HDR_MSG_ID] == rid
+
+
+def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(deployment):
+    url, subjects = deployment
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    job = EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key=f"ns/fp/{ITEM}", created_at=time.time())
+    abandoned: list[EPDError] = []
+
+    async def on_deadline(error: EPDError) -> None:
+        abandoned.append(error)
+        await client.record_abandoned(rid, error)
+
+    async def main():
+        nonlocal client
+        nc = await nats.connect(url)
+        try:
+            client = RequestClient(nc, subjects)
+            # The same EC object twice (another request, a replay): one job.
+            fresh = [await client.queue_encode(job), await client.queue_encode(
+                EncodeJob(request_id="other", image=REF, fingerprint="fp", ec_key=job.ec_key, created_at=0.0))]
+            info = await nc.jetstream().stream_info(subjects.stream_encode)
+            # A request nobody answers ends at its deadline, recorded as abandoned by the API.
+            started = time.time()
+            stream = await client.submit(_job(rid, started + 0.5), on_deadline=on_deadline)
+            with pytest.raises(DeadlineExceeded):
+                await anext(stream)
+            elapsed = time.time() - started
+            with pytest.raises(StopAsyncIteration):  # ended: nothing more, no second deadline
+                await anext(stream)
+            last = await nc.jetstream().get_last_msg(subjects.stream_results, subjects.tokens(rid))
+            # Too large for one NATS message: refused before anything is published.
+            big = _job("chatcmpl-big", time.time() + 5, messages=[{"role": "user", "content": "x" * nc.max_payload}])
+            with pytest.raises(PayloadTooLarge):
+                await client.submit(big)
+            return fresh, info.state.messages, elapsed, protocol.decode(last.data)
+        finally:
+            await nc.close()
+
+    client = None
+    fresh, queued, elapsed, last = asyncio.run(main())
+    assert fresh == [True, False] and queued == 1
+    assert 0.5 <= elapsed < 5
+    assert [e.code for e in abandoned] == ["deadline_exceeded"]
+    assert isinstance(last, ErrorEvent) and (last.code, last.stage) == ("deadline_exceeded", "api")
+
+
+def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):
+    subject = f"typed.{uuid.uuid4().hex}"
+    ready = ECReady(request_id="r", item_hash=ITEM, fingerprint="fp", ec_key="k", n_tokens=1, nbytes=1,
+                    producer="p", encode_s=0.1, created_at=0.0)
+
+    async def main():
+        nc = await nats.connect(nats_server.url)
+        try:
+            async with await subscribe_typed(nc, subject, ECReady, ECFailed) as sub:
+                await nc.publish(subject, protocol.encode(_chunk("r", 1, 0, 1)))  # another type: skipped
+                await nc.publish(subject, b"not msgpack")
+                await nc.publish(subject, protocol.encode(ready))
+                got = await sub.next(deadline=time.time() + 10)
+                started = time.time()
+                none = await sub.next(deadline=started + 0.3)
+                waited = time.time() - started
+                skipped = sub.skipped
+            await sub.close()  # closing twice is harmless
+            return got, none, waited, skipped
+        finally:
+            await nc.close()
+
+    got, none, waited, skipped = asyncio.run(main())
+    assert got == ready and skipped == 2
+    assert none is None and 0.25 <= waited < 3
+
