@@ -91,16 +91,6 @@ class StoreError(EPDError):
     http_status = 503
 
 
-class ECLoadError(EPDError):
-    """An EC object could not be used; ``reason`` is one of ``shared.store.format.MissReason``."""
-
-    code = "ec_load_failed"
-
-    def __init__(self, message: str, *, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
 class MediaMissing(EPDError):
     """A referenced image is not in the object store (expired or never stored)."""
 
@@ -148,8 +138,6 @@ _register(EPDError)
 def error_from_code(code: str, message: str) -> EPDError:
     """Rebuild a typed error from an ``ErrorEvent`` (unknown codes become ``EPDError``)."""
     cls = ERRORS_BY_CODE.get(code, EPDError)
-    if cls is ECLoadError:
-        return ECLoadError(message, reason="unknown")
     err = cls(message)
     if cls is EPDError:
         err.code = code

@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.topology import Service
+
 HEALTH_SCHEMA = 1
 #: Stale after this long without a refresh: 5 heartbeat intervals (2 s each).
 DEFAULT_MAX_AGE_S = 10.0
@@ -130,8 +132,9 @@ def api_health_url(host: str, port: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", required=True,
-                        help="api, or the worker role to expect in the heartbeat file (encoder, prefill, decode)")
+    parser.add_argument("--role", required=True, choices=[s.value for s in Service],
+                        help="api, or the worker service to expect in the heartbeat file (a worker beats as its "
+                             "service: an EPD_ROLE=pd worker is a prefill worker)")
     parser.add_argument("--file", help="worker heartbeat file (default: EPD_HEALTH_FILE)")
     parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help=f"seconds a worker heartbeat stays fresh (default {DEFAULT_MAX_AGE_S:g})")
@@ -140,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.role == "api":
+    if args.role == Service.API:
         url = args.url
         if url is None:
             from shared.config import ApiSettings

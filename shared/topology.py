@@ -9,6 +9,9 @@ Words, used with one meaning each across the code:
 * **role** (:class:`Role`, ``EPD_ROLE`` for the prefill service): the part a worker plays, which
   decides its handler strategies and what its engine must support (``shared.engines``).
 
+A worker's heartbeat (the API's ``/health`` ``workers`` counts, ``epd healthcheck --role``) names
+its *service*, not its role: an E|PD and an E|P|D prefill worker both beat as ``prefill``.
+
 vLLM's own connector roles (``ec_producer``, ``kv_consumer``, ...) are derived from :class:`Role`
 inside the vLLM engine; they are vLLM's words, not ours.
 """
@@ -19,20 +22,22 @@ import enum
 from dataclasses import dataclass
 
 
-class Topology(str, enum.Enum):
+# StrEnum: ``str(Role.PD) == f"{Role.PD}" == "pd"`` (a ``(str, Enum)`` formats as ``Role.PD``),
+# so members go into env variables, subjects and log lines as their values.
+class Topology(enum.StrEnum):
     AGG = "agg"
     E_PD = "e-pd"
     E_P_D = "e-p-d"
 
 
-class Service(str, enum.Enum):
+class Service(enum.StrEnum):
     API = "api"
     ENCODER = "encoder"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a worker does with a job."""
 
     #: EncodeJob -> encoder outputs in the store.
@@ -58,10 +63,9 @@ class TopologySpec:
     prefill_role: Role
 
     @property
-    def worker_roles(self) -> tuple[Role, ...]:
-        """The roles whose heartbeats the API waits for (``/health``)."""
-        by_service = {Service.ENCODER: Role.ENCODER, Service.PREFILL: self.prefill_role, Service.DECODE: Role.DECODE}
-        return tuple(by_service[s] for s in self.services if s in by_service)
+    def worker_services(self) -> tuple[Service, ...]:
+        """The worker services, whose heartbeats the API's ``/health`` counts (by service name)."""
+        return tuple(s for s in self.services if s is not Service.API)
 
     @property
     def uses_encoder(self) -> bool:
@@ -78,6 +82,7 @@ TOPOLOGIES: dict[Topology, TopologySpec] = {
 
 def service_of(role: Role) -> Service:
     """The service process that plays ``role``."""
+    role = Role(role)  # a plain value too: an unknown one raises instead of landing in prefill
     if role is Role.ENCODER:
         return Service.ENCODER
     if role is Role.DECODE:

@@ -204,7 +204,8 @@ def test_healthcheck_is_the_epd_command(compose, name):
 @pytest.mark.parametrize("module,role", [("services.encoder", "encoder"), ("services.prefill", "prefill"),
                                          ("services.decode", "decode")])
 def test_worker_roles_match_their_handlers(module, role):
-    """`epd healthcheck --role R` compares R with the role the worker writes: its handler's."""
+    """`epd healthcheck --role R` compares R with the role the worker writes: its handler's
+    service (an E|PD and an E|P|D prefill worker are both `prefill`)."""
     import importlib
 
     from shared.worker import Handler
@@ -214,48 +215,61 @@ def test_worker_roles_match_their_handlers(module, role):
     except ModuleNotFoundError as exc:
         pytest.fail(f"{module}.handler does not exist yet ({exc}); docker-compose.yml runs `python -m {module}`")
     # Handlers defined in the module (not base classes it imports, such as ModelHandler).
-    roles = {obj.role for obj in vars(handler_mod).values()
+    roles = {obj.service.value for obj in vars(handler_mod).values()
              if isinstance(obj, type) and issubclass(obj, Handler) and obj.__module__ == handler_mod.__name__}
     assert roles == {role}
 
 
 def test_profiles_run_what_epd_up_runs(compose):
     """Each profile starts the services `epd up --topology T` starts, with the env T gives them."""
-    from shared.tools.launcher import TOPOLOGY_ENV, TOPOLOGY_SERVICES
+    from shared.tools.launcher import topology_env
+    from shared.topology import TOPOLOGIES, Topology
 
-    topology_of = {"e-pd": "e-pd", "e-p-d": "e-p-d", "gpu-e-pd": "e-pd", "gpu-e-p-d": "e-p-d"}
+    topology_of = {"e-pd": Topology.E_PD, "e-p-d": Topology.E_P_D, "gpu-e-pd": Topology.E_PD,
+                   "gpu-e-p-d": Topology.E_P_D}
     for profile, services in PROFILES.items():
         topology = topology_of[profile]
         modules = sorted(APPS[s].module.split(".", 1)[1] for s in services)
-        assert modules == sorted(TOPOLOGY_SERVICES[topology]), profile
+        assert modules == sorted(TOPOLOGIES[topology].services), profile
         for name in services:
             cls, env = settings_class(APPS[name].module), dc.environment(compose["services"][name])
-            for key, value in TOPOLOGY_ENV[topology].items():
+            for key, value in topology_env(topology).items():
                 if key[4:].lower() not in cls.model_fields:
                     continue  # not read by this service
                 if key == "EPD_TOPOLOGY":
                     continue  # one api serves e-pd and e-p-d: see the tripwire below
                 assert env.get(key) == value, (profile, name, key)
-    # The API treats e-pd and e-p-d alike (only agg differs); if that changes, compose needs one
-    # api service per topology.
-    api_code = "\n".join(f.read_text() for f in (ROOT / "services" / "api").glob("*.py"))
-    uses = re.findall(r"settings\.topology\b(.{0,12})", api_code)
-    assert uses and all(re.match(r'\s*[!=]=\s*"agg"', u) for u in uses), uses
+    # The API treats e-pd and e-p-d alike: it reads only whether a topology has encoder workers,
+    # which both have. If that changes, compose needs one api service per topology.
+    api_code = "\n".join(f.read_text() for f in (ROOT / "services" / "api").rglob("*.py"))
+    uses = re.findall(r"settings\.topology\b", api_code)
+    encoder_uses = re.findall(r"TOPOLOGIES\[(?:self\.)?settings\.topology\]\.uses_encoder\b", api_code)
+    assert uses and len(encoder_uses) == len(uses), re.findall(r".{0,40}settings\.topology\b.{0,40}", api_code)
+    assert TOPOLOGIES[Topology.E_PD].uses_encoder == TOPOLOGIES[Topology.E_P_D].uses_encoder
 
 
 def kv_handoff_problems(compose: dict) -> list[str]:
-    """E|P|D services (prefill role `prefill`, decode) whose engine cannot hand off the KV cache:
-    they refuse to start (shared/encoding.py), so such a profile could never become healthy."""
-    from shared.encoding import KV_HANDOFF_ENGINES
+    """E|P|D services (prefill role `prefill`, decode) whose engine cannot play their role: they
+    refuse to start (``shared.engines.check_role``), so such a profile could never become healthy."""
+    from shared.engines import check_role, engine_class
+    from shared.errors import EngineError
+    from shared.topology import Role
 
     problems = []
     dotenv = {**env_example_values(), **TEST_SECRETS}
     for name, svc in compose["services"].items():
         env = dc.environment(dc.resolve(svc, dotenv))
-        if svc.get("command") == ["python", "-m", "services.decode"] or env.get("EPD_ROLE") == "prefill":
-            engine = env.get("EPD_ENGINE") or config.CommonSettings.model_fields["engine"].default
-            if engine not in KV_HANDOFF_ENGINES:
-                problems.append(f"{name}: E|P|D with engine {engine!r}, which cannot hand off the KV cache")
+        if svc.get("command") == ["python", "-m", "services.decode"]:
+            role = Role.DECODE
+        elif env.get("EPD_ROLE") == Role.PREFILL:
+            role = Role.PREFILL
+        else:
+            continue
+        engine = env.get("EPD_ENGINE") or config.CommonSettings.model_fields["engine"].default
+        try:
+            check_role(engine_class(engine), role)
+        except EngineError as exc:
+            problems.append(f"{name}: E|P|D ({role}) with engine {engine!r}: {exc}")
     return problems
 
 
@@ -266,7 +280,7 @@ def test_e_p_d_services_use_an_engine_that_hands_off_kv(compose):
         **compose["services"]["decode"]["environment"], "EPD_ENGINE": "onnx"}}
     broken_compose = {**compose, "services": {**compose["services"], "decode-onnx": other_decode}}
     assert kv_handoff_problems(broken_compose) == [
-        "decode-onnx: E|P|D with engine 'onnx', which cannot hand off the KV cache"]
+        "decode-onnx: E|P|D (decode) with engine 'onnx': unknown engine 'onnx'; known: transformers, vllm"]
 
 
 # -- environment --------------------------------------------------------------------------------

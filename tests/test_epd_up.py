@@ -34,7 +34,7 @@ from shared.tools.infra import free_port, port_available
 from shared.tools.launcher import Stack
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob
-from tests.stackutil import GREEDY, RunningStack, final_result, noise_image, wait_for
+from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.test_e2e_epd import REF_PARAMS
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def engine_form(messages: list[dict]) -> tuple[list[dict], list[Image.Image]]:
 
 
 def generate(engine, messages, images) -> list[int]:
-    return [ev.token_id for ev in engine.generate(messages, engine.encode(images), REF_PARAMS)]
+    return engine_tokens(engine, messages, engine_encode(engine, images), REF_PARAMS)
 
 
 @pytest.mark.parametrize("topology", [None, "agg"], ids=["default", "agg"])

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from shared.health import DEFAULT_MAX_AGE_S, HealthFile, api_health_url, check_api, check_worker, main
+from shared.topology import Service
 
 
 def test_fresh_heartbeat_is_healthy(tmp_path):
@@ -123,22 +124,36 @@ def test_cli_reads_the_services_env(tmp_path, monkeypatch, capsys, fake_api):
     assert main(["--role", "api"]) == 0
 
 
+def test_role_is_a_service(capsys):
+    """A worker beats as its service, so `--role` takes a service name; a prefill role such as
+    `pd` (EPD_ROLE) would never match a heartbeat file and is refused up front."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--role", "pd"])
+    assert exc.value.code == 2 and "invalid choice: 'pd'" in capsys.readouterr().err
+    # Control: every service is accepted (each fails here only for want of a file / an API).
+    for service in Service:
+        assert main(["--role", service.value, "--url", "http://127.0.0.1:9/health", "--timeout", "0.2"]) in (0, 1)
+
+
 def test_worker_runner_writes_and_removes_the_file(tmp_path, nats_server):
     """The real WorkerRunner: the file appears once consuming, and goes on stop."""
     from shared import protocol
     from shared.config import EncoderSettings
-    from shared.worker import Delivery, Handler, Verdict, WorkerContext, WorkerRunner
+    from shared.topology import Role, Service
+    from shared.worker import Delivery, Handler, WorkerContext, WorkerRunner
 
     class Idle(Handler):
-        role = "encoder"
+        service = Service.ENCODER
+        role = Role.ENCODER
+        job_type = protocol.EncodeJob
         stream_attr = "stream_encode"
         durable = protocol.CONSUMER_ENCODER
 
         async def setup(self, ctx: WorkerContext) -> None:
             pass
 
-        async def handle(self, delivery: Delivery) -> Verdict:
-            return Verdict.ack()
+        async def handle(self, job: protocol.EncodeJob, delivery: Delivery) -> None:
+            pass
 
     path = tmp_path / "hb.json"
     settings = EncoderSettings(nats_url=nats_server.url, subject_prefix=f"hc{os.getpid()}", health_file=path,

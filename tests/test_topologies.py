@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,8 @@ from shared import protocol
 from shared.tools import launcher
 from shared.tools.cli import build_parser
 from shared.config import ApiSettings, DecodeSettings, PrefillSettings
-from shared.tools.launcher import TOPOLOGY_SERVICES, Stack
+from shared.tools.launcher import Stack, StackError
+from shared.topology import PREFILL_SERVICE_ROLES, TOPOLOGIES, Role, Service, Topology, service_of
 from shared.protocol import EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
 from tests.stackutil import data_url, engine_messages, noise_image, png_bytes, read_stream, stack_env
 from tests.test_e2e_epd import reference_tokens
@@ -28,7 +30,7 @@ from tests.test_e2e_epd import reference_tokens
 def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, topology, services, role):
     started = []
 
-    def fake_start(name, env, log_path, cwd=None):
+    def fake_start(name, env, log_path, cwd=None, *, module=None):
         started.append((name, env))
         return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]
 
@@ -36,7 +38,7 @@ def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, top
     stack = Stack(env={"EPD_ROLE": "pd", "EPD_X": "1"}, log_dir=tmp_path, topology=topology,
                   service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}})
     stack.start()
-    assert [name for name, _ in started] == services == list(TOPOLOGY_SERVICES[topology])
+    assert [name for name, _ in started] == services == list(TOPOLOGIES[Topology(topology)].services)
     for name, env in started:
         assert env["EPD_TOPOLOGY"] == topology and env["EPD_X"] == "1"
         assert env["EPD_ROLE"] == role  # the topology decides the prefill role
@@ -58,23 +60,70 @@ def test_unknown_topology_and_role_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["up", "--topology", "p-d"])
     assert exc.value.code == 2 and "invalid choice: 'p-d'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"unknown topology 'e\|p\|d'"):
+    with pytest.raises(ValueError, match=r"unknown topology 'e\|p\|d'; supported: agg, e-pd, e-p-d"):
         ApiSettings(topology="e|p|d")
-    with pytest.raises(ValueError, match="unknown prefill role 'decode'"):
+    with pytest.raises(ValueError, match="unknown prefill role 'decode'; supported: pd, prefill, agg"):
         PrefillSettings(role="decode")
-    # Controls: the known ones are accepted.
-    assert ApiSettings(topology="agg").topology == "agg" and PrefillSettings(role="agg").role == "agg"
+    with pytest.raises(ValueError, match="unknown prefill role 'decode'"):  # a Role, but not the prefill service's
+        PrefillSettings(role=Role.DECODE)
+    with pytest.raises(StackError, match="unknown topology 'p-d'"):
+        Stack(env={}, log_dir=Path("unused"), topology="p-d")
+    # Controls: the known ones are accepted, as the enums (equal to their values).
+    assert ApiSettings(topology="agg").topology is Topology.AGG == "agg"
+    assert PrefillSettings(role="agg").role is Role.AGG == "agg"
+    assert ApiSettings().topology is Topology.E_PD and PrefillSettings().role is Role.PD
+
+
+def test_one_table_describes_every_topology():
+    """shared.topology.TOPOLOGIES is the one table: the CLI, the settings and the launcher read it."""
+    assert set(TOPOLOGIES) == set(Topology)
+    assert sorted(build_parser().parse_args(["up", "--topology", t]).topology for t in Topology) == sorted(Topology)
+    for topology, spec in TOPOLOGIES.items():
+        assert spec.services[0] is Service.API and spec.prefill_role in PREFILL_SERVICE_ROLES, topology
+        assert spec.worker_services == tuple(s for s in spec.services if s is not Service.API)
+        assert service_of(spec.prefill_role) is Service.PREFILL
+        assert PrefillSettings(role=spec.prefill_role.value).role is spec.prefill_role
+        assert ApiSettings(topology=topology.value).topology is topology
+    assert {service_of(r) for r in Role} == set(Service) - {Service.API}
+    with pytest.raises(ValueError):
+        service_of("pdd")
+    # Only agg runs without encoder workers: the one thing the API reads from the topology.
+    assert {t for t, spec in TOPOLOGIES.items() if not spec.uses_encoder} == {Topology.AGG}
+    # Members format as their values (they go into env variables and log lines).
+    assert f"{Role.PD}" == str(Role.PD) == "pd" and f"{Topology.E_P_D}" == "e-p-d"
+
+
+def test_wait_ready_waits_for_every_worker_service_heartbeat(monkeypatch, tmp_path):
+    """Heartbeats are counted by worker service (an E|P|D prefill worker beats as ``prefill``);
+    without ``roles`` the stack waits for each worker service of its topology, replicas each."""
+    stack = Stack(env={}, log_dir=tmp_path, topology="e-p-d", replicas={"encoder": 2})
+    beats = {"encoder": 2, "prefill": 1, "decode": 1}
+    monkeypatch.setattr(stack, "health", lambda: {"status": "ok", "workers": beats})
+    assert stack.wait_ready(timeout=5)["workers"] == beats
+    # Negative controls: one encoder short, or the prefill worker counted under its role, is not ready.
+    for short in ({**beats, "encoder": 1}, {"encoder": 2, "prefill": 0, "pd": 1, "decode": 1}):
+        monkeypatch.setattr(stack, "health", lambda short=short: {"status": "ok", "workers": short})
+        with pytest.raises(StackError, match="not ready"):
+            stack.wait_ready(timeout=0.3)
 
 
 def test_split_roles_need_an_engine_that_hands_off_the_kv_cache():
-    from shared.encoding import require_kv_handoff_engine
+    from shared.engines import check_role, engine_class
+    from shared.engines.base import Engine, FeaturesThroughWorker
     from shared.errors import EngineError
 
     for engine in ("transformers", "vllm"):  # both hand it off (vLLM through its KV connector)
-        for role in ("prefill", "decode"):
-            require_kv_handoff_engine(engine, role)
-    with pytest.raises(EngineError, match="'onnx' engine cannot run the 'decode' role"):
-        require_kv_handoff_engine("onnx", "decode")
+        for role in Role:
+            check_role(engine_class(engine), role)
+
+    class NoHandoff(Engine, FeaturesThroughWorker):  # an engine without a KV hand-off
+        name = "onnx"
+
+    for role in (Role.PREFILL, Role.DECODE):
+        with pytest.raises(EngineError, match=f"'onnx' engine cannot run the '{role}' role"):
+            check_role(NoHandoff, role)
+    for role in (Role.ENCODER, Role.PD, Role.AGG):  # control: what it can run, it may
+        check_role(NoHandoff, role)
 
 
 # -- agg, in process ----------------------------------------------------------------------------
@@ -110,7 +159,7 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
     from shared.store.factory import ec_store_from_settings
     from shared.jetstream import JetStreamPublisher, connect, ensure_topology
     from shared.media import content_hash_of
-    from shared.worker import Delivery, WorkerContext
+    from shared.worker import Delivery, WorkerContext, settle
 
     settings = PrefillSettings(**env, role="agg")
     subjects = Subjects(settings.subject_prefix)
@@ -135,8 +184,8 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
         await handler.setup(WorkerContext(settings, subjects, JetStreamPublisher(js), nc))
         sub = await nc.subscribe(subjects.tokens(rid))
         try:
-            verdict = await handler.handle(Delivery(protocol.encode(job), subjects.generate_jobs,
-                                                    {protocol.HDR_REQUEST_ID: rid}, 1, 3))
+            verdict = await settle(handler, Delivery(protocol.encode(job), subjects.generate_jobs,
+                                                     {protocol.HDR_REQUEST_ID: rid}, 1, 3))
             while True:
                 event = protocol.decode((await sub.next_msg(timeout=30)).data)
                 if isinstance(event, FinalResult):

@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from shared.tools.infra import DEFAULT_NATS_PORT, DEFAULT_S3_PORT, EmbeddedNats, EmbeddedS3, InfraError
+from shared.topology import Service, Topology
+
 DEFAULT_DATA_DIR = Path("var")
 
 
@@ -71,7 +74,6 @@ def _example_image_data_url() -> str:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import CommonSettings
-    from shared.tools.infra import EmbeddedNats, EmbeddedS3, InfraError
     from shared.tools.launcher import Stack, StackError
 
     started = time.perf_counter()
@@ -115,7 +117,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
         }
         stack = Stack(env=env, log_dir=data_dir / "logs", topology=args.topology, api_port=args.port,
-                      replicas={"encoder": args.encoders, "prefill": args.prefills, "decode": args.decoders},
+                      replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills,
+                                Service.DECODE: args.decoders},
                       metrics_port_base=args.metrics_port)
         stack.start()
         # vLLM engines take 40-120 s each to start on a small CPU machine (they start in parallel).
@@ -165,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
     up.add_argument("--engine", default=os.environ.get("EPD_ENGINE", "transformers"))
-    up.add_argument("--topology", default="e-pd", choices=["agg", "e-pd", "e-p-d"],
+    up.add_argument("--topology", default=Topology.E_PD.value, choices=[t.value for t in Topology],
                     help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
                          "e-p-d: encoders + prefill workers + decode workers")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--nats-port", type=int, default=4222)
-    up.add_argument("--s3-port", type=int, default=9000)
+    up.add_argument("--nats-port", type=int, default=DEFAULT_NATS_PORT)
+    up.add_argument("--s3-port", type=int, default=DEFAULT_S3_PORT)
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
     up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
@@ -190,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_build_tiny)
 
-    for name in ("api", "encoder", "prefill", "decode"):
-        sub.add_parser(name, help=f"run the {name} service (EPD_* env settings)").set_defaults(
-            func=_cmd_service(name)
+    for service in Service:
+        sub.add_parser(service.value, help=f"run the {service} service (EPD_* env settings)").set_defaults(
+            func=_cmd_service(service.value)
         )
 
     from shared import health

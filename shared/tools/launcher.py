@@ -1,9 +1,9 @@
 """Start the services as child processes: what ``epd up`` runs and what the tests run.
 
 A :class:`Stack` is NATS + an S3 store (given by URL, or embedded) + the service processes of
-one topology, each started with the same ``python -m services.<name>`` entry point and
-``EPD_*`` environment that ``docker-compose.yml`` uses. Readiness is the API's ``/health``
-reporting every worker role alive.
+one topology (``shared.topology.TOPOLOGIES``), each started with the same
+``python -m services.<name>`` entry point and ``EPD_*`` environment that ``docker-compose.yml``
+uses. Readiness is the API's ``/health`` counting a heartbeat from every worker service.
 """
 
 from __future__ import annotations
@@ -21,31 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.tools.infra import _spawn
+from shared.topology import TOPOLOGIES, Service, Topology
 
 log = logging.getLogger(__name__)
-
-#: Topologies (``epd up --topology``): which services run.
-#:
-#: * ``agg``: api + one worker doing encode, prefill and decode in process (the baseline);
-#: * ``e-pd``: api + encoder workers + prefill workers that also decode;
-#: * ``e-p-d``: api + encoder workers + prefill workers + decode workers (KV via the store).
-TOPOLOGY_SERVICES = {
-    "agg": ("api", "prefill"),
-    "e-pd": ("api", "encoder", "prefill"),
-    "e-p-d": ("api", "encoder", "prefill", "decode"),
-}
-#: What each topology sets for every service: the API reads EPD_TOPOLOGY (agg: no encode
-#: jobs), the prefill worker EPD_ROLE. ``service_env`` / ``extra_env`` still override.
-TOPOLOGY_ENV = {
-    "agg": {"EPD_TOPOLOGY": "agg", "EPD_ROLE": "agg"},
-    "e-pd": {"EPD_TOPOLOGY": "e-pd", "EPD_ROLE": "pd"},
-    "e-p-d": {"EPD_TOPOLOGY": "e-p-d", "EPD_ROLE": "prefill"},
-}
-WORKER_ROLES = {"encoder": "encoder", "prefill": "prefill", "decode": "decode"}
 
 
 class StackError(RuntimeError):
     pass
+
+
+def topology_env(topology: Topology) -> dict[str, str]:
+    """What a topology sets for every service: the API reads ``EPD_TOPOLOGY``, the prefill
+    service ``EPD_ROLE`` (the others ignore both)."""
+    return {"EPD_TOPOLOGY": topology.value, "EPD_ROLE": TOPOLOGIES[topology].prefill_role.value}
 
 
 @dataclass
@@ -77,17 +65,21 @@ class ServiceProcess:
             self.popen.wait(5)
 
 
-def service_command(module_name: str, python: str = sys.executable) -> list[str]:
-    """A service's command line, ``python -m services.<module_name>``: docker-compose.yml runs the same."""
+def service_command(module_name: str, python: str = sys.executable, *, module: str | None = None) -> list[str]:
+    """A service's command line, ``python -m services.<module_name>``: docker-compose.yml runs the same.
+    ``module``: run ``python -m <module> <module_name>`` instead (tests: ``tests.fault_workers``)."""
+    if module is not None:
+        return [python, "-m", module, module_name]
     return [python, "-m", f"services.{module_name}"]
 
 
-def start_service(module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None) -> ServiceProcess:
+def start_service(module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None, *,
+                  module: str | None = None) -> ServiceProcess:
     """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     with log_path.open("ab") as fh:
-        popen = _spawn(service_command(module_name), log_fh=fh, cwd=cwd or Path.cwd(), env=full_env)
+        popen = _spawn(service_command(module_name, module=module), log_fh=fh, cwd=cwd or Path.cwd(), env=full_env)
     return ServiceProcess(module_name, popen, log_path)
 
 
@@ -105,10 +97,13 @@ class Stack:
 
     env: dict[str, str]
     log_dir: Path
-    topology: str = "e-pd"
+    #: A :class:`Topology` or its value (``epd up --topology``).
+    topology: Topology | str = Topology.E_PD
     api_port: int = 8000
     replicas: dict[str, int] = field(default_factory=dict)
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Service -> module that runs it instead of ``services.<service>`` (``service_command``).
+    service_modules: dict[str, str] = field(default_factory=dict)
     processes: list[ServiceProcess] = field(default_factory=list)
     #: Workers serve Prometheus ``/metrics`` on base + 1, + 2, ... in start order (None: not at all).
     metrics_port_base: int | None = None
@@ -118,16 +113,23 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
+    def __post_init__(self) -> None:
+        try:
+            self.topology = Topology(self.topology)
+        except ValueError:
+            raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(Topology)}") from None
+
     def start(self) -> "Stack":
-        if self.topology not in TOPOLOGY_SERVICES:
-            raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(TOPOLOGY_SERVICES)}")
-        for name in TOPOLOGY_SERVICES[self.topology]:
-            for i in range(self.replicas.get(name, 1)):
-                self.add(name, index=i)
+        for service in TOPOLOGIES[self.topology].services:
+            for i in range(self.replicas.get(service, 1)):
+                self.add(service, index=i)
         return self
 
     def add(self, name: str, *, index: int = 0, extra_env: dict[str, str] | None = None) -> ServiceProcess:
-        env = {**self.env, **TOPOLOGY_ENV.get(self.topology, {}), **self.service_env.get(name, {}), **(extra_env or {})}
+        """Start one more process of service ``name`` (``service_env`` / ``extra_env`` override the
+        topology's environment)."""
+        name = Service(name).value
+        env = {**self.env, **topology_env(self.topology), **self.service_env.get(name, {}), **(extra_env or {})}
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
         env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")
@@ -136,7 +138,7 @@ class Stack:
         if name != "api" and self.metrics_port_base:
             env.setdefault("EPD_METRICS_PORT", str(self.metrics_port_base + 1 + len(self.metrics_ports)))
             self.metrics_ports[f"{name}-{index}"] = int(env["EPD_METRICS_PORT"])
-        proc = start_service(name, env, self.log_dir / f"{name}-{index}.log")
+        proc = start_service(name, env, self.log_dir / f"{name}-{index}.log", module=self.service_modules.get(name))
         self.processes.append(proc)
         return proc
 
@@ -148,11 +150,10 @@ class Stack:
         return body if status == 200 else None
 
     def wait_ready(self, timeout: float = 120.0, *, roles: dict[str, int] | None = None) -> dict:
-        """Wait until the API answers and at least the given number of workers per role beat."""
+        """Wait until the API answers and at least the given number of workers beat per heartbeat
+        role (a worker's service name; default: every worker service of the topology, replicas each)."""
         if roles is None:
-            roles = {
-                WORKER_ROLES[n]: self.replicas.get(n, 1) for n in TOPOLOGY_SERVICES[self.topology] if n in WORKER_ROLES
-            }
+            roles = {s.value: self.replicas.get(s, 1) for s in TOPOLOGIES[self.topology].worker_services}
         deadline = time.monotonic() + timeout
         health = None
         while time.monotonic() < deadline:
