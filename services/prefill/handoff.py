@@ -73,13 +73,28 @@ class HandOff(abc.ABC):
     async def generate_here(self, gen: Generation) -> None:
         await gen.stream(self.engine.generate(gen.job.messages, gen.images, gen.params, gen.stats))
 
-    def decode_job(self, gen: Generation, *, kv_key: str, kv_nbytes: int, model_fingerprint: str,
-                   timings: dict[str, float]) -> DecodeJob:
+
+
+class NoHandOff(HandOff):
+    async def run(self, gen: Generation) -> bool:
+        await self.generate_here(gen)
+        return False
+
+
+class KVHandOff(HandOff):
+    """A hand-off to the decode workers: a KV object under this worker's model fingerprint and
+    a ``DecodeJob`` pointing at it."""
+
+    def __init__(self, engine: Engine, ctx: WorkerContext, worker_id: str, kv_store: KVStore):
+        super().__init__(engine, ctx, worker_id)
+        self.kv_store = kv_store
+
+    def decode_job(self, gen: Generation, *, kv_key: str, kv_nbytes: int, timings: dict[str, float]) -> DecodeJob:
         """The request's ``DecodeJob``, after the tokens ``gen.out`` streamed."""
         job = gen.job
         return DecodeJob(
             request_id=job.request_id, kv_key=kv_key, kv_attempt=job.reprefill, kv_nbytes=kv_nbytes,
-            model_fingerprint=model_fingerprint, sampling=job.sampling, deadline=job.deadline,
+            model_fingerprint=self.kv_store.fingerprint, sampling=job.sampling, deadline=job.deadline,
             created_at=time.time(), emitted=len(gen.out.token_ids), emitted_text=gen.out.text,
             prompt_tokens=gen.stats.prompt_tokens, generation=job, timings=timings,
             ec_sources=gen.sources, prefill_worker=self.worker_id,
@@ -94,18 +109,8 @@ class HandOff(abc.ABC):
         metrics.KV_HANDOFFS.labels("handed_off").inc()
 
 
-class NoHandOff(HandOff):
-    async def run(self, gen: Generation) -> bool:
-        await self.generate_here(gen)
-        return False
-
-
-class KVObjectHandOff(HandOff):
+class KVObjectHandOff(KVHandOff):
     engine: base.KVStateHandoff
-
-    def __init__(self, engine: Engine, ctx: WorkerContext, worker_id: str, kv_store: KVStore):
-        super().__init__(engine, ctx, worker_id)
-        self.kv_store = kv_store
 
     async def run(self, gen: Generation) -> bool:
         job = gen.job
@@ -121,7 +126,7 @@ class KVObjectHandOff(HandOff):
                 key, blob = await asyncio.to_thread(self.kv_store.encode, job.request_id, job.reprefill, tensors, meta,
                                                     protocol.to_builtins(job.sampling))
                 decode_job = self.decode_job(
-                    gen, kv_key=key, kv_nbytes=len(blob), model_fingerprint=self.kv_store.fingerprint,
+                    gen, kv_key=key, kv_nbytes=len(blob),
                     timings={"features_s": gen.t_features - gen.t0, "prefill_s": gen.stats.prefill_s,
                              "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0})
                 limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
@@ -145,12 +150,8 @@ class KVObjectHandOff(HandOff):
         return True
 
 
-class KVConnectorHandOff(HandOff):
+class KVConnectorHandOff(KVHandOff):
     engine: base.KVConnectorHandoff
-
-    def __init__(self, engine: Engine, ctx: WorkerContext, worker_id: str, kv_store: KVStore):
-        super().__init__(engine, ctx, worker_id)
-        self.kv_store = kv_store
 
     async def run(self, gen: Generation) -> bool:
         job = gen.job
@@ -175,7 +176,7 @@ class KVConnectorHandOff(HandOff):
         if gen.stats.extra.get("ec_sources"):
             gen.sources.update(gen.stats.extra["ec_sources"])
         await self.publish(self.decode_job(
-            gen, kv_key=handoff.key, kv_nbytes=0, model_fingerprint=self.kv_store.fingerprint,
+            gen, kv_key=handoff.key, kv_nbytes=0,
             timings={"features_s": gen.t_features - gen.t0, "prefill_s": gen.stats.prefill_s}))
         log.info("handed off through the KV connector: %d prompt tokens, KV %s, features %.3fs, prefill %.3fs, "
                  "sources=%s", gen.stats.prompt_tokens, handoff.key, gen.t_features - gen.t0, gen.stats.prefill_s,
