@@ -72,7 +72,7 @@ HDR_ORIG_SUBJECT = "Epd-Orig-Subject"
 HDR_ORIG_SEQ = "Epd-Orig-Seq"
 HDR_ORIG_TIME = "Epd-Orig-Time"
 
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_\-]+")  # fullmatch: "$" would accept a trailing newline
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ class RequestNotFound(HistoryError):
 def check_request_id(request_id: str) -> str:
     """A request id is one NATS subject token: letters, digits, ``-`` and ``_``."""
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS \
-            or not _REQUEST_ID_RE.match(request_id):
+            or not _REQUEST_ID_RE.fullmatch(request_id):
         raise InvalidRequestId(
             f"invalid request id {request_id!r:.80}: expected letters, digits, '-' or '_' "
             f"(at most {MAX_REQUEST_ID_CHARS} characters), e.g. chatcmpl-0123abcd..."

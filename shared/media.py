@@ -684,6 +684,11 @@ class ImageFetcher:
                 response = await self._client.send(request, stream=True)
             except httpx.TimeoutException:
                 raise FetchTimeout(f"fetching image from {host} timed out") from None
+            except httpx.InvalidURL as exc:  # (not an HTTPError) httpx parses a redirect's Location eagerly
+                raise UnsupportedContent(
+                    f"image URL host {host} redirected to a URL that is not fetched (only http(s) redirects are "
+                    f"followed): {_short(exc)}"
+                ) from None
             except httpx.HTTPError as exc:
                 raise FetchFailed(
                     f"fetching image from {host} failed: {type(exc).__name__}: {_short(exc)}"

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared import metrics, protocol
 from shared.config import CommonSettings
@@ -300,10 +299,10 @@ class WorkerRunner:
                 continue
             try:
                 msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)
-            except NatsTimeoutError:
+            except asyncio.TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
                 continue
             except Exception as exc:  # connection hiccup: keep the loop alive, nats reconnects
-                log.warning("fetch failed: %s", exc)
+                log.warning("fetch failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:

@@ -33,7 +33,11 @@ def image_server():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            if self.path == "/ok.png":
+            if self.path == "/to-data":  # a redirect off the web, to a data: URL
+                self.send_response(302)
+                self.send_header("Location", "data:image/png;base64," + base64.b64encode(png).decode())
+                self.end_headers()
+            elif self.path == "/ok.png":
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(png)))
@@ -111,6 +115,16 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
          "invalid_request"),
         ("unknown model", lambda: httpx.post(f"{epd_stack.url}/v1/chat/completions", timeout=30, json={
             "model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request"),
+        # Inputs that used to escape as plain-text 500s (issue 12):
+        ("deeply nested json", lambda: _post_raw(epd_stack, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+         400, "invalid_request"),
+        ("lone surrogate", lambda: _post_raw(
+            epd_stack, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800b"}]}]}'),
+         400, "invalid_request"),
+        ("redirect to a data url", lambda: epd_stack.chat(_image_msg(f"{image_server}/to-data"), **GREEDY), 400,
+         "unsupported_content"),
+        ("request id with a newline", lambda: httpx.get(f"{epd_stack.url}/debug/requests/abc%0A", timeout=30), 400,
+         "invalid_request_id"),
     ]
     for name, call, status, code in cases:
         resp = call()

@@ -36,8 +36,17 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    try:  # JSON escapes can spell lone surrogates ("\ud800"), which no UTF-8 message can carry
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"request body is not valid Unicode: {exc.reason} at a {exc.object[exc.start:exc.end]!a}"
+                             ) from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
     return body
 
 
