@@ -118,6 +118,8 @@ class ApiSettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: CSV = ()
+    #: With API keys set, /metrics asks for a key too unless this is on (a scraper on a private network).
+    metrics_public: bool = False
     request_timeout_s: float = Field(300, gt=0, description="deadline for a whole request")
     max_body_bytes: int = Field(64 * 1024**2, gt=0)
     max_images_per_request: int = Field(8, ge=0)

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import http.server
 import io
+import re
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.protocol import ErrorEvent
+from shared.protocol import ChatRequestRecord, ErrorEvent
 from shared.history import list_requests
 from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import data_url, noise_image, png_bytes, user_message
@@ -37,7 +38,7 @@ def image_server():
                 self.send_response(302)
                 self.send_header("Location", "data:image/png;base64," + base64.b64encode(png).decode())
                 self.end_headers()
-            elif self.path == "/ok.png":
+            elif self.path.split("?")[0] == "/ok.png":
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(png)))
@@ -134,9 +135,13 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
             raise AssertionError(f"case {name!r}: {exc}") from exc
 
     # Still serving: an image by URL from the allow-listed loopback server, and a data URL.
-    ok = epd_stack.chat(_image_msg(f"{image_server}/ok.png"), **GREEDY)
+    ok = epd_stack.chat(_image_msg(f"{image_server}/ok.png?X-Amz-Signature=s3cr3t#frag"), **GREEDY)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 4
+    # The request record keeps the URL without its query string and fragment (signatures, tokens).
+    (record,) = epd_stack.messages_of("stream_requests", ChatRequestRecord, ok.json()["id"])
+    (ref,) = [p for p in record.body["messages"][0]["content"] if p.get("type") == "image_ref"]
+    assert ref["url"] == f"{image_server}/ok.png", ref
     ok = epd_stack.chat(_image_msg(data_url(noise_image(64, (56, 56)))), **GREEDY)
     assert ok.status_code == 200, ok.text
 
@@ -149,6 +154,11 @@ def test_api_keys_and_deadline(api_only_stack):
     _assert_error(r, 401, "invalid_api_key")
     r = httpx.get(f"{api_only_stack.url}/v1/models", headers={"Authorization": "Bearer sk-test-1"}, timeout=10)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "qwen2-vl-tiny"
+    # With keys configured, /metrics and /debug ask for one too (EPD_METRICS_PUBLIC is off).
+    for path in ("/metrics", "/debug/requests/chatcmpl-0"):
+        _assert_error(httpx.get(f"{api_only_stack.url}{path}", timeout=10), 401, "invalid_api_key")
+    r = httpx.get(f"{api_only_stack.url}/metrics", headers={"Authorization": "Bearer sk-test-2"}, timeout=10)
+    assert r.status_code == 200 and "epd:" in r.text
 
     # No worker answers: the request ends with 504 at the deadline the API was configured with
     # (EPD_REQUEST_TIMEOUT_S), not before it, and without hanging. Streaming too: the deadline
@@ -183,3 +193,39 @@ def test_api_keys_and_deadline(api_only_stack):
     # /health stays public and reports no workers.
     h = httpx.get(f"{api_only_stack.url}/health", timeout=10).json()
     assert h["status"] == "ok" and h["workers"] == {}
+
+
+def test_metrics_public_opens_only_the_metrics(tiny_model_dir):
+    """EPD_METRICS_PUBLIC=1 lets a scraper read /metrics without a key; the API itself still asks
+    for one (the control: without the setting, /metrics asks too)."""
+    from fastapi.testclient import TestClient
+
+    from services.api.app import create_app
+    from shared.config import ApiSettings
+
+    for public, metrics_status in ((True, 200), (False, 401)):
+        app = create_app(ApiSettings(model_path=tiny_model_dir, api_keys="sk-test-1", metrics_public=public))
+        client = TestClient(app)  # (no lifespan: these routes need no NATS)
+        assert client.get("/metrics").status_code == metrics_status, public
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_an_unexpected_exception_is_an_openai_error_with_an_id(tiny_model_dir, caplog):
+    """A bug in a handler answers a JSON 500 (not Starlette's plain text) whose id is in the log
+    line that has the traceback."""
+    from fastapi.testclient import TestClient
+
+    from services.api.app import create_app
+    from shared.config import ApiSettings
+
+    app = create_app(ApiSettings(model_path=tiny_model_dir))
+
+    def broken():
+        raise RuntimeError("boom")
+
+    app.state.service.workers.live = broken  # /health reads it first
+    r = TestClient(app, raise_server_exceptions=False).get("/health")
+    _assert_error(r, 500, "internal_error")
+    error_id = re.search(r"internal error (\w+) \(RuntimeError\)", r.json()["error"]["message"]).group(1)
+    (line,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert line.exc_info and "boom" in str(line.exc_info[1])

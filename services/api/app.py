@@ -224,6 +224,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
     async def _epd_error(request: Request, exc: EPDError):
         return error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # What nobody anticipated still gets an OpenAI-shaped error; the id ties it to the traceback.
+        error_id = uuid.uuid4().hex[:12]
+        log.error("unexpected error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        return error_response(EPDError(f"internal error {error_id} ({type(exc).__name__}); see the API log"))
+
     def check_auth(request: Request) -> None:
         if not settings.api_keys:
             return
@@ -248,7 +255,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return JSONResponse(body, status_code=200 if connected else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        if not settings.metrics_public:
+            check_auth(request)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/requests/{request_id}")

@@ -165,8 +165,22 @@ def parse_chat_request(
     )
 
 
+def recorded_url(url: str) -> str:
+    """What the request record keeps of an image URL: scheme, host and path - no query string
+    or fragment, which may carry credentials (e.g. a presigned URL's ``X-Amz-Signature``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ""
+    netloc = parts.netloc.rpartition("@")[2]  # (credentials in URLs are refused anyway)
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def redact_images(body: dict[str, Any], item_hashes: list[str]) -> dict[str, Any]:
-    """A copy of the body for the replay record: ``data:`` URLs replaced by their item hash."""
+    """A copy of the body for the replay record: each image replaced by its item hash (plus, for
+    a fetched image, its :func:`recorded_url`)."""
     hashes = iter(item_hashes)
     out = dict(body)
     messages = []
@@ -181,7 +195,7 @@ def redact_images(body: dict[str, Any], item_hashes: list[str]) -> dict[str, Any
                     url = spec.get("url") if isinstance(spec, dict) else spec
                     ref = {"type": "image_ref", "item_hash": next(hashes)}
                     if isinstance(url, str) and not url.startswith("data:"):
-                        ref["url"] = url
+                        ref["url"] = recorded_url(url)
                     new_parts.append(ref)
                 else:
                     new_parts.append(part)
