@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from shared.protocol import ImageRef, SamplingSpec
     from shared.store.ec import ECStore
+    from shared.store.kv import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,16 @@ class ModelHandler(Handler):
     @property
     def fingerprint(self) -> str:
         return self.engine.encoder_fingerprint if self.engine else ""
+
+    async def model_kv_store(self) -> "KVStore":
+        """The KV store of this worker's model fingerprint (E|P|D prefill and decode workers: both
+        sides must compute the same fingerprint, so both build it here)."""
+        from shared.fingerprint import model_fingerprint
+        from shared.store.factory import kv_store_from_settings
+
+        fp = await asyncio.to_thread(model_fingerprint, self.settings.require_model_path(),
+                                     dtype=self.settings.dtype, engine=self.settings.engine)
+        return await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
 
     async def setup(self, ctx: WorkerContext) -> None:
         from shared.store.factory import ec_store_from_settings

@@ -182,14 +182,7 @@ class DecodeHandler(ModelHandler):
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
         if self.kv_store is None:
-            from shared.fingerprint import model_fingerprint
-            from shared.store.factory import kv_store_from_settings
-
-            fp = await asyncio.to_thread(
-                model_fingerprint, self.settings.require_model_path(), dtype=self.settings.dtype,
-                engine=self.settings.engine,
-            )
-            self.kv_store = await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
+            self.kv_store = await self.model_kv_store()
         self.model_fingerprint = self.kv_store.fingerprint
         if isinstance(self.engine, base.KVConnectorHandoff):
             self.strategy = KVConnectorDecode(self)

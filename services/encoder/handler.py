@@ -82,8 +82,7 @@ class ConnectorStoresFeatures(FeatureProducer):
 
     async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
         (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])
-        info = await asyncio.to_thread(self.store.stat, item_hash) if await asyncio.to_thread(
-            self.store.exists, item_hash) else None
+        info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed
             raise StoreError(f"the engine's EC connector did not store item {item_hash[:12]}")
         return n_tokens, info.size

@@ -90,12 +90,7 @@ class PrefillHandler(ModelHandler):
         if self.role is not Role.PREFILL:
             return NoHandOff(self.engine, ctx, worker_id)
         if self.kv_store is None:
-            from shared.fingerprint import model_fingerprint
-            from shared.store.factory import kv_store_from_settings
-
-            fp = await asyncio.to_thread(model_fingerprint, self.settings.require_model_path(),
-                                         dtype=self.settings.dtype, engine=self.settings.engine)
-            self.kv_store = await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
+            self.kv_store = await self.model_kv_store()
         log.info("role prefill: KV objects under model fingerprint %s", self.kv_store.fingerprint)
         if isinstance(self.engine, base.KVConnectorHandoff):
             return KVConnectorHandOff(self.engine, ctx, worker_id, self.kv_store)

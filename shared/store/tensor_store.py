@@ -100,16 +100,22 @@ class TensorObjectStore(Generic[T, I]):
         with self.codec.latency("stat").time():
             return self.store.stat(self.object_key(ident))
 
-    def exists(self, ident: I) -> bool:
-        """Cheap check (HEAD): an object of this schema and fingerprint is stored.
+    def stored(self, ident: I) -> ObjectInfo | None:
+        """HEAD of the object when one of this schema and fingerprint is stored, else None.
 
-        A True here is a hint, not a promise: :meth:`fetch` still validates the bytes."""
+        A hit here is a hint, not a promise: :meth:`fetch` still validates the bytes."""
         info = self.stat(ident)
-        return (
+        if (
             info is not None
             and info.metadata.get(META_SCHEMA) == self.codec.schema
             and info.metadata.get(META_FINGERPRINT) == self.fingerprint
-        )
+        ):
+            return info
+        return None
+
+    def exists(self, ident: I) -> bool:
+        """Cheap check (one HEAD): :meth:`stored` found the object."""
+        return self.stored(ident) is not None
 
     def write(self, key: str, blob: bytes) -> int:
         """Store an encoded object under ``key`` (with the schema/fingerprint user metadata).
