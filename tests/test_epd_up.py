@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from shared.config import CommonSettings
 from shared.tools.infra import free_port, port_available
 from shared.tools.launcher import Stack
 from shared.media import content_hash_of
-from shared.protocol import EncodeJob
+from shared.protocol import EncodeJob, FinalResult
 from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.test_e2e_epd import REF_PARAMS
 
@@ -285,3 +286,324 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
             if p.alive():
                 log.warning("killing leftover %s (%d)", p.cmdline, p.pid)
                 os.kill(p.pid, signal.SIGKILL)
+
+
+# -- supervision: a dead service is restarted, only NATS / S3 death or Ctrl-C stops the stack -----
+EXITED = r"^{label} \(pid (?P<pid>\d+)\) exited \((?P<how>[^)]*)\) after [\d.]+s up; restarting in (?P<delay>[\d.]+)s"
+RESTARTED = r"^{label} restarted \(pid (?P<pid>\d+), restart (?P<n>\d+)\)$"
+HEALTHY = r"^{label} healthy again \(pid (?P<pid>\d+), (?P<after>[\d.]+)s after its restart\)$"
+
+
+def test_restart_policy_backs_off_exponentially_caps_and_resets():
+    from shared.tools.launcher import RestartPolicy
+
+    policy = RestartPolicy()  # 1 s doubling to 30 s; reset after 60 s up
+    streak, delays = 0, []
+    for _ in range(8):  # a worker that dies 5 s after each start (a bad model path, say)
+        streak = policy.streak_after_exit(streak, uptime_s=5.0)
+        delays.append(policy.delay(streak))
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
+    # It stayed up long enough: the next exit starts over at the initial delay.
+    assert policy.delay(policy.streak_after_exit(streak, uptime_s=60.0)) == 1
+    assert policy.delay(policy.streak_after_exit(streak, uptime_s=59.0)) == 30
+    assert RestartPolicy(initial_s=0.5, max_s=3, factor=3).delay(3) == 3
+
+
+def _script_process(tmp_path: Path, name: str, code: str):
+    """A ServiceProcess running ``python -c code`` (what a Stack starts, minus the services)."""
+    from shared.tools.launcher import ServiceProcess
+
+    proc = ServiceProcess(name, None, tmp_path / f"{name}-0.log", argv=[sys.executable, "-c", code],
+                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]
+    proc.respawn()  # (the first start, the way a restart does it)
+    proc.restarts = 0
+    return proc
+
+
+def test_supervisor_restarts_an_exited_process_with_backoff_unless_stopped(tmp_path):
+    """Real child processes, a fake clock: exits are restarted after 1, 2, 4 s (no hot loop);
+    a stopped process, or one of a stopping stack, is not."""
+    from shared.tools.launcher import Stack, Supervisor
+
+    stack = Stack(env={}, log_dir=tmp_path)
+    crasher = _script_process(tmp_path, "encoder", "import sys; print('no model here', flush=True); sys.exit(3)")
+    sleeper = _script_process(tmp_path, "decode", "import time; time.sleep(600)")
+    stack.processes += [crasher, sleeper]
+    supervisor = Supervisor(stack)
+    crasher.popen.wait(60)
+    t = crasher.started_at + 5  # it "ran" 5 s: no reset of the streak
+    delays = []
+    try:
+        for restart in (1, 2, 3):
+            events = supervisor.check(now=t)
+            assert [e.kind for e in events] == ["exited"], events
+            assert events[0].process == "encoder-0" and "exit code 3" in events[0].message
+            assert "no model here" in events[0].log_tail
+            delays.append(crasher.restart_at - t)
+            # Not before the backoff has passed ...
+            assert supervisor.check(now=t + delays[-1] - 0.01) == []
+            old_pid = crasher.popen.pid
+            events = supervisor.check(now=t + delays[-1])
+            assert [e.kind for e in events] == ["restarted"] and crasher.restarts == restart, events
+            assert crasher.popen.pid != old_pid and crasher in stack.processes
+            crasher.popen.wait(60)
+            t += delays[-1] + 5
+        assert delays == [1, 2, 4]
+        assert stack.processes == [crasher, sleeper] and sleeper.restarts == 0
+        # The log is appended to, with a line per restart.
+        assert crasher.log_tail(100).count("no model here") == 4 and "epd: restarting encoder-0 (restart 3)" in \
+            crasher.log_tail(100)
+        # Stopped on purpose: left alone.
+        sleeper.stop()
+        crasher.popen.wait(60)
+        crasher.stop()
+        assert supervisor.check(now=t + 100) == [] and not sleeper.alive() and not crasher.alive()
+        # Killed from outside: restarted; a stopping stack restarts nothing.
+        sleeper.stopped = False
+        sleeper.respawn()
+        os.kill(sleeper.popen.pid, signal.SIGKILL)
+        sleeper.popen.wait(60)
+        [event] = supervisor.check(now=t + 200)
+        assert "killed by signal SIGKILL" in event.message and "restarting in 1.0s" in event.message, event
+        stack.stop()
+        assert supervisor.check(now=t + 300) == [] and not sleeper.alive()
+    finally:
+        for proc in (crasher, sleeper):
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+                proc.popen.wait(30)
+
+
+class EpdUp:
+    """A running ``epd up`` (the console script), its output and its processes."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.data_dir = tmp_path / "var"
+        self.api_port, self.nats_port, self.s3_port = distinct_free_ports(3)
+        argv = [str(EPD), "up", "--data-dir", str(self.data_dir), "--port", str(self.api_port), "--nats-port",
+                str(self.nats_port), "--s3-port", str(self.s3_port), *args]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, "PYTHONPATH": str(REPO),
+               "PYTHONUNBUFFERED": "1"}
+        self.out_path = tmp_path / "epd-up.out"
+        with self.out_path.open("wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen: set[Proc] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"epd up exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            return READY.search(self.output())
+
+        wait_for(ready, 420, "epd up to print that it is ready", interval=0.5)
+
+    def children(self) -> list[Proc]:
+        found = descendants(self.proc.pid)
+        self.seen.update(found)
+        return found
+
+    def service_pid(self, service: str) -> int:
+        [pid] = [p.pid for p in self.children() if f"-m services.{service}" in p.cmdline]
+        return pid
+
+    def wait_line(self, pattern: str, what: str, timeout: float = 240, after: int = 0) -> re.Match:
+        """The first output line at or after offset ``after`` matching ``pattern`` (epd up must keep running)."""
+        def line():
+            assert self.proc.poll() is None, f"epd up exited ({self.proc.returncode}):\n{self.output()[-4000:]}"
+            return re.search(pattern, self.output()[after:], re.M)
+
+        return wait_for(line, timeout, what, interval=0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.children()
+        for p in self.seen:  # only what this test started, by pid
+            if p.alive():
+                log.warning("killing leftover %s (%d)", p.cmdline, p.pid)
+                os.kill(p.pid, signal.SIGKILL)
+
+
+def _image_request(image: Image.Image, text: str, **params) -> dict:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"model": "qwen2-vl-tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}], **params}
+
+
+def _stream_tokens(url: str, body: dict, on_first_tokens=None) -> tuple[list[int], str, str]:
+    """The token ids of a streamed completion, its finish reason and request id;
+    ``on_first_tokens()`` runs once, when the first tokens have arrived."""
+    tokens, finish, rid = [], None, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=600) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            rid = chunk["id"]
+            choice = chunk["choices"][0]
+            tokens += choice.get("token_ids", [])
+            finish = choice["finish_reason"] or finish
+            if tokens and on_first_tokens is not None:
+                on_first_tokens()
+                on_first_tokens = None
+    return tokens, finish, rid
+
+
+def _worker_health_file_is_this_pid(data_dir: Path, label: str, pid: int) -> bool:
+    from shared.health import check_worker
+
+    path = data_dir / "logs" / f"{label}.health"
+    try:
+        beat = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return beat["pid"] == pid and check_worker(path, role=label.rsplit("-", 1)[0])[0]
+
+
+def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_model_dir, reference_engine, tmp_path):
+    """SIGKILL of the encoder holding a request's encode job, and of the prefill worker while it
+    streams a request's tokens: `epd up` says what exited, restarts it after a backoff, the
+    restarted worker beats again, and the requests in flight complete with a clean run's tokens
+    (jobs redelivered; the token stream drops the repeated tokens). A worker that cannot start
+    (its model folder gone) is retried with growing delays, its log tail printed, not in a hot
+    loop. Only NATS dying stops the stack: non-zero exit, no process left."""
+    import shutil
+
+    model = tmp_path / "models" / tiny_model_dir.name  # (the folder's name is the served model's)
+    shutil.copytree(tiny_model_dir, model)
+    up = EpdUp(tmp_path, "--model", str(model))
+    try:
+        up.wait_ready()
+        defaults = CommonSettings.model_fields
+        running = RunningStack(Stack(env={}, log_dir=tmp_path, topology="e-pd", api_port=up.api_port),
+                               f"nats://127.0.0.1:{up.nats_port}", defaults["subject_prefix"].default,
+                               defaults["namespace"].default, defaults["s3_bucket"].default, {})
+        api_log = up.data_dir / "logs" / "api-0.log"
+
+        # 1. The encoder dies holding the encode job of a request in flight. Stopped first, it
+        # cannot finish the job before the kill whatever the machine's load.
+        encoder = up.service_pid("encoder")
+        os.kill(encoder, signal.SIGSTOP)
+        image = noise_image(81, (64, 48))
+        body = _image_request(image, "Describe this image.", **GREEDY)
+        queued = api_log.read_text().count("queued")
+        with httpx.Client(timeout=600) as client, ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.post, f"{up.url}/v1/chat/completions", json=body)
+            wait_for(lambda: future.done() or api_log.read_text().count("queued") > queued, 120,
+                     "the encode job to be queued")
+            assert not future.done(), future.result().text
+            mark = len(up.output())
+            os.kill(encoder, signal.SIGKILL)
+            exited = up.wait_line(EXITED.format(label="encoder-0"), "the encoder's exit line", after=mark)
+            assert int(exited["pid"]) == encoder and exited["how"] == "killed by signal SIGKILL", exited.group(0)
+            restarted = up.wait_line(RESTARTED.format(label="encoder-0"), "the encoder's restart line", after=mark)
+            resp = future.result(timeout=600)
+        assert resp.status_code == 200, resp.text
+        messages, images = engine_form(body["messages"])
+        assert resp.json()["choices"][0]["token_ids"] == generate(reference_engine, messages, images)
+        new_encoder = int(restarted["pid"])
+        assert new_encoder != encoder and up.service_pid("encoder") == new_encoder
+        healthy = up.wait_line(HEALTHY.format(label="encoder-0"), "the restarted encoder to beat", after=mark)
+        log.info("encoder: %s / %s / %s", exited.group(0), restarted.group(0), healthy.group(0))
+        assert _worker_health_file_is_this_pid(up.data_dir, "encoder-0", new_encoder)
+        # The job was not lost with the killed encoder: its restarted self took it (redelivered,
+        # when the killed one had it in hand) and encoded the image - or, when the prefill worker
+        # gave up waiting and encoded it first, found it stored and announced it.
+        item = content_hash_of(images[0])[:12]
+        took = rf"^\S+ \S+ INFO {new_encoder} .* (encoded {item}: .*|item {item} already stored by .*)$"
+        m = wait_for(lambda: re.search(took, (up.data_dir / "logs" / "encoder-0.log").read_text(), re.M), 120,
+                     "the restarted encoder to take the killed one's job")
+        log.info("the restarted encoder took the job: %s", m[1])
+        assert httpx.get(f"{up.url}/health", timeout=30).json()["workers"].get("encoder", 0) >= 1
+        # Every other service still runs the process it started with.
+        assert not re.search(r"^(api|prefill)-0 \(pid \d+\) exited", up.output(), re.M), up.output()[-3000:]
+
+        # 2. The prefill worker dies mid-stream: the job is redelivered to its restarted self,
+        # which repeats the tokens from the start; the client sees each token once.
+        long = _image_request(noise_image(82, (56, 56)), "Tell a long story.", **{**GREEDY, "max_tokens": 1000})
+        clean, finish, _ = _stream_tokens(up.url, long)
+        assert (len(clean), finish) == (1000, "length")
+        prefill = up.service_pid("prefill")
+        mark = len(up.output())
+        killed = []
+
+        def kill_prefill():
+            os.kill(prefill, signal.SIGKILL)
+            killed.append(prefill)
+
+        got, finish, rid = _stream_tokens(up.url, long, on_first_tokens=kill_prefill)
+        assert killed, "the prefill worker was not killed"
+        assert (got, finish) == (clean, "length")
+        exited = up.wait_line(EXITED.format(label="prefill-0"), "the prefill worker's exit line", after=mark)
+        assert int(exited["pid"]) == prefill and exited["how"] == "killed by signal SIGKILL", exited.group(0)
+        restarted = up.wait_line(RESTARTED.format(label="prefill-0"), "the prefill worker's restart", after=mark)
+        healthy = up.wait_line(HEALTHY.format(label="prefill-0"), "the restarted prefill worker to beat", after=mark)
+        log.info("prefill: %s / %s / %s", exited.group(0), restarted.group(0), healthy.group(0))
+        assert _worker_health_file_is_this_pid(up.data_dir, "prefill-0", int(restarted["pid"]))
+        # Its one result came from a redelivery: the killed worker did not finish it.
+        finals = wait_for(lambda: running.messages_of("stream_results", FinalResult, rid), 60, "the final result")
+        assert [f.attempt >= 2 for f in finals] == [True], finals
+
+        # 3. The API is supervised too: killed, it comes back on its port and serves.
+        api = up.service_pid("api")
+        mark = len(up.output())
+        os.kill(api, signal.SIGKILL)
+        up.wait_line(EXITED.format(label="api-0"), "the API's exit line", after=mark)
+        healthy = up.wait_line(HEALTHY.format(label="api-0"), "the restarted API to answer", after=mark)
+        log.info("api: %s", healthy.group(0))
+        resp = httpx.post(f"{up.url}/v1/chat/completions", json=body, timeout=300)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == generate(
+            reference_engine, messages, images), resp.text
+
+        # 4. A worker that cannot start is retried with growing delays, not in a hot loop.
+        hidden = tmp_path / "model-away"
+        model.rename(hidden)
+        encoder = up.service_pid("encoder")
+        mark = len(up.output())
+        os.kill(encoder, signal.SIGKILL)
+        crash = EXITED.format(label="encoder-0").replace("(?P<how>[^)]*)", "(?P<how>exit code [1-9]\\d*)")
+        delays = []
+        for _ in range(2):
+            m = up.wait_line(crash, "the encoder to fail at start-up", after=mark)
+            delays.append(float(m["delay"]))
+            tail = up.output()[mark + m.end():].split("\n", 1)[1].splitlines()[:5]
+            assert tail and all(line.startswith("    | ") for line in tail), tail
+            mark += m.end()
+        assert delays[1] == min(30.0, 2 * delays[0]), delays
+        model = hidden.rename(model)
+        healthy = up.wait_line(HEALTHY.format(label="encoder-0"), "the encoder to start again", after=mark)
+        resp = httpx.post(f"{up.url}/v1/chat/completions", json=_image_request(noise_image(83, (48, 48)), "Hi.",
+                                                                                 **GREEDY), timeout=300)
+        assert resp.status_code == 200, resp.text
+
+        # 5. NATS dies: the stack stops, saying why, and leaves nothing running.
+        children = up.children()
+        [nats] = [p.pid for p in children if "nats-server" in p.cmdline]
+        os.kill(nats, signal.SIGKILL)
+        try:
+            assert up.proc.wait(timeout=180) != 0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"epd up still running 180 s after NATS died:\n{up.output()[-3000:]}")
+        assert re.search(rf"^epd up failed: nats-server \(pid {nats}\) exited; stopping the stack", up.output(),
+                         re.M), up.output()[-3000:]
+        left = [p for p in up.seen if p.alive()]
+        assert left == [], f"still running after epd up exited: {[p.cmdline for p in left]}"
+    finally:
+        up.close()

@@ -1,6 +1,7 @@
 """The ``epd`` command line.
 
-  epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000
+  epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000; restarts a
+                                       service that exits, stops on Ctrl-C or when NATS or S3 dies
   epd model build-tiny DIR   write a deterministic random-weight model folder
   epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
   epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
@@ -74,7 +75,7 @@ def _example_image_data_url() -> str:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import CommonSettings
-    from shared.tools.launcher import Stack, StackError
+    from shared.tools.launcher import Stack, StackError, Supervisor
 
     started = time.perf_counter()
     data_dir = Path(args.data_dir).resolve()
@@ -138,15 +139,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
             f'{{"model": "{model_name}", "max_tokens": 16, "messages": [{{"role": "user", "content": ['
             f'{{"type": "text", "text": "Describe this image."}}, '
             f'{{"type": "image_url", "image_url": {{"url": "{_example_image_data_url()}"}}}}]}}]}}\'\n\n'
-            "Ctrl-C stops everything.",
+            "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
             flush=True,
         )
+        # Like compose's `restart: unless-stopped`: a dead service is started again (its jobs are
+        # redelivered); only losing NATS or the store, which hold the state, ends the stack.
+        supervisor = Supervisor(stack)
         while True:
-            for proc in stack.processes:
-                if not proc.alive():
-                    raise StackError(f"service {proc.name} exited ({proc.popen.returncode}); log {proc.log_path}:\n"
-                                     f"{proc.log_tail()}")
-            time.sleep(1)
+            for server in (nats, s3):
+                if not server.is_running():
+                    raise StackError(f"{server.name} (pid {server.pid}) exited; stopping the stack. "
+                                     f"Log {server.log_path}:\n{server.log_tail(10)}")
+            for event in supervisor.check():
+                print(event.line(), flush=True)
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 0

@@ -4,6 +4,11 @@ A :class:`Stack` is NATS + an S3 store (given by URL, or embedded) + the service
 one topology (``shared.topology.TOPOLOGIES``), each started with the same
 ``python -m services.<name>`` entry point and ``EPD_*`` environment that ``docker-compose.yml``
 uses. Readiness is the API's ``/health`` counting a heartbeat from every worker service.
+
+A :class:`Supervisor` keeps a ready stack running the way compose's ``restart: unless-stopped``
+does: a service process that exits (crash, SIGKILL, OOM) is started again with the same command,
+environment and log file, after a :class:`RestartPolicy` backoff; one stopped on purpose
+(:meth:`ServiceProcess.stop`, :meth:`Stack.stop`) is not.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.tools.infra import _spawn
+from shared.health import check_worker
+from shared.tools.infra import _describe_exit, _spawn
 from shared.topology import TOPOLOGIES, Service, Topology
 
 log = logging.getLogger(__name__)
@@ -38,12 +45,54 @@ def topology_env(topology: Topology) -> dict[str, str]:
 
 @dataclass
 class ServiceProcess:
+    """One service process: ``<name>-<index>`` in file names and status lines. A restart
+    (:meth:`respawn`) replaces ``popen`` in place, so a stack lists each service process once."""
+
     name: str
     popen: subprocess.Popen
     log_path: Path
+    #: Replica number within its service.
+    index: int = 0
+    #: What :meth:`respawn` runs again: the command line, full environment and folder it started with.
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    cwd: Path | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    #: Times it was started again after exiting.
+    restarts: int = 0
+    #: Exits in a row without staying up ``RestartPolicy.reset_after_s`` (the backoff exponent).
+    crash_streak: int = 0
+    #: Set by :meth:`stop`: stopped on purpose, so a supervisor leaves it alone.
+    stopped: bool = False
+    #: Supervisor state: when the pending restart is due (monotonic), None when none is pending.
+    restart_at: float | None = None
+    #: Supervisor state: restarted, not seen healthy yet.
+    awaiting_health: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.index}"
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def reap(self) -> int | None:
+        """None while the process runs; once it has exited, kill what it left in its process
+        group (e.g. an engine's helper processes) and return its exit code (negative: the signal)."""
+        if self.popen.returncode is not None:
+            return self.popen.returncode
+        try:
+            res = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped elsewhere (poll)
+            return self.popen.poll()
+        if res is None or res.si_pid == 0:
+            return None
+        # Still a zombie, so its pid - the process group id - cannot have been reused yet.
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self.popen.wait()
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -51,8 +100,20 @@ class ServiceProcess:
         except OSError:
             return "(no log)"
 
+    def respawn(self) -> None:
+        """Start the same command again, same environment, appending to the same log file."""
+        with self.log_path.open("ab") as fh:
+            fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} epd: restarting {self.label} "
+                     f"(restart {self.restarts + 1})\n".encode())
+            fh.flush()
+            self.popen = _spawn(self.argv, log_fh=fh, cwd=self.cwd or Path.cwd(), env=self.env)
+        self.started_at = time.monotonic()
+        self.restarts += 1
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
-        if not self.alive():
+        self.stopped = True
+        self.restart_at = None
+        if self.popen is None or not self.alive():
             return
         try:
             os.killpg(self.popen.pid, sig)
@@ -78,9 +139,11 @@ def start_service(module_name: str, env: dict[str, str], log_path: Path, cwd: Pa
     """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
+    argv = service_command(module_name, module=module)
+    cwd = cwd or Path.cwd()
     with log_path.open("ab") as fh:
-        popen = _spawn(service_command(module_name, module=module), log_fh=fh, cwd=cwd or Path.cwd(), env=full_env)
-    return ServiceProcess(module_name, popen, log_path)
+        popen = _spawn(argv, log_fh=fh, cwd=cwd, env=full_env)
+    return ServiceProcess(module_name, popen, log_path, argv=argv, env=full_env, cwd=cwd)
 
 
 def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
@@ -108,6 +171,10 @@ class Stack:
     #: Workers serve Prometheus ``/metrics`` on base + 1, + 2, ... in start order (None: not at all).
     metrics_port_base: int | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    #: Set by :meth:`stop`; a supervisor restarts nothing from then on.
+    stopping: bool = False
+    #: Held by :meth:`stop` while it marks the processes stopped and by ``Supervisor.check``.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def base_url(self) -> str:
@@ -139,6 +206,7 @@ class Stack:
             env.setdefault("EPD_METRICS_PORT", str(self.metrics_port_base + 1 + len(self.metrics_ports)))
             self.metrics_ports[f"{name}-{index}"] = int(env["EPD_METRICS_PORT"])
         proc = start_service(name, env, self.log_dir / f"{name}-{index}.log", module=self.service_modules.get(name))
+        proc.index = index
         self.processes.append(proc)
         return proc
 
@@ -171,6 +239,138 @@ class Stack:
         raise StackError(f"stack not ready after {timeout:.0f}s (last health: {health})\n{tails}")
 
     def stop(self) -> None:
+        with self.lock:  # first mark all, so a supervisor restarts none of them meanwhile
+            self.stopping = True
+            for proc in self.processes:
+                proc.stopped = True
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Exponential backoff between restarts of a process that keeps exiting: ``initial_s``,
+    doubling (``factor``) up to ``max_s``. A process that stayed up ``reset_after_s`` before it
+    exited starts over at ``initial_s``, so one crash a day never waits long, while a worker that
+    dies at start-up (a bad model path) is retried every ``max_s`` at most, not in a hot loop."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    factor: float = 2.0
+    reset_after_s: float = 60.0
+
+    def streak_after_exit(self, streak: int, uptime_s: float) -> int:
+        """The exits-in-a-row count after an exit following ``uptime_s`` seconds up."""
+        return 1 if uptime_s >= self.reset_after_s else streak + 1
+
+    def delay(self, streak: int) -> float:
+        """Seconds to wait before restarting after the ``streak``-th exit in a row (1-based)."""
+        return min(self.max_s, self.initial_s * self.factor ** max(0, streak - 1))
+
+
+@dataclass(frozen=True)
+class SupervisorEvent:
+    """Something the supervisor saw or did, for a status line (:meth:`line`)."""
+
+    #: "exited" (a restart is scheduled), "restarted", "restart_failed" or "healthy".
+    kind: str
+    process: str
+    message: str
+    #: "exited": the last lines of the process's log.
+    log_tail: str = ""
+
+    def line(self) -> str:
+        if not self.log_tail:
+            return self.message
+        return self.message + "\n" + "\n".join(f"    | {line}" for line in self.log_tail.splitlines())
+
+
+class Supervisor:
+    """Restarts the processes of ``stack`` that exit, with ``policy``'s backoff, unless they or
+    the stack were stopped on purpose. Call :meth:`check` periodically (``epd up`` does, about
+    twice a second); it never blocks on a restart's backoff and returns what happened.
+
+    A restarted process keeps its name, index, command, environment (so its worker id and
+    heartbeat file) and log file (appended). Work it held is not lost: its unacknowledged
+    JetStream jobs are redelivered after the ack wait, to it or to another worker."""
+
+    def __init__(self, stack: Stack, policy: RestartPolicy | None = None, *, log_tail_lines: int = 5):
+        self.stack = stack
+        self.policy = policy or RestartPolicy()
+        self.log_tail_lines = log_tail_lines
+
+    def check(self, now: float | None = None) -> list[SupervisorEvent]:
+        events: list[SupervisorEvent] = []
+        with self.stack.lock:
+            if self.stack.stopping:
+                return events
+            for proc in self.stack.processes:
+                if proc.stopped or proc.popen is None:
+                    continue
+                event = self._check_one(proc, time.monotonic() if now is None else now)
+                if event is not None:
+                    log.info("%s", event.message)
+                    events.append(event)
+        return events
+
+    def _check_one(self, proc: ServiceProcess, now: float) -> SupervisorEvent | None:
+        if proc.restart_at is None:
+            code = proc.reap()
+            if code is None:
+                if proc.awaiting_health and self._healthy(proc):
+                    proc.awaiting_health = False
+                    return SupervisorEvent("healthy", proc.label, f"{proc.label} healthy again (pid {proc.popen.pid}, "
+                                                                  f"{now - proc.started_at:.1f}s after its restart)")
+                return None
+            uptime = now - proc.started_at
+            proc.crash_streak = self.policy.streak_after_exit(proc.crash_streak, uptime)
+            delay = self.policy.delay(proc.crash_streak)
+            proc.restart_at = now + delay
+            proc.awaiting_health = False
+            return SupervisorEvent(
+                "exited", proc.label,
+                f"{proc.label} (pid {proc.popen.pid}) exited ({_describe_exit(code)}) after {uptime:.1f}s up; "
+                f"restarting in {delay:.1f}s (restart {proc.restarts + 1}); log {proc.log_path}:",
+                proc.log_tail(self.log_tail_lines))
+        if now < proc.restart_at:
+            return None
+        try:
+            self._respawn(proc)
+        except OSError as exc:
+            proc.crash_streak += 1
+            delay = self.policy.delay(proc.crash_streak)
+            proc.restart_at = now + delay
+            return SupervisorEvent("restart_failed", proc.label,
+                                   f"{proc.label} could not be restarted ({exc}); retrying in {delay:.1f}s")
+        proc.restart_at = None
+        proc.awaiting_health = True
+        return SupervisorEvent("restarted", proc.label,
+                               f"{proc.label} restarted (pid {proc.popen.pid}, restart {proc.restarts})")
+
+    @staticmethod
+    def _respawn(proc: ServiceProcess) -> None:
+        # In the main thread a Ctrl-C between the fork and the assignment would leave an orphan
+        # behind that Stack.stop cannot see: hold SIGINT/SIGTERM until the new popen is in place.
+        if threading.current_thread() is not threading.main_thread():
+            proc.respawn()
+            return
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            proc.respawn()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def _healthy(self, proc: ServiceProcess) -> bool:
+        """The restarted process serves again: the API answers /health, a worker's own heartbeat
+        file (written by this pid) is fresh."""
+        if proc.name == Service.API:
+            return self.stack.health() is not None
+        path = proc.env.get("EPD_HEALTH_FILE")
+        if not path:
+            return True  # nothing to watch: running is all we can tell
+        try:
+            pid = json.loads(Path(path).read_bytes())["pid"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return pid == proc.popen.pid and check_worker(Path(path), role=proc.name)[0]
