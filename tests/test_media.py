@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpcore
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -757,6 +758,52 @@ def test_different_images_hash_differently() -> None:
         decode_image(encode(Image.frombytes("RGB", (32, 48), PATTERN.tobytes()), "PNG"))[1],
     }
     assert len(hashes) == 3
+
+
+def test_content_hash_value_is_pinned() -> None:
+    """The content hash is part of every EC key already stored: a picture's hash never changes."""
+    pinned = "c5f49602b68568fec77693f0d58e875e3bf0816525832344879a0d24732fea7a"
+    assert LoadedImage.from_bytes(PNG).content_hash == pinned
+    assert decode_image(PNG)[1] == pinned
+    assert media.content_hash_of(PATTERN) == pinned
+
+
+def _mode_variants() -> dict[str, bytes]:
+    """Small images in every mode the decoders produce, 23 rows high (strips leave a remainder)."""
+    base = noise_image(7, (37, 23))
+    rgba = base.copy()
+    rgba.putalpha(noise_image(8, (37, 23)).convert("L"))
+    wide = Image.fromarray(np.random.default_rng(9).integers(0, 65536, (23, 37), dtype=np.uint16))
+    return {
+        "rgb-png": encode(base, "PNG"),
+        "rgba-png": encode(rgba, "PNG"),
+        "l-png": encode(base.convert("L"), "PNG"),
+        "la-png": encode(rgba.convert("LA"), "PNG"),
+        "p-png": encode(base.quantize(64), "PNG"),
+        "p-transparent-gif": encode(base.quantize(64), "GIF", transparency=3),
+        "rgb-trns-png": encode(base, "PNG", transparency=base.getpixel((0, 0))),
+        "i16-png": encode(wide, "PNG"),
+        "1-bmp": encode(base.convert("1"), "BMP"),
+        "cmyk-jpeg": encode(base.convert("CMYK"), "JPEG"),
+        "rgba-webp": encode(rgba, "WEBP", lossless=True),
+    }
+
+
+@pytest.mark.parametrize("strip_pixels", [1, 37 * 3 + 5, 1 << 20])
+def test_strips_convert_and_hash_like_the_whole_frame(monkeypatch: pytest.MonkeyPatch, strip_pixels: int) -> None:
+    """Conversion and hashing go a strip of rows at a time; the pixels and the hash must be exactly
+    those of the whole frame converted at once (how the hash was defined, and EC keys made)."""
+    monkeypatch.setattr(media, "_STRIP_PIXELS", strip_pixels)
+    for name, data in _mode_variants().items():
+        im = Image.open(io.BytesIO(data))
+        im.seek(0)
+        im.load()
+        whole = media._to_rgb(im)
+        rgb, content_hash, _ = decode_image(data)
+        assert rgb.tobytes() == whole.tobytes(), name
+        assert content_hash == expected_hash(whole), name
+        assert LoadedImage.from_bytes(data).content_hash == content_hash, name
+        assert media.content_hash_of(whole) == content_hash, name
 
 
 _BOMB_SCRIPT = """
