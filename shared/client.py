@@ -17,21 +17,25 @@ The token stream's one dedup rule: a ``TokenChunk`` is new iff its ``seq`` is at
 what was already forwarded, so the first copy of each seq wins, whatever its ``attempt`` (a
 redelivered job restarts at seq 0 and repeats the tokens it already streamed: the seed is derived
 from the request id, ``protocol.effective_seed``). The first ``FinalResult`` or ``ErrorEvent``
-ends it; so does the job's deadline (``DeadlineExceeded``).
+ends it; so does the job's deadline (``DeadlineExceeded``). A caller that gives up cancels the
+request (:meth:`RequestClient.abandon`: the workers stop working on it, ``shared.cancellation``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 
-from shared import protocol
+from shared import metrics, protocol
+from shared.cancellation import cancel_record
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
 from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, subscribe_typed
 from shared.protocol import (
     ChatRequestRecord,
+    ECWanted,
     EncodeJob,
     ErrorEvent,
     FinalResult,
@@ -50,16 +54,20 @@ class TokenStream:
     """The events of one request: ``TokenChunk`` s (deduplicated, see the module docstring), then
     one ``FinalResult`` or ``ErrorEvent``, as an async iterator.
 
-    At the deadline it awaits ``on_deadline(error)`` (e.g. to record that the caller gave up) and
-    raises :class:`DeadlineExceeded`. It unsubscribes when it ends; call :meth:`aclose` when
-    leaving it earlier (closing twice is harmless)."""
+    At the deadline it awaits ``on_abandon(error)`` (the API: :meth:`RequestClient.abandon`, which
+    records the end and cancels the request's work) and raises :class:`DeadlineExceeded`. A caller
+    that gives up earlier (its client disconnected, it failed) calls :meth:`cancel`. It
+    unsubscribes when it ends; call :meth:`aclose` when leaving it earlier (closing twice is
+    harmless)."""
 
     def __init__(self, sub: TypedSubscription, *, request_id: str, deadline: float,
-                 on_deadline: Callable[[EPDError], Awaitable[None]] | None = None):
+                 on_abandon: Callable[[EPDError], Awaitable[None]] | None = None):
         self._sub = sub
         self.request_id = request_id
         self.deadline = deadline
-        self.on_deadline = on_deadline
+        self.on_abandon = on_abandon
+        #: The request is over: a terminal event arrived, the deadline passed, or it was cancelled.
+        self.ended = False
         #: tokens forwarded so far (the seq the next new chunk starts at)
         self.forwarded = 0
         #: chunks dropped as copies of what was already forwarded (a redelivered job's)
@@ -75,10 +83,8 @@ class TokenStream:
         while True:
             event = await self._sub.next(deadline=self.deadline)
             if event is None:
-                await self.aclose()
                 error = DeadlineExceeded("the request passed its deadline before the model finished")
-                if self.on_deadline is not None:
-                    await self.on_deadline(error)
+                await self.cancel(error)
                 raise error
             if isinstance(event, TokenChunk):
                 if event.seq < self.forwarded:
@@ -86,8 +92,17 @@ class TokenStream:
                     continue
                 self.forwarded = event.seq + len(event.token_ids)
                 return event
+            self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
             return event
+
+    async def cancel(self, error: EPDError) -> None:
+        """Give up on the request: stop reading and, unless it already ended, ``on_abandon(error)``."""
+        await self.aclose()
+        if not self.ended:
+            self.ended = True
+            if self.on_abandon is not None:
+                await self.on_abandon(error)
 
     async def aclose(self) -> None:
         self._done = True
@@ -122,18 +137,25 @@ class RequestClient:
 
     async def queue_encode(self, job: EncodeJob) -> bool:
         """Publish an encode job (``Nats-Msg-Id`` = its EC key). False: a job for the same EC
-        object is already queued within the duplicate window (JetStream dropped this one)."""
+        object is already queued within the duplicate window (JetStream dropped this one); this
+        request then says it wants that job (``ECWanted``), so cancelling the request that queued
+        it does not drop it (``shared.cancellation``)."""
         fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=job.request_id,
                                              msg_id=job.ec_key)
         log.info("encode job for %s %s", job.image.item_hash[:12], "queued" if fresh else
                  "already queued (deduplicated)")
+        if not fresh:
+            wanted = ECWanted(request_id=job.request_id, fingerprint=job.fingerprint,
+                              item_hash=job.image.item_hash, created_at=time.time())
+            await self.publisher.publish(self.subjects.ec_wanted(job.fingerprint, job.image.item_hash), wanted,
+                                         request_id=job.request_id)
         return fresh
 
     async def submit(self, job: GenerationJob, *, record: ChatRequestRecord | None = None,
-                     on_deadline: Callable[[EPDError], Awaitable[None]] | None = None) -> TokenStream:
+                     on_abandon: Callable[[EPDError], Awaitable[None]] | None = None) -> TokenStream:
         """Record the request (``record``, best effort), subscribe to its tokens, publish ``job``.
-        Returns its token stream, bounded by ``job.deadline``. Raises PayloadTooLarge when the job
-        does not fit in one NATS message."""
+        Returns its token stream, bounded by ``job.deadline`` (``on_abandon``: see
+        :class:`TokenStream`). Raises PayloadTooLarge when the job does not fit in one NATS message."""
         request_id = job.request_id
         payload_limit = self.nc.max_payload
         if len(protocol.encode(job)) > payload_limit:
@@ -149,13 +171,27 @@ class RequestClient:
         except BaseException:
             await sub.close()
             raise
-        return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_deadline=on_deadline)
+        return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_abandon=on_abandon)
 
-    async def record_abandoned(self, request_id: str, error: EPDError, *, stage: str = "api") -> None:
-        """Say on the request's token subject that its caller gave up (e.g. at the deadline), so
-        the results stream - and ``epd replay`` - show it ended with an error, not "incomplete"."""
+    async def abandon(self, request_id: str, error: EPDError, *, stage: str = "api") -> None:
+        """The caller gave up on the request (``error``: deadline, client gone, API failure):
+
+        * cancel it: a :class:`~shared.protocol.RequestCancelled` on ``<p>.control.cancel.<id>``,
+          so workers drop its queued jobs and stop its running ones (``shared.cancellation``);
+        * say so on its token subject, so the results stream - and ``epd replay`` - show how it
+          ended, not "incomplete".
+
+        Best effort (the caller reports the error either way); counted in
+        ``epd:requests_cancelled_total{stage="api"}``."""
+        metrics.REQUESTS_CANCELLED.labels(stage).inc()
+        log.info("abandoning the request: %s: %s", error.code, error.message)
+        try:
+            await self.publisher.publish(self.subjects.cancel(request_id), cancel_record(request_id, error.code),
+                                         request_id=request_id, msg_id=f"cancel-{request_id}")
+        except Exception as exc:
+            log.warning("could not cancel the request's work: %s", exc)
         event = protocol.error_event(request_id, stage, error)
         try:
             await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
-        except Exception as exc:  # best effort: the caller reports the error either way
+        except Exception as exc:
             log.warning("could not record the abandoned request: %s", exc)

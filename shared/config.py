@@ -90,6 +90,8 @@ class CommonSettings(BaseSettings):
     metrics_port: int | None = None
     # Workers: heartbeat file refreshed while connected and consuming (``epd healthcheck``).
     health_file: Path | None = None
+    unreachable_exit_s: float = Field(60, gt=0, description="a worker that cannot reach its consumer this long "
+                                                           "exits (code 3) for its supervisor to restart it")
 
     @field_validator("namespace", "subject_prefix")
     @classmethod
@@ -128,6 +130,9 @@ class ApiSettings(CommonSettings):
     fetch_timeout_s: float = Field(10, gt=0)
     url_allow_networks: CSV = ()
     url_allow_hosts: CSV = ()
+    #: Pixels the API process decodes at once, all requests together (memory: ~4 bytes a pixel);
+    #: unset = room for two images of ``max_image_pixels``. A larger image still decodes, alone.
+    decode_pixel_budget: int | None = Field(None, ge=1, description="pixels decoded at once in the API process")
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
     #: Deployment shape. The API reads only ``TOPOLOGIES[topology].uses_encoder``: without
     #: encoder workers (agg) it queues no encode jobs. e-pd / e-p-d differ in the workers only.
@@ -141,6 +146,10 @@ class ApiSettings(CommonSettings):
         return v
 
     _split = field_validator("api_keys", "url_allow_networks", "url_allow_hosts", mode="before")(_split_csv)
+
+    def decode_budget_pixels(self) -> int:
+        """The decode budget in effect: ``decode_pixel_budget``, or two images of the largest size."""
+        return self.decode_pixel_budget or 2 * self.max_image_pixels
 
 
 class EncoderSettings(CommonSettings):

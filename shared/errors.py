@@ -79,7 +79,18 @@ class DeadlineExceeded(EPDError):
     error_type = "timeout_error"
 
 
+class Cancelled(EPDError):
+    """The caller gave up on the request (disconnected, or the API failed after submitting it).
+    HTTP 499 ("client closed request"): nobody is left to receive it; it labels the request's end."""
+
+    code = "cancelled"
+    http_status = 499
+    error_type = "cancelled"
+
+
 class ServiceUnavailable(EPDError):
+    """A dependency (NATS) does not answer. Transient: workers retry the job, the API answers 503."""
+
     code = "service_unavailable"
     http_status = 503
 

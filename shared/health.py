@@ -6,8 +6,8 @@ only
 
 * after the worker has loaded its model, set up its streams and bound its pull consumer
   (the heartbeat task starts then), and
-* right after a NATS round trip (``flush``) succeeded, so a worker that lost NATS stops
-  refreshing it;
+* right after a JetStream round trip to its consumer succeeded (``shared.worker``: liveness), so
+  a worker that cannot pull stops refreshing it (and removes it at the first failed round trip);
 
 and it is removed when the worker stops consuming (SIGTERM drain, crash). A worker is healthy
 while the file names its role, its process is alive and it is younger than ``--max-age``. The

@@ -43,7 +43,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared import protocol
-from shared.errors import EPDError
+from shared.errors import Cancelled, EPDError
 from shared.protocol import (
     ChatRequestRecord,
     EncodeJob,
@@ -183,13 +183,17 @@ class StreamMessage:
         }
 
 
+#: How a recorded request ended (``Summary.status``; ``epd replay list --status``).
+STATUSES = ("ok", "error", "cancelled", "incomplete")
+
+
 @dataclass(frozen=True)
 class Summary:
     """One line of ``epd replay list``."""
 
     request_id: str
     received_at: float
-    status: str  # ok | error | incomplete
+    status: str  # ok | error | cancelled | incomplete
     images: int
     prompt_tokens: int | None
     completion_tokens: int | None
@@ -281,7 +285,12 @@ class RequestCase:
         first = min((m.time for m in all_chunks), default=None)
         end = self.terminal
         images = len(record.images) if record else (len(self.generation_job.images) if self.generation_job else 0)
-        status = "ok" if final is not None else ("error" if error is not None else "incomplete")
+        if final is not None:
+            status = "ok"
+        elif error is not None:
+            status = "cancelled" if error.code == Cancelled.code else "error"
+        else:
+            status = "incomplete"
         return Summary(
             request_id=self.request_id,
             received_at=received,
@@ -527,8 +536,8 @@ async def list_requests(nc: NATS, subjects: Subjects, *, since_s: float = 3600.0
                         limit: int = 20, reader: StreamReader | None = None) -> list[Summary]:
     """The newest requests first, received within ``since_s``: walks ``<P>_REQUESTS`` backwards
     by sequence (no scan) and reads each request's first and last result message directly."""
-    if status not in (None, "ok", "error", "incomplete"):
-        raise HistoryError(f"unknown status {status!r}: use ok, error or incomplete")
+    if status not in (None, *STATUSES):
+        raise HistoryError(f"unknown status {status!r}: use {', '.join(STATUSES)}")
     limit = max(1, min(int(limit), MAX_LIST_LIMIT))
     reader = reader or StreamReader(nc)
     stream = subjects.stream_requests

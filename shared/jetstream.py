@@ -90,6 +90,11 @@ async def connect(settings: CommonSettings, *, name: str, connect_timeout: float
         ) from exc
 
 
+def nats_unavailable(doing: str, exc: BaseException) -> ServiceUnavailable:
+    """The error for a NATS operation that failed: 503 ``service_unavailable`` naming NATS."""
+    return ServiceUnavailable(f"NATS unavailable ({doing}: {type(exc).__name__}: {exc}); retry shortly")
+
+
 def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamConfig]:
     # JetStream requires duplicate_window <= max_age.
     dup_window = min(settings.dup_window_s, settings.stream_max_age_s)
@@ -158,14 +163,19 @@ class JetStreamPublisher:
         self.timeout = timeout
 
     async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool:
-        """Returns False when JetStream dropped it as a duplicate of ``msg_id``."""
+        """Returns False when JetStream dropped it as a duplicate of ``msg_id``. Raises
+        :class:`~shared.errors.ServiceUnavailable` when JetStream does not acknowledge it in time
+        (NATS down, stalled or reconnecting), never a bare ``nats`` error."""
         data = protocol.encode(msg)
-        ack = await self.js.publish(
-            subject,
-            data,
-            timeout=self.timeout,
-            headers=protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get()),
-        )
+        try:
+            ack = await self.js.publish(
+                subject,
+                data,
+                timeout=self.timeout,
+                headers=protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get()),
+            )
+        except nats.errors.Error as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError: not a deadline
+            raise nats_unavailable(f"publishing {type(msg).__name__}", exc) from exc
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))  # type: ignore[attr-defined]
         return not ack.duplicate
 

@@ -56,3 +56,6 @@ CONSUMER_PENDING = Gauge("epd:consumer_num_pending", "Messages in a stream not y
                          "consumer (consumer lag), polled by the workers.", ["stream", "consumer"])
 CONSUMER_ACK_PENDING = Gauge("epd:consumer_num_ack_pending", "Messages delivered to a durable consumer and not "
                              "yet acknowledged (being worked on).", ["stream", "consumer"])
+REQUESTS_CANCELLED = Counter(
+    "epd:requests_cancelled_total", "Cancelled requests, by where the cancellation took effect: api (the caller "
+    "gave up), or the worker stage that dropped a queued job or stopped a running one.", ["stage"])

@@ -19,6 +19,8 @@ subject                            stream               message
 <p>.generate.jobs                  <P>_GENERATE         GenerationJob (work; consumer "prefill")
 <p>.decode.jobs                    <P>_DECODE           DecodeJob (work; consumer "decode"; E|P|D)
 <p>.tokens.<request_id>            <P>_RESULTS          TokenChunk / FinalResult / ErrorEvent
+<p>.control.cancel.<request_id>    <P>_CONTROL          RequestCancelled (the caller gave up)
+<p>.control.wanted.<fp>.<item>     <P>_CONTROL          ECWanted (a request waits on another's encode job)
 <p>.workers.heartbeat.<role>       (core NATS only)     WorkerHeartbeat
 <p>.imported.<request_id>.<kind>   <P>_IMPORTED         any of the above (``epd replay import``)
 =================================  ===================  ============================================
@@ -85,6 +87,9 @@ class Subjects:
         self.decode_jobs = f"{p}.decode.jobs"
         self.tokens_all = f"{p}.tokens.>"
         self.heartbeat_all = f"{p}.workers.heartbeat.>"
+        self.control_all = f"{p}.control.>"
+        #: Every cancellation (one token per request id): what a worker listens to for its running jobs.
+        self.cancel_all = f"{p}.control.cancel.*"
         # Cases imported by ``epd replay import`` (not in ``streams()``: only the replay tool
         # creates it; no worker consumes it, so imported jobs are never executed by accident).
         self.imported_all = f"{p}.imported.>"
@@ -96,6 +101,7 @@ class Subjects:
         self.stream_generate = f"{P}_GENERATE"
         self.stream_decode = f"{P}_DECODE"
         self.stream_results = f"{P}_RESULTS"
+        self.stream_control = f"{P}_CONTROL"
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}.requests.{request_id}"
@@ -112,6 +118,12 @@ class Subjects:
 
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}.tokens.{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.control.cancel.{request_id}"
+
+    def ec_wanted(self, fingerprint: str, item_hash: str) -> str:
+        return f"{self.prefix}.control.wanted.{fingerprint}.{item_hash}"
 
     def heartbeat(self, role: str) -> str:
         return f"{self.prefix}.workers.heartbeat.{role}"
@@ -134,6 +146,7 @@ class Subjects:
             self.stream_generate: [self.generate_jobs],
             self.stream_decode: [self.decode_jobs],
             self.stream_results: [self.tokens_all],
+            self.stream_control: [self.control_all],
         }
 
 
@@ -311,6 +324,26 @@ def error_event(request_id: str, stage: str, error: EPDError, *, message: str | 
                       message=error.message if message is None else message)
 
 
+class RequestCancelled(_Msg, frozen=True, kw_only=True, tag="cancelled"):
+    """The caller gave up on a request (client disconnected, deadline passed, API-side error).
+    Workers drop its queued jobs when they take them and stop its running generation
+    (``shared.worker``); it stays in ``<P>_CONTROL`` so a job taken later is still dropped."""
+
+    request_id: str
+    reason: str
+    created_at: float
+
+
+class ECWanted(_Msg, frozen=True, kw_only=True, tag="ec_wanted"):
+    """``request_id`` waits on an encode job that another request queued (its own was dropped as
+    a duplicate): that job is still wanted when its own request is cancelled."""
+
+    request_id: str
+    fingerprint: str
+    item_hash: str
+    created_at: float
+
+
 class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     role: str
     worker_id: str
@@ -331,6 +364,8 @@ Message = Union[
     TokenChunk,
     FinalResult,
     ErrorEvent,
+    RequestCancelled,
+    ECWanted,
     WorkerHeartbeat,
 ]
 

@@ -16,7 +16,8 @@ stored) / ``encode deduplicated`` (another request's job encodes the image), ``e
 ``generation queued`` (until a prefill worker took the job), ``EC from local cache`` /
 ``EC loaded from store`` / ``EC recomputed locally`` (with the reason) / ``EC encoded in process``
 (agg), ``prefill``, ``first token``, ``redelivered``, ``KV hand-off`` / ``decode queued`` (E|P|D),
-``decode``, ``done`` / ``error``. A span has an end; a point does not.
+``decode``, ``done`` / ``error`` / ``cancelled`` (the client disconnected or the API gave up: the
+workers were told to stop). A span has an end; a point does not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import protocol
+from shared.errors import Cancelled
 from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
 from shared.history import RequestCase, StreamMessage, Summary, iso_time
 
@@ -213,8 +215,9 @@ def build_timeline(case: RequestCase) -> Timeline:
                             f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
                             f"{_ms(end_msg.time - t0)}, worker {final.worker}"))
     elif error is not None and end_msg is not None:
-        stages.append(Stage("error", error.stage or end_msg.stage or "api", end_msg.time, None,
-                            f"{error.code} (HTTP {error.http_status}): {error.message}"))
+        cancelled = error.code == Cancelled.code  # the caller gave up; its workers were told to stop
+        stages.append(Stage("cancelled" if cancelled else "error", error.stage or end_msg.stage or "api",
+                            end_msg.time, None, f"{error.code} (HTTP {error.http_status}): {error.message}"))
 
     stages.sort(key=lambda s: (s.start, 0 if s.end is None else 1))
     return Timeline(rid, t0, stages, summary, list(case.notes))

@@ -10,7 +10,12 @@ A worker is a :class:`Handler` (``setup`` / ``handle`` / ``on_terminal`` / ``clo
 * :class:`Reject` - the job cannot succeed: end the request with ``error`` (``term``);
 * anything else - transient unless it is a non-transient :class:`~shared.errors.EPDError`
   (those end the request like a ``Reject``): an unexpected exception or a
-  :class:`~shared.errors.StoreError` is retried.
+  :class:`~shared.errors.StoreError` or :class:`~shared.errors.ServiceUnavailable` is retried.
+
+**Cancellation** (``shared.cancellation``): a job whose request was cancelled is dropped when
+taken (:meth:`Handler.still_wanted`), and a running one is stopped (its task is cancelled, which
+closes the engine's generation) when the cancellation arrives; both are acked, counted in
+``epd:requests_cancelled_total{stage}`` and cleaned up by :meth:`Handler.on_cancelled`.
 
 A retry at the last delivery (``num_delivered >= max_deliver``) ends the request too. Ending a
 request is one place, :func:`settle`: it calls the handler's :meth:`Handler.on_terminal` once
@@ -22,14 +27,18 @@ tests drive handlers through it.
 The runner:
 
 * durable pull consumer, ``fetch`` up to ``batch`` messages while there is free capacity;
+* a core-NATS subscription to every cancellation, which cancels the task of a running job of
+  that request (unless the handler's jobs run to the end: ``stops_when_cancelled``);
 * each message handled in its own task, with ``in_progress`` sent every ``ack_wait / 3`` so
   long work is not redelivered while it is still running;
-* a heartbeat on core NATS every 2 s (the API's ``/health`` lists live workers), and the
-  health file ``epd healthcheck`` reads;
+* liveness: every 2 s a JetStream round trip to its consumer; only when it answers, a heartbeat
+  on core NATS (the API's ``/health`` lists live workers) and the health file ``epd healthcheck``
+  reads; a worker that cannot reach its consumer for ``EPD_UNREACHABLE_EXIT_S`` exits with
+  :data:`EXIT_UNREACHABLE` (its supervisor restarts it);
 * trace headers on everything a handler publishes for a job (``Epd-Stage``, ``Epd-Started-At``,
   ``Epd-Received-At``; ``shared.jetstream.set_trace``), the request id on every log line, the
   ``epd:requests_in_flight{service=...}`` gauge, and consumer lag (``epd:consumer_num_pending``)
-  polled every 5 s;
+  from the liveness round trip;
 * SIGTERM / SIGINT: stop fetching, finish what is in flight (up to ``drain_timeout_s``), close.
 """
 
@@ -40,15 +49,17 @@ import asyncio
 import enum
 import logging
 import signal
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
+from shared.cancellation import CancelRecords, cancelled_request_id
 from shared.config import CommonSettings
-from shared.errors import EPDError, StoreError, WorkerFailed
+from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
@@ -57,11 +68,13 @@ from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
 
+#: How often a worker proves it can pull (a JetStream round trip), then beats and refreshes its
+#: health file and the consumer lag gauges (``WorkerRunner._liveness``).
 HEARTBEAT_INTERVAL_S = 2.0
-#: How often a worker polls its durable consumer's pending counts (``epd:consumer_num_pending``).
-LAG_POLL_INTERVAL_S = 5.0
-#: Errors that say nothing about the job (the store is down): retried like unexpected exceptions.
-TRANSIENT_ERRORS: tuple[type[EPDError], ...] = (StoreError,)
+#: Exit code of a worker that could not reach its consumer for ``EPD_UNREACHABLE_EXIT_S``.
+EXIT_UNREACHABLE = 3
+#: Errors that say nothing about the job (the store or NATS is down): retried like unexpected exceptions.
+TRANSIENT_ERRORS: tuple[type[EPDError], ...] = (StoreError, ServiceUnavailable)
 
 
 # -- outcomes ---------------------------------------------------------------------------------
@@ -112,6 +125,8 @@ class Delivery:
     num_delivered: int
     max_deliver: int
     published_at: float | None = None
+    #: Set by the runner when the job's request is cancelled while the job runs.
+    cancel: "JobCancel" = field(default_factory=lambda: JobCancel())
 
     @property
     def is_last_attempt(self) -> bool:
@@ -125,6 +140,34 @@ class Delivery:
     def backoff_s(self) -> float:
         """The default retry delay: 1 s per delivery so far."""
         return 1.0 * self.num_delivered
+
+
+class JobCancel:
+    """The runner's request to stop one running job because its request was cancelled: the
+    job's task is cancelled (which closes the engine's generation) until :func:`settle` saw it."""
+
+    #: Python 3.11's ``asyncio.wait_for`` (nats-py awaits every publish's ack with it) swallows a
+    #: cancellation that lands as its inner future completes: the task is cancelled again after
+    #: this long until the job has seen one.
+    RECANCEL_S = 0.05
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.seen = False
+        self._task: asyncio.Task | None = None
+
+    def bind(self, task: asyncio.Task) -> None:
+        self._task = task
+
+    def request(self) -> None:
+        self.requested = True
+        self._cancel_task()
+
+    def _cancel_task(self) -> None:
+        if self.seen or self._task is None or self._task.done():
+            return
+        self._task.cancel()
+        asyncio.get_running_loop().call_later(self.RECANCEL_S, self._cancel_task)
 
 
 @dataclass
@@ -154,6 +197,10 @@ class Handler(abc.ABC):
     #: ``retried`` and terminal outcomes; the handler counts its successes.
     jobs_metric: ClassVar[Any] = None
 
+    #: Whether a running job is stopped when its request is cancelled (the encoder's jobs are
+    #: shared by every request with the same image, and short: they run to the end).
+    stops_when_cancelled: ClassVar[bool] = True
+
     in_flight: int = 0
 
     @abc.abstractmethod
@@ -168,6 +215,13 @@ class Handler(abc.ABC):
     async def on_terminal(self, job: Any, error: EPDError, message: str) -> None:
         """The job's request ends with ``error`` (``message`` is the text to send): tell whoever
         waits. Called once per ended job, by :func:`settle`."""
+
+    async def still_wanted(self, job: Any, cancels: CancelRecords) -> bool:
+        """Whether the job is worth running when taken: by default, unless its request was cancelled."""
+        return not await cancels.is_cancelled(job.request_id)
+
+    async def on_cancelled(self, job: Any) -> None:
+        """The job was dropped or stopped because its request was cancelled: release what it holds."""
 
     async def close(self) -> None:
         """Release what ``setup`` built."""
@@ -189,9 +243,23 @@ def _count(handler: Handler, outcome: str) -> None:
         handler.jobs_metric.labels(outcome).inc()
 
 
-async def settle(handler: Handler, delivery: Delivery) -> Settlement:
+async def _cancelled(handler: Handler, job: Any, how: str) -> Settlement:
+    """A job of a cancelled request: release what it holds, count it, ack it (no redelivery)."""
+    log.info("%s: its request was cancelled", how)
+    _count(handler, "cancelled")
+    metrics.REQUESTS_CANCELLED.labels(handler.service.value).inc()
+    try:
+        await handler.on_cancelled(job)
+    except Exception:
+        log.exception("clean-up of the cancelled job failed")
+    return Settlement(Action.ACK, reason="cancelled")
+
+
+async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | None = None) -> Settlement:
     """Decode the job, run the handler and turn its outcome into ack / nak / term, calling
-    :meth:`Handler.on_terminal` once when the job's request ends in an error."""
+    :meth:`Handler.on_terminal` once when the job's request ends in an error. With ``cancels``,
+    a job whose request was cancelled is dropped before it runs; a job the runner cancels while
+    it runs (``delivery.cancel``) is acked as cancelled."""
     try:
         job = protocol.decode(delivery.data, handler.job_type)
     except protocol.ProtocolError as exc:
@@ -202,8 +270,18 @@ async def settle(handler: Handler, delivery: Delivery) -> Settlement:
         metrics.QUEUE_SECONDS.labels(queue).observe(max(0.0, time.time() - delivery.published_at))
     attempts = f"{delivery.num_delivered}/{delivery.max_deliver}"
     try:
+        if cancels is not None and not await handler.still_wanted(job, cancels):
+            return await _cancelled(handler, job, "job dropped")
         await handler.handle(job, delivery)
         return Settlement(Action.ACK)
+    except asyncio.CancelledError:
+        if not delivery.cancel.requested:
+            raise  # shutdown: not acked, redelivered to another worker
+        delivery.cancel.seen = True
+        task = asyncio.current_task()
+        while task is not None and task.cancelling():  # (one per repeated cancel)
+            task.uncancel()
+        return await _cancelled(handler, job, "job stopped")
     except Reject as exc:
         reject = exc
     except Retry as exc:
@@ -252,7 +330,12 @@ class WorkerRunner:
         self.concurrency = concurrency
         self.drain_timeout_s = drain_timeout_s
         self.stopping = asyncio.Event()
+        #: The process's exit code once ``run`` returns (``EXIT_UNREACHABLE``: lost its consumer).
+        self.exit_code = 0
         self._tasks: set[asyncio.Task] = set()
+        # Running jobs by request id (what a cancellation stops).
+        self._running: dict[str, set[JobCancel]] = {}
+        self._cancels: CancelRecords | None = None
         # Refreshed with every heartbeat while connected and consuming (``epd healthcheck``).
         self.health = HealthFile(settings.health_file) if settings.health_file else None
 
@@ -273,22 +356,26 @@ class WorkerRunner:
             ctx = WorkerContext(self.settings, self.subjects, JetStreamPublisher(js), nc)
             await self.handler.setup(ctx)
             stream = getattr(self.subjects, self.handler.stream_attr)
+            self._cancels = CancelRecords(js, self.subjects)
+            cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)
-            heartbeat = asyncio.create_task(self._heartbeat(nc))
-            lag = asyncio.create_task(self._poll_lag(js, stream))
+            liveness = asyncio.create_task(self._liveness(nc, js, stream))
             log.info("%s worker %s consuming %s/%s", self.name, self.settings.worker_id, stream, self.handler.durable)
             try:
                 await self._consume(psub)
             finally:
-                heartbeat.cancel()
-                lag.cancel()
+                liveness.cancel()
                 if self.health is not None:  # not consuming any more: unhealthy while draining
                     self.health.remove()
                 await self._drain()
-                await psub.unsubscribe()
+                try:  # before the connection drains: a pull subscription never drains by itself
+                    await psub.unsubscribe()
+                    await cancel_sub.unsubscribe()
+                except Exception as exc:
+                    log.debug("unsubscribe: %s", exc)
         finally:
             await self.handler.close()
-            await nc.drain()
+            await _close_connection(nc)
             log.info("%s worker %s stopped", self.name, self.settings.worker_id)
 
     async def _consume(self, psub: Any) -> None:
@@ -327,6 +414,9 @@ class WorkerRunner:
             max_deliver=self.settings.max_deliver,
             published_at=meta.timestamp.timestamp() if meta.timestamp else None,
         )
+        task = asyncio.current_task()
+        assert task is not None
+        delivery.cancel.bind(task)
         token = REQUEST_ID.set(delivery.request_id)
         # Everything the handler publishes for this job says who published it, when this worker
         # took the job, and when the request reached the API (carried over from the job's headers).
@@ -336,8 +426,16 @@ class WorkerRunner:
         self.handler.in_flight += 1
         in_flight = metrics.IN_FLIGHT.labels(self.name)
         in_flight.inc()
+        running = self._running.setdefault(delivery.request_id, set())
+        running.add(delivery.cancel)
         try:
-            settlement = await settle(self.handler, delivery)
+            try:
+                settlement = await settle(self.handler, delivery, self._cancels)
+            finally:  # no cancellation while acking: a job cancelled now is dropped when redelivered
+                delivery.cancel.seen = True
+                running.discard(delivery.cancel)
+                if not running:
+                    self._running.pop(delivery.request_id, None)
             ticker.cancel()
             if settlement.action is Action.ACK:
                 await msg.ack()
@@ -356,6 +454,20 @@ class WorkerRunner:
             TRACE_HEADERS.reset(trace)
             REQUEST_ID.reset(token)
 
+    async def _on_cancel(self, msg: Any) -> None:
+        """A request was cancelled: stop this worker's running jobs of it (``settle`` acks them)."""
+        request_id = cancelled_request_id(msg.subject)
+        jobs = self._running.get(request_id)
+        if not jobs or not self.handler.stops_when_cancelled:
+            return
+        token = REQUEST_ID.set(request_id)
+        try:
+            log.info("request cancelled: stopping %d running job(s)", len(jobs))
+        finally:
+            REQUEST_ID.reset(token)
+        for job in list(jobs):
+            job.request()
+
     async def _keep_alive(self, msg: Any) -> None:
         interval = max(0.5, self.settings.ack_wait_s / 3)
         while True:
@@ -365,48 +477,80 @@ class WorkerRunner:
             except Exception as exc:
                 log.debug("in_progress failed: %s", exc)
 
-    async def _poll_lag(self, js: Any, stream: str) -> None:
-        """Consumer lag for ``/metrics``: what waits in the stream and what is being worked on."""
+    async def _liveness(self, nc: NATS, js: Any, stream: str) -> None:
+        """Prove every ``HEARTBEAT_INTERVAL_S`` that this worker can still pull: a JetStream API
+        round trip to its own durable consumer (``consumer_info``; a core-NATS ``flush`` is not
+        enough: nats-py skips its round trip while reconnecting, and a flush that timed out during
+        a stall killed nats-py's read loop for good). While the round trip answers: publish the
+        heartbeat the API's ``/health`` counts, refresh the health file, update the consumer lag
+        gauges. While it does not: neither (the worker drops out of ``/health`` and ``epd
+        healthcheck`` fails); after ``EPD_UNREACHABLE_EXIT_S`` without an answer the worker stops
+        with exit code :data:`EXIT_UNREACHABLE`, for its supervisor to restart it."""
+        subject = self.subjects.heartbeat(self.name)
         pending = metrics.CONSUMER_PENDING.labels(stream, self.handler.durable)
         ack_pending = metrics.CONSUMER_ACK_PENDING.labels(stream, self.handler.durable)
+        last_ok = time.monotonic()
+        failing_since: float | None = None
         while True:
             try:
-                info = await js.consumer_info(stream, self.handler.durable)
+                info = await js.consumer_info(stream, self.handler.durable, timeout=HEARTBEAT_INTERVAL_S)
+            except Exception as exc:  # nats raises several unrelated types (timeout, no responders, closed)
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("cannot reach consumer %s/%s (%s: %s): unhealthy until it answers",
+                                stream, self.handler.durable, type(exc).__name__, exc)
+                    if self.health is not None:
+                        self.health.remove()
+                if now - last_ok >= self.settings.unreachable_exit_s:
+                    log.error("consumer %s/%s unreachable for %.0fs: stopping (exit code %d) for a restart",
+                              stream, self.handler.durable, now - last_ok, EXIT_UNREACHABLE)
+                    self.exit_code = EXIT_UNREACHABLE
+                    self.request_stop()
+                    return
+            else:
+                last_ok = time.monotonic()
+                if failing_since is not None:
+                    log.info("consumer %s/%s reachable again after %.1fs", stream, self.handler.durable,
+                             last_ok - failing_since)
+                    failing_since = None
                 pending.set(info.num_pending or 0)
                 ack_pending.set(info.num_ack_pending or 0)
-            except Exception as exc:
-                log.debug("consumer info failed: %s", exc)
-            await asyncio.sleep(LAG_POLL_INTERVAL_S)
-
-    async def _heartbeat(self, nc: NATS) -> None:
-        subject = self.subjects.heartbeat(self.name)
-        while True:
-            try:
-                await nc.publish(subject, protocol.encode(self.handler.heartbeat(self.settings)))
+                try:
+                    await nc.publish(subject, protocol.encode(self.handler.heartbeat(self.settings)))
+                except Exception as exc:
+                    log.debug("heartbeat not published: %s", exc)
                 if self.health is not None:
-                    # The file says "connected" only after a PING/PONG round trip just now (flush
-                    # skips the round trip while reconnecting, hence is_connected too).
-                    await nc.flush(timeout=HEARTBEAT_INTERVAL_S)
-                    if nc.is_connected:
-                        self.health.write(role=self.name, worker_id=self.settings.worker_id,
-                                          in_flight=self.handler.in_flight)
-            except Exception as exc:
-                log.debug("heartbeat failed: %s", exc)
+                    self.health.write(role=self.name, worker_id=self.settings.worker_id,
+                                      in_flight=self.handler.in_flight)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
+async def _close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
+    """Drain (acks and publishes still buffered go out) or, when NATS does not answer, close."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout_s)
+    except Exception as exc:  # NATS unreachable: nothing more can be delivered anyway
+        log.warning("could not drain the NATS connection (%s: %s): closing it", type(exc).__name__, exc)
+        await nc.close()
+
+
 def run_worker(handler: Handler, settings: CommonSettings, **runner_kwargs: Any) -> None:
-    """Process entry point: run until SIGTERM/SIGINT, then drain."""
+    """Process entry point: run until SIGTERM/SIGINT, then drain. Exits non-zero when the worker
+    stopped because it lost its consumer (``EXIT_UNREACHABLE``)."""
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr="0.0.0.0")
 
-    async def main() -> None:
+    async def main() -> int:
         runner = WorkerRunner(handler, settings, **runner_kwargs)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runner.request_stop)
         await runner.run()
+        return runner.exit_code
 
-    asyncio.run(main())
+    exit_code = asyncio.run(main())
+    if exit_code:
+        sys.exit(exit_code)

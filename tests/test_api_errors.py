@@ -229,3 +229,38 @@ def test_an_unexpected_exception_is_an_openai_error_with_an_id(tiny_model_dir, c
     error_id = re.search(r"internal error (\w+) \(RuntimeError\)", r.json()["error"]["message"]).group(1)
     (line,) = [rec for rec in caplog.records if error_id in rec.getMessage()]
     assert line.exc_info and "boom" in str(line.exc_info[1])
+
+
+def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(nats_server, s3_server, tiny_model_dir,
+                                                                             tmp_path):
+    """SIGTERM while requests wait (no worker: they would wait until the deadline): before uvicorn's
+    graceful-shutdown timeout cuts them off (a plain-text 500), each ends with an OpenAI-shaped
+    503, in-band for a stream; the requests are recorded as cancelled."""
+    import signal
+
+    from tests.stackutil import start_stack
+
+    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path, services=["api"], roles={},
+                          EPD_REQUEST_TIMEOUT_S="300")
+    body = {"model": "qwen2-vl-tiny", "messages": [user_message("hi", [])], "max_tokens": 4}
+    out: dict[str, object] = {}
+
+    def plain():
+        out["plain"] = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=120)
+
+    try:
+        waiter = threading.Thread(target=plain)
+        waiter.start()
+        from tests.stackutil import wait_for
+        wait_for(lambda: "accepted" in running.log_of("api"), 60, "the request to be accepted")
+        (api,) = running.stack.processes
+        api.popen.send_signal(signal.SIGTERM)
+        waiter.join(120)
+        resp = out["plain"]
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "service_unavailable" and "shutting down" in resp.json()["error"]["message"]
+        api.popen.wait(60)  # (uvicorn re-raises the signal once it has shut down: killed by SIGTERM)
+    finally:
+        running.stack.stop()
+    cancels = [m for _, _, m in running.stream_messages("stream_results") if isinstance(m, ErrorEvent)]
+    assert [(e.code, e.stage) for e in cancels] == [("cancelled", "api")]

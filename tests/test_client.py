@@ -20,11 +20,13 @@ from shared.protocol import (
     ChatRequestRecord,
     ECFailed,
     ECReady,
+    ECWanted,
     EncodeJob,
     ErrorEvent,
     FinalResult,
     GenerationJob,
     ImageRef,
+    RequestCancelled,
     SamplingSpec,
     Subjects,
     TokenChunk,
@@ -125,9 +127,9 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
     job = EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key=f"ns/fp/{ITEM}", created_at=time.time())
     abandoned: list[EPDError] = []
 
-    async def on_deadline(error: EPDError) -> None:
+    async def on_abandon(error: EPDError) -> None:
         abandoned.append(error)
-        await client.record_abandoned(rid, error)
+        await client.abandon(rid, error)
 
     async def main():
         nonlocal client
@@ -140,27 +142,33 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
             info = await nc.jetstream().stream_info(subjects.stream_encode)
             # A request nobody answers ends at its deadline, recorded as abandoned by the API.
             started = time.time()
-            stream = await client.submit(_job(rid, started + 0.5), on_deadline=on_deadline)
+            stream = await client.submit(_job(rid, started + 0.5), on_abandon=on_abandon)
             with pytest.raises(DeadlineExceeded):
                 await anext(stream)
             elapsed = time.time() - started
             with pytest.raises(StopAsyncIteration):  # ended: nothing more, no second deadline
                 await anext(stream)
             last = await nc.jetstream().get_last_msg(subjects.stream_results, subjects.tokens(rid))
+            cancel = await nc.jetstream().get_last_msg(subjects.stream_control, subjects.cancel(rid))
+            wanted = await nc.jetstream().get_last_msg(subjects.stream_control, subjects.ec_wanted("fp", ITEM))
             # Too large for one NATS message: refused before anything is published.
             big = _job("chatcmpl-big", time.time() + 5, messages=[{"role": "user", "content": "x" * nc.max_payload}])
             with pytest.raises(PayloadTooLarge):
                 await client.submit(big)
-            return fresh, info.state.messages, elapsed, protocol.decode(last.data)
+            return (fresh, info.state.messages, elapsed, protocol.decode(last.data), protocol.decode(cancel.data),
+                    protocol.decode(wanted.data))
         finally:
             await nc.close()
 
     client = None
-    fresh, queued, elapsed, last = asyncio.run(main())
+    fresh, queued, elapsed, last, cancel, wanted = asyncio.run(main())
     assert fresh == [True, False] and queued == 1
     assert 0.5 <= elapsed < 5
     assert [e.code for e in abandoned] == ["deadline_exceeded"]
     assert isinstance(last, ErrorEvent) and (last.code, last.stage) == ("deadline_exceeded", "api")
+    # The deadline cancels the request's work; the deduplicated request says it wants the job.
+    assert isinstance(cancel, RequestCancelled) and (cancel.request_id, cancel.reason) == (rid, "deadline_exceeded")
+    assert isinstance(wanted, ECWanted) and (wanted.request_id, wanted.item_hash) == ("other", ITEM)
 
 
 def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):

@@ -106,7 +106,7 @@ def test_latency_token_byte_in_flight_and_lag_metrics(epd_stack):
         os.killpg(encoder.popen.pid, signal.SIGSTOP)
         try:
             future = pool.submit(ask, epd_stack, noise_image(403, (56, 56)))
-            # The worker polls its lag every 5 s and waits up to EPD_EC_WAIT_S (30 s) for the
+            # The worker updates its lag every 2 s and waits up to EPD_EC_WAIT_S (30 s) for the
             # encoder before encoding locally: 25 s leave several polls and no fallback.
             wait_for(lambda: gauges()[:3] == (1, 1, 1), 25, "in-flight and ack-pending gauges to read 1")
         finally:
@@ -154,10 +154,12 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
     from shared.config import PrefillSettings
     from shared.jetstream import ensure_topology
     from shared.protocol import Subjects
+    from shared.topology import Role, Service
     from shared.worker import Handler, WorkerRunner
 
     class Idle(Handler):
-        role = "prefill"
+        service = Service.PREFILL
+        role = Role.PD
         stream_attr = "stream_generate"
         durable = protocol.CONSUMER_PREFILL
 
@@ -177,13 +179,13 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
         return (REGISTRY.get_sample_value("epd:consumer_num_pending", labels),
                 REGISTRY.get_sample_value("epd:consumer_num_ack_pending", labels))
 
-    async def poll_once(js):
+    async def poll_once(nc, js):
         from shared import metrics
 
         for gauge in (metrics.CONSUMER_PENDING, metrics.CONSUMER_ACK_PENDING):
             gauge.labels(labels["stream"], labels["consumer"]).set(-1)  # "not polled yet"
-        task = asyncio.create_task(runner._poll_lag(js, subjects.stream_generate))
-        try:  # the first poll is immediate (the next one 5 s later); 60 s only catch a hang
+        task = asyncio.create_task(runner._liveness(nc, js, subjects.stream_generate))
+        try:  # the first round trip is immediate (the next one 2 s later); 60 s only catch a hang
             async with asyncio.timeout(60):
                 while -1 in gauges():
                     await asyncio.sleep(0.05)
@@ -198,20 +200,20 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
         try:
             js = nc.jetstream()
             await ensure_topology(js, settings, subjects)
-            empty = await poll_once(js)
+            empty = await poll_once(nc, js)
             for i in range(3):
                 await js.publish(subjects.generate_jobs, f"job {i}".encode())
-            queued = await poll_once(js)
+            queued = await poll_once(nc, js)
             psub = await js.pull_subscribe_bind(durable=protocol.CONSUMER_PREFILL, stream=subjects.stream_generate)
             (taken,) = await psub.fetch(1, timeout=30)
-            held = await poll_once(js)
+            held = await poll_once(nc, js)
             await taken.ack_sync()
             rest = await psub.fetch(2, timeout=30)
             while len(rest) < 2:
                 rest += await psub.fetch(2 - len(rest), timeout=30)
             for msg in rest:
                 await msg.ack_sync()
-            drained = await poll_once(js)
+            drained = await poll_once(nc, js)
             return empty, queued, held, drained
         finally:
             await nc.close()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgspec
+import nats
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,6 +45,7 @@ from shared.config import ApiSettings
 from shared.store.factory import ec_store_from_settings
 from shared.store.ec import ECStore
 from shared.errors import (
+    Cancelled,
     DeadlineExceeded,
     EPDError,
     PayloadTooLarge,
@@ -52,9 +54,9 @@ from shared.errors import (
     error_from_code,
 )
 from shared.fingerprint import encoder_fingerprint
-from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, set_trace
+from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, nats_unavailable, set_trace
 from shared.logs import REQUEST_ID
-from shared.media import ImageFetcher, LoadedImage, MediaLimits, load_image
+from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.topology import TOPOLOGIES
 from shared.protocol import (
     ChatRequestRecord,
@@ -71,11 +73,60 @@ from shared.protocol import (
 log = logging.getLogger(__name__)
 
 
+def _error_body(err: EPDError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
+
+
 def error_response(err: EPDError) -> JSONResponse:
-    return JSONResponse(
-        status_code=err.http_status,
-        content={"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}},
-    )
+    return JSONResponse(status_code=err.http_status, content=_error_body(err))
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    # After the body was read, the server's next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable: Any, stopping: asyncio.Event) -> Any:
+    """Await ``awaitable``; if the client goes away first raise :class:`ClientDisconnected`, if
+    the API is stopping first :class:`~shared.errors.ServiceUnavailable` (cancelling it either way)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({work, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for other in (gone, stop, work):
+            if not other.done():
+                other.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    if gone.done() and not gone.cancelled():
+        raise ClientDisconnected()
+    raise _stopping_error()
+
+
+async def _unless_stopping(awaitable: Any, stopping: asyncio.Event) -> Any:
+    """Await ``awaitable``, or raise :class:`~shared.errors.ServiceUnavailable` if the API stops first."""
+    work = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for other in (stop, work):
+            if not other.done():
+                other.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise _stopping_error()
+
+
+def _stopping_error() -> ServiceUnavailable:
+    return ServiceUnavailable("the API is shutting down before the request finished; retry it")
 
 
 @dataclass
@@ -120,9 +171,16 @@ class ApiService:
         self.supervisor: DeliverySupervisor | None = None
         self.store: ECStore | None = None
         self.fetcher: ImageFetcher | None = None
+        # One for the process: however many requests and images arrive, decoding stays bounded.
+        self.decode_budget = DecodeBudget(settings.decode_budget_pixels())
         self._subs: list = []
+        self._background: set[asyncio.Task] = set()
+        #: Set when the process is stopping: requests still waiting end with 503.
+        self.stopping = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.settings, self.subjects)
@@ -135,13 +193,35 @@ class ApiService:
         await self.supervisor.start()
         log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server was asked to stop: requests still running after ``grace_s`` end with 503
+        (and are cancelled) instead of being cut off when the server stops waiting for them.
+        Safe to call from a signal handler."""
+        if self.loop is not None and not self.stopping.is_set():
+            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self.stopping.set)
+
     async def stop(self) -> None:
+        self.stopping.set()
+        if self._background:  # cancellations of abandoned requests: out before the connection drains
+            await asyncio.wait(self._background, timeout=5.0)
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self.fetcher is not None:
             await self.fetcher.aclose()
         if self.nc is not None:
             await self.nc.drain()
+
+    async def nats_answers(self, timeout_s: float = 2.0) -> bool:
+        """Connected and JetStream answers a round trip now (a stalled server keeps the TCP
+        connection, so ``is_connected`` alone would say yes)."""
+        if self.nc is None or self.js is None or not self.nc.is_connected:
+            return False
+        try:
+            await asyncio.wait_for(self.js.account_info(), timeout_s)
+        except Exception as exc:  # nats raises several unrelated types (timeout, no responders, closed)
+            log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
+            return False
+        return True
 
     async def _on_heartbeat(self, msg) -> None:
         try:
@@ -159,7 +239,15 @@ class ApiService:
     async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
         """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
         assert self.store is not None and self.fetcher is not None and self.client is not None
-        loaded: list[LoadedImage] = await asyncio.gather(*(load_image(u, self.fetcher, self.limits) for u in urls))
+        # Fetches run side by side; decodes wait for the process's decode budget.
+        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget))
+                 for u in urls]
+        try:
+            loaded: list[LoadedImage] = await asyncio.gather(*loads)
+        except BaseException:
+            for load in loads:  # one bad image fails the request: stop waiting for the others
+                load.cancel()
+            raise
         refs: list[ImageRef] = []
         distinct: dict[str, ImageRef] = {}
         for img in loaded:
@@ -195,7 +283,19 @@ class ApiService:
             deadline=deadline, created_at=time.time(),
         )
         return await self.client.submit(job, record=record,
-                                        on_deadline=functools.partial(self.client.record_abandoned, request_id))
+                                        on_abandon=functools.partial(self.client.abandon, request_id))
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background, outside the request's task: what must happen after the
+        client went away (its task is being cancelled, so awaiting there would be cancelled too)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def cancel_in_background(self, events: TokenStream, error: EPDError) -> None:
+        """Give up on a request that has not ended: its workers stop (``RequestClient.abandon``)."""
+        if not events.ended:
+            self.spawn(events.cancel(error))
 
 
 def _usage(final: FinalResult) -> dict[str, int]:
@@ -224,6 +324,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
     async def _epd_error(request: Request, exc: EPDError):
         return error_response(exc)
 
+    @app.exception_handler(nats.errors.Error)
+    async def _nats_error(request: Request, exc: nats.errors.Error):
+        return _finish_error(nats_unavailable(f"{request.method} {request.url.path}", exc))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # What nobody anticipated still gets an OpenAI-shaped error; the id ties it to the traceback.
@@ -244,7 +348,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         live = service.workers.live()
-        connected = service.nc is not None and service.nc.is_connected
+        connected = await service.nats_answers()
         body = {
             "status": "ok" if connected else "unavailable",
             "nats": connected,
@@ -305,24 +409,34 @@ def create_app(settings: ApiSettings) -> FastAPI:
             )
             events = await service.submit(request_id, parsed, refs, received_at, deadline)
             log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
-            if not parsed.stream:
-                try:
-                    return await _complete(events, request_id, parsed, received_at)
-                finally:
-                    await events.aclose()
             try:
+                if not parsed.stream:
+                    try:
+                        return await _unless_disconnected(
+                            request, _complete(events, request_id, parsed, received_at), service.stopping)
+                    finally:
+                        await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
-                first = await anext(events)
+                first = await _unless_disconnected(request, anext(events), service.stopping)
                 if isinstance(first, ErrorEvent):
                     raise _event_error(first)
-            except BaseException:
-                await events.aclose()
+            except ClientDisconnected:
+                service.cancel_in_background(events, Cancelled("the client disconnected"))
+                raise
+            except BaseException as exc:  # the request's end was not delivered: its work is wasted
+                service.cancel_in_background(events, Cancelled(f"the API gave up: {type(exc).__name__}"))
                 raise
             return StreamingResponse(
-                _sse(first, events, request_id, parsed, received_at),
+                _sse(first, events, request_id, parsed, received_at, service),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
+        except ClientDisconnected:
+            log.info("client disconnected: request cancelled")
+            metrics.REQUESTS.labels("499").inc()
+            return error_response(Cancelled("the client disconnected"))  # nobody reads it
+        except nats.errors.Error as exc:  # (its TimeoutError is an asyncio.TimeoutError: not the deadline)
+            return _finish_error(nats_unavailable("submitting the request", exc))
         except asyncio.TimeoutError:
             return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
@@ -403,7 +517,8 @@ async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest,
     raise ServiceUnavailable("token stream ended without a result")
 
 
-async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float) -> AsyncIterator[bytes]:
+async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float,
+               service: ApiService) -> AsyncIterator[bytes]:
     created = int(received_at)
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
@@ -424,8 +539,11 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
 
         async def all_events():
             yield first
-            async for ev in events:
-                yield ev
+            while True:
+                try:
+                    yield await _unless_stopping(anext(events), service.stopping)
+                except StopAsyncIteration:
+                    return
 
         try:
             async for event in all_events():
@@ -453,10 +571,18 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
             # Headers are gone: report in-band, the way OpenAI-compatible servers do.
             log.error("stream failed: %s: %s", exc.code, exc.message)
             metrics.REQUESTS.labels(str(exc.http_status)).inc()
-            err = {"error": {"message": exc.message, "type": exc.error_type, "param": None, "code": exc.code}}
-            yield f"data: {json.dumps(err)}\n\n".encode()
+            yield f"data: {json.dumps(_error_body(exc))}\n\n".encode()
+        except nats.errors.Error as exc:
+            log.error("stream failed: NATS: %s: %s", type(exc).__name__, exc)
+            err = nats_unavailable("streaming tokens", exc)
+            metrics.REQUESTS.labels(str(err.http_status)).inc()
+            yield f"data: {json.dumps(_error_body(err))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
-        await events.aclose()  # the client may have gone away mid-stream
+        if not events.ended:  # the client went away mid-stream (or this generator failed)
+            log.info("stream closed before the request ended: request cancelled")
+        # In the background: when the client is gone this task is being cancelled.
+        service.cancel_in_background(events, Cancelled("the client disconnected mid-stream"))
+        service.spawn(events.aclose())
         metrics.IN_FLIGHT.labels("api_stream").dec()
         REQUEST_ID.reset(token)

@@ -236,6 +236,10 @@ class DecodeHandler(ModelHandler):
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
         await self._delete(job.kv_key)
 
+    async def on_cancelled(self, job: DecodeJob) -> None:
+        """The request was cancelled: no worker will read its KV object."""
+        await self._delete(job.kv_key)
+
     # -- re-prefill and clean-up -----------------------------------------------------------
     async def _reprefill(self, job: DecodeJob, reason: MissReason, detail: str) -> None:
         """Send the request back to prefill (bounded), or end it with a clear error."""

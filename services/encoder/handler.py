@@ -11,7 +11,9 @@ Idempotent: a valid object already stored for the job's key is announced again, 
 A job that cannot succeed (bad image, wrong model version, missing media) is answered with an
 ``ECFailed`` event and terminated, so prefill workers stop waiting and encode locally or fail
 the request. Transient failures (store down, engine failure) are retried with a delay up to
-``max_deliver``; the last attempt publishes ``ECFailed`` (``Handler.on_terminal``).
+``max_deliver``; the last attempt publishes ``ECFailed`` (``Handler.on_terminal``). A job of a
+cancelled request is dropped when no other request waits on it (``ECFailed`` ``cancelled``);
+once started it runs to the end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared import metrics, protocol
+from shared.cancellation import CancelRecords
 from shared.config import EncoderSettings
 from shared.engines import base
 from shared.engines.base import Engine
@@ -95,6 +98,8 @@ class EncoderHandler(ModelHandler):
     stream_attr = "stream_encode"
     durable = protocol.CONSUMER_ENCODER
     jobs_metric = metrics.ENCODE_JOBS
+    # One encode job serves every request with the same image: it runs to the end once started.
+    stops_when_cancelled = False
 
     def __init__(self, settings: EncoderSettings, engine: Engine | None = None, store: ECStore | None = None):
         super().__init__(settings, engine, store)
@@ -142,14 +147,29 @@ class EncoderHandler(ModelHandler):
         await self._ready(job, n_tokens, nbytes, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels("encoded").inc()
 
+    async def still_wanted(self, job: EncodeJob, cancels: CancelRecords) -> bool:
+        """Dropped only when its request was cancelled and no other live request waits on it
+        (``shared.cancellation``)."""
+        if not await cancels.is_cancelled(job.request_id):
+            return True
+        return await cancels.wanted_elsewhere(job.fingerprint, job.image.item_hash, job.request_id)
+
+    async def on_cancelled(self, job: EncodeJob) -> None:
+        # A request that wanted the image after all (it raced the check) encodes it locally now
+        # instead of waiting for an ECReady that will not come.
+        await self._failed(job, "cancelled", "the encode job was dropped: its request was cancelled")
+
     async def on_terminal(self, job: EncodeJob, error: EPDError, message: str) -> None:
-        assert self.ctx is not None
         log.warning("encode job for %s failed: %s: %s", job.image.item_hash[:12], error.code, message)
+        await self._failed(job, error.code, message)
+
+    async def _failed(self, job: EncodeJob, code: str, message: str) -> None:
+        assert self.ctx is not None
         event = ECFailed(
             request_id=job.request_id,
             item_hash=job.image.item_hash,
             fingerprint=job.fingerprint,
-            code=error.code,
+            code=code,
             message=message,
             created_at=time.time(),
         )

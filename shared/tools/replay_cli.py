@@ -34,6 +34,8 @@ def parse_duration(text: str) -> float:
 
 def add_parser(sub: Any) -> None:
     """Add ``replay`` and its subcommands to the ``epd`` parser."""
+    from shared.history import STATUSES
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", help="NATS URL (default: EPD_NATS_URL)")
     common.add_argument("--prefix", help="subject prefix of the deployment (default: EPD_SUBJECT_PREFIX)")
@@ -45,7 +47,7 @@ def add_parser(sub: Any) -> None:
     ls = rsub.add_parser("list", parents=[common], help="recent requests, newest first")
     ls.add_argument("--since", type=parse_duration, default=parse_duration("1h"),
                     help="how far back (30s, 15m, 2h, 1d; default 1h)")
-    ls.add_argument("--status", choices=["ok", "error", "incomplete"])
+    ls.add_argument("--status", choices=STATUSES)
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(func=_cmd_list)
 

@@ -1,0 +1,239 @@
+"""Cancellation, end to end (real NATS, S3 and worker processes, tiny model): a client that hangs
+up, or a request the API gives up on, stops costing worker time (``shared.cancellation``).
+
+* a streaming client that disconnects mid-stream: the generating worker stops (E|PD: prefill;
+  E|P|D: decode, whose KV object is deleted), far short of ``max_tokens``;
+* a non-streaming client that gives up: the same;
+* a queued job of a cancelled request is dropped when a worker takes it: no token is generated;
+* an encode job shared with another request is not dropped while that request still needs it;
+  one nobody else wants is dropped (``ECFailed`` ``cancelled``);
+* the request's record says ``cancelled`` (replay status, timeline stage), and
+  ``epd:requests_cancelled_total{stage}`` counts it where it took effect.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import pytest
+
+from shared.protocol import DecodeJob, ECFailed, ECReady, ErrorEvent, RequestCancelled, TokenChunk
+from shared.tools.infra import free_port
+from tests.stackutil import (
+    GREEDY,
+    data_url,
+    final_result,
+    kv_keys,
+    metric_value,
+    noise_image,
+    scrape,
+    start_stack,
+    user_message,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+LONG = 4000  # tokens: ~15 s of a worker on the tiny model, unless it is stopped
+
+
+def _body(seed: int, *, stream: bool, max_tokens: int = LONG) -> dict:
+    return {"model": "qwen2-vl-tiny", "messages": [user_message("describe", [data_url(noise_image(seed, (48, 48)))])],
+            **GREEDY, "max_tokens": max_tokens, "stream": stream}
+
+
+def _hang_up_mid_stream(stack, body: dict, *, after: int = 3) -> str:
+    """Stream ``body``; close the connection after ``after`` SSE events. Returns the request id."""
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+                if seen >= after:
+                    break
+    return request_id
+
+
+def _request_ids_before(stack) -> set[str]:
+    return {m.request_id for _, _, m in stack.stream_messages("stream_requests")}
+
+
+def _give_up_without_streaming(stack, body: dict, known: set[str], *, after_s: float = 2.0) -> str:
+    """Post ``body`` and give up after ``after_s`` (the client closes the connection). Returns the
+    request id (the one new request record)."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=after_s))
+    new = wait_for(lambda: _request_ids_before(stack) - known, 60, "the request's record")
+    assert len(new) == 1, new
+    return new.pop()
+
+
+def _chunks(stack, request_id: str) -> int:
+    return sum(len(m.token_ids) for m in stack.messages_of("stream_results", TokenChunk, request_id))
+
+
+def _stopped(stack, service: str, request_id: str, how: str = "job stopped") -> bool:
+    return any(request_id in line and f"{how}: its request was cancelled" in line
+               for line in stack.log_of(service).splitlines())
+
+
+def _assert_generation_stopped(stack, service: str, request_id: str) -> int:
+    """The worker says it stopped the job; no token is published after that; far short of LONG."""
+    wait_for(lambda: _stopped(stack, service, request_id), 120, f"{service} to stop {request_id}")
+    wait_for(lambda: stack.messages_of("stream_results", ErrorEvent, request_id), 60, "the cancellation record")
+    produced = _chunks(stack, request_id)
+    # The job is acked and gone: nothing more comes for it (the workers hold no job).
+    wait_for(lambda: not any(v for v in _busy(stack)), 120, "the workers to hold no job")
+    assert _chunks(stack, request_id) == produced
+    assert produced < LONG // 2, f"{produced} of {LONG} tokens generated after the client left"
+    return produced
+
+
+def _busy(stack):
+    from tests.stackutil import busy_work_consumers
+
+    return busy_work_consumers(stack.nats_url, stack.subjects).values()
+
+
+def _ended_cancelled(stack, request_id: str) -> None:
+    (error,) = stack.messages_of("stream_results", ErrorEvent, request_id)
+    assert (error.code, error.stage, error.http_status) == ("cancelled", "api", 499)
+    (record,) = stack.messages_of("stream_control", RequestCancelled, request_id)
+    assert record.reason == "cancelled"
+    resp = httpx.get(f"{stack.url}/debug/requests/{request_id}", params={"format": "json"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    timeline = resp.json()["timeline"]
+    assert timeline["summary"]["status"] == "cancelled"
+    assert [s["name"] for s in timeline["stages"]][-1] == "cancelled"
+
+
+@pytest.fixture(scope="module")
+def e_pd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("cancel-epd"),
+                          service_env={"prefill": {"EPD_METRICS_PORT": str(port)}},
+                          EPD_MAX_TOKENS_LIMIT=str(LONG), EPD_REQUEST_TIMEOUT_S="240")
+    running.prefill_metrics_port = port
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def _worker_cancelled(stack) -> float:
+    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
+                        "epd:requests_cancelled_total", stage="prefill")
+
+
+def _api_cancelled(stack) -> float:
+    return metric_value(scrape(f"{stack.url}/metrics"), "epd:requests_cancelled_total", stage="api")
+
+
+def _safe(fn) -> float:
+    try:
+        return fn()
+    except (KeyError, AssertionError, ValueError):  # the labelled series appears at its first count
+        return 0.0
+
+
+def test_a_streaming_client_that_hangs_up_stops_the_generation(e_pd):
+    # Control: the same request, not abandoned, generates what it was asked for.
+    done = httpx.post(f"{e_pd.url}/v1/chat/completions", json=_body(1, stream=False, max_tokens=64), timeout=300)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 64
+    worker0, api0 = _safe(lambda: _worker_cancelled(e_pd)), _safe(lambda: _api_cancelled(e_pd))
+
+    request_id = _hang_up_mid_stream(e_pd, _body(2, stream=True))
+    _assert_generation_stopped(e_pd, "prefill", request_id)
+    _ended_cancelled(e_pd, request_id)
+    assert _worker_cancelled(e_pd) == worker0 + 1
+    assert _api_cancelled(e_pd) == api0 + 1
+
+
+def test_a_client_that_gives_up_on_a_plain_request_stops_the_generation(e_pd):
+    known = _request_ids_before(e_pd)
+    request_id = _give_up_without_streaming(e_pd, _body(3, stream=False), known)
+    _assert_generation_stopped(e_pd, "prefill", request_id)
+    _ended_cancelled(e_pd, request_id)
+
+
+def _pids(stack, service: str) -> list:
+    return [p for p in stack.stack.processes if p.name == service and p.alive()]
+
+
+def test_a_queued_job_of_a_cancelled_request_is_dropped_when_taken(e_pd):
+    (prefill,) = _pids(e_pd, "prefill")
+    known = _request_ids_before(e_pd)
+    prefill.popen.send_signal(signal.SIGSTOP)  # the job waits in the queue
+    try:
+        request_id = _give_up_without_streaming(e_pd, _body(4, stream=False), known)
+        wait_for(lambda: e_pd.messages_of("stream_control", RequestCancelled, request_id), 60, "the cancel record")
+    finally:
+        prefill.popen.send_signal(signal.SIGCONT)
+    wait_for(lambda: _stopped(e_pd, "prefill", request_id, "job dropped"), 120, "the prefill worker to drop the job")
+    assert _chunks(e_pd, request_id) == 0
+    # The worker goes on with the next request.
+    resp = httpx.post(f"{e_pd.url}/v1/chat/completions", json=_body(5, stream=False, max_tokens=4), timeout=300)
+    assert resp.status_code == 200, resp.text
+
+
+def test_a_shared_encode_job_runs_while_another_request_needs_it_and_is_dropped_when_nobody_does(e_pd):
+    (encoder,) = _pids(e_pd, "encoder")
+    shared_body, alone_body = _body(6, stream=False, max_tokens=4), _body(7, stream=False, max_tokens=4)
+    known = _request_ids_before(e_pd)
+    results: dict[str, httpx.Response] = {}
+    encoder.popen.send_signal(signal.SIGSTOP)  # encode jobs wait in the queue
+    try:
+        first = _give_up_without_streaming(e_pd, shared_body, known)  # queued the encode job, then cancelled
+        # A second request for the same image: its encode job is deduplicated into the first one's.
+        waiter = threading.Thread(target=lambda: results.setdefault("second", httpx.post(
+            f"{e_pd.url}/v1/chat/completions", json=shared_body, timeout=300)))
+        waiter.start()
+        wait_for(lambda: len(_request_ids_before(e_pd) - known) == 2, 60, "the second request's record")
+        alone = _give_up_without_streaming(e_pd, alone_body, _request_ids_before(e_pd))  # nobody else wants it
+        for rid in (first, alone):
+            wait_for(lambda: e_pd.messages_of("stream_control", RequestCancelled, rid), 60, "the cancel record")
+    finally:
+        encoder.popen.send_signal(signal.SIGCONT)
+    waiter.join(300)
+    second = results["second"]
+    assert second.status_code == 200, second.text
+    final = final_result(e_pd, second.json()["id"])
+    # The shared job ran for the second request: its features came from the encoder, not a local encode.
+    assert set(final.ec_sources.values()) <= {"store", "local_cache"}, final.ec_sources
+    item_shared = _item(e_pd, first)
+    assert any(m.item_hash == item_shared for m in e_pd.messages_of("stream_events", ECReady, first))
+    assert not _stopped(e_pd, "encoder", first, "job dropped")
+    # The other one was dropped, and the drop said so to anyone waiting for it.
+    wait_for(lambda: _stopped(e_pd, "encoder", alone, "job dropped"), 120, "the encoder to drop the lone job")
+    failed = e_pd.messages_of("stream_events", ECFailed, alone)
+    assert [f.code for f in failed] == ["cancelled"]
+
+
+def _item(stack, request_id: str) -> str:
+    (record,) = [m for _, _, m in stack.stream_messages("stream_requests") if m.request_id == request_id]
+    return record.images[0].item_hash
+
+
+@pytest.fixture(scope="module")
+def e_p_d(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
+    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("cancel-epd3"),
+                          topology="e-p-d", EPD_MAX_TOKENS_LIMIT=str(LONG), EPD_REQUEST_TIMEOUT_S="240")
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def test_e_p_d_a_client_that_hangs_up_stops_the_decode_worker_and_its_kv_object_goes(e_p_d, s3_server):
+    from shared.store.objects import S3ObjectStore
+
+    store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, e_p_d.bucket)
+    request_id = _hang_up_mid_stream(e_p_d, _body(8, stream=True))
+    _assert_generation_stopped(e_p_d, "decode", request_id)
+    _ended_cancelled(e_p_d, request_id)
+    (decode_job,) = e_p_d.messages_of("stream_decode", DecodeJob, request_id)
+    wait_for(lambda: decode_job.kv_key not in kv_keys(store, e_p_d), 120, "the KV object to be deleted")
