@@ -63,6 +63,36 @@ class Publisher(Protocol):
     async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool: ...
 
 
+class _ConnectionLog:
+    """One log line per connection event instead of nats-py's default: a traceback for every
+    failed reconnect attempt (two a second while NATS is down)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.down_since: float | None = None
+        self.last_error = ""
+
+    def callbacks(self) -> dict[str, Any]:
+        return {"error_cb": self.on_error, "disconnected_cb": self.on_disconnected,
+                "reconnected_cb": self.on_reconnected}
+
+    async def on_error(self, exc: Exception) -> None:
+        text = f"{type(exc).__name__}: {exc}"
+        if text != self.last_error:  # the same error again while reconnecting: already said
+            self.last_error = text
+            log.warning("NATS connection error (%s): %s", self.url, text)
+
+    async def on_disconnected(self) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("disconnected from NATS (%s): reconnecting", self.url)
+
+    async def on_reconnected(self) -> None:
+        down = time.monotonic() - self.down_since if self.down_since is not None else 0.0
+        self.down_since, self.last_error = None, ""
+        log.info("reconnected to NATS (%s) after %.1fs", self.url, down)
+
+
 async def connect(settings: CommonSettings, *, name: str, connect_timeout: float = 5.0, **options: Any) -> NATS:
     """Connect to NATS; raises ServiceUnavailable with the URL (never the password) on failure.
 
@@ -72,6 +102,7 @@ async def connect(settings: CommonSettings, *, name: str, connect_timeout: float
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
+        **_ConnectionLog(redact_url(settings.nats_url)).callbacks(),
     }
     if settings.nats_user:
         kwargs["user"] = settings.nats_user

@@ -379,6 +379,7 @@ class WorkerRunner:
             log.info("%s worker %s stopped", self.name, self.settings.worker_id)
 
     async def _consume(self, psub: Any) -> None:
+        failing = ""  # the fetch error being repeated (logged once until a fetch works again)
         while not self.stopping.is_set():
             free = self.concurrency - len(self._tasks)
             if free <= 0:
@@ -387,11 +388,17 @@ class WorkerRunner:
             try:
                 msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)
             except asyncio.TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
-                continue
+                msgs = []
             except Exception as exc:  # connection hiccup: keep the loop alive, nats reconnects
-                log.warning("fetch failed: %s: %s", type(exc).__name__, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                if error != failing:
+                    log.warning("fetch failed: %s (retrying every 0.5 s)", error)
+                    failing = error
                 await asyncio.sleep(0.5)
                 continue
+            if failing:
+                log.info("fetching again")
+                failing = ""
             for msg in msgs:
                 task = asyncio.create_task(self._process(msg))
                 self._tasks.add(task)

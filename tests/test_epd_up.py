@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,16 +35,13 @@ from shared.tools.launcher import Stack
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
 from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
+from tests.epdup import EPD, READY, REPO, EpdUp, Proc, descendants, distinct_free_ports
 from tests.test_e2e_epd import REF_PARAMS
 
 log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-EPD = Path(sys.executable).parent / "epd"  # the console script `make run` calls
-READY = re.compile(r"^epd-serve ready in [\d.]+s: (?P<url>http://\S+)\s+\(model (?P<model>\S+), engine (?P<engine>\S+), "
-                   r"topology (?P<topology>\S+)\)$", re.M)
 CURL = re.compile(r"^\s*curl -s (?P<url>\S+)/v1/chat/completions -H 'Content-Type: application/json' -d '(?P<body>.*)'$",
                   re.M)
 METRICS = re.compile(r"^\s*worker /metrics: (?P<ports>.*)$", re.M)
@@ -73,47 +69,6 @@ def test_make_run_is_epd_up_on_port_8000():
 
 
 # -- epd up, for real ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    start_time: str  # /proc/<pid>/stat field 22: tells a pid from a later reuse of it
-    cmdline: str
-
-    def alive(self) -> bool:
-        stat = _stat(self.pid)
-        return stat is not None and stat[19] == self.start_time and stat[0] != "Z"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (state first), or None if there is no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
-def descendants(root: int) -> list[Proc]:
-    """Every live process below ``root`` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
-            children.setdefault(int(stat[1]), []).append(int(entry.name))
-    out, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        stat = _stat(pid)
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        if stat is None or stat[0] == "Z":
-            continue
-        out.append(Proc(pid, stat[19], cmdline))
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def listening_ports(pids: list[int]) -> set[int]:
     """TCP ports the processes ``pids`` listen on (from their socket fds and /proc/net/tcp*)."""
     inodes = set()
@@ -135,14 +90,6 @@ def listening_ports(pids: list[int]) -> set[int]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        if (port := free_port()) not in ports:
-            ports.append(port)
     return ports
 
 
@@ -372,69 +319,6 @@ def test_supervisor_restarts_an_exited_process_with_backoff_unless_stopped(tmp_p
             if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait(30)
-
-
-class EpdUp:
-    """A running ``epd up`` (the console script), its output and its processes."""
-
-    def __init__(self, tmp_path: Path, *args: str):
-        self.data_dir = tmp_path / "var"
-        self.api_port, self.nats_port, self.s3_port = distinct_free_ports(3)
-        argv = [str(EPD), "up", "--data-dir", str(self.data_dir), "--port", str(self.api_port), "--nats-port",
-                str(self.nats_port), "--s3-port", str(self.s3_port), *args]
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, "PYTHONPATH": str(REPO),
-               "PYTHONUNBUFFERED": "1"}
-        self.out_path = tmp_path / "epd-up.out"
-        with self.out_path.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self.seen: set[Proc] = set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        def ready():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"epd up exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            return READY.search(self.output())
-
-        wait_for(ready, 420, "epd up to print that it is ready", interval=0.5)
-
-    def children(self) -> list[Proc]:
-        found = descendants(self.proc.pid)
-        self.seen.update(found)
-        return found
-
-    def service_pid(self, service: str) -> int:
-        [pid] = [p.pid for p in self.children() if f"-m services.{service}" in p.cmdline]
-        return pid
-
-    def wait_line(self, pattern: str, what: str, timeout: float = 240, after: int = 0) -> re.Match:
-        """The first output line at or after offset ``after`` matching ``pattern`` (epd up must keep running)."""
-        def line():
-            assert self.proc.poll() is None, f"epd up exited ({self.proc.returncode}):\n{self.output()[-4000:]}"
-            return re.search(pattern, self.output()[after:], re.M)
-
-        return wait_for(line, timeout, what, interval=0.2)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self.children()
-        for p in self.seen:  # only what this test started, by pid
-            if p.alive():
-                log.warning("killing leftover %s (%d)", p.cmdline, p.pid)
-                os.kill(p.pid, signal.SIGKILL)
 
 
 def _image_request(image: Image.Image, text: str, **params) -> dict:

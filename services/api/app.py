@@ -91,37 +91,24 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, awaitable: Any, stopping: asyncio.Event) -> Any:
-    """Await ``awaitable``; if the client goes away first raise :class:`ClientDisconnected`, if
-    the API is stopping first :class:`~shared.errors.ServiceUnavailable` (cancelling it either way)."""
+async def _unless_interrupted(awaitable: Any, stopping: asyncio.Event, request: Request | None = None) -> Any:
+    """Await ``awaitable``, cancelling it if first the API starts stopping
+    (:class:`~shared.errors.ServiceUnavailable`) or, given ``request``, its client goes away
+    (:class:`ClientDisconnected`)."""
     work = asyncio.ensure_future(awaitable)
-    gone = asyncio.ensure_future(_until_disconnected(request))
     stop = asyncio.ensure_future(stopping.wait())
+    gone = asyncio.ensure_future(_until_disconnected(request)) if request is not None else None
+    others = [t for t in (stop, gone) if t is not None]
     try:
-        await asyncio.wait({work, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, *others}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for other in (gone, stop, work):
-            if not other.done():
-                other.cancel()
+        for task in (*others, work):
+            if not task.done():
+                task.cancel()
     if work.done() and not work.cancelled():
         return work.result()
-    if gone.done() and not gone.cancelled():
+    if gone is not None and gone.done() and not gone.cancelled():
         raise ClientDisconnected()
-    raise _stopping_error()
-
-
-async def _unless_stopping(awaitable: Any, stopping: asyncio.Event) -> Any:
-    """Await ``awaitable``, or raise :class:`~shared.errors.ServiceUnavailable` if the API stops first."""
-    work = asyncio.ensure_future(awaitable)
-    stop = asyncio.ensure_future(stopping.wait())
-    try:
-        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for other in (stop, work):
-            if not other.done():
-                other.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
     raise _stopping_error()
 
 
@@ -412,12 +399,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
             try:
                 if not parsed.stream:
                     try:
-                        return await _unless_disconnected(
-                            request, _complete(events, request_id, parsed, received_at), service.stopping)
+                        return await _unless_interrupted(
+                            _complete(events, request_id, parsed, received_at), service.stopping, request)
                     finally:
                         await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
-                first = await _unless_disconnected(request, anext(events), service.stopping)
+                first = await _unless_interrupted(anext(events), service.stopping, request)
                 if isinstance(first, ErrorEvent):
                     raise _event_error(first)
             except ClientDisconnected:
@@ -541,7 +528,7 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
             yield first
             while True:
                 try:
-                    yield await _unless_stopping(anext(events), service.stopping)
+                    yield await _unless_interrupted(anext(events), service.stopping)
                 except StopAsyncIteration:
                     return
 
