@@ -4,7 +4,7 @@ The API (``shared.client.RequestClient.abandon``) publishes a :class:`~shared.pr
 on ``<p>.control.cancel.<request_id>`` when its client disconnects, the request passes its deadline,
 or the API fails after submitting it. The record is kept in the ``<P>_CONTROL`` stream, so:
 
-* a worker that **takes** a job checks the record (one JetStream direct read,
+* a worker that **takes** a job checks the record (one JetStream read,
   :meth:`CancelRecords.is_cancelled`) and drops the job of a cancelled request (ack, no work);
 * a worker **running** a job hears the same message on a core-NATS subscription
   (``Subjects.cancel_all``) and cancels the job's task: the engine's generation is closed, which
@@ -32,6 +32,7 @@ from shared import protocol
 from shared.protocol import ECWanted, RequestCancelled, Subjects
 
 log = logging.getLogger(__name__)
+
 
 class CancelRecords:
     """Reads the cancellation records of ``<P>_CONTROL`` (see the module docstring)."""

@@ -147,8 +147,13 @@ class RequestClient:
         if not fresh:
             wanted = ECWanted(request_id=job.request_id, fingerprint=job.fingerprint,
                               item_hash=job.image.item_hash, created_at=time.time())
-            await self.publisher.publish(self.subjects.ec_wanted(job.fingerprint, job.image.item_hash), wanted,
-                                         request_id=job.request_id)
+            try:
+                await self.publisher.publish(self.subjects.ec_wanted(job.fingerprint, job.image.item_hash), wanted,
+                                             request_id=job.request_id)
+            except EPDError as exc:
+                # Best effort: without it, cancelling the other request may drop the job (this
+                # request's worker then encodes the image itself).
+                log.warning("could not record interest in the encode job: %s", exc.message)
         return fresh
 
     async def submit(self, job: GenerationJob, *, record: ChatRequestRecord | None = None,

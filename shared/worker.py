@@ -528,8 +528,11 @@ class WorkerRunner:
                 except Exception as exc:
                     log.debug("heartbeat not published: %s", exc)
                 if self.health is not None:
-                    self.health.write(role=self.name, worker_id=self.settings.worker_id,
-                                      in_flight=self.handler.in_flight)
+                    try:
+                        self.health.write(role=self.name, worker_id=self.settings.worker_id,
+                                          in_flight=self.handler.in_flight)
+                    except OSError as exc:  # e.g. a full disk: unhealthy, not dead
+                        log.warning("cannot write the health file %s: %s", self.health.path, exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
