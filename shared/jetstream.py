@@ -263,10 +263,17 @@ class TypedSubscription(Generic[M]):
         await self.close()
 
 
-async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = "") -> TypedSubscription:
+async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = "",
+                          confirm: bool = False) -> TypedSubscription:
     """Subscribe to ``subject`` (in queue group ``queue``, if given) for messages of the ``expect``
     types (any protocol message when none is given). Subscribe before publishing whatever
     causes the awaited message, or it may be missed: core NATS keeps no history.
+
+    ``confirm``: return only once the server has the subscription (a JetStream round trip on the
+    same connection: the server handles a connection's commands in order). Needed when the event
+    may be caused by someone else right after a check made next (the prefill worker subscribes to
+    an item's ``ECReady``, then looks in the store: without it, an encoder finishing in between
+    announces to nobody, and the worker waits ``EPD_EC_WAIT_S`` for nothing). Fails open.
 
     Usage::
 
@@ -274,4 +281,9 @@ async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = ""
             event = await sub.next(deadline=time.time() + wait_s)  # None: nothing in time
     """
     sub = await nc.subscribe(subject, queue=queue)
+    if confirm:
+        try:  # (not nc.flush(): a flush that times out kills nats-py's read loop when the PONG comes)
+            await nc.jetstream().account_info()
+        except Exception as exc:
+            log.warning("could not confirm the subscription to %s: %s: %s", subject, type(exc).__name__, exc)
     return TypedSubscription(sub, subject, expect)

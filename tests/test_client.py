@@ -197,3 +197,30 @@ def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):
     assert got == ready and skipped == 2
     assert none is None and 0.25 <= waited < 3
 
+
+
+def test_a_confirmed_subscription_is_on_the_server_when_it_returns(nats_server):
+    """``confirm=True`` returns once the server has the subscription, so a message anyone publishes
+    after that is delivered (the prefill worker subscribes to an item's ECReady, then checks the
+    store: an encoder announcing in between must not be missed). Read from the server's monitoring
+    endpoint before this process yields to its event loop again."""
+    import json
+    import urllib.request
+
+    def registered(subject: str) -> bool:  # blocking on purpose: nats-py's flusher cannot run meanwhile
+        with urllib.request.urlopen(f"{nats_server.monitor_url}/subsz?subs=1&limit=100000", timeout=30) as resp:
+            subs = json.loads(resp.read()).get("subscriptions_list") or []
+        return any(sub["subject"] == subject for sub in subs)
+
+    async def main(confirm: bool) -> bool:
+        nc = await nats.connect(nats_server.url)
+        try:
+            subject = f"confirm.{uuid.uuid4().hex}"
+            async with await subscribe_typed(nc, subject, ECReady, confirm=confirm):
+                return registered(subject)
+        finally:
+            await nc.close()
+
+    assert asyncio.run(main(confirm=True))
+    # Negative control: without it the SUB is still in the client's buffer.
+    assert not asyncio.run(main(confirm=False))

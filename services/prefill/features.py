@@ -101,7 +101,7 @@ class EncoderWait:
             yield None
             return
         async with await subscribe_typed(self.ctx.nc, self.ctx.subjects.ec_any(self.fingerprint, ref.item_hash),
-                                         ECReady, ECFailed) as sub:
+                                         ECReady, ECFailed, confirm=True) as sub:
             yield sub
 
     async def wait(self, sub: TypedSubscription, ref: ImageRef) -> MissReason | None:
