@@ -1,0 +1,128 @@
+"""The bench result format: what ``epd bench run`` writes (JSON) and ``compare`` / ``plan`` read.
+
+Plain msgspec structs, versioned by ``BenchResult.schema``. Times are seconds (floats) unless a
+name says otherwise; latency statistics are milliseconds (``LatencyStats``), as vLLM prints them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA = 1
+
+
+class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A workload, from flags or a YAML file (same field names). Deterministic for a ``seed``."""
+
+    seed: int = 0
+    #: stop after this many requests (per sweep point), or after ``duration_s`` (whichever is set)
+    requests: int | None = 50
+    duration_s: float | None = None
+    #: "concurrency": ``concurrency`` requests always in flight; "poisson": arrivals at ``rate`` req/s
+    arrival: str = "concurrency"
+    concurrency: int = 1
+    rate: float | None = None
+    #: a rate sweep: one run per rate (arrival "poisson")
+    sweep: tuple[float, ...] = ()
+    #: images per image request -> weight (e.g. {1: 0.8, 2: 0.2})
+    images_per_request: dict[int, float] = msgspec.field(default_factory=lambda: {1: 1.0})
+    #: image size buckets "WxH" -> weight
+    image_sizes: dict[str, float] = msgspec.field(default_factory=lambda: {"448x448": 1.0})
+    #: share of image requests whose images repeat an earlier one, chosen among the last ``repeat_window`` images
+    repeat_share: float = 0.0
+    repeat_window: int = 16
+    #: share of requests with no image at all
+    text_only_share: float = 0.0
+    #: prompt length in words and output length in tokens: [min, max], uniform
+    prompt_words: tuple[int, int] = (16, 16)
+    output_tokens: tuple[int, int] = (32, 32)
+    #: turns per conversation about one image (each turn's request carries the history so far)
+    turns: int = 1
+    ignore_eos: bool = True
+    #: the served model name (default: the first of GET /v1/models)
+    model: str | None = None
+
+
+class LatencyStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Milliseconds."""
+
+    mean: float
+    median: float
+    p90: float
+    p99: float
+    std: float = 0.0
+
+
+class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One request as the client saw it (and, against our API, as its timeline tells)."""
+
+    index: int
+    kind: str  # "text" | "image" | "repeat" (an image request whose images were all seen before)
+    images: int
+    sent_at: float  # seconds since the run started
+    ok: bool
+    status: int = 0  # HTTP status (0: no answer)
+    error: str = ""
+    request_id: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    #: inter-token latencies (gaps between streamed token chunks), seconds
+    itl_s: tuple[float, ...] = ()
+    #: our API only: stage name -> seconds (from /debug/requests/<id>?format=json timelines)
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
+    #: our API only: item hash -> where its features came from (store, local_cache, recomputed:..., local)
+    ec_sources: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Summary(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``vllm bench serve`` prints, plus goodput and (our API) stage means and EC counts."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float  # req/s
+    output_token_throughput: float  # tok/s
+    total_token_throughput: float  # tok/s (prompt + output)
+    ttft_ms: LatencyStats | None
+    tpot_ms: LatencyStats | None
+    itl_ms: LatencyStats | None
+    e2e_ms: LatencyStats | None
+    #: requests/s that met every SLO bound (``--slo ttft=500,tpot=50``, milliseconds); None without an SLO
+    goodput: float | None = None
+    slo_ms: dict[str, float] = msgspec.field(default_factory=dict)
+    #: stage name -> mean seconds over the requests that have it
+    stage_means_s: dict[str, float] = msgspec.field(default_factory=dict)
+    #: EC source -> count (store / local_cache / recomputed / local / ...)
+    ec_counts: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One run at one load point (a sweep has several)."""
+
+    rate: float | None  # req/s (poisson), None for a concurrency run
+    concurrency: int | None
+    requests: tuple[RequestRecord, ...]
+    summary: Summary
+
+
+class BenchResult(msgspec.Struct, frozen=True, kw_only=True):
+    schema: int = SCHEMA
+    label: str
+    url: str
+    model: str
+    #: True when the endpoint is epd-serve (per-stage breakdown available)
+    epd: bool
+    started_at: float  # epoch
+    machine: str  # e.g. "2 cores, Linux 6.x, Python 3.11"
+    spec: WorkloadSpec
+    runs: tuple[RunResult, ...]
+
+
+def dump(result: BenchResult) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(result), indent=2)
+
+
+def load(data: bytes) -> BenchResult:
+    return msgspec.json.decode(data, type=BenchResult)
