@@ -210,6 +210,19 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
             assert [[j.image.item_hash for j in js] for js in jobs] == [[item], []], jobs
             assert sources[0] == "store" and sources[1] in ("store", "local_cache"), sources
 
+        # `epd bench run` against it (a short run): every request completes, with stage timings.
+        out_json = tmp_path / "bench.json"
+        bench = subprocess.run([str(EPD), "bench", "run", "--url", m["url"], "--requests", "4", "--concurrency", "2",
+                                "--image-sizes", "64x64", "--repeat-share", "0.5", "--output-tokens", "4,4",
+                                "--no-progress", "--out", str(out_json)], capture_output=True, text=True, timeout=300,
+                               env=env)
+        assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+        from shared.tools.bench.schema import load as load_bench
+
+        (run,) = load_bench(out_json.read_bytes()).runs
+        assert [(r.ok, r.output_tokens) for r in run.requests] == [(True, 4)] * 4, run.requests
+        assert all("prefill" in r.stages for r in run.requests) and run.summary.ec_counts, run.summary
+
         # Ctrl-C: it stops every process it started, and their ports are free again.
         proc.send_signal(signal.SIGINT)
         try:
