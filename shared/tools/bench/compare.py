@@ -281,12 +281,18 @@ def plot_latency_cdfs(results: list[BenchResult], labels: list[str], path: Path)
         xs = [x for line in ax.get_lines() for x in line.get_xdata()]
         if xs and min(xs) > 0 and max(xs) / min(xs) > 50:  # a long tail would squash the rest
             ax.set_xscale("log")
+    _save(fig, path, ax_ttft, ax_e2e)
+    return Plot(Path(path), {ax.get_title(): _read_lines(ax) for ax in (ax_ttft, ax_e2e)})
+
+
+def _save(fig: Any, path: Path, *axes: Any) -> None:
+    """Grid and legend on each line plot, then write the PNG."""
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, format="png")
-    return Plot(Path(path), {ax.get_title(): _read_lines(ax) for ax in (ax_ttft, ax_e2e)})
 
 
 def load_points(results: list[BenchResult]) -> int:
@@ -313,11 +319,7 @@ def plot_ttft_vs_rate(results: list[BenchResult], labels: list[str], path: Path)
     ax.set_title("TTFT vs rate")
     ax.set_xlabel("rate (req/s; offered, or measured for concurrency runs)")
     ax.set_ylabel("TTFT (ms)")
-    ax.grid(True, alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    _save(fig, path, ax)
     return Plot(Path(path), {ax.get_title(): _read_lines(ax)})
 
 
