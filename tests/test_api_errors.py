@@ -154,6 +154,9 @@ def test_api_keys_and_deadline(api_only_stack):
     _assert_error(r, 401, "invalid_api_key")
     r = httpx.get(f"{api_only_stack.url}/v1/models", headers={"Authorization": "Bearer sk-test-1"}, timeout=10)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "qwen2-vl-tiny"
+    # The fields vLLM's `bench serve` reads (root: the model, when --model is left out).
+    assert {k: r.json()["data"][0][k] for k in ("object", "root", "parent")} == {
+        "object": "model", "root": "qwen2-vl-tiny", "parent": None}
     # With keys configured, /metrics and /debug ask for one too (EPD_METRICS_PUBLIC is off).
     for path in ("/metrics", "/debug/requests/chatcmpl-0"):
         _assert_error(httpx.get(f"{api_only_stack.url}{path}", timeout=10), 401, "invalid_api_key")

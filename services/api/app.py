@@ -368,7 +368,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
         check_auth(request)
         return {
             "object": "list",
-            "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd-serve"}],
+            # root / parent as vLLM answers them: its `bench serve` reads root when --model is left out.
+            "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd-serve",
+                      "root": service.model_name, "parent": None}],
         }
 
     @app.post("/v1/chat/completions")
