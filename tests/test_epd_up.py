@@ -161,6 +161,9 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
         # A loaded 2-core machine: building the model plus starting four processes can take minutes.
         m = wait_for(ready, 420, "epd up to print that it is ready", interval=0.5)
         assert m["url"] == f"http://127.0.0.1:{api_port}" and m["topology"] == expected, m.group(0)
+        # While it waited it said what was ready (the last line: every worker, nothing starting).
+        progress = re.findall(r"^\s+[\d.]+s  (api ready; workers .*|waiting for the API)$", output(), re.M)
+        assert progress and progress[-1] == "api ready; workers " + ", ".join(f"{w} 1/1" for w in workers), progress
         assert (m["model"], m["engine"]) == ("qwen2-vl-tiny", "transformers")
         if topology is None:  # it built the tiny model itself: the very model of the reference
             built = default_model_dir(data_dir)

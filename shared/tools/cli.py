@@ -125,7 +125,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
                       metrics_port_base=args.metrics_port)
         stack.start()
         # vLLM engines take 40-120 s each to start on a small CPU machine (they start in parallel).
-        stack.wait_ready(timeout=args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0))
+        print("starting services...", flush=True)
+        stack.wait_ready(timeout=args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0),
+                         progress=lambda line: print(line, flush=True))
         elapsed = time.perf_counter() - started
         url = f"http://{args.host}:{args.port}"
         model_name = model_path.name if not common.model_name else common.model_name

@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,14 +218,23 @@ class Stack:
             return None
         return body if status == 200 else None
 
-    def wait_ready(self, timeout: float = 120.0, *, roles: dict[str, int] | None = None) -> dict:
+    def wait_ready(self, timeout: float = 120.0, *, roles: dict[str, int] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict:
         """Wait until the API answers and at least the given number of workers beat per heartbeat
-        role (a worker's service name; default: every worker service of the topology, replicas each)."""
+        role (a worker's service name; default: every worker service of the topology, replicas each).
+        ``progress`` gets a line whenever what is ready changes (``epd up`` prints it)."""
         if roles is None:
             roles = {s.value: self.replicas.get(s, 1) for s in TOPOLOGIES[self.topology].worker_services}
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         health = None
+        said = ""
         while time.monotonic() < deadline:
+            if progress is not None:
+                line = _readiness(health, roles)
+                if line != said:
+                    progress(f"  {time.monotonic() - started:5.1f}s  {line}")
+                    said = line
             for proc in self.processes:
                 if not proc.alive():
                     raise StackError(
@@ -233,6 +243,8 @@ class Stack:
                     )
             health = self.health()
             if health and all(health.get("workers", {}).get(r, 0) >= n for r, n in roles.items()):
+                if progress is not None:
+                    progress(f"  {time.monotonic() - started:5.1f}s  {_readiness(health, roles)}")
                 return health
             time.sleep(0.25)
         tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.log_tail(10)}" for p in self.processes)
@@ -246,6 +258,16 @@ class Stack:
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()
+
+
+def _readiness(health: dict | None, roles: dict[str, int]) -> str:
+    """What is ready and what is still starting, in one line."""
+    if health is None:
+        return "waiting for the API"
+    workers = health.get("workers", {})
+    ready = [f"{r} {min(workers.get(r, 0), n)}/{n}" for r, n in roles.items()]
+    waiting = [r for r, n in roles.items() if workers.get(r, 0) < n]
+    return "api ready; workers " + ", ".join(ready) + (f" (starting: {', '.join(waiting)})" if waiting else "")
 
 
 @dataclass(frozen=True)
