@@ -59,3 +59,5 @@ CONSUMER_ACK_PENDING = Gauge("epd:consumer_num_ack_pending", "Messages delivered
 REQUESTS_CANCELLED = Counter(
     "epd:requests_cancelled_total", "Cancelled requests, by where the cancellation took effect: api (the caller "
     "gave up), or the worker stage that dropped a queued job or stopped a running one.", ["stage"])
+ENCODE_BATCH_IMAGES = Histogram("epd:encode_batch_images", "Images per vision-tower forward (transformers engine: "
+                                "concurrent encodes share forwards).", buckets=(1, 2, 4, 8, 16, 32, 64))

@@ -148,6 +148,34 @@ async def test_encode_shapes(engine):
     assert torch.equal(alone.features, encoded[1].features)
 
 
+async def test_concurrent_encodes_share_forwards_with_the_single_image_features(engine):
+    """Concurrent encode calls are batched into shared vision-tower forwards (mixed sizes on
+    Qwen2-VL: patches concatenated), and each image's features equal its one-image forward bit for
+    bit; a call with an unusable image fails alone."""
+    from prometheus_client import REGISTRY
+
+    from shared.errors import InvalidImage
+
+    images = [noise_image(10 + i, (64, 48) if i % 2 else (90, 40)) for i in range(8)]
+    singles = [engine._encode([im])[0] for im in images]  # one forward each, in this thread
+
+    def forwards() -> tuple[float, float]:
+        return (REGISTRY.get_sample_value("epd:encode_batch_images_count") or 0.0,
+                REGISTRY.get_sample_value("epd:encode_batch_images_sum") or 0.0)
+
+    before = forwards()
+    *outs, bad = await asyncio.gather(*(engine.encode([im]) for im in images), engine.encode(["not an image"]),
+                                      return_exceptions=True)
+    after = forwards()
+    assert isinstance(bad, InvalidImage)
+    assert after[1] - before[1] == len(images)  # every image encoded once ...
+    assert after[0] - before[0] < len(images)  # ... in fewer forwards than images
+    for single, (out,) in zip(singles, outs):
+        assert torch.equal(single.features, out.features) and single.grid_thw == out.grid_thw
+    # Negative control: the equality could fail - another image's features differ.
+    assert not torch.equal(singles[0].features, (await engine.encode([noise_image(99, (90, 40))]))[0].features)
+
+
 async def test_other_images_features_change_the_output(engine):
     """Negative control: the equality test above could fail."""
     messages, _ = CASES["one-image"]

@@ -25,6 +25,12 @@ tie within that difference.
 
 Not thread-safe: call it from the engine's compute thread only.
 
+:class:`EncodeBatcher` does the same for the vision tower: encode calls that arrive while a forward
+runs wait and go together into the next one (up to :data:`ENCODE_BATCH_PIXELS`); the features are
+the single-image forward's bit for bit (tests/test_engine_transformers.py), because the vision
+tower keeps images apart (Qwen2-VL: per-image attention blocks over concatenated patches) and the
+matmuls' rows do not depend on each other with one intra-op thread.
+
 :class:`DecodeLoop` drives a :class:`BatchDecoder` for :meth:`TransformersEngine.decode`: requests
 join and leave from any thread (an event loop), the steps run in the compute thread.
 """
@@ -458,3 +464,60 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     shape[2] = n
     return torch.cat([t.new_zeros(shape), t], dim=2)
 
+
+#: Most image pixels (width x height, before preprocessing) one encode forward takes: bounds the
+#: vision tower's activations (~40 images of 448 x 448); a larger single image still goes alone.
+ENCODE_BATCH_PIXELS = 8_000_000
+
+
+class EncodeBatcher:
+    """Concurrent :meth:`TransformersEngine.encode` calls share forwards. A call's preprocessed
+    images (``engine._preprocess``) are queued; one drain task at a time takes the queue up to
+    :data:`ENCODE_BATCH_PIXELS` and runs ``engine._encode_pixels`` on all of them in the compute
+    thread, then hands each call its own features. A failed forward fails every call in it."""
+
+    def __init__(self, engine: Any, max_pixels: int = ENCODE_BATCH_PIXELS):
+        self.engine = engine
+        self.max_pixels = max_pixels
+        self._queue: list[tuple[list[Any], int, asyncio.Future]] = []
+        self._draining = False
+
+    async def submit(self, pixels: list[Any], n_pixels: int) -> list[Any]:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((pixels, n_pixels, future))
+        if not self._draining:
+            self._draining = True
+            asyncio.ensure_future(self._drain())
+        return await future
+
+    def _take(self) -> list[tuple[list[Any], int, asyncio.Future]]:
+        batch, total = [], 0
+        while self._queue and (not batch or total + self._queue[0][1] <= self.max_pixels):
+            item = self._queue.pop(0)
+            if item[2].done():  # its caller gave up
+                continue
+            batch.append(item)
+            total += item[1]
+        return batch
+
+    async def _drain(self) -> None:
+        try:
+            while batch := self._take():
+                flat = [px for pixels, _, _ in batch for px in pixels]
+                try:
+                    out = await self.engine._call(self.engine._encode_pixels, flat)
+                except Exception as exc:
+                    for _, _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                start = 0
+                for pixels, _, future in batch:
+                    if not future.done():
+                        future.set_result(out[start:start + len(pixels)])
+                    start += len(pixels)
+        finally:
+            self._draining = False
+            if self._queue:  # arrived after the last take, while this task was finishing
+                self._draining = True
+                asyncio.ensure_future(self._drain())

@@ -51,6 +51,7 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from shared import metrics
 from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
 from shared.errors import EngineError, InvalidImage, InvalidRequest
 from shared.fingerprint import encoder_fingerprint as _encoder_fingerprint
@@ -456,7 +457,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
         from transformers import Qwen2VLForConditionalGeneration
 
-        from shared.engines.transformers_batch import BatchDecoder, DecodeLoop
+        from shared.engines.transformers_batch import BatchDecoder, DecodeLoop, EncodeBatcher
 
         self.model_dir = Path(model_dir)
         if dtype not in _DTYPES:
@@ -505,6 +506,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self._closed = False
         self._keys = itertools.count()
         self._decode_loop = DecodeLoop(BatchDecoder(self, max_batch=max_batch), self._executor)
+        self._encode_batcher = EncodeBatcher(self)
         logger.info(
             "loaded %s (%s, %s, threads=%s) in %.2fs",
             self.model_dir,
@@ -538,8 +540,12 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return self.arch == "qwen2_vl"
 
     async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
-        """Image processor + vision tower + projector, one image per call (batch-independent)."""
-        return await self._call(self._encode, images)
+        """Image processor + vision tower + projector. Concurrent calls share forwards (up to
+        :data:`ENCODE_BATCH_PIXELS` per forward): the features equal a one-image forward's bit for
+        bit (tested; one compute thread, the same thread count), so batching changes no token. An
+        image that cannot be preprocessed fails only its own call (:class:`InvalidImage`)."""
+        pixels = await self._call(self._preprocess, images)
+        return await self._encode_batcher.submit(pixels, sum(img.width * img.height for img in images))
 
     async def generate(
         self,
@@ -718,9 +724,14 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
     # -- compute thread: encode / prefill / decode ----------------------------------------------
 
     def _encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+        """Encode ``images`` now, in this thread (one forward per shape group)."""
+        return self._encode_pixels(self._preprocess(images))
+
+    def _preprocess(self, images: Sequence["Image.Image"]) -> list[Any]:
+        """The image processor's tensors, one dict per image (InvalidImage names the bad one)."""
         from PIL import Image as PILImage
 
-        out: list[EncodedImage] = []
+        out = []
         for i, img in enumerate(images):
             if not isinstance(img, PILImage.Image):
                 raise InvalidImage(f"images[{i}] is not a PIL image ({type(img).__name__})")
@@ -729,37 +740,56 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             if img.mode != "RGB":
                 img = img.convert("RGB")
             try:
-                pixels = self.processor.image_processor(images=[img], return_tensors="pt")
+                out.append(self.processor.image_processor(images=[img], return_tensors="pt"))
             except (ValueError, TypeError) as exc:
                 raise InvalidImage(f"images[{i}] cannot be preprocessed: {exc}") from exc
-            try:
-                res, grid_thw = self._encode_pixels(pixels)
-            except (RuntimeError, ValueError, IndexError) as exc:
-                raise EngineError(f"encoding images[{i}] failed: {exc}") from exc
-            feats = res.pooler_output[0]
-            feats = feats.reshape(-1, feats.shape[-1]).detach().to("cpu").contiguous()
-            out.append(EncodedImage(features=feats, grid_thw=grid_thw))
         return out
 
-    def _encode_pixels(self, pixels: Any) -> tuple[Any, tuple[int, int, int] | None]:
+    def _encode_pixels(self, pixels: Sequence[Any]) -> list[EncodedImage]:
+        """Vision tower + projector over preprocessed images, as few forwards as the model allows:
+        Qwen2-VL takes images of any size in one forward (patches concatenated, one grid per
+        image); LLaVA stacks images of one shape (its processor makes them all one size)."""
+        if not pixels:
+            return []
+        out: list[EncodedImage | None] = [None] * len(pixels)
+        if self.is_mrope:
+            groups = [list(range(len(pixels)))]
+        else:
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i, px in enumerate(pixels):
+                by_shape.setdefault(tuple(px["pixel_values"].shape[1:]), []).append(i)
+            groups = list(by_shape.values())
+        for group in groups:
+            try:
+                feats, grids = self._forward_images([pixels[i] for i in group])
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise EngineError(f"encoding {len(group)} image(s) failed: {exc}") from exc
+            for i, f, g in zip(group, feats, grids):
+                out[i] = EncodedImage(features=f, grid_thw=g)
+        metrics.ENCODE_BATCH_IMAGES.observe(len(pixels))
+        return out  # type: ignore[return-value]
+
+    def _forward_images(self, pixels: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
         # no_grad rather than inference_mode: the features leave the engine, and callers may
         # modify them in place (not allowed on inference tensors outside inference mode).
         with torch.no_grad():
             if self.is_mrope:
-                grid = pixels["image_grid_thw"]
+                grid = torch.cat([px["image_grid_thw"] for px in pixels])
                 res = self.model.get_image_features(
-                    pixel_values=pixels["pixel_values"], image_grid_thw=grid, return_dict=True
+                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]), image_grid_thw=grid,
+                    return_dict=True,
                 )
-                grid_thw: tuple[int, int, int] | None = tuple(int(x) for x in grid[0].tolist())  # type: ignore[assignment]
+                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]
             else:
                 res = self.model.get_image_features(
-                    pixel_values=pixels["pixel_values"],
+                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
                     vision_feature_layer=self.config.vision_feature_layer,
                     vision_feature_select_strategy=self.config.vision_feature_select_strategy,
                     return_dict=True,
                 )
-                grid_thw = None
-        return res, grid_thw
+                grids = [None] * len(pixels)
+        feats = [res.pooler_output[i] for i in range(len(pixels))]
+        return [f.reshape(-1, f.shape[-1]).detach().to("cpu").contiguous() for f in feats], grids
 
     def _prefill_first(
         self,
