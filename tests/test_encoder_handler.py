@@ -101,3 +101,49 @@ async def test_transient_failures_retry_then_give_up(handler, monkeypatch):
     assert verdict.action is Action.TERM
     failed = handler.publisher.sent[-1][1]
     assert isinstance(failed, ECFailed) and "3 attempts" in failed.message
+
+
+async def test_jobs_in_flight_hold_decoded_images_within_the_pixel_budget(tmp_path, tiny_model_dir, reference_engine):
+    """Many encode jobs at once (EPD_ENCODE_JOBS_IN_FLIGHT): the images held decoded never exceed
+    EPD_ENCODE_PIXEL_BUDGET, and every job still completes (their encodes share forwards)."""
+    import asyncio
+
+    budget = 3 * 56 * 56  # three 56x56 images at a time
+    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path,
+                               encode_pixel_budget=budget)
+    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=reference_engine.encoder_fingerprint,
+                    producer="w1")
+    h = EncoderHandler(settings, engine=reference_engine, store=store)
+    publisher = RecordingPublisher()
+    await h.setup(WorkerContext(settings, Subjects("t"), publisher))
+    h.publisher = publisher
+    held, most = 0, 0
+    load_image = h.image
+
+    async def counting_image(ref):
+        nonlocal held, most
+        image = await load_image(ref)
+        held += ref.width * ref.height
+        most = max(most, held)
+        await asyncio.sleep(0.05)  # hold it while the others arrive
+        return image
+
+    original_produce = h.producer.produce
+
+    async def produce_then_release(item, image):
+        nonlocal held
+        try:
+            return await original_produce(item, image)
+        finally:
+            held -= image.width * image.height
+
+    h.image = counting_image
+    h.producer.produce = produce_then_release
+    try:
+        jobs = [_job(h, noise_image(40 + i, (56, 56))) for i in range(8)]
+        verdicts = await asyncio.gather(*(settle(h, _delivery(job)) for job in jobs))
+    finally:
+        await h.close()
+    assert [v.action for v in verdicts] == [Action.ACK] * 8
+    assert 0 < most <= budget, most
+    assert most > 56 * 56  # negative control: more than one at a time when the budget allows

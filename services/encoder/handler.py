@@ -30,6 +30,7 @@ from shared.config import EncoderSettings
 from shared.engines import base
 from shared.engines.base import Engine
 from shared.errors import EngineError, EPDError, StoreError
+from shared.media import DecodeBudget
 from shared.model_worker import ModelHandler
 from shared.protocol import ECFailed, ECReady, EncodeJob
 from shared.store.ec import ECStore
@@ -105,6 +106,7 @@ class EncoderHandler(ModelHandler):
         super().__init__(settings, engine, store)
         self.settings: EncoderSettings = settings
         self.producer: FeatureProducer | None = None
+        self.pixel_budget = DecodeBudget(settings.encode_pixel_budget)
 
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
@@ -133,13 +135,19 @@ class EncoderHandler(ModelHandler):
             metrics.ENCODE_JOBS.labels("already_stored").inc()
             return
 
-        image = await self.image(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
-        started_at = time.time()
-        started = time.perf_counter()
+        # Decoded images held at once are bounded by pixels, however many jobs are in flight.
+        claim = await self.pixel_budget.acquire(job.image.width * job.image.height)
         try:
-            n_tokens, nbytes = await self.producer.produce(item, image)
-        except EngineError as exc:  # may be this worker's (out of memory): let another one try
-            raise Retry(None, f"engine failed: {exc.message}", error=exc) from exc
+            image = await self.image(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
+            started_at = time.time()
+            started = time.perf_counter()
+            try:
+                n_tokens, nbytes = await self.producer.produce(item, image)
+            except EngineError as exc:  # may be this worker's (out of memory): let another one try
+                raise Retry(None, f"engine failed: {exc.message}", error=exc) from exc
+            del image
+        finally:
+            self.pixel_budget.release(claim)
         encode_s = time.perf_counter() - started
         metrics.ENCODE_SECONDS.observe(encode_s)
         log.info("encoded %s: %d tokens, %d bytes, %.3fs (attempt %d)", item[:12], n_tokens, nbytes, encode_s,

@@ -16,7 +16,8 @@ def main() -> None:
     exit_unless_engine_fits(settings, Role.ENCODER)  # refuse before loading anything
     from services.encoder.handler import EncoderHandler
 
-    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size, concurrency=settings.batch_size)
+    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size,
+               concurrency=settings.encode_jobs_in_flight)
 
 
 if __name__ == "__main__":
