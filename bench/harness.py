@@ -1,0 +1,420 @@
+"""What the bench/ scripts share: their servers, their stacks, their requests, their ratios.
+
+* :class:`Bench` - a temporary folder under ``var/`` with an embedded ``nats-server`` and S3 server on
+  free ports, the stacks a script asks for (:meth:`Bench.start`: ``shared.tools.launcher.Stack``, one
+  topology each, every stack on its own subject prefix, namespace and bucket, so several share the
+  servers), everything stopped and removed at exit (also on Ctrl-C).
+* :func:`model_dir` - the bench (~130M) or tiny Qwen2-VL, built once into ``var/models``.
+* :func:`run_load` - one load run against a stack with ``epd bench run``'s load generator
+  (``shared.tools.bench.runner.run``): TTFT, E2E, stages and EC sources per request; :func:`chat` - one
+  streaming request, timed on the client, for probes sent beside a load run; :func:`timeline` - a
+  request's ``/debug/requests/<id>?format=json`` (its messages and stage timeline).
+* :func:`alternate` - both sides of a comparison in one run, A B, B A, A B, ... so that a noisy
+  machine hits both; :class:`Ratio` - the per-repetition ratios, median and spread (min-max), and the
+  last line a script prints (``P1 c=1: E|PD/agg TTFT p50 = 0.97 [0.91-1.04] (target <= 1.0) MET``).
+
+Only ratios from one run mean anything on a shared machine; absolute times are printed for context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402
+from shared.tools.launcher import Stack  # noqa: E402
+
+log = logging.getLogger("bench")
+
+MODELS = ROOT / "var" / "models"
+
+
+# -- model -------------------------------------------------------------------------------------
+def model_dir(size: str = "bench") -> Path:
+    """``var/models/qwen2-vl-<size>`` (``epd model build-tiny --size <size>``), built if missing."""
+    out = MODELS / f"qwen2-vl-{size}"
+    if (out / "config.json").is_file():
+        return out
+    from shared.tools.models.tiny import build_tiny_model
+
+    print(f"building the {size} model into {out} (once)", flush=True)
+    MODELS.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=MODELS))
+    build_tiny_model(tmp, arch="qwen2_vl", size=size, seed=0)
+    try:
+        tmp.rename(out)  # atomic: a half-built folder is never taken for a model
+    except OSError:  # built meanwhile by another run
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# -- servers and stacks ------------------------------------------------------------------------
+@dataclass
+class BenchStack:
+    """A started stack and what a script needs to talk to it."""
+
+    label: str
+    stack: Stack
+    model: str
+
+    @property
+    def url(self) -> str:
+        return self.stack.base_url
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(f"--- {p.label}\n{p.log_tail(lines)}" for p in self.stack.processes)
+
+
+class Bench:
+    """Embedded NATS + S3 in a temporary folder, and the stacks started on them; a context manager.
+
+    ``keep``: leave the folder (logs, NATS and S3 data) behind for a look afterwards."""
+
+    def __init__(self, name: str, *, keep: bool = False):
+        (ROOT / "var").mkdir(exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=ROOT / "var"))
+        self.keep = keep
+        self.nats = EmbeddedNats(self.work / "nats")
+        self.s3 = EmbeddedS3(self.work / "s3")
+        self.stacks: list[BenchStack] = []
+        self._closed = False
+
+    def __enter__(self) -> "Bench":
+        atexit.register(self.close)
+        # SIGTERM (a timeout, a CI runner) must stop the children too: make it an exception.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            self.nats.start()
+            self.s3.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def env(self, model: Path, **overrides: str) -> dict[str, str]:
+        """One stack's ``EPD_*`` settings, as ``epd up`` sets them, on its own prefix, namespace, bucket."""
+        tag = uuid.uuid4().hex[:8]
+        env = {
+            "EPD_NATS_URL": self.nats.url,
+            "EPD_S3_ENDPOINT": self.s3.endpoint,
+            "EPD_S3_ACCESS_KEY": self.s3.access_key,
+            "EPD_S3_SECRET_KEY": self.s3.secret_key,
+            "EPD_S3_BUCKET": f"bench-{tag}",
+            "EPD_NAMESPACE": f"b{tag}",
+            "EPD_SUBJECT_PREFIX": f"b{tag}",
+            "EPD_MODEL_PATH": str(model),
+            "EPD_MODEL_NAME": model.name,
+            "EPD_ENGINE": "transformers",
+            # JetStream reserves a stream's max_bytes up front: several stacks share one server here.
+            "EPD_STREAM_MAX_BYTES": str(256 * 1024**2),
+            # The services run from the tree the script is in (a fresh clone's editable install may point elsewhere).
+            "PYTHONPATH": str(ROOT),
+        }
+        env.update(overrides)
+        return env
+
+    def start(self, specs: dict[str, tuple[str, dict[str, str]]], model: Path, *,
+              timeout: float = 600.0) -> dict[str, BenchStack]:
+        """Start one stack per ``label -> (topology, EPD_* overrides)``, all at once (they load their
+        engines in parallel), and wait until every one is ready (an API heartbeat from each worker)."""
+        started: dict[str, BenchStack] = {}
+        for label, (topology, overrides) in specs.items():
+            stack = Stack(env=self.env(model, **overrides), log_dir=self.work / "logs" / label, topology=topology,
+                          api_port=free_port())
+            bs = BenchStack(label, stack, model.name)
+            self.stacks.append(bs)
+            started[label] = bs
+            stack.start()
+        t = time.perf_counter()
+        for bs in started.values():
+            bs.stack.wait_ready(timeout=timeout)
+        print(f"stacks ready ({', '.join(f'{k}: {v[0]}' for k, v in specs.items())}) in "
+              f"{time.perf_counter() - t:.1f}s; logs under {self.work / 'logs'}", flush=True)
+        return started
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for bs in reversed(self.stacks):
+            try:
+                bs.stack.stop()
+            except Exception:  # noqa: BLE001 - stop the rest regardless
+                log.exception("stopping %s", bs.label)
+        for server in (self.s3, self.nats):
+            try:
+                server.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("stopping %s", server.name)
+        if not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+# -- requests ----------------------------------------------------------------------------------
+_WORDS = ("describe the picture in detail and name every colour shape and object you can see in it "
+          "then say what might happen next").split()
+
+
+def prompt(words: int, salt: int = 0) -> str:
+    return " ".join(_WORDS[(i + salt) % len(_WORDS)] for i in range(words))
+
+
+def chat_body(model: str, text: str, images: Sequence[str] = (), *, max_tokens: int = 8) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    parts.append({"type": "text", "text": text})
+    return {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+
+
+@dataclass
+class Probe:
+    """One request as the client saw it."""
+
+    ok: bool
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    request_id: str = ""
+    error: str = ""
+
+
+async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Probe:
+    """POST one streaming chat completion; TTFT is the first chunk that carries token ids."""
+    sent = time.perf_counter()
+    probe = Probe(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            probe.request_id = resp.headers.get("x-request-id", "")
+            if resp.status_code != 200:
+                probe.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return probe
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    probe.error = str(event["error"])
+                    return probe
+                if probe.ttft_s is None and any(c.get("token_ids") for c in event.get("choices", ())):
+                    probe.ttft_s = time.perf_counter() - sent
+    except httpx.HTTPError as exc:
+        probe.error = f"{type(exc).__name__}: {exc}"
+        return probe
+    probe.e2e_s = time.perf_counter() - sent
+    probe.ok = probe.ttft_s is not None
+    return probe
+
+
+def client(timeout: float = 600.0) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0),
+                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+
+async def timeline(http: httpx.AsyncClient, url: str, request_id: str) -> dict[str, Any]:
+    """The request's ``/debug/requests/<id>?format=json`` (its case and timeline)."""
+    resp = await http.get(f"{url}/debug/requests/{request_id}", params={"format": "json"})
+    resp.raise_for_status()
+    return resp.json()
+
+
+def final_timings(debug: dict[str, Any]) -> dict[str, float]:
+    """The worker's own ``FinalResult.timings`` (features_s, prefill_s, decode_s, total_s, ...), from a
+    debug JSON; {} when the request has no final result."""
+    rid = debug["case"]["request_id"]
+    for m in debug["case"]["messages"]:
+        msg = m.get("message") or {}
+        if m.get("kind") == "final_result" and msg.get("request_id") == rid:
+            return dict(msg.get("timings") or {})
+    return {}
+
+
+# -- load runs ---------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One load run of one side: its records and (with ``epd bench``'s runner) the full result."""
+
+    label: str
+    records: list[RequestRecord]
+    result: BenchResult | None = None
+
+    def ok(self, kind: str | None = None) -> list[RequestRecord]:
+        return [r for r in self.records if r.ok and (kind is None or r.kind == kind)]
+
+    def ttfts(self, kind: str | None = None) -> list[float]:
+        return [r.ttft_s for r in self.ok(kind) if r.ttft_s is not None]
+
+    def failed(self) -> int:
+        return sum(1 for r in self.records if not r.ok)
+
+
+async def run_load(bs: BenchStack, spec: WorkloadSpec, *, label: str, timelines: bool = True) -> Run:
+    """``spec`` against ``bs`` with ``epd bench``'s load generator (``shared.tools.bench.runner``): the
+    requests, then (``timelines``) each one's stages and EC sources from its timeline."""
+    from shared.tools.bench import runner
+
+    result = await runner.run(bs.url, spec, label=label, progress=False, timelines=timelines)
+    return Run(label, [r for run in result.runs for r in run.requests], result)
+
+
+# -- statistics and the verdict ----------------------------------------------------------------
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear interpolation (numpy's default)."""
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def stage_means(records: Iterable[RequestRecord]) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for r in records:
+        for k, v in r.stages.items():
+            sums.setdefault(k, []).append(v)
+    return {k: statistics.fmean(v) for k, v in sums.items()}
+
+
+def format_stages(means: dict[str, float], keys: Sequence[str] | None = None) -> str:
+    keys = keys or [k for k, _ in sorted(means.items(), key=lambda kv: -kv[1])]
+    return ", ".join(f"{k} {means[k] * 1e3:.0f} ms" for k in keys if k in means)
+
+
+@dataclass
+class Ratio:
+    """One figure: a ratio (or a value) per repetition, its median and spread, against a target."""
+
+    name: str
+    values: list[float] = field(default_factory=list)
+    target: float | None = None  # upper bound (a "<=" or "<" target); None: reported only
+    strict: bool = False  # "<" rather than "<="
+    unit: str = ""  # "" for a ratio, e.g. " ms" / " s" for a value
+    per: str = "reps"  # what each value is one of
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def met(self) -> bool | None:
+        if self.target is None or not self.values:
+            return None
+        return self.median < self.target if self.strict else self.median <= self.target
+
+    def line(self) -> str:
+        fmt = "{:.2f}" if not self.unit else "{:.1f}"
+        spread = (f" [{fmt.format(min(self.values))}-{fmt.format(max(self.values))}]{self.unit}, "
+                  f"{len(self.values)} {self.per}") if self.values else ""
+        text = f"{self.name} = {fmt.format(self.median)}{self.unit if not spread else ''}{spread}"
+        if self.target is None:
+            return text + " (no target: reported)"
+        op = "<" if self.strict else "<="
+        return f"{text} (target {op} {self.target}{self.unit}) {'MET' if self.met else 'MISSED'}"
+
+
+def alternate(reps: int, sides: Sequence[str]) -> list[tuple[int, str]]:
+    """(repetition, side) in run order: A B, then B A, then A B ... (the order flips every
+    repetition, so neither side always runs first after the other)."""
+    order = []
+    for rep in range(reps):
+        seq = list(sides) if rep % 2 == 0 else list(reversed(sides))
+        order.extend((rep, s) for s in seq)
+    return order
+
+
+def merge(label: str, runs: Sequence[Run]) -> BenchResult:
+    """One ``epd bench`` result of several runs of one side: the requests of runs at the same load
+    point pooled (renumbered) into one run, summarised again (``report.summarize``)."""
+    import msgspec
+
+    from shared.tools.bench.report import summarize
+    from shared.tools.bench.schema import RunResult
+
+    results = [r.result for r in runs if r.result is not None]
+    points: dict[tuple[float | None, int | None], list[RunResult]] = {}
+    for res in results:
+        for rr in res.runs:
+            points.setdefault((rr.rate, rr.concurrency), []).append(rr)
+    merged = []
+    for (rate, concurrency), rrs in points.items():
+        records = [msgspec.structs.replace(rec, index=i)
+                   for i, rec in enumerate(rec for rr in rrs for rec in rr.requests)]
+        duration = sum(rr.summary.duration_s for rr in rrs)
+        merged.append(RunResult(rate=rate, concurrency=concurrency, requests=tuple(records),
+                                summary=summarize(records, duration)))
+    return msgspec.structs.replace(results[0], label=label, runs=tuple(merged))
+
+
+def save(out_dir: Path | None, sides: dict[str, Sequence[Run]]) -> None:
+    """Write one ``epd bench`` result JSON per side into ``out_dir`` (``<side>.json``: its runs pooled
+    per load point, :func:`merge`), for ``epd bench compare`` and its plots."""
+    if out_dir is None:
+        return
+    from shared.tools.bench.schema import dump
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for side, runs in sides.items():
+        if any(r.result is not None for r in runs):
+            (out_dir / f"{side}.json").write_bytes(dump(merge(side, runs)))
+    print(f"wrote {', '.join(f'{s}.json' for s in sides)} to {out_dir} (epd bench compare ... --plots DIR)",
+          flush=True)
+
+
+def common_args(parser: argparse.ArgumentParser, *, reps: int = 3, requests: int | None = 8,
+                images: bool = False, model_size: str = "bench") -> None:
+    """The flags every script has; ``images``: also --image-size and --max-tokens (image workloads)."""
+    parser.add_argument("--reps", type=int, default=reps, help="repetitions per side (alternating)")
+    parser.add_argument("--model-size", default=model_size, choices=["bench", "tiny"])
+    if images:
+        parser.add_argument("--image-size", type=int, default=448)
+        parser.add_argument("--max-tokens", type=int, default=8, help="output tokens of an image request")
+    if requests is not None:
+        parser.add_argument("--requests", type=int, default=requests, help="requests per side per repetition")
+    parser.add_argument("--out", type=Path, default=None, help="write each run's epd bench JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, data)")
+
+
+def finish(figures: Sequence[Ratio]) -> int:
+    """Print every figure, then all of them on one line, last; exit status 0 (a missed target is a
+    result, not an error)."""
+    for f in figures:
+        print(f.line())
+    print("; ".join(f.line() for f in figures), flush=True)
+    return 0
+
+
+def main_guard(fn: Callable[[], int]) -> None:
+    logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        sys.exit(fn())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

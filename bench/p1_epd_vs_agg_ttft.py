@@ -1,0 +1,87 @@
+"""P1: E|PD time to first token / aggregated TTFT, cold images, concurrency 1 and 4.
+
+Starts embedded NATS + S3 and two stacks on the bench model (~130M Qwen2-VL, transformers engine):
+``agg`` (api + one worker that encodes, prefills and decodes) and ``e-pd`` (api + encoder + prefill/decode
+worker). Every request carries a new image (nothing cached anywhere). For each concurrency, each
+repetition runs ``--requests`` requests on each side, the sides taking turns (A B, B A, ...) every
+request at concurrency 1 and every ``--requests`` at higher concurrency (a sustained load), so machine
+noise hits both; the ratio is p50 TTFT(E|PD) / p50 TTFT(agg) per repetition; reported: median and
+spread (min-max) over the repetitions.
+Targets: <= 1.0 at concurrency 1 (splitting must not cost latency), <= 0.6 at concurrency 4 (the encoder
+and the prefill worker work in parallel).
+
+Run: ``.venv/bin/python bench/p1_epd_vs_agg_ttft.py [--reps 3] [--requests 8] [--concurrency 1,4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as h  # noqa: E402
+from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+
+TARGETS = {1: 1.0, 4: 0.6}
+SIDES = ("agg", "epd")
+TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
+
+
+def spec(args: argparse.Namespace, seed: int, concurrency: int, requests: int) -> WorkloadSpec:
+    return WorkloadSpec(seed=seed, requests=requests, concurrency=concurrency,
+                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+
+
+async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
+    for i, side in enumerate(SIDES):  # warm-up: first requests pay for lazy set-up; not counted
+        await h.run_load(stacks[side], spec(args, 1 + i, 1, 2), label=f"warmup-{side}")
+    figures: list[h.Ratio] = []
+    runs: dict[str, list[h.Run]] = {s: [] for s in SIDES}
+    for c in args.concurrency:
+        ratio = h.Ratio(f"P1 c={c}: E|PD/agg TTFT p50", target=TARGETS.get(c))
+        slot = args.slot or (1 if c == 1 else args.requests)  # requests per turn of a side
+        by_rep: dict[int, dict[str, list[h.Run]]] = {}
+        turns = args.requests // slot
+        for turn, side in h.alternate(args.reps * turns, SIDES):
+            rep = turn // turns
+            seed = 100_000 * (rep + 1) + 1000 * c + 10 * turn + SIDES.index(side)  # new images every run: cold
+            run = await h.run_load(stacks[side], spec(args, seed, c, slot), label=f"p1-c{c}-{side}-{turn}")
+            runs[side].append(run)
+            if run.failed():
+                print(f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}")
+            by_rep.setdefault(rep, {}).setdefault(side, []).append(run)
+        for rep, sides in by_rep.items():
+            agg, epd = (h.pct([t for run in sides[s] for t in run.ttfts()], 50) for s in SIDES)
+            ratio.add(epd / agg)
+            print(f"  c={c} rep {rep}: TTFT p50 agg {agg * 1e3:.0f} ms, E|PD {epd * 1e3:.0f} ms -> {epd / agg:.2f}",
+                  flush=True)
+        for side in SIDES:
+            recs = [rec for sides in by_rep.values() for run in sides[side] for rec in run.ok()]
+            ttfts = [r.ttft_s for r in recs if r.ttft_s is not None]
+            print(f"  c={c} {side:>3}: TTFT p50 {h.pct(ttfts, 50) * 1e3:.0f} ms, p90 {h.pct(ttfts, 90) * 1e3:.0f} ms "
+                  f"({len(ttfts)} requests); stage means: {h.format_stages(h.stage_means(recs))}")
+        figures.append(ratio)
+    h.save(args.out, runs)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    h.common_args(parser, reps=3, requests=8, images=True)
+    parser.add_argument("--concurrency", default="1,4", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--slot", type=int, default=None,
+                        help="requests per turn of a side (default: 1 at concurrency 1, else all of a repetition's)")
+    args = parser.parse_args()
+    model = h.model_dir(args.model_size)
+    with h.Bench("p1", keep=args.keep) as bench:
+        stacks = bench.start({s: (TOPOLOGY[s], {}) for s in SIDES}, model)
+        figures = asyncio.run(measure(args, stacks))
+    return h.finish(figures)
+
+
+if __name__ == "__main__":
+    h.main_guard(main)

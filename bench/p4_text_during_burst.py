@@ -1,0 +1,105 @@
+"""P4: text-only TTFT (p50, p99) during a burst of 8 concurrent image requests / idle text-only TTFT,
+E|PD and aggregated.
+
+Starts embedded NATS + S3 and an ``agg`` and an ``e-pd`` stack on the bench model (transformers engine).
+Each repetition, on each side (alternating the order): ``--probes`` text-only requests one at a time on
+the idle stack, then a burst of ``--burst`` image requests (new images, all at once) while text-only
+probes go out one after another until the burst has finished. Per repetition and side: p50 and p99 of
+the probes' TTFT during the burst over those of the idle probes. An image request holds the aggregated
+worker's one compute thread for its encode; on E|PD the encoder takes that, so text waits only for
+prefills. No target yet (the throughput issue sets it): reported.
+
+Run: ``.venv/bin/python bench/p4_text_during_burst.py [--reps 3] [--burst 8] [--probes 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as h  # noqa: E402
+from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+
+SIDES = ("agg", "epd")
+TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
+
+
+def burst_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    return WorkloadSpec(seed=seed, requests=args.burst, concurrency=args.burst,
+                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+
+
+async def probe(http, bs: h.BenchStack, i: int, max_tokens: int) -> float:
+    p = await h.chat(http, bs.url, h.chat_body(bs.model, h.prompt(16, i), max_tokens=max_tokens))
+    if not p.ok:
+        raise RuntimeError(f"text probe failed on {bs.label}: {p.error}")
+    return p.ttft_s  # type: ignore[return-value]
+
+
+async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tuple[list[float], list[float], h.Run]:
+    async with h.client() as http:
+        idle = [await probe(http, bs, i, args.probe_tokens) for i in range(args.probes)]
+        burst = asyncio.create_task(h.run_load(bs, burst_spec(args, seed), label=f"p4-{bs.label}-burst-{seed}",
+                                               timelines=False))
+        busy: list[float] = []
+        while not burst.done():  # a probe in flight when the burst ends was sent during it: counted
+            busy.append(await probe(http, bs, 100 + len(busy), args.probe_tokens))
+        run = await burst
+    if run.failed():
+        print(f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}")
+    return idle, busy, run
+
+
+async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
+    async with h.client() as http:  # warm-up, not counted
+        for side in SIDES:
+            await probe(http, stacks[side], 0, args.probe_tokens)
+            await h.run_load(stacks[side], burst_spec(args, 1 + SIDES.index(side)), label=f"warmup-{side}",
+                             timelines=False)
+    name = {"agg": "agg", "epd": "E|PD"}
+    figures = {(side, q): h.Ratio(f"P4 {name[side]}: text TTFT p{q} during burst / idle") for side in SIDES
+               for q in (50, 99)}
+    pooled: dict[str, tuple[list[float], list[float]]] = {s: ([], []) for s in SIDES}
+    runs: dict[str, list[h.Run]] = {f"{s}-burst": [] for s in SIDES}
+    for rep, side in h.alternate(args.reps, SIDES):
+        idle, busy, run = await one_side(args, stacks[side], 1000 * (rep + 1) + SIDES.index(side))
+        runs[f"{side}-burst"].append(run)
+        pooled[side][0].extend(idle)
+        pooled[side][1].extend(busy)
+        parts = []
+        for q in (50, 99):
+            i, b = h.pct(idle, q), h.pct(busy, q)
+            figures[(side, q)].add(b / i)
+            parts.append(f"p{q} idle {i * 1e3:.0f} ms, burst {b * 1e3:.0f} ms -> {b / i:.1f}x")
+        burst_ttft = h.pct(run.ttfts(), 50)
+        print(f"  rep {rep} {side:>3}: {len(busy)} probes during the burst; " + "; ".join(parts)
+              + f"; burst image TTFT p50 {burst_ttft:.2f} s", flush=True)
+    for side in SIDES:
+        idle, busy = pooled[side]
+        print(f"  {side:>3} pooled: idle p50 {h.pct(idle, 50) * 1e3:.0f} ms p99 {h.pct(idle, 99) * 1e3:.0f} ms "
+              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms ({len(busy)})")
+    h.save(args.out, runs)
+    return list(figures.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    h.common_args(parser, reps=3, requests=None, images=True)
+    parser.add_argument("--burst", type=int, default=8, help="image requests in the burst (all at once)")
+    parser.add_argument("--probes", type=int, default=8, help="idle text-only probes per repetition")
+    parser.add_argument("--probe-tokens", type=int, default=4, help="output tokens of a text-only probe")
+    args = parser.parse_args()
+    model = h.model_dir(args.model_size)
+    with h.Bench("p4", keep=args.keep) as bench:
+        stacks = bench.start({s: (TOPOLOGY[s], {}) for s in SIDES}, model)
+        figures = asyncio.run(measure(args, stacks))
+    return h.finish(figures)
+
+
+if __name__ == "__main__":
+    h.main_guard(main)

@@ -1,0 +1,90 @@
+"""P5: fabric overhead per request: end-to-end time minus the engine's own compute, text-only, 1 token.
+
+Starts embedded NATS + S3 and an E|PD stack on the tiny model (transformers engine) and sends
+``--requests`` text-only requests with ``max_tokens: 1``, one at a time (each repetition after a
+warm-up). Per request, from its timeline (``/debug/requests/<id>?format=json``):
+
+  overhead = client E2E (POST to the end of the SSE stream) - (prefill_s + decode_s)
+
+where ``prefill_s`` and ``decode_s`` are the engine's own compute times the worker reports in its
+``FinalResult.timings`` (the ``prefill`` stage of the timeline). The rest is the fabric: HTTP and the
+API, the JetStream hops (generation job, token chunk, final result) and the worker's own handling. The
+breakdown printed splits it into the API side (client E2E - the worker's ``total_s``, which runs from
+taking the job to publishing the result) and the worker side (``total_s`` - compute), and into the server
+side (the timeline's E2E, from the API receiving the request to the final result stored in its stream,
+- compute) and the HTTP side (client E2E - that). Target: p50 <= 2 ms.
+
+Run: ``.venv/bin/python bench/p5_fabric_overhead.py [--reps 3] [--requests 40]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as h  # noqa: E402
+from shared.tools.bench.runner import parse_timeline  # noqa: E402
+
+TARGET_MS = 2.0
+
+
+async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
+    overhead = h.Ratio("P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS,
+                       unit=" ms")
+    e2e_fig = h.Ratio("P5 client E2E p50 (same requests)", unit=" ms")
+    parts: dict[str, list[float]] = {}
+    async with h.client() as http:
+        for i in range(5):  # warm-up, not counted
+            await h.chat(http, bs.url, h.chat_body(bs.model, h.prompt(8, i), max_tokens=1))
+        for rep in range(args.reps):
+            probes = []
+            for i in range(args.requests):
+                p = await h.chat(http, bs.url, h.chat_body(bs.model, h.prompt(8, i), max_tokens=1))
+                if not p.ok:
+                    raise RuntimeError(f"request failed: {p.error}")
+                probes.append(p)
+            rows = []
+            for p in probes:  # timelines after the timed part
+                doc = await h.timeline(http, bs.url, p.request_id)
+                t = h.final_timings(doc)
+                compute = t.get("prefill_s", 0.0) + t.get("decode_s", 0.0)
+                server_e2e = doc["case"]["summary"].get("e2e_s") or 0.0
+                stages, _ = parse_timeline(doc)
+                rows.append({"overhead": p.e2e_s - compute, "e2e": p.e2e_s, "compute": compute,
+                             "api side (E2E - worker total)": p.e2e_s - t.get("total_s", 0.0),
+                             "worker side (total - compute)": t.get("total_s", 0.0) - compute,
+                             "server side (server E2E - compute)": server_e2e - compute,
+                             "HTTP (client E2E - server E2E)": p.e2e_s - server_e2e,
+                             "generation queued (API publish -> worker takes the job)":
+                                 stages.get("generation queued", 0.0)})
+            for k in rows[0]:
+                parts.setdefault(k, []).extend(r[k] for r in rows)
+            o50 = h.pct([r["overhead"] for r in rows], 50) * 1e3
+            e50 = h.pct([r["e2e"] for r in rows], 50) * 1e3
+            overhead.add(o50)
+            e2e_fig.add(e50)
+            print(f"  rep {rep}: E2E p50 {e50:.1f} ms, compute p50 {h.pct([r['compute'] for r in rows], 50) * 1e3:.1f} ms, "
+                  f"overhead p50 {o50:.1f} ms ({len(rows)} requests)", flush=True)
+    print("  where the time goes (p50 over all requests): "
+          + ", ".join(f"{k} {h.pct(v, 50) * 1e3:.1f} ms" for k, v in parts.items()))
+    return [e2e_fig, overhead]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    h.common_args(parser, reps=3, requests=40, model_size="tiny")
+    parser.add_argument("--topology", default="e-pd", choices=["agg", "e-pd", "e-p-d"])
+    args = parser.parse_args()
+    model = h.model_dir(args.model_size)
+    with h.Bench("p5", keep=args.keep) as bench:
+        bs = bench.start({"stack": (args.topology, {})}, model)["stack"]
+        figures = asyncio.run(measure(args, bs))
+    return h.finish(figures)
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
