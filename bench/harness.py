@@ -19,6 +19,7 @@ Only ratios from one run mean anything on a shared machine; absolute times are p
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import json
 import logging
@@ -400,6 +401,17 @@ def common_args(parser: argparse.ArgumentParser, *, reps: int = 3, requests: int
         parser.add_argument("--requests", type=int, default=requests, help="requests per side per repetition")
     parser.add_argument("--out", type=Path, default=None, help="write each run's epd bench JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, data)")
+
+
+def run_stacks(name: str, args: argparse.Namespace, specs: dict[str, tuple[str, dict[str, str]]],
+               measure: Any) -> int:
+    """A script's body: start ``specs`` (:meth:`Bench.start`) on the ``--model-size`` model, run
+    ``asyncio.run(measure(args, stacks))``, stop everything, print the figures (:func:`finish`)."""
+    model = model_dir(args.model_size)
+    with Bench(name, keep=args.keep) as bench:
+        stacks = bench.start(specs, model)
+        figures = asyncio.run(measure(args, stacks))
+    return finish(figures)
 
 
 def finish(figures: Sequence[Ratio]) -> int:

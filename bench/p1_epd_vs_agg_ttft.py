@@ -16,7 +16,6 @@ Run: ``.venv/bin/python bench/p1_epd_vs_agg_ttft.py [--reps 3] [--requests 8] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -76,11 +75,7 @@ def main() -> int:
     parser.add_argument("--slot", type=int, default=None,
                         help="requests per turn of a side (default: 1 at concurrency 1, else all of a repetition's)")
     args = parser.parse_args()
-    model = h.model_dir(args.model_size)
-    with h.Bench("p1", keep=args.keep) as bench:
-        stacks = bench.start({s: (TOPOLOGY[s], {}) for s in SIDES}, model)
-        figures = asyncio.run(measure(args, stacks))
-    return h.finish(figures)
+    return h.run_stacks("p1", args, {s: (TOPOLOGY[s], {}) for s in SIDES}, measure)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Run: ``.venv/bin/python bench/p2_stored_features_ttft.py [--reps 3] [--requests 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import sys
 from pathlib import Path
@@ -84,11 +83,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     h.common_args(parser, reps=3, requests=8, images=True)
     args = parser.parse_args()
-    model = h.model_dir(args.model_size)
-    with h.Bench("p2", keep=args.keep) as bench:
-        stacks = bench.start({p: ("e-pd", env) for p, (_, _, env) in PATHS.items()}, model)
-        figures = asyncio.run(measure(args, stacks))
-    return h.finish(figures)
+    return h.run_stacks("p2", args, {p: ("e-pd", env) for p, (_, _, env) in PATHS.items()}, measure)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,7 @@ def main() -> int:
     parser.add_argument("--probes", type=int, default=8, help="idle text-only probes per repetition")
     parser.add_argument("--probe-tokens", type=int, default=4, help="output tokens of a text-only probe")
     args = parser.parse_args()
-    model = h.model_dir(args.model_size)
-    with h.Bench("p4", keep=args.keep) as bench:
-        stacks = bench.start({s: (TOPOLOGY[s], {}) for s in SIDES}, model)
-        figures = asyncio.run(measure(args, stacks))
-    return h.finish(figures)
+    return h.run_stacks("p4", args, {s: (TOPOLOGY[s], {}) for s in SIDES}, measure)
 
 
 if __name__ == "__main__":

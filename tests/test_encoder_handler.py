@@ -28,15 +28,22 @@ class RecordingPublisher:
         return True
 
 
-@pytest.fixture
-async def handler(tmp_path, tiny_model_dir, reference_engine):
-    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path, max_deliver=3)
-    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=reference_engine.encoder_fingerprint,
+async def _handler(tmp_path, tiny_model_dir, engine, **settings) -> EncoderHandler:
+    """An encoder handler on an fs store in ``tmp_path``, set up, with a recording publisher."""
+    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path, max_deliver=3,
+                               **settings)
+    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=engine.encoder_fingerprint,
                     producer="w1")
-    h = EncoderHandler(settings, engine=reference_engine, store=store)
+    h = EncoderHandler(settings, engine=engine, store=store)
     publisher = RecordingPublisher()
     await h.setup(WorkerContext(settings, Subjects("t"), publisher))
     h.publisher = publisher
+    return h
+
+
+@pytest.fixture
+async def handler(tmp_path, tiny_model_dir, reference_engine):
+    h = await _handler(tmp_path, tiny_model_dir, reference_engine)
     yield h
     await h.close()
 
@@ -109,14 +116,7 @@ async def test_jobs_in_flight_hold_decoded_images_within_the_pixel_budget(tmp_pa
     import asyncio
 
     budget = 3 * 56 * 56  # three 56x56 images at a time
-    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path,
-                               encode_pixel_budget=budget)
-    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=reference_engine.encoder_fingerprint,
-                    producer="w1")
-    h = EncoderHandler(settings, engine=reference_engine, store=store)
-    publisher = RecordingPublisher()
-    await h.setup(WorkerContext(settings, Subjects("t"), publisher))
-    h.publisher = publisher
+    h = await _handler(tmp_path, tiny_model_dir, reference_engine, encode_pixel_budget=budget)
     held, most = 0, 0
     load_image = h.image
 

@@ -571,8 +571,8 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed
             log.info("stream closed before the request ended: request cancelled")
         why = "the API stopped" if service.stopping.is_set() else "the client disconnected mid-stream"
-        # In the background: when the client is gone this task is being cancelled.
+        # In the background: when the client is gone this task is being cancelled. (A stream that
+        # ended has closed itself; cancelling closes one that did not.)
         service.cancel_in_background(events, Cancelled(why))
-        service.spawn(events.aclose())
         metrics.IN_FLIGHT.labels("api_stream").dec()
         REQUEST_ID.reset(token)

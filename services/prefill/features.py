@@ -131,13 +131,18 @@ class LocalFeatures(FeatureSource):
         self.image = image
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
-        cached = self.cache.get(ref.item_hash)
-        if cached is not None:
-            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+        if (cached := self.cached(ref)) is not None:
             return cached, "local_cache"
         item = await self.encode(ref)
         metrics.EC_LOOKUPS.labels("local", "hit", "").inc()
         return item, "local"
+
+    def cached(self, ref: ImageRef) -> EncodedImage | None:
+        """The item's features from this worker's local cache (counted as a hit), or None."""
+        cached = self.cache.get(ref.item_hash)
+        if cached is not None:
+            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+        return cached
 
     async def encode(self, ref: ImageRef) -> EncodedImage:
         (item,) = await self.engine.encode([await self.image(ref)])
@@ -155,9 +160,7 @@ class StoredFeatures(LocalFeatures):
         self.encoder = encoder
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
-        cached = self.cache.get(ref.item_hash)
-        if cached is not None:
-            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+        if (cached := self.cached(ref)) is not None:
             return cached, "local_cache"
         reason = MissReason.NOT_FOUND
         async with self.encoder.watching(ref) as sub:
