@@ -75,6 +75,9 @@ class CommonSettings(BaseSettings):
     engine: str = "transformers"
     dtype: str = "float32"
     torch_threads: int = Field(1, ge=1, description="same value in every stage for bit-identical output")
+    #: CPUs a worker binds itself to (Linux list syntax, e.g. ``0-1``; unset = all), vLLM's engine
+    #: processes too (``shared.cpus``): give the encoder and the PD worker disjoint lists on one host.
+    cpu_cores: str | None = Field(None, description="CPU ids this worker runs on, e.g. 0-1 (unset: all)")
     # vLLM engine (EPD_ENGINE=vllm): its caches, compile artefacts and IPC sockets go under vllm_dir.
     vllm_dir: Path = Path("var/vllm")
     vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU)")
@@ -164,7 +167,10 @@ class PrefillSettings(CommonSettings):
     #: One of ``PREFILL_SERVICE_ROLES``: pd (E|PD), prefill (E|P|D), agg (baseline); see :class:`Role`.
     role: Role = Role.PD
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
-    max_concurrent_jobs: int = Field(8, ge=1)
+    max_concurrent_jobs: int | None = Field(None, ge=1, description="jobs in the engine at once; unset = the "
+                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16)")
+    max_waiting_jobs: int = Field(64, ge=0, description="jobs held while they wait for image features (they take "
+                                                        "no engine slot)")
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
 
     @field_validator("role", mode="before")

@@ -35,6 +35,16 @@ def exit_unless_engine_fits(settings: CommonSettings, role: Role) -> None:
         raise SystemExit(f"{service_of(role)} worker: {exc}") from None
 
 
+def bind_cpus_or_exit(settings: CommonSettings) -> None:
+    """Start-up, before anything is loaded: bind the process to ``EPD_CPU_CORES`` (``shared.cpus``)."""
+    from shared.cpus import bind_process
+
+    try:
+        bind_process(settings.cpu_cores)
+    except ValueError as exc:
+        raise SystemExit(f"worker: {exc}") from None
+
+
 def media_limits(settings: CommonSettings) -> MediaLimits:
     return MediaLimits(max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
 

@@ -26,7 +26,10 @@ tests drive handlers through it.
 
 The runner:
 
-* durable pull consumer, ``fetch`` up to ``batch`` messages while there is free capacity;
+* durable pull consumer, ``fetch`` up to ``batch`` messages while there is free capacity: up to
+  ``concurrency`` jobs held, or, for a handler with an :class:`~shared.admission.Admission`
+  (generating workers), while fewer jobs are working than the engine has slots (jobs that wait
+  for their inputs do not count);
 * a core-NATS subscription to every cancellation, which cancels the task of a running job of
   that request (unless the handler's jobs run to the end: ``stops_when_cancelled``);
 * each message handled in its own task, with ``in_progress`` sent every ``ack_wait / 3`` so
@@ -57,6 +60,7 @@ from typing import Any, ClassVar
 from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
+from shared.admission import Admission
 from shared.cancellation import CancelRecords, cancelled_request_id
 from shared.config import CommonSettings
 from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
@@ -202,6 +206,9 @@ class Handler(abc.ABC):
     stops_when_cancelled: ClassVar[bool] = True
 
     in_flight: int = 0
+    #: Set in ``setup`` by a handler whose jobs wait for inputs (``shared.admission``): the runner
+    #: then fetches by it instead of its fixed ``concurrency``.
+    admission: Admission | None = None
 
     @abc.abstractmethod
     async def setup(self, ctx: WorkerContext) -> None:
@@ -378,12 +385,28 @@ class WorkerRunner:
             await _close_connection(nc)
             log.info("%s worker %s stopped", self.name, self.settings.worker_id)
 
+    def _room(self) -> int:
+        """Jobs to fetch now: up to ``concurrency`` held, or what the handler's admission allows."""
+        admission = self.handler.admission
+        if admission is not None:
+            return admission.room_to_fetch(len(self._tasks))
+        return self.concurrency - len(self._tasks)
+
     async def _consume(self, psub: Any) -> None:
         failing = ""  # the fetch error being repeated (logged once until a fetch works again)
+        admission = self.handler.admission
         while not self.stopping.is_set():
-            free = self.concurrency - len(self._tasks)
+            free = self._room()
             if free <= 0:
-                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                wake = set(self._tasks)
+                changed = asyncio.ensure_future(admission.changed()) if admission is not None else None
+                if changed is not None:
+                    wake.add(changed)
+                try:
+                    await asyncio.wait(wake, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if changed is not None:
+                        changed.cancel()
                 continue
             try:
                 msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)

@@ -211,8 +211,8 @@ async def test_remove_gives_back_a_state_that_decodes_on_alone(engine, requests_
         return state
 
     state = await on_engine(engine, batch_then_remove)
-    # The single-request loop (generate's) continues it.
-    rest = [e.token_id for e in await _drain(engine._events(DecodeStream(engine, state, _greedy()), None))]
+    # The decode loop continues it alone (a batch of one: the single-request step).
+    rest = [e.token_id for e in await _drain(engine._decode_batched(state, _greedy(), None))]
     want = [e.token_id for e in await _drain(engine.generate(*requests_[1], _greedy()))]
     assert state.output_ids == want and rest == want[5:]
 
@@ -332,3 +332,30 @@ async def test_more_requests_than_max_batch_wait_for_a_row(model_dir, requests_,
         assert elapsed >= 2 * (n - 1) * 0.02  # at least two rounds of n - 1 delayed steps
     finally:
         await engine.aclose()
+
+
+# -- generate(): E|PD and agg workers decode their requests in the same loop ---------------------------
+async def test_concurrent_generate_calls_share_decode_steps_cheapest_prefill_first(engine, requests_):
+    """Requests generated at once (a PD worker's admitted jobs) are decoded together in the decode
+    loop and each equals the same request generated alone; their prefills ran one at a time, the
+    cheapest prompt first after the one that started at once (``shared.admission.PrioritySlots``)."""
+    params = _greedy()
+    alone = [[e.token_id for e in await _drain(engine.generate(m, i, params))] for m, i in requests_]
+    ran: list[int] = []  # prompt tokens of each prefill, in the order they ran
+    real = engine._prefill_first
+
+    def recording(messages, images, params, stats):
+        ran.append(len(engine.build_prompt_ids(messages, images)))
+        return real(messages, images, params, stats)
+
+    engine._prefill_first = recording
+    try:
+        stats = [GenerationStats() for _ in requests_]
+        got = await asyncio.gather(*(_drain(engine.generate(m, i, params, s)) for (m, i), s in zip(requests_, stats)))
+    finally:
+        del engine._prefill_first
+    assert [[e.token_id for e in g] for g in got] == alone
+    assert max(s.extra["decode_batch_rows_max"] for s in stats) >= 2  # they did share steps
+    arrival = [len(engine.build_prompt_ids(m, i)) for m, i in requests_]
+    assert ran[0] == arrival[0] and ran[1:] == sorted(arrival[1:])
+    assert sorted(arrival[1:]) != arrival[1:]  # control: arrival order would fail the line above

@@ -30,10 +30,12 @@ from PIL import Image
 
 from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.config import CommonSettings
+from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
 from shared.tools.infra import free_port, port_available
 from shared.tools.launcher import Stack
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
+from shared.topology import Topology
 from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.epdup import EPD, READY, REPO, EpdUp, Proc, descendants, distinct_free_ports
 from tests.test_e2e_epd import REF_PARAMS
@@ -51,6 +53,32 @@ SERVICES = {"e-pd": ["api", "encoder", "prefill"], "agg": ["api", "prefill"]}
 
 
 # -- make run --------------------------------------------------------------------------------------
+def test_cpu_lists_parse_format_and_split():
+    assert parse_cpu_list("0,2-3, 5") == [0, 2, 3, 5] and format_cpu_list([5, 0, 2, 3]) == "0,2-3,5"
+    for bad in ("", "a", "3-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+    assert split_cpus([0, 1], ["encoder", "prefill"]) == {"encoder": "0", "prefill": "1"}
+    assert split_cpus(range(5), ["encoder", "prefill"]) == {"encoder": "0-2", "prefill": "3-4"}
+    assert split_cpus([0, 1], ["encoder", "prefill", "decode"]) == {"encoder": "0", "prefill": "1", "decode": "1"}
+
+
+def test_epd_up_per_service_settings_from_flags():
+    from shared.tools.cli import _service_env
+
+    def env(*argv):
+        return _service_env(build_parser().parse_args(["up", *argv]), Topology.E_P_D)
+
+    assert env("--cores", "encoder=0", "--service-env", "prefill:EPD_VLLM_KV_CACHE_GIB=2") == {
+        "encoder": {"EPD_CPU_CORES": "0"}, "prefill": {"EPD_VLLM_KV_CACHE_GIB": "2"}}
+    auto = env("--cores", "auto")
+    assert sorted(auto) == ["decode", "encoder", "prefill"]
+    for bad in (["--cores", "api=0"], ["--cores", "encoder=x"], ["--service-env", "prefill:VLLM_X=1"],
+                ["--service-env", "nope:EPD_X=1"]):
+        with pytest.raises(SystemExit):
+            env(*bad)
+
+
 def test_make_run_is_epd_up_on_port_8000():
     """README: `make run` starts everything (epd up) on http://127.0.0.1:8000, files under ./var."""
     # (a clean make environment: under `make test` MAKELEVEL/MAKEFLAGS would add "make[1]: ..." lines)
@@ -142,6 +170,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
             "--s3-port", str(s3_port), "--metrics-port", str(metrics_base)]
     if topology is not None:
         argv += ["--topology", topology, "--model", str(tiny_model_dir)]
+    else:  # per-service CPU binding, and one worker service after another
+        argv += ["--cores", "auto", "--start", "staggered"]
     # Nothing of this session's configuration leaks in; PYTHONPATH: the tree under test (the
     # editable install points at the main checkout; make run runs in the checkout it installed).
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, "PYTHONPATH": str(REPO),
@@ -175,6 +205,14 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
         assert modules == sorted(SERVICES[expected]), [p.cmdline for p in children]
         assert any("nats-server" in p.cmdline for p in children) and any(" mini " in p.cmdline for p in children)
         assert len(children) == len(modules) + 2, [p.cmdline for p in children]
+        bound = {re.search(r"-m services\.(\w+)", p.cmdline)[1]: os.sched_getaffinity(p.pid)
+                 for p in children if "-m services." in p.cmdline}
+        if topology is None:  # --cores auto: each worker on its share of the CPUs, the API anywhere
+            split = split_cpus(available_cpus(), workers)
+            assert {w: bound[w] for w in workers} == {w: set(parse_cpu_list(c)) for w, c in split.items()}, bound
+            assert "starting services one worker service at a time..." in output()
+        else:  # control: without --cores every process may run anywhere
+            assert all(cores == set(available_cpus()) for cores in bound.values()), bound
         metrics = dict(re.findall(r"(\S+) :(\d+)", METRICS.search(output())["ports"]))
         assert sorted(metrics) == sorted(f"{w}-0" for w in workers)
         ports = listening_ports([p.pid for p in children])

@@ -115,6 +115,10 @@ class EncoderHandler(ModelHandler):
             self.producer = ConnectorStoresFeatures(self.engine, self.store)
         else:  # (base.FeaturesThroughWorker: the role's engine check passed)
             self.producer = WorkerStoresFeatures(self.engine, self.store)
+        capacity = ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
+        log.info("encoder: up to %d jobs at once (EPD_ENCODE_JOBS_IN_FLIGHT), their images within %d pixels "
+                 "(EPD_ENCODE_PIXEL_BUDGET); engine: %s", self.settings.encode_jobs_in_flight,
+                 self.settings.encode_pixel_budget, capacity)
 
     async def handle(self, job: EncodeJob, delivery: Delivery) -> None:
         if job.fingerprint != self.fingerprint:

@@ -11,9 +11,10 @@ from shared.worker import run_worker
 def main() -> None:
     settings = EncoderSettings()
     setup_logging(settings.log_level, service=Service.ENCODER, fmt=settings.log_format)
-    from shared.model_worker import exit_unless_engine_fits
+    from shared.model_worker import bind_cpus_or_exit, exit_unless_engine_fits
 
     exit_unless_engine_fits(settings, Role.ENCODER)  # refuse before loading anything
+    bind_cpus_or_exit(settings)
     from services.encoder.handler import EncoderHandler
 
     run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size,

@@ -29,7 +29,9 @@ import time
 from shared import metrics, protocol
 from shared.config import PrefillSettings
 from shared.engines import base
-from shared.engines.base import Engine
+from shared.admission import Admission
+from shared.engines.base import EncodedImage, Engine, MediaImage
+from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.model_worker import ModelHandler, sampling_params
 from shared.protocol import FinalResult, GenerationJob
@@ -50,6 +52,12 @@ from services.prefill.features import (
 from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
 
 log = logging.getLogger(__name__)
+
+
+def _image_tokens(item: EncodedImage | MediaImage) -> int:
+    if isinstance(item, EncodedImage):
+        return item.n_tokens
+    return image_token_estimate(item.image.width, item.image.height)
 
 
 class PrefillHandler(ModelHandler):
@@ -74,7 +82,20 @@ class PrefillHandler(ModelHandler):
         assert self.engine is not None and self.store is not None
         self.features = self._feature_source(ctx)
         self.handoff = await self._handoff(ctx)
+        self.admission = self._admission()
         log.info("role %s: %s, %s", self.role, type(self.features).__name__, type(self.handoff).__name__)
+
+    def _admission(self) -> Admission:
+        """Engine slots from the engine (``EPD_MAX_CONCURRENT_JOBS`` overrides), printed with what
+        they came from; room for ``EPD_MAX_WAITING_JOBS`` jobs waiting for their features."""
+        assert self.engine is not None
+        engine_slots = self.engine.max_running_requests
+        slots = self.settings.max_concurrent_jobs or engine_slots
+        capacity = ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
+        log.info("admission: %d job(s) in the engine at once (%s; engine: %s), up to %d more waiting for "
+                 "image features", slots, "EPD_MAX_CONCURRENT_JOBS" if self.settings.max_concurrent_jobs else
+                 "from the engine", capacity, self.settings.max_waiting_jobs)
+        return Admission(slots, self.settings.max_waiting_jobs)
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
         encoder = None if self.role is Role.AGG else EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s)
@@ -107,23 +128,34 @@ class PrefillHandler(ModelHandler):
         metrics.GENERATION_JOBS.labels("ok").inc()
 
     async def _generate(self, job: GenerationJob, attempt: int) -> None:
+        """Features (waiting for them holds no engine slot), then an engine slot (the cheapest
+        prompt first), then generate or hand off (``shared.admission``)."""
         assert self.ctx is not None and self.features is not None and self.handoff is not None
+        assert self.admission is not None
         t0 = time.perf_counter()
         distinct = {ref.item_hash: ref for ref in job.images}
-        resolved = await asyncio.gather(*(self.features.resolve(ref, job.request_id) for ref in distinct.values()))
+        resolved: list[tuple[EncodedImage | MediaImage, str]] = []
+        if distinct:
+            async with self.admission.waiting():
+                resolved = await asyncio.gather(
+                    *(self.features.resolve(ref, job.request_id) for ref in distinct.values()))
         by_hash = dict(zip(distinct, resolved))
-        gen = Generation(
-            job=job,
-            images=[by_hash[ref.item_hash][0] for ref in job.images],
-            params=sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed)),
-            out=TokenOutput(self.ctx, job.request_id, attempt),
-            sources={h: src for h, (_, src) in by_hash.items()},
-            t0=t0,
-            t_features=time.perf_counter(),
-        )
-        if await self.handoff.run(gen):
-            return  # a decode worker owns the request now
-        await self._final(gen)
+        images = [by_hash[ref.item_hash][0] for ref in job.images]
+        t_features = time.perf_counter()
+        async with self.admission.slot(prompt_cost(job.messages, [_image_tokens(item) for item in images])):
+            gen = Generation(
+                job=job,
+                images=images,
+                params=sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed)),
+                out=TokenOutput(self.ctx, job.request_id, attempt),
+                sources={h: src for h, (_, src) in by_hash.items()},
+                t0=t0,
+                t_features=t_features,
+                t_admitted=time.perf_counter(),
+            )
+            if await self.handoff.run(gen):
+                return  # a decode worker owns the request now
+            await self._final(gen)
 
     async def _final(self, gen: Generation) -> None:
         assert self.ctx is not None
@@ -141,6 +173,7 @@ class PrefillHandler(ModelHandler):
             completion_tokens=stats.completion_tokens,
             timings={
                 "features_s": gen.t_features - gen.t0,
+                "admission_s": gen.t_admitted - gen.t_features,
                 "prefill_s": stats.prefill_s,
                 "decode_s": stats.decode_s,
                 "first_token_s": (out.first_token_at - gen.t0) if out.first_token_at else 0.0,

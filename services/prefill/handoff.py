@@ -49,9 +49,11 @@ class Generation:
     out: TokenOutput
     #: item hash -> where its features came from
     sources: dict[str, str]
-    #: ``time.perf_counter()`` when the job started and when its features were ready
+    #: ``time.perf_counter()`` when the job started, when its features were ready and when it got
+    #: an engine slot (``shared.admission``)
     t0: float
     t_features: float
+    t_admitted: float
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     async def stream(self, events) -> None:

@@ -11,12 +11,14 @@ def main() -> None:
     settings = PrefillSettings()
     role = settings.role
     setup_logging(settings.log_level, service=f"prefill-{role}", fmt=settings.log_format)
-    from shared.model_worker import exit_unless_engine_fits
+    from shared.model_worker import bind_cpus_or_exit, exit_unless_engine_fits
 
     exit_unless_engine_fits(settings, role)  # refuse before loading anything
+    bind_cpus_or_exit(settings)
     from services.prefill.handler import PrefillHandler
 
-    run_worker(PrefillHandler(settings), settings, batch_size=1, concurrency=settings.max_concurrent_jobs)
+    # How many jobs it holds comes from the handler's admission (engine slots + jobs waiting for features).
+    run_worker(PrefillHandler(settings), settings, batch_size=8)
 
 
 if __name__ == "__main__":

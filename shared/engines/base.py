@@ -136,6 +136,18 @@ class Engine(abc.ABC):
         put ``extra["ec_sources"]``: item hash -> where its features came from). Closing the
         iterator early cancels the request in the engine."""
 
+    @property
+    def max_running_requests(self) -> int:
+        """Requests this engine works on at once (its batch): a generating worker admits up to
+        this many jobs (``shared.admission``; ``EPD_MAX_CONCURRENT_JOBS`` overrides). More would
+        only queue inside the engine, where a short prompt cannot overtake."""
+        return 1
+
+    def capacity(self) -> dict[str, Any]:
+        """What the engine's capacity was derived from, printed at start-up (e.g. batch size,
+        KV cache tokens)."""
+        return {"max_running_requests": self.max_running_requests}
+
     async def aclose(self) -> None:
         """Release the model (vLLM stops its engine processes)."""
 

@@ -10,13 +10,15 @@ event loop, and never two at a time. The EPD stages are separate, explicit steps
   ``masked_scatter`` of the features, one LM forward over the prompt with explicit position ids,
   first token sampled. Returns a :class:`TransformersPrefilled` around a :class:`DecodeState`.
 * decoding - token by token with incremental detokenization and stop handling
-  (:class:`DecodeStream`): one compute-thread hop per token for ``generate`` and
-  ``continue_here``; for ``decode`` (a handed-off KV object) the engine's batched decode loop
-  (``shared.engines.transformers_batch``), one forward per step over every request it decodes.
+  (:class:`DecodeStream`), in the engine's batched decode loop
+  (``shared.engines.transformers_batch``): one forward per step over every running request,
+  whether it was prefilled here (``generate``, ``continue_here``) or handed off as a KV object
+  (``decode``). A request alone in the loop decodes with the single-request step bit for bit.
 
-Compute-thread hops are FIFO, so a long generation or the batched loop never starves other
-calls: they interleave step by step. Closing a token iterator early stops its work after the
-step in flight.
+Compute-thread hops are FIFO, and prefills take turns one at a time, the cheapest prompt first
+(:meth:`TransformersEngine.prefill`), so the decode loop steps between two prefills and a short
+prompt is not stuck behind every long one queued before it. Closing a token iterator early stops
+its work after the step in flight.
 
 With greedy sampling the token ids equal ``model.generate(**processor(text=..., images=...))``
 bit for bit, provided every stage runs with the same thread count and dtype. What makes this
@@ -52,7 +54,13 @@ from shared.engines.base import (
     TokenEvent,
 )
 from shared import metrics
-from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
+from shared.engines.prompts import (
+    check_image_count,
+    check_placeholder_tokens,
+    prompt_cost,
+    render_chat_prompt,
+    validate_params,
+)
 from shared.errors import EngineError, InvalidImage, InvalidRequest
 from shared.fingerprint import encoder_fingerprint as _encoder_fingerprint
 from shared.topology import Role
@@ -423,9 +431,11 @@ class TransformersPrefilled:
         return await self._engine._call(decode_state_to_raw, self._live().state)
 
     def continue_here(self) -> AsyncIterator[TokenEvent]:
-        """The tokens after ``first``, decoded in this engine (one compute-thread hop each);
-        updates the stats given to :meth:`TransformersEngine.prefill`."""
-        return self._engine._events(self._live(), self._stats)
+        """The tokens after ``first``, decoded in this engine's batched decode loop with every
+        other running request (alone, the single-request step bit for bit); updates the stats
+        given to :meth:`TransformersEngine.prefill`."""
+        stream = self._live()
+        return self._engine._decode_batched(stream.state, stream.params, self._stats)
 
     async def release(self) -> None:
         if self._stream is not None:
@@ -457,6 +467,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
         from transformers import Qwen2VLForConditionalGeneration
 
+        from shared.admission import PrioritySlots
         from shared.engines.transformers_batch import BatchDecoder, DecodeLoop, EncodeBatcher
 
         self.model_dir = Path(model_dir)
@@ -507,6 +518,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self._keys = itertools.count()
         self._decode_loop = DecodeLoop(BatchDecoder(self, max_batch=max_batch), self._executor)
         self._encode_batcher = EncodeBatcher(self)
+        self._prefill_turns = PrioritySlots(1)
         logger.info(
             "loaded %s (%s, %s, threads=%s) in %.2fs",
             self.model_dir,
@@ -518,10 +530,12 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     @classmethod
     def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
-        """Decode workers: the batch size."""
-        if role is not Role.DECODE:
-            return {}
-        return {"max_batch": settings.max_batch_size}
+        """The decode batch: a decode worker's ``max_batch_size``; a generating worker's
+        ``max_concurrent_jobs`` when set (its admission slots are the batch's rows)."""
+        if role is Role.DECODE:
+            return {"max_batch": settings.max_batch_size}
+        slots = getattr(settings, "max_concurrent_jobs", None)
+        return {"max_batch": slots} if slots else {}
 
     # -- Engine API ---------------------------------------------------------------------------
 
@@ -538,6 +552,15 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
     @property
     def is_mrope(self) -> bool:
         return self.arch == "qwen2_vl"
+
+    @property
+    def max_running_requests(self) -> int:
+        """The decode batch's rows: every running request decodes in one forward per step."""
+        return self._decode_loop.decoder.max_batch
+
+    def capacity(self) -> dict[str, Any]:
+        return {"max_running_requests": self.max_running_requests, "decode_batch_rows": self.max_running_requests,
+                "encode_batch_pixels": self._encode_batcher.max_pixels, "torch_threads": self.threads}
 
     async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
         """Image processor + vision tower + projector. Concurrent calls share forwards (up to
@@ -572,8 +595,13 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> TransformersPrefilled:
-        """Run the prompt through the LM and sample (and emit) the first token."""
-        stream, first = await self._call(self._prefill_first, messages, images, params, stats)
+        """Run the prompt through the LM and sample (and emit) the first token. Prefills take
+        turns, the cheapest prompt first (``shared.admission.PrioritySlots``: shortest-prefill-first
+        with ageing), one at a time: each runs between two steps of the decode loop, so a short
+        prompt waits for at most one long prefill, not for every one queued before it."""
+        cost = prompt_cost(messages, [img.n_tokens for img in images])
+        async with self._prefill_turns.slot(cost):
+            stream, first = await self._call(self._prefill_first, messages, images, params, stats)
         return TransformersPrefilled(self, stream, first, stats)
 
     async def decode(self, obj: "KVObject", params: SamplingParams,
@@ -583,11 +611,17 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         ``decode_s`` is the time from joining to the last event, ``extra
         ["decode_batch_rows_max"]`` the most rows of a step this request was part of."""
         validate_params(params)
-        t0 = time.perf_counter()
         state = await self._call(self._state_from_object, obj)
-        already = state.emitted
         if stats is not None:
             stats.prompt_tokens = state.prompt_tokens
+        async for event in self._decode_batched(state, params, stats):
+            yield event
+
+    async def _decode_batched(self, state: DecodeState, params: SamplingParams,
+                              stats: GenerationStats | None) -> AsyncIterator[TokenEvent]:
+        """The events after ``state.emitted`` from the batched decode loop (:meth:`decode`)."""
+        t0 = time.perf_counter()
+        already = state.emitted
         key = next(self._keys)
         queue: asyncio.Queue = asyncio.Queue()
         self._decode_loop.join(key, state, params, asyncio.get_running_loop(), queue)
@@ -639,12 +673,6 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                 # aclose() dropped the queued call; the caller was not cancelled
                 raise EngineError("the engine was closed") from None
             raise
-
-    async def _events(self, stream: DecodeStream, stats: GenerationStats | None) -> AsyncIterator[TokenEvent]:
-        """The remaining events of ``stream``, one compute-thread hop per token. Closing the
-        iterator stops after the step in flight."""
-        while not stream.finished:
-            yield await self._call(self._next_event, stream, stats)
 
     # -- compute thread: prompt ----------------------------------------------------------------
 
@@ -908,23 +936,6 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             )
         state.cache = out.past_key_values
         return out.logits[0, -1]
-
-    def _next_event(self, stream: DecodeStream, stats: GenerationStats | None) -> TokenEvent:
-        """The next event of ``stream``, decoding a token first when every sampled one was
-        emitted. Finish reasons: ``"stop"`` on an EOS token (unless ``ignore_eos``) or a stop
-        string (the text then ends right before it), ``"length"`` after ``max_tokens`` tokens."""
-        t0 = time.perf_counter()
-        state = stream.state
-        try:
-            if stream.needs_step:
-                state.advance(sample_next(self.decode_logits(state), stream.params, state.generator))
-            event = stream.emit()
-        except (RuntimeError, ValueError, IndexError) as exc:
-            raise EngineError(f"decode failed: {exc}") from exc
-        if stats is not None:
-            stats.completion_tokens = state.emitted
-            stats.decode_s += time.perf_counter() - t0
-        return event
 
     def _state_from_object(self, obj: "KVObject") -> DecodeState:
         """The decode state of a validated KV object; KVStateMismatch when it does not fit."""

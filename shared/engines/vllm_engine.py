@@ -299,6 +299,22 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     def encoder_fingerprint(self) -> str:
         return self._fingerprint
 
+    @property
+    def max_running_requests(self) -> int:
+        """vLLM's ``max_num_seqs``: its scheduler batches that many and its continuous batching
+        and chunked prefill interleave them (past the KV cache it preempts, it does not fail)."""
+        return int(self.vllm_config.scheduler_config.max_num_seqs)
+
+    def capacity(self) -> dict[str, Any]:
+        cache, sched = self.vllm_config.cache_config, self.vllm_config.scheduler_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return {
+            "max_running_requests": self.max_running_requests,
+            "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+            "max_model_len": self.vllm_config.model_config.max_model_len,
+            "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+        }
+
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
         return render_chat_prompt(self.processor, self.chat_template, messages)

@@ -119,15 +119,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
             # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
             "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
         }
+        service_env = _service_env(args, Topology(args.topology))
+        for name, values in service_env.items():
+            print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
         stack = Stack(env=env, log_dir=data_dir / "logs", topology=args.topology, api_port=args.port,
                       replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills,
                                 Service.DECODE: args.decoders},
-                      metrics_port_base=args.metrics_port)
-        stack.start()
-        # vLLM engines take 40-120 s each to start on a small CPU machine (they start in parallel).
-        print("starting services...", flush=True)
-        stack.wait_ready(timeout=args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0),
-                         progress=lambda line: print(line, flush=True))
+                      service_env=service_env, metrics_port_base=args.metrics_port)
+        # A vLLM engine takes 40-120 s to start on a small CPU host and uses every core doing it:
+        # one worker service after another is sooner than all at once (``--start``).
+        staggered = args.start == "staggered" or (args.start == "auto" and args.engine == "vllm")
+        timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
+        print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
+        progress = lambda line: print(line, flush=True)  # noqa: E731
+        stack.start(staggered=staggered, timeout=timeout, progress=progress)
+        stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
         url = f"http://{args.host}:{args.port}"
         model_name = model_path.name if not common.model_name else common.model_name
@@ -170,6 +176,37 @@ def _cmd_up(args: argparse.Namespace) -> int:
         nats.stop()
 
 
+def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict[str, str]]:
+    """Per-service settings from ``--cores`` and ``--service-env`` (``SystemExit`` on a bad one)."""
+    from shared.cpus import available_cpus, parse_cpu_list, split_cpus
+    from shared.topology import TOPOLOGIES
+
+    workers = [s.value for s in TOPOLOGIES[topology].worker_services]
+    out: dict[str, dict[str, str]] = {}
+    for spec in args.cores or ():
+        if spec == "auto":
+            for name, cores in split_cpus(available_cpus(), workers).items():
+                out.setdefault(name, {})["EPD_CPU_CORES"] = cores
+            continue
+        name, sep, cores = spec.partition("=")
+        if not sep or name not in workers:
+            raise SystemExit(f"--cores {spec!r}: use auto or SERVICE=LIST with SERVICE one of {', '.join(workers)}")
+        try:
+            parse_cpu_list(cores)
+        except ValueError as exc:
+            raise SystemExit(f"--cores {spec!r}: {exc}") from None
+        out.setdefault(name, {})["EPD_CPU_CORES"] = cores
+    services = [s.value for s in TOPOLOGIES[topology].services]
+    for spec in args.service_env or ():
+        name, sep, assignment = spec.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not sep or not eq or name not in services or not key.startswith("EPD_"):
+            raise SystemExit(f"--service-env {spec!r}: use SERVICE:EPD_NAME=VALUE with SERVICE one of "
+                             f"{', '.join(services)}")
+        out.setdefault(name, {})[key] = value
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve: disaggregated EPD serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
     up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
+    up.add_argument("--cores", action="append", metavar="SERVICE=LIST|auto",
+                    help="bind a worker service to CPUs (EPD_CPU_CORES), e.g. --cores encoder=0 --cores prefill=1; "
+                         "auto: split the CPUs between the worker services")
+    up.add_argument("--service-env", action="append", metavar="SERVICE:EPD_NAME=VALUE",
+                    help="a setting for one service only, e.g. prefill:EPD_VLLM_KV_CACHE_GIB=2 "
+                         "or prefill:EPD_MAX_WAITING_JOBS=128 (repeatable)")
+    up.add_argument("--start", choices=["auto", "parallel", "staggered"], default="auto",
+                    help="start worker services all at once or one after another (auto: staggered for vLLM)")
     up.add_argument("--ready-timeout", type=float, default=None,
                     help="seconds to wait for all services (default 180; 600 with --engine vllm)")
     up.add_argument("--metrics-port", type=int, default=None,

@@ -187,10 +187,29 @@ class Stack:
         except ValueError:
             raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(Topology)}") from None
 
-    def start(self) -> "Stack":
-        for service in TOPOLOGIES[self.topology].services:
+    def start(self, *, staggered: bool = False, timeout: float = 600.0,
+              progress: Callable[[str], None] | None = None) -> "Stack":
+        """Start every service of the topology. ``staggered``: the API, then one worker service at a
+        time, each once the previous one is ready (:meth:`wait_ready`), so engines that each take
+        all the cores to start (vLLM on a small CPU host) do not slow each other down."""
+        services = TOPOLOGIES[self.topology].services
+        if not staggered:
+            for service in services:
+                for i in range(self.replicas.get(service, 1)):
+                    self.add(service, index=i)
+            return self
+        workers = TOPOLOGIES[self.topology].worker_services
+        for service in services:
+            if service in workers:
+                continue
             for i in range(self.replicas.get(service, 1)):
                 self.add(service, index=i)
+        done: dict[str, int] = {}
+        for service in workers:
+            for i in range(self.replicas.get(service, 1)):
+                self.add(service, index=i)
+            done[service.value] = self.replicas.get(service, 1)
+            self.wait_ready(timeout=timeout, roles=dict(done), progress=progress)
         return self
 
     def add(self, name: str, *, index: int = 0, extra_env: dict[str, str] | None = None) -> ServiceProcess:

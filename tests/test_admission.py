@@ -1,0 +1,188 @@
+"""Engine admission (``shared.admission``): waiting for image features is not working.
+
+* unit: slots go to the cheapest waiter (ageing, ties in arrival order, cancellation);
+  how many jobs the runner may fetch while some wait for their inputs;
+* end to end (real NATS, S3 and worker processes, tiny model, E|PD with the encoder not started
+  yet so image jobs wait for it): a text-only request is served while image jobs of the same
+  prefill worker wait for their features, with one engine slot. Negative control: with
+  ``EPD_MAX_WAITING_JOBS=0`` (a waiting job holds its place, as before) the text job is not
+  even fetched until the encoder comes and the images are served first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.admission import AGING_TOKENS_PER_S, Admission, PrioritySlots
+from shared.protocol import CONSUMER_PREFILL, GenerationJob
+from tests.stackutil import GREEDY, chat_body, noise_image, start_stack, wait_for, work_consumers
+
+
+# -- unit --------------------------------------------------------------------------------------
+async def _grant_order(slots: PrioritySlots, costs: list[float], *, age: dict[int, float] | None = None) -> list[int]:
+    """Hold the one slot, queue a waiter per cost, then let them through: the order they got it."""
+    order: list[int] = []
+    hold = asyncio.Event()
+
+    async def holder():
+        async with slots.slot(0):
+            await hold.wait()
+
+    async def waiter(i: int, cost: float):
+        async with slots.slot(cost):
+            order.append(i)
+
+    first = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    tasks = [asyncio.create_task(waiter(i, c)) for i, c in enumerate(costs)]
+    while slots.queued < len(costs):
+        await asyncio.sleep(0)
+    for ticket in slots._queue:  # waiter i (ticket seq i) waited this long already
+        ticket.queued_at -= (age or {}).get(ticket.seq, 0.0)
+    hold.set()
+    await asyncio.gather(first, *tasks)
+    return order
+
+
+async def test_cheapest_waiter_first_ties_in_arrival_order():
+    assert await _grant_order(PrioritySlots(1), [300, 10, 50, 10]) == [1, 3, 2, 0]
+    assert await _grant_order(PrioritySlots(1), [5, 5, 5]) == [0, 1, 2]  # control: equal costs are FIFO
+
+
+async def test_a_long_wait_overtakes_a_cheaper_newcomer():
+    # 600 tokens that waited 1 s count as 600 - 512 = 88 < 100: the old one goes first.
+    assert await _grant_order(PrioritySlots(1), [100, 600], age={1: 1.0}) == [1, 0]
+    assert 600 - AGING_TOKENS_PER_S < 100
+    assert await _grant_order(PrioritySlots(1), [100, 600]) == [0, 1]  # control: without the wait
+
+
+async def test_a_cancelled_waiter_gives_up_its_place_and_no_slot_leaks():
+    slots = PrioritySlots(1)
+    hold = asyncio.Event()
+    got: list[str] = []
+
+    async def holder():
+        async with slots.slot(0):
+            await hold.wait()
+
+    async def waiter(name: str, cost: float):
+        async with slots.slot(cost):
+            got.append(name)
+
+    first = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    cheap = asyncio.create_task(waiter("cheap", 1))
+    dear = asyncio.create_task(waiter("dear", 100))
+    while slots.queued < 2:
+        await asyncio.sleep(0)
+    cheap.cancel()
+    hold.set()
+    await asyncio.gather(first, dear)
+    assert cheap.cancelled() and got == ["dear"]
+    assert slots.taken == 0 and slots.queued == 0
+    async with slots.slot(5):  # the slot is free again
+        assert slots.taken == 1
+
+
+def test_room_to_fetch_does_not_count_waiting_jobs():
+    a = Admission(slots=2, max_waiting=3)
+    assert a.room_to_fetch(0) == 2
+    assert a.room_to_fetch(2) == 0  # two working jobs fill the engine
+    a.waiting_jobs = 2
+    assert a.room_to_fetch(2) == 2  # both wait for features: room for two that can work
+    assert a.room_to_fetch(5) == 0  # 2 slots + 3 waiting held
+    a.waiting_jobs = 5
+    assert a.room_to_fetch(5) == 0  # the waiting bound holds too
+    assert Admission(slots=2, max_waiting=0).room_to_fetch(1) == 1
+    b = Admission(slots=2, max_waiting=0)
+    b.waiting_jobs = 2
+    assert b.room_to_fetch(2) == 0  # no room for waiting jobs: they hold their places
+
+
+# -- end to end --------------------------------------------------------------------------------
+class _Post(threading.Thread):
+    """A chat request in the background: its response and when it came."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.response: httpx.Response | None = None
+        self.done_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        self.response = httpx.post(f"{self.url}/v1/chat/completions", json=self.body, timeout=400)
+        self.done_at = time.monotonic()
+
+
+def _gen_consumer(stack) -> tuple[int, int]:
+    info = work_consumers(stack.nats_url, stack.subjects)[CONSUMER_PREFILL]
+    return info.num_pending, info.num_ack_pending
+
+
+def _text_body(i: int) -> dict:
+    return chat_body(f"just text {i}", [], **{**GREEDY, "max_tokens": 4})
+
+
+def _image_body(seed: int) -> dict:
+    return chat_body("describe", [noise_image(seed, (40, 40))], **{**GREEDY, "max_tokens": 4})
+
+
+def _jobs_recorded(stack, n: int) -> bool:
+    return len([m for _, _, m in stack.stream_messages("stream_generate") if isinstance(m, GenerationJob)]) >= n
+
+
+def _pd_without_encoder(nats_server, s3_server, model_dir, log_dir, **env):
+    # No encoder yet: image jobs wait for their features (EPD_EC_WAIT_S) on the prefill worker.
+    return start_stack(nats_server, s3_server, model_dir, log_dir, services=["api", "prefill"],
+                       roles={"prefill": 1}, EPD_MAX_CONCURRENT_JOBS="1", EPD_EC_WAIT_S="300",
+                       EPD_REQUEST_TIMEOUT_S="400", **env)
+
+
+def _serve_images_then_check(stack, images: list[_Post]) -> None:
+    stack.stack.add("encoder")
+    for post in images:
+        post.join(300)
+        assert post.response is not None and post.response.status_code == 200, post.response
+        assert post.response.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.slow
+def test_text_is_served_while_image_jobs_wait_for_the_encoder(nats_server, s3_server, tiny_model_dir, tmp_path):
+    stack = _pd_without_encoder(nats_server, s3_server, tiny_model_dir, tmp_path / "admit")
+    try:
+        images = [_Post(stack.url, _image_body(seed)) for seed in (1, 2)]
+        # Both image jobs taken with one engine slot: they wait for features, holding none.
+        wait_for(lambda: _gen_consumer(stack) == (0, 2), 120, "the prefill worker to hold both image jobs")
+        resp = httpx.post(f"{stack.url}/v1/chat/completions", json=_text_body(0), timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert not any(p.done_at for p in images)  # still waiting for an encoder
+        assert "admission: 1 job(s) in the engine at once (EPD_MAX_CONCURRENT_JOBS" in stack.log_of("prefill")
+        _serve_images_then_check(stack, images)
+    finally:
+        stack.stack.stop()
+
+
+@pytest.mark.slow
+def test_control_a_waiting_job_holding_its_place_blocks_text(nats_server, s3_server, tiny_model_dir, tmp_path):
+    stack = _pd_without_encoder(nats_server, s3_server, tiny_model_dir, tmp_path / "hold",
+                                EPD_MAX_WAITING_JOBS="0")
+    try:
+        images = [_Post(stack.url, _image_body(seed)) for seed in (3, 4)]
+        wait_for(lambda: _gen_consumer(stack) == (1, 1), 120, "the prefill worker to hold one image job")
+        text = _Post(stack.url, _text_body(1))
+        wait_for(lambda: _jobs_recorded(stack, 3), 120, "the text job on the stream")
+        # Not fetched: the one place is held by an image job waiting for the encoder.
+        wait_for(lambda: _gen_consumer(stack) == (2, 1), 120, "the text job to be pending behind it")
+        assert not text.done_at
+        _serve_images_then_check(stack, images)
+        text.join(300)
+        assert text.response is not None and text.response.status_code == 200
+        assert text.done_at > min(p.done_at for p in images)  # served after an image, not before
+    finally:
+        stack.stack.stop()
