@@ -95,8 +95,11 @@ class PrioritySlots:
             self._queue.remove(ticket)
             if ticket.future.done():  # cancelled while queued
                 continue
+            try:
+                ticket.future.set_result(None)
+            except RuntimeError:  # its event loop is closed (the waiter is gone with it)
+                continue
             self.taken += 1
-            ticket.future.set_result(None)
 
 
 class Admission:

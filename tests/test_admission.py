@@ -24,66 +24,61 @@ from tests.stackutil import GREEDY, chat_body, noise_image, start_stack, wait_fo
 
 
 # -- unit --------------------------------------------------------------------------------------
-async def _grant_order(slots: PrioritySlots, costs: list[float], *, age: dict[int, float] | None = None) -> list[int]:
-    """Hold the one slot, queue a waiter per cost, then let them through: the order they got it."""
-    order: list[int] = []
-    hold = asyncio.Event()
+class _Queue:
+    """One holder of the only slot of ``slots`` and a waiter per cost queued behind it, in order;
+    ``order`` gets each waiter's index as it gets the slot."""
 
-    async def holder():
-        async with slots.slot(0):
-            await hold.wait()
+    def __init__(self, slots: PrioritySlots, costs: list[float]):
+        self.slots, self.costs = slots, costs
+        self.order: list[int] = []
+        self.hold = asyncio.Event()
 
-    async def waiter(i: int, cost: float):
-        async with slots.slot(cost):
-            order.append(i)
-
-    first = asyncio.create_task(holder())
-    await asyncio.sleep(0)
-    tasks = [asyncio.create_task(waiter(i, c)) for i, c in enumerate(costs)]
-    while slots.queued < len(costs):
+    async def __aenter__(self) -> "_Queue":
+        self.holder = asyncio.create_task(self._hold())
         await asyncio.sleep(0)
-    for ticket in slots._queue:  # waiter i (ticket seq i) waited this long already
-        ticket.queued_at -= (age or {}).get(ticket.seq, 0.0)
-    hold.set()
-    await asyncio.gather(first, *tasks)
-    return order
+        self.waiters = [asyncio.create_task(self._wait(i, c)) for i, c in enumerate(self.costs)]
+        while self.slots.queued < len(self.costs):
+            await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.hold.set()
+        await asyncio.gather(self.holder, *self.waiters, return_exceptions=True)
+
+    async def _hold(self) -> None:
+        async with self.slots.slot(0):
+            await self.hold.wait()
+
+    async def _wait(self, i: int, cost: float) -> None:
+        async with self.slots.slot(cost):
+            self.order.append(i)
+
+
+async def _grant_order(costs: list[float], *, age: dict[int, float] | None = None) -> list[int]:
+    """The order the waiters got the slot; ``age``: waiter index -> seconds it waited already."""
+    async with _Queue(PrioritySlots(1), costs) as q:
+        for ticket in q.slots._queue:  # waiter i has ticket seq i
+            ticket.queued_at -= (age or {}).get(ticket.seq, 0.0)
+    return q.order
 
 
 async def test_cheapest_waiter_first_ties_in_arrival_order():
-    assert await _grant_order(PrioritySlots(1), [300, 10, 50, 10]) == [1, 3, 2, 0]
-    assert await _grant_order(PrioritySlots(1), [5, 5, 5]) == [0, 1, 2]  # control: equal costs are FIFO
+    assert await _grant_order([300, 10, 50, 10]) == [1, 3, 2, 0]
+    assert await _grant_order([5, 5, 5]) == [0, 1, 2]  # control: equal costs are FIFO
 
 
 async def test_a_long_wait_overtakes_a_cheaper_newcomer():
     # 600 tokens that waited 1 s count as 600 - 512 = 88 < 100: the old one goes first.
-    assert await _grant_order(PrioritySlots(1), [100, 600], age={1: 1.0}) == [1, 0]
+    assert await _grant_order([100, 600], age={1: 1.0}) == [1, 0]
     assert 600 - AGING_TOKENS_PER_S < 100
-    assert await _grant_order(PrioritySlots(1), [100, 600]) == [0, 1]  # control: without the wait
+    assert await _grant_order([100, 600]) == [0, 1]  # control: without the wait
 
 
 async def test_a_cancelled_waiter_gives_up_its_place_and_no_slot_leaks():
     slots = PrioritySlots(1)
-    hold = asyncio.Event()
-    got: list[str] = []
-
-    async def holder():
-        async with slots.slot(0):
-            await hold.wait()
-
-    async def waiter(name: str, cost: float):
-        async with slots.slot(cost):
-            got.append(name)
-
-    first = asyncio.create_task(holder())
-    await asyncio.sleep(0)
-    cheap = asyncio.create_task(waiter("cheap", 1))
-    dear = asyncio.create_task(waiter("dear", 100))
-    while slots.queued < 2:
-        await asyncio.sleep(0)
-    cheap.cancel()
-    hold.set()
-    await asyncio.gather(first, dear)
-    assert cheap.cancelled() and got == ["dear"]
+    async with _Queue(slots, [1, 100]) as q:
+        q.waiters[0].cancel()  # the cheap one
+    assert q.waiters[0].cancelled() and q.order == [1]
     assert slots.taken == 0 and slots.queued == 0
     async with slots.slot(5):  # the slot is free again
         assert slots.taken == 1
