@@ -7,7 +7,7 @@ Sources of the times (all wall clock, seconds since the epoch):
   it was working on, ``Epd-Received-At``: when the API received the request);
 * payload fields: ``ChatRequestRecord.received_at``, ``ECReady.encode_started_at/encode_s/
   created_at``, and the worker's stage durations in ``FinalResult.timings`` (``features_s``,
-  ``prefill_s``) and ``ec_sources`` (where each image's features came from, and why).
+  ``admission_s``, ``prefill_s``) and ``ec_sources`` (where each image's features came from, and why).
 
 Stages (names are stable: tests, the HTML page and the README use them): ``received``,
 ``image intake``, ``encode queued`` (until an encoder took the job), ``no encode job`` (EC already
@@ -15,7 +15,8 @@ stored) / ``encode deduplicated`` (another request's job encodes the image), ``e
 ``EC stored``, ``EC announced`` (already stored, not recomputed), ``encode failed``,
 ``generation queued`` (until a prefill worker took the job), ``EC from local cache`` /
 ``EC loaded from store`` / ``EC recomputed locally`` (with the reason) / ``EC encoded in process``
-(agg), ``prefill``, ``first token``, ``redelivered``, ``KV hand-off`` / ``decode queued`` (E|P|D),
+(agg), ``waiting for an engine slot`` (ready, every slot busy: ``shared.admission``), ``prefill``,
+``first token``, ``redelivered``, ``KV hand-off`` / ``decode queued`` (E|P|D),
 ``decode``, ``done`` / ``error`` / ``cancelled`` (the client disconnected or the API gave up: the
 workers were told to stop). A span has an end; a point does not.
 """
@@ -31,6 +32,9 @@ from shared import protocol
 from shared.errors import Cancelled
 from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
 from shared.history import RequestCase, StreamMessage, Summary, iso_time
+
+#: A wait for an engine slot shorter than this is not shown as a stage.
+ADMISSION_SHOWN_S = 0.001
 
 SERVICE_COLORS = {
     "api": "#4e79a7",
@@ -175,7 +179,7 @@ def build_timeline(case: RequestCase) -> Timeline:
     if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
         dj = decode_jobs[0].msg
         timings = {**dict(getattr(dj, "timings", {}) or {}), **{k: v for k, v in timings.items()
-                                                                   if k not in ("features_s", "prefill_s")}}
+                                                                   if k not in ("features_s", "admission_s", "prefill_s")}}
         sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
     if taken is not None:
         features_end = taken + timings.get("features_s", 0.0)
@@ -183,8 +187,12 @@ def build_timeline(case: RequestCase) -> Timeline:
             name, reason = _ec_stage(source)
             stages.append(Stage(name, "prefill", taken, features_end,
                                 f"item {item[:12]}" + (f": {reason}" if reason else "")))
+        prefill_start = features_end + timings.get("admission_s", 0.0)
+        if timings.get("admission_s", 0.0) >= ADMISSION_SHOWN_S:
+            stages.append(Stage("waiting for an engine slot", "prefill", features_end, prefill_start,
+                                "ready, every engine slot of the worker busy"))
         if "prefill_s" in timings:
-            stages.append(Stage("prefill", "prefill", features_end, features_end + timings["prefill_s"],
+            stages.append(Stage("prefill", "prefill", prefill_start, prefill_start + timings["prefill_s"],
                                 f"{final.prompt_tokens} prompt tokens" if final else ""))
 
     chunks = case.chunks()

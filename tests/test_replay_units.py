@@ -48,7 +48,7 @@ def _job(rid="req-1"):
                          created_at=T0 + 0.02)
 
 
-def _epd_case(*, split: bool = False) -> history.RequestCase:
+def _epd_case(*, split: bool = False, admission_s: float | None = None) -> history.RequestCase:
     rid = "req-1"
     msgs = [
         _sm("P_REQUESTS", 1, T0 + 0.010, ChatRequestRecord(request_id=rid, received_at=T0, model="m", body={},
@@ -68,6 +68,8 @@ def _epd_case(*, split: bool = False) -> history.RequestCase:
                         TokenChunk(request_id=rid, attempt=1, seq=seq, token_ids=(seq + 7,), text=f"t{seq}"),
                         stage=stage, started=started if stage == "prefill" else T0 + 0.560))
     timings = {"features_s": 0.300, "prefill_s": 0.100, "decode_s": 0.2, "first_token_s": 0.47}
+    if admission_s is not None:
+        timings["admission_s"] = admission_s
     final = FinalResult(request_id=rid, attempt=1, token_ids=(7, 8, 9), text="t0t1t2", finish_reason="length",
                         prompt_tokens=20, completion_tokens=3, timings=timings, ec_sources={ITEM: "store"}, worker="w")
     if split:
@@ -103,6 +105,18 @@ def test_timeline_of_an_epd_image_request():
     assert s.ttft_s == pytest.approx(0.5) and s.e2e_s == pytest.approx(0.8)
     text = timeline.render_text(tl)
     assert "EC loaded from store" in text and "200.0 ms" in text
+    assert "waiting for an engine slot" not in by_name
+
+
+def test_timeline_shows_the_wait_for_an_engine_slot_before_the_prefill():
+    by_name = {s.name: s for s in timeline.build_timeline(_epd_case(admission_s=0.050)).stages}
+    slot = by_name["waiting for an engine slot"]
+    assert slot.start == pytest.approx(T0 + 0.330) and slot.end == pytest.approx(T0 + 0.380)
+    assert by_name["prefill"].start == pytest.approx(T0 + 0.380)  # it starts when the slot is there
+    # A wait under a millisecond is no stage; the prefill still starts after it.
+    by_name = {s.name: s for s in timeline.build_timeline(_epd_case(admission_s=0.0002)).stages}
+    assert "waiting for an engine slot" not in by_name
+    assert by_name["prefill"].start == pytest.approx(T0 + 0.3302)
 
 
 def test_timeline_of_a_split_request_shows_the_kv_hand_off_and_a_recompute_reason():

@@ -129,7 +129,8 @@ class KVObjectHandOff(KVHandOff):
                                                     protocol.to_builtins(job.sampling))
                 decode_job = self.decode_job(
                     gen, kv_key=key, kv_nbytes=len(blob),
-                    timings={"features_s": gen.t_features - gen.t0, "prefill_s": gen.stats.prefill_s,
+                    timings={"features_s": gen.t_features - gen.t0, "admission_s": gen.t_admitted - gen.t_features,
+                             "prefill_s": gen.stats.prefill_s,
                              "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0})
                 limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
                 if len(protocol.encode(decode_job)) > limit:
@@ -179,7 +180,8 @@ class KVConnectorHandOff(KVHandOff):
             gen.sources.update(gen.stats.extra["ec_sources"])
         await self.publish(self.decode_job(
             gen, kv_key=handoff.key, kv_nbytes=0,
-            timings={"features_s": gen.t_features - gen.t0, "prefill_s": gen.stats.prefill_s}))
+            timings={"features_s": gen.t_features - gen.t0, "admission_s": gen.t_admitted - gen.t_features,
+                     "prefill_s": gen.stats.prefill_s}))
         log.info("handed off through the KV connector: %d prompt tokens, KV %s, features %.3fs, prefill %.3fs, "
                  "sources=%s", gen.stats.prompt_tokens, handoff.key, gen.t_features - gen.t0, gen.stats.prefill_s,
                  gen.sources)
