@@ -159,6 +159,8 @@ def test_text_is_served_while_image_jobs_wait_for_the_encoder(nats_server, s3_se
         assert not any(p.done_at for p in images)  # still waiting for an encoder
         assert "admission: 1 job(s) in the engine at once (EPD_MAX_CONCURRENT_JOBS" in stack.log_of("prefill")
         _serve_images_then_check(stack, images)
+        # Defaults from the engine, printed: the encoder holds as many jobs as its engine batches.
+        assert "encoder: up to 16 jobs at once (from the engine)" in stack.log_of("encoder")
     finally:
         stack.stack.stop()
 

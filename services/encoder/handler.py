@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared import metrics, protocol
+from shared.admission import Admission
 from shared.cancellation import CancelRecords
 from shared.config import EncoderSettings
 from shared.engines import base
@@ -115,10 +116,14 @@ class EncoderHandler(ModelHandler):
             self.producer = ConnectorStoresFeatures(self.engine, self.store)
         else:  # (base.FeaturesThroughWorker: the role's engine check passed)
             self.producer = WorkerStoresFeatures(self.engine, self.store)
+        # Jobs held at once: as many as the engine batches (their encodes share its forwards), all
+        # working (an encode job waits for nothing), within the pixel budget whatever the count.
+        jobs = self.settings.encode_jobs_in_flight or self.engine.max_running_requests
+        self.admission = Admission(jobs, max_waiting=0)
         capacity = ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
-        log.info("encoder: up to %d jobs at once (EPD_ENCODE_JOBS_IN_FLIGHT), their images within %d pixels "
-                 "(EPD_ENCODE_PIXEL_BUDGET); engine: %s", self.settings.encode_jobs_in_flight,
-                 self.settings.encode_pixel_budget, capacity)
+        log.info("encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); "
+                 "engine: %s", jobs, "EPD_ENCODE_JOBS_IN_FLIGHT" if self.settings.encode_jobs_in_flight else
+                 "from the engine", self.settings.encode_pixel_budget, capacity)
 
     async def handle(self, job: EncodeJob, delivery: Delivery) -> None:
         if job.fingerprint != self.fingerprint:

@@ -17,8 +17,8 @@ def main() -> None:
     bind_cpus_or_exit(settings)
     from services.encoder.handler import EncoderHandler
 
-    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size,
-               concurrency=settings.encode_jobs_in_flight)
+    # How many jobs it holds comes from the handler's admission (the engine's batch, or EPD_ENCODE_JOBS_IN_FLIGHT).
+    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size)
 
 
 if __name__ == "__main__":
