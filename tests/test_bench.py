@@ -9,7 +9,8 @@
   wall times (overlapping spans counted once) and the worker's EC sources.
 * End to end (slow): the ``epd`` CLI in a subprocess runs a short workload against a real
   api + encoder + prefill stack and writes a JSON result that ``schema.load`` reads back, with
-  every request complete, the requested token counts, stage timings and EC sources; a request
+  every request complete, the requested token counts, stage timings (union and exclusive) and EC
+  sources; a request
   the server refuses is recorded as failed, not raised.
 """
 
@@ -345,6 +346,10 @@ def test_bench_run_against_a_stack(epd_stack, tmp_path):
         assert r.output_tokens == 8 and r.prompt_tokens > 0
         assert 0 < r.ttft_s <= r.e2e_s and 1 <= len(r.itl_s) <= 7
         assert r.stages.get("prefill", 0) > 0 and r.stages.get("decode", 0) > 0, r.stages
+        # The exclusive times partition the timeline: only its stages (and "untracked"), and at
+        # least the prefill and decode, which do not overlap each other.
+        assert set(r.exclusive_stages) <= set(r.stages) | {schema.UNTRACKED}, (r.exclusive_stages, r.stages)
+        assert sum(r.exclusive_stages.values()) >= r.stages["prefill"] + r.stages["decode"] - 1e-6, r
         if r.images:
             assert EC_STAGES & set(r.stages), r.stages
             assert "image intake" in r.stages, r.stages
@@ -356,6 +361,8 @@ def test_bench_run_against_a_stack(epd_stack, tmp_path):
     assert sum(s.ec_counts.values()) == sum(len(r.ec_sources) for r in recs) >= 4
     assert s.goodput == pytest.approx(s.request_throughput)
     assert s.ttft_ms is not None and s.tpot_ms is not None and "prefill" in s.stage_means_s
+    assert sum(s.exclusive_stage_means_s.values()) == pytest.approx(
+        sum(sum(r.exclusive_stages.values()) for r in recs) / len(recs))
     assert report.summarize(recs, s.duration_s, s.slo_ms) == s
 
 

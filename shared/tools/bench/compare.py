@@ -8,14 +8,21 @@ throughputs, TTFT/TPOT/ITL/E2E mean/median/p90/p99, goodput, and the stage means
 is from epd-serve. It reads the summaries, not the raw records, except for two plots: the latency
 CDFs (every completed request's ``ttft_s`` / ``e2e_s``) and the stage bars (per-request stages).
 
-The columns are keyed A, B, C, ... (a legend above the tables names each result); stage rows are
-the summaries' stage means in ms (over the requests that have the stage).
+The columns are keyed A, B, C, ... (a legend above the tables names each result). Stage rows are,
+for a result that recorded them, the *exclusive* stage times (``stage <name> (ms, exclusive)``:
+mean per request, each instant of a request's timeline in one stage, ``untracked`` where none ran,
+see ``runner.exclusive_stage_times``) and their ``stage total`` (the mean server-side E2E, received
+to last event); for an older result, the union stage means (``stage <name> (ms)``, over the
+requests that have the stage; these overlap, so they do not add up). The two kinds have different
+row names, so no ratio compares one with the other.
 
 Plots (``--plots DIR``, PNG, matplotlib's Agg canvas, no display needed): ``latency_cdf.png`` (TTFT
 and E2E, one line per result and run; log x axis when the range spans more than 50x),
 ``ttft_vs_rate.png`` (median and p90 TTFT per run against the offered rate, or the measured request
 rate for concurrency runs; drawn when there are at least two load points), ``stage_breakdown.png``
-(stacked stage seconds per completed request, one bar per epd-serve run). Each
+(stacked stage seconds per completed request, one bar per epd-serve run: exclusive times, so a bar
+adds up to the mean server-side E2E; a run from before exclusive times draws its union times,
+marked "union, overlaps" in its bar label). Each
 plotting function returns a :class:`Plot` read back from the drawn figure (the series labels and
 their data), so callers and tests see what was drawn.
 
@@ -32,7 +39,8 @@ from typing import Any
 
 import msgspec
 
-from shared.tools.bench.schema import BenchResult, RunResult, Summary, load
+from shared.tools.bench.report import exclusive_means
+from shared.tools.bench.schema import UNTRACKED, BenchResult, RunResult, Summary, load
 
 EXIT_ERROR = 2
 
@@ -40,8 +48,11 @@ EXIT_ERROR = 2
 STAGE_ORDER = (
     "image intake", "encode queued", "encode", "EC stored", "generation queued", "EC from local cache",
     "EC loaded from store", "EC recomputed locally", "EC encoded in process", "prefill", "KV hand-off",
-    "decode queued", "decode",
+    "decode queued", "decode", UNTRACKED,
 )
+#: Suffixes of the stage rows: exclusive times (they add up to the total row), union times (older results).
+EXCLUSIVE_ROW, UNION_ROW = " (ms, exclusive)", " (ms)"
+STAGE_TOTAL = "total"
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 QUANTILES = ("mean", "median", "p90", "p99")
@@ -167,15 +178,26 @@ def _metrics(summary: Summary | None, *, stages: bool) -> dict[str, float | None
             out[f"{name} {q} (ms)"] = None if stats is None else getattr(stats, q)
     if summary.goodput is not None:
         out["goodput (req/s)"] = summary.goodput
-    if stages:
+    if stages and summary.exclusive_stage_means_s:
+        for stage, seconds in summary.exclusive_stage_means_s.items():
+            out[f"stage {stage}{EXCLUSIVE_ROW}"] = seconds * 1e3
+        out[f"stage {STAGE_TOTAL}{EXCLUSIVE_ROW}"] = sum(summary.exclusive_stage_means_s.values()) * 1e3
+    elif stages:
         for stage, seconds in summary.stage_means_s.items():
-            out[f"stage {stage} (ms)"] = seconds * 1e3
+            out[f"stage {stage}{UNION_ROW}"] = seconds * 1e3
     return out
 
 
-def _stage_sort_key(metric: str) -> tuple[int, str]:
-    name = metric[len("stage "):-len(" (ms)")]
+def _stage_rank(name: str) -> tuple[int, str]:
     return (STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER), name)
+
+
+def _stage_sort_key(metric: str) -> tuple[int, int, str]:
+    """Exclusive rows (by stage order, their total last), then union rows (by stage order)."""
+    if metric.endswith(EXCLUSIVE_ROW):
+        name = metric[len("stage "):-len(EXCLUSIVE_ROW)]
+        return (0, *(_stage_rank(name) if name != STAGE_TOTAL else (len(STAGE_ORDER) + 1, "")))
+    return (1, *_stage_rank(metric[len("stage "):-len(UNION_ROW)]))
 
 
 def compare(results: list[BenchResult]) -> list[Point]:
@@ -224,6 +246,9 @@ def format_compare(results: list[BenchResult], labels: list[str]) -> str:
     for key, label, res in zip(keys, labels, results):
         lines.append(f"{key} = {label}: {res.url}  model {res.model}  {'epd-serve' if res.epd else 'other server'}"
                      f"  ({len(res.runs)} run(s); {res.machine})")
+    if any(res.epd and run.summary.exclusive_stage_means_s for res in results for run in res.runs):
+        lines.append("stage rows (ms, exclusive): mean per request, each instant of its timeline in one stage "
+                     "(untracked: none); they add up to the stage total = mean server-side E2E")
     for point in compare(results):
         table = [header]
         for row in point.rows:
@@ -323,11 +348,21 @@ def plot_ttft_vs_rate(results: list[BenchResult], labels: list[str], path: Path)
     return Plot(Path(path), {ax.get_title(): _read_lines(ax)})
 
 
+def has_exclusive(run: RunResult) -> bool:
+    """True when the run recorded exclusive stage times (results from before them have none)."""
+    return bool(run.summary.exclusive_stage_means_s) or any(r.ok and r.exclusive_stages for r in run.requests)
+
+
 def stage_seconds_per_request(run: RunResult) -> dict[str, float]:
-    """Each stage's seconds per completed request (a request without the stage adds 0), so the
-    stages of one bar add up to a mean request; from the summary's stage means (over the requests
-    that have the stage) when the records carry no stages."""
+    """Each stage's seconds per completed request (a request without the stage adds 0).
+
+    With exclusive times (:func:`has_exclusive`): ``report.exclusive_means`` of the records (else the
+    summary's), which add up to the mean server-side E2E. Without (older results): the union
+    times per completed request, from the summary's stage means (over the requests that have the
+    stage) when the records carry no stages; these overlap, so their sum exceeds the E2E."""
     done = [r for r in run.requests if r.ok]
+    if has_exclusive(run):
+        return exclusive_means(done) or dict(run.summary.exclusive_stage_means_s)
     if not any(r.stages for r in done):
         return dict(run.summary.stage_means_s)
     totals: dict[str, float] = {}
@@ -337,35 +372,54 @@ def stage_seconds_per_request(run: RunResult) -> dict[str, float]:
     return {name: total / len(done) for name, total in totals.items()}
 
 
+#: The stage bars' titles: exclusive times (every bar, or some next to older results), union times only.
+EXCLUSIVE_TITLE = "exclusive stage seconds per request (epd-serve)"
+UNION_TITLE = "stage seconds per request (epd-serve)"
+UNION_MARK = " (union, overlaps)"
+
+
 def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Path) -> Plot:
     """Stacked horizontal bars of the stage seconds per request (:func:`stage_seconds_per_request`),
-    one bar per run of an epd-serve result. The returned series are per stage: x = the bar index,
-    y = that stage's seconds."""
+    one bar per run of an epd-serve result. With exclusive times a bar is a partition of the mean
+    request's server-side E2E (received to last event; ``untracked`` where no stage ran), titled
+    :data:`EXCLUSIVE_TITLE`; a run without them (an older result) stacks its union times, which
+    overlap and overshoot the E2E: its bar label gets :data:`UNION_MARK` when exclusive bars are
+    drawn too, and the title is :data:`UNION_TITLE` when none is. The returned series are per
+    stage: x = the bar index, y = that stage's seconds."""
     from matplotlib import colormaps
 
-    bars: list[tuple[str, dict[str, float]]] = [
-        (_run_label(label, run, res), stage_seconds_per_request(run))
+    bars: list[tuple[str, dict[str, float], bool]] = [
+        (_run_label(label, run, res), stage_seconds_per_request(run), has_exclusive(run))
         for res, label in zip(results, labels) if res.epd for run in res.runs
     ]
-    bars = [(name, means) for name, means in bars if means]
+    bars = [(name, means, excl) for name, means, excl in bars if means]
+    exclusive = any(excl for _, _, excl in bars)
+    if exclusive:
+        bars = [(name if excl else name + UNION_MARK, means, excl) for name, means, excl in bars]
     stages: list[str] = []
-    for _, means in bars:
+    for _, means, _ in bars:
         stages += [s for s in means if s not in stages]
-    stages.sort(key=lambda s: (STAGE_ORDER.index(s) if s in STAGE_ORDER else len(STAGE_ORDER), s))
+    stages.sort(key=_stage_rank)
     fig, (ax,) = _figure(size=(12.0, 2.0 + 0.6 * max(3, len(bars))))
     left = [0.0] * len(bars)
     ys = list(range(len(bars)))
     palette = colormaps["tab20"]
     for i, stage in enumerate(stages):
-        widths = [means.get(stage, 0.0) for _, means in bars]
-        ax.barh(ys, widths, left=left, label=stage, color=palette(i % palette.N))
+        widths = [means.get(stage, 0.0) for _, means, _ in bars]
+        color = "#bbbbbb" if stage == UNTRACKED else palette(i % palette.N)
+        ax.barh(ys, widths, left=left, label=stage, color=color)
         left = [a + b for a, b in zip(left, widths)]
     ax.margins(x=0.05)
     ax.set_yticks(ys)
-    ax.set_yticklabels([name for name, _ in bars])
+    ax.set_yticklabels([name for name, _, _ in bars])
     ax.invert_yaxis()
-    ax.set_title("stage seconds per request (epd-serve)")
-    ax.set_xlabel("seconds (mean over completed requests)")
+    if exclusive:
+        ax.set_title(EXCLUSIVE_TITLE)
+        ax.set_xlabel("seconds per request (mean); stages exclusive: a bar adds up to the mean server-side E2E "
+                      "(received -> last event)")
+    else:
+        ax.set_title(UNION_TITLE)
+        ax.set_xlabel("seconds (mean over completed requests; stages overlap, so a bar can exceed the E2E)")
     if stages:
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -382,7 +436,8 @@ def write_plots(results: list[BenchResult], labels: list[str], out_dir: Path) ->
     plots = [plot_latency_cdfs(results, labels, out_dir / "latency_cdf.png")]
     if load_points(results) >= 2:
         plots.append(plot_ttft_vs_rate(results, labels, out_dir / "ttft_vs_rate.png"))
-    if any(res.epd and any(run.summary.stage_means_s for run in res.runs) for res in results):
+    if any(res.epd and any(run.summary.stage_means_s or run.summary.exclusive_stage_means_s for run in res.runs)
+           for res in results):
         plots.append(plot_stage_breakdown(results, labels, out_dir / "stage_breakdown.png"))
     return plots
 

@@ -1,6 +1,6 @@
 """Bench statistics and the text report: :func:`summarize` turns the records of one run into a
 :class:`~shared.tools.bench.schema.Summary` (the figures ``vllm bench serve`` prints, goodput under
-an SLO, stage means and EC source counts); :func:`format_result` prints a result the way vLLM's
+an SLO, stage means, exclusive stage means and EC source counts); :func:`format_result` prints a result the way vLLM's
 benchmark does, one block per run.
 
 Definitions (vLLM's):
@@ -12,6 +12,11 @@ Definitions (vLLM's):
 * throughputs divide the completed requests' totals by the run's duration;
 * goodput is the number of completed requests meeting every SLO bound, per second. A bound on
   TPOT is met by a one-token request (it has no TPOT).
+
+Stages (epd-serve): ``stage_means_s`` are each stage's wall time (union of its spans) averaged over
+the requests that have the stage; stages overlap (the prefill's wait for features spans the encode),
+so they do not add up to anything. ``exclusive_stage_means_s`` average each request's partition of
+its timeline (:func:`exclusive_means`): they add up to the mean server-side E2E.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from shared.tools.bench.schema import BenchResult, LatencyStats, RequestRecord, RunResult, Summary
+from shared.tools.bench.schema import UNTRACKED, BenchResult, LatencyStats, RequestRecord, RunResult, Summary
 
 #: --slo keys -> the per-request figure they bound (milliseconds). e2el is vLLM's spelling.
 SLO_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2e", "e2el": "e2e"}
@@ -88,6 +93,20 @@ def ec_source_kind(source: str) -> str:
     return source.partition(":")[0]
 
 
+def exclusive_means(records: Iterable[RequestRecord]) -> dict[str, float]:
+    """Stage name -> mean exclusive seconds per request, over the completed ``records`` that have
+    exclusive times (a request without the stage counts 0), so the values add up to those
+    requests' mean server-side E2E (received -> last event). Stages in the order they first
+    appear, "untracked" last; {} when no record has exclusive times (results from before them)."""
+    timed = [r for r in records if r.ok and r.exclusive_stages]
+    totals: dict[str, float] = {}
+    for r in timed:
+        for name, seconds in r.exclusive_stages.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    order = sorted(totals, key=lambda name: name == UNTRACKED)  # stable: first appearance, untracked last
+    return {name: totals[name] / len(timed) for name in order}
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: dict[str, float] | None = None) -> Summary:
     """The summary of one run's ``records`` over ``duration_s`` seconds (see the module doc)."""
     done = [r for r in records if r.ok]
@@ -119,6 +138,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: dict[
         goodput=goodput,
         slo_ms=dict(slo_ms or {}),
         stage_means_s={name: float(np.mean(v)) for name, v in stage_values.items()},
+        exclusive_stage_means_s=exclusive_means(done),
         ec_counts=dict(sorted(ec_counts.items())),
     )
 
@@ -170,6 +190,12 @@ def format_run(result: BenchResult, run: RunResult) -> str:
         # In the order the timelines list stages (by start time), as the runner recorded them.
         for name, mean in s.stage_means_s.items():
             lines.append(_row(f"{name} ({counts[name]}):", mean * 1e3))
+    if s.exclusive_stage_means_s:
+        # Each instant of a request's timeline in one stage (the innermost running): these add up.
+        timed = sum(1 for r in run.requests if r.ok and r.exclusive_stages)
+        lines.append(_title(f"Exclusive stages (mean ms per request, {timed})"))
+        lines += [_row(f"{name}:", mean * 1e3) for name, mean in s.exclusive_stage_means_s.items()]
+        lines.append(_row("total = server-side E2E:", sum(s.exclusive_stage_means_s.values()) * 1e3))
     if s.ec_counts:
         lines.append(_title("EC sources (images)"))
         lines += [_row(f"{kind}:", n) for kind, n in s.ec_counts.items()]

@@ -15,7 +15,9 @@ endpoint and records what each request saw.
   ``return_token_ids`` (every token gets a chunk, even one with no text yet), and after each run
   the runner reads every completed request's timeline from ``/debug/requests/<id>?format=json``:
   ``RequestRecord.stages`` gets each stage's wall time (the union of its spans, so per-image
-  stages that overlap are not counted twice) and ``ec_sources`` the worker's ``FinalResult.ec_sources``.
+  stages that overlap are not counted twice), ``exclusive_stages`` the partition of the request's
+  time into stages (:func:`exclusive_stage_times`: each instant counted once, so they add up to
+  the timeline's E2E) and ``ec_sources`` the worker's ``FinalResult.ec_sources``.
 * Every wait is bounded: the client's timeouts, a whole-request bound, a per-timeline bound.
 """
 
@@ -35,7 +37,7 @@ import httpx
 import msgspec
 
 from shared.tools.bench.report import summarize
-from shared.tools.bench.schema import BenchResult, RequestRecord, RunResult, WorkloadSpec
+from shared.tools.bench.schema import UNTRACKED, BenchResult, RequestRecord, RunResult, WorkloadSpec
 from shared.tools.bench.workload import PlannedRequest, check_spec, iter_plan
 
 log = logging.getLogger(__name__)
@@ -168,8 +170,68 @@ def parse_timeline(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, str
     return stages, sources
 
 
-async def read_timeline(client: httpx.AsyncClient, request_id: str) -> tuple[dict[str, float], dict[str, str]]:
-    """The stages and EC sources of one request; ({}, {}) when its timeline cannot be read."""
+def exclusive_stage_times(doc: dict[str, Any]) -> dict[str, float]:
+    """Stage name -> exclusive seconds: a partition of the request's time, from ``received`` (0)
+    to its last event (the latest start or end of any stage, ``done`` / ``error`` included), into
+    its stages, from a ``/debug/requests/<id>?format=json`` document. The values add up to that
+    span (the server-side E2E) to the microsecond, the timelines' resolution; ``{}`` when the
+    document has no stage.
+
+    A sweep over the span boundaries (clipped to [0, last event]; a span of another request's
+    encode job can start before this request was received) cuts the time into elementary
+    intervals; each goes to the *innermost* span covering it, i.e. the one that **ends first**,
+    ties going to the one that started latest; spans with the same start and end but different
+    names share the interval equally (the leftover microseconds go to the names in sorted order).
+    Intervals no span covers go to ``"untracked"`` (``schema.UNTRACKED``). Points (no end) take no time.
+
+    Why "ends first" and not "started latest": for nested spans the two rules agree (the inner
+    span both starts later and ends earlier, e.g. ``encode`` inside the prefill worker's
+    ``EC loaded from store`` wait in E|PD, ``EC stored`` inside that wait too). Spans also
+    overlap without nesting: in E|P|D the encoder can start ``encode`` before the prefill worker
+    takes the job and starts waiting for the features, and finish inside that wait; "started
+    latest" would then book the encoding as "EC loaded from store". The span that ends first is
+    the one the others are waiting on (the wait for features cannot end before the encode it
+    waits for), so the shared time goes to the work, and the wait keeps only what is left (the
+    load itself). Equal spans are one interval told twice (each image's features source gets the
+    worker's whole features span): no rule can pick one, so they share it.
+    """
+    spans: list[tuple[int, int, str]] = []
+    last = 0
+    for stage in (doc.get("timeline") or {}).get("stages") or ():
+        start = _us(stage.get("start_s"))
+        end = _us(stage.get("end_s"))
+        if start is None:
+            continue
+        last = max(last, start if end is None else max(start, end))
+        if end is not None and stage.get("duration_s") is not None:
+            spans.append((start, end, str(stage["name"])))
+    if last <= 0:
+        return {}
+    clipped = sorted({(max(a, 0), min(b, last), name) for a, b, name in spans if min(b, last) > max(a, 0)})
+    cuts = sorted({0, last, *(t for a, b, _ in clipped for t in (a, b))})
+    out_us: dict[str, int] = {}
+    for lo, hi in zip(cuts, cuts[1:]):
+        covering = [(b, -a, name) for a, b, name in clipped if a <= lo and b >= hi]
+        if not covering:
+            out_us[UNTRACKED] = out_us.get(UNTRACKED, 0) + hi - lo
+            continue
+        end, neg_start, _ = min(covering)
+        names = sorted({name for b, na, name in covering if (b, na) == (end, neg_start)})
+        share, extra = divmod(hi - lo, len(names))
+        for i, name in enumerate(names):
+            out_us[name] = out_us.get(name, 0) + share + (1 if i < extra else 0)
+    return {name: us / 1e6 for name, us in out_us.items() if us > 0}
+
+
+def _us(seconds: Any) -> int | None:
+    """Whole microseconds (the timelines round to them), so the partition adds up exactly."""
+    return None if seconds is None else round(float(seconds) * 1e6)
+
+
+async def read_timeline(client: httpx.AsyncClient,
+                        request_id: str) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """The stages (union seconds), the exclusive stage seconds and the EC sources of one
+    request; ({}, {}, {}) when its timeline cannot be read."""
     doc: dict[str, Any] = {}
     for attempt in range(TIMELINE_ATTEMPTS):
         try:
@@ -179,12 +241,13 @@ async def read_timeline(client: httpx.AsyncClient, request_id: str) -> tuple[dic
             doc = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("timeline of %s not read: %s: %s", request_id, type(exc).__name__, exc)
-            return {}, {}
+            return {}, {}, {}
         names = {s.get("name") for s in (doc.get("timeline") or {}).get("stages") or ()}
         if names & set(TERMINAL_STAGES):
             break
         await asyncio.sleep(0.2 * (attempt + 1))  # the request's last messages are still on their way
-    return parse_timeline(doc)
+    stages, sources = parse_timeline(doc)
+    return stages, exclusive_stage_times(doc), sources
 
 
 async def add_timelines(client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool) -> list[RequestRecord]:
@@ -196,9 +259,9 @@ async def add_timelines(client: httpx.AsyncClient, records: list[RequestRecord],
 
     async def one(record: RequestRecord) -> RequestRecord:
         async with limit:
-            stages, sources = await read_timeline(client, record.request_id)
+            stages, exclusive, sources = await read_timeline(client, record.request_id)
         bar.update()
-        return msgspec.structs.replace(record, stages=stages, ec_sources=sources)
+        return msgspec.structs.replace(record, stages=stages, exclusive_stages=exclusive, ec_sources=sources)
 
     try:
         done = {r.index: r for r in await asyncio.gather(*(one(r) for r in todo))}

@@ -10,6 +10,11 @@ import msgspec
 
 SCHEMA = 1
 
+#: The exclusive-time bucket (``RequestRecord.exclusive_stages``) for instants of a request no stage
+#: span covers: hops between services, the API's own work, a worker's time between the end of its
+#: prefill and the first token's message, ...
+UNTRACKED = "untracked"
+
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A workload, from flags or a YAML file (same field names). Deterministic for a ``seed``."""
@@ -72,6 +77,10 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: tuple[float, ...] = ()
     #: our API only: stage name -> seconds (from /debug/requests/<id>?format=json timelines)
     stages: dict[str, float] = msgspec.field(default_factory=dict)
+    #: our API only: stage name -> exclusive seconds, a partition of the timeline from received to its
+    #: last event (each instant to one stage, "untracked" where none ran: ``runner.exclusive_stage_times``),
+    #: so they add up to the server-side E2E; empty in results written before it was recorded
+    exclusive_stages: dict[str, float] = msgspec.field(default_factory=dict)
     #: our API only: item hash -> where its features came from (store, local_cache, recomputed:..., local)
     ec_sources: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -94,6 +103,9 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     slo_ms: dict[str, float] = msgspec.field(default_factory=dict)
     #: stage name -> mean seconds over the requests that have it
     stage_means_s: dict[str, float] = msgspec.field(default_factory=dict)
+    #: stage name -> mean exclusive seconds per request over the completed requests that have exclusive
+    #: times (a request without the stage counts 0): they add up to those requests' mean server-side E2E
+    exclusive_stage_means_s: dict[str, float] = msgspec.field(default_factory=dict)
     #: EC source -> count (store / local_cache / recomputed / local / ...)
     ec_counts: dict[str, int] = msgspec.field(default_factory=dict)
 
