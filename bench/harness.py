@@ -2,13 +2,15 @@
 
 * :class:`Bench` - a temporary folder under ``var/`` with an embedded ``nats-server`` and S3 server on
   free ports, the stacks a script asks for (:meth:`Bench.start`: ``shared.tools.launcher.Stack``, one
-  topology each, every stack on its own subject prefix, namespace and bucket, so several share the
-  servers), everything stopped and removed at exit (also on Ctrl-C).
+  topology each, every stack on its own subject prefix, namespace, bucket and vLLM folder, so several
+  share the servers), everything stopped and removed at exit (also on Ctrl-C).
 * :func:`model_dir` - the bench (~130M) or tiny Qwen2-VL, built once into ``var/models``.
 * :func:`run_load` - one load run against a stack with ``epd bench run``'s load generator
   (``shared.tools.bench.runner.run``): TTFT, E2E, stages and EC sources per request; :func:`chat` - one
   streaming request, timed on the client, for probes sent beside a load run; :func:`timeline` - a
-  request's ``/debug/requests/<id>?format=json`` (its messages and stage timeline).
+  request's ``/debug/requests/<id>?format=json`` (its messages and stage timeline); :func:`debug_docs` - those
+  of every request of a run, :func:`final_result` - the worker's ``FinalResult`` (token ids, timings) in
+  one, to compare outputs between sides; :func:`load_average` - how busy the shared machine was.
 * :func:`alternate` - both sides of a comparison in one run, A B, B A, A B, ... so that a noisy
   machine hits both; :class:`Ratio` - the per-repetition ratios, median and spread (min-max), and the
   last line a script prints (``P1 c=1: E|PD/agg TTFT p50 = 0.97 [0.91-1.04] (target <= 1.0) MET``).
@@ -135,18 +137,23 @@ class Bench:
             "EPD_STREAM_MAX_BYTES": str(256 * 1024**2),
             # The services run from the tree the script is in (a fresh clone's editable install may point elsewhere).
             "PYTHONPATH": str(ROOT),
+            # EPD_ENGINE=vllm: each stack's vLLM caches and IPC sockets in the bench folder, removed with it.
+            "EPD_VLLM_DIR": str(self.work / f"vllm-{tag}"),
         }
         env.update(overrides)
         return env
 
     def start(self, specs: dict[str, tuple[str, dict[str, str]]], model: Path, *,
-              timeout: float = 600.0) -> dict[str, BenchStack]:
+              timeout: float = 600.0, service_env: dict[str, dict[str, dict[str, str]]] | None = None,
+              ) -> dict[str, BenchStack]:
         """Start one stack per ``label -> (topology, EPD_* overrides)``, all at once (they load their
-        engines in parallel), and wait until every one is ready (an API heartbeat from each worker)."""
+        engines in parallel), and wait until every one is ready (an API heartbeat from each worker).
+        ``service_env``: label -> service (``encoder``, ``prefill``, ...) -> more environment for
+        that service only (e.g. one engine's core binding)."""
         started: dict[str, BenchStack] = {}
         for label, (topology, overrides) in specs.items():
             stack = Stack(env=self.env(model, **overrides), log_dir=self.work / "logs" / label, topology=topology,
-                          api_port=free_port())
+                          api_port=free_port(), service_env=dict((service_env or {}).get(label, {})))
             bs = BenchStack(label, stack, model.name)
             self.stacks.append(bs)
             started[label] = bs
@@ -246,15 +253,44 @@ async def timeline(http: httpx.AsyncClient, url: str, request_id: str) -> dict[s
     return resp.json()
 
 
-def final_timings(debug: dict[str, Any]) -> dict[str, float]:
-    """The worker's own ``FinalResult.timings`` (features_s, prefill_s, decode_s, total_s, ...), from a
-    debug JSON; {} when the request has no final result."""
+def final_result(debug: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's own ``FinalResult`` (token ids, timings, EC sources), from a debug JSON; None
+    when it has none."""
     rid = debug["case"]["request_id"]
     for m in debug["case"]["messages"]:
         msg = m.get("message") or {}
         if m.get("kind") == "final_result" and msg.get("request_id") == rid:
-            return dict(msg.get("timings") or {})
-    return {}
+            return msg
+    return None
+
+
+def final_timings(debug: dict[str, Any]) -> dict[str, float]:
+    """The worker's own ``FinalResult.timings`` (features_s, prefill_s, decode_s, total_s, ...), from a
+    debug JSON; {} when the request has no final result."""
+    return dict((final_result(debug) or {}).get("timings") or {})
+
+
+async def debug_docs(bs: BenchStack, records: Iterable[RequestRecord]) -> dict[int, dict[str, Any]]:
+    """Each completed request's ``/debug/requests/<id>?format=json`` (:func:`timeline`), by record
+    index; a request whose timeline cannot be read is left out."""
+    out: dict[int, dict[str, Any]] = {}
+    async with client(120.0) as http:
+        for r in records:
+            if not (r.ok and r.request_id):
+                continue
+            try:
+                out[r.index] = await timeline(http, bs.url, r.request_id)
+            except httpx.HTTPError as exc:
+                log.warning("timeline of %s not read: %s", r.request_id, exc)
+    return out
+
+
+def load_average() -> str:
+    """``uptime``'s 1, 5 and 15 minute load averages (the machine is shared: say how busy it was)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 # -- load runs ---------------------------------------------------------------------------------
@@ -314,6 +350,7 @@ class Ratio:
     values: list[float] = field(default_factory=list)
     target: float | None = None  # upper bound (a "<=" or "<" target); None: reported only
     strict: bool = False  # "<" rather than "<="
+    at_least: bool = False  # the target is a lower bound (">=", or ">" when strict)
     unit: str = ""  # "" for a ratio, e.g. " ms" / " s" for a value
     per: str = "reps"  # what each value is one of
 
@@ -328,6 +365,8 @@ class Ratio:
     def met(self) -> bool | None:
         if self.target is None or not self.values:
             return None
+        if self.at_least:
+            return self.median > self.target if self.strict else self.median >= self.target
         return self.median < self.target if self.strict else self.median <= self.target
 
     def line(self) -> str:
@@ -337,7 +376,7 @@ class Ratio:
         text = f"{self.name} = {fmt.format(self.median)}{self.unit if not spread else ''}{spread}"
         if self.target is None:
             return text + " (no target: reported)"
-        op = "<" if self.strict else "<="
+        op = ("<" if self.strict else "<=") if not self.at_least else (">" if self.strict else ">=")
         return f"{text} (target {op} {self.target}{self.unit}) {'MET' if self.met else 'MISSED'}"
 
 
@@ -404,12 +443,16 @@ def common_args(parser: argparse.ArgumentParser, *, reps: int = 3, requests: int
 
 
 def run_stacks(name: str, args: argparse.Namespace, specs: dict[str, tuple[str, dict[str, str]]],
-               measure: Any) -> int:
+               measure: Any, *, ready_timeout: float = 600.0,
+               service_env: dict[str, dict[str, dict[str, str]]] | None = None) -> int:
     """A script's body: start ``specs`` (:meth:`Bench.start`) on the ``--model-size`` model, run
-    ``asyncio.run(measure(args, stacks))``, stop everything, print the figures (:func:`finish`)."""
+    ``asyncio.run(measure(args, stacks))``, stop everything, print the figures (:func:`finish`).
+    ``ready_timeout``: a hang bound on the stacks' start (vLLM engines take minutes on 2 cores);
+    ``service_env``: per-service environment (:meth:`Bench.start`)."""
     model = model_dir(args.model_size)
+    print(f"load average at start: {load_average()}", flush=True)
     with Bench(name, keep=args.keep) as bench:
-        stacks = bench.start(specs, model)
+        stacks = bench.start(specs, model, timeout=ready_timeout, service_env=service_env)
         figures = asyncio.run(measure(args, stacks))
     return finish(figures)
 

