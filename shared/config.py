@@ -96,6 +96,25 @@ class CommonSettings(BaseSettings):
     unreachable_exit_s: float = Field(60, gt=0, description="a worker that cannot reach its consumer this long "
                                                            "exits (code 3) for its supervisor to restart it")
 
+    # EC store lifecycle (shared.store.ec_index, shared.store.janitor). The janitor runs in the API
+    # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
+    ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
+    ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
+    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted")
+    ec_purge_retired_after_s: float | None = Field(
+        None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long")
+    ec_retired_after_s: float = Field(600, gt=0, description="a fingerprint no worker heartbeats for this long "
+                                                             "is retired")
+    ec_janitor_interval_s: float = Field(15, gt=0, description="seconds between janitor passes")
+    ec_evict_grace_s: float = Field(60, ge=0, description="objects created or used this recently are never "
+                                                          "evicted for a bound (requests in flight)")
+    ec_reconcile_interval_s: float = Field(300, gt=0, description="the janitor lists the store this often to "
+                                                                  "index objects nobody announced")
+    ec_use_flush_s: float = Field(2.0, gt=0, description="uses of EC objects are written to the index in "
+                                                         "batches this often")
+    ec_lifecycle_rule: bool = Field(True, description="with EPD_EC_TTL_S, also set an S3 lifecycle expiration "
+                                                      "rule on the namespace (a backstop)")
+
     @field_validator("namespace", "subject_prefix")
     @classmethod
     def _no_separators(cls, v: str) -> str:

@@ -61,3 +61,16 @@ REQUESTS_CANCELLED = Counter(
     "gave up), or the worker stage that dropped a queued job or stopped a running one.", ["stage"])
 ENCODE_BATCH_IMAGES = Histogram("epd:encode_batch_images", "Images per vision-tower forward (transformers engine: "
                                 "concurrent encodes share forwards).", buckets=(1, 2, 4, 8, 16, 32, 64))
+
+# EC store lifecycle (shared.store.janitor, shared.store.ec_index).
+EC_STORE_BYTES = Gauge("epd:ec_store_bytes", "Bytes of EC objects in the store by encoder fingerprint (janitor's "
+                       "index).", ["fingerprint"])
+EC_STORE_OBJECTS = Gauge("epd:ec_store_objects", "EC objects in the store by encoder fingerprint (janitor's index).",
+                         ["fingerprint"])
+EC_EVICTIONS = Counter("epd:ec_evictions_total", "EC objects removed from the store, by why: bytes / objects "
+                       "(over a bound, LRU), ttl (unused too long), retired (model version gone), purge (epd ec "
+                       "purge), gone (removed behind the index's back).", ["reason"])
+EC_USES_RECORDED = Counter("epd:ec_uses_recorded_total", "EC object uses written to the index (one per object "
+                           "per flush, however many hits).")
+EC_INVALIDATIONS = Counter("epd:ec_invalidations_total", "Local copies of EC objects dropped after an "
+                           "invalidation event, by holder.", ["holder"])

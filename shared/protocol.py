@@ -16,6 +16,7 @@ subject                            stream               message
 <p>.encode.jobs                    <P>_ENCODE           EncodeJob (work; consumer "encoder")
 <p>.ec.ready.<fp>.<item>           <P>_EVENTS           ECReady (an EC object was written)
 <p>.ec.failed.<fp>.<item>          <P>_EVENTS           ECFailed (an encode job gave up)
+<p>.ec.invalidated.<fp>            <P>_EVENTS (core)    ECInvalidated (EC objects were evicted / purged)
 <p>.generate.jobs                  <P>_GENERATE         GenerationJob (work; consumer "prefill")
 <p>.decode.jobs                    <P>_DECODE           DecodeJob (work; consumer "decode"; E|P|D)
 <p>.tokens.<request_id>            <P>_RESULTS          TokenChunk / FinalResult / ErrorEvent
@@ -94,6 +95,10 @@ class Subjects:
         # creates it; no worker consumes it, so imported jobs are never executed by accident).
         self.imported_all = f"{p}.imported.>"
         self.stream_imported = f"{P}_IMPORTED"
+        #: EC store lifecycle (``shared.store.ec_index``): every invalidation, and the JetStream
+        #: key-value bucket that indexes EC objects (size, last use) and holds the janitor lease.
+        self.ec_invalidated_all = f"{p}.ec.invalidated.>"
+        self.ec_index_bucket = f"{P}_EC_INDEX"
 
         self.stream_requests = f"{P}_REQUESTS"
         self.stream_encode = f"{P}_ENCODE"
@@ -115,6 +120,10 @@ class Subjects:
     def ec_any(self, fingerprint: str, item_hash: str) -> str:
         """Both the ready and the failed event of one item."""
         return f"{self.prefix}.ec.*.{fingerprint}.{item_hash}"
+
+    def ec_invalidated(self, fingerprint: str) -> str:
+        """Where the janitor / ``epd ec purge`` announce removed EC objects of ``fingerprint``."""
+        return f"{self.prefix}.ec.invalidated.{fingerprint}"
 
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}.tokens.{request_id}"
@@ -226,6 +235,20 @@ class ECFailed(_Msg, frozen=True, kw_only=True, tag="ec_failed"):
     fingerprint: str
     code: str
     message: str
+    created_at: float
+
+
+class ECInvalidated(_Msg, frozen=True, kw_only=True, tag="ec_invalidated"):
+    """EC objects of ``fingerprint`` were removed from the store (evicted by the janitor, purged
+    by ``epd ec purge``): every holder of a local copy (a PD worker's feature cache, a vLLM EC
+    connector's held bytes) drops ``item_hashes``. Core NATS, at most once: a holder that misses
+    it keeps a copy whose content is still right (keys are versioned), bounded by its own LRU."""
+
+    fingerprint: str
+    item_hashes: tuple[str, ...]
+    #: ``bytes`` / ``objects`` / ``ttl`` / ``retired`` (janitor) or ``purge`` (``epd ec purge``), ``gone``
+    reason: str
+    by: str
     created_at: float
 
 
@@ -359,6 +382,7 @@ Message = Union[
     EncodeJob,
     ECReady,
     ECFailed,
+    ECInvalidated,
     GenerationJob,
     DecodeJob,
     TokenChunk,

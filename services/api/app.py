@@ -44,6 +44,7 @@ from shared.client import RequestClient, TokenStream
 from shared.config import ApiSettings
 from shared.store.factory import ec_store_from_settings
 from shared.store.ec import ECStore
+from shared.store.janitor import ECLifecycle, start_api_lifecycle
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -157,6 +158,8 @@ class ApiService:
         self.client: RequestClient | None = None
         self.supervisor: DeliverySupervisor | None = None
         self.store: ECStore | None = None
+        #: EC store lifecycle: use recording, the index of announced objects, the janitor
+        self.ec: ECLifecycle | None = None
         self.fetcher: ImageFetcher | None = None
         # One for the process: however many requests and images arrive, decoding stays bounded.
         self.decode_budget = DecodeBudget(settings.decode_budget_pixels())
@@ -174,6 +177,9 @@ class ApiService:
         publisher = JetStreamPublisher(self.js)
         self.client = RequestClient(self.nc, self.subjects, publisher)
         self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
+        self.ec = await start_api_lifecycle(self.nc, self.subjects, self.settings, self.store,
+                                            fingerprint=self.fingerprint, model=self.model_name,
+                                            model_path=str(self.settings.model_path or ""))
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
         self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
@@ -193,6 +199,8 @@ class ApiService:
             await asyncio.wait(self._background, timeout=5.0)
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.ec is not None:
+            await self.ec.close()
         if self.fetcher is not None:
             await self.fetcher.aclose()
         if self.nc is not None:
@@ -221,6 +229,10 @@ class ApiService:
                 hb.role, hb.worker_id, hb.fingerprint, self.fingerprint,
             )
         self.workers.update(hb)
+        if self.ec is not None:  # which fingerprints are served (current) and which are retired
+            await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
+            await self.ec.fingerprint_seen(self.fingerprint, model=self.model_name,
+                                           model_path=str(self.settings.model_path or ""))
 
     # -- request pipeline ------------------------------------------------------------------
     async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
@@ -243,10 +255,15 @@ class ApiService:
                 ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
                 if not TOPOLOGIES[self.settings.topology].uses_encoder:  # agg: its worker encodes in process
                     ref = msgspec.structs.replace(ref, encode_queued=False)
-                elif await asyncio.to_thread(self.store.exists, ref.item_hash):
+                elif (info := await asyncio.to_thread(self.store.stored, ref.item_hash)) is not None:
                     log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
                     ref = msgspec.structs.replace(ref, encode_queued=False)
+                    if self.ec is not None:
+                        self.ec.recorder.note(info.key, self.fingerprint, ref.item_hash, size=info.size)
+                    # the EC store's hit ratio over time: rate(hit) / rate(hit + miss) of source "api"
+                    metrics.EC_LOOKUPS.labels("api", "hit", "").inc()
                 else:
+                    metrics.EC_LOOKUPS.labels("api", "miss", "not_found").inc()
                     await self.client.queue_encode(EncodeJob(
                         request_id=request_id, image=ref, fingerprint=self.fingerprint,
                         ec_key=self.store.key(ref.item_hash), created_at=time.time(),

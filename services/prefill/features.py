@@ -23,6 +23,11 @@ in ``setup`` from the role and the engine's capability.
 
 Each returns the image item the engine takes and where it came from (``local_cache``, ``local``,
 ``store``, ``recomputed:<reason>``, ``connector``).
+
+EC store lifecycle (``services.prefill.ec_lifecycle``): :class:`StoredFeatures` and
+:class:`ConnectorFeatures` note every use of a stored object (cache hit, store hit, write-back,
+existence check) in the EC index, batched, so the janitor evicts what is least recently used; an
+``ECInvalidated`` (eviction, purge) drops its items from the feature cache.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable
 
 from shared import metrics
 from shared.engines import base
@@ -43,6 +48,7 @@ from shared.jetstream import TypedSubscription, subscribe_typed
 from shared.protocol import ECFailed, ECReady, ImageRef
 from shared.store.format import ObjectValidationError, MissReason
 from shared.store.ec import ECStore
+from services.prefill.ec_lifecycle import WorkerLifecycle
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -83,6 +89,16 @@ class FeatureCache:
             _, old = self._items.popitem(last=False)
             self.nbytes -= self._size(old)
 
+    def drop(self, keys: Iterable[str]) -> int:
+        """Forget ``keys`` (an invalidation: the store no longer has them). Returns how many were held."""
+        dropped = 0
+        for key in keys:
+            item = self._items.pop(key, None)
+            if item is not None:
+                self.nbytes -= self._size(item)
+                dropped += 1
+        return dropped
+
 
 class EncoderWait:
     """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``)."""
@@ -116,9 +132,17 @@ class EncoderWait:
 
 
 class FeatureSource(abc.ABC):
+    #: The worker's part in the EC store lifecycle (sources that use the store).
+    lifecycle: WorkerLifecycle | None = None
+
     @abc.abstractmethod
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | MediaImage, str]:
         """The engine's item for one image and where it came from."""
+
+    async def close(self) -> None:
+        """At shutdown: write the uses not written yet, stop listening for invalidations."""
+        if self.lifecycle is not None:
+            await self.lifecycle.close()
 
 
 class LocalFeatures(FeatureSource):
@@ -158,9 +182,13 @@ class StoredFeatures(LocalFeatures):
         super().__init__(engine, cache, image)
         self.store = store
         self.encoder = encoder
+        #: records uses in the EC index, drops invalidated items from ``cache``
+        self.lifecycle = WorkerLifecycle(encoder.ctx, store, cache)
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
+        await self.lifecycle.ensure_started()
         if (cached := self.cached(ref)) is not None:
+            self.lifecycle.used(ref.item_hash)
             return cached, "local_cache"
         reason = MissReason.NOT_FOUND
         async with self.encoder.watching(ref) as sub:
@@ -186,6 +214,7 @@ class StoredFeatures(LocalFeatures):
         from shared.store.tensors import ec_object_to_encoded
 
         obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
+        self.lifecycle.used(ref.item_hash, size=len(obj.data))
         item = ec_object_to_encoded(obj)
         self.cache.put(ref.item_hash, item)
         return item
@@ -196,8 +225,9 @@ class StoredFeatures(LocalFeatures):
 
         raw, dtype, shape = tensor_to_raw(item.features)
         try:
-            await asyncio.to_thread(self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape,
-                                    extra=encoded_to_extra(item))
+            _key, nbytes = await asyncio.to_thread(self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape,
+                                                   extra=encoded_to_extra(item))
+            self.lifecycle.used(ref.item_hash, size=nbytes, created=True)
         except StoreError as exc:
             log.warning("could not write back %s: %s", ref.item_hash[:12], exc)
 
@@ -212,10 +242,15 @@ class ConnectorFeatures(FeatureSource):
         self.image = image
         self.store = store
         self.encoder = encoder
+        #: records uses in the EC index (the engine's connector drops invalidated bytes itself)
+        self.lifecycle = WorkerLifecycle(encoder.ctx, store, None) if encoder is not None else None
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[MediaImage, str]:
-        if self.encoder is None:
+        if self.encoder is None or self.lifecycle is None:
             return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), "local"
+        await self.lifecycle.ensure_started()
+        if not ref.encode_queued:  # the API found it stored: a use
+            self.lifecycle.used(ref.item_hash)
         async with self.encoder.watching(ref) as sub:
             if sub is not None:
                 try:
@@ -223,7 +258,9 @@ class ConnectorFeatures(FeatureSource):
                 except StoreError as exc:
                     log.warning("existence check of %s failed (%s): not waiting", ref.item_hash[:12], exc)
                     stored = True
-                if not stored:
+                if stored:
+                    self.lifecycle.used(ref.item_hash)
+                else:
                     reason = await self.encoder.wait(sub, ref)
                     if reason is not None:
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)

@@ -189,6 +189,14 @@ class PrefillHandler(ModelHandler):
             t_end - gen.t0, gen.sources,
         )
 
+    async def close(self) -> None:
+        if self.features is not None:
+            try:
+                await self.features.close()
+            except Exception as exc:  # shutting down anyway: the next janitor pass sees colder objects
+                log.warning("could not close the EC lifecycle: %s", exc)
+        await super().close()
+
     async def on_terminal(self, job: GenerationJob, error: EPDError, message: str) -> None:
         assert self.ctx is not None
         event = protocol.error_event(job.request_id, "prefill", error, message=message)

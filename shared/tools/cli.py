@@ -6,6 +6,7 @@
   epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
   epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
   epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.tools.replay_cli)
+  epd ec ls|purge                          EC store per model version, purges (shared.tools.ec_cli)
   epd bench run|compare   load any OpenAI-compatible endpoint with a multimodal workload; compare results
   epd plan RESULT.json --rate R   worker counts per role from measured stage costs (shared.tools.bench)
 """
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.tools import replay_cli
 
     replay_cli.add_parser(sub)
+    from shared.tools import ec_cli
+
+    ec_cli.add_parser(sub)  # epd ec ls|purge
     from shared.tools.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)  # epd bench run|compare

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.connectors.common import ConnectorConfig
 from shared.connectors.params import EC_ITEMS, EC_SOURCES, Source
+from shared.connectors.s3_ec.invalidation import ConnectorLifecycle
 from shared.connectors.s3_ec.metadata import ECLoad, S3ECMetadata
 from shared.connectors.s3_ec.metrics import S3ECStats, StatsRecorder, Timing, Transfer
 from shared.connectors.s3_ec.state import (
@@ -65,6 +66,8 @@ class ECScheduler:
             )
         if is_producer:
             store.store.ensure_bucket()
+        #: invalidation events and use recording (EPD_NATS_URL), consumers only: they hold bytes
+        self._lifecycle = ConnectorLifecycle.from_env(store) if is_consumer else None
 
     # -- seams and observability -----------------------------------------------------------------
     def load_item(self, identifier: str) -> ECObject:
@@ -147,6 +150,8 @@ class ECScheduler:
             self._decide(request, feature, LookupOutcome.FALLBACK, MissReason.SHAPE_MISMATCH)
             return
         entry.pinned_by.add(request.request_id)
+        if self._lifecycle is not None:
+            self._lifecycle.used(entry.identifier)
         self._objects.move_to_end(entry.identifier)
         self._requests[request.request_id].item(entry.identifier).outcome = LookupOutcome.HIT
 
@@ -253,6 +258,7 @@ class ECScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> S3ECMetadata:
         meta = S3ECMetadata(loads=list(self._outbox.values()))
         self._outbox.clear()
+        self.apply_invalidations()
         if self.is_producer:
             for new_req in scheduler_output.scheduled_new_reqs:
                 for feature in new_req.mm_features or ():
@@ -295,6 +301,8 @@ class ECScheduler:
         return False, (params or None)
 
     def shutdown(self) -> None:
+        if self._lifecycle is not None:
+            self._lifecycle.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -308,6 +316,26 @@ class ECScheduler:
     def _release(self, entry: StoredItem) -> None:
         self._held_bytes -= entry.nbytes
         entry.obj = None
+
+    def apply_invalidations(self) -> int:
+        """Drop held objects the store removed (``ECInvalidated``) and forget their existence
+        answers. Runs at the end of a scheduling step, after this step's loads were shipped: a
+        request admitted with one of them finds it gone at its allocation and vLLM encodes the
+        item itself (its pixels are in the request)."""
+        if self._lifecycle is None:
+            return 0
+        dropped = 0
+        for ident in self._lifecycle.take():
+            entry = self._objects.get(ident)
+            if entry is None:
+                continue
+            if entry.obj is not None:
+                self._release(entry)
+                dropped += 1
+            entry.exists, entry.checked_at = None, 0.0
+        if dropped:
+            log.info("EC connector: dropped %d held object(s) the store no longer has", dropped)
+        return dropped
 
     def _evict(self) -> None:
         """Drop unpinned held objects, least recently used first, down to ``local_cache_bytes``."""

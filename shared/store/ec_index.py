@@ -1,0 +1,324 @@
+"""The index of EC objects: what is stored, how big, when it was last used - in a JetStream
+key-value bucket every process can update cheaply (never a rewrite of the S3 object on a hit).
+
+Bucket ``<P>_EC_INDEX`` (``Subjects.ec_index_bucket``), history 1. Keys:
+
+==============================  ==========================================================
+``ec.<fingerprint>.<name>``     :class:`IndexEntry` of one EC object (``<name>``: the item
+                                hash, or ``x<sha256>`` of an identifier a KV key cannot hold)
+``fp.<fingerprint>``            :class:`FingerprintEntry`: which model a fingerprint belongs
+                                to and when a worker last served it (current or retired)
+``lease.janitor``               :class:`Lease`: the one janitor allowed to delete
+==============================  ==========================================================
+
+Values are JSON (msgspec). Updates are compare-and-set on the entry's revision, so a janitor
+deleting an entry whose use was just recorded loses the race and keeps the object.
+
+Uses are recorded through :class:`UseRecorder`: ``note()`` on the hot path is a dict assignment;
+a background task writes one index update per distinct object every ``EPD_EC_USE_FLUSH_S``.
+Entries are created by writes (an encoder's announcement, a worker's write-back, the janitor's
+listing), never by reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from shared import metrics
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "lease.janitor"
+_NAME = re.compile(r"^[A-Za-z0-9_=-]{1,200}$")
+
+
+class IndexEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One EC object in the index."""
+
+    v: int = 1
+    key: str
+    fingerprint: str
+    item_hash: str
+    size: int = 0
+    created: float
+    last_use: float
+
+
+class FingerprintEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """A fingerprint seen serving: the model (served name, folder when known) and when last seen."""
+
+    v: int = 1
+    fingerprint: str
+    model: str = ""
+    model_path: str = ""
+    first_seen: float
+    last_seen: float
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    holder: str
+    expires: float
+
+
+_enc = msgspec.json.Encoder()
+
+
+def _wrong_sequence(exc: BaseException) -> bool:
+    """A compare-and-set lost: the key changed since the revision we gave."""
+    return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in (10071, 10164)
+
+
+def entry_key(fingerprint: str, item_hash: str) -> str:
+    """The index key of an EC object (item hashes are hex; other identifiers are hashed)."""
+    name = item_hash if _NAME.match(item_hash) else "x" + hashlib.sha256(item_hash.encode()).hexdigest()[:40]
+    return f"ec.{fingerprint}.{name}"
+
+
+def fingerprint_key(fingerprint: str) -> str:
+    return f"fp.{fingerprint}"
+
+
+@dataclass(frozen=True)
+class Use:
+    """A use (or a write) of one EC object, as recorded by :class:`UseRecorder`."""
+
+    key: str
+    fingerprint: str
+    item_hash: str
+    at: float
+    size: int = 0
+    #: the object was just written (``created`` = ``at``) rather than read
+    created: bool = False
+
+
+class ECIndex:
+    """The EC index bucket (see the module docstring). Every method is one or a few KV round trips."""
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> "ECIndex":
+        """Open the bucket, creating it when missing (safe from several processes at once)."""
+        try:
+            return cls(await js.key_value(bucket))
+        except (BucketNotFoundError, NotFoundError):
+            pass
+        kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
+                                                      replicas=replicas, description="epd EC store index"))
+        return cls(kv)
+
+    # -- entries -------------------------------------------------------------------------------
+    async def get(self, key: str) -> tuple[IndexEntry, int] | None:
+        try:
+            e = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if e.value is None:
+            return None
+        try:
+            return msgspec.json.decode(e.value, type=IndexEntry), e.revision
+        except msgspec.DecodeError:
+            log.warning("unreadable EC index entry %s: replaced on next use", key)
+            return None
+
+    async def record(self, use: Use) -> None:
+        """Create the object's entry (a write) or move its last use forward (compare-and-set; a
+        few tries). A read of an object without an entry creates none: it may be a use noted just
+        before the janitor evicted the object, which must not come back as a ghost entry (an
+        object that nobody announced is indexed by the janitor's next listing)."""
+        ikey = entry_key(use.fingerprint, use.item_hash)
+        for _ in range(5):
+            found = await self.get(ikey)
+            if found is None:
+                if not use.created:
+                    return
+                entry = IndexEntry(key=use.key, fingerprint=use.fingerprint, item_hash=use.item_hash, size=use.size,
+                                   created=use.at, last_use=use.at)
+                try:
+                    await self.kv.create(ikey, _enc.encode(entry))
+                    return
+                except KeyWrongLastSequenceError:
+                    continue  # created meanwhile: update it
+            else:
+                old, revision = found
+                entry = msgspec.structs.replace(
+                    # a write knows the object's size; a read's size is a hint for an entry without one
+                    old, last_use=max(old.last_use, use.at),
+                    size=(use.size or old.size) if use.created else (old.size or use.size),
+                    created=use.at if use.created else old.created,
+                )
+                if entry == old:
+                    return
+                try:
+                    await self.kv.update(ikey, _enc.encode(entry), last=revision)
+                    return
+                except KeyWrongLastSequenceError:
+                    continue
+        log.debug("EC index entry %s kept changing; use of %s not recorded", ikey, use.key)
+
+    async def remove(self, ikey: str, revision: int | None) -> bool:
+        """Delete an entry if it is still at ``revision`` (None: whatever it is). False when it
+        changed (a use was recorded meanwhile) or is gone: the caller must not delete the object."""
+        try:
+            await self.kv.delete(ikey, last=revision)
+            return True
+        except KeyNotFoundError:
+            return False
+        except BadRequestError as exc:  # (kv.delete does not map "wrong last sequence" itself)
+            if _wrong_sequence(exc):
+                return False
+            raise
+
+    async def snapshot(self, prefix: str = "ec.>") -> dict[str, tuple[Any, int]]:
+        """Every live entry under ``prefix`` (a KV key pattern): key -> (decoded value, revision)."""
+        out: dict[str, tuple[Any, int]] = {}
+        # (the watcher's ephemeral consumer outlives the unsubscribe by its inactivity threshold:
+        # short, or a janitor's passes pile up consumers)
+        watcher = await self.kv.watch(prefix, ignore_deletes=True, inactive_threshold=5.0)
+        try:
+            while True:
+                e = await watcher.updates(timeout=60)
+                if e is None:
+                    break
+                if e.value is None or e.operation is not None:
+                    continue
+                kind = IndexEntry if e.key.startswith("ec.") else FingerprintEntry if e.key.startswith("fp.") else None
+                if kind is None:
+                    continue
+                try:
+                    out[e.key] = (msgspec.json.decode(e.value, type=kind), e.revision)
+                except msgspec.DecodeError:
+                    log.warning("unreadable EC index entry %s: ignored", e.key)
+                if e.delta == 0:
+                    break
+        finally:
+            await watcher.stop()
+        return out
+
+    # -- fingerprints --------------------------------------------------------------------------
+    async def seen(self, fingerprint: str, *, model: str = "", model_path: str = "", at: float | None = None) -> None:
+        """Record that ``fingerprint`` is served now (by a worker's heartbeat or the API itself)."""
+        at = time.time() if at is None else at
+        key = fingerprint_key(fingerprint)
+        try:
+            e = await self.kv.get(key)
+            old = msgspec.json.decode(e.value, type=FingerprintEntry) if e.value else None
+        except (KeyNotFoundError, msgspec.DecodeError):
+            old = None
+        entry = FingerprintEntry(
+            fingerprint=fingerprint, model=model or (old.model if old else ""),
+            model_path=model_path or (old.model_path if old else ""),
+            first_seen=old.first_seen if old else at, last_seen=max(at, old.last_seen if old else 0.0),
+        )
+        if entry != old:
+            await self.kv.put(key, _enc.encode(entry))
+
+    async def fingerprints(self) -> dict[str, FingerprintEntry]:
+        return {v.fingerprint: v for v, _ in (await self.snapshot("fp.>")).values()}
+
+    # -- the janitor lease ---------------------------------------------------------------------
+    async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take or renew the janitor lease for ``ttl_s``. True iff ``holder`` holds it now. Two
+        contenders never both get True: every change is compare-and-set on the lease's revision."""
+        now = time.time()
+        lease = _enc.encode(Lease(holder=holder, expires=now + ttl_s))
+        try:
+            e = await self.kv.get(LEASE_KEY)
+        except KeyNotFoundError:
+            e = None
+        try:
+            if e is None or e.value is None:
+                await self.kv.create(LEASE_KEY, lease)
+                return True
+            current = msgspec.json.decode(e.value, type=Lease)
+            if current.holder != holder and current.expires > now:
+                return False
+            await self.kv.update(LEASE_KEY, lease, last=e.revision)
+            return True
+        except (KeyWrongLastSequenceError, msgspec.DecodeError):
+            return False
+
+    async def release_lease(self, holder: str) -> None:
+        try:
+            e = await self.kv.get(LEASE_KEY)
+            if e.value and msgspec.json.decode(e.value, type=Lease).holder == holder:
+                await self.kv.delete(LEASE_KEY, last=e.revision)
+        except (KeyNotFoundError, msgspec.DecodeError):
+            pass
+        except BadRequestError as exc:
+            if not _wrong_sequence(exc):
+                raise
+
+
+class UseRecorder:
+    """Batches uses of EC objects: ``note()`` from any thread costs a dict assignment; every
+    ``flush_s`` one index update per distinct object (``epd:ec_uses_recorded_total``)."""
+
+    def __init__(self, index: ECIndex, *, flush_s: float):
+        self.index = index
+        self.flush_s = flush_s
+        self._pending: dict[str, Use] = {}
+        self._lock = threading.Lock()
+        self._task: asyncio.Task | None = None
+
+    def note(self, key: str, fingerprint: str, item_hash: str, *, size: int = 0, created: bool = False) -> None:
+        use = Use(key=key, fingerprint=fingerprint, item_hash=item_hash, at=time.time(), size=size, created=created)
+        with self._lock:
+            old = self._pending.get(key)
+            if old is not None:
+                use = Use(key=key, fingerprint=fingerprint, item_hash=item_hash, at=use.at,
+                          size=size or old.size, created=created or old.created)
+            self._pending[key] = use
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def flush(self) -> int:
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        for use in batch.values():
+            try:
+                await self.index.record(use)
+            except Exception as exc:  # noqa: BLE001 - NATS down: the use is lost, the object only looks colder
+                log.warning("could not record the use of %s: %s: %s", use.key, type(exc).__name__, exc)
+                return 0
+        if batch:
+            metrics.EC_USES_RECORDED.inc(len(batch))
+        return len(batch)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None
+        try:
+            await self.flush()
+        except Exception:  # noqa: BLE001 - closing: best effort
+            pass

@@ -1,0 +1,143 @@
+"""``epd ec``: what the EC store holds per model version, and purges (``shared.store.janitor``).
+
+* ``epd ec ls`` - per fingerprint and kind (``ec`` encoder outputs, ``kv`` E|P|D hand-offs):
+  objects, bytes, last use (EC: the index; KV: modification time), the model it belongs to when
+  known (served name and folder, from the fingerprint registry the API keeps from heartbeats)
+  and whether it is ``current`` (a worker served it within ``EPD_EC_RETIRED_AFTER_S``),
+  ``retired``, or ``unknown`` (no heartbeat named it; ``--retired`` takes it once unused for
+  ``EPD_EC_RETIRED_AFTER_S``).
+* ``epd ec purge --fingerprint F | --retired | --older-than D [--kind ec|kv|all] [--dry-run]`` -
+  delete the matching objects (every given selector must match) and announce the EC ones
+  (``ECInvalidated``), so no worker serves a purged object from a local copy.
+
+Reads NATS and store settings from ``EPD_*`` like the services (``--nats-url`` / ``--prefix``
+override). Exit codes: 0 ok; 2 an error, printed as one line on stderr. No torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+from shared.tools.replay_cli import EXIT_ERROR, _run, parse_duration
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``ec`` and its subcommands to the ``epd`` parser."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nats-url", help="NATS URL (default: EPD_NATS_URL)")
+    common.add_argument("--prefix", help="subject prefix of the deployment (default: EPD_SUBJECT_PREFIX)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    ec = sub.add_parser("ec", help="EC store: objects per model version, purges")
+    esub = ec.add_subparsers(dest="ec_command", required=True)
+    ls = esub.add_parser("ls", parents=[common], help="objects, bytes and last use per fingerprint")
+    ls.set_defaults(func=_cmd_ls)
+    purge = esub.add_parser("purge", parents=[common], help="delete the objects of a model version (or old ones)")
+    purge.add_argument("--fingerprint", help="only this fingerprint's objects")
+    purge.add_argument("--retired", action="store_true", help="only fingerprints no worker serves any more")
+    purge.add_argument("--older-than", type=parse_duration, metavar="D",
+                       help="only objects last used more than D ago (30s, 15m, 2h, 1d)")
+    purge.add_argument("--kind", choices=("ec", "kv", "all"), default="all", help="object kind (default: all)")
+    purge.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    purge.set_defaults(func=_cmd_purge)
+
+
+async def _open(nc: Any, subjects: Any, settings: Any):
+    import asyncio
+
+    from shared.store.ec_index import ECIndex
+    from shared.store.factory import object_store_from_settings
+
+    index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=settings.stream_replicas)
+    store = await asyncio.to_thread(object_store_from_settings, settings)
+    return index, store
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    async def body(nc, subjects, settings) -> int:
+        import asyncio
+
+        from shared.store.ec_index import entry_key
+        from shared.store.janitor import is_current, list_objects
+
+        index, store = await _open(nc, subjects, settings)
+        listed = await asyncio.to_thread(list_objects, store, settings.namespace)
+        snap = await index.snapshot("ec.>")
+        fps = await index.fingerprints()
+        now = time.time()
+        rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: {"objects": 0, "bytes": 0, "last_use": 0.0})
+        for obj in listed:
+            row = rows[(obj.kind, obj.fingerprint)]
+            row["objects"] += 1
+            row["bytes"] += obj.info.size
+            indexed = snap.get(entry_key(obj.fingerprint, obj.name)) if obj.kind == "ec" else None
+            used = indexed[0].last_use if indexed else (obj.info.last_modified or 0.0)
+            row["last_use"] = max(row["last_use"], used)
+        out = []
+        for (kind, fp), row in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[1]["last_use"])):
+            reg = fps.get(fp)
+            out.append({
+                "kind": kind, "fingerprint": fp, **row,
+                "model": reg.model if reg else "", "model_path": reg.model_path if reg else "",
+                # (no heartbeat named it: KV objects' model fingerprints, plain vLLM servers' versions)
+                "status": ("current" if is_current(reg, now, settings.ec_retired_after_s) else "retired")
+                if reg is not None else "unknown",
+            })
+        if args.json:
+            print(json.dumps({"namespace": settings.namespace, "max_bytes": settings.ec_max_bytes,
+                              "fingerprints": out}, indent=2))
+            return 0
+        total = sum(r["bytes"] for r in out if r["kind"] == "ec")
+        bound = f" (bound {settings.ec_max_bytes})" if settings.ec_max_bytes else ""
+        print(f"namespace {settings.namespace}: {total} bytes of EC objects{bound}")
+        print(f"{'kind':4} {'fingerprint':26} {'objects':>8} {'bytes':>12} {'last use':>10}  {'status':8} model")
+        for r in out:
+            ago = _ago(now - r["last_use"]) if r["last_use"] else "-"
+            model = " ".join(x for x in (r["model"], f"({r['model_path']})" if r["model_path"] else "") if x) or "?"
+            print(f"{r['kind']:4} {r['fingerprint']:26} {r['objects']:>8} {r['bytes']:>12} {ago:>10}  "
+                  f"{r['status']:8} {model}")
+        return 0
+
+    return _run(args, body)
+
+
+def _cmd_purge(args: argparse.Namespace) -> int:
+    if not (args.fingerprint or args.retired or args.older_than is not None):
+        print("epd ec purge: give --fingerprint, --retired or --older-than", file=sys.stderr)
+        return EXIT_ERROR
+
+    async def body(nc, subjects, settings) -> int:
+        from shared.store.janitor import purge
+
+        index, store = await _open(nc, subjects, settings)
+        kinds = ("ec", "kv") if args.kind == "all" else (args.kind,)
+        result = await purge(
+            nc=nc, subjects=subjects, index=index, store=store, namespace=settings.namespace,
+            by=f"epd-ec-purge-{settings.worker_id}", fingerprint=args.fingerprint, retired=args.retired,
+            older_than_s=args.older_than, retired_after_s=settings.ec_retired_after_s, kinds=kinds,
+            dry_run=args.dry_run,
+        )
+        rows = [{"kind": k, "fingerprint": fp, "objects": v[0], "bytes": v[1]} for (k, fp), v in
+                sorted(result.removed.items())]
+        if args.json:
+            print(json.dumps({"dry_run": args.dry_run, "removed": rows}, indent=2))
+            return 0
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {result.objects} object(s), {result.nbytes} bytes")
+        for r in rows:
+            print(f"  {r['kind']:4} {r['fingerprint']:26} {r['objects']:>8} {r['bytes']:>12}")
+        return 0
+
+    return _run(args, body)
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
