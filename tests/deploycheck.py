@@ -294,7 +294,7 @@ def compose_problems(compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfil
         one_shot = str(svc.get("restart", "")) == "no"
         if _healthcheck_args(svc) is None and not one_shot:
             problems.append(f"{name}: no healthcheck")
-        image = str(svc.get("image", ""))
+        image = interpolate(str(svc.get("image", "")), {})  # ${EPD_NATS_IMAGE:-...}: its default
         if not re.match(r"^[a-z0-9./_-]+:[A-Za-z0-9._-]*\d[A-Za-z0-9._-]*$", image) or image.endswith(":latest"):
             problems.append(f"{name}: image {image!r} is not pinned to a version tag")
         if "container_name" in svc:

@@ -1,0 +1,384 @@
+"""`docker compose up` for real: the production docker-compose.yml, run by Docker Compose v2 on a
+real Docker engine, with the images built on this machine (tests/compose/build-images.sh), and
+checked from the outside (HTTP, `docker compose` / `docker inspect`, the NATS consumers).
+
+Run by `make test-compose` only: the name of this file keeps the default pytest run (`make test`)
+from collecting it. It needs root, a Docker engine with Compose v2 (tests/compose/ensure-docker.sh)
+and the images (tests/compose/build-images.sh); the Makefile target does both first.
+
+The stack is docker-compose.yml plus tests/compose/compose.test.yml (stand-in NATS and S3 images
+built locally, every port on 127.0.0.1, faster health probes), as its own compose project with a
+fresh model folder, secrets and volumes. The steps depend on each other (one stack, started once
+per profile) and run in file order; each wait is a condition wait with a hang-only bound.
+
+Worker crashes are SIGKILLs of the service's process from the host, as the OOM killer would send
+them: `docker compose kill` counts as a deliberate stop for Docker's restart policy (the container
+stays down; checked below), so it cannot show the policy bringing a worker back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared import protocol
+from tests.epdup import EpdUp, descendants
+from tests.stackutil import GREEDY, chat_body, noise_image, parse_sse, wait_for, work_consumers
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDE = ROOT / "tests" / "compose" / "compose.test.yml"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+NATS_IMAGE = "epd-test/nats:2.15.1"
+S3_IMAGE = "epd-test/seaweedfs-s3:4.48"
+API_KEY = "sk-compose-" + uuid.uuid4().hex
+NATS_USER, NATS_PASSWORD = "epd", uuid.uuid4().hex
+UP_TIMEOUT_S = 600      # `up --wait`: model loads on a loaded 2-core machine take minutes
+REQUEST_TIMEOUT_S = 300
+STATE_TIMEOUT_S = 240   # a container reaching a state (restarted, unhealthy, healthy)
+
+# The requests: one image each, greedy, 12 token ids back (the API's extension). A check that
+# needs the encoder to work sends an image the stack has not seen (a seen one is served from the
+# EC store without encoding).
+BODY = chat_body("Describe the image.", [noise_image(16, (448, 448))], **GREEDY)
+# The streamed request killed mid-stream: long enough that tokens are still to come after the first.
+LONG_BODY = chat_body("Describe the image in detail.", [noise_image(17, (448, 448))],
+                      **{**GREEDY, "max_tokens": 48})
+BODIES = {"short": BODY, "long": LONG_BODY,
+          **{name: chat_body(f"What is in picture {seed}?", [noise_image(seed, (448, 448))], **GREEDY)
+             for seed, name in enumerate(["encoder-fault", "scale-0", "scale-1", "scale-2", "scale-3", "e-p-d"],
+                                         start=100)}}
+
+class Compose:
+    """One compose project: docker-compose.yml + the test override, its own env file."""
+
+    def __init__(self, project: str, env_file: Path):
+        self.project = project
+        self.env_file = env_file
+        # Only the env file speaks: no EPD_* / COMPOSE_* / MINIO_* of this process leaks in.
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "COMPOSE_", "MINIO_"))}
+        self.profile = "e-pd"
+
+    def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        argv = ["docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), "-f", str(OVERRIDE),
+                "--env-file", str(self.env_file), "--profile", self.profile, *args]
+        proc = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, f"{' '.join(argv[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc
+
+    def up(self, *args: str) -> None:
+        start = time.monotonic()
+        self.run("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--no-build", *args,
+                 timeout=UP_TIMEOUT_S + 60)
+        log.info("compose up %s (%s) took %.0f s", self.profile, " ".join(args), time.monotonic() - start)
+
+    def port(self, service: str, target: int) -> int:
+        """The host port published for ``target`` (the address is checked by the ports test)."""
+        out = self.run("port", service, str(target)).stdout.strip()
+        return int(out.rpartition(":")[2])
+
+    def containers(self, service: str | None = None, *, all_states: bool = True) -> list[dict[str, Any]]:
+        """`docker inspect` of the project's containers (of one service)."""
+        argv = ["docker", "ps", "-q", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.project}"]
+        if all_states:
+            argv.append("-a")
+        if service:
+            argv += ["--filter", f"label=com.docker.compose.service={service}"]
+        ids = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        if not ids:
+            return []
+        out = subprocess.run(["docker", "inspect", *ids], capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(out.stdout)
+
+    def container(self, service: str) -> dict[str, Any]:
+        [one] = self.containers(service)
+        return one
+
+    def left_behind(self) -> dict[str, list[str]]:
+        """Containers, volumes and networks that still carry this project's label."""
+        label = f"label=com.docker.compose.project={self.project}"
+        found = {}
+        for kind, argv in (("containers", ["docker", "ps", "-aq", "--filter", label]),
+                           ("volumes", ["docker", "volume", "ls", "-q", "--filter", label]),
+                           ("networks", ["docker", "network", "ls", "-q", "--filter", label])):
+            found[kind] = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        return found
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port('api', 8000)}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{self.port('nats', 4222)}"
+
+
+def state(container: dict[str, Any]) -> tuple[str, str | None, int]:
+    """(status, health status or None, restart count) of a `docker inspect` result."""
+    health = container["State"].get("Health") or {}
+    return container["State"]["Status"], health.get("Status"), container["RestartCount"]
+
+
+def service_process(compose: Compose, service: str, module: str) -> int:
+    """Host pid of the service's Python process (the child of the container's docker-init)."""
+    init_pid = compose.container(service)["State"]["Pid"]
+    [pid] = [p.pid for p in descendants(init_pid) if f"-m services.{module}" in p.cmdline]
+    return pid
+
+
+def wait_state(compose: Compose, service: str, what: str, predicate, timeout: float = STATE_TIMEOUT_S):
+    return wait_for(lambda: predicate(*state(compose.container(service))), timeout, f"{service}: {what}",
+                    interval=0.5)
+
+
+def headers(key: str | None = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def chat(url: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers(key), timeout=REQUEST_TIMEOUT_S)
+
+
+def tokens_of(resp: httpx.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def stream_tokens(url: str, body: dict, on_event=None) -> list[int]:
+    """Token ids of a streamed completion (which must end with [DONE] and no error event)."""
+    ids: list[int] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers(),
+                      timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.read()
+        for event in parse_sse(resp.iter_lines()):
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                ids.extend(choice.get("token_ids", []))
+            if on_event is not None:
+                on_event(event, ids)
+    return ids
+
+
+class Background:
+    """A call run in a thread; ``result()`` waits for it (bounded) and re-raises its error."""
+
+    def __init__(self, fn, *args):
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, *args):
+        try:
+            self._out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            self._out["error"] = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float = REQUEST_TIMEOUT_S + 30):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"no answer within {timeout} s"
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
+
+
+def remove_stale_projects() -> None:
+    """Remove what an earlier run of this test left behind (a run killed before its teardown):
+    compose projects named epdtest<pid> whose pid is gone. Their containers would otherwise be
+    started again by the restart policy whenever dockerd starts."""
+    out = subprocess.run(["docker", "ps", "-a", "--filter", "label=com.docker.compose.project",
+                          "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}'],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    stale = {project for _, project in (line.split() for line in out.splitlines())
+             if project.startswith("epdtest") and project[7:].isdigit() and not Path(f"/proc/{project[7:]}").exists()}
+    for project in sorted(stale):
+        log.warning("removing the stale compose project %s", project)
+        label = f"label=com.docker.compose.project={project}"
+        for ls, rm in ((["docker", "ps", "-aq"], ["docker", "rm", "-f"]),
+                       (["docker", "volume", "ls", "-q"], ["docker", "volume", "rm", "-f"]),
+                       (["docker", "network", "ls", "-q"], ["docker", "network", "rm"])):
+            ids = subprocess.run([*ls, "--filter", label], capture_output=True, text=True, timeout=60).stdout.split()
+            if ids:
+                subprocess.run([*rm, *ids], capture_output=True, timeout=300)
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> Path:
+    """The tiny model, readable by the containers' uid 10001 (mounted read-only)."""
+    for path in [tiny_model_dir, *tiny_model_dir.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, tmp_path_factory) -> dict[str, list[int]]:
+    """The same model's answers from `epd up` (E|PD, on this host): what the containers must say."""
+    up = EpdUp(tmp_path_factory.mktemp("epd-up"), "--model", str(model_dir))
+    try:
+        up.wait_ready()
+        out = {name: tokens_of(chat(up.url, body, key=None)) for name, body in BODIES.items()}
+    finally:
+        up.close()
+    assert len(out["short"]) == GREEDY["max_tokens"] and len(out["long"]) == 48, out
+    assert len({tuple(t) for t in out.values()}) > 1, f"every request gives the same tokens: {out}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def compose(model_dir, tmp_path_factory):
+    images = subprocess.run(["docker", "image", "inspect", f"epd-serve:{VERSION}-cpu", NATS_IMAGE, S3_IMAGE],
+                            capture_output=True, text=True, timeout=60)
+    assert images.returncode == 0, f"images missing (run tests/compose/build-images.sh): {images.stderr}"
+    remove_stale_projects()
+    env_file = tmp_path_factory.mktemp("compose") / "test.env"
+    env_file.write_text("\n".join(f"{k}={v}" for k, v in {
+        "EPD_API_KEYS": API_KEY,
+        "EPD_NATS_USER": NATS_USER, "EPD_NATS_PASSWORD": NATS_PASSWORD,
+        "MINIO_ROOT_USER": "epd-admin", "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
+        "EPD_S3_ACCESS_KEY": "epd-services", "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
+        "EPD_MODEL_DIR": str(model_dir),
+        "EPD_NATS_IMAGE": NATS_IMAGE, "EPD_MINIO_IMAGE": S3_IMAGE,
+    }.items()) + "\n")
+    env_file.chmod(0o600)
+    c = Compose(f"epdtest{os.getpid()}", env_file)
+    try:
+        yield c
+    finally:
+        logs = c.run("logs", "--no-color", "--tail", "60", check=False, timeout=120)
+        log.info("compose logs (tail):\n%s", logs.stdout[-20000:])
+        c.run("down", "-v", "--remove-orphans", "--timeout", "10", check=False, timeout=300)
+
+
+# -- the checks, in order -------------------------------------------------------------------------
+def test_e_pd_comes_up_healthy(compose, expected):
+    compose.up()
+    running = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c) for c in compose.containers()}
+    assert running == {"nats": ("running", "healthy", 0), "minio": ("running", "healthy", 0),
+                       "minio-init": ("exited", None, 0), "api": ("running", "healthy", 0),
+                       "encoder": ("running", "healthy", 0), "prefill": ("running", "healthy", 0)}, running
+    assert compose.container("minio-init")["State"]["ExitCode"] == 0
+    health = httpx.get(f"{compose.api_url}/health", timeout=30).json()
+    assert health["workers"] == {"encoder": 1, "prefill": 1}, health
+
+
+def test_e_pd_answers_like_epd_up(compose, expected):
+    url = compose.api_url
+    assert chat(url, BODY, key=None).status_code == 401
+    assert chat(url, BODY, key="sk-wrong").status_code == 401
+    assert tokens_of(chat(url, BODY)) == expected["short"]
+    assert stream_tokens(url, BODY) == expected["short"]
+    assert tokens_of(chat(url, LONG_BODY)) == expected["long"]
+
+
+def test_published_ports_bind_loopback_only(compose):
+    published = [(c["Config"]["Labels"]["com.docker.compose.service"], binding["HostIp"], port)
+                 for c in compose.containers(all_states=False)
+                 for port, bindings in (c["NetworkSettings"]["Ports"] or {}).items() for binding in bindings or []]
+    assert {service for service, _, _ in published} == {"nats", "minio", "api"}, published
+    assert all(ip == "127.0.0.1" for _, ip, _ in published), published
+
+
+def test_encoder_hung_then_killed_mid_request(compose, expected):
+    """The encoder hangs (SIGSTOP) while the request's encode job waits for it: Docker marks it
+    unhealthy; then it dies (SIGKILL): the restart policy brings it back, it turns healthy, and
+    the request completes with the same tokens - whether the job was redelivered to the restarted
+    encoder or the prefill worker computed the features itself after EPD_EC_WAIT_S (30 s)."""
+    url, before = compose.api_url, state(compose.container("encoder"))[2]
+    pid = service_process(compose, "encoder", "encoder")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        request = Background(lambda: tokens_of(chat(url, BODIES["encoder-fault"])))
+
+        def job_waits():
+            info = work_consumers(compose.nats_url, protocol.Subjects()).get(protocol.CONSUMER_ENCODER)
+            return info is not None and (info.num_pending + info.num_ack_pending) >= 1
+
+        wait_for(job_waits, 60, "the request's encode job on the encoder consumer", interval=0.2)
+        wait_state(compose, "encoder", "unhealthy while hung", lambda status, health, n: health == "unhealthy")
+        log.info("encoder unhealthy; the request %s", "has ended" if request.done() else "is still waiting")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    wait_state(compose, "encoder", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(compose, "encoder", "healthy again", lambda s, h, n: h == "healthy")
+    assert request.result() == expected["encoder-fault"]
+
+
+def test_prefill_killed_mid_stream(compose, expected):
+    """The E|PD worker dies after the first streamed tokens: it comes back and the stream
+    completes with exactly the tokens of an undisturbed run."""
+    url, before = compose.api_url, state(compose.container("prefill"))[2]
+    pid = service_process(compose, "prefill", "prefill")
+    killed: list[int] = []
+
+    def kill_after_first_tokens(event, ids):
+        if ids and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(len(ids))
+
+    ids = stream_tokens(url, LONG_BODY, on_event=kill_after_first_tokens)
+    assert killed and killed[0] < len(expected["long"]), f"the kill did not land mid-stream: {killed}"
+    assert ids == expected["long"]
+    wait_state(compose, "prefill", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(compose, "prefill", "healthy again", lambda s, h, n: h == "healthy")
+    assert tokens_of(chat(url, BODY)) == expected["short"]
+
+
+def test_compose_kill_is_a_deliberate_stop(compose, expected):
+    """What `docker compose kill` does to the restart policy (why the checks above kill from the
+    host): the container stays down until `up` starts it again."""
+    compose.run("kill", "encoder")
+    wait_state(compose, "encoder", "exited", lambda s, h, n: s == "exited", timeout=60)
+    compose.up("encoder")
+    assert state(compose.container("encoder"))[:2] == ("running", "healthy")
+
+
+def test_scale_encoders(compose, expected):
+    compose.up("--scale", "encoder=2")
+    encoders = compose.containers("encoder", all_states=False)
+    assert [state(c)[:2] for c in encoders] == [("running", "healthy")] * 2
+    wait_for(lambda: httpx.get(f"{compose.api_url}/health", timeout=30).json()["workers"].get("encoder") == 2, 60,
+             "the API to see two encoders", interval=0.5)
+    url = compose.api_url
+    names = [f"scale-{i}" for i in range(4)]
+    sent = {name: Background(lambda name=name: tokens_of(chat(url, BODIES[name]))) for name in names}
+    assert {name: sent[name].result() for name in names} == {name: expected[name] for name in names}
+    logs = {c["Name"]: subprocess.run(["docker", "logs", c["Id"]], capture_output=True, text=True, timeout=60)
+            for c in encoders}
+    encoded = {name: (out.stdout + out.stderr).count(" encoded ") for name, out in logs.items()}
+    log.info("encode jobs per encoder container: %s", encoded)
+
+
+def test_e_p_d_answers_too(compose, expected):
+    compose.run("down", "--timeout", "30", timeout=300)
+    compose.profile = "e-p-d"
+    compose.up()
+    services = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2]
+                for c in compose.containers(all_states=False)}
+    assert services == {"nats": ("running", "healthy"), "minio": ("running", "healthy"),
+                        "api": ("running", "healthy"), "encoder": ("running", "healthy"),
+                        "prefill-only": ("running", "healthy"), "decode": ("running", "healthy")}, services
+    url = compose.api_url
+    assert tokens_of(chat(url, BODIES["e-p-d"])) == expected["e-p-d"]
+    assert stream_tokens(url, LONG_BODY) == expected["long"]
+
+
+def test_down_v_leaves_nothing(compose):
+    compose.run("down", "-v", "--timeout", "30", timeout=300)
+    assert compose.left_behind() == {"containers": [], "volumes": [], "networks": []}

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Test-only S3 service for docker-compose.yml's ``minio`` / ``minio-init`` (tests/compose/):
+SeaweedFS (``weed mini``) with the same two accounts MinIO gets there.
+
+  epd-test-s3 serve   the S3 server on :9000, data in /data. Accounts: MINIO_ROOT_USER (admin) and
+                      EPD_S3_ACCESS_KEY, limited to EPD_S3_BUCKET (like minio-init's policy).
+  epd-test-s3 ready   exit 0 once the S3 server answers /healthz (the healthcheck)
+  epd-test-s3 init    create EPD_S3_BUCKET with the root account and check that the services'
+                      account reaches it (minio-init's job); idempotent
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+
+S3_PORT = 9000
+# weed mini's other ports, fixed inside the container (nothing else listens there). Its
+# maintenance worker dials the admin gRPC port as admin.port + 10000.
+PORTS = {"master.port": 9333, "master.port.grpc": 19333, "volume.port": 8080, "volume.port.grpc": 18080,
+         "filer.port": 8888, "filer.port.grpc": 18888, "s3.port": S3_PORT, "s3.port.grpc": 19000,
+         "admin.port": 23646, "admin.port.grpc": 33646}
+
+
+def env(name: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        sys.exit(f"epd-test-s3: {name} is not set")
+    return value
+
+
+def serve() -> None:
+    bucket = env("EPD_S3_BUCKET")
+    identities = {"identities": [
+        {"name": "root", "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
+         "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+        # What minio-init's policy grants the services: s3:* on the bucket and its objects, nothing else.
+        {"name": "epd-services",
+         "credentials": [{"accessKey": env("EPD_S3_ACCESS_KEY"), "secretKey": env("EPD_S3_SECRET_KEY")}],
+         "actions": [f"{a}:{bucket}" for a in ("Admin", "Read", "List", "Tagging", "Write")]},
+    ]}
+    os.makedirs("/tmp/epd-s3", mode=0o700, exist_ok=True)
+    path = "/tmp/epd-s3/identities.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(identities, f)
+    argv = ["weed", "-logtostderr=true", "-config_dir=/tmp/epd-s3", "mini", "-dir=/data",
+            "-ip=127.0.0.1", "-ip.bind=0.0.0.0", *(f"-{k}={v}" for k, v in PORTS.items()),
+            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-master.telemetry=false", "-volume.preStopSeconds=0",
+            "-s3.allowDeleteBucketNotEmpty=false", "-s3.autoCreateBucket=false", f"-s3.config={path}"]
+    os.execvp(argv[0], argv)
+
+
+def ready() -> None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{S3_PORT}/healthz", timeout=3) as resp:
+            sys.exit(0 if resp.status == 200 else 1)
+    except OSError as exc:
+        print(f"epd-test-s3: not ready: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def init() -> None:
+    from minio import Minio
+    from minio.error import S3Error
+
+    if env("EPD_S3_ACCESS_KEY") == env("MINIO_ROOT_USER"):
+        sys.exit("EPD_S3_ACCESS_KEY must differ from MINIO_ROOT_USER: the services get their own account")
+    endpoint, bucket = env("EPD_S3_ENDPOINT"), env("EPD_S3_BUCKET")
+    secure = os.environ.get("EPD_S3_SECURE", "").lower() in ("true", "1", "yes", "on")
+    root = Minio(endpoint, env("MINIO_ROOT_USER"), env("MINIO_ROOT_PASSWORD"), secure=secure)
+    services = Minio(endpoint, env("EPD_S3_ACCESS_KEY"), env("EPD_S3_SECRET_KEY"), secure=secure)
+    deadline = time.monotonic() + 120
+    while True:  # the filer behind the S3 gateway can lag its /healthz by a moment
+        try:
+            if not root.bucket_exists(bucket):
+                root.make_bucket(bucket)
+            assert services.bucket_exists(bucket), "the services' account does not see the bucket"
+            break
+        except (S3Error, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            print(f"epd-test-s3: init retrying: {exc}", file=sys.stderr)
+            time.sleep(1)
+    print(f"bucket {bucket} and its service account are ready")
+
+
+if __name__ == "__main__":
+    {"serve": serve, "ready": ready, "init": init}[sys.argv[1] if len(sys.argv) > 1 else "serve"]()
