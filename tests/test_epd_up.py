@@ -73,6 +73,10 @@ def test_epd_up_per_service_settings_from_flags():
         "encoder": {"EPD_CPU_CORES": "0"}, "prefill": {"EPD_VLLM_KV_CACHE_GIB": "2"}}
     auto = env("--cores", "auto")
     assert sorted(auto) == ["decode", "encoder", "prefill"]
+    # vLLM binds every engine to the same core(s) by itself: split unless told otherwise.
+    assert env("--engine", "vllm") == auto
+    assert env("--engine", "vllm", "--cores", "encoder=0") == {"encoder": {"EPD_CPU_CORES": "0"}}
+    assert env() == {}  # control: transformers engines are left unbound
     for bad in (["--cores", "api=0"], ["--cores", "encoder=x"], ["--service-env", "prefill:VLLM_X=1"],
                 ["--service-env", "nope:EPD_X=1"]):
         with pytest.raises(SystemExit):

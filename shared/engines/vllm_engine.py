@@ -453,7 +453,11 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         sp = self.sampling_params(params, kv_transfer_params=handoff.to_params() if handoff else None)
         t0 = time.perf_counter()
         first_at: float | None = None
-        pending: TokenEvent | None = None  # held back until we know whether it is the last
+        # Each token goes out as soon as vLLM hands it over (holding one back to mark the last
+        # cost every request a decode step of TTFT): vLLM delivers the token of the finishing step
+        # in the finished output, so that one carries ``finish_reason``. Text that comes without a
+        # token rides on the next token.
+        carry = ""
         n_out = 0
         async with contextlib.aclosing(self._outputs(prompt, sp)) as outputs:
             async for output in outputs:
@@ -463,16 +467,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                 new_ids = list(completion.token_ids)
                 if new_ids and first_at is None:
                     first_at = time.perf_counter()
-                for i, token_id in enumerate(new_ids):
-                    if pending is not None:
-                        yield pending
-                    text = completion.text if i == len(new_ids) - 1 else ""
-                    pending = TokenEvent(token_id=int(token_id), text=text)
-                n_out += len(new_ids)
-                if not new_ids and completion.text and pending is not None:
-                    pending = TokenEvent(pending.token_id, pending.text + completion.text)
-                if stats is not None:
-                    stats.completion_tokens = n_out
+                reason = None
                 if output.finished:
                     reason = completion.finish_reason
                     if reason not in ("stop", "length"):
@@ -486,8 +481,24 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                             stats.extra["ec_sources"] = sources
                         if handoff is not None:
                             stats.extra["kv_source"] = kv_source_of(output.kv_transfer_params)
-                    if pending is not None:
-                        yield TokenEvent(pending.token_id, pending.text, finish_reason=reason)
+                if not new_ids:
+                    carry += completion.text or ""
+                    if output.finished:
+                        if n_out:
+                            log.warning("vLLM finished (%s) without a token in its last output: %r dropped",
+                                        reason, carry)
+                        return
+                    continue
+                n_out += len(new_ids)
+                if stats is not None:
+                    stats.completion_tokens = n_out
+                for i, token_id in enumerate(new_ids):
+                    last = i == len(new_ids) - 1
+                    text = carry + (completion.text or "") if last else ""
+                    if last:
+                        carry = ""
+                    yield TokenEvent(int(token_id), text, finish_reason=reason if last else None)
+                if output.finished:
                     return
         raise EngineError("vLLM ended the request without a final output")
 

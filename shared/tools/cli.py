@@ -184,7 +184,12 @@ def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict
 
     workers = [s.value for s in TOPOLOGIES[topology].worker_services]
     out: dict[str, dict[str, str]] = {}
-    for spec in args.cores or ():
+    cores = args.cores
+    if cores is None and args.engine == "vllm" and len(workers) > 1:
+        # vLLM binds each engine's threads itself, every engine to the same core(s) (on 2 CPUs all
+        # take CPU 0): split the CPUs between the worker services unless told otherwise.
+        cores = ["auto"]
+    for spec in cores or ():
         if spec == "auto":
             for name, cores in split_cpus(available_cpus(), workers).items():
                 out.setdefault(name, {})["EPD_CPU_CORES"] = cores
@@ -228,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
     up.add_argument("--cores", action="append", metavar="SERVICE=LIST|auto",
                     help="bind a worker service to CPUs (EPD_CPU_CORES), e.g. --cores encoder=0 --cores prefill=1; "
-                         "auto: split the CPUs between the worker services")
+                         "auto: split the CPUs between the worker services (the default with --engine vllm and "
+                         "more than one worker service)")
     up.add_argument("--service-env", action="append", metavar="SERVICE:EPD_NAME=VALUE",
                     help="a setting for one service only, e.g. prefill:EPD_VLLM_KV_CACHE_GIB=2 "
                          "or prefill:EPD_MAX_WAITING_JOBS=128 (repeatable)")
