@@ -85,6 +85,17 @@ def _wrong_sequence(exc: BaseException) -> bool:
     return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in (10071, 10164)
 
 
+async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+    """Cancel a background task and wait until it has stopped, whatever it raised."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping it is all that matters
+        pass
+
+
 def entry_key(fingerprint: str, item_hash: str) -> str:
     """The index key of an EC object (item hashes are hex; other identifiers are hashed)."""
     name = item_hash if _NAME.match(item_hash) else "x" + hashlib.sha256(item_hash.encode()).hexdigest()[:40]
@@ -311,13 +322,8 @@ class UseRecorder:
             await self.flush()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         try:
             await self.flush()
         except Exception:  # noqa: BLE001 - closing: best effort

@@ -40,7 +40,15 @@ from typing import Any, Callable, Iterable
 from shared import metrics, protocol
 from shared.errors import StoreError
 from shared.protocol import ECInvalidated, Subjects
-from shared.store.ec_index import ECIndex, FingerprintEntry, IndexEntry, Use, UseRecorder, entry_key
+from shared.store.ec_index import (
+    ECIndex,
+    FingerprintEntry,
+    IndexEntry,
+    Use,
+    UseRecorder,
+    cancel_and_wait,
+    entry_key,
+)
 from shared.store.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -225,12 +233,7 @@ class Janitor:
     async def stop(self) -> None:
         if self._tombstones is not None:
             self._tombstones.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await cancel_and_wait(self._task)
         if self.leading:
             try:
                 await self.index.release_lease(self.holder)

@@ -23,15 +23,12 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from shared.tools.replay_cli import EXIT_ERROR, _run, parse_duration
+from shared.tools.replay_cli import EXIT_ERROR, _run, deployment_options, parse_duration
 
 
 def add_parser(sub: Any) -> None:
     """Add ``ec`` and its subcommands to the ``epd`` parser."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--nats-url", help="NATS URL (default: EPD_NATS_URL)")
-    common.add_argument("--prefix", help="subject prefix of the deployment (default: EPD_SUBJECT_PREFIX)")
-    common.add_argument("--json", action="store_true", help="print JSON instead of text")
+    common = deployment_options()
 
     ec = sub.add_parser("ec", help="EC store: objects per model version, purges")
     esub = ec.add_subparsers(dest="ec_command", required=True)

@@ -32,14 +32,20 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def add_parser(sub: Any) -> None:
-    """Add ``replay`` and its subcommands to the ``epd`` parser."""
-    from shared.history import STATUSES
-
+def deployment_options() -> argparse.ArgumentParser:
+    """The options every command that reads a deployment's NATS takes (a parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", help="NATS URL (default: EPD_NATS_URL)")
     common.add_argument("--prefix", help="subject prefix of the deployment (default: EPD_SUBJECT_PREFIX)")
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return common
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``replay`` and its subcommands to the ``epd`` parser."""
+    from shared.history import STATUSES
+
+    common = deployment_options()
 
     replay = sub.add_parser("replay", help="inspect, replay, export and import recorded requests")
     rsub = replay.add_subparsers(dest="replay_command", required=True)
