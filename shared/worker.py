@@ -206,8 +206,9 @@ class Handler(abc.ABC):
     stops_when_cancelled: ClassVar[bool] = True
 
     in_flight: int = 0
-    #: Set in ``setup`` by a handler whose jobs wait for inputs (``shared.admission``): the runner
-    #: then fetches by it instead of its fixed ``concurrency``.
+    #: Set in ``setup`` by a handler that sizes its work from its engine (``shared.admission``;
+    #: generating workers: jobs waiting for inputs take no slot): the runner then fetches by it
+    #: instead of its fixed ``concurrency``.
     admission: Admission | None = None
 
     @abc.abstractmethod
