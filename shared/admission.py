@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 #: Ageing of a queued job's cost: each second it has waited for a slot counts as this many prompt
-#: tokens less (a 350-token image prompt overtakes fresh 30-token prompts after ~0.6 s).
-AGING_TOKENS_PER_S = 512.0
+#: tokens less, so a 350-token image prompt overtakes fresh 30-token prompts after 10 s. Slow on
+#: purpose: with 512 (~0.6 s) a loaded machine, where every image prefill of a burst waits longer
+#: than that, made the order first-come-first-served again and a text prompt waited for all of them
+#: (P4: a text probe 6-14 s behind eight image prefills).
+AGING_TOKENS_PER_S = 32.0
 
 
 @dataclass(order=True)

@@ -68,9 +68,10 @@ async def test_cheapest_waiter_first_ties_in_arrival_order():
 
 
 async def test_a_long_wait_overtakes_a_cheaper_newcomer():
-    # 600 tokens that waited 1 s count as 600 - 512 = 88 < 100: the old one goes first.
-    assert await _grant_order([100, 600], age={1: 1.0}) == [1, 0]
-    assert 600 - AGING_TOKENS_PER_S < 100
+    # 600 tokens that waited 20 s count as 600 - 20 * 32 = -40 < 100: the old one goes first.
+    assert await _grant_order([100, 600], age={1: 20.0}) == [1, 0]
+    assert 600 - 20 * AGING_TOKENS_PER_S < 100
+    assert await _grant_order([100, 600], age={1: 1.0}) == [0, 1]  # a short wait does not: cheapest first
     assert await _grant_order([100, 600]) == [0, 1]  # control: without the wait
 
 
