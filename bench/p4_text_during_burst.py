@@ -2,7 +2,8 @@
 E|PD and aggregated.
 
 Starts embedded NATS + S3 and an ``agg`` and an ``e-pd`` stack on the bench model, every worker on the
-``--engine`` (``transformers``, the default, or ``vllm``; the same engine settings on both sides).
+``--engine`` (``transformers``, the default, or ``vllm``; the same engine settings on both sides; on
+vLLM E|PD's encoder and PD worker get their own CPUs, as ``epd up --engine vllm`` binds them).
 Each repetition, on each side (alternating the order): ``--probes`` text-only requests one at a time on
 the idle stack, then a burst of ``--burst`` image requests (new images, all at once) while text-only
 probes go out one after another until the burst has finished. Per repetition and side: p50 and p99 of
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h  # noqa: E402
 from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+from shared.cpus import available_cpus, split_cpus  # noqa: E402
 
 SIDES = ("agg", "epd")
 TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
@@ -120,8 +122,13 @@ def main() -> int:
     parser.add_argument("--probe-tokens", type=int, default=4, help="output tokens of a text-only probe")
     parser.add_argument("--engine", default="transformers", choices=sorted(TARGETS), help="EPD_ENGINE of every worker")
     args = parser.parse_args()
+    # vLLM: E|PD's encoder and PD worker on their own CPUs, as `epd up --engine vllm` binds them
+    # (vLLM alone puts every engine on CPU 0 of 2); agg's one engine as vLLM binds it.
+    split = split_cpus(available_cpus(), ["encoder", "prefill"])
+    service_env = {"epd": {svc: {"EPD_CPU_CORES": cores} for svc, cores in split.items()}} \
+        if args.engine == "vllm" else {}
     return h.run_stacks("p4", args, {s: (TOPOLOGY[s], {"EPD_ENGINE": args.engine}) for s in SIDES}, measure,
-                        ready_timeout=1200.0 if args.engine == "vllm" else 600.0)
+                        ready_timeout=1200.0 if args.engine == "vllm" else 600.0, service_env=service_env)
 
 
 if __name__ == "__main__":
