@@ -20,6 +20,7 @@ from minio.error import S3Error
 from shared.tools.infra import (
     EmbeddedNats,
     EmbeddedS3,
+    SEAWEED_MAX_VOLUMES,
     InfraError,
     PortInUseError,
     find_binary,
@@ -240,6 +241,41 @@ def test_s3_fixture_serves_authenticated_s3(s3_server: EmbeddedS3) -> None:
     with pytest.raises(S3Error) as excinfo:
         anon.list_buckets()  # anonymous access is refused
     assert excinfo.value.code == "AccessDenied", excinfo.value
+
+
+def _fill_buckets(server: EmbeddedS3, n: int) -> int:
+    """Create ``n`` buckets with one object each; how many took their object."""
+    import io
+
+    from urllib3.exceptions import MaxRetryError
+
+    client = Minio(server.endpoint, server.access_key, server.secret_key, secure=False)
+    ok = 0
+    for i in range(n):
+        bucket = f"many-{uuid.uuid4().hex[:10]}"
+        client.make_bucket(bucket)
+        try:
+            client.put_object(bucket, "k", io.BytesIO(b"x" * 100), 100)
+            ok += 1
+        except S3Error as exc:
+            assert exc.code == "InternalError", exc
+        except MaxRetryError as exc:  # urllib3 retried the 500s
+            assert "500 error responses" in str(exc), exc
+    return ok
+
+
+def test_s3_takes_writes_into_many_buckets(s3_server: EmbeddedS3, tmp_path: Path) -> None:
+    """Every bucket takes a volume; the test suite makes many. By default SeaweedFS allows free disk /
+    1 GiB volumes (38 with 38 GiB free, and the suite failed past that): EmbeddedS3 sets its own."""
+    assert SEAWEED_MAX_VOLUMES >= 500
+    assert _fill_buckets(s3_server, 45) == 45
+    # Control: the same server with room for 3 volumes refuses the writes of the buckets past them.
+    small = EmbeddedS3(tmp_path / "small", extra_args=["-volume.max=3"])  # (the last -volume.max wins)
+    small.start()
+    try:
+        assert _fill_buckets(small, 5) < 5
+    finally:
+        small.stop()
 
 
 def test_s3_fixed_port_taken_gives_clear_error(tmp_path: Path, listening_socket) -> None:

@@ -656,6 +656,9 @@ class EmbeddedNats(_EmbeddedServer):
 
 
 # -- SeaweedFS S3 ------------------------------------------------------------------------------
+#: Volumes a SeaweedFS server may hold (``-volume.max``): one per bucket at least; tests use many.
+SEAWEED_MAX_VOLUMES = 1000
+
 _WEED_PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
     "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
@@ -797,6 +800,11 @@ class EmbeddedS3(_EmbeddedServer):
             "-volume.preStopSeconds=0",  # single node: no one to drain to; stop 2.3 s -> 1.3 s
             "-s3.allowDeleteBucketNotEmpty=false",  # the default deletes non-empty buckets!
             "-s3.autoCreateBucket=false",  # like AWS / MinIO: PUT into a missing bucket fails
+            # Every bucket takes at least one volume, and by default the volume count is the free disk
+            # space / 1 GiB: with 38 GiB free the server refused writes to its 37th bucket
+            # ("InternalError"). Volume files grow as they are written (nothing is preallocated), so
+            # a fixed count costs nothing until the data is there.
+            f"-volume.max={SEAWEED_MAX_VOLUMES}",
             f"-s3.config={self.identities_path}",
             *self.extra_args,
         ]
