@@ -77,6 +77,11 @@ def test_epd_up_per_service_settings_from_flags():
     assert env("--engine", "vllm") == auto
     assert env("--engine", "vllm", "--cores", "encoder=0") == {"encoder": {"EPD_CPU_CORES": "0"}}
     assert env() == {}  # control: transformers engines are left unbound
+    from shared.tools.cli import _own_cpus
+
+    assert _own_cpus({"encoder": {"EPD_CPU_CORES": "0"}, "prefill": {"EPD_CPU_CORES": "1-2"}}, Topology.E_PD)
+    assert not _own_cpus({"encoder": {"EPD_CPU_CORES": "0-1"}, "prefill": {"EPD_CPU_CORES": "1"}}, Topology.E_PD)
+    assert not _own_cpus({"encoder": {"EPD_CPU_CORES": "0"}}, Topology.E_PD)  # the prefill worker may use any
     for bad in (["--cores", "api=0"], ["--cores", "encoder=x"], ["--service-env", "prefill:VLLM_X=1"],
                 ["--service-env", "nope:EPD_X=1"]):
         with pytest.raises(SystemExit):
