@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 #: Ageing of a queued job's cost: each second it has waited for a slot counts as this many prompt
@@ -40,12 +40,12 @@ from typing import AsyncIterator
 AGING_TOKENS_PER_S = 32.0
 
 
-@dataclass(order=True)
+@dataclass
 class _Ticket:
     cost: float
     seq: int
-    queued_at: float = field(compare=False)
-    future: asyncio.Future = field(compare=False)
+    queued_at: float
+    future: asyncio.Future
 
     def key(self, now: float) -> tuple[float, int]:
         return (self.cost - AGING_TOKENS_PER_S * (now - self.queued_at), self.seq)
@@ -119,11 +119,6 @@ class Admission:
     @property
     def slots(self) -> int:
         return self.engine_slots.n
-
-    @property
-    def running(self) -> int:
-        """Jobs holding an engine slot."""
-        return self.engine_slots.taken
 
     @property
     def max_held(self) -> int:

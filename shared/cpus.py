@@ -58,11 +58,11 @@ def bind_process(cpu_list: str | None) -> list[int] | None:
     cores bound to. Raises ValueError for a list that is malformed or names no usable CPU."""
     if not cpu_list:
         return None
-    wanted = parse_cpu_list(cpu_list)
-    usable = [c for c in wanted if c in set(available_cpus())]
+    available = available_cpus()
+    usable = sorted(set(parse_cpu_list(cpu_list)) & set(available))
     if not usable:
         raise ValueError(f"EPD_CPU_CORES={cpu_list}: none of these CPUs is available (have "
-                         f"{format_cpu_list(available_cpus())})")
+                         f"{format_cpu_list(available)})")
     os.sched_setaffinity(0, usable)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", format_cpu_list(usable))
     log.info("bound to CPU(s) %s", format_cpu_list(usable))

@@ -87,6 +87,11 @@ class ModelHandler(Handler):
     def fingerprint(self) -> str:
         return self.engine.encoder_fingerprint if self.engine else ""
 
+    def engine_capacity(self) -> str:
+        """What the engine's capacity is derived from, for the start-up line (``Engine.capacity``)."""
+        assert self.engine is not None
+        return ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
+
     async def model_kv_store(self) -> "KVStore":
         """The KV store of this worker's model fingerprint (E|P|D prefill and decode workers: both
         sides must compute the same fingerprint, so both build it here)."""

@@ -120,10 +120,9 @@ class EncoderHandler(ModelHandler):
         # working (an encode job waits for nothing), within the pixel budget whatever the count.
         jobs = self.settings.encode_jobs_in_flight or self.engine.max_running_requests
         self.admission = Admission(jobs, max_waiting=0)
-        capacity = ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
         log.info("encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); "
                  "engine: %s", jobs, "EPD_ENCODE_JOBS_IN_FLIGHT" if self.settings.encode_jobs_in_flight else
-                 "from the engine", self.settings.encode_pixel_budget, capacity)
+                 "from the engine", self.settings.encode_pixel_budget, self.engine_capacity())
 
     async def handle(self, job: EncodeJob, delivery: Delivery) -> None:
         if job.fingerprint != self.fingerprint:

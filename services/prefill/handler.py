@@ -89,12 +89,10 @@ class PrefillHandler(ModelHandler):
         """Engine slots from the engine (``EPD_MAX_CONCURRENT_JOBS`` overrides), printed with what
         they came from; room for ``EPD_MAX_WAITING_JOBS`` jobs waiting for their features."""
         assert self.engine is not None
-        engine_slots = self.engine.max_running_requests
-        slots = self.settings.max_concurrent_jobs or engine_slots
-        capacity = ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
+        slots = self.settings.max_concurrent_jobs or self.engine.max_running_requests
         log.info("admission: %d job(s) in the engine at once (%s; engine: %s), up to %d more waiting for "
                  "image features", slots, "EPD_MAX_CONCURRENT_JOBS" if self.settings.max_concurrent_jobs else
-                 "from the engine", capacity, self.settings.max_waiting_jobs)
+                 "from the engine", self.engine_capacity(), self.settings.max_waiting_jobs)
         return Admission(slots, self.settings.max_waiting_jobs)
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:

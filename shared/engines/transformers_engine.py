@@ -559,7 +559,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return self._decode_loop.decoder.max_batch
 
     def capacity(self) -> dict[str, Any]:
-        return {"max_running_requests": self.max_running_requests, "decode_batch_rows": self.max_running_requests,
+        return {"max_running_requests": self.max_running_requests,  # the decode batch's rows
                 "encode_batch_pixels": self._encode_batcher.max_pixels, "torch_threads": self.threads}
 
     async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:

@@ -185,10 +185,11 @@ def _own_cpus(service_env: dict[str, dict[str, str]], topology: Topology) -> boo
 
     seen: set[int] = set()
     for service in TOPOLOGIES[topology].worker_services:
-        cores = service_env.get(service.value, {}).get("EPD_CPU_CORES")
-        if not cores or seen & set(parse_cpu_list(cores)):
+        cpu_list = service_env.get(service.value, {}).get("EPD_CPU_CORES")
+        cores = set(parse_cpu_list(cpu_list)) if cpu_list else set()
+        if not cores or seen & cores:
             return False
-        seen |= set(parse_cpu_list(cores))
+        seen |= cores
     return True
 
 
@@ -199,12 +200,12 @@ def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict
 
     workers = [s.value for s in TOPOLOGIES[topology].worker_services]
     out: dict[str, dict[str, str]] = {}
-    cores = args.cores
-    if cores is None and args.engine == "vllm" and len(workers) > 1:
+    specs = args.cores
+    if specs is None and args.engine == "vllm" and len(workers) > 1:
         # vLLM binds each engine's threads itself, every engine to the same core(s) (on 2 CPUs all
         # take CPU 0): split the CPUs between the worker services unless told otherwise.
-        cores = ["auto"]
-    for spec in cores or ():
+        specs = ["auto"]
+    for spec in specs or ():
         if spec == "auto":
             for name, cores in split_cpus(available_cpus(), workers).items():
                 out.setdefault(name, {})["EPD_CPU_CORES"] = cores
