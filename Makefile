@@ -1,5 +1,6 @@
 # make run  : create .venv, install what is missing, start everything (epd up) on http://127.0.0.1:8000
 # make test : create .venv, install what is missing, run the test suite
+# make check: the static checks .ci/run makes before the suite (layers, lint, types, docs site)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -7,7 +8,7 @@ UV_VERSION := 0.13.8
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean-data lock lock-gpu
+.PHONY: install run test check check-layers check-lint check-types check-docs clean-data lock lock-gpu
 
 $(STAMP): requirements.lock requirements-overrides.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +24,22 @@ run: install
 
 test: install
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Static checks (configured in pyproject.toml and mkdocs.yml); .ci/run runs them all.
+check: check-layers check-lint check-types check-docs
+
+check-layers: install
+	$(VENV)/bin/lint-imports
+
+check-lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+check-types: install
+	$(VENV)/bin/mypy
+
+check-docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
 
 # `docker compose up` for real (tests/compose/, README "Deployment"; root, not part of `make test`):
 # installs docker.io and the Compose v2 plugin when missing and starts dockerd, builds the images
