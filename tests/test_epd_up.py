@@ -384,6 +384,58 @@ def test_supervisor_restarts_an_exited_process_with_backoff_unless_stopped(tmp_p
                 proc.popen.wait(30)
 
 
+def _blocked_signals(pid: int) -> int:
+    """The signal mask of a running process (``SigBlk`` in /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigkill"])
+def test_restarted_workers_stop_with_epd_up(stop, tiny_model_dir, tmp_path):
+    """A worker that `epd up` restarted holds no signal back: Ctrl-C drains it like the others
+    (its own "stopped" line, no SIGKILL after the 20 s grace), and `kill -9` of `epd up` leaves no
+    worker and no embedded server behind (each gets its parent-death signal). Before the fix the
+    restarted worker inherited the supervisor's SIGINT/SIGTERM mask (SigBlk 0x4002), was killed
+    after 20 s on Ctrl-C, and outlived a killed `epd up` as an orphan."""
+    import time
+
+    up = EpdUp(tmp_path, "--model", str(tiny_model_dir))
+    try:
+        up.wait_ready()
+        encoder = up.service_pid("encoder")
+        assert _blocked_signals(encoder) == 0
+        mark = len(up.output())
+        os.kill(encoder, signal.SIGKILL)
+        restarted = up.wait_line(RESTARTED.format(label="encoder-0"), "the encoder's restart line", after=mark)
+        up.wait_line(HEALTHY.format(label="encoder-0"), "the restarted encoder to beat", after=mark)
+        new_encoder = int(restarted["pid"])
+        assert up.service_pid("encoder") == new_encoder
+        assert _blocked_signals(new_encoder) == 0, f"SigBlk {_blocked_signals(new_encoder):#x}"
+        procs = up.children()
+        assert any("weed" in p.cmdline for p in procs) and any("nats-server" in p.cmdline for p in procs), procs
+        encoder_log = up.data_dir / "logs" / "encoder-0.log"
+        restart_at = encoder_log.read_text().rindex("epd: restarting encoder-0")
+        t0 = time.monotonic()
+        if stop == "ctrl-c":
+            up.proc.send_signal(signal.SIGINT)
+            assert up.proc.wait(timeout=120) == 0, up.output()[-3000:]
+            took = time.monotonic() - t0
+            # The restarted encoder drained and said so (a SIGKILL after the grace leaves no such line).
+            assert re.search(rf"INFO {new_encoder} .*encoder worker \S+ stopped$", encoder_log.read_text()[restart_at:],
+                             re.M), encoder_log.read_text()[restart_at:][-2000:]
+        else:
+            up.proc.kill()
+            up.proc.wait(30)
+            wait_for(lambda: not [p for p in procs if p.alive()], 30,
+                     "every worker and embedded server to die with epd up")
+            took = time.monotonic() - t0
+        log.info("%s: every process gone %.1fs after the signal", stop, took)
+        left = [p.cmdline for p in procs if p.alive()]
+        assert left == [], f"still running: {left}"
+    finally:
+        up.close()
+
+
 def _image_request(image: Image.Image, text: str, **params) -> dict:
     buf = io.BytesIO()
     image.save(buf, format="PNG")

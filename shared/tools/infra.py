@@ -143,14 +143,23 @@ def find_binary(name: str) -> str:
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig_preexec(sig: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent thread dies.
+def _unblock_signals() -> None:
+    """Give the child an empty signal mask. A fork inherits the forking thread's mask, and exec
+    keeps it: a child forked while the parent held SIGINT/SIGTERM (the supervisor's restart does,
+    so a Ctrl-C cannot orphan a half-started child) would otherwise ignore SIGTERM, Ctrl-C's stop
+    and its parent-death signal for the rest of its life."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
-    Resolved in the parent so the forked child only makes one foreign call. ``None`` where prctl
-    is unavailable (non-Linux).
+
+def _pdeathsig_preexec(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that empties the child's signal mask and makes the child receive ``sig``
+    when its parent thread dies.
+
+    prctl is resolved in the parent so the forked child only makes one foreign call. Where prctl
+    is unavailable (non-Linux) the child only gets the empty mask.
     """
     if not sys.platform.startswith("linux"):
-        return None
+        return _unblock_signals
     try:
         import ctypes
 
@@ -160,10 +169,11 @@ def _pdeathsig_preexec(sig: int) -> Callable[[], None] | None:
                           ctypes.c_ulong]
         prctl.restype = ctypes.c_int
     except (OSError, AttributeError):  # pragma: no cover - exotic libc
-        return None
+        return _unblock_signals
     parent = os.getpid()
 
     def _preexec() -> None:
+        _unblock_signals()
         prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         # The parent may have died between fork and prctl: then nobody would signal us.
         if os.getppid() != parent:
