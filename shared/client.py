@@ -4,8 +4,10 @@ A request, as :class:`RequestClient` sends it (the API for every chat request, `
 for a re-run; nothing else publishes these):
 
 1. one :class:`~shared.protocol.EncodeJob` per distinct image whose EC object is not stored yet,
-   with ``Nats-Msg-Id = <EC key>`` so that concurrent duplicates (another request with the same
-   image, a replay) collapse into one job (:meth:`RequestClient.queue_encode`);
+   with ``Nats-Msg-Id = <EC key>@<generation of its index entry>``
+   (:func:`~shared.protocol.encode_job_msg_id`) so that concurrent duplicates (another request
+   with the same image, a replay) collapse into one job, while asking again for an object that was
+   evicted or purged meanwhile queues a new one (:meth:`RequestClient.queue_encode`);
 2. the :class:`~shared.protocol.ChatRequestRecord` on ``<p>.requests.<id>``, for replay and the
    debug page (best effort: its loss does not fail the request);
 3. a subscription to ``<p>.tokens.<id>``, made BEFORE the job is published (core NATS keeps no
@@ -32,7 +34,7 @@ from nats.aio.client import Client as NATS
 from shared import metrics, protocol
 from shared.cancellation import cancel_record
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
-from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, subscribe_typed
+from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, nats_unavailable, subscribe_typed
 from shared.protocol import (
     ChatRequestRecord,
     ECWanted,
@@ -43,6 +45,7 @@ from shared.protocol import (
     Subjects,
     TokenChunk,
 )
+from shared.store.ec_index import ECIndex, entry_key
 
 log = logging.getLogger(__name__)
 
@@ -130,20 +133,27 @@ def chunk_texts(chunks: list[TokenChunk]) -> list[str]:
 class RequestClient:
     """Submits requests to the workers over JetStream and reads their token streams."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, publisher: Publisher | None = None):
+    def __init__(self, nc: NATS, subjects: Subjects, publisher: Publisher | None = None, *, ec_index: ECIndex):
         self.nc = nc
         self.subjects = subjects
         self.publisher = publisher if publisher is not None else JetStreamPublisher(nc.jetstream())
+        #: the EC index, whose entry revisions tell one lifetime of an EC object from the next
+        self.ec_index = ec_index
 
     async def queue_encode(self, job: EncodeJob) -> bool:
-        """Publish an encode job (``Nats-Msg-Id`` = its EC key). False: a job for the same EC
-        object is already queued within the duplicate window (JetStream dropped this one); this
-        request then says it wants that job (``ECWanted``), so cancelling the request that queued
-        it does not drop it (``shared.cancellation``)."""
+        """Publish an encode job (``Nats-Msg-Id``: :func:`~shared.protocol.encode_job_msg_id` of its
+        EC key and the generation of its index entry). False: a job for the same EC object in the
+        same generation is already queued within the duplicate window (JetStream dropped this one);
+        this request then says it wants that job (``ECWanted``), so cancelling the request that
+        queued it does not drop it (``shared.cancellation``)."""
+        try:
+            generation = await self.ec_index.generation(entry_key(job.fingerprint, job.image.item_hash))
+        except Exception as exc:  # nats-py raises several unrelated types
+            raise nats_unavailable("reading the EC index", exc) from exc
         fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=job.request_id,
-                                             msg_id=job.ec_key)
-        log.info("encode job for %s %s", job.image.item_hash[:12], "queued" if fresh else
-                 "already queued (deduplicated)")
+                                             msg_id=protocol.encode_job_msg_id(job.ec_key, generation))
+        log.info("encode job for %s (generation %d) %s", job.image.item_hash[:12], generation,
+                 "queued" if fresh else "already queued (deduplicated)")
         if not fresh:
             wanted = ECWanted(request_id=job.request_id, fingerprint=job.fingerprint,
                               item_hash=job.image.item_hash, created_at=time.time())

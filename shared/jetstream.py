@@ -71,6 +71,8 @@ class _ConnectionLog:
         self.url = url
         self.down_since: float | None = None
         self.last_error = ""
+        #: the connection, once made: its close (which calls disconnected_cb too) is no lost connection
+        self.client: NATS | None = None
 
     def callbacks(self) -> dict[str, Any]:
         return {"error_cb": self.on_error, "disconnected_cb": self.on_disconnected,
@@ -83,6 +85,9 @@ class _ConnectionLog:
             log.warning("NATS connection error (%s): %s", self.url, text)
 
     async def on_disconnected(self) -> None:
+        if self.client is not None and self.client.is_closed:
+            log.debug("NATS connection (%s) closed", self.url)
+            return
         if self.down_since is None:
             self.down_since = time.monotonic()
             log.warning("disconnected from NATS (%s): reconnecting", self.url)
@@ -98,17 +103,18 @@ async def connect(settings: CommonSettings, *, name: str, connect_timeout: float
 
     Services reconnect forever (the default). ``options`` override the client's options, e.g.
     ``max_reconnect_attempts=1`` for a CLI that must fail fast when NATS is unreachable."""
+    connection_log = _ConnectionLog(redact_url(settings.nats_url))
     kwargs: dict[str, Any] = {
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
-        **_ConnectionLog(redact_url(settings.nats_url)).callbacks(),
+        **connection_log.callbacks(),
     }
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
         kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""
     try:
-        return await nats.connect(
+        nc = await nats.connect(
             # A comma-separated list seeds a NATS cluster; the client also learns the other members.
             [url.strip() for url in settings.nats_url.split(",") if url.strip()],
             name=name,
@@ -119,6 +125,8 @@ async def connect(settings: CommonSettings, *, name: str, connect_timeout: float
         raise ServiceUnavailable(
             f"cannot connect to NATS at {redact_url(settings.nats_url)}: {type(exc).__name__}: {exc}"
         ) from exc
+    connection_log.client = nc
+    return nc
 
 
 def nats_unavailable(doing: str, exc: BaseException) -> ServiceUnavailable:

@@ -206,13 +206,24 @@ class ChatRequestRecord(_Msg, frozen=True, kw_only=True, tag="chat_request"):
 
 
 class EncodeJob(_Msg, frozen=True, kw_only=True, tag="encode_job"):
-    """Encode one image. Published with ``Nats-Msg-Id = ec_key`` so duplicates collapse."""
+    """Encode one image. Published with ``Nats-Msg-Id = encode_job_msg_id(ec_key, generation)``
+    so concurrent duplicates collapse while a re-encode after the object was removed does not."""
 
     request_id: str
     image: ImageRef
     fingerprint: str
     ec_key: str
     created_at: float
+
+
+def encode_job_msg_id(ec_key: str, generation: int) -> str:
+    """The ``Nats-Msg-Id`` of an :class:`EncodeJob`: the EC key plus the generation of its index
+    entry - the revision of the entry's last change (written, deleted or purged), 0 while it never
+    had one. Requests that find the object missing at the same generation share one job (JetStream
+    drops the copies within its duplicate window); once the object was evicted or purged its entry's
+    deletion is a new generation, so asking for it again queues a new job at once instead of being
+    dropped as a copy of the job that encoded it the first time."""
+    return f"{ec_key}@{generation}"
 
 
 class ECReady(_Msg, frozen=True, kw_only=True, tag="ec_ready"):

@@ -31,6 +31,7 @@ from shared.protocol import (
     Subjects,
     TokenChunk,
 )
+from shared.store.ec_index import ECIndex, Use, entry_key
 
 ITEM = "cd" * 32
 REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)
@@ -70,9 +71,17 @@ def deployment(nats_server):
         nc = await nats.connect(nats_server.url)
         for stream in subjects.streams():
             await nc.jetstream().delete_stream(stream)
+        try:
+            await nc.jetstream().delete_key_value(subjects.ec_index_bucket)
+        except nats.js.errors.NotFoundError:
+            pass
         await nc.close()
 
     asyncio.run(teardown())
+
+
+async def _client(nc, subjects: Subjects) -> RequestClient:
+    return RequestClient(nc, subjects, ec_index=await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket))
 
 
 async def _worker_takes_job(nc, subjects: Subjects) -> GenerationJob:
@@ -88,7 +97,7 @@ def test_first_copy_of_each_seq_wins_whatever_the_attempt_and_junk_is_skipped(de
     async def main():
         nc = await nats.connect(url)
         try:
-            client = RequestClient(nc, subjects)
+            client = await _client(nc, subjects)
             record = ChatRequestRecord(request_id=rid, received_at=time.time(), model="m", body={})
             stream = await client.submit(_job(rid, time.time() + 30), record=record)
             assert (await _worker_takes_job(nc, subjects)).request_id == rid
@@ -135,7 +144,7 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
         nonlocal client
         nc = await nats.connect(url)
         try:
-            client = RequestClient(nc, subjects)
+            client = await _client(nc, subjects)
             # The same EC object twice (another request, a replay): one job.
             fresh = [await client.queue_encode(job), await client.queue_encode(
                 EncodeJob(request_id="other", image=REF, fingerprint="fp", ec_key=job.ec_key, created_at=0.0))]
@@ -169,6 +178,44 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
     # The deadline cancels the request's work; the deduplicated request says it wants the job.
     assert isinstance(cancel, RequestCancelled) and (cancel.request_id, cancel.reason) == (rid, "deadline_exceeded")
     assert isinstance(wanted, ECWanted) and (wanted.request_id, wanted.item_hash) == ("other", ITEM)
+
+
+def test_an_encode_job_for_an_evicted_or_purged_object_is_a_new_job(deployment):
+    """Requests that find an EC object missing share one encode job; once the object was stored
+    and then removed (evicted or purged: its index entry deleted), asking for it again queues a
+    new job at once - within the duplicate window - which requests then share again."""
+    url, subjects = deployment
+    ec_key = f"ns/fp/{ITEM}"
+
+    def job(rid: str) -> EncodeJob:
+        return EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key=ec_key, created_at=time.time())
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            cold = [await client.queue_encode(job("a")), await client.queue_encode(job("b"))]
+            # The encoder stored it (its announcement indexes it); then the janitor or a purge removed it.
+            await client.ec_index.record(Use(key=ec_key, fingerprint="fp", item_hash=ITEM, at=time.time(), size=8,
+                                             created=True))
+            assert await client.ec_index.remove(entry_key("fp", ITEM), None)
+            again = [await client.queue_encode(job("c")), await client.queue_encode(job("d"))]
+            js = nc.jetstream()
+            info = await js.stream_info(subjects.stream_encode)
+            ids = [(await js.get_msg(subjects.stream_encode, seq)).headers[protocol.HDR_MSG_ID]
+                   for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+            # Negative control: under the EC key's first generation (what a plain EC-key id was), the
+            # new job would have been dropped as a copy of the first one.
+            dropped = not await JetStreamPublisher(js).publish(
+                subjects.encode_jobs, job("e"), request_id="e", msg_id=protocol.encode_job_msg_id(ec_key, 0))
+            return cold, again, ids, dropped
+        finally:
+            await nc.close()
+
+    cold, again, ids, dropped = asyncio.run(main())
+    assert cold == [True, False] and again == [True, False]
+    assert len(ids) == 2 and ids[0] == f"{ec_key}@0" and ids[1] != ids[0] and ids[1].startswith(f"{ec_key}@")
+    assert dropped
 
 
 def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):

@@ -18,6 +18,7 @@ from shared.store.ec_index import ECIndex, Use, UseRecorder, entry_key
 from shared.store.janitor import (
     Janitor,
     Policy,
+    UnknownFingerprint,
     expiration_days,
     get_expiration_days,
     list_objects,
@@ -234,6 +235,14 @@ async def test_purge_by_fingerprint_removes_exactly_that_version(world):
     media = ec_store(world).put_media("x", b"png")
     common = dict(nc=world["nc"], subjects=world["subjects"], index=world["index"], store=world["store"],
                   namespace=world["namespace"], by="test")
+    # A mistyped fingerprint is refused, naming the known ones, and removes nothing (dry run or not).
+    typo = FP_A[:-1] + ("0" if FP_A[-1] != "0" else "1")
+    for dry_run in (True, False):
+        with pytest.raises(UnknownFingerprint) as refused:
+            await purge(**common, fingerprint=typo, dry_run=dry_run)
+        assert refused.value.fingerprint == typo and {FP_A, FP_B} <= set(refused.value.known)
+    assert stored_items(world, FP_A) == {"x", "y", "z"}
+    assert (await purge(**common, fingerprint=typo, allow_unknown=True)).objects == 0
     dry = await purge(**common, fingerprint=FP_A, dry_run=True)
     assert dry.objects == 4 and stored_items(world, FP_A) == {"x", "y", "z"}
     result = await purge(**common, fingerprint=FP_A)

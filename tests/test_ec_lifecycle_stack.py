@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
@@ -103,6 +104,12 @@ def test_distinct_images_stay_under_the_bound_and_a_hot_image_survives(stack, st
     items = ec_items(store, stack)
     assert content_hash_of(hot) in items
     assert content_hash_of(noise_image(200, SIZE)) not in items
+    # The evicted image asked again (within the encode stream's duplicate window of its first
+    # encode job): the encoder encodes it again at once, the worker loads it from the store.
+    evicted = noise_image(200, SIZE)
+    got, body = api_tokens(stack, text, [evicted])
+    assert got == reference_tokens(reference_engine, text, [evicted])
+    assert sources(stack, body)[content_hash_of(evicted)] == "store"
     log = stack.log_of("api")
     assert "EC janitor: evicted" in log
     api_metrics = scrape(f"{stack.url}/metrics")
@@ -131,8 +138,19 @@ def test_purged_image_is_recomputed_not_served_from_a_local_copy(stack, store, r
     metrics_url = f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"
     dropped_before = metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache")
     fingerprint = reference_engine.encoder_fingerprint
+    # A mistyped fingerprint is refused (exit 2), naming the known one; nothing is removed.
+    typo = fingerprint[:-1] + ("0" if fingerprint[-1] != "0" else "1")
+    out = epd_cli(stack.env, "ec", "purge", "--fingerprint", typo)
+    assert out.returncode == 2 and out.stderr.startswith(f"epd ec purge: unknown fingerprint '{typo}'"), out
+    assert fingerprint in out.stderr and item in ec_items(store, stack)
+    # A normal run exits quietly: no "disconnected from NATS" when the CLI closes its connection.
+    out = epd_cli(stack.env, "ec", "purge", "--fingerprint", fingerprint, "--dry-run")
+    assert out.returncode == 0 and "would remove" in out.stdout, out
+    assert f"note: {fingerprint} is a current fingerprint" in out.stdout, out.stdout
+    assert "disconnected" not in out.stderr + out.stdout and item in ec_items(store, stack), out
     out = epd_cli(stack.env, "ec", "purge", "--fingerprint", fingerprint, "--json")
     assert out.returncode == 0, out.stderr
+    assert "disconnected" not in out.stderr, out.stderr
     removed = json.loads(out.stdout)["removed"]
     assert [(r["kind"], r["fingerprint"]) for r in removed] == [("ec", fingerprint)]
     assert item not in ec_items(store, stack)
@@ -141,7 +159,12 @@ def test_purged_image_is_recomputed_not_served_from_a_local_copy(stack, store, r
              > dropped_before, 60, "the worker to drop purged items")
     got, body = api_tokens(stack, text, [image])
     assert got == want
-    assert sources(stack, body)[item] != "local_cache"  # recomputed by the encoder, loaded from the store
+    # Encoded again by the encoder at once, loaded from the store: its new encode job was not
+    # dropped as a copy of the first one (same EC key, inside JetStream's duplicate window), which
+    # left the worker waiting EPD_EC_WAIT_S and encoding it itself ("recomputed:timeout").
+    assert sources(stack, body)[item] == "store"
+    assert f"encode job for {item[:12]} " in stack.log_of("api")
+    assert not re.search(rf"encode job for {item[:12]} .*already queued", stack.log_of("api"))
 
 
 def test_request_in_flight_when_its_object_is_purged_recomputes_it(stack, store, reference_engine):

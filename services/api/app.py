@@ -5,7 +5,8 @@ Per request:
 1. parse and validate the body (``schemas``), authenticate (``EPD_API_KEYS``);
 2. fetch / decode each image once (SSRF-guarded, bounded), hash its pixels, store its bytes
    content-addressed; for each distinct image whose EC object is not stored yet, publish one
-   ``EncodeJob`` with ``Nats-Msg-Id = <EC key>`` so concurrent duplicates collapse;
+   ``EncodeJob`` whose ``Nats-Msg-Id`` is the EC key and its index generation, so concurrent
+   duplicates collapse and a re-encode after an eviction or purge does not;
 3. record the request (``ChatRequestRecord``) for replay, subscribe to its token subject, then
    publish the ``GenerationJob``;
 4. forward tokens (SSE or one JSON body) until the final result, an error, or the deadline.
@@ -175,11 +176,11 @@ class ApiService:
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.settings, self.subjects)
         publisher = JetStreamPublisher(self.js)
-        self.client = RequestClient(self.nc, self.subjects, publisher)
         self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
         self.ec = await start_api_lifecycle(self.nc, self.subjects, self.settings, self.store,
                                             fingerprint=self.fingerprint, model=self.model_name,
                                             model_path=str(self.settings.model_path or ""))
+        self.client = RequestClient(self.nc, self.subjects, publisher, ec_index=self.ec.index)
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
         self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)

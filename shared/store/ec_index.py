@@ -150,6 +150,17 @@ class ECIndex:
             log.warning("unreadable EC index entry %s: replaced on next use", key)
             return None
 
+    async def generation(self, key: str) -> int:
+        """The revision of the key's last change - written, updated, deleted or purged - or 0 when
+        it never had one (or its delete marker was purged, ``Janitor._purge_tombstones``: 10 min,
+        longer than any duplicate window). Names the lifetime of an EC object fleet-wide:
+        :func:`shared.protocol.encode_job_msg_id`."""
+        try:
+            return int((await self.kv.get(key)).revision)
+        except KeyNotFoundError as exc:  # nats-py raises it for a deleted key too, with its marker
+            marker = getattr(exc, "entry", None)
+            return int(marker.revision) if marker is not None and marker.revision else 0
+
     async def record(self, use: Use) -> None:
         """Create the object's entry (a write) or move its last use forward (compare-and-set; a
         few tries). A read of an object without an entry creates none: it may be a use noted just

@@ -205,7 +205,8 @@ class Janitor:
     """Keeps the EC namespace under its bounds (module docstring). Runs in the API process."""
 
     def __init__(self, *, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectStore, namespace: str,
-                 holder: str, policy: Policy, interval_s: float, reconcile_interval_s: float, flush_s: float = 0.0):
+                 holder: str, policy: Policy, interval_s: float, reconcile_interval_s: float, flush_s: float = 0.0,
+                 tombstone_keep_s: float = 600.0):
         self.nc = nc
         self.subjects = subjects
         self.index = index
@@ -217,6 +218,10 @@ class Janitor:
         self.reconcile_interval_s = reconcile_interval_s
         #: the processes' use flush period (EPD_EC_USE_FLUSH_S): how late new objects reach the index
         self.flush_s = flush_s
+        #: how long an index entry's delete marker is kept: its revision is the generation that
+        #: makes a re-encode a new encode job (``ECIndex.generation``), so longer than the
+        #: encode stream's duplicate window
+        self.tombstone_keep_s = tombstone_keep_s
         self.leading = False
         self._last_reconcile = 0.0
         self._last_tombstone_purge = 0.0
@@ -308,7 +313,7 @@ class Janitor:
 
     async def _purge_tombstones(self) -> None:
         try:
-            await self.index.kv.purge_deletes(olderthan=600)
+            await self.index.kv.purge_deletes(olderthan=int(self.tombstone_keep_s))
         except Exception as exc:  # noqa: BLE001
             log.debug("purging index tombstones: %s", exc)
 
@@ -457,13 +462,27 @@ class PurgeResult:
         return sum(v[1] for v in self.removed.values())
 
 
+class UnknownFingerprint(LookupError):
+    """A purge named a fingerprint that neither the store nor the fingerprint registry knows (a
+    typo, most likely): nothing was removed."""
+
+    def __init__(self, fingerprint: str, known: dict[str, FingerprintEntry | None]):
+        super().__init__(f"unknown fingerprint {fingerprint!r}")
+        self.fingerprint = fingerprint
+        #: every fingerprint with objects in the namespace or in the registry -> its registry entry
+        self.known = known
+
+
 async def purge(*, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectStore, namespace: str, by: str,
                 fingerprint: str | None = None, retired: bool = False, older_than_s: float | None = None,
                 retired_after_s: float = 600, kinds: tuple[str, ...] = ("ec", "kv"), dry_run: bool = False,
-                keep: Iterable[str] = ()) -> PurgeResult:
+                keep: Iterable[str] = (), allow_unknown: bool = False) -> PurgeResult:
     """Remove the objects that match every given selector: of ``fingerprint``; of retired
     fingerprints (not served for ``retired_after_s``, and never one in ``keep``); last used (EC:
-    per the index, else modified) more than ``older_than_s`` ago. EC removals are announced."""
+    per the index, else modified) more than ``older_than_s`` ago. EC removals are announced.
+
+    A ``fingerprint`` that no stored object and no registry entry has raises
+    :class:`UnknownFingerprint` before anything is removed, unless ``allow_unknown``."""
     if fingerprint is None and not retired and older_than_s is None:
         raise ValueError("purge needs --fingerprint, --retired or --older-than")
     now = time.time()
@@ -471,6 +490,11 @@ async def purge(*, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectSto
     listed = await asyncio.to_thread(list_objects, store, namespace)
     snap = await index.snapshot("ec.>")
     fps = await index.fingerprints()
+    if fingerprint is not None and not allow_unknown:
+        known: dict[str, FingerprintEntry | None] = {obj.fingerprint: None for obj in listed}
+        known.update(fps)
+        if fingerprint not in known:
+            raise UnknownFingerprint(fingerprint, known)
     result = PurgeResult(dry_run=dry_run)
     gone: dict[str, list[str]] = defaultdict(list)
 
@@ -604,6 +628,7 @@ async def start_api_lifecycle(nc: Any, subjects: Subjects, settings: Any, store:
             nc=nc, subjects=subjects, index=lifecycle.index, store=store.store, namespace=settings.namespace,
             holder=f"api-{settings.worker_id}", policy=policy, interval_s=settings.ec_janitor_interval_s,
             reconcile_interval_s=settings.ec_reconcile_interval_s, flush_s=settings.ec_use_flush_s,
+            tombstone_keep_s=max(600.0, 2 * settings.dup_window_s),
         )
         if policy.ttl_s is not None and settings.ec_lifecycle_rule:
             await asyncio.to_thread(set_expiration_rule, store.store, f"{settings.namespace}/",

@@ -8,7 +8,9 @@
   ``EPD_EC_RETIRED_AFTER_S``).
 * ``epd ec purge --fingerprint F | --retired | --older-than D [--kind ec|kv|all] [--dry-run]`` -
   delete the matching objects (every given selector must match) and announce the EC ones
-  (``ECInvalidated``), so no worker serves a purged object from a local copy.
+  (``ECInvalidated``), so no worker serves a purged object from a local copy. A fingerprint
+  that no stored object and no heartbeat has is refused, listing the known ones (a typo, most
+  likely; ``--allow-unknown-fingerprint`` purges it anyway).
 
 Reads NATS and store settings from ``EPD_*`` like the services (``--nats-url`` / ``--prefix``
 override). Exit codes: 0 ok; 2 an error, printed as one line on stderr. No torch import.
@@ -41,6 +43,9 @@ def add_parser(sub: Any) -> None:
                        help="only objects last used more than D ago (30s, 15m, 2h, 1d)")
     purge.add_argument("--kind", choices=("ec", "kv", "all"), default="all", help="object kind (default: all)")
     purge.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    purge.add_argument("--allow-unknown-fingerprint", action="store_true",
+                       help="purge a --fingerprint that no stored object and no worker heartbeat named "
+                            "(refused by default: most likely a typo)")
     purge.set_defaults(func=_cmd_purge)
 
 
@@ -100,7 +105,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                   f"{r['status']:8} {model}")
         return 0
 
-    return _run(args, body)
+    return _run(args, body, prog="epd ec")
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
@@ -109,28 +114,45 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
     async def body(nc, subjects, settings) -> int:
-        from shared.store.janitor import purge
+        from shared.store.janitor import UnknownFingerprint, is_current, purge
 
         index, store = await _open(nc, subjects, settings)
         kinds = ("ec", "kv") if args.kind == "all" else (args.kind,)
-        result = await purge(
-            nc=nc, subjects=subjects, index=index, store=store, namespace=settings.namespace,
-            by=f"epd-ec-purge-{settings.worker_id}", fingerprint=args.fingerprint, retired=args.retired,
-            older_than_s=args.older_than, retired_after_s=settings.ec_retired_after_s, kinds=kinds,
-            dry_run=args.dry_run,
-        )
+        try:
+            result = await purge(
+                nc=nc, subjects=subjects, index=index, store=store, namespace=settings.namespace,
+                by=f"epd-ec-purge-{settings.worker_id}", fingerprint=args.fingerprint, retired=args.retired,
+                older_than_s=args.older_than, retired_after_s=settings.ec_retired_after_s, kinds=kinds,
+                dry_run=args.dry_run, allow_unknown=args.allow_unknown_fingerprint,
+            )
+        except UnknownFingerprint as exc:
+            now = time.time()
+            known = "; ".join(
+                f"{fp} ({'current' if is_current(reg, now, settings.ec_retired_after_s) else 'retired'}"
+                f"{', model ' + reg.model if reg.model else ''})" if reg is not None else f"{fp} (unknown model)"
+                for fp, reg in sorted(exc.known.items())) or "none"
+            print(f"epd ec purge: unknown fingerprint {exc.fingerprint!r} in namespace {settings.namespace}: no "
+                  f"stored object and no worker heartbeat has it; nothing removed. Known: {known}. "
+                  "(--allow-unknown-fingerprint purges it anyway)", file=sys.stderr)
+            return EXIT_ERROR
         rows = [{"kind": k, "fingerprint": fp, "objects": v[0], "bytes": v[1]} for (k, fp), v in
                 sorted(result.removed.items())]
         if args.json:
             print(json.dumps({"dry_run": args.dry_run, "removed": rows}, indent=2))
             return 0
+        if args.fingerprint and result.objects:
+            reg = (await index.fingerprints()).get(args.fingerprint)
+            if is_current(reg, time.time(), settings.ec_retired_after_s):
+                print(f"note: {args.fingerprint} is a current fingerprint (a worker served it within "
+                      f"{settings.ec_retired_after_s:.0f} s): purging it makes the encoders encode its images again on "
+                      "their next use")
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {result.objects} object(s), {result.nbytes} bytes")
         for r in rows:
             print(f"  {r['kind']:4} {r['fingerprint']:26} {r['objects']:>8} {r['bytes']:>12}")
         return 0
 
-    return _run(args, body)
+    return _run(args, body, prog="epd ec")
 
 
 def _ago(seconds: float) -> str:

@@ -62,6 +62,7 @@ from shared.protocol import (
     WorkerHeartbeat,
 )
 from shared.store.ec import ECStore
+from shared.store.ec_index import ECIndex
 from shared.store.format import ec_key as make_ec_key
 from shared.store.format import media_key as make_media_key
 from shared.store.objects import ObjectStore
@@ -221,6 +222,7 @@ async def replay_request(
     timeout_s: float | None = None,
     worker_wait_s: float = 10.0,
     reader: StreamReader | None = None,
+    stream_replicas: int = 1,
 ) -> ReplayOutcome:
     """Re-run a recorded request on the live workers under a new request id and collect the result.
 
@@ -231,6 +233,7 @@ async def replay_request(
     an encode job is queued when the EC object is missing and an encoder is alive, otherwise the
     prefill worker encodes locally. With ``keep_seed`` a request sampled with the worker's derived
     seed keeps it (``protocol.effective_seed`` of the original id), so sampled requests reproduce too.
+    ``stream_replicas``: of the EC index bucket, should this call be the one creating it.
     """
     reader = reader or StreamReader(nc)
     case = await find_case(nc, subjects, request_id, reader=reader)
@@ -288,7 +291,8 @@ async def replay_request(
     timeout = timeout_s if timeout_s else min(max(job.deadline - job.created_at, 10.0), 3600.0)
     received = time.time()
     deadline = received + timeout
-    client = RequestClient(nc, subjects)
+    ec_index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=stream_replicas)
+    client = RequestClient(nc, subjects, ec_index=ec_index)
     trace = set_trace("replay", received_at=received)
     try:
         for ref in to_encode:

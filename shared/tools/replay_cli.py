@@ -119,7 +119,9 @@ def _store(settings):
     return object_store_from_settings(settings)
 
 
-def _run(args: argparse.Namespace, body) -> int:
+def _run(args: argparse.Namespace, body, *, prog: str = "epd replay") -> int:
+    """Connect to the deployment's NATS, run ``body(nc, subjects, settings)``, close. Errors are
+    printed as one line on stderr, prefixed with ``prog``; exit :data:`EXIT_ERROR`."""
     from shared.errors import EPDError, ServiceUnavailable
     from shared.jetstream import redact_url
     from shared.protocol import Subjects
@@ -138,10 +140,10 @@ def _run(args: argparse.Namespace, body) -> int:
     try:
         return asyncio.run(main())
     except EPDError as exc:
-        print(f"epd replay: {exc.code}: {exc.message}", file=sys.stderr)
+        print(f"{prog}: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as exc:  # settings validation (e.g. a bad --prefix)
-        print(f"epd replay: invalid settings: {exc}", file=sys.stderr)
+        print(f"{prog}: invalid settings: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
 
@@ -206,6 +208,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         out = await replay.replay_request(
             nc, subjects, args.request_id, namespace=settings.namespace, store=_store(settings),
             keep_seed=not args.new_seed, timeout_s=args.timeout, worker_wait_s=args.wait_workers,
+            stream_replicas=settings.stream_replicas,
         )
         if args.json:
             _print_json(out.to_json())
