@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from shared import config
 from shared.tools import config_docs
 from shared.tools.cli import main
 
