@@ -102,7 +102,8 @@ class CommonSettings(BaseSettings):
                                                    "and the PD worker disjoint lists on one host")
     vllm_dir: Path = Path("var/vllm")
     """vLLM engine (`EPD_ENGINE=vllm`): folder of its caches, compile artefacts and IPC sockets."""
-    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU)")
+    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU; "
+                                                                   "false on GPUs)")
     vllm_max_model_len: int | None = Field(None, ge=16)
     """vLLM maximum sequence length (unset: the model's)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
@@ -128,7 +129,8 @@ class CommonSettings(BaseSettings):
     # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
     ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
     ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
-    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted")
+    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted (plus an S3 "
+                                                          "lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)")
     ec_purge_retired_after_s: float | None = Field(
         None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long")
     ec_retired_after_s: float = Field(600, gt=0, description="a fingerprint no worker heartbeats for this long "
@@ -228,7 +230,8 @@ class PrefillSettings(CommonSettings):
     `agg`: encode, prefill and decode in process (the baseline)."""
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
     max_concurrent_jobs: int | None = Field(None, ge=1, description="jobs in the engine at once; unset = the "
-                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16)")
+                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
+                                            "printed at start-up")
     max_waiting_jobs: int = Field(64, ge=0, description="jobs held while they wait for image features (they take "
                                                         "no engine slot)")
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
@@ -247,5 +250,6 @@ class DecodeSettings(CommonSettings):
 
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
     max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
-    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept")
+    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept (keep it "
+                                                          "above EPD_REQUEST_TIMEOUT_S)")
     kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from shared import config
+from shared.topology import PREFILL_SERVICE_ROLES
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DOC = Path("docs/configuration.md")
@@ -42,6 +43,34 @@ SECTIONS: tuple[tuple[type[config.CommonSettings], str, str], ...] = (
     (config.PrefillSettings, "Prefill", "prefill (roles `pd`, `prefill`, `agg`)"),
     (config.DecodeSettings, "Decode (E|P|D)", "decode"),
 )
+
+# Settings of CommonSettings that only some processes read (checked against the code by hand; the rest: all).
+WORKERS = "encoder, prefill, decode"
+JANITOR = "api (the EC janitor)"
+READ_BY = {
+    "torch_threads": WORKERS,
+    "cpu_cores": WORKERS,
+    "metrics_port": WORKERS,
+    "health_file": WORKERS,
+    "unreachable_exit_s": WORKERS,
+    "vllm_dir": WORKERS,
+    "vllm_enforce_eager": WORKERS,
+    "vllm_max_model_len": WORKERS,
+    "vllm_kv_cache_gib": WORKERS,
+    "vllm_max_num_seqs": WORKERS,
+    "vllm_engine_args": WORKERS,
+    "ec_max_bytes": JANITOR,
+    "ec_max_objects": JANITOR,
+    "ec_ttl_s": JANITOR,
+    "ec_purge_retired_after_s": JANITOR,
+    "ec_retired_after_s": JANITOR + ", epd ec",
+    "ec_janitor_interval_s": JANITOR,
+    "ec_evict_grace_s": JANITOR,
+    "ec_reconcile_interval_s": JANITOR,
+    "ec_lifecycle_rule": JANITOR,
+}
+# Values a validator narrows further than the annotation says.
+CHOICES = {"role": [r.value for r in PREFILL_SERVICE_ROLES]}
 
 # Secrets: .env.example never carries a value for them (compose refuses to start until they are set).
 SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY")
@@ -210,15 +239,24 @@ def configuration_md() -> str:
             "",
             f"`{cls.__name__}`, read by: {readers}.",
             "",
-            "| variable | type | default | description |",
-            "|---|---|---|---|",
+            "| variable | type | default | description | read by |",
+            "|---|---|---|---|---|",
         ]
         for name, field in own_fields(cls).items():
+            read_by = READ_BY.get(
+                name, "all" if cls is config.CommonSettings else readers.split(" (")[0]
+            )
+            kind = (
+                " \\| ".join(f"`{c}`" for c in CHOICES[name])
+                if name in CHOICES
+                else type_name(field.annotation)
+            )
             row = (
                 f"`{env_name(name)}`",
-                type_name(field.annotation),
+                kind,
                 doc_default(name, field),
                 description(field),
+                read_by,
             )
             out.append(
                 "| "
