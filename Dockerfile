@@ -10,7 +10,7 @@
 #   docker build -t epd-serve:0.1.0-cpu .
 #   docker build --target gpu -t epd-serve:0.1.0-cuda .
 #
-# Without an image registry (air-gapped; README "Deployment"): deploy/build-local-base.sh builds an
+# Without an image registry (air-gapped; docs/deployment.md): deploy/build-local-base.sh builds an
 # equivalent Debian bookworm + Python 3.11 base from Debian's packages, and deploy/docker-build.sh
 # builds with it, handing the host's package-index settings and CA bundle in as build secrets:
 #   deploy/docker-build.sh --build-arg PYTHON_IMAGE=epd-python:3.11-bookworm-local -t epd-serve:0.1.0-cpu .

@@ -41,7 +41,7 @@ check-types: install
 check-docs: install
 	$(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
 
-# `docker compose up` for real (tests/compose/, README "Deployment"; root, not part of `make test`):
+# `docker compose up` for real (tests/compose/, docs/deployment.md; root, not part of `make test`):
 # installs docker.io and the Compose v2 plugin when missing and starts dockerd, builds the images
 # without an image registry (local Debian base), then runs the compose checks against them.
 .PHONY: test-compose

@@ -40,59 +40,88 @@ class CommonSettings(BaseSettings):
 
     # env_ignore_empty: an empty variable means "use the default", so docker-compose.yml can pass
     # every setting through as ${EPD_X:-} and the defaults stay defined here only.
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True)
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True,
+                                      use_attribute_docstrings=True)
 
     # NATS / JetStream
     nats_url: str = "nats://127.0.0.1:4222"
+    """NATS server URL; a comma-separated list seeds a cluster (any member works)."""
     nats_user: str | None = None
+    """NATS user name (unset: no authentication)."""
     nats_password: SecretStr | None = None
+    """NATS password (never logged)."""
     subject_prefix: str = "epd"
+    """Prefix of every subject and stream (one per deployment)."""
     stream_max_age_s: float = Field(24 * 3600, gt=0, description="how long streams keep messages (replay window)")
-    stream_max_bytes: int = Field(1024**3, gt=0, description="size cap per stream")
+    stream_max_bytes: int = Field(1024**3, gt=0, description="size cap per stream (replay window)")
     dup_window_s: float = Field(120, gt=0, description="JetStream de-duplication window (<= max age)")
     ack_wait_s: float = Field(30, gt=0)
+    """Seconds before JetStream redelivers a job its worker has not acknowledged."""
     max_deliver: int = Field(3, ge=1)
+    """Deliveries of a job before it ends with an error (502 `worker_failed`)."""
     stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)")
 
     # Object store (MinIO / any S3)
     store_backend: str = "s3"
+    """`s3` (MinIO or any S3 server) or `fs` (a local folder, `EPD_STORE_FS_ROOT`)."""
     s3_endpoint: str = "127.0.0.1:9000"
+    """S3 endpoint, `host:port`."""
     s3_access_key: SecretStr = SecretStr("minioadmin")
+    """S3 access key (never logged)."""
     s3_secret_key: SecretStr = SecretStr("minioadmin")
+    """S3 secret key (never logged)."""
     s3_secure: bool = False
+    """Talk TLS to the S3 endpoint."""
     s3_region: str | None = None
+    """S3 region (unset: the server's default)."""
     s3_bucket: str = "epd"
+    """Bucket of EC and KV objects and images (created at start-up if missing)."""
     store_fs_root: Path = Path("var/store")
+    """Folder of the `fs` store backend."""
     namespace: str = "epd"
+    """Key prefix inside the bucket."""
     max_ec_object_bytes: int = Field(512 * 1024**2, gt=0)
+    """Largest EC object a worker reads."""
     max_kv_object_bytes: int = Field(1024**3, gt=0, description="largest KV object written or read (E|P|D)")
     max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
     max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
 
     # Model / engine
     model_path: Path | None = None
+    """Local model folder in Hugging Face layout; nothing is downloaded (`epd up`: the tiny test model under `var/`)."""
     model_name: str | None = None
+    """Model id served in `/v1/models` and expected in requests (unset: the folder name)."""
     engine: str = "transformers"
+    """Model engine: `transformers` or `vllm` (part of the encoder fingerprint: every service must agree)."""
     dtype: str = "float32"
-    torch_threads: int = Field(1, ge=1, description="same value in every stage for bit-identical output")
-    #: CPUs a worker binds itself to (Linux list syntax, e.g. ``0-1``; unset = all), vLLM's engine
-    #: processes too (``shared.cpus``): give the encoder and the PD worker disjoint lists on one host.
-    cpu_cores: str | None = Field(None, description="CPU ids this worker runs on, e.g. 0-1 (unset: all)")
-    # vLLM engine (EPD_ENGINE=vllm): its caches, compile artefacts and IPC sockets go under vllm_dir.
+    """Compute dtype (part of the encoder fingerprint)."""
+    torch_threads: int = Field(1, ge=1, description="torch threads per process; keep the same value in every "
+                                                    "stage for bit-identical output")
+    cpu_cores: str | None = Field(None, description="CPUs a worker binds itself (and vLLM's engine processes) to, "
+                                                   "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
+                                                   "and the PD worker disjoint lists on one host")
     vllm_dir: Path = Path("var/vllm")
-    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU)")
+    """vLLM engine (`EPD_ENGINE=vllm`): folder of its caches, compile artefacts and IPC sockets."""
+    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU; "
+                                                                   "false on GPUs)")
     vllm_max_model_len: int | None = Field(None, ge=16)
+    """vLLM maximum sequence length (unset: the model's)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
     vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
-    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="more vLLM engine args (JSON)")
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="more vLLM engine args (JSON), "
+                                             'e.g. {"gpu_memory_utilization": 0.85}')
 
     worker_id: str = Field(default_factory=default_worker_id)
+    """Worker identity in EC object metadata and heartbeats (unset: host name + random suffix)."""
     log_level: str = "INFO"
-    #: "text" (one line, ``[request_id=...]``) or "json" (one JSON object per line, for log shippers).
+    """Log level; every line carries the request id."""
     log_format: str = Field("text", pattern="^(text|json)$")
+    """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
     metrics_port: int | None = None
-    # Workers: heartbeat file refreshed while connected and consuming (``epd healthcheck``).
+    """Workers: serve Prometheus `/metrics` on this port (unset: none; the API serves it on its own port)."""
     health_file: Path | None = None
+    """Workers: heartbeat file for `epd healthcheck`, refreshed every 2 s after a JetStream round trip to the
+    worker's consumer and removed when one fails (unset: none)."""
     unreachable_exit_s: float = Field(60, gt=0, description="a worker that cannot reach its consumer this long "
                                                            "exits (code 3) for its supervisor to restart it")
 
@@ -100,7 +129,8 @@ class CommonSettings(BaseSettings):
     # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
     ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
     ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
-    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted")
+    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted (plus an S3 "
+                                                          "lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)")
     ec_purge_retired_after_s: float | None = Field(
         None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long")
     ec_retired_after_s: float = Field(600, gt=0, description="a fingerprint no worker heartbeats for this long "
@@ -140,25 +170,36 @@ class CommonSettings(BaseSettings):
 
 class ApiSettings(CommonSettings):
     host: str = "127.0.0.1"
+    """Listen address."""
     port: int = 8000
+    """Listen port."""
     api_keys: CSV = ()
-    #: With API keys set, /metrics asks for a key too unless this is on (a scraper on a private network).
+    """Comma-separated Bearer keys (unset: no authentication). When set, `/metrics` and `/debug/*` need a key too."""
     metrics_public: bool = False
+    """With API keys set, `/metrics` asks for a key too unless this is on (a scraper on a private network)."""
     request_timeout_s: float = Field(300, gt=0, description="deadline for a whole request")
     max_body_bytes: int = Field(64 * 1024**2, gt=0)
+    """Request body limit."""
     max_images_per_request: int = Field(8, ge=0)
+    """Images one request may carry (400 above)."""
     max_tokens_limit: int = Field(4096, ge=1)
+    """Largest `max_tokens` a request may ask for (400 above)."""
     default_max_tokens: int = Field(256, ge=1)
+    """`max_tokens` of a request that sets none."""
     fetch_timeout_s: float = Field(10, gt=0)
+    """Image URL fetch timeout (504 after it)."""
     url_allow_networks: CSV = ()
+    """Comma-separated CIDRs image URLs may resolve to although private or loopback."""
     url_allow_hosts: CSV = ()
-    #: Pixels the API process decodes at once, all requests together (memory: ~4 bytes a pixel);
-    #: unset = room for two images of ``max_image_pixels``. A larger image still decodes, alone.
-    decode_pixel_budget: int | None = Field(None, ge=1, description="pixels decoded at once in the API process")
+    """Comma-separated host names allowed although they resolve to private addresses."""
+    decode_pixel_budget: int | None = Field(None, ge=1, description="pixels the API process decodes at once, all "
+                                            "requests together (~4 bytes a pixel of memory; unset: two images of "
+                                            "EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one "
+                                            "decodes alone")
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
-    #: Deployment shape. The API reads only ``TOPOLOGIES[topology].uses_encoder``: without
-    #: encoder workers (agg) it queues no encode jobs. e-pd / e-p-d differ in the workers only.
     topology: Topology = Topology.E_PD
+    """Deployment shape: `agg`, `e-pd` or `e-p-d`. The API reads only whether it has encoder workers: with `agg`
+    it queues no encode jobs; `e-pd` and `e-p-d` differ in the workers only."""
 
     @field_validator("topology", mode="before")
     @classmethod
@@ -184,14 +225,17 @@ class EncoderSettings(CommonSettings):
 
 
 class PrefillSettings(CommonSettings):
-    #: One of ``PREFILL_SERVICE_ROLES``: pd (E|PD), prefill (E|P|D), agg (baseline); see :class:`Role`.
     role: Role = Role.PD
+    """`pd`: prefill and decode in one worker (E|PD); `prefill`: prefill, then hand off to decode workers (E|P|D);
+    `agg`: encode, prefill and decode in process (the baseline)."""
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
     max_concurrent_jobs: int | None = Field(None, ge=1, description="jobs in the engine at once; unset = the "
-                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16)")
+                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
+                                            "printed at start-up")
     max_waiting_jobs: int = Field(64, ge=0, description="jobs held while they wait for image features (they take "
                                                         "no engine slot)")
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
+    """In-memory encoder-output cache per worker (0: off)."""
 
     @field_validator("role", mode="before")
     @classmethod
@@ -206,5 +250,6 @@ class DecodeSettings(CommonSettings):
 
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
     max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
-    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept")
+    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept (keep it "
+                                                          "above EPD_REQUEST_TIMEOUT_S)")
     kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")

@@ -9,7 +9,7 @@ Sources of the times (all wall clock, seconds since the epoch):
   created_at``, and the worker's stage durations in ``FinalResult.timings`` (``features_s``,
   ``admission_s``, ``prefill_s``) and ``ec_sources`` (where each image's features came from, and why).
 
-Stages (names are stable: tests, the HTML page and the README use them): ``received``,
+Stages (names are stable: tests, the HTML page and the docs use them): ``received``,
 ``image intake``, ``encode queued`` (until an encoder took the job), ``no encode job`` (EC already
 stored) / ``encode deduplicated`` (another request's job encodes the image), ``encode``,
 ``EC stored``, ``EC announced`` (already stored, not recomputed), ``encode failed``,

@@ -3,7 +3,7 @@ kill and restart; a stack kept running the way ``epd up`` keeps it (a :class:`Su
 restarting dead services); worker-side fault switches; requests whose outcome is checked against
 the fault contract; health sampling; and ``epd up`` as a real process.
 
-The fault contract (README "Faults and recovery"): a request sent during or after a fault either
+The fault contract (docs/operations.md, "Faults and recovery"): a request sent during or after a fault either
 completes with a clean run's tokens (greedy) or ends with a JSON 503 / 504 error - it never hangs
 and is never wrong; after the fault ends a new request succeeds within 30 s; a worker's health is
 red while it cannot pull from its consumer and green again after.

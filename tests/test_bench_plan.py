@@ -432,7 +432,7 @@ def test_plan_cli_from_a_result_file(tmp_path, capsys):
         main(["plan", "--costs", "encode=0.2,prefill=0.3", "--rate", "1"])  # no decode cost
 
 
-# -- plan: --validate pieces (the stack run itself is checked by hand, see the README) --------------
+# -- plan: --validate pieces (the stack run itself is checked by hand, see docs/benchmarking.md) --------------
 def test_validation_scales_counts_and_rate_down_together():
     p = plan.make_plan(BRIEF, ONE_IMAGE_20_TOKENS, 10.0, "e-p-d")  # 3:4:13
     # 5 of 20 workers: factor 1/4 -> floor(0.75) -> 1 (at least one), floor(1.0) = 1, floor(3.25) = 3;

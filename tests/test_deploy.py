@@ -1,4 +1,4 @@
-"""Deployment: docker-compose.yml, Dockerfile, .env.example and the README agree with the code.
+"""Deployment: docker-compose.yml, Dockerfile, .env.example and the docs agree with the code.
 
 No Docker engine runs here, so the static tests read the files the way Compose / BuildKit do
 (tests/deploycheck.py), each with a negative control, and the live test starts the services with
@@ -346,9 +346,11 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
     active, commented = dc.parse_env_file()
     documented = set(active) | set(commented)
     used = set(dc.compose_variables(compose))
-    assert documented - {"COMPOSE_PROFILES"} == used
     fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
     assert used - fields == COMPOSE_ONLY_VARS
+    # Every variable compose reads, and every setting (those compose does not read are listed for
+    # services run by hand, e.g. EPD_STORE_FS_ROOT, EPD_TOPOLOGY), nothing else.
+    assert documented - {"COMPOSE_PROFILES"} == used | fields
     # commented-out defaults are the real defaults
     by_var = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.model_fields}
     for var, value in commented.items():
@@ -357,7 +359,9 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
             continue
         cls, name = by_var[var]
         default = cls.model_fields[name].get_default(call_default_factory=True)
-        if var in COMPOSE_DEFAULTS:
+        if var == "EPD_WORKER_ID":  # computed per process (host name + random suffix): left empty
+            assert value == "", (var, value)
+        elif var in COMPOSE_DEFAULTS:
             assert value == COMPOSE_DEFAULTS[var]
         elif value == "":
             assert default in (None, ()), (var, default)
@@ -564,45 +568,69 @@ def test_secrets_never_reach_an_image():
     assert not re.search(r"(?i)(password|secret|access_key|api_keys)\s*=", text)
 
 
-# -- README --------------------------------------------------------------------------------------
-def readme_settings_problems(readme: str) -> list[str]:
-    """Settings missing from the README's tables, and EPD_ names in it that are no setting."""
+# -- docs ----------------------------------------------------------------------------------------
+DOCS = ROOT / "docs"
+CONFIG_PAGE = "configuration.md"
+
+
+def doc_pages() -> dict[str, str]:
+    """README.md and every page of the docs site, by path."""
+    pages = {"README.md": (ROOT / "README.md").read_text()}
+    pages.update({f"docs/{p.name}": p.read_text() for p in sorted(DOCS.glob("*.md"))})
+    return pages
+
+
+def docs_settings_problems(pages: dict[str, str]) -> list[str]:
+    """Settings missing from the configuration reference's tables, and EPD_ names in any page that are no
+    setting (nor a compose variable or a JetStream stream / bucket name)."""
     from shared.protocol import Subjects
 
-    table_vars = {v for line in readme.splitlines() if line.startswith("|") for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
+    config_page = pages[f"docs/{CONFIG_PAGE}"]
+    table_vars = {v for line in config_page.splitlines() if line.startswith("|")
+                  for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
     fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
-    problems = [f"{v} is not in the README's configuration table" for v in sorted(fields - table_vars)]
-    streams = set(Subjects("epd").streams())  # JetStream stream names (EPD_ENCODE, ...), not variables
-    for name, star in re.findall(r"(EPD_[A-Z0-9_]*[A-Z0-9])(_\*)?", readme):
-        if star:  # a family, e.g. EPD_S3_*
-            if not any(f.startswith(name + "_") for f in fields):
-                problems.append(f"README names {name}_*, which matches no setting")
-        elif name not in fields | COMPOSE_ONLY_VARS | streams:
-            problems.append(f"README names {name}, which is no setting")
-    return problems
+    problems = [f"{v} is not in the configuration reference's tables" for v in sorted(fields - table_vars)]
+    # JetStream stream and bucket names (EPD_ENCODE, EPD_EC_INDEX, ...), not variables
+    streams = {v for v in vars(Subjects("epd")).values() if isinstance(v, str) and v.startswith("EPD_")}
+    for path, text in pages.items():
+        for name, star in re.findall(r"(EPD_[A-Z0-9_]*[A-Z0-9])(_\*)?", text):
+            if star:  # a family, e.g. EPD_S3_*
+                if not any(f.startswith(name + "_") for f in fields):
+                    problems.append(f"{path} names {name}_*, which matches no setting")
+            elif name not in fields | COMPOSE_ONLY_VARS | streams:
+                problems.append(f"{path} names {name}, which is no setting")
+    return sorted(set(problems))
 
 
-def test_readme_documents_every_setting():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_settings_problems(readme) == []
+def test_docs_document_every_setting():
+    pages = doc_pages()
+    assert docs_settings_problems(pages) == []
     # Negative controls: a dropped row, an invented variable.
-    row = next(line for line in readme.splitlines() if line.startswith("| `EPD_EC_WAIT_S`"))
-    assert readme_settings_problems(readme.replace(row + "\n", "")) == [
-        "EPD_EC_WAIT_S is not in the README's configuration table"]
-    assert readme_settings_problems(readme + "\nset `EPD_EC_WAIT_SECONDS=5`\n") == [
-        "README names EPD_EC_WAIT_SECONDS, which is no setting"]
+    config_page = pages[f"docs/{CONFIG_PAGE}"]
+    row = next(line for line in config_page.splitlines() if line.startswith("| `EPD_EC_WAIT_S`"))
+    assert docs_settings_problems({**pages, f"docs/{CONFIG_PAGE}": config_page.replace(row + "\n", "")}) == [
+        "EPD_EC_WAIT_S is not in the configuration reference's tables"]
+    ops = pages["docs/operations.md"] + "\nset `EPD_EC_WAIT_SECONDS=5`\n"
+    assert docs_settings_problems({**pages, "docs/operations.md": ops}) == [
+        "docs/operations.md names EPD_EC_WAIT_SECONDS, which is no setting"]
 
 
-def test_readme_deployment_section(compose):
-    readme = (ROOT / "README.md").read_text()
-    assert "## Deployment" in readme
-    section = readme.split("## Deployment", 1)[1]
-    for needle in ("cp .env.example .env", "docker compose up", "--scale encoder=", "--scale decode=",
-                   "epd model build-tiny", "NATS cluster", "MinIO", "EPD_API_KEYS", "EPD_NATS_PASSWORD",
-                   "MINIO_ROOT_PASSWORD", "epd healthcheck", *PROFILES):
-        assert needle in section, needle
-    for var in COMPOSE_ONLY_VARS:
-        assert var in section
+DEPLOYMENT_NEEDLES = ("cp .env.example .env", "docker compose up", "--scale encoder=", "--scale decode=",
+                      "epd model build-tiny", "NATS cluster", "MinIO", "EPD_API_KEYS", "EPD_NATS_PASSWORD",
+                      "MINIO_ROOT_PASSWORD", "epd healthcheck", *PROFILES, *COMPOSE_ONLY_VARS)
+
+
+def deployment_page_missing(page: str) -> list[str]:
+    """What docs/deployment.md must say and does not."""
+    return [needle for needle in DEPLOYMENT_NEEDLES if needle not in page]
+
+
+def test_deployment_page(compose):
+    page = (DOCS / "deployment.md").read_text()
+    assert page.startswith("# Deployment\n")
+    assert deployment_page_missing(page) == []
+    # Negative control: a page without the scaling commands.
+    assert deployment_page_missing(page.replace("--scale decode=", "")) == ["--scale decode="]
 
 
 # -- live: the compose commands and environment, started for real ---------------------------------

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow
 CURL = re.compile(r"^\s*curl -s (?P<url>\S+)/v1/chat/completions -H 'Content-Type: application/json' -d '(?P<body>.*)'$",
                   re.M)
 METRICS = re.compile(r"^\s*worker /metrics: (?P<ports>.*)$", re.M)
-#: The service processes of each topology (README: agg is the API plus one worker that encodes,
+#: The service processes of each topology (docs/architecture.md: agg is the API plus one worker that encodes,
 #: prefills and decodes; e-pd adds encoder workers).
 SERVICES = {"e-pd": ["api", "encoder", "prefill"], "agg": ["api", "prefill"]}
 

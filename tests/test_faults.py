@@ -3,7 +3,7 @@ restarts under a running E|P|D stack of real service processes (tiny Qwen2-VL), 
 way ``epd up`` supervises its children (``shared.tools.launcher.Supervisor``), plus ``epd up``
 itself through a NATS pause.
 
-Every case checks the fault contract (README "Faults and recovery"):
+Every case checks the fault contract (docs/operations.md, "Faults and recovery"):
 
 * a request sent during or after the fault completes with the tokens of a clean run (greedy,
   the in-process aggregated reference) or ends with a JSON 503 naming NATS / the store, or a 504
@@ -16,7 +16,7 @@ Every case checks the fault contract (README "Faults and recovery"):
   to show it - and every heartbeat file and the API's ``/health`` are green again after.
 
 Measured times are logged (``FAULT ...`` lines) and, with ``EPD_FAULT_REPORT=FILE``, appended to
-FILE as JSON lines: the README table holds them.
+FILE as JSON lines: the table in docs/operations.md holds them.
 
 The stack is shared by the cases (module scope) and its servers are the module's own (not the
 session's, which other tests use); a case first makes sure it serves (rebuilding it when an

@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.tools.bench import plan as bench_plan
 
     bench_plan.add_parser(sub)  # epd plan
+    from shared.tools import config_docs
+
+    config_docs.add_parser(sub)  # epd config docs [--check]
     return parser
 
 

@@ -1,7 +1,7 @@
 """``epd plan``: worker counts per role (E:PD, E:P:D, or one aggregated pool) for a target request
 rate and SLO, from measured stage costs.
 
-The model (the README's "Sizing: epd plan" explains it for users):
+The model (docs/benchmarking.md, "epd plan: sizing", explains it for users):
 
 * Each role is a queue with ``c`` workers; one worker serves one job at a time for the job's
   service time (the measured stage cost, which already contains whatever batching or core sharing

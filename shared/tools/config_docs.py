@@ -1,0 +1,459 @@
+"""``epd config docs [--check]``: docs/configuration.md and .env.example, generated from shared/config.py.
+
+The settings classes are the one source: each field's type, default and description (an attribute
+docstring or ``Field(description=...)``) become a row of the configuration reference and a line of
+.env.example. ``--check`` writes nothing and exits 1 naming every file that differs from what would be
+generated (the test suite runs the same comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
+
+from shared import config
+from shared.topology import PREFILL_SERVICE_ROLES
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DOC = Path("docs/configuration.md")
+ENV_EXAMPLE = Path(".env.example")
+COMPOSE_FILE = Path("docker-compose.yml")
+
+# (settings class, the services that read it). A subclass's table lists only its own fields.
+SECTIONS: tuple[tuple[type[config.CommonSettings], str, str], ...] = (
+    (
+        config.CommonSettings,
+        "Every service",
+        (
+            "api, encoder, prefill, decode; the `epd` CLI "
+            "(`epd replay`, `epd ec`, `epd plan --from-streams`)"
+        ),
+    ),
+    (config.ApiSettings, "API", "api"),
+    (config.EncoderSettings, "Encoder", "encoder"),
+    (config.PrefillSettings, "Prefill", "prefill (roles `pd`, `prefill`, `agg`)"),
+    (config.DecodeSettings, "Decode (E|P|D)", "decode"),
+)
+
+# Settings of CommonSettings that only some processes read (checked against the code by hand; the rest: all).
+WORKERS = "encoder, prefill, decode"
+JANITOR = "api (the EC janitor)"
+READ_BY = {
+    "torch_threads": WORKERS,
+    "cpu_cores": WORKERS,
+    "metrics_port": WORKERS,
+    "health_file": WORKERS,
+    "unreachable_exit_s": WORKERS,
+    "vllm_dir": WORKERS,
+    "vllm_enforce_eager": WORKERS,
+    "vllm_max_model_len": WORKERS,
+    "vllm_kv_cache_gib": WORKERS,
+    "vllm_max_num_seqs": WORKERS,
+    "vllm_engine_args": WORKERS,
+    "ec_max_bytes": JANITOR,
+    "ec_max_objects": JANITOR,
+    "ec_ttl_s": JANITOR,
+    "ec_purge_retired_after_s": JANITOR,
+    "ec_retired_after_s": JANITOR + ", epd ec",
+    "ec_janitor_interval_s": JANITOR,
+    "ec_evict_grace_s": JANITOR,
+    "ec_reconcile_interval_s": JANITOR,
+    "ec_lifecycle_rule": JANITOR,
+}
+# Values a validator narrows further than the annotation says.
+CHOICES = {"role": [r.value for r in PREFILL_SERVICE_ROLES]}
+
+# Secrets: .env.example never carries a value for them (compose refuses to start until they are set).
+SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY")
+# Account names .env.example proposes (names, not secrets; compose requires them set).
+ACCOUNT_NAMES = {"EPD_NATS_USER": "epd", "EPD_S3_ACCESS_KEY": "epd-services"}
+# Compose-side defaults that differ from shared/config.py on purpose (container network, mount point).
+COMPOSE_DEFAULTS = {
+    "EPD_NATS_URL": "nats://nats:4222",
+    "EPD_S3_ENDPOINT": "minio:9000",
+    "EPD_MODEL_NAME": "qwen2-vl-tiny",
+}
+# Variables docker-compose.yml reads that are no setting of the services.
+COMPOSE_ONLY = (
+    (
+        "COMPOSE_PROFILES",
+        "`e-pd` (in .env.example)",
+        (
+            "topology and hardware: `e-pd`, `e-p-d`, "
+            "`gpu-e-pd`, `gpu-e-p-d` (one at a time)"
+        ),
+    ),
+    (
+        "EPD_MODEL_DIR",
+        "`./var/models/qwen2-vl-tiny`",
+        "host model folder, mounted read-only at `/models/model`",
+    ),
+    (
+        "MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD",
+        "required",
+        (
+            "MinIO root account (used by `minio` and "
+            "`minio-init` only, never by the services)"
+        ),
+    ),
+    (
+        "EPD_NATS_IMAGE",
+        "`nats:2.15.0-alpine`",
+        "the `nats` image (a mirror's copy when air-gapped)",
+    ),
+    (
+        "EPD_MINIO_IMAGE",
+        "`minio/minio:RELEASE.2025-09-07T16-13-09Z`",
+        "the `minio` and `minio-init` image",
+    ),
+)
+
+
+def env_name(field: str) -> str:
+    return f"EPD_{field.upper()}"
+
+
+def own_fields(cls: type[config.CommonSettings]) -> dict[str, FieldInfo]:
+    base = (
+        config.CommonSettings.model_fields if cls is not config.CommonSettings else {}
+    )
+    return {name: f for name, f in cls.model_fields.items() if name not in base}
+
+
+def description(field: FieldInfo) -> str:
+    text = " ".join((field.description or "").split())
+    first = text.split(" ", 1)[0]
+    if (
+        first.replace("-", "").isalpha() and first.islower()
+    ):  # "vLLM ..." and "`text` ..." stay as written
+        text = text[:1].upper() + text[1:]
+    return text if not text or text.endswith((".", ")")) else text + "."
+
+
+def type_name(annotation: Any) -> str:
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return " or ".join(type_name(a) for a in inner)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " \\| ".join(f"`{m.value}`" for m in annotation)
+    if annotation is SecretStr:
+        return "secret"
+    if annotation is Path:
+        return "path"
+    if origin is tuple:
+        return "comma-separated list"
+    if origin is dict or annotation is dict:
+        return "JSON object"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _size(value: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if value >= size and value % size == 0:
+            return f"{value // size} {unit}"
+    return ""
+
+
+def env_value(field: FieldInfo) -> str:
+    """The default as it is written in the environment ('' for unset)."""
+    if field.default_factory is not None:
+        value = field.default_factory()  # type: ignore[call-arg]
+        return (
+            "{}" if value == {} else ""
+        )  # a computed default (worker id) is not written down
+    value = field.default
+    if value is None or value == ():
+        return ""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def doc_default(name: str, field: FieldInfo) -> str:
+    if field.default_factory is not None and env_value(field) == "":
+        return "computed"
+    value = env_value(field)
+    if value == "":
+        return "unset"
+    shown = f"`{value}`"
+    if (
+        isinstance(field.default, int)
+        and not isinstance(field.default, bool)
+        and name.endswith("bytes")
+    ):
+        size = _size(field.default)
+        if size:
+            shown += f" ({size})"
+    return shown
+
+
+def compose_variables(root: Path) -> set[str]:
+    """Variables docker-compose.yml substitutes (``${NAME...}``), comments left out."""
+    text = "\n".join(
+        line.split("#", 1)[0] for line in (root / COMPOSE_FILE).read_text().splitlines()
+    )
+    return set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", text))
+
+
+# -- docs/configuration.md ------------------------------------------------------------------------
+def configuration_md() -> str:
+    out = [
+        "# Configuration",
+        "",
+        "<!-- Generated from shared/config.py by `epd config docs`; do not edit by hand. -->",
+        "",
+        "Every service reads `EPD_*` environment variables into one settings class per service",
+        "(`shared/config.py`); nothing else reads the environment. An empty variable means the default.",
+        "Secrets (`EPD_NATS_PASSWORD`, `EPD_S3_ACCESS_KEY`, `EPD_S3_SECRET_KEY`, `EPD_API_KEYS`) are never",
+        "logged. This page and `.env.example` are generated from the settings classes: after changing a",
+        "setting run `.venv/bin/epd config docs` (the tests fail while either file is stale;",
+        "`epd config docs --check` says which).",
+        "",
+        "The `epd` tools that talk to a running deployment (`epd replay`, `epd ec`, `epd plan --from-streams`)",
+        "read the same variables as the services: NATS from `EPD_NATS_URL` (with `EPD_NATS_USER` /",
+        "`EPD_NATS_PASSWORD`), the store from `EPD_S3_ENDPOINT`, `EPD_S3_ACCESS_KEY`, `EPD_S3_SECRET_KEY`,",
+        "`EPD_S3_BUCKET` and `EPD_NAMESPACE`, the deployment's subjects from `EPD_SUBJECT_PREFIX`;",
+        "`--nats-url` and `--prefix` override the first and the last.",
+        "",
+    ]
+    for cls, title, readers in SECTIONS:
+        out += [
+            f"## {title}",
+            "",
+            f"`{cls.__name__}`, read by: {readers}.",
+            "",
+            "| variable | type | default | description | read by |",
+            "|---|---|---|---|---|",
+        ]
+        for name, field in own_fields(cls).items():
+            read_by = READ_BY.get(
+                name, "all" if cls is config.CommonSettings else readers.split(" (")[0]
+            )
+            kind = (
+                " \\| ".join(f"`{c}`" for c in CHOICES[name])
+                if name in CHOICES
+                else type_name(field.annotation)
+            )
+            row = (
+                f"`{env_name(name)}`",
+                kind,
+                doc_default(name, field),
+                description(field),
+                read_by,
+            )
+            out.append(
+                "| "
+                + " | ".join(
+                    cell.replace("|", "\\|") if i != 1 else cell
+                    for i, cell in enumerate(row)
+                )
+                + " |"
+            )
+        out.append("")
+    out += [
+        "## Docker Compose only",
+        "",
+        "`docker-compose.yml` also reads these from `.env` (see [Deployment](deployment.md)); no service",
+        "reads them.",
+        "",
+        "| variable | default | description |",
+        "|---|---|---|",
+        *(f"| `{var}` | {default} | {text} |" for var, default, text in COMPOSE_ONLY),
+        "",
+        "Compose sets per container: `EPD_NATS_URL` (default `nats://nats:4222`), `EPD_S3_ENDPOINT` (default",
+        "`minio:9000`), `EPD_MODEL_NAME` (default `qwen2-vl-tiny`), `EPD_MODEL_PATH=/models/model`,",
+        "`EPD_STORE_BACKEND=s3`, `EPD_HOST=0.0.0.0` / `EPD_PORT=8000` (api), `EPD_ROLE` (per prefill service),",
+        "`EPD_ENGINE=vllm` (GPU services), `EPD_METRICS_PORT=9100` and `EPD_HEALTH_FILE=/tmp/epd-health.json`",
+        "(workers). `EPD_WORKER_ID` stays the container's host name plus a random suffix, so replicas differ.",
+        "`EPD_API_KEYS`, `EPD_NATS_USER`, `EPD_NATS_PASSWORD`, `EPD_S3_ACCESS_KEY` and `EPD_S3_SECRET_KEY` are",
+        "required under compose.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+# -- .env.example ---------------------------------------------------------------------------------
+ENV_HEADER = """\
+# epd-serve: settings for `docker compose` (docker-compose.yml). Copy to .env and fill in the
+# secrets; .env is git- and docker-ignored. Compose reads this file for ${...} substitution only;
+# docker-compose.yml then hands each service the EPD_* variables it uses. Empty or commented out
+# = the default shown (the defaults live in shared/config.py; docs/configuration.md).
+# Generated from shared/config.py by `epd config docs`; do not edit by hand.
+# Generate each secret with e.g.:  openssl rand -hex 24
+
+# ---- what runs -----------------------------------------------------------------------------------
+# One profile: e-pd | e-p-d (CPU) or gpu-e-pd | gpu-e-p-d (NVIDIA + vLLM). `--profile X` replaces it.
+COMPOSE_PROFILES=e-pd
+
+# Host folder of the model (Hugging Face layout), mounted read-only at /models/model; readable by
+# uid 10001. Make the tiny test model with:  .venv/bin/epd model build-tiny var/models/qwen2-vl-tiny
+EPD_MODEL_DIR=./var/models/qwen2-vl-tiny
+# Model id served in /v1/models and expected in requests (the mount point hides the folder name).
+EPD_MODEL_NAME=qwen2-vl-tiny
+
+# ---- secrets (required: compose refuses to start while one is empty) ------------------------------
+# Bearer keys clients must send (comma-separated): Authorization: Bearer <key>
+EPD_API_KEYS=
+# NATS account of the services (nats-server is started with exactly this user and password).
+EPD_NATS_USER=epd
+EPD_NATS_PASSWORD=
+# MinIO root account: used only by minio and the one-shot minio-init, never by the services.
+MINIO_ROOT_USER=epd-admin
+MINIO_ROOT_PASSWORD=
+# The services' own MinIO account, limited to EPD_S3_BUCKET (created by minio-init).
+# Must differ from MINIO_ROOT_USER; the secret needs at least 8 characters.
+EPD_S3_ACCESS_KEY=epd-services
+EPD_S3_SECRET_KEY=
+
+# ---- infrastructure images (defaults: the upstream images; point them at a mirror when air-gapped) --
+# EPD_NATS_IMAGE=nats:2.15.0-alpine
+# EPD_MINIO_IMAGE=minio/minio:RELEASE.2025-09-07T16-13-09Z
+"""
+# What a setting means under compose, beyond its description.
+COMPOSE_NOTES = {
+    "EPD_ENGINE": "Compose: the CPU profiles only; the gpu-* profiles always run vllm.",
+    "EPD_VLLM_DIR": "In the containers it is relative to the home folder (/home/epd).",
+    "EPD_VLLM_ENFORCE_EAGER": "On GPUs set false (CUDA graphs / torch.compile).",
+    "EPD_STREAM_REPLICAS": "1 on the single compose NATS, 3 on a 3-node cluster.",
+}
+WRITTEN_IN_HEADER = {
+    "EPD_MODEL_NAME",
+    "EPD_API_KEYS",
+    "EPD_NATS_USER",
+    "EPD_NATS_PASSWORD",
+    "EPD_S3_ACCESS_KEY",
+    "EPD_S3_SECRET_KEY",
+}
+
+
+def _wrap(text: str, width: int = 100) -> list[str]:
+    lines, line = [], "#"
+    for word in text.split():
+        if len(line) + 1 + len(word) > width and line != "#":
+            lines.append(line)
+            line = "#"
+        line += " " + word
+    return [*lines, line] if line != "#" else lines
+
+
+def _rule(title: str) -> str:
+    head = f"# ---- {title} "
+    return head + "-" * max(4, 100 - len(head))
+
+
+def env_example(root: Path = ROOT) -> str:
+    read_by_compose = compose_variables(root)
+    out = [ENV_HEADER.rstrip("\n")]
+    not_read: list[tuple[str, FieldInfo]] = []
+    for cls, title, readers in SECTIONS:
+        rows = []
+        for name, field in own_fields(cls).items():
+            var = env_name(name)
+            if var in WRITTEN_IN_HEADER:
+                continue
+            if var not in read_by_compose:
+                not_read.append((var, field))
+                continue
+            rows.append((var, field))
+        if not rows:
+            continue
+        out += ["", _rule(title.lower()), f"# (read by: {readers.replace('`', '')})"]
+        for var, field in rows:
+            value = COMPOSE_DEFAULTS.get(
+                var, "" if var in SECRET_VARS else env_value(field)
+            )
+            out += _wrap(
+                description(field)
+                + (" " + COMPOSE_NOTES[var] if var in COMPOSE_NOTES else "")
+            )
+            out.append(f"# {var}={value}")
+    out += [
+        "",
+        _rule("not read from .env by docker-compose.yml"),
+        "# Compose sets these per container itself (EPD_MODEL_PATH=/models/model, EPD_STORE_BACKEND=s3,",
+        "# EPD_HOST/EPD_PORT, EPD_ROLE, EPD_METRICS_PORT, EPD_HEALTH_FILE) or leaves them at their defaults.",
+        "# Listed for services run by hand (export them); the values are the defaults.",
+    ]
+    for var, field in not_read:
+        out += _wrap(description(field))
+        out.append(f"# {var}={'' if var in SECRET_VARS else env_value(field)}")
+    return "\n".join(out) + "\n"
+
+
+# -- the command ----------------------------------------------------------------------------------
+def generated(root: Path = ROOT) -> dict[Path, str]:
+    return {CONFIG_DOC: configuration_md(), ENV_EXAMPLE: env_example(root)}
+
+
+def stale_files(root: Path = ROOT) -> list[Path]:
+    """The generated files whose checked-in copy under ``root`` differs (or is missing)."""
+    out = []
+    for rel, text in generated(root).items():
+        path = root / rel
+        if not path.is_file() or path.read_text() != text:
+            out.append(rel)
+    return out
+
+
+def write(root: Path = ROOT) -> list[Path]:
+    written = []
+    for rel, text in generated(root).items():
+        path = root / rel
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            written.append(rel)
+    return written
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if args.check:
+        stale = stale_files(root)
+        for rel in stale:
+            print(
+                f"epd config docs: {rel} is stale: regenerate it with `epd config docs`",
+                file=sys.stderr,
+            )
+        return 1 if stale else 0
+    for rel in write(root):
+        print(f"wrote {rel}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``config docs`` to the ``epd`` parser."""
+    cfg = sub.add_parser(
+        "config", help="settings: the generated configuration reference"
+    )
+    csub = cfg.add_subparsers(dest="config_command", required=True)
+    docs = csub.add_parser(
+        "docs",
+        help="write docs/configuration.md and .env.example from shared/config.py",
+    )
+    docs.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming each stale file",
+    )
+    docs.add_argument(
+        "--root", default=str(ROOT), help="repository root (default: this checkout)"
+    )
+    docs.set_defaults(func=_cmd_docs)
