@@ -97,6 +97,11 @@ class CommonSettings(BaseSettings):
     """Compute dtype (part of the encoder fingerprint)."""
     torch_threads: int = Field(1, ge=1, description="torch threads per process; keep the same value in every "
                                                     "stage for bit-identical output")
+    encode_batch_invariant: bool = Field(True, description="transformers engine: every image gets a vision-tower "
+                                                         "forward of its own, so its features never depend on "
+                                                         "what was encoded with it (bit-identical on any CPU); "
+                                                         "false: concurrent encodes share forwards (features "
+                                                         "may differ in the last bits by batch and CPU)")
     cpu_cores: str | None = Field(None, description="CPUs a worker binds itself (and vLLM's engine processes) to, "
                                                    "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
                                                    "and the PD worker disjoint lists on one host")

@@ -4,6 +4,7 @@ through the engine's async API (its compute thread)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import random
 import time
@@ -34,6 +35,8 @@ GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 # 64x48 and 56x56 both give a 4x4 Qwen2-VL patch grid (same token count: swappable features).
+log = logging.getLogger(__name__)
+
 IMAGES = {"wide": noise_image(1, (64, 48)), "square": noise_image(2, (56, 56)), "thin": noise_image(3, (90, 40))}
 
 
@@ -148,32 +151,63 @@ async def test_encode_shapes(engine):
     assert torch.equal(alone.features, encoded[1].features)
 
 
-async def test_concurrent_encodes_share_forwards_with_the_single_image_features(engine):
-    """Concurrent encode calls are batched into shared vision-tower forwards (mixed sizes on
-    Qwen2-VL: patches concatenated), and each image's features equal its one-image forward bit for
-    bit; a call with an unusable image fails alone."""
+def _encode_forwards() -> tuple[float, float]:
+    """(vision-tower forwards, images through them) so far (``epd:encode_batch_images``)."""
     from prometheus_client import REGISTRY
 
+    return (REGISTRY.get_sample_value("epd:encode_batch_images_count") or 0.0,
+            REGISTRY.get_sample_value("epd:encode_batch_images_sum") or 0.0)
+
+
+#: Mixed sizes: Qwen2-VL concatenates their patches when they share a forward.
+MIXED = [noise_image(10 + i, (64, 48) if i % 2 else (90, 40)) for i in range(8)]
+
+
+async def test_concurrent_encodes_are_batch_invariant(engine):
+    """The default: concurrent encode calls go to the compute thread together, but each image gets
+    a vision-tower forward of its own, so its features are its one-image forward's bit for bit -
+    on any CPU, whatever else was in flight (shared forwards round differently by batch shape on
+    some CPUs: seen on an Intel Xeon, not on an AMD EPYC). A call with an unusable image fails
+    alone."""
     from shared.errors import InvalidImage
 
-    images = [noise_image(10 + i, (64, 48) if i % 2 else (90, 40)) for i in range(8)]
-    singles = [engine._encode([im])[0] for im in images]  # one forward each, in this thread
-
-    def forwards() -> tuple[float, float]:
-        return (REGISTRY.get_sample_value("epd:encode_batch_images_count") or 0.0,
-                REGISTRY.get_sample_value("epd:encode_batch_images_sum") or 0.0)
-
-    before = forwards()
-    *outs, bad = await asyncio.gather(*(engine.encode([im]) for im in images), engine.encode(["not an image"]),
+    assert engine.encode_batch_invariant
+    singles = [engine._encode([im])[0] for im in MIXED]  # one forward each, in this thread
+    before = _encode_forwards()
+    *outs, bad = await asyncio.gather(*(engine.encode([im]) for im in MIXED), engine.encode(["not an image"]),
                                       return_exceptions=True)
-    after = forwards()
+    together = await engine.encode(MIXED)  # one call with every image (an aggregated request's way)
+    after = _encode_forwards()
     assert isinstance(bad, InvalidImage)
-    assert after[1] - before[1] == len(images)  # every image encoded once ...
-    assert after[0] - before[0] < len(images)  # ... in fewer forwards than images
-    for single, (out,) in zip(singles, outs):
+    # One forward per image: the shapes of a forward never depend on the other images.
+    assert after[0] - before[0] == after[1] - before[1] == 2 * len(MIXED)
+    for single, (out,), joint in zip(singles, outs, together):
         assert torch.equal(single.features, out.features) and single.grid_thw == out.grid_thw
+        assert torch.equal(single.features, joint.features)
     # Negative control: the equality could fail - another image's features differ.
     assert not torch.equal(singles[0].features, (await engine.encode([noise_image(99, (90, 40))]))[0].features)
+
+
+async def test_shared_forwards_when_not_batch_invariant_stay_within_float_rounding(model_dirs):
+    """EPD_ENCODE_BATCH_INVARIANT=false: concurrent encodes share forwards (fewer forwards than
+    images). Their features equal the one-image forwards up to float32 rounding - bit for bit on
+    some CPUs, not on others - which is the tolerance docs/operations.md states."""
+    arch = "qwen2_vl"
+    shared_engine = TransformersEngine(model_dirs[arch], threads=1, encode_batch_invariant=False)
+    try:
+        singles = [shared_engine._encode([im])[0] for im in MIXED]
+        before = _encode_forwards()
+        outs = await asyncio.gather(*(shared_engine.encode([im]) for im in MIXED))
+        after = _encode_forwards()
+        assert after[1] - before[1] == len(MIXED) and after[0] - before[0] < len(MIXED)  # shared forwards
+        worst = max(float((single.features - out.features).abs().max()) for single, (out,) in zip(singles, outs))
+        scale = max(float(single.features.abs().max()) for single in singles)
+        log.info("shared forwards vs one-image forwards: max |diff| %.2e (max |feature| %.2f)", worst, scale)
+        assert worst <= 1e-5 * scale
+        for single, (out,) in zip(singles, outs):
+            assert single.grid_thw == out.grid_thw
+    finally:
+        await shared_engine.aclose()
 
 
 async def test_other_images_features_change_the_output(engine):
@@ -451,10 +485,11 @@ async def test_options_and_aclose(model_dirs):
 
     from shared.topology import Role
 
-    settings = SimpleNamespace(max_batch_size=3)
-    assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {"max_batch": 3}
+    settings = SimpleNamespace(max_batch_size=3, encode_batch_invariant=False)
+    assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {
+        "max_batch": 3, "encode_batch_invariant": False}
     for role in (Role.ENCODER, Role.PD, Role.PREFILL, Role.AGG):
-        assert TransformersEngine.options_from_settings(settings, role=role) == {}
+        assert TransformersEngine.options_from_settings(settings, role=role) == {"encode_batch_invariant": False}
     engine = TransformersEngine(model_dirs["llava"], threads=1, max_batch=3)
     assert engine._decode_loop.decoder.max_batch == 3
     assert len(await engine.encode([IMAGES["wide"]])) == 1

@@ -26,10 +26,11 @@ tie within that difference.
 Not thread-safe: call it from the engine's compute thread only.
 
 :class:`EncodeBatcher` does the same for the vision tower: encode calls that arrive while a forward
-runs wait and go together into the next one (up to :data:`ENCODE_BATCH_PIXELS`); the features are
-the single-image forward's bit for bit (tests/test_engine_transformers.py), because the vision
-tower keeps images apart (Qwen2-VL: per-image attention blocks over concatenated patches) and the
-matmuls' rows do not depend on each other with one intra-op thread.
+runs wait and go together into the compute thread's next turn (up to :data:`ENCODE_BATCH_PIXELS`).
+Batch-invariant (``EPD_ENCODE_BATCH_INVARIANT``, the default) each image then gets a forward of its
+own, so its features are its one-image forward's bit for bit on any CPU; otherwise they share
+forwards, and the matmuls' row blocking (which differs by batch shape and CPU) can change features in
+the last bits (tests/test_engine_transformers.py; docs/operations.md, "Batching and bit-identity").
 
 :class:`DecodeLoop` drives a :class:`BatchDecoder` for :meth:`TransformersEngine.decode`: requests
 join and leave from any thread (an event loop), the steps run in the compute thread.

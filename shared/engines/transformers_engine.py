@@ -451,7 +451,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     The constructor loads the model in the calling thread (blocking: call it off the event
     loop); everything after that goes through the private compute thread. ``max_batch``: most
-    requests :meth:`decode` steps together (more wait for a free row)."""
+    requests :meth:`decode` steps together (more wait for a free row). ``encode_batch_invariant``
+    (the default): every image gets a vision-tower forward of its own, so its features never
+    depend on which images were encoded with it (see :meth:`encode`)."""
 
     name = "transformers"
 
@@ -463,6 +465,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         threads: int | None = 1,
         model_id: str | None = None,
         max_batch: int = 16,
+        encode_batch_invariant: bool = True,
     ):
         from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
         from transformers import Qwen2VLForConditionalGeneration
@@ -478,6 +481,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.threads = threads
+        self.encode_batch_invariant = encode_batch_invariant
         if threads is not None:
             # Bit identity across stages needs the same intra-op thread count everywhere.
             torch.set_num_threads(int(threads))
@@ -531,11 +535,13 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
     @classmethod
     def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
         """The decode batch: a decode worker's ``max_batch_size``; a generating worker's
-        ``max_concurrent_jobs`` when set (its admission slots are the batch's rows)."""
+        ``max_concurrent_jobs`` when set (its admission slots are the batch's rows). Every role that
+        encodes: ``EPD_ENCODE_BATCH_INVARIANT``."""
+        invariant = {"encode_batch_invariant": settings.encode_batch_invariant}
         if role is Role.DECODE:
-            return {"max_batch": settings.max_batch_size}
+            return {"max_batch": settings.max_batch_size, **invariant}
         slots = getattr(settings, "max_concurrent_jobs", None)
-        return {"max_batch": slots} if slots else {}
+        return {"max_batch": slots, **invariant} if slots else invariant
 
     # -- Engine API ---------------------------------------------------------------------------
 
@@ -560,13 +566,19 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     def capacity(self) -> dict[str, Any]:
         return {"max_running_requests": self.max_running_requests,  # the decode batch's rows
-                "encode_batch_pixels": self._encode_batcher.max_pixels, "torch_threads": self.threads}
+                "encode_batch_pixels": self._encode_batcher.max_pixels,
+                "encode_batch_invariant": self.encode_batch_invariant, "torch_threads": self.threads}
 
     async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
-        """Image processor + vision tower + projector. Concurrent calls share forwards (up to
-        :data:`ENCODE_BATCH_PIXELS` per forward): the features equal a one-image forward's bit for
-        bit (tested; one compute thread, the same thread count), so batching changes no token. An
-        image that cannot be preprocessed fails only its own call (:class:`InvalidImage`)."""
+        """Image processor + vision tower + projector. Concurrent calls are taken together into
+        the compute thread (up to :data:`ENCODE_BATCH_PIXELS`). Batch-invariant (the default): each
+        image still gets a forward of its own, so its features are exactly its one-image forward's
+        whatever else was encoded with it - in an aggregated request with other images, in an
+        encoder's batch - on any CPU, given the same torch thread count. Otherwise the images of a
+        batch share forwards (Qwen2-VL: patches concatenated; LLaVA: same-shape images stacked), and
+        the matmuls' row blocking, which differs by batch shape and CPU, can change features in the
+        last bits (seen: up to 1.2e-6 on an Intel Xeon, none on an AMD EPYC). An image that cannot
+        be preprocessed fails only its own call (:class:`InvalidImage`)."""
         pixels = await self._call(self._preprocess, images)
         return await self._encode_batcher.submit(pixels, sum(img.width * img.height for img in images))
 
@@ -774,13 +786,16 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return out
 
     def _encode_pixels(self, pixels: Sequence[Any]) -> list[EncodedImage]:
-        """Vision tower + projector over preprocessed images, as few forwards as the model allows:
-        Qwen2-VL takes images of any size in one forward (patches concatenated, one grid per
-        image); LLaVA stacks images of one shape (its processor makes them all one size)."""
+        """Vision tower + projector over preprocessed images: batch-invariant, one forward per
+        image; else as few forwards as the model allows: Qwen2-VL takes images of any size in one
+        forward (patches concatenated, one grid per image); LLaVA stacks images of one shape (its
+        processor makes them all one size)."""
         if not pixels:
             return []
         out: list[EncodedImage | None] = [None] * len(pixels)
-        if self.is_mrope:
+        if self.encode_batch_invariant:
+            groups = [[i] for i in range(len(pixels))]
+        elif self.is_mrope:
             groups = [list(range(len(pixels)))]
         else:
             by_shape: dict[tuple[int, ...], list[int]] = {}
@@ -794,7 +809,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                 raise EngineError(f"encoding {len(group)} image(s) failed: {exc}") from exc
             for i, f, g in zip(group, feats, grids):
                 out[i] = EncodedImage(features=f, grid_thw=g)
-        metrics.ENCODE_BATCH_IMAGES.observe(len(pixels))
+            metrics.ENCODE_BATCH_IMAGES.observe(len(group))
         return out  # type: ignore[return-value]
 
     def _forward_images(self, pixels: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:

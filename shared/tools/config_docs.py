@@ -49,6 +49,7 @@ WORKERS = "encoder, prefill, decode"
 JANITOR = "api (the EC janitor)"
 READ_BY = {
     "torch_threads": WORKERS,
+    "encode_batch_invariant": WORKERS,
     "cpu_cores": WORKERS,
     "metrics_port": WORKERS,
     "health_file": WORKERS,
