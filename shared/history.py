@@ -489,7 +489,7 @@ async def _find_live(reader: StreamReader, subjects: Subjects, rid: str) -> Requ
         return m.request_id == rid or m.time >= received
 
     for item in case.item_hashes():  # events of the request's images, whoever's job produced them
-        messages += await reader.scan(subjects.stream_events, f"{subjects.prefix}.ec.*.*.{item}", start=start,
+        messages += await reader.scan(subjects.stream_events, subjects.ec_item_events(item), start=start,
                                       until=until, match=relevant)
     if record is None:
         case.notes.append(f"no record of the request on {subjects.request(rid)} (expired, or the API could not "

@@ -66,6 +66,9 @@ CONSUMER_DECODE = "decode"
 #: MAX_DELIVERIES advisories into terminal events: NATS hands each advisory to one member, so N
 #: API replicas publish one event, not N (the event's msg id also dedups it in the stream).
 QUEUE_SUPERVISOR = "epd-supervisor"
+#: Queue group of the API processes that index the EC objects encoders announce (``ECReady``):
+#: one replica records each announcement in the EC index.
+QUEUE_EC_INDEX = "epd-ec-index"
 
 
 class ProtocolError(ValueError):
@@ -98,6 +101,8 @@ class Subjects:
         #: EC store lifecycle (``shared.store.ec_index``): every invalidation, and the JetStream
         #: key-value bucket that indexes EC objects (size, last use) and holds the janitor lease.
         self.ec_invalidated_all = f"{p}.ec.invalidated.>"
+        #: Every ``ECReady`` (the API indexes what encoders announce).
+        self.ec_ready_all = f"{p}.ec.ready.>"
         self.ec_index_bucket = f"{P}_EC_INDEX"
 
         self.stream_requests = f"{P}_REQUESTS"
@@ -120,6 +125,10 @@ class Subjects:
     def ec_any(self, fingerprint: str, item_hash: str) -> str:
         """Both the ready and the failed event of one item."""
         return f"{self.prefix}.ec.*.{fingerprint}.{item_hash}"
+
+    def ec_item_events(self, item_hash: str) -> str:
+        """Every ready and failed event of one item, whatever the fingerprint (a request's history)."""
+        return f"{self.prefix}.ec.*.*.{item_hash}"
 
     def ec_invalidated(self, fingerprint: str) -> str:
         """Where the janitor / ``epd ec purge`` announce removed EC objects of ``fingerprint``."""

@@ -16,7 +16,8 @@ import pytest
 from shared.store.format import encode_ec_object
 from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
 from shared.store.format import SCHEMA
-from shared.store.tensors import encoded_to_extra, tensor_to_raw
+from shared.engines.ec_objects import encoded_to_extra
+from shared.store.tensors import tensor_to_raw
 from shared.engines.base import SamplingParams
 from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore

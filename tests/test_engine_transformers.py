@@ -15,12 +15,8 @@ import torch
 
 from shared.engines.base import EncodedImage, GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.prompts import check_image_count, count_image_placeholders
-from shared.engines.transformers_engine import (
-    DecodeState,
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    TransformersEngine,
-)
+from shared.engines.transformers_engine import TransformersEngine
+from shared.engines.transformers_state import DecodeState, IncrementalDetokenizer, StopStringMatcher
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
 from shared.store.format import RawTensor
 from shared.store.kv import KVObject

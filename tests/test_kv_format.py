@@ -222,7 +222,7 @@ def test_sweep_removes_only_old_kv_objects(s3_store, tensors):
 
 # -- a real decode state through the store ------------------------------------------------------
 async def test_decode_state_round_trip_through_the_store(s3_store, reference_engine, tiny_model_dir):
-    from shared.store.tensors import kv_object_to_state
+    from shared.engines.transformers_state import kv_object_to_state
     from shared.engines.base import SamplingParams
     from tests.stackutil import engine_messages, noise_image
 

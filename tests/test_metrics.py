@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shared.store.ec import ECStore
-from shared.store.tensors import encoded_to_extra, tensor_to_raw
+from shared.engines.ec_objects import encoded_to_extra
+from shared.store.tensors import tensor_to_raw
 from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import GREEDY as _GREEDY

@@ -60,6 +60,9 @@ def test_subjects_are_namespaced_and_streams_do_not_overlap():
     assert a.tokens("r1") == "epd.tokens.r1"
     assert a.ec_ready("fp", "h") == "epd.ec.ready.fp.h"
     assert a.ec_any("fp", "h") == "epd.ec.*.fp.h"
+    # (the subjects the janitor and history used to spell themselves: the same strings)
+    assert a.ec_item_events("h") == "epd.ec.*.*.h" and b.ec_ready_all == "other.ec.ready.>"
+    assert protocol.QUEUE_EC_INDEX == "epd-ec-index"
     subjects_a = [s for subs in a.streams().values() for s in subs]
     assert len(subjects_a) == len(set(subjects_a))
     assert set(a.streams()).isdisjoint(b.streams())

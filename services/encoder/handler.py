@@ -69,7 +69,8 @@ class WorkerStoresFeatures(FeatureProducer):
     engine: base.FeaturesThroughWorker
 
     async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
-        from shared.store.tensors import encoded_to_extra, tensor_to_raw
+        from shared.engines.ec_objects import encoded_to_extra
+        from shared.store.tensors import tensor_to_raw
 
         (encoded,) = await self.engine.encode([image])
         raw, dtype, shape = tensor_to_raw(encoded.features)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shared import metrics
 from shared.logs import REQUEST_ID
@@ -23,7 +24,6 @@ from shared.store.ec import ECStore
 from shared.store.janitor import ECLifecycle, subscribe_invalidations
 
 if TYPE_CHECKING:
-    from services.prefill.features import FeatureCache
     from shared.worker import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,14 @@ log = logging.getLogger(__name__)
 _RETRY_S = 30.0
 
 
+class ItemCache(Protocol):
+    """A local cache of EC items (``services.prefill.features.FeatureCache``, which uses this module)."""
+
+    def drop(self, keys: Iterable[str]) -> int: ...
+
+
 class WorkerLifecycle:
-    def __init__(self, ctx: "WorkerContext", store: ECStore, cache: "FeatureCache | None"):
+    def __init__(self, ctx: "WorkerContext", store: ECStore, cache: ItemCache | None):
         self.ctx = ctx
         self.store = store
         self.cache = cache

@@ -211,7 +211,7 @@ class StoredFeatures(LocalFeatures):
         return item, f"recomputed:{reason.value}"
 
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
-        from shared.store.tensors import ec_object_to_encoded
+        from shared.engines.ec_objects import ec_object_to_encoded
 
         obj = await asyncio.to_thread(self.store.load, ref.item_hash, request_id=request_id)
         self.lifecycle.used(ref.item_hash, size=len(obj.data))
@@ -221,7 +221,8 @@ class StoredFeatures(LocalFeatures):
 
     async def _write_back(self, ref: ImageRef, item: EncodedImage) -> None:
         """Repairs a corrupt / missing object for the next request."""
-        from shared.store.tensors import encoded_to_extra, tensor_to_raw
+        from shared.engines.ec_objects import encoded_to_extra
+        from shared.store.tensors import tensor_to_raw
 
         raw, dtype, shape = tensor_to_raw(item.features)
         try:

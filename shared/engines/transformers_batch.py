@@ -43,17 +43,36 @@ import logging
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import torch
 
 from shared import metrics
 from shared.engines.base import KVStateMismatch, SamplingParams, TokenEvent
-from shared.engines.transformers_engine import DecodeState, DecodeStream, TransformersEngine, sample_next
+from shared.engines.transformers_state import DecodeState, DecodeStream, Vocabulary, sample_next
 from shared.errors import EngineError, InvalidRequest
 from shared.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
+
+
+class DecodeModel(Vocabulary, Protocol):
+    """What :class:`BatchDecoder` uses of its engine (a ``TransformersEngine``; the engine builds
+    its batch decoder, so this module does not import it)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def text_config(self) -> Any: ...
+
+    @property
+    def is_mrope(self) -> bool: ...
+
+    def decode_logits(self, state: DecodeState) -> torch.Tensor: ...
 
 
 @dataclass
@@ -66,7 +85,7 @@ class _Member:
 class BatchDecoder:
     """Decode steps for several :class:`DecodeState` s at once (see the module docstring)."""
 
-    def __init__(self, engine: TransformersEngine, *, max_batch: int = 16, record_logits: bool = False):
+    def __init__(self, engine: DecodeModel, *, max_batch: int = 16, record_logits: bool = False):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.engine = engine

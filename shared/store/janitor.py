@@ -581,7 +581,7 @@ class ECLifecycle:
             else:
                 self.recorder.note(ev.ec_key, ev.fingerprint, ev.item_hash, size=ev.nbytes)
 
-        self._subs.append(await self.nc.subscribe(f"{self.subjects.prefix}.ec.ready.>", queue="epd-ec-index",
+        self._subs.append(await self.nc.subscribe(self.subjects.ec_ready_all, queue=protocol.QUEUE_EC_INDEX,
                                                   cb=on_ready))
 
     async def fingerprint_seen(self, fingerprint: str, *, model: str = "", model_path: str = "") -> None:

@@ -24,7 +24,8 @@ died, a request was abandoned) are removed by :meth:`KVStore.sweep`, which every
 runs periodically (objects older than ``EPD_KV_TTL_S``). A sweeper rather than an S3 lifecycle
 rule because lifecycle rules count in days and not every S3 server (nor the fs backend) has them.
 
-torch-free: conversion to and from ``DecodeState`` lives in :mod:`shared.store.tensors`.
+torch-free: the transformers engine converts its ``DecodeState`` to and from a KV object
+(:mod:`shared.engines.transformers_state`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from shared.tools.infra import DEFAULT_NATS_PORT, DEFAULT_S3_PORT, EmbeddedNats, EmbeddedS3, InfraError
+from shared.tools.models.tiny import default_model_dir, tiny_model_is_current
 from shared.topology import Service, Topology
 
 DEFAULT_DATA_DIR = Path("var")
@@ -47,25 +48,6 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_model_dir(data_dir: Path) -> Path:
-    return data_dir / "models" / "qwen2-vl-tiny"
-
-
-def _tiny_model_is_current(path: Path) -> bool:
-    """The default tiny model exists and has the builder's current shape (an older build, e.g.
-    with a head size vLLM's CPU attention lacks, is rebuilt)."""
-    import json
-
-    from shared.tools.models.tiny import SIZES
-
-    try:
-        text = json.loads((path / "config.json").read_text())["text_config"]
-    except (OSError, ValueError, KeyError):
-        return False
-    spec = SIZES[("qwen2_vl", "tiny")]
-    return (text.get("num_attention_heads"), text.get("num_key_value_heads")) == (spec.lm_heads, spec.lm_kv_heads)
-
-
 def _example_image_data_url() -> str:
     from PIL import Image
 
@@ -87,7 +69,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     model_path = Path(args.model) if args.model else common.model_path
     if model_path is None:
         model_path = default_model_dir(data_dir)
-        if not _tiny_model_is_current(model_path):
+        if not tiny_model_is_current(model_path):
             from shared.tools.models.tiny import build_tiny_model
 
             print(f"no model configured (EPD_MODEL_PATH): building the tiny test model in {model_path}")

@@ -561,9 +561,9 @@ def validate(plan: Plan, spec: WorkloadSpec, *, data_dir: Path, max_workers: int
 
     from shared.config import CommonSettings
     from shared.tools.bench import runner
-    from shared.tools.cli import _tiny_model_is_current, default_model_dir
     from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port
     from shared.tools.launcher import Stack
+    from shared.tools.models.tiny import default_model_dir, tiny_model_is_current
     from shared.topology import Service
 
     counts, rate = scale_down(plan, max_workers)
@@ -575,7 +575,7 @@ def validate(plan: Plan, spec: WorkloadSpec, *, data_dir: Path, max_workers: int
     model_path = Path(model) if model else common.model_path
     if model_path is None:
         model_path = default_model_dir(data_dir)
-        if not _tiny_model_is_current(model_path):
+        if not tiny_model_is_current(model_path):
             from shared.tools.models.tiny import build_tiny_model
 
             build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)

@@ -493,6 +493,22 @@ def _canonicalize_json_files(folder: Path) -> None:
         path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def default_model_dir(data_dir: Path) -> Path:
+    """Where ``epd up`` / ``epd plan --validate`` build the default tiny model under their data folder."""
+    return data_dir / "models" / "qwen2-vl-tiny"
+
+
+def tiny_model_is_current(path: Path) -> bool:
+    """The default tiny model exists and has the builder's current shape (an older build, e.g.
+    with a head size vLLM's CPU attention lacks, is rebuilt)."""
+    try:
+        text = json.loads((path / "config.json").read_text())["text_config"]
+    except (OSError, ValueError, KeyError):
+        return False
+    spec = SIZES[("qwen2_vl", "tiny")]
+    return (text.get("num_attention_heads"), text.get("num_key_value_heads")) == (spec.lm_heads, spec.lm_kv_heads)
+
+
 def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> Path:
     """Write a deterministic random-weight HF model folder for ``arch`` / ``size`` into ``out_dir``.
 

@@ -1,0 +1,21 @@
+"""An engine's ``EncodedImage`` <-> an EC object of the store (imports torch; only model workers
+use this module): the features tensor is the object's one tensor, the Qwen2-VL image grid its
+``grid_thw`` extra."""
+
+from __future__ import annotations
+
+from shared.engines.base import EncodedImage
+from shared.store.format import ECObject
+from shared.store.tensors import raw_to_tensor
+
+
+def encoded_to_extra(item: EncodedImage) -> dict:
+    return {"grid_thw": list(item.grid_thw)} if item.grid_thw is not None else {}
+
+
+def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
+    grid = obj.extra.get("grid_thw")
+    return EncodedImage(
+        features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
+        grid_thw=tuple(int(x) for x in grid) if grid else None,
+    )

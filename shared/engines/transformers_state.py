@@ -1,0 +1,372 @@
+"""The per-request side of the transformers engine, shared by its single-request decode
+(:mod:`shared.engines.transformers_engine`) and its batched decode
+(:mod:`shared.engines.transformers_batch`): the decode state and its KV-object form (the E|P|D
+hand-off), incremental detokenization, stop strings, the token -> event bookkeeping of one request
+(:class:`DecodeStream`) and sampling. Imports torch; nothing here imports the engine itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from shared.engines.base import SamplingParams, TokenEvent
+from shared.engines.prompts import validate_params
+from shared.errors import EngineError
+from shared.store.format import RawTensor
+from shared.store.tensors import raw_to_tensor, tensor_to_raw
+
+if TYPE_CHECKING:
+    from shared.store.kv import KVObject
+
+DECODE_STATE_SCHEMA = "epd-decode-state-v1"
+
+
+# -- decode state -------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeState:
+    """Everything decode needs to continue a request after prefill.
+
+    ``cache`` holds the KV cache of the ``past_len`` positions already run through the LM;
+    ``last_token`` (= ``output_ids[-1]``) was sampled from the last logits and is NOT yet in the
+    cache. Decode positions are ``past_len + rope_delta`` (``rope_delta`` is 0 for 1-D RoPE).
+    ``generator`` is the per-request sampling RNG (``None`` for greedy). ``emitted`` counts
+    the ``output_ids`` already turned into events (0 after prefill).
+
+    :meth:`to_tensors` / :meth:`from_tensors` convert to and from plain tensors + a JSON-able
+    metadata dict (for safetensors; no pickle).
+    """
+
+    cache: Any  # transformers DynamicCache
+    past_len: int
+    last_token: int
+    rope_delta: int
+    prompt_tokens: int
+    output_ids: list[int]
+    generator: torch.Generator | None = None
+    seed: int | None = None
+    emitted: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def advance(self, token: int) -> None:
+        """Record ``token`` sampled from the logits of ``last_token`` (which is now in the cache)."""
+        self.past_len += 1
+        self.last_token = token
+        self.output_ids.append(token)
+
+    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(keys, values)``, each ``[1, n_kv_heads, past_len, head_dim]``."""
+        out = []
+        for layer in self.cache.layers:
+            if type(layer).__name__ != "DynamicLayer":
+                raise EngineError(f"cannot export KV cache layer of type {type(layer).__name__}")
+            out.append((layer.keys, layer.values))
+        return out
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """``(tensors, metadata)``: ``kv.{i}.k`` / ``kv.{i}.v`` / ``generator_state`` and string
+        metadata, ready for ``safetensors.torch.save(tensors, metadata=metadata)``."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (k, v) in enumerate(self.kv_tensors()):
+            tensors[f"kv.{i}.k"] = k.contiguous()
+            tensors[f"kv.{i}.v"] = v.contiguous()
+        if self.generator is not None:
+            tensors["generator_state"] = self.generator.get_state()
+        meta = {
+            "schema": DECODE_STATE_SCHEMA,
+            "state": json.dumps(
+                {
+                    "past_len": self.past_len,
+                    "last_token": self.last_token,
+                    "rope_delta": self.rope_delta,
+                    "prompt_tokens": self.prompt_tokens,
+                    "output_ids": self.output_ids,
+                    "seed": self.seed,
+                    "emitted": self.emitted,
+                    "n_layers": len(self.cache.layers),
+                },
+                sort_keys=True,
+            ),
+        }
+        return tensors, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: Any) -> "DecodeState":
+        """Rebuild a state written by :meth:`to_tensors` (``config``: the model config)."""
+        from transformers import DynamicCache
+
+        if metadata.get("schema") != DECODE_STATE_SCHEMA:
+            raise EngineError(f"unknown decode state schema {metadata.get('schema')!r}")
+        try:
+            st = json.loads(metadata["state"])
+            n_layers = int(st["n_layers"])
+            kv = [(tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(n_layers)]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise EngineError(f"malformed decode state: {exc}") from exc
+        text_cfg = config.get_text_config(decoder=True)
+        if n_layers != text_cfg.num_hidden_layers:
+            raise EngineError(f"decode state has {n_layers} KV layers, model has {text_cfg.num_hidden_layers}")
+        kv_heads = text_cfg.num_key_value_heads or text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        want = (1, kv_heads, st["past_len"], head_dim)
+        for k, v in kv:
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise EngineError(f"decode state KV shape {tuple(k.shape)} does not match the model's {want}")
+        generator = None
+        if "generator_state" in tensors:
+            generator = torch.Generator(device="cpu")
+            try:
+                generator.set_state(tensors["generator_state"])
+            except (RuntimeError, TypeError) as exc:
+                raise EngineError(f"malformed generator state: {exc}") from exc
+        return cls(
+            cache=DynamicCache(kv, config=config),
+            past_len=int(st["past_len"]),
+            last_token=int(st["last_token"]),
+            rope_delta=int(st["rope_delta"]),
+            prompt_tokens=int(st["prompt_tokens"]),
+            output_ids=[int(t) for t in st["output_ids"]],
+            generator=generator,
+            seed=st["seed"],
+            emitted=int(st["emitted"]),
+        )
+
+
+def decode_state_to_raw(state: DecodeState) -> tuple[dict[str, RawTensor], dict[str, str]]:
+    """A ``DecodeState`` as raw tensors + its metadata, for :class:`shared.store.kv.KVStore`."""
+    tensors, meta = state.to_tensors()
+    return {name: RawTensor(*tensor_to_raw(t)) for name, t in tensors.items()}, meta
+
+
+def kv_object_to_state(obj: KVObject, config: Any) -> DecodeState:
+    """Rebuild the ``DecodeState`` of a validated KV object (``config``: the model config).
+    Raises EngineError when the state does not fit the model (layers, heads, shapes)."""
+    tensors = {name: raw_to_tensor(t.data, t.dtype, t.shape) for name, t in obj.tensors.items()}
+    return DecodeState.from_tensors(tensors, obj.state_metadata, config)
+
+
+# -- detokenization and stop strings ------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (``ids[prefix:]`` against ``ids[prefix:read]``) so the cost per token
+    is constant, and holds text back while it may still change:
+
+    * while it ends in an incomplete UTF-8 sequence (U+FFFD) - byte-level BPE (GPT-2 / Qwen2);
+    * while the newest token is a byte-fallback token (``<0xNN>``, SentencePiece / Llama): the
+      ``ByteFallback`` decoder decodes a whole run of byte tokens at once and turns *every* byte
+      of an invalid run into U+FFFD, so even an earlier valid byte (``#``) may change.
+
+    Concatenating every :meth:`add` result and :meth:`flush` gives exactly
+    ``tokenizer.decode(ids, skip_special_tokens=True)``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        byte_token_ids: frozenset[int] | None = None,
+        special_token_ids: frozenset[int] | None = None,
+    ):
+        self._tok = tokenizer
+        self._byte_ids = byte_token_ids if byte_token_ids is not None else byte_fallback_token_ids(tokenizer)
+        self._special_ids = special_token_ids if special_token_ids is not None else special_token_ids_of(tokenizer)
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self._in_byte_run = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        # Skipped special tokens vanish before decoding, so a byte run continues across them.
+        if token_id not in self._special_ids:
+            self._in_byte_run = token_id in self._byte_ids
+        if self._in_byte_run:
+            return ""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the very end)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+def special_token_ids_of(tokenizer: Any) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
+    ids = {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(tok, "special", False)}
+    ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None)
+    return frozenset(ids)
+
+
+def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of SentencePiece byte-fallback tokens (``<0x00>`` .. ``<0xFF>``); empty for
+    byte-level BPE vocabularies."""
+    ids = set()
+    for b in range(256):
+        tid = tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>")
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return frozenset(ids)
+
+
+class StopStringMatcher:
+    """OpenAI ``stop`` semantics over a text stream.
+
+    :meth:`feed` returns the text that can be emitted now: everything before the first stop
+    string (and ``True`` once one is found), otherwise all text except a tail that could still
+    turn into a stop string.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._text = ""
+        self._emitted = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        self._text += delta
+        if not self.stops:
+            out = self._text[self._emitted :]
+            self._emitted = len(self._text)
+            return out, False
+        # A stop string cannot start inside already emitted text (that text was only emitted
+        # once no stop string could begin there), so search from the emission point.
+        hits = [i for i in (self._text.find(s, self._emitted) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out = self._text[self._emitted : end]
+            self._emitted = end
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self._text) - self._emitted), hold, -1):
+                if self._text.endswith(s[:k]):
+                    hold = k
+                    break
+        end = len(self._text) - hold
+        out = self._text[self._emitted : end]
+        self._emitted = end
+        return out, False
+
+    def finish(self) -> str:
+        """Release the held-back tail (the stream ended without a stop string)."""
+        out = self._text[self._emitted :]
+        self._emitted = len(self._text)
+        return out
+
+
+class Vocabulary(Protocol):
+    """What :class:`DecodeStream` reads from its engine (the ``TransformersEngine``)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def byte_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
+
+
+class DecodeStream:
+    """Per-request decode bookkeeping around a :class:`DecodeState`: incremental
+    detokenization, stop strings, EOS and ``max_tokens``. Model compute is not done here, so
+    the single-request loop (``generate`` / ``continue_here``) and the batched one
+    (``decode``, ``shared.engines.transformers_batch``) share the exact same token -> event logic.
+
+    Tokens ``output_ids[:emitted]`` were already emitted by an earlier owner of the state
+    (prefill in E|P|D, or a worker that died): they are replayed silently through the
+    detokenizer and stop matcher so the text continues exactly where that owner stopped.
+    """
+
+    def __init__(self, engine: Vocabulary, state: DecodeState, params: SamplingParams):
+        validate_params(params)
+        self.state = state
+        self.params = params
+        self._eos = engine.eos_token_ids
+        self._detok = IncrementalDetokenizer(engine.tokenizer, engine.byte_token_ids, engine.special_token_ids)
+        self._stopper = StopStringMatcher(params.stop)
+        self.finish_reason: str | None = None
+        for tok in state.output_ids[: state.emitted]:
+            self._stopper.feed(self._detok.add(tok))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_step(self) -> bool:
+        """True when every sampled token was emitted: the next event needs a decode step."""
+        return not self.finished and self.state.emitted >= len(self.state.output_ids)
+
+    def emit(self) -> TokenEvent:
+        """The event of the next not-yet-emitted token of ``state.output_ids``."""
+        if self.finished:
+            raise EngineError("decode stream already finished")
+        state, params = self.state, self.params
+        idx = state.emitted
+        tok = state.output_ids[idx]
+        state.emitted = n_out = idx + 1
+        text, hit_stop = self._stopper.feed(self._detok.add(tok))
+        finish: str | None = None
+        if hit_stop:
+            finish = "stop"
+        elif tok in self._eos and not params.ignore_eos:
+            finish = "stop"
+        elif n_out >= params.max_tokens:
+            finish = "length"
+        if finish is not None and not hit_stop:
+            # Release held-back text: the stream ends here without a stop string; a stop
+            # string may still complete inside the flushed tail.
+            tail, hit_tail = self._stopper.feed(self._detok.flush())
+            text += tail
+            if not hit_tail:
+                text += self._stopper.finish()
+            else:
+                finish = "stop"
+        self.finish_reason = finish
+        return TokenEvent(token_id=tok, text=text, finish_reason=finish)
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Next token from ``logits`` ``[vocab]``: greedy argmax for temperature 0, else temperature +
+    top-p (nucleus) sampling with ``generator``."""
+    logits = logits.to(dtype=torch.float32)
+    if params.temperature == 0:
+        return int(torch.argmax(logits, dim=-1))
+    scores = logits / params.temperature
+    if params.top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first one is
+        # always kept).
+        drop = (cum - probs) >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, sorted_idx, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
