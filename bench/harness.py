@@ -104,7 +104,7 @@ class Bench:
         self.stacks: list[BenchStack] = []
         self._closed = False
 
-    def __enter__(self) -> "Bench":
+    def __enter__(self) -> Bench:
         atexit.register(self.close)
         # SIGTERM (a timeout, a CI runner) must stop the children too: make it an exception.
         signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -9,7 +9,7 @@ engines check roles against the same :data:`ROLES`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -31,12 +31,12 @@ class ImagePart(msgspec.Struct, frozen=True, tag_field="type", tag="image"):
     """A placeholder for the request's next image (``GenerationJob.images``, in order)."""
 
 
-Part = Union[TextPart, ImagePart]
+Part = TextPart | ImagePart
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Role
-    content: Union[str, list[Part]] = ""
+    content: str | list[Part] = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The plain map ``GenerationJob.messages`` carries (``{"role", "content"}``)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 
@@ -74,7 +74,7 @@ class TokenStream:
         self.duplicates = 0
         self._done = False
 
-    def __aiter__(self) -> "TokenStream":
+    def __aiter__(self) -> TokenStream:
         return self
 
     async def __anext__(self) -> TokenEvent:

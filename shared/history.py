@@ -29,13 +29,13 @@ Runtime library: no torch, nothing from ``shared.tools``.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -111,7 +111,7 @@ def check_request_id(request_id: str) -> str:
 def iso_time(ts: float | None) -> str:
     if not ts:
         return "-"
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _float(value: Any) -> float | None:
@@ -143,7 +143,7 @@ class StreamMessage:
 
     @classmethod
     def build(cls, stream: str, seq: int, subject: str, time_: float, headers: dict[str, str] | None,
-              data: bytes | None, *, imported: bool = False) -> "StreamMessage":
+              data: bytes | None, *, imported: bool = False) -> StreamMessage:
         data = data or b""
         try:
             msg, error = protocol.decode(data), ""
@@ -380,7 +380,7 @@ class StreamReader:
         )
         if start is not None:
             cfg.deliver_policy = DeliverPolicy.BY_START_TIME
-            cfg.opt_start_time = dt.datetime.fromtimestamp(max(0.0, start), dt.timezone.utc)
+            cfg.opt_start_time = dt.datetime.fromtimestamp(max(0.0, start), dt.UTC)
         try:
             psub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
         except NotFoundError:  # no such stream (e.g. a topology without it)
@@ -396,7 +396,7 @@ class StreamReader:
                     break
                 try:
                     msgs = await psub.fetch(min(FETCH_BATCH, pending), timeout=self.timeout)
-                except asyncio.TimeoutError:  # nats' TimeoutError subclasses it
+                except TimeoutError:  # nats' TimeoutError subclasses it
                     break
                 done = False
                 for m in msgs:

@@ -11,7 +11,6 @@ an encoder's ``ECReady`` / ``ECFailed``, ``epd replay`` for heartbeats) does it 
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import re
@@ -233,7 +232,7 @@ class TypedSubscription(Generic[M]):
         while (left := deadline - time.time()) > 0:
             try:
                 msg = await self._sub.next_msg(timeout=left)
-            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+            except TimeoutError:  # nats.errors.TimeoutError subclasses it
                 return None
             try:
                 return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]
@@ -256,7 +255,7 @@ class TypedSubscription(Generic[M]):
         except Exception as exc:  # a closed connection has dropped the subscription already
             log.debug("unsubscribe from %s: %s", self.subject, exc)
 
-    async def __aenter__(self) -> "TypedSubscription[M]":
+    async def __aenter__(self) -> TypedSubscription[M]:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Mapping, Union
+from typing import Any
+from collections.abc import Mapping
 
 import msgspec
 
@@ -377,21 +378,21 @@ class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     sent_at: float
 
 
-Message = Union[
-    ChatRequestRecord,
-    EncodeJob,
-    ECReady,
-    ECFailed,
-    ECInvalidated,
-    GenerationJob,
-    DecodeJob,
-    TokenChunk,
-    FinalResult,
-    ErrorEvent,
-    RequestCancelled,
-    ECWanted,
-    WorkerHeartbeat,
-]
+Message = (
+    ChatRequestRecord
+    | EncodeJob
+    | ECReady
+    | ECFailed
+    | ECInvalidated
+    | GenerationJob
+    | DecodeJob
+    | TokenChunk
+    | FinalResult
+    | ErrorEvent
+    | RequestCancelled
+    | ECWanted
+    | WorkerHeartbeat
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

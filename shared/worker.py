@@ -130,7 +130,7 @@ class Delivery:
     max_deliver: int
     published_at: float | None = None
     #: Set by the runner when the job's request is cancelled while the job runs.
-    cancel: "JobCancel" = field(default_factory=lambda: JobCancel())
+    cancel: JobCancel = field(default_factory=lambda: JobCancel())
 
     @property
     def is_last_attempt(self) -> bool:
@@ -411,7 +411,7 @@ class WorkerRunner:
                 continue
             try:
                 msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)
-            except asyncio.TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
+            except TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
                 msgs = []
             except Exception as exc:  # connection hiccup: keep the loop alive, nats reconnects
                 error = f"{type(exc).__name__}: {exc}"

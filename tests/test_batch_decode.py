@@ -19,7 +19,7 @@ import torch
 
 from shared.engines.base import GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.transformers_batch import BatchDecoder
-from shared.engines.transformers_engine import DecodeStream, TransformersEngine
+from shared.engines.transformers_engine import TransformersEngine
 from shared.errors import InvalidRequest
 from shared.store.kv import KVObject
 from shared.tools.models.tiny import build_tiny_model

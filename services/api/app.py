@@ -29,7 +29,8 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats
@@ -443,7 +444,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return error_response(Cancelled("the client disconnected"))  # nobody reads it
         except nats.errors.Error as exc:  # (its TimeoutError is an asyncio.TimeoutError: not the deadline)
             return _finish_error(nats_unavailable("submitting the request", exc))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
             return _finish_error(exc)

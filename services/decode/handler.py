@@ -81,7 +81,7 @@ class Decoded:
 
 
 class DecodeStrategy(abc.ABC):
-    def __init__(self, handler: "DecodeHandler"):
+    def __init__(self, handler: DecodeHandler):
         self.handler = handler
 
     @abc.abstractmethod

@@ -59,7 +59,7 @@ class FeatureProducer(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         ...
 
 
@@ -68,7 +68,7 @@ class WorkerStoresFeatures(FeatureProducer):
 
     engine: base.FeaturesThroughWorker
 
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         from shared.store.tensors import encoded_to_extra, tensor_to_raw
 
         (encoded,) = await self.engine.encode([image])
@@ -85,7 +85,7 @@ class ConnectorStoresFeatures(FeatureProducer):
 
     engine: base.FeaturesThroughConnector
 
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])
         info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed

@@ -32,7 +32,7 @@ _RETRY_S = 30.0
 
 
 class WorkerLifecycle:
-    def __init__(self, ctx: "WorkerContext", store: ECStore, cache: "FeatureCache | None"):
+    def __init__(self, ctx: WorkerContext, store: ECStore, cache: FeatureCache | None):
         self.ctx = ctx
         self.store = store
         self.cache = cache

@@ -38,7 +38,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from shared import metrics
 from shared.engines import base
@@ -103,7 +104,7 @@ class FeatureCache:
 class EncoderWait:
     """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``)."""
 
-    def __init__(self, ctx: "WorkerContext", fingerprint: str, wait_s: float):
+    def __init__(self, ctx: WorkerContext, fingerprint: str, wait_s: float):
         self.ctx = ctx
         self.fingerprint = fingerprint
         self.wait_s = wait_s

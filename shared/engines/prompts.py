@@ -8,7 +8,8 @@ import it without pulling in a model library.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from shared.chat import ROLES
 from shared.engines.base import SamplingParams

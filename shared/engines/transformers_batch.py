@@ -42,7 +42,8 @@ import logging
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
+from collections.abc import Hashable
 
 import torch
 

@@ -39,7 +39,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -155,7 +156,7 @@ class DecodeState:
         return tensors, meta
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: Any) -> "DecodeState":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: Any) -> DecodeState:
         """Rebuild a state written by :meth:`to_tensors` (``config``: the model config)."""
         from transformers import DynamicCache
 
@@ -329,7 +330,7 @@ class DecodeStream:
     detokenizer and stop matcher so the text continues exactly where that owner stopped.
     """
 
-    def __init__(self, engine: "TransformersEngine", state: DecodeState, params: SamplingParams):
+    def __init__(self, engine: TransformersEngine, state: DecodeState, params: SamplingParams):
         validate_params(params)
         self.state = state
         self.params = params
@@ -408,7 +409,7 @@ class TransformersPrefilled:
     """A prefilled request of :class:`TransformersEngine` (a ``PrefilledRequest``): the decode
     state with its first token already emitted (``state.emitted == 1``)."""
 
-    def __init__(self, engine: "TransformersEngine", stream: DecodeStream, first: TokenEvent,
+    def __init__(self, engine: TransformersEngine, stream: DecodeStream, first: TokenEvent,
                  stats: GenerationStats | None):
         self._engine = engine
         self._stream: DecodeStream | None = stream
@@ -424,7 +425,7 @@ class TransformersPrefilled:
             raise EngineError("the prefilled request was released")
         return self._stream
 
-    async def export(self) -> tuple[dict[str, "RawTensor"], dict[str, str]]:
+    async def export(self) -> tuple[dict[str, RawTensor], dict[str, str]]:
         """The decode state as raw tensors + metadata (``decode_state_to_raw``)."""
         from shared.store.tensors import decode_state_to_raw
 
@@ -562,7 +563,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return {"max_running_requests": self.max_running_requests,  # the decode batch's rows
                 "encode_batch_pixels": self._encode_batcher.max_pixels, "torch_threads": self.threads}
 
-    async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    async def encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Image processor + vision tower + projector. Concurrent calls share forwards (up to
         :data:`ENCODE_BATCH_PIXELS` per forward): the features equal a one-image forward's bit for
         bit (tested; one compute thread, the same thread count), so batching changes no token. An
@@ -604,7 +605,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             stream, first = await self._call(self._prefill_first, messages, images, params, stats)
         return TransformersPrefilled(self, stream, first, stats)
 
-    async def decode(self, obj: "KVObject", params: SamplingParams,
+    async def decode(self, obj: KVObject, params: SamplingParams,
                      stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
         """Continue a handed-off request in the batched decode loop (see the base class).
         ``stats``: ``completion_tokens`` counts every output token (prefill's too),
@@ -751,11 +752,11 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     # -- compute thread: encode / prefill / decode ----------------------------------------------
 
-    def _encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    def _encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Encode ``images`` now, in this thread (one forward per shape group)."""
         return self._encode_pixels(self._preprocess(images))
 
-    def _preprocess(self, images: Sequence["Image.Image"]) -> list[Any]:
+    def _preprocess(self, images: Sequence[Image.Image]) -> list[Any]:
         """The image processor's tensors, one dict per image (InvalidImage names the bad one)."""
         from PIL import Image as PILImage
 
@@ -937,7 +938,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         state.cache = out.past_key_values
         return out.logits[0, -1]
 
-    def _state_from_object(self, obj: "KVObject") -> DecodeState:
+    def _state_from_object(self, obj: KVObject) -> DecodeState:
         """The decode state of a validated KV object; KVStateMismatch when it does not fit."""
         from shared.store.tensors import kv_object_to_state
 

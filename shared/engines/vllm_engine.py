@@ -40,7 +40,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 
 from shared.connectors.params import (
     KVHandoff,
@@ -388,7 +389,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             while True:
                 try:
                     item = await asyncio.wait_for(outputs.get(), timeout=_EVENT_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise EngineError(f"vLLM produced nothing for {_EVENT_TIMEOUT_S:.0f}s") from None
                 if item is _END:
                     finished = True

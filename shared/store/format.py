@@ -38,7 +38,8 @@ import math
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 SCHEMA = "epd-ec-v2"  # v2: the generic layout (``tensors`` metadata); v1 objects are misses
 TENSOR_NAME = "features"

@@ -35,7 +35,8 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from shared import metrics, protocol
 from shared.errors import StoreError
@@ -536,7 +537,7 @@ class ECLifecycle:
         self._fp_written: dict[str, float] = {}
 
     @classmethod
-    async def open(cls, nc: Any, subjects: Subjects, *, flush_s: float, replicas: int = 1) -> "ECLifecycle":
+    async def open(cls, nc: Any, subjects: Subjects, *, flush_s: float, replicas: int = 1) -> ECLifecycle:
         index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=replicas)
         recorder = UseRecorder(index, flush_s=flush_s)
         recorder.start()

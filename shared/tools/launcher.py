@@ -188,7 +188,7 @@ class Stack:
             raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(Topology)}") from None
 
     def start(self, *, staggered: bool = False, timeout: float = 600.0,
-              progress: Callable[[str], None] | None = None) -> "Stack":
+              progress: Callable[[str], None] | None = None) -> Stack:
         """Start every service of the topology. ``staggered``: the API, then one worker service at a
         time, each once the previous one is ready (:meth:`wait_ready`), so engines that each take
         all the cores to start (vLLM on a small CPU host) do not slow each other down."""

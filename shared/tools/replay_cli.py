@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace, body) -> int:
         settings = _settings(args)
         try:
             nc = await _connect(settings)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise ServiceUnavailable(f"cannot connect to NATS at {redact_url(settings.nats_url)}: timed out") from exc
         try:
             return await body(nc, Subjects(settings.subject_prefix), settings)
