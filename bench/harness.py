@@ -172,12 +172,12 @@ class Bench:
         for bs in reversed(self.stacks):
             try:
                 bs.stack.stop()
-            except Exception:  # noqa: BLE001 - stop the rest regardless
+            except Exception:  # stop the rest regardless
                 log.exception("stopping %s", bs.label)
         for server in (self.s3, self.nats):
             try:
                 server.stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("stopping %s", server.name)
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
-from shared.cpus import available_cpus, split_cpus  # noqa: E402
+import harness as h
+from shared.tools.bench.schema import WorkloadSpec
+from shared.cpus import available_cpus, split_cpus
 
 SIDES = ("agg", "epd")
 TOPOLOGY = {"agg": "agg", "epd": "e-pd"}

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.runner import parse_timeline  # noqa: E402
+import harness as h
+from shared.tools.bench.runner import parse_timeline
 
 TARGET_MS = 2.0
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
+import harness as h
 
 TARGET_S = 15.0
 #: Log lines that mark a service's start-up milestones (services/api/app.py, shared/engines, shared/worker.py).

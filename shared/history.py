@@ -421,7 +421,7 @@ class StreamReader:
                 await psub.unsubscribe()
                 if cfg.name:
                     await self.js.delete_consumer(stream, cfg.name)
-            except Exception as exc:  # the consumer goes away by itself after inactive_threshold
+            except Exception as exc:  # noqa: BLE001 - the consumer goes away by itself after inactive_threshold
                 log.debug("could not delete scan consumer: %s", exc)
         return out
 

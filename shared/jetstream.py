@@ -252,7 +252,7 @@ class TypedSubscription(Generic[M]):
         self._closed = True
         try:
             await self._sub.unsubscribe()
-        except Exception as exc:  # a closed connection has dropped the subscription already
+        except Exception as exc:  # noqa: BLE001 - a closed connection has dropped the subscription already
             log.debug("unsubscribe from %s: %s", self.subject, exc)
 
     async def __aenter__(self) -> TypedSubscription[M]:
@@ -283,6 +283,6 @@ async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = ""
     if confirm:
         try:  # (not nc.flush(): a flush that times out kills nats-py's read loop when the PONG comes)
             await nc.jetstream().account_info()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - fails open: the subscription exists either way
             log.warning("could not confirm the subscription to %s: %s: %s", subject, type(exc).__name__, exc)
     return TypedSubscription(sub, subject, expect)

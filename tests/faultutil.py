@@ -307,7 +307,7 @@ class SupervisorThread:
                 for event in self.supervisor.check():
                     log.info("supervisor: %s", event.line())
                     self.events.append((time.monotonic(), event))
-            except Exception:  # noqa: BLE001 - keep supervising; the test sees the service missing
+            except Exception:  # keep supervising; the test sees the service missing
                 log.exception("supervisor check failed")
             self._stop.wait(0.5)
 

@@ -672,7 +672,7 @@ async def _nats_connects(url: str, **creds: str) -> bool:
 
     try:
         nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means: not reachable
         return False
     await nc.close()
     return True

@@ -214,7 +214,7 @@ class ApiService:
             return False
         try:
             await asyncio.wait_for(self.js.account_info(), timeout_s)
-        except Exception as exc:  # nats raises several unrelated types (timeout, no responders, closed)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (timeout, no responders, closed)
             log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
             return False
         return True

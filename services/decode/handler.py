@@ -274,5 +274,5 @@ class DecodeHandler(ModelHandler):
             await asyncio.sleep(self.settings.kv_sweep_interval_s)
             try:
                 await asyncio.to_thread(self.kv_store.sweep, self.settings.kv_ttl_s)
-            except Exception as exc:  # keep sweeping; the store may come back
+            except Exception as exc:  # noqa: BLE001 - keep sweeping; the store may come back
                 log.warning("kv sweep failed: %s", exc)

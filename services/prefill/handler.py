@@ -191,7 +191,7 @@ class PrefillHandler(ModelHandler):
         if self.features is not None:
             try:
                 await self.features.close()
-            except Exception as exc:  # shutting down anyway: the next janitor pass sees colder objects
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway: the next janitor pass sees colder objects
                 log.warning("could not close the EC lifecycle: %s", exc)
         await super().close()
 

@@ -163,7 +163,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to version
+    except Exception as exc:  # any failure means: no local folder to version
         raise ValueError(f"epd-serve vLLM connector: cannot find a local folder for model {model!r}: {exc}") from exc
 
 

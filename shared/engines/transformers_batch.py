@@ -438,7 +438,7 @@ class DecodeLoop:
         members = [k for k in live if k in decoder]
         try:
             events = decoder.step()
-        except Exception as exc:  # the whole batch is gone (BatchDecoder cleared itself)
+        except Exception as exc:  # noqa: BLE001 - the whole batch is gone (BatchDecoder cleared itself)
             log.error("batched decode step failed for %d request(s): %s", len(members), exc)
             for key in members:
                 self._finish(key, exc)
@@ -507,7 +507,7 @@ class EncodeBatcher:
                 flat = [px for pixels, _, _ in batch for px in pixels]
                 try:
                     out = await self.engine._call(self.engine._encode_pixels, flat)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - handed to every caller in the batch
                     for _, _, future in batch:
                         if not future.done():
                             future.set_exception(exc)

@@ -92,7 +92,7 @@ async def subscribe_invalidations(nc: Any, subjects: Subjects, on_event: Callabl
             result = on_event(event)
             if asyncio.iscoroutine(result):
                 await result
-        except Exception:  # noqa: BLE001 - a holder's bug must not kill the subscription
+        except Exception:  # a holder's bug must not kill the subscription
             log.exception("invalidation handler failed")
 
     sub = await nc.subscribe(subjects.ec_invalidated_all, cb=handle)

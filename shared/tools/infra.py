@@ -250,7 +250,7 @@ def _stop_all_at_exit() -> None:
     for server in servers:
         try:
             server.stop(grace=5.0)
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        except Exception:  # best effort at interpreter exit
             log.exception("failed to stop %s at exit", server.name)
 
 
