@@ -50,7 +50,7 @@ class CancelRecords:
             log.debug("cancellation check on %s failed: %s: %s", subject, type(exc).__name__, exc)
             return None
         try:
-            return protocol.decode(raw.data, expect)
+            return protocol.decode(raw.data or b"", expect)
         except protocol.ProtocolError as exc:
             log.warning("ignoring an unreadable record on %s: %s", subject, exc)
             return None

@@ -20,7 +20,7 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "developer")
 Role = Literal["system", "user", "assistant", "developer"]
 #: Roles the API renames: ``developer`` is OpenAI's newer name for ``system``, which every chat
 #: template knows.
-ROLE_ALIASES: dict[str, str] = {"developer": "system"}
+ROLE_ALIASES: dict[str, Role] = {"developer": "system"}
 
 
 class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
@@ -43,7 +43,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
         return msgspec.to_builtins(self)
 
 
-def check_role(role: Any, where: str) -> str:
+def check_role(role: Any, where: str) -> Role:
     """``role`` with its alias resolved; InvalidRequest (param ``messages``) when it is not one of ROLES."""
     if role not in ROLES:
         raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", param="messages")

@@ -97,7 +97,7 @@ class RequestNotFound(HistoryError):
     error_type = "invalid_request_error"
 
 
-def check_request_id(request_id: str) -> str:
+def check_request_id(request_id: Any) -> str:
     """A request id is one NATS subject token: letters, digits, ``-`` and ``_``."""
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS \
             or not _REQUEST_ID_RE.fullmatch(request_id):
@@ -121,9 +121,14 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def _stamp(raw: Any) -> float:
+    """The unix time JetStream stored a raw message at (0.0 if the server did not say)."""
+    return raw.time.timestamp() if raw.time is not None else 0.0
+
+
 def message_kind(msg: Any) -> str:
     """The tag of a protocol message (``token_chunk``, ...)."""
-    return type(msg).__struct_config__.tag  # type: ignore[attr-defined]
+    return type(msg).__struct_config__.tag
 
 
 # -- messages and cases -------------------------------------------------------------------------
@@ -338,7 +343,7 @@ class StreamReader:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
                                    raw.data)
 
     async def first(self, stream: str, subject: str, from_seq: int = 1) -> StreamMessage | None:
@@ -347,7 +352,7 @@ class StreamReader:
             raw = await self.js.get_msg(stream, seq=max(1, from_seq), subject=subject, next=True)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
                                    raw.data)
 
     async def by_seq(self, stream: str, seq: int) -> StreamMessage | None:
@@ -355,7 +360,7 @@ class StreamReader:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", _stamp(raw), raw.headers,
                                    raw.data)
 
     async def scan(
@@ -388,7 +393,7 @@ class StreamReader:
         out: list[StreamMessage] = []
         examined = 0
         try:
-            pending = (await psub.consumer_info()).num_pending
+            pending = (await psub.consumer_info()).num_pending or 0
             while pending > 0:
                 if examined >= self.max_scan:
                     self.notes.append(f"scan of {stream} ({subject}) stopped after {examined} messages "

@@ -181,6 +181,7 @@ async def ensure_topology(js: JetStreamContext, settings: CommonSettings, subjec
             if exc.err_code != _ERR_CONSUMER_EXISTS_DIFFERENT:
                 raise
             # Deliver policy cannot change on an existing durable; the rest can.
+            assert ccfg.durable_name is not None  # consumer_configs() names every consumer
             info = await js.consumer_info(stream, ccfg.durable_name)
             await js.add_consumer(stream, ccfg.evolve(deliver_policy=info.config.deliver_policy))
 
@@ -206,7 +207,7 @@ class JetStreamPublisher:
             )
         except nats.errors.Error as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError: not a deadline
             raise nats_unavailable(f"publishing {type(msg).__name__}", exc) from exc
-        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))  # type: ignore[attr-defined]
+        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return not ack.duplicate
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any
+from typing import Any, TypeVar, overload
 from collections.abc import Mapping
 
 import msgspec
@@ -402,7 +402,14 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Message:
+_M = TypeVar("_M")
+
+
+@overload
+def decode(data: bytes, expect: type[_M]) -> _M: ...
+@overload
+def decode(data: bytes, expect: tuple[type, ...] | None = None) -> Message: ...
+def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Any:
     """Decode any message; with ``expect``, also check its type. Raises ProtocolError."""
     try:
         msg = _decoder.decode(data)
@@ -415,7 +422,7 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Messag
     return msg
 
 
-def to_builtins(msg: Message) -> dict[str, Any]:
+def to_builtins(msg: msgspec.Struct) -> dict[str, Any]:
     """A JSON-friendly dict (for replay output and logs)."""
     return msgspec.to_builtins(msg)
 
@@ -426,7 +433,7 @@ def headers_for(
     """NATS headers of a message: request id, kind, send time (+ ``extra``, e.g. trace headers)."""
     headers = {
         HDR_REQUEST_ID: request_id,
-        HDR_KIND: type(msg).__struct_config__.tag,  # type: ignore[attr-defined]
+        HDR_KIND: str(type(msg).__struct_config__.tag),  # every message has a str tag
         HDR_SENT_AT: f"{time.time():.6f}",
     }
     if extra:

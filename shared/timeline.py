@@ -168,9 +168,10 @@ def build_timeline(case: RequestCase) -> Timeline:
         again = getattr(gm.msg, "reprefill", 0)
         name = "generation queued" if not again else "re-prefill queued"
         took = taken if i == 0 else None
+        gen_job: GenerationJob = gm.msg  # type: ignore[assignment]
         stages.append(Stage(name, "api" if not again else "decode", gm.time, took,
-                            f"{len(gm.msg.images)} image placeholder(s), max_tokens "  # type: ignore[union-attr]
-                            f"{gm.msg.sampling.max_tokens}, temperature {gm.msg.sampling.temperature:g}"))
+                            f"{len(gen_job.images)} image placeholder(s), max_tokens "
+                            f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}"))
 
     final, error = case.final, case.error
     decode_jobs = [m for m in own if m.kind == "decode_job"]

@@ -194,7 +194,7 @@ class Handler(abc.ABC):
     #: What the worker does (shared.topology.Role); picks its strategies and engine checks.
     role: Role
     #: The message type consumed (``protocol.decode`` target), and its stream and durable consumer.
-    job_type: ClassVar[type]
+    job_type: ClassVar[type[Any]]
     stream_attr: ClassVar[str] = ""
     durable: ClassVar[str] = ""
     #: The handler's job counter (label ``outcome``): the runner counts ``bad_message``,

@@ -154,8 +154,8 @@ class ApiService:
             allowed_hosts=tuple(settings.url_allow_hosts),
         )
         self.workers = WorkerView(settings.worker_stale_s)
-        self.nc = None
-        self.js = None
+        self.nc: nats.NATS | None = None
+        self.js: nats.js.JetStreamContext | None = None
         self.client: RequestClient | None = None
         self.supervisor: DeliverySupervisor | None = None
         self.store: ECStore | None = None
@@ -559,7 +559,7 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
                         first_token_seen = True
                         first_token_at = time.time()
                         metrics.TTFT.observe(first_token_at - received_at)
-                    extra = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
+                    extra: dict[str, Any] = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
                     if event.text or extra:
                         yield chunk({"content": event.text}, **extra)
                 elif isinstance(event, FinalResult):

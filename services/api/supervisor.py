@@ -73,7 +73,7 @@ class DeliverySupervisor:
             advisory = json.loads(msg.data)
             stream, seq = advisory["stream"], advisory["stream_seq"]
             raw = await self.js.get_msg(stream, seq)
-            job = protocol.decode(raw.data)
+            job = protocol.decode(raw.data or b"")
         except Exception as exc:  # noqa: BLE001 - a bad advisory must not stop the supervisor
             log.warning("could not read max-deliveries advisory: %s", exc)
             return

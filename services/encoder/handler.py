@@ -66,7 +66,7 @@ class FeatureProducer(abc.ABC):
 class WorkerStoresFeatures(FeatureProducer):
     """The engine returns the features; the worker stores them."""
 
-    engine: base.FeaturesThroughWorker
+    engine: base.FeaturesThroughWorker  # type: ignore[assignment]  # a mixin: the Engine also returns features
 
     async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         from shared.store.tensors import encoded_to_extra, tensor_to_raw
@@ -83,7 +83,7 @@ class ConnectorStoresFeatures(FeatureProducer):
     """The engine's EC connector stores the features while the engine encodes; announce the
     object only once the store has it."""
 
-    engine: base.FeaturesThroughConnector
+    engine: base.FeaturesThroughConnector  # type: ignore[assignment]  # a mixin: the Engine also stores features itself
 
     async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])

@@ -184,7 +184,7 @@ class StoredFeatures(LocalFeatures):
         self.store = store
         self.encoder = encoder
         #: records uses in the EC index, drops invalidated items from ``cache``
-        self.lifecycle = WorkerLifecycle(encoder.ctx, store, cache)
+        self.lifecycle: WorkerLifecycle = WorkerLifecycle(encoder.ctx, store, cache)
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
         await self.lifecycle.ensure_started()
@@ -198,8 +198,10 @@ class StoredFeatures(LocalFeatures):
             except ObjectValidationError as exc:
                 reason = exc.reason
             if reason is MissReason.NOT_FOUND and sub is not None:
-                reason = await self.encoder.wait(sub, ref)
-                if reason is None:
+                waited = await self.encoder.wait(sub, ref)
+                if waited is not None:
+                    reason = waited
+                else:
                     try:
                         return await self._from_store(ref, request_id), "store"
                     except ObjectValidationError as exc:

@@ -105,6 +105,10 @@ class Engine(abc.ABC):
 
     name: str = "base"
 
+    if TYPE_CHECKING:  # what make_engine / load_engine call: every engine takes its model folder and options
+
+        def __init__(self, model_dir: Any, **options: Any) -> None: ...
+
     @classmethod
     def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
         """Engine-specific constructor options from the worker's settings and role. The default

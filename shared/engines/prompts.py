@@ -122,7 +122,7 @@ def image_token_estimate(width: int, height: int) -> int:
     return max(1, (width * height) // _PIXELS_PER_IMAGE_TOKEN)
 
 
-def render_chat_prompt(processor: Any, chat_template: str, messages: list[dict[str, Any]]) -> str:
+def render_chat_prompt(processor: Any, chat_template: str | None, messages: list[dict[str, Any]]) -> str:
     """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
     ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
     norm = normalize_messages(messages)

@@ -492,7 +492,8 @@ class EncodeBatcher:
         return await future
 
     def _take(self) -> list[tuple[list[Any], int, asyncio.Future]]:
-        batch, total = [], 0
+        batch: list[tuple[list[Any], int, asyncio.Future]] = []
+        total = 0
         while self._queue and (not batch or total + self._queue[0][1] <= self.max_pixels):
             item = self._queue.pop(0)
             if item[2].done():  # its caller gave up

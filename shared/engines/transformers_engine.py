@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import json
 import logging
@@ -512,8 +513,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         # The one compute thread: torch work stays off the event loop and is never concurrent.
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="transformers-engine",
-            initializer=torch.set_num_threads if threads is not None else None,
-            initargs=(int(threads),) if threads is not None else (),
+            initializer=functools.partial(torch.set_num_threads, int(threads)) if threads is not None else None,
         )
         self._closed = False
         self._keys = itertools.count()
@@ -571,7 +571,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         pixels = await self._call(self._preprocess, images)
         return await self._encode_batcher.submit(pixels, sum(img.width * img.height for img in images))
 
-    async def generate(
+    async def generate(  # type: ignore[override]  # encoded images only: its features come through the worker
         self,
         messages: list[dict[str, Any]],
         images: Sequence[EncodedImage],
@@ -653,7 +653,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self._closed = True
         self._decode_loop.close()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
-        self.model = None  # type: ignore[assignment]
+        self.model = None
 
     # -- compute thread plumbing ----------------------------------------------------------------
 

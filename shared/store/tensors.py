@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from shared.store.format import ECObject, RawTensor
@@ -41,7 +43,7 @@ def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
     grid = obj.extra.get("grid_thw")
     return EncodedImage(
         features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
-        grid_thw=tuple(int(x) for x in grid) if grid else None,
+        grid_thw=cast("tuple[int, int, int]", tuple(int(x) for x in grid)) if grid else None,
     )
 
 

@@ -277,7 +277,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from shared.history import HistoryError
     from shared.tools import replay
 
-    doc = None
+    doc: dict[str, Any] = {}
 
     async def body(nc, subjects, settings) -> int:
         report = await replay.import_cases(nc, subjects, settings, doc, store=_store(settings))

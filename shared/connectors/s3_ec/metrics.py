@@ -171,7 +171,7 @@ class S3ECPromMetrics(ECConnectorPromMetrics):
                         "epd:ec_connector_bytes_total", "EC object bytes moved by the connector.",
                         labelnames=names + ["direction"],
                     ),
-                    seconds=self._histogram_cls(
+                    seconds=self._histogram_cls(  # type: ignore[call-arg]  # vLLM types it as any metric class; it is a Histogram
                         "epd:ec_connector_seconds",
                         "EC connector latency: fetch (existence check + GET + validation) and save.",
                         labelnames=names + ["op"],

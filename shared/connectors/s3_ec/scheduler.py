@@ -119,7 +119,7 @@ class ECScheduler:
             else:
                 fresh = (entry is not None and entry.exists is not None
                          and now - entry.checked_at < self.config.exists_ttl_s)
-                if fresh and not entry.exists:
+                if fresh and entry is not None and not entry.exists:
                     self._decide(request, feature, LookupOutcome.MISS, MissReason.NOT_FOUND)
                 else:
                     if entry is None:

@@ -38,7 +38,8 @@ class S3KVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes it; None in unit tests
         inherit_vllm_log_handlers()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, "kv_connector_extra_config")
@@ -76,8 +77,9 @@ class S3KVConnector(KVConnectorBase_V1):
         - ``[kv_heads, block_size, 2 * head_size]`` on the CPU."""
         try:
             return {
-                name: (2 * group.kv_cache_spec.num_kv_heads * group.kv_cache_spec.head_size * self.block_size,
-                       safetensors_dtype(group.kv_cache_spec.dtype))
+                name: (2 * group.kv_cache_spec.num_kv_heads  # type: ignore[attr-defined]  # attention specs; others fail below
+                       * group.kv_cache_spec.head_size * self.block_size,  # type: ignore[attr-defined]  # (as above)
+                       safetensors_dtype(group.kv_cache_spec.dtype))  # type: ignore[attr-defined]  # (as above)
                 for group in self._kv_cache_config.kv_cache_groups
                 for name in group.layer_names
             }

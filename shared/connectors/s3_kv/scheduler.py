@@ -184,7 +184,7 @@ class KVScheduler:
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
             save = state.save if state is not None else None
-            if save is None or save.done is not None:
+            if state is None or save is None or save.done is not None:
                 continue
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:

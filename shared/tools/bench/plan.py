@@ -221,7 +221,7 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
     from shared.jetstream import connect, redact_url
     from shared.protocol import Subjects
 
-    overrides = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
+    overrides: dict[str, Any] = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
     try:
         settings = CommonSettings(**overrides)
     except ValueError as exc:  # settings validation (e.g. a bad --prefix)

@@ -313,7 +313,7 @@ async def _run_point(client: httpx.AsyncClient, spec: WorkloadSpec, *, model: st
 
     try:
         if rate:  # open loop: send at the planned arrivals
-            tasks = []
+            tasks: list[asyncio.Task[Any]] = []
             for req in plan:
                 if spec.requests is not None and len(tasks) >= spec.requests:
                     break
