@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx  # noqa: E402 - after the sys.path setup above
+import numpy as np  # noqa: E402 - after the sys.path setup above
 
-from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402
-from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402
-from shared.tools.launcher import Stack  # noqa: E402
+from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402 - after the sys.path setup above
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402 - after the sys.path setup above
+from shared.tools.launcher import Stack  # noqa: E402 - after the sys.path setup above
 
 log = logging.getLogger("bench")
 

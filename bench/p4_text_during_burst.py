@@ -62,7 +62,7 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
     server = f"{first[0] * 1e3:.0f} ms" if first else "?"
     timings = h.final_timings(doc)
     worker = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(timings.items()) if isinstance(v, (int, float)))
-    return (f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]
+    return (f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
             f"stages: {h.format_stages(stages)}; worker: {worker}")
 
 
@@ -78,7 +78,7 @@ async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tup
         print(f"  {bs.label:>3} {await slowest(http, bs, probes)}", flush=True)
     if run.failed():
         print(f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}")
-    return idle, [p.ttft_s for p in probes], run  # type: ignore[misc]
+    return idle, [p.ttft_s for p in probes], run  # type: ignore[misc]  # ttft_s: as in slowest()
 
 
 async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:

@@ -262,8 +262,8 @@ class RequestCase:
         chunks = [m for m in self.of(TokenChunk) if m.request_id == self.request_id]
         if not chunks:
             return []
-        last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]
-        return [m for m in chunks if m.msg.attempt == last]  # type: ignore[union-attr]
+        last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+        return [m for m in chunks if m.msg.attempt == last]  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
 
     @property
     def received_at(self) -> float:
@@ -569,7 +569,7 @@ async def list_requests(nc: NATS, subjects: Subjects, *, since_s: float = 3600.0
 
 
 async def _quick_summary(reader: StreamReader, subjects: Subjects, record_msg: StreamMessage) -> Summary:
-    record: ChatRequestRecord = record_msg.msg  # type: ignore[assignment]
+    record: ChatRequestRecord = record_msg.msg  # type: ignore[assignment]  # the caller passes the ChatRequestRecord message
     subject = subjects.tokens(record.request_id)
     last = await reader.last(subjects.stream_results, subject)
     first = await reader.first(subjects.stream_results, subject) if last is not None else None

@@ -236,7 +236,7 @@ class TypedSubscription(Generic[M]):
             except TimeoutError:  # nats.errors.TimeoutError subclasses it
                 return None
             try:
-                return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]
+                return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]  # decode checked it is one of expect, the M types
             except protocol.ProtocolError as exc:
                 self.skipped += 1
                 log.warning("skipping a message on %s: %s", msg.subject, exc)

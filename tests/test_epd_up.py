@@ -189,7 +189,7 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
     with out_path.open("wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    output = lambda: out_path.read_text(errors="replace")  # noqa: E731
+    output = lambda: out_path.read_text(errors="replace")  # noqa: E731 - a one-line helper
     children: list[Proc] = []
     try:
         def ready():
@@ -324,7 +324,7 @@ def _script_process(tmp_path: Path, name: str, code: str):
     from shared.tools.launcher import ServiceProcess
 
     proc = ServiceProcess(name, None, tmp_path / f"{name}-0.log", argv=[sys.executable, "-c", code],
-                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]
+                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]  # the wrong type on purpose
     proc.respawn()  # (the first start, the way a restart does it)
     proc.restarts = 0
     return proc

@@ -32,7 +32,7 @@ def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, top
 
     def fake_start(name, env, log_path, cwd=None, *, module=None):
         started.append((name, env))
-        return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]
+        return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]  # a fake: no process
 
     monkeypatch.setattr(launcher, "start_service", fake_start)
     stack = Stack(env={"EPD_ROLE": "pd", "EPD_X": "1"}, log_dir=tmp_path, topology=topology,

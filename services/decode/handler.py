@@ -95,7 +95,7 @@ class KVObjectDecode(DecodeStrategy):
 
     async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
         h = self.handler
-        engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]
+        engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
         try:
             obj = await asyncio.to_thread(h.kv_store.load, job.kv_key, request_id=job.request_id,
                                           attempt=job.kv_attempt)
@@ -140,7 +140,7 @@ class KVConnectorDecode(DecodeStrategy):
 
     async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
         h = self.handler
-        engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]
+        engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
         gen = job.generation
         images = await asyncio.gather(*(h.media_image(ref) for ref in gen.images))
         params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))

@@ -80,7 +80,7 @@ class WorkerLifecycle:
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - closing anyway
                 pass
         if self.lifecycle is not None:
             await self.lifecycle.close()

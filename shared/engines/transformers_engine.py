@@ -796,7 +796,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             for i, f, g in zip(group, feats, grids):
                 out[i] = EncodedImage(features=f, grid_thw=g)
         metrics.ENCODE_BATCH_IMAGES.observe(len(pixels))
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # every slot was filled by the loop above
 
     def _forward_images(self, pixels: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
         # no_grad rather than inference_mode: the features leave the engine, and callers may
@@ -808,7 +808,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                     pixel_values=torch.cat([px["pixel_values"] for px in pixels]), image_grid_thw=grid,
                     return_dict=True,
                 )
-                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]
+                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]  # grid_thw rows are (t, h, w)
             else:
                 res = self.model.get_image_features(
                     pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
@@ -906,7 +906,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         if not self.is_mrope:
             return text_pos[0], 0
         if images:
-            grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]
+            grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]  # mrope images always carry grid_thw
             vision_pos, deltas = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=image_mask.to(torch.int32), image_grid_thw=grid
             )

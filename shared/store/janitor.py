@@ -160,7 +160,7 @@ def set_expiration_rule(store: ObjectStore, prefix: str, days: int) -> bool:
 def get_expiration_days(store: ObjectStore, prefix: str) -> int | None:
     """The days of our backstop rule on ``prefix`` as the server reports it (None: none)."""
     client = getattr(store, "_client", None)
-    config = client.get_bucket_lifecycle(store.bucket) if client is not None else None  # type: ignore[attr-defined]
+    config = client.get_bucket_lifecycle(store.bucket) if client is not None else None  # type: ignore[attr-defined]  # minio client of S3ObjectStore (None for other stores)
     for rule in (config.rules if config else []):
         if rule.rule_id == "epd-ec-ttl-backstop" and rule.expiration is not None:
             return rule.expiration.days
@@ -310,7 +310,7 @@ class Janitor:
     async def _purge_tombstones(self) -> None:
         try:
             await self.index.kv.purge_deletes(olderthan=600)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - tombstones are purged again next pass
             log.debug("purging index tombstones: %s", exc)
 
     def _select(self, entries: list[tuple[str, IndexEntry, int]], fps: dict[str, FingerprintEntry], now: float,
@@ -569,7 +569,7 @@ class ECLifecycle:
         self._fp_written[fingerprint] = now
         try:
             await self.index.seen(fingerprint, model=model, model_path=model_path, at=now)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - recorded again on the next write
             self._fp_written.pop(fingerprint, None)
             log.debug("could not record fingerprint %s: %s", fingerprint, exc)
 
@@ -579,7 +579,7 @@ class ECLifecycle:
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - closing anyway
                 pass
         await self.recorder.close()
 

@@ -198,7 +198,7 @@ class ECScheduler:
 
     def _collect_finished_fetches(self) -> None:
         now = time.monotonic()
-        for ident in [i for i in self._fetching if self._objects[i].fetch.done()]:  # type: ignore[union-attr]
+        for ident in [i for i in self._fetching if self._objects[i].fetch.done()]:  # type: ignore[union-attr]  # _fetching holds only items with a fetch in flight
             self._fetching.discard(ident)
             entry = self._objects[ident]
             assert entry.fetch is not None
