@@ -15,6 +15,7 @@ import contextvars
 import logging
 import re
 import time
+import types
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -38,7 +39,9 @@ _ERR_CONSUMER_EXISTS_DIFFERENT = 10148
 #: Trace headers added to every message published from this context (``Epd-Stage``,
 #: ``Epd-Received-At``, ``Epd-Started-At``): the API sets them per request, the worker runner per
 #: job, so handlers publish with them without knowing. Context-local, so concurrent jobs never mix.
-TRACE_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("epd_trace_headers", default={})
+TRACE_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "epd_trace_headers", default=types.MappingProxyType({})
+)
 
 
 def set_trace(stage: str, *, received_at: float | str | None = None, started_at: float | None = None):

@@ -722,7 +722,8 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
         stack.wait_ready(timeout=180, roles={"encoder": 1, "prefill": 1})
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 90, f"{name} healthcheck",
+            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 90,
+                     f"{name} healthcheck",
                      interval=0.25)
 
         # API keys as compose requires them.
@@ -741,12 +742,13 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
         wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 90, "api unhealthy",
                  interval=0.25)
         for name in ("encoder", "prefill"):
-            wait_for(lambda: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
+            wait_for(lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
                      90, f"{name} unhealthy without NATS", interval=0.25)
         # ... and NATS back makes them pass again.
         nats.start()
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 120, f"{name} healthy again",
+            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 120,
+                     f"{name} healthy again",
                      interval=0.25)
 
         # A stopped worker is unhealthy at once (its heartbeat file is removed on SIGTERM).

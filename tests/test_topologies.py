@@ -39,7 +39,7 @@ def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, top
                   service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}})
     stack.start()
     assert [name for name, _ in started] == services == list(TOPOLOGIES[Topology(topology)].services)
-    for name, env in started:
+    for _name, env in started:
         assert env["EPD_TOPOLOGY"] == topology and env["EPD_X"] == "1"
         assert env["EPD_ROLE"] == role  # the topology decides the prefill role
     # The env each service gets is valid for its settings class.

@@ -482,13 +482,14 @@ class EncodeBatcher:
         self.max_pixels = max_pixels
         self._queue: list[tuple[list[Any], int, asyncio.Future]] = []
         self._draining = False
+        self._drain_task: asyncio.Future[None] | None = None  # held: the loop keeps only a weak reference
 
     async def submit(self, pixels: list[Any], n_pixels: int) -> list[Any]:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((pixels, n_pixels, future))
         if not self._draining:
             self._draining = True
-            asyncio.ensure_future(self._drain())
+            self._drain_task = asyncio.ensure_future(self._drain())
         return await future
 
     def _take(self) -> list[tuple[list[Any], int, asyncio.Future]]:
@@ -522,4 +523,4 @@ class EncodeBatcher:
             self._draining = False
             if self._queue:  # arrived after the last take, while this task was finishing
                 self._draining = True
-                asyncio.ensure_future(self._drain())
+                self._drain_task = asyncio.ensure_future(self._drain())
