@@ -96,6 +96,7 @@ class KVObjectDecode(DecodeStrategy):
     async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
         h = self.handler
         engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
+        assert h.kv_store is not None  # setup() opened it
         try:
             obj = await asyncio.to_thread(h.kv_store.load, job.kv_key, request_id=job.request_id,
                                           attempt=job.kv_attempt)
@@ -261,6 +262,7 @@ class DecodeHandler(ModelHandler):
     async def _delete(self, key: str) -> None:
         """Delete a job's KV object (of any model fingerprint); a key outside this namespace's KV
         objects - the job is not trusted on the paths that do not load it - is left alone."""
+        assert self.kv_store is not None  # setup() opened it
         if not key.startswith(kv_prefix(self.kv_store.namespace)):
             log.warning("not deleting %s: not a KV object key", key)
             return
@@ -270,6 +272,7 @@ class DecodeHandler(ModelHandler):
             log.warning("could not delete KV object %s: %s", key, exc)
 
     async def _sweep_forever(self) -> None:
+        assert self.kv_store is not None  # setup() opened it
         while True:
             await asyncio.sleep(self.settings.kv_sweep_interval_s)
             try:
