@@ -109,7 +109,8 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
     for side in SIDES:
         idle, busy = pooled[side]
         print(f"  {side:>3} pooled: idle p50 {h.pct(idle, 50) * 1e3:.0f} ms p99 {h.pct(idle, 99) * 1e3:.0f} ms "
-              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms ({len(busy)})")
+              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms "
+              f"({len(busy)})")
     h.save(args.out, runs)
     return list(figures.values())
 

@@ -88,7 +88,8 @@ class Timeline:
         }
 
 
-_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store", "local": "EC encoded in process"}
+_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store",
+                 "local": "EC encoded in process"}
 
 
 def _ec_stage(source: str) -> tuple[str, str]:
@@ -179,8 +180,8 @@ def build_timeline(case: RequestCase) -> Timeline:
     sources: dict[str, str] = dict(final.ec_sources) if final else {}
     if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
         dj = decode_jobs[0].msg
-        timings = {**dict(getattr(dj, "timings", {}) or {}), **{k: v for k, v in timings.items()
-                                                                   if k not in ("features_s", "admission_s", "prefill_s")}}
+        timings = {**dict(getattr(dj, "timings", {}) or {}),
+                   **{k: v for k, v in timings.items() if k not in ("features_s", "admission_s", "prefill_s")}}
         sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
     if taken is not None:
         features_end = taken + timings.get("features_s", 0.0)

@@ -128,7 +128,8 @@ class Outcome:
             return None
 
     def describe(self, origin: float) -> str:
-        detail = self.error or (json.dumps(self.body)[:300] if self.status != 200 else f"{len(self.tokens or [])} tokens")
+        detail = self.error or (json.dumps(self.body)[:300] if self.status != 200
+                                else f"{len(self.tokens or [])} tokens")
         return (f"{self.what}: sent at {self.started - origin:+.1f}s, {self.status} after {self.seconds:.1f}s "
                 f"({detail})")
 

@@ -504,7 +504,8 @@ def test_dockerfile_stages():
 @pytest.mark.parametrize("mutation,expected", [
     (lambda t: t + "\nUSER root\n", "non-root USER"),
     (lambda t: t.replace("FROM base AS cpu", "FROM builder AS cpu"), "FROM a build stage"),
-    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n", "build tools"),
+    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n",
+     "build tools"),
     (lambda t: t.replace("python:3.11.14-slim-bookworm", "python:3.11-slim"), "not a pinned"),
     (lambda t: t + "\nCOPY . /app\n", "copies from the build context"),
     (lambda t: t.replace("gcc g++ libc6-dev", "gcc g++ libc6-dev make"), "final stage gpu installs build tools"),
@@ -569,7 +570,8 @@ def readme_settings_problems(readme: str) -> list[str]:
     """Settings missing from the README's tables, and EPD_ names in it that are no setting."""
     from shared.protocol import Subjects
 
-    table_vars = {v for line in readme.splitlines() if line.startswith("|") for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
+    table_vars = {v for line in readme.splitlines() if line.startswith("|")
+                  for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
     fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
     problems = [f"{v} is not in the README's configuration table" for v in sorted(fields - table_vars)]
     streams = set(Subjects("epd").streams())  # JetStream stream names (EPD_ENCODE, ...), not variables
@@ -742,7 +744,8 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
         wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 90, "api unhealthy",
                  interval=0.25)
         for name in ("encoder", "prefill"):
-            wait_for(lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
+            wait_for(lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age",
+                                                       "3").returncode == 1,
                      90, f"{name} unhealthy without NATS", interval=0.25)
         # ... and NATS back makes them pass again.
         nats.start()

@@ -145,7 +145,8 @@ class ApiService:
         self.settings = settings
         self.subjects = Subjects(settings.subject_prefix)
         self.model_name = settings.served_model_name()
-        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype, engine=settings.engine)
+        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype,
+                                               engine=settings.engine)
         self.limits = MediaLimits(
             max_image_bytes=settings.max_image_bytes,
             max_pixels=settings.max_image_pixels,

@@ -113,7 +113,8 @@ def prompt_cost(messages: list[dict[str, Any]], image_tokens: Sequence[int]) -> 
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
+            chars += sum(len(p.get("text") or "") for p in content
+                         if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
     return chars // 4 + sum(image_tokens)
 
 

@@ -259,7 +259,8 @@ class IncrementalDetokenizer:
 
 def special_token_ids_of(tokenizer: Any) -> frozenset[int]:
     """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
-    ids = {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(tok, "special", False)}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    ids = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
     ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None)
     return frozenset(ids)
 

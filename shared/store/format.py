@@ -219,7 +219,8 @@ def decode_tensor_object(
         table = json.loads(meta["tensors"])
         declared = [(str(n), str(d), tuple(int(x) for x in shp)) for n, d, shp in table]
         entries = {
-            name: (str(info["dtype"]), tuple(int(x) for x in info["shape"]), tuple(int(x) for x in info["data_offsets"]))
+            name: (str(info["dtype"]), tuple(int(x) for x in info["shape"]),
+                   tuple(int(x) for x in info["data_offsets"]))
             for name, info in header.items()
         }
         created_at = float(meta["created_at"])

@@ -216,7 +216,8 @@ class Stack:
         """Start one more process of service ``name`` (``service_env`` / ``extra_env`` override the
         topology's environment)."""
         name = Service(name).value
-        env = {**self.env, **topology_env(Topology(self.topology)), **self.service_env.get(name, {}), **(extra_env or {})}
+        env = {**self.env, **topology_env(Topology(self.topology)), **self.service_env.get(name, {}),
+               **(extra_env or {})}
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
         env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")

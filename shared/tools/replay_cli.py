@@ -164,7 +164,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         if args.json:
             _print_json([r.to_json() for r in rows])
         elif not rows:
-            print(f"no requests in the last {args.since:.0f} s" + (f" with status {args.status}" if args.status else ""))
+            status = f" with status {args.status}" if args.status else ""
+            print(f"no requests in the last {args.since:.0f} s{status}")
         else:
             for r in rows:
                 print(render_summary(r))

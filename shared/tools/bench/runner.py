@@ -250,7 +250,9 @@ async def read_timeline(client: httpx.AsyncClient,
     return stages, exclusive_stage_times(doc), sources
 
 
-async def add_timelines(client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool) -> list[RequestRecord]:
+async def add_timelines(
+    client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool
+) -> list[RequestRecord]:
     from tqdm import tqdm
 
     limit = asyncio.Semaphore(TIMELINE_CONCURRENCY)

@@ -330,7 +330,8 @@ def image_bytes(seed: int, run_index: int, image_id: int, width: int, height: in
         pixels[..., c] = (base[c] + 45 * np.sin(freq[c, 0] * 2 * np.pi * x + phase[c, 0])[None, :]
                           + 45 * np.sin(freq[c, 1] * 2 * np.pi * y + phase[c, 1])[:, None])
     cells = rng.integers(0, 256, (max(1, height // 32), max(1, width // 32), 3), dtype=np.uint8)
-    pixels += np.asarray(Image.fromarray(cells, "RGB").resize((width, height), Image.Resampling.BILINEAR), np.float32) * 0.4 - 51
+    blocks = Image.fromarray(cells, "RGB").resize((width, height), Image.Resampling.BILINEAR)
+    pixels += np.asarray(blocks, np.float32) * 0.4 - 51
     pixels += rng.integers(-10, 11, (height, width, 3), dtype=np.int8)
     buf = io.BytesIO()
     Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").save(buf, format="JPEG", quality=90)
