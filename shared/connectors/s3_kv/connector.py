@@ -39,7 +39,7 @@ class S3KVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role,
-                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes it; None in unit tests
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes one
         inherit_vllm_log_handlers()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, "kv_connector_extra_config")
@@ -75,11 +75,13 @@ class S3KVConnector(KVConnectorBase_V1):
         when the cache spec is of a kind this cannot read (the worker still checks every block's
         shape against the cache itself). The block's exact shape depends on the attention backend
         - ``[kv_heads, block_size, 2 * head_size]`` on the CPU."""
+
+        def layout_of(spec: Any) -> tuple[int, str]:  # an attention spec; other kinds raise AttributeError
+            return 2 * spec.num_kv_heads * spec.head_size * self.block_size, safetensors_dtype(spec.dtype)
+
         try:
             return {
-                name: (2 * group.kv_cache_spec.num_kv_heads  # type: ignore[attr-defined]  # attention specs; others fail below
-                       * group.kv_cache_spec.head_size * self.block_size,  # type: ignore[attr-defined]  # (as above)
-                       safetensors_dtype(group.kv_cache_spec.dtype))  # type: ignore[attr-defined]  # (as above)
+                name: layout_of(group.kv_cache_spec)
                 for group in self._kv_cache_config.kv_cache_groups
                 for name in group.layer_names
             }
