@@ -125,8 +125,11 @@ def build_timeline(case: RequestCase) -> Timeline:
                             f"fetch, decode, hash and store {summary.images} image(s)"))
 
     # -- encode side -----------------------------------------------------------------------
-    queued: dict[str, StreamMessage] = {m.msg.image.item_hash: m for m in case.of(EncodeJob)  # type: ignore[union-attr]  # of(EncodeJob) holds EncodeJobs only
-                                        if m.request_id == rid}
+    queued: dict[str, StreamMessage] = {
+        m.msg.image.item_hash: m  # type: ignore[union-attr]  # of(EncodeJob) holds EncodeJobs only
+        for m in case.of(EncodeJob)
+        if m.request_id == rid
+    }
     refs = list(record.images if record else ()) or list(job.images if job else ())
     distinct = {r.item_hash: r for r in refs}
     ready = {m.msg.item_hash: m for m in case.of(ECReady)}  # type: ignore[union-attr]  # of(ECReady) holds ECReady only

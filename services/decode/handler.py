@@ -248,7 +248,8 @@ class DecodeHandler(ModelHandler):
         gen = job.generation
         if gen.reprefill >= self.settings.max_reprefills:
             raise Reject(KVUnavailable(
-                f"the request's KV state was unusable ({reason.value}: {detail}) after {gen.reprefill} re-prefill(s)"))
+                f"the request's KV state was unusable ({reason.value}: {detail}) "
+                f"after {gen.reprefill} re-prefill(s)"))
         await self._delete(job.kv_key)
         again = msgspec.structs.replace(gen, reprefill=gen.reprefill + 1, created_at=time.time())
         await self.ctx.publisher.publish(
