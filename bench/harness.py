@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx  # noqa: E402 - after the sys.path setup above
+import numpy as np  # noqa: E402 - after the sys.path setup above
 
-from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402
-from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402
-from shared.tools.launcher import Stack  # noqa: E402
+from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402 - after the sys.path setup above
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402 - after the sys.path setup above
+from shared.tools.launcher import Stack  # noqa: E402 - after the sys.path setup above
 
 log = logging.getLogger("bench")
 
@@ -104,7 +104,7 @@ class Bench:
         self.stacks: list[BenchStack] = []
         self._closed = False
 
-    def __enter__(self) -> "Bench":
+    def __enter__(self) -> Bench:
         atexit.register(self.close)
         # SIGTERM (a timeout, a CI runner) must stop the children too: make it an exception.
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -172,12 +172,12 @@ class Bench:
         for bs in reversed(self.stacks):
             try:
                 bs.stack.stop()
-            except Exception:  # noqa: BLE001 - stop the rest regardless
+            except Exception:  # stop the rest regardless
                 log.exception("stopping %s", bs.label)
         for server in (self.s3, self.nats):
             try:
                 server.stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("stopping %s", server.name)
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)

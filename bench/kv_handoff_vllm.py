@@ -101,7 +101,8 @@ def main() -> None:
             med = statistics.median(values)
             note = "  (producer engine)" if key == "prefill" else ""
             print(f"  {key:<11} {med * 1e3:8.1f} ms   x{med / base:.2f} of aggregated{note}")
-        sizes = [info.size for info in S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, "bench").list("bench/kv/")]
+        kv_objects = S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, "bench").list("bench/kv/")
+        sizes = [info.size for info in kv_objects]
         if sizes:
             print(f"  KV object  {statistics.median(sizes) / 1e6:.2f} MB (median of {len(sizes)})")
     finally:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+import harness as h
+from shared.tools.bench.schema import WorkloadSpec
 
 TARGETS = {1: 1.0, 4: 0.6}
 SIDES = ("agg", "epd")

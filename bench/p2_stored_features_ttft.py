@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+import harness as h
+from shared.tools.bench.schema import WorkloadSpec
 
 TARGET = 0.25
 PATHS = {"cache": ("worker local cache", "local_cache", {}),

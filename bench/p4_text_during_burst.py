@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
-from shared.cpus import available_cpus, split_cpus  # noqa: E402
+import harness as h
+from shared.tools.bench.schema import WorkloadSpec
+from shared.cpus import available_cpus, split_cpus
 
 SIDES = ("agg", "epd")
 TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
@@ -62,7 +62,7 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
     server = f"{first[0] * 1e3:.0f} ms" if first else "?"
     timings = h.final_timings(doc)
     worker = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(timings.items()) if isinstance(v, (int, float)))
-    return (f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]
+    return (f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
             f"stages: {h.format_stages(stages)}; worker: {worker}")
 
 
@@ -78,7 +78,7 @@ async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tup
         print(f"  {bs.label:>3} {await slowest(http, bs, probes)}", flush=True)
     if run.failed():
         print(f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}")
-    return idle, [p.ttft_s for p in probes], run  # type: ignore[misc]
+    return idle, [p.ttft_s for p in probes], run  # type: ignore[misc]  # ttft_s: as in slowest()
 
 
 async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
@@ -109,7 +109,8 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
     for side in SIDES:
         idle, busy = pooled[side]
         print(f"  {side:>3} pooled: idle p50 {h.pct(idle, 50) * 1e3:.0f} ms p99 {h.pct(idle, 99) * 1e3:.0f} ms "
-              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms ({len(busy)})")
+              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms "
+              f"({len(busy)})")
     h.save(args.out, runs)
     return list(figures.values())
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.runner import parse_timeline  # noqa: E402
+import harness as h
+from shared.tools.bench.runner import parse_timeline
 
 TARGET_MS = 2.0
 
@@ -67,7 +67,8 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
             e50 = h.pct([r["e2e"] for r in rows], 50) * 1e3
             overhead.add(o50)
             e2e_fig.add(e50)
-            print(f"  rep {rep}: E2E p50 {e50:.1f} ms, compute p50 {h.pct([r['compute'] for r in rows], 50) * 1e3:.1f} ms, "
+            print(f"  rep {rep}: E2E p50 {e50:.1f} ms, "
+                  f"compute p50 {h.pct([r['compute'] for r in rows], 50) * 1e3:.1f} ms, "
                   f"overhead p50 {o50:.1f} ms ({len(rows)} requests)", flush=True)
     print("  where the time goes (p50 over all requests): "
           + ", ".join(f"{k} {h.pct(v, 50) * 1e3:.1f} ms" for k, v in parts.items()))

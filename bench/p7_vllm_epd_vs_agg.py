@@ -39,8 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness as h  # noqa: E402
-from shared.tools.bench.schema import WorkloadSpec  # noqa: E402
+import harness as h
+from shared.tools.bench.schema import WorkloadSpec
 
 SIDES = ("agg", "epd")
 TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
@@ -211,7 +211,8 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
                   f"TTFT p50 {h.pct(ttfts, 50):.2f} s p99 {h.pct(ttfts, 99):.2f} s ({len(ttfts)} requests)")
             print(f"        stages (timeline means): {h.format_stages(h.stage_means(recs))}")
             means = timing_means(finals[f"{side}-{workload}"])
-            print(f"        worker timings (means): {', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in sorted(means.items()))}")
+            listed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(means.items()))
+            print(f"        worker timings (means): {listed}")
     verdict = "EQUAL" if differ == 0 and equal else "DIFFERENT"
     print(f"  outputs E|PD vs agg, same requests, greedy: {equal} equal token for token, {differ} different "
           f"-> {verdict}", flush=True)
@@ -229,7 +230,8 @@ def main() -> int:
     parser.add_argument("--cores", default="split-epd", choices=sorted(CORES),
                         help="the workers' cores (EPD_CPU_CORES, VLLM_CPU_OMP_THREADS_BIND): auto = vLLM's own "
                              "binding (on 2 cores every engine takes core 0 and leaves core 1 to the rest); split = "
-                             "agg's worker on cores 0-1, E|PD's encoder on core 1 and its PD worker on core 0; split-epd = "
+                             "agg's worker on cores 0-1, E|PD's encoder on core 1 and its PD worker on core 0; "
+                             "split-epd = "
                              "E|PD's split, agg's as in auto")
     args = parser.parse_args()
     specs = {s: (TOPOLOGY[s], {"EPD_ENGINE": "vllm"}) for s in SIDES}

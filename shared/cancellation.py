@@ -46,11 +46,11 @@ class CancelRecords:
             raw = await self.js.get_last_msg(self.subjects.stream_control, subject)
         except NotFoundError:
             return None
-        except Exception as exc:  # NATS hiccup: fail open (the job runs)
+        except Exception as exc:  # noqa: BLE001 - NATS hiccup: fail open (the job runs)
             log.debug("cancellation check on %s failed: %s: %s", subject, type(exc).__name__, exc)
             return None
         try:
-            return protocol.decode(raw.data, expect)
+            return protocol.decode(raw.data or b"", expect)
         except protocol.ProtocolError as exc:
             log.warning("ignoring an unreadable record on %s: %s", subject, exc)
             return None

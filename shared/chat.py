@@ -9,7 +9,7 @@ engines check roles against the same :data:`ROLES`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -20,7 +20,7 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "developer")
 Role = Literal["system", "user", "assistant", "developer"]
 #: Roles the API renames: ``developer`` is OpenAI's newer name for ``system``, which every chat
 #: template knows.
-ROLE_ALIASES: dict[str, str] = {"developer": "system"}
+ROLE_ALIASES: dict[str, Role] = {"developer": "system"}
 
 
 class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
@@ -31,19 +31,19 @@ class ImagePart(msgspec.Struct, frozen=True, tag_field="type", tag="image"):
     """A placeholder for the request's next image (``GenerationJob.images``, in order)."""
 
 
-Part = Union[TextPart, ImagePart]
+Part = TextPart | ImagePart
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Role
-    content: Union[str, list[Part]] = ""
+    content: str | list[Part] = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The plain map ``GenerationJob.messages`` carries (``{"role", "content"}``)."""
         return msgspec.to_builtins(self)
 
 
-def check_role(role: Any, where: str) -> str:
+def check_role(role: Any, where: str) -> Role:
     """``role`` with its alias resolved; InvalidRequest (param ``messages``) when it is not one of ROLES."""
     if role not in ROLES:
         raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", param="messages")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 
@@ -77,7 +77,7 @@ class TokenStream:
         self.duplicates = 0
         self._done = False
 
-    def __aiter__(self) -> "TokenStream":
+    def __aiter__(self) -> TokenStream:
         return self
 
     async def __anext__(self) -> TokenEvent:
@@ -178,7 +178,7 @@ class RequestClient:
         if record is not None:
             try:
                 await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
-            except Exception as exc:  # the record is for debugging; its loss must not fail the request
+            except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
                 log.warning("could not record request: %s", exc)
         sub = await subscribe_typed(self.nc, self.subjects.tokens(request_id), TokenChunk, FinalResult, ErrorEvent)
         try:
@@ -203,10 +203,10 @@ class RequestClient:
         try:
             await self.publisher.publish(self.subjects.cancel(request_id), cancel_record(request_id, error.code),
                                          request_id=request_id, msg_id=f"cancel-{request_id}")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: the request is already failed
             log.warning("could not cancel the request's work: %s", exc)
         event = protocol.error_event(request_id, stage, error)
         try:
             await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: the request is already failed
             log.warning("could not record the abandoned request: %s", exc)

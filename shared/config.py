@@ -223,8 +223,8 @@ class ApiSettings(CommonSettings):
 class EncoderSettings(CommonSettings):
     batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
     encode_jobs_in_flight: int | None = Field(None, ge=1, description="encode jobs an encoder worker holds at once "
-                                                                       "(unset: the engine's batch, 16 by default; their "
-                                                              "encodes share forwards, within the pixel budget)")
+                                              "(unset: the engine's batch, 16 by default; their "
+                                              "encodes share forwards, within the pixel budget)")
     encode_pixel_budget: int = Field(16_000_000, ge=1, description="image pixels an encoder worker holds decoded at "
                                                                    "once; a larger image goes alone")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -57,11 +57,11 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
-def _hash_encoder_tensors(model_dir: Path, digest: "hashlib._Hash") -> int:
+def _hash_encoder_tensors(model_dir: Path, digest: hashlib._Hash) -> int:
     return _hash_tensors(model_dir, digest, is_encoder_tensor)
 
 
-def _hash_tensors(model_dir: Path, digest: "hashlib._Hash", select) -> int:
+def _hash_tensors(model_dir: Path, digest: hashlib._Hash, select) -> int:
     """Feed name, dtype, shape and bytes of every selected tensor (sorted) into ``digest``."""
     count = 0
     for st_path in sorted(model_dir.glob("*.safetensors")):
@@ -84,7 +84,7 @@ def _hash_tensors(model_dir: Path, digest: "hashlib._Hash", select) -> int:
     return count
 
 
-def _start_digest(model_dir: Path, schema: str, *, dtype: str, engine: str) -> "hashlib._Hash":
+def _start_digest(model_dir: Path, schema: str, *, dtype: str, engine: str) -> hashlib._Hash:
     """A sha256 seeded with the schema, engine, dtype and the canonical ``config.json``."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():

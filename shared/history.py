@@ -29,13 +29,13 @@ Runtime library: no torch, nothing from ``shared.tools``.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -97,7 +97,7 @@ class RequestNotFound(HistoryError):
     error_type = "invalid_request_error"
 
 
-def check_request_id(request_id: str) -> str:
+def check_request_id(request_id: Any) -> str:
     """A request id is one NATS subject token: letters, digits, ``-`` and ``_``."""
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS \
             or not _REQUEST_ID_RE.fullmatch(request_id):
@@ -111,7 +111,7 @@ def check_request_id(request_id: str) -> str:
 def iso_time(ts: float | None) -> str:
     if not ts:
         return "-"
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _float(value: Any) -> float | None:
@@ -121,9 +121,14 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def _stamp(raw: Any) -> float:
+    """The unix time JetStream stored a raw message at (0.0 if the server did not say)."""
+    return raw.time.timestamp() if raw.time is not None else 0.0
+
+
 def message_kind(msg: Any) -> str:
     """The tag of a protocol message (``token_chunk``, ...)."""
-    return type(msg).__struct_config__.tag  # type: ignore[attr-defined]
+    return type(msg).__struct_config__.tag
 
 
 # -- messages and cases -------------------------------------------------------------------------
@@ -143,7 +148,7 @@ class StreamMessage:
 
     @classmethod
     def build(cls, stream: str, seq: int, subject: str, time_: float, headers: dict[str, str] | None,
-              data: bytes | None, *, imported: bool = False) -> "StreamMessage":
+              data: bytes | None, *, imported: bool = False) -> StreamMessage:
         data = data or b""
         try:
             msg, error = protocol.decode(data), ""
@@ -257,8 +262,8 @@ class RequestCase:
         chunks = [m for m in self.of(TokenChunk) if m.request_id == self.request_id]
         if not chunks:
             return []
-        last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]
-        return [m for m in chunks if m.msg.attempt == last]  # type: ignore[union-attr]
+        last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+        return [m for m in chunks if m.msg.attempt == last]  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
 
     @property
     def received_at(self) -> float:
@@ -338,7 +343,7 @@ class StreamReader:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
                                    raw.data)
 
     async def first(self, stream: str, subject: str, from_seq: int = 1) -> StreamMessage | None:
@@ -347,7 +352,7 @@ class StreamReader:
             raw = await self.js.get_msg(stream, seq=max(1, from_seq), subject=subject, next=True)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
                                    raw.data)
 
     async def by_seq(self, stream: str, seq: int) -> StreamMessage | None:
@@ -355,7 +360,7 @@ class StreamReader:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", raw.time.timestamp(), raw.headers,
+        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", _stamp(raw), raw.headers,
                                    raw.data)
 
     async def scan(
@@ -380,7 +385,7 @@ class StreamReader:
         )
         if start is not None:
             cfg.deliver_policy = DeliverPolicy.BY_START_TIME
-            cfg.opt_start_time = dt.datetime.fromtimestamp(max(0.0, start), dt.timezone.utc)
+            cfg.opt_start_time = dt.datetime.fromtimestamp(max(0.0, start), dt.UTC)
         try:
             psub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
         except NotFoundError:  # no such stream (e.g. a topology without it)
@@ -388,7 +393,7 @@ class StreamReader:
         out: list[StreamMessage] = []
         examined = 0
         try:
-            pending = (await psub.consumer_info()).num_pending
+            pending = (await psub.consumer_info()).num_pending or 0
             while pending > 0:
                 if examined >= self.max_scan:
                     self.notes.append(f"scan of {stream} ({subject}) stopped after {examined} messages "
@@ -396,7 +401,7 @@ class StreamReader:
                     break
                 try:
                     msgs = await psub.fetch(min(FETCH_BATCH, pending), timeout=self.timeout)
-                except asyncio.TimeoutError:  # nats' TimeoutError subclasses it
+                except TimeoutError:  # nats' TimeoutError subclasses it
                     break
                 done = False
                 for m in msgs:
@@ -421,7 +426,7 @@ class StreamReader:
                 await psub.unsubscribe()
                 if cfg.name:
                     await self.js.delete_consumer(stream, cfg.name)
-            except Exception as exc:  # the consumer goes away by itself after inactive_threshold
+            except Exception as exc:  # noqa: BLE001 - the consumer goes away by itself after inactive_threshold
                 log.debug("could not delete scan consumer: %s", exc)
         return out
 
@@ -564,7 +569,7 @@ async def list_requests(nc: NATS, subjects: Subjects, *, since_s: float = 3600.0
 
 
 async def _quick_summary(reader: StreamReader, subjects: Subjects, record_msg: StreamMessage) -> Summary:
-    record: ChatRequestRecord = record_msg.msg  # type: ignore[assignment]
+    record: ChatRequestRecord = record_msg.msg  # type: ignore[assignment]  # the caller passes the ChatRequestRecord message
     subject = subjects.tokens(record.request_id)
     last = await reader.last(subjects.stream_results, subject)
     first = await reader.first(subjects.stream_results, subject) if last is not None else None

@@ -11,11 +11,11 @@ an encoder's ``ECReady`` / ``ECFailed``, ``epd replay`` for heartbeats) does it 
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import re
 import time
+import types
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,7 +39,9 @@ _ERR_CONSUMER_EXISTS_DIFFERENT = 10148
 #: Trace headers added to every message published from this context (``Epd-Stage``,
 #: ``Epd-Received-At``, ``Epd-Started-At``): the API sets them per request, the worker runner per
 #: job, so handlers publish with them without knowing. Context-local, so concurrent jobs never mix.
-TRACE_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("epd_trace_headers", default={})
+TRACE_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "epd_trace_headers", default=types.MappingProxyType({})
+)
 
 
 def set_trace(stage: str, *, received_at: float | str | None = None, started_at: float | None = None):
@@ -190,6 +192,7 @@ async def ensure_topology(js: JetStreamContext, settings: CommonSettings, subjec
             if exc.err_code != _ERR_CONSUMER_EXISTS_DIFFERENT:
                 raise
             # Deliver policy cannot change on an existing durable; the rest can.
+            assert ccfg.durable_name is not None  # consumer_configs() names every consumer
             info = await js.consumer_info(stream, ccfg.durable_name)
             await js.add_consumer(stream, ccfg.evolve(deliver_policy=info.config.deliver_policy))
 
@@ -215,7 +218,7 @@ class JetStreamPublisher:
             )
         except nats.errors.Error as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError: not a deadline
             raise nats_unavailable(f"publishing {type(msg).__name__}", exc) from exc
-        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))  # type: ignore[attr-defined]
+        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return not ack.duplicate
 
 
@@ -241,10 +244,10 @@ class TypedSubscription(Generic[M]):
         while (left := deadline - time.time()) > 0:
             try:
                 msg = await self._sub.next_msg(timeout=left)
-            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+            except TimeoutError:  # nats.errors.TimeoutError subclasses it
                 return None
             try:
-                return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]
+                return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]  # decode checked it is one of expect, the M types
             except protocol.ProtocolError as exc:
                 self.skipped += 1
                 log.warning("skipping a message on %s: %s", msg.subject, exc)
@@ -261,10 +264,10 @@ class TypedSubscription(Generic[M]):
         self._closed = True
         try:
             await self._sub.unsubscribe()
-        except Exception as exc:  # a closed connection has dropped the subscription already
+        except Exception as exc:  # noqa: BLE001 - a closed connection has dropped the subscription already
             log.debug("unsubscribe from %s: %s", self.subject, exc)
 
-    async def __aenter__(self) -> "TypedSubscription[M]":
+    async def __aenter__(self) -> TypedSubscription[M]:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -292,6 +295,6 @@ async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = ""
     if confirm:
         try:  # (not nc.flush(): a flush that times out kills nats-py's read loop when the PONG comes)
             await nc.jetstream().account_info()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - fails open: the subscription exists either way
             log.warning("could not confirm the subscription to %s: %s: %s", subject, type(exc).__name__, exc)
     return TypedSubscription(sub, subject, expect)

@@ -41,7 +41,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -60,7 +60,7 @@ from shared.errors import (
 
 logger = logging.getLogger(__name__)
 
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: ``async resolver(host, port) -> addresses`` (IP literals as strings, in preference order).
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 T = TypeVar("T")

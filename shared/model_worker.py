@@ -49,7 +49,7 @@ def media_limits(settings: CommonSettings) -> MediaLimits:
     return MediaLimits(max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
 
 
-def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> "Image.Image":
+def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> Image.Image:
     """Decode stored image bytes, checking they are the item they claim to be."""
     image, content_hash, _fmt = decode_image(data, limits)
     if content_hash != item_hash:
@@ -57,7 +57,7 @@ def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> "Image
     return image
 
 
-def sampling_params(spec: "SamplingSpec", *, seed: int | None) -> SamplingParams:
+def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
     """The engine's sampling settings for a job's wire ``SamplingSpec``; ``seed`` is the one the
     job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
     return SamplingParams(
@@ -75,7 +75,7 @@ class ModelHandler(Handler):
     ``setup`` and pick their strategies from the engine's capabilities in their own ``setup``:
     the engine has what the role needs (``shared.engines.check_role``)."""
 
-    def __init__(self, settings: CommonSettings, engine: Engine | None = None, store: "ECStore | None" = None):
+    def __init__(self, settings: CommonSettings, engine: Engine | None = None, store: ECStore | None = None):
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -92,7 +92,7 @@ class ModelHandler(Handler):
         assert self.engine is not None
         return ", ".join(f"{k}={v}" for k, v in self.engine.capacity().items() if v is not None)
 
-    async def model_kv_store(self) -> "KVStore":
+    async def model_kv_store(self) -> KVStore:
         """The KV store of this worker's model fingerprint (E|P|D prefill and decode workers: both
         sides must compute the same fingerprint, so both build it here)."""
         from shared.fingerprint import model_fingerprint
@@ -114,7 +114,7 @@ class ModelHandler(Handler):
         if self.store is None:
             self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
 
-    async def media_bytes(self, ref: "ImageRef") -> bytes:
+    async def media_bytes(self, ref: ImageRef) -> bytes:
         """A request's stored image bytes. Raises MediaMissing when they are gone."""
         assert self.store is not None
         data = await asyncio.to_thread(self.store.get_media, ref.media_key)
@@ -122,13 +122,13 @@ class ModelHandler(Handler):
             raise MediaMissing(f"image {ref.item_hash[:12]} is not in the store (key {ref.media_key})")
         return data
 
-    async def image(self, ref: "ImageRef") -> "Image.Image":
+    async def image(self, ref: ImageRef) -> Image.Image:
         """A request's image from the store, checked against its item hash. Raises MediaMissing
         when it is gone, InvalidImage when it is not the item."""
         data = await self.media_bytes(ref)
         return await asyncio.to_thread(image_from_bytes, data, ref.item_hash, self.limits)
 
-    async def media_image(self, ref: "ImageRef") -> MediaImage:
+    async def media_image(self, ref: ImageRef) -> MediaImage:
         """A request's image as :class:`FeaturesThroughConnector` engines take it."""
         return MediaImage(image=await self.image(ref), item_hash=ref.item_hash)
 

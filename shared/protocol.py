@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Mapping, Union
+from typing import Any, TypeVar, overload
+from collections.abc import Mapping
 
 import msgspec
 
@@ -397,21 +398,21 @@ class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     sent_at: float
 
 
-Message = Union[
-    ChatRequestRecord,
-    EncodeJob,
-    ECReady,
-    ECFailed,
-    ECInvalidated,
-    GenerationJob,
-    DecodeJob,
-    TokenChunk,
-    FinalResult,
-    ErrorEvent,
-    RequestCancelled,
-    ECWanted,
-    WorkerHeartbeat,
-]
+Message = (
+    ChatRequestRecord
+    | EncodeJob
+    | ECReady
+    | ECFailed
+    | ECInvalidated
+    | GenerationJob
+    | DecodeJob
+    | TokenChunk
+    | FinalResult
+    | ErrorEvent
+    | RequestCancelled
+    | ECWanted
+    | WorkerHeartbeat
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -421,7 +422,14 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Message:
+_M = TypeVar("_M")
+
+
+@overload
+def decode(data: bytes, expect: type[_M]) -> _M: ...
+@overload
+def decode(data: bytes, expect: tuple[type, ...] | None = None) -> Message: ...
+def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Any:
     """Decode any message; with ``expect``, also check its type. Raises ProtocolError."""
     try:
         msg = _decoder.decode(data)
@@ -434,7 +442,7 @@ def decode(data: bytes, expect: type | tuple[type, ...] | None = None) -> Messag
     return msg
 
 
-def to_builtins(msg: Message) -> dict[str, Any]:
+def to_builtins(msg: msgspec.Struct) -> dict[str, Any]:
     """A JSON-friendly dict (for replay output and logs)."""
     return msgspec.to_builtins(msg)
 
@@ -445,7 +453,7 @@ def headers_for(
     """NATS headers of a message: request id, kind, send time (+ ``extra``, e.g. trace headers)."""
     headers = {
         HDR_REQUEST_ID: request_id,
-        HDR_KIND: type(msg).__struct_config__.tag,  # type: ignore[attr-defined]
+        HDR_KIND: str(type(msg).__struct_config__.tag),  # every message has a str tag
         HDR_SENT_AT: f"{time.time():.6f}",
     }
     if extra:

@@ -88,7 +88,8 @@ class Timeline:
         }
 
 
-_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store", "local": "EC encoded in process"}
+_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store",
+                 "local": "EC encoded in process"}
 
 
 def _ec_stage(source: str) -> tuple[str, str]:
@@ -124,11 +125,14 @@ def build_timeline(case: RequestCase) -> Timeline:
                             f"fetch, decode, hash and store {summary.images} image(s)"))
 
     # -- encode side -----------------------------------------------------------------------
-    queued: dict[str, StreamMessage] = {m.msg.image.item_hash: m for m in case.of(EncodeJob)  # type: ignore[union-attr]
-                                        if m.request_id == rid}
+    queued: dict[str, StreamMessage] = {
+        m.msg.image.item_hash: m  # type: ignore[union-attr]  # of(EncodeJob) holds EncodeJobs only
+        for m in case.of(EncodeJob)
+        if m.request_id == rid
+    }
     refs = list(record.images if record else ()) or list(job.images if job else ())
     distinct = {r.item_hash: r for r in refs}
-    ready = {m.msg.item_hash: m for m in case.of(ECReady)}  # type: ignore[union-attr]
+    ready = {m.msg.item_hash: m for m in case.of(ECReady)}  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
     for item, ref in distinct.items():
         if item in queued:
             continue
@@ -136,7 +140,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(Stage("no encode job", "api", _queued_time(case, t0), None,
                                 f"item {item[:12]}: EC object already stored (or encoded in the worker)"))
         else:
-            by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]
+            by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
             stages.append(Stage("encode deduplicated", "api", _queued_time(case, t0), None,
                                 f"item {item[:12]}: an encode job was already queued by {by}"))
     for item, m in queued.items():
@@ -144,7 +148,7 @@ def build_timeline(case: RequestCase) -> Timeline:
         taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
         stages.append(Stage("encode queued", "api", m.time, taken, f"item {item[:12]}"))
     for m in case.of(ECReady):
-        ev: ECReady = m.msg  # type: ignore[assignment]
+        ev: ECReady = m.msg  # type: ignore[assignment]  # of(ECReady) holds ECReady only
         whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
         if ev.encode_started_at:
             end = ev.encode_started_at + ev.encode_s
@@ -156,7 +160,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(Stage("EC announced", "encoder", ev.created_at, None,
                                 f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}"))
     for m in case.of(ECFailed):
-        ev_f: ECFailed = m.msg  # type: ignore[assignment]
+        ev_f: ECFailed = m.msg  # type: ignore[assignment]  # of(ECFailed) holds ECFailed only
         stages.append(Stage("encode failed", "encoder", m.time, None,
                             f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}"))
 
@@ -168,9 +172,10 @@ def build_timeline(case: RequestCase) -> Timeline:
         again = getattr(gm.msg, "reprefill", 0)
         name = "generation queued" if not again else "re-prefill queued"
         took = taken if i == 0 else None
+        gen_job: GenerationJob = gm.msg  # type: ignore[assignment]  # of(GenerationJob) holds GenerationJobs only
         stages.append(Stage(name, "api" if not again else "decode", gm.time, took,
-                            f"{len(gm.msg.images)} image placeholder(s), max_tokens "  # type: ignore[union-attr]
-                            f"{gm.msg.sampling.max_tokens}, temperature {gm.msg.sampling.temperature:g}"))
+                            f"{len(gen_job.images)} image placeholder(s), max_tokens "
+                            f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}"))
 
     final, error = case.final, case.error
     decode_jobs = [m for m in own if m.kind == "decode_job"]
@@ -178,8 +183,8 @@ def build_timeline(case: RequestCase) -> Timeline:
     sources: dict[str, str] = dict(final.ec_sources) if final else {}
     if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
         dj = decode_jobs[0].msg
-        timings = {**dict(getattr(dj, "timings", {}) or {}), **{k: v for k, v in timings.items()
-                                                                   if k not in ("features_s", "admission_s", "prefill_s")}}
+        timings = {**dict(getattr(dj, "timings", {}) or {}),
+                   **{k: v for k, v in timings.items() if k not in ("features_s", "admission_s", "prefill_s")}}
         sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
     if taken is not None:
         features_end = taken + timings.get("features_s", 0.0)
@@ -197,9 +202,9 @@ def build_timeline(case: RequestCase) -> Timeline:
 
     chunks = case.chunks()
     all_chunks = [m for m in case.of(TokenChunk) if m.request_id == rid]
-    attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]
+    attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]  # chunks hold TokenChunks only
     for a in attempts[1:]:
-        first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]
+        first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]  # chunks hold TokenChunks only
         stages.append(Stage("redelivered", chunks[0].stage or "prefill", first_of, None,
                             f"the job was delivered again (attempt {a}); tokens restart at seq 0"))
     first_token = chunks[0].time if chunks else None

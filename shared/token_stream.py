@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
 from shared.errors import DeadlineExceeded
 from shared.protocol import TokenChunk
@@ -25,7 +26,7 @@ class TokenOutput:
     ``first_seq``: the tokens an earlier stage already sent) and keeps what went out, for the
     FinalResult or the DecodeJob."""
 
-    def __init__(self, ctx: "WorkerContext", request_id: str, attempt: int, *, first_seq: int = 0):
+    def __init__(self, ctx: WorkerContext, request_id: str, attempt: int, *, first_seq: int = 0):
         self.ctx = ctx
         self.request_id = request_id
         self.attempt = attempt
@@ -40,7 +41,7 @@ class TokenOutput:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    async def publish(self, event: "TokenEvent") -> None:
+    async def publish(self, event: TokenEvent) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         chunk = TokenChunk(
@@ -53,7 +54,7 @@ class TokenOutput:
             self.finish_reason = event.finish_reason
         await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id)
 
-    async def stream(self, events: AsyncIterator["TokenEvent"], *, deadline: float,
+    async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float,
                      what: str = "generation") -> None:
         """Publish every event of ``events`` as it comes. At ``deadline`` (epoch seconds) stop
         - closing the iterator cancels the request in the engine - and raise DeadlineExceeded

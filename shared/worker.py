@@ -130,7 +130,7 @@ class Delivery:
     max_deliver: int
     published_at: float | None = None
     #: Set by the runner when the job's request is cancelled while the job runs.
-    cancel: "JobCancel" = field(default_factory=lambda: JobCancel())
+    cancel: JobCancel = field(default_factory=lambda: JobCancel())
 
     @property
     def is_last_attempt(self) -> bool:
@@ -194,7 +194,7 @@ class Handler(abc.ABC):
     #: What the worker does (shared.topology.Role); picks its strategies and engine checks.
     role: Role
     #: The message type consumed (``protocol.decode`` target), and its stream and durable consumer.
-    job_type: ClassVar[type]
+    job_type: ClassVar[type[Any]]
     stream_attr: ClassVar[str] = ""
     durable: ClassVar[str] = ""
     #: The handler's job counter (label ``outcome``): the runner counts ``bad_message``,
@@ -379,7 +379,7 @@ class WorkerRunner:
                 try:  # before the connection drains: a pull subscription never drains by itself
                     await psub.unsubscribe()
                     await cancel_sub.unsubscribe()
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - shutting down anyway
                     log.debug("unsubscribe: %s", exc)
         finally:
             await self.handler.close()
@@ -411,9 +411,9 @@ class WorkerRunner:
                 continue
             try:
                 msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)
-            except asyncio.TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
+            except TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
                 msgs = []
-            except Exception as exc:  # connection hiccup: keep the loop alive, nats reconnects
+            except Exception as exc:  # noqa: BLE001 - connection hiccup: keep the loop alive, nats reconnects
                 error = f"{type(exc).__name__}: {exc}"
                 if error != failing:
                     log.warning("fetch failed: %s (retrying every 0.5 s)", error)
@@ -505,7 +505,7 @@ class WorkerRunner:
             await asyncio.sleep(interval)
             try:
                 await msg.in_progress()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - keep extending; the next call may succeed
                 log.debug("in_progress failed: %s", exc)
 
     async def _liveness(self, nc: NATS, js: Any, stream: str) -> None:
@@ -525,7 +525,7 @@ class WorkerRunner:
         while True:
             try:
                 info = await js.consumer_info(stream, self.handler.durable, timeout=HEARTBEAT_INTERVAL_S)
-            except Exception as exc:  # nats raises several unrelated types (timeout, no responders, closed)
+            except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (timeout, no responders, closed)
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
@@ -549,7 +549,7 @@ class WorkerRunner:
                 ack_pending.set(info.num_ack_pending or 0)
                 try:
                     await nc.publish(subject, protocol.encode(self.handler.heartbeat(self.settings)))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - a lost heartbeat is harmless; the next one follows
                     log.debug("heartbeat not published: %s", exc)
                 if self.health is not None:
                     try:
@@ -564,7 +564,7 @@ async def _close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
     """Drain (acks and publishes still buffered go out) or, when NATS does not answer, close."""
     try:
         await asyncio.wait_for(nc.drain(), timeout_s)
-    except Exception as exc:  # NATS unreachable: nothing more can be delivered anyway
+    except Exception as exc:  # noqa: BLE001 - NATS unreachable: nothing more can be delivered anyway
         log.warning("could not drain the NATS connection (%s: %s): closing it", type(exc).__name__, exc)
         await nc.close()
 

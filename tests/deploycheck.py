@@ -247,7 +247,8 @@ def dockerfile_problems(text: str) -> list[str]:
             problems.append(f"final stage {target} is built FROM a build stage ({' <- '.join(names)})")
         users = [u for s in reversed(lineage) for u in s.args_of("USER")]
         if not users or _uid(users[-1]) in ("root", "0") or not _uid(users[-1]).isdigit():
-            problems.append(f"final stage {target} does not end as a numeric non-root USER (got {users[-1:] or 'none'})")
+            problems.append(f"final stage {target} does not end as a numeric non-root USER "
+                            f"(got {users[-1:] or 'none'})")
         pkgs = set().union(*(apt_packages(s) for s in lineage))
         allowed = GPU_RUNTIME_COMPILERS if target == "gpu" else set()
         if pkgs & (BUILD_TOOLS - allowed):
@@ -260,7 +261,8 @@ def dockerfile_problems(text: str) -> list[str]:
                 problems.append(f"final stage {target} copies from {m.group(1)}, not a venv stage")
     for stage in stages:
         for copy_args in stage.args_of("COPY") + stage.args_of("ADD"):
-            if re.search(r"(^|\s)\.env(\s|$)", copy_args) or re.search(r"(^|\s)\.(\s|$)", copy_args.split()[0] if copy_args else ""):
+            source = copy_args.split()[0] if copy_args else ""
+            if re.search(r"(^|\s)\.env(\s|$)", copy_args) or re.search(r"(^|\s)\.(\s|$)", source):
                 problems.append(f"stage {stage.name} copies .env or the whole context: {copy_args}")
     return problems
 
@@ -350,7 +352,8 @@ def compose_problems(compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfil
         if "no-new-privileges:true" not in (svc.get("security_opt") or []):
             problems.append(f"{name}: no no-new-privileges")
         mounts = [v for v in svc.get("volumes") or [] if isinstance(v, Mapping) and v.get("target") == model_path]
-        if len(mounts) != 1 or not mounts[0].get("read_only") or (mounts[0].get("bind") or {}).get("create_host_path") is not False:
+        if (len(mounts) != 1 or not mounts[0].get("read_only")
+                or (mounts[0].get("bind") or {}).get("create_host_path") is not False):
             problems.append(f"{name}: the model is not bind-mounted read-only at {model_path} (without creating it)")
         if env.get("EPD_MODEL_PATH") != model_path:
             problems.append(f"{name}: EPD_MODEL_PATH={env.get('EPD_MODEL_PATH')!r} is not the mount {model_path}")

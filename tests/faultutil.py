@@ -33,7 +33,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ class Outcome:
             return None
 
     def describe(self, origin: float) -> str:
-        detail = self.error or (json.dumps(self.body)[:300] if self.status != 200 else f"{len(self.tokens or [])} tokens")
+        detail = self.error or (json.dumps(self.body)[:300] if self.status != 200
+                                else f"{len(self.tokens or [])} tokens")
         return (f"{self.what}: sent at {self.started - origin:+.1f}s, {self.status} after {self.seconds:.1f}s "
                 f"({detail})")
 
@@ -306,7 +308,7 @@ class SupervisorThread:
                 for event in self.supervisor.check():
                     log.info("supervisor: %s", event.line())
                     self.events.append((time.monotonic(), event))
-            except Exception:  # noqa: BLE001 - keep supervising; the test sees the service missing
+            except Exception:  # keep supervising; the test sees the service missing
                 log.exception("supervisor check failed")
             self._stop.wait(0.5)
 

@@ -108,7 +108,8 @@ class RunningStack:
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
 
-    def chat(self, messages: list[dict], *, timeout: float = 120, headers: dict | None = None, **params: Any) -> httpx.Response:
+    def chat(self, messages: list[dict], *, timeout: float = 120, headers: dict | None = None,
+             **params: Any) -> httpx.Response:
         body = {"model": "qwen2-vl-tiny", "messages": messages, **params}
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout, headers=headers)
 
@@ -246,7 +247,9 @@ def scrape(url: str) -> str:
     return resp.text
 
 
-def stack_env(nats: EmbeddedNats, s3: EmbeddedS3, model_dir: Path, **overrides: str) -> tuple[dict[str, str], str, str, str]:
+def stack_env(
+    nats: EmbeddedNats, s3: EmbeddedS3, model_dir: Path, **overrides: str
+) -> tuple[dict[str, str], str, str, str]:
     tag = uuid.uuid4().hex[:8]
     prefix, namespace, bucket = f"t{tag}", f"ns{tag}", f"epd-{tag}"
     env = {

@@ -33,7 +33,7 @@ class _Queue:
         self.order: list[int] = []
         self.hold = asyncio.Event()
 
-    async def __aenter__(self) -> "_Queue":
+    async def __aenter__(self) -> _Queue:
         self.holder = asyncio.create_task(self._hold())
         await asyncio.sleep(0)
         self.waiters = [asyncio.create_task(self._wait(i, c)) for i, c in enumerate(self.costs)]

@@ -261,7 +261,8 @@ def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(na
         waiter.join(120)
         resp = out["plain"]
         assert resp.status_code == 503, resp.text
-        assert resp.json()["error"]["code"] == "service_unavailable" and "shutting down" in resp.json()["error"]["message"]
+        error = resp.json()["error"]
+        assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
         api.popen.wait(60)  # (uvicorn re-raises the signal once it has shut down: killed by SIGTERM)
     finally:
         running.stack.stop()

@@ -139,7 +139,8 @@ async def test_batched_greedy_equals_single_with_joins_and_leaves(engine, reques
     assert dec.max_rows_seen == len(requests_)
     assert max_diff < LOGIT_TOLERANCE, max_diff
     assert min_margin > 10 * max_diff  # no near-tie could have flipped a token
-    print(f"\n[{engine.arch}] batched vs single: max |logit diff| = {max_diff:.3g}, min top-2 margin = {min_margin:.3g}")
+    print(f"\n[{engine.arch}] batched vs single: max |logit diff| = {max_diff:.3g}, "
+          f"min top-2 margin = {min_margin:.3g}")
 
 
 async def test_padding_mask_and_positions_matter(engine, requests_):

@@ -244,7 +244,7 @@ def test_goodput_and_slo_parsing():
     for bad in ("ttft", "ttft=x", "speed=3", "tpot=0", ""):
         with pytest.raises(Exception, match="SLO"):
             report.parse_slo(bad)
-    good = lambda slo: report.summarize(RECORDS, 10.0, slo).goodput  # noqa: E731
+    good = lambda slo: report.summarize(RECORDS, 10.0, slo).goodput  # noqa: E731 - a one-line helper
     assert good({"ttft": 250, "tpot": 150}) == pytest.approx(0.1)  # request 0 only
     assert good({"ttft": 350, "tpot": 150}) == pytest.approx(0.2)  # + request 2 (one token: no TPOT)
     assert good({"e2e": 2500}) == pytest.approx(0.3)

@@ -195,7 +195,7 @@ def test_a_shared_encode_job_runs_while_another_request_needs_it_and_is_dropped_
         wait_for(lambda: len(_request_ids_before(e_pd) - known) == 2, 60, "the second request's record")
         alone = _give_up_without_streaming(e_pd, alone_body, _request_ids_before(e_pd))  # nobody else wants it
         for rid in (first, alone):
-            wait_for(lambda: e_pd.messages_of("stream_control", RequestCancelled, rid), 60, "the cancel record")
+            wait_for(lambda rid=rid: e_pd.messages_of("stream_control", RequestCancelled, rid), 60, "the cancel record")
     finally:
         encoder.popen.send_signal(signal.SIGCONT)
     waiter.join(300)

@@ -508,7 +508,8 @@ def test_dockerfile_stages():
 @pytest.mark.parametrize("mutation,expected", [
     (lambda t: t + "\nUSER root\n", "non-root USER"),
     (lambda t: t.replace("FROM base AS cpu", "FROM builder AS cpu"), "FROM a build stage"),
-    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n", "build tools"),
+    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n",
+     "build tools"),
     (lambda t: t.replace("python:3.11.14-slim-bookworm", "python:3.11-slim"), "not a pinned"),
     (lambda t: t + "\nCOPY . /app\n", "copies from the build context"),
     (lambda t: t.replace("gcc g++ libc6-dev", "gcc g++ libc6-dev make"), "final stage gpu installs build tools"),
@@ -700,7 +701,7 @@ async def _nats_connects(url: str, **creds: str) -> bool:
 
     try:
         nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means: not reachable
         return False
     await nc.close()
     return True
@@ -750,7 +751,8 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
         stack.wait_ready(timeout=180, roles={"encoder": 1, "prefill": 1})
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 90, f"{name} healthcheck",
+            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 90,
+                     f"{name} healthcheck",
                      interval=0.25)
 
         # API keys as compose requires them.
@@ -769,12 +771,14 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
         wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 90, "api unhealthy",
                  interval=0.25)
         for name in ("encoder", "prefill"):
-            wait_for(lambda: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
+            wait_for(lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age",
+                                                       "3").returncode == 1,
                      90, f"{name} unhealthy without NATS", interval=0.25)
         # ... and NATS back makes them pass again.
         nats.start()
         for name, test in healthchecks.items():
-            wait_for(lambda: run_healthcheck(test, envs[name]).returncode == 0, 120, f"{name} healthy again",
+            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 120,
+                     f"{name} healthy again",
                      interval=0.25)
 
         # A stopped worker is unhealthy at once (its heartbeat file is removed on SIGTERM).

@@ -93,8 +93,10 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
         responses = list(pool.map(lambda i: epd_stack.chat([user_message(f"Prompt {i}", [url])], **GREEDY), range(n)))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
-    jobs = [m for _, _, m in epd_stack.stream_messages("stream_encode") if isinstance(m, EncodeJob) and m.image.item_hash == item]
-    ready = [m for _, _, m in epd_stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
+    jobs = [m for _, _, m in epd_stack.stream_messages("stream_encode")
+            if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    ready = [m for _, _, m in epd_stack.stream_messages("stream_events")
+             if isinstance(m, ECReady) and m.item_hash == item]
     assert len(jobs) == 1
     assert len(ready) == 1 and ready[0].encode_s > 0
     finals = [final_result(epd_stack, r.json()["id"]) for r in responses]  # exactly one each
@@ -107,7 +109,8 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
 @pytest.fixture
 def ec_store(epd_stack, s3_server, reference_engine):
     store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack.bucket)
-    return ECStore(store, namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint, producer="test")
+    return ECStore(store, namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint,
+                   producer="test")
 
 
 def _put_valid_object(ec_store, engine, image):
@@ -158,7 +161,8 @@ def test_ec_object_of_another_fingerprint_is_not_used(epd_stack, reference_engin
     item, raw, dtype, shape, _ = _put_valid_object(ec_store, reference_engine, image)
     # Same key, S3 metadata claiming our version, but the object was produced by another model.
     foreign = encode_ec_object(raw, dtype=dtype, shape=shape, fingerprint="0" * 24, item_hash=item, producer="other")
-    ec_store.store.put(ec_store.key(item), foreign, metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: ec_store.fingerprint})
+    ec_store.store.put(ec_store.key(item), foreign,
+                       metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: ec_store.fingerprint})
     _run_damaged(epd_stack, reference_engine, image, "fingerprint_mismatch")
 
 

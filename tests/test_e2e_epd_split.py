@@ -119,7 +119,8 @@ def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_e
 
 # -- one image, encoded once ----------------------------------------------------------------------
 def _encode_jobs_and_ready(stack, item: str) -> tuple[list[EncodeJob], list[ECReady]]:
-    jobs = [m for _, _, m in stack.stream_messages("stream_encode") if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    jobs = [m for _, _, m in stack.stream_messages("stream_encode")
+            if isinstance(m, EncodeJob) and m.image.item_hash == item]
     ready = [m for _, _, m in stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
     return jobs, ready
 

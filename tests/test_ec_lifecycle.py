@@ -120,7 +120,10 @@ async def test_bound_keeps_namespace_under_it_and_evicts_least_recently_used(wor
         assert report is not None and not report.over_bound
         indexed = sum(e.size for e, _ in (await world["index"].snapshot()).values())
         assert indexed <= bound, (i, indexed)
-        assert sum(o.info.size for o in list_objects(world["store"], world["namespace"])) <= bound, (i, [(o.name, o.info.size) for o in list_objects(world["store"], world["namespace"])], {e.item_hash: e.size for e, _ in (await world["index"].snapshot()).values()})
+        stored = list_objects(world["store"], world["namespace"])
+        assert sum(o.info.size for o in stored) <= bound, (
+            i, [(o.name, o.info.size) for o in stored],
+            {e.item_hash: e.size for e, _ in (await world["index"].snapshot()).values()})
         assert hot in after
     # Least recently used first: the never-used probe, then the cold images in the order they came.
     assert evicted == ["probe"] + [f"img-{i:02d}" for i in range(9)]
@@ -228,8 +231,10 @@ async def test_purge_by_fingerprint_removes_exactly_that_version(world):
         save(world, item, FP_B)
     await record(world, ["x", "y", "z"], fp=FP_A)
     await record(world, ["x", "y", "z"], fp=FP_B)
-    kv_a = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_A, producer="t", max_object_bytes=1 << 20)
-    kv_b = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_B, producer="t", max_object_bytes=1 << 20)
+    kv_a = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_A, producer="t",
+                   max_object_bytes=1 << 20)
+    kv_b = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_B, producer="t",
+                   max_object_bytes=1 << 20)
     for kv in (kv_a, kv_b):
         world["store"].put(kv.key("req-1", 0), b"kv")
     media = ec_store(world).put_media("x", b"png")

@@ -66,7 +66,8 @@ async def test_encodes_then_is_idempotent(handler):
     verdict = await settle(handler, _delivery(job))
     assert verdict.action is Action.ACK
     (subject, ready), = handler.publisher.sent
-    assert isinstance(ready, ECReady) and ready.encode_s > 0 and subject == f"t.ec.ready.{handler.fingerprint}.{job.image.item_hash}"
+    assert isinstance(ready, ECReady) and ready.encode_s > 0
+    assert subject == f"t.ec.ready.{handler.fingerprint}.{job.image.item_hash}"
     assert handler.store.load(job.image.item_hash).n_tokens == ready.n_tokens
 
     # Redelivered (or duplicated) job: announced again, not recomputed.

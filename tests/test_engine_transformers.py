@@ -456,7 +456,7 @@ async def test_bad_inputs_raise_clear_errors(engine):
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate([], [], GREEDY))
     with pytest.raises(InvalidRequest):
-        await engine.encode(["not an image"])  # type: ignore[list-item]
+        await engine.encode(["not an image"])  # type: ignore[list-item]  # the wrong type on purpose
 
 
 async def test_text_only_prompt(engine):

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.slow
 
-CURL = re.compile(r"^\s*curl -s (?P<url>\S+)/v1/chat/completions -H 'Content-Type: application/json' -d '(?P<body>.*)'$",
+CURL = re.compile(r"^\s*curl -s (?P<url>\S+)/v1/chat/completions "
+                  r"-H 'Content-Type: application/json' -d '(?P<body>.*)'$",
                   re.M)
 METRICS = re.compile(r"^\s*worker /metrics: (?P<ports>.*)$", re.M)
 #: The service processes of each topology (docs/architecture.md: agg is the API plus one worker that encodes,
@@ -189,7 +190,7 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
     with out_path.open("wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    output = lambda: out_path.read_text(errors="replace")  # noqa: E731
+    output = lambda: out_path.read_text(errors="replace")  # noqa: E731 - a one-line helper
     children: list[Proc] = []
     try:
         def ready():
@@ -210,7 +211,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
 
         # Real processes: the topology's services (and nothing else of ours), NATS and S3.
         children = descendants(proc.pid)
-        modules = sorted(re.search(r"-m services\.(\w+)", p.cmdline)[1] for p in children if "-m services." in p.cmdline)
+        modules = sorted(re.search(r"-m services\.(\w+)", p.cmdline)[1] for p in children
+                         if "-m services." in p.cmdline)
         assert modules == sorted(SERVICES[expected]), [p.cmdline for p in children]
         assert any("nats-server" in p.cmdline for p in children) and any(" mini " in p.cmdline for p in children)
         assert len(children) == len(modules) + 2, [p.cmdline for p in children]
@@ -324,7 +326,7 @@ def _script_process(tmp_path: Path, name: str, code: str):
     from shared.tools.launcher import ServiceProcess
 
     proc = ServiceProcess(name, None, tmp_path / f"{name}-0.log", argv=[sys.executable, "-c", code],
-                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]
+                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]  # the wrong type on purpose
     proc.respawn()  # (the first start, the way a restart does it)
     proc.restarts = 0
     return proc

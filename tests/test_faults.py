@@ -323,7 +323,8 @@ def run_fault(rig: Rig, case: str, fault, *, expect_unhealthy: bool, probe=None)
         verdict.fault = fault(verdict, during)
         end = verdict.fault[1]
         during()  # and right after it ends
-        verdict.recovered, verdict.probes = probe_recovery(rig.url, probe or (lambda: (image_body, image_tokens)), since=end, bound=RECOVERY_S,
+        verdict.recovered, verdict.probes = probe_recovery(rig.url, probe or (lambda: (image_body, image_tokens)),
+                                                           since=end, bound=RECOVERY_S,
                                                            timeout=CLIENT_TIMEOUT_S, expected_of=expected_of)
         try:
             wait_for(rig.all_healthy, 120, "every worker healthy again", interval=0.5)

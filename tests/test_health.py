@@ -66,7 +66,7 @@ def test_remove_makes_it_unhealthy(tmp_path):
 class _Health(BaseHTTPRequestHandler):
     status = 200
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         body = json.dumps({"status": "ok", "workers": {"encoder": 1}}).encode()
         self.send_response(self.status if self.path == "/health" else 404)
         self.send_header("Content-Length", str(len(body)))

@@ -251,7 +251,7 @@ def _fill_buckets(server: EmbeddedS3, n: int) -> int:
 
     client = Minio(server.endpoint, server.access_key, server.secret_key, secure=False)
     ok = 0
-    for i in range(n):
+    for _ in range(n):
         bucket = f"many-{uuid.uuid4().hex[:10]}"
         client.make_bucket(bucket)
         try:

@@ -62,7 +62,7 @@ class Watch:
         self.plain: list[int] = [0, 0]
         self.grouped: list[int] = [0, 0]
 
-    async def start(self) -> "Watch":
+    async def start(self) -> Watch:
         async def on_event(msg):
             try:
                 event = protocol.decode(msg.data)
@@ -102,7 +102,7 @@ async def _take_and_die(stack, stream: str, durable: str, cls, *, deliveries: in
         while len(seen) < deliveries and time.monotonic() < deadline:
             try:
                 msgs = await psub.fetch(1, timeout=2)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             for msg in msgs:
                 decoded = protocol.decode(msg.data)
@@ -115,7 +115,7 @@ async def _take_and_die(stack, stream: str, durable: str, cls, *, deliveries: in
         # work after the last ack wait: a live worker pool keeps asking.
         try:
             extra = await psub.fetch(1, timeout=2 * ACK_WAIT_S + 1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             extra = []
         assert not any(isinstance(protocol.decode(m.data), cls) for m in extra), "delivered past max_deliver"
         return job, seen

@@ -110,7 +110,7 @@ def _make_handler(state: Server) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence
+        def log_message(self, format: str, *args: Any) -> None:  # silence
             pass
 
         def _send(self, status: int, body: bytes = b"", ctype: str = "application/octet-stream",
@@ -123,7 +123,7 @@ def _make_handler(state: Server) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server API
+        def do_GET(self) -> None:  # http.server API
             state.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
             try:
                 self._route()
@@ -604,7 +604,7 @@ def self_signed_certificate(folder: Path, host: str) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()

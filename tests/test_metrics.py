@@ -17,7 +17,16 @@ from shared.store.tensors import tensor_to_raw
 from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import GREEDY as _GREEDY
-from tests.stackutil import data_url, engine_encode, metric_value, noise_image, parse_metrics, scrape, user_message, wait_for
+from tests.stackutil import (
+    data_url,
+    engine_encode,
+    metric_value,
+    noise_image,
+    parse_metrics,
+    scrape,
+    user_message,
+    wait_for,
+)
 from tests.test_replay import find_case
 
 pytestmark = pytest.mark.slow

@@ -226,7 +226,7 @@ def test_s3_ensure_bucket_race_safe(s3_server: EmbeddedS3) -> None:
         barrier.wait()
         try:
             s.ensure_bucket()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted on by the test
             errors.append(exc)
 
     threads = [threading.Thread(target=create) for _ in range(4)]
@@ -299,7 +299,7 @@ def test_fs_concurrent_put_delete(tmp_path: Path) -> None:
             for i in range(200):
                 store.put(f"d/e/{n}", b"x" * i)
                 store.delete(f"d/e/{n}")
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted on by the test
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]

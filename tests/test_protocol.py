@@ -52,7 +52,7 @@ def test_wrong_type_and_garbage_are_protocol_errors():
 def test_messages_are_frozen():
     msg = TokenChunk(request_id="r", attempt=1, seq=0, token_ids=(1,), text="")
     with pytest.raises(AttributeError):
-        msg.seq = 2  # type: ignore[misc]
+        msg.seq = 2  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 def test_subjects_are_namespaced_and_streams_do_not_overlap():

@@ -40,7 +40,16 @@ from shared.protocol import (
     Subjects,
 )
 from shared.timeline import build_timeline
-from tests.stackutil import data_url, engine_encode, engine_messages, engine_tokens, epd_cli, noise_image, stack_env, user_message
+from tests.stackutil import (
+    data_url,
+    engine_encode,
+    engine_messages,
+    engine_tokens,
+    epd_cli,
+    noise_image,
+    stack_env,
+    user_message,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -124,7 +124,8 @@ def test_timeline_of_a_split_request_shows_the_kv_hand_off_and_a_recompute_reaso
     final_msg = case.terminal
     recomputed = msgspec.structs.replace(final_msg.msg, ec_sources={ITEM: "recomputed:timeout"})
     case.messages[case.messages.index(final_msg)] = history.StreamMessage.build(
-        final_msg.stream, final_msg.seq, final_msg.subject, final_msg.time, final_msg.headers, protocol.encode(recomputed))
+        final_msg.stream, final_msg.seq, final_msg.subject, final_msg.time, final_msg.headers,
+        protocol.encode(recomputed))
     tl = timeline.build_timeline(case)
     by_name = {s.name: s for s in tl.stages}
     assert by_name["KV hand-off"].start == T0 + 0.500 and by_name["KV hand-off"].end == T0 + 0.520

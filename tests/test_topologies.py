@@ -32,14 +32,14 @@ def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, top
 
     def fake_start(name, env, log_path, cwd=None, *, module=None):
         started.append((name, env))
-        return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]
+        return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]  # a fake: no process
 
     monkeypatch.setattr(launcher, "start_service", fake_start)
     stack = Stack(env={"EPD_ROLE": "pd", "EPD_X": "1"}, log_dir=tmp_path, topology=topology,
                   service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}})
     stack.start()
     assert [name for name, _ in started] == services == list(TOPOLOGIES[Topology(topology)].services)
-    for name, env in started:
+    for _name, env in started:
         assert env["EPD_TOPOLOGY"] == topology and env["EPD_X"] == "1"
         assert env["EPD_ROLE"] == role  # the topology decides the prefill role
     # The env each service gets is valid for its settings class.

@@ -186,7 +186,8 @@ def test_producer_reports_items_and_resaves_lost_objects(tiny_model_dir, s3_env,
     worker = make_connector(tiny_model_dir, "ec_producer", ECConnectorRole.WORKER, extra)
     store = worker.store
     assert not store.exists(item)
-    meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(mm_features=req.mm_features)]))
+    meta = sched.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(mm_features=req.mm_features)]))
     assert meta.save_candidates == [item]
     worker.bind_connector_metadata(meta)
     worker.start_save_caches(encoder_cache={item: t})

@@ -25,7 +25,8 @@ from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, SamplingSpec
 from tests.stackutil import (
     run_sync,
-    engine_tokens, api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image, run_job,
+    engine_tokens, api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image,
+    run_job,
     scrape, start_stack, stream_killing_a_decoder, wait_for, work_consumers,
 )
 from tests.vllmutil import CASES, generate, media

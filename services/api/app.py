@@ -30,7 +30,8 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats
@@ -145,7 +146,8 @@ class ApiService:
         self.settings = settings
         self.subjects = Subjects(settings.subject_prefix)
         self.model_name = settings.served_model_name()
-        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype, engine=settings.engine)
+        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype,
+                                               engine=settings.engine)
         self.limits = MediaLimits(
             max_image_bytes=settings.max_image_bytes,
             max_pixels=settings.max_image_pixels,
@@ -154,8 +156,8 @@ class ApiService:
             allowed_hosts=tuple(settings.url_allow_hosts),
         )
         self.workers = WorkerView(settings.worker_stale_s)
-        self.nc = None
-        self.js = None
+        self.nc: nats.NATS | None = None
+        self.js: nats.js.JetStreamContext | None = None
         self.client: RequestClient | None = None
         self.supervisor: DeliverySupervisor | None = None
         self.store: ECStore | None = None
@@ -214,7 +216,7 @@ class ApiService:
             return False
         try:
             await asyncio.wait_for(self.js.account_info(), timeout_s)
-        except Exception as exc:  # nats raises several unrelated types (timeout, no responders, closed)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (timeout, no responders, closed)
             log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
             return False
         return True
@@ -444,7 +446,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return error_response(Cancelled("the client disconnected"))  # nobody reads it
         except nats.errors.Error as exc:  # (its TimeoutError is an asyncio.TimeoutError: not the deadline)
             return _finish_error(nats_unavailable("submitting the request", exc))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
             return _finish_error(exc)
@@ -559,7 +561,7 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
                         first_token_seen = True
                         first_token_at = time.time()
                         metrics.TTFT.observe(first_token_at - received_at)
-                    extra = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
+                    extra: dict[str, Any] = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
                     if event.text or extra:
                         yield chunk({"content": event.text}, **extra)
                 elif isinstance(event, FinalResult):

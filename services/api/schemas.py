@@ -131,7 +131,8 @@ def parse_chat_request(
         or len(stop) > MAX_STOP_SEQUENCES
         or not all(isinstance(s, str) and s for s in stop)
     ):
-        raise InvalidRequest(f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
+        raise InvalidRequest(f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings",
+                             param="stop")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise InvalidRequest("'seed' must be a non-negative integer", param="seed")

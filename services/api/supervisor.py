@@ -64,7 +64,7 @@ class DeliverySupervisor:
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception as exc:  # the connection is closing anyway
+            except Exception as exc:  # noqa: BLE001 - the connection is closing anyway
                 log.debug("unsubscribe: %s", exc)
         self._subs.clear()
 
@@ -73,8 +73,8 @@ class DeliverySupervisor:
             advisory = json.loads(msg.data)
             stream, seq = advisory["stream"], advisory["stream_seq"]
             raw = await self.js.get_msg(stream, seq)
-            job = protocol.decode(raw.data)
-        except Exception as exc:
+            job = protocol.decode(raw.data or b"")
+        except Exception as exc:  # noqa: BLE001 - a bad advisory must not stop the supervisor
             log.warning("could not read max-deliveries advisory: %s", exc)
             return
         msg_id = f"max-deliveries-{stream}-{seq}"

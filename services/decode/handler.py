@@ -81,7 +81,7 @@ class Decoded:
 
 
 class DecodeStrategy(abc.ABC):
-    def __init__(self, handler: "DecodeHandler"):
+    def __init__(self, handler: DecodeHandler):
         self.handler = handler
 
     @abc.abstractmethod
@@ -95,7 +95,8 @@ class KVObjectDecode(DecodeStrategy):
 
     async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
         h = self.handler
-        engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]
+        engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
+        assert h.kv_store is not None  # setup() opened it
         try:
             obj = await asyncio.to_thread(h.kv_store.load, job.kv_key, request_id=job.request_id,
                                           attempt=job.kv_attempt)
@@ -140,7 +141,7 @@ class KVConnectorDecode(DecodeStrategy):
 
     async def decode(self, job: DecodeJob, delivery: Delivery, out: TokenOutput) -> Decoded:
         h = self.handler
-        engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]
+        engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
         gen = job.generation
         images = await asyncio.gather(*(h.media_image(ref) for ref in gen.images))
         params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
@@ -247,7 +248,8 @@ class DecodeHandler(ModelHandler):
         gen = job.generation
         if gen.reprefill >= self.settings.max_reprefills:
             raise Reject(KVUnavailable(
-                f"the request's KV state was unusable ({reason.value}: {detail}) after {gen.reprefill} re-prefill(s)"))
+                f"the request's KV state was unusable ({reason.value}: {detail}) "
+                f"after {gen.reprefill} re-prefill(s)"))
         await self._delete(job.kv_key)
         again = msgspec.structs.replace(gen, reprefill=gen.reprefill + 1, created_at=time.time())
         await self.ctx.publisher.publish(
@@ -261,6 +263,7 @@ class DecodeHandler(ModelHandler):
     async def _delete(self, key: str) -> None:
         """Delete a job's KV object (of any model fingerprint); a key outside this namespace's KV
         objects - the job is not trusted on the paths that do not load it - is left alone."""
+        assert self.kv_store is not None  # setup() opened it
         if not key.startswith(kv_prefix(self.kv_store.namespace)):
             log.warning("not deleting %s: not a KV object key", key)
             return
@@ -270,9 +273,10 @@ class DecodeHandler(ModelHandler):
             log.warning("could not delete KV object %s: %s", key, exc)
 
     async def _sweep_forever(self) -> None:
+        assert self.kv_store is not None  # setup() opened it
         while True:
             await asyncio.sleep(self.settings.kv_sweep_interval_s)
             try:
                 await asyncio.to_thread(self.kv_store.sweep, self.settings.kv_ttl_s)
-            except Exception as exc:  # keep sweeping; the store may come back
+            except Exception as exc:  # noqa: BLE001 - keep sweeping; the store may come back
                 log.warning("kv sweep failed: %s", exc)

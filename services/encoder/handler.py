@@ -59,16 +59,16 @@ class FeatureProducer(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         ...
 
 
 class WorkerStoresFeatures(FeatureProducer):
     """The engine returns the features; the worker stores them."""
 
-    engine: base.FeaturesThroughWorker
+    engine: base.FeaturesThroughWorker  # type: ignore[assignment]  # a mixin: the Engine also returns features
 
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         from shared.engines.ec_objects import encoded_to_extra
         from shared.store.tensors import tensor_to_raw
 
@@ -84,9 +84,9 @@ class ConnectorStoresFeatures(FeatureProducer):
     """The engine's EC connector stores the features while the engine encodes; announce the
     object only once the store has it."""
 
-    engine: base.FeaturesThroughConnector
+    engine: base.FeaturesThroughConnector  # type: ignore[assignment]  # a mixin: the Engine also stores features itself
 
-    async def produce(self, item_hash: str, image: "Image.Image") -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
         (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])
         info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed

@@ -38,7 +38,7 @@ class ItemCache(Protocol):
 
 
 class WorkerLifecycle:
-    def __init__(self, ctx: "WorkerContext", store: ECStore, cache: ItemCache | None):
+    def __init__(self, ctx: WorkerContext, store: ECStore, cache: ItemCache | None):
         self.ctx = ctx
         self.store = store
         self.cache = cache
@@ -86,7 +86,7 @@ class WorkerLifecycle:
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - closing anyway
                 pass
         if self.lifecycle is not None:
             await self.lifecycle.close()

@@ -38,7 +38,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from shared import metrics
 from shared.engines import base
@@ -103,7 +104,7 @@ class FeatureCache:
 class EncoderWait:
     """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``)."""
 
-    def __init__(self, ctx: "WorkerContext", fingerprint: str, wait_s: float):
+    def __init__(self, ctx: WorkerContext, fingerprint: str, wait_s: float):
         self.ctx = ctx
         self.fingerprint = fingerprint
         self.wait_s = wait_s
@@ -183,7 +184,7 @@ class StoredFeatures(LocalFeatures):
         self.store = store
         self.encoder = encoder
         #: records uses in the EC index, drops invalidated items from ``cache``
-        self.lifecycle = WorkerLifecycle(encoder.ctx, store, cache)
+        self.lifecycle: WorkerLifecycle = WorkerLifecycle(encoder.ctx, store, cache)
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
         await self.lifecycle.ensure_started()
@@ -197,8 +198,10 @@ class StoredFeatures(LocalFeatures):
             except ObjectValidationError as exc:
                 reason = exc.reason
             if reason is MissReason.NOT_FOUND and sub is not None:
-                reason = await self.encoder.wait(sub, ref)
-                if reason is None:
+                waited = await self.encoder.wait(sub, ref)
+                if waited is not None:
+                    reason = waited
+                else:
                     try:
                         return await self._from_store(ref, request_id), "store"
                     except ObjectValidationError as exc:

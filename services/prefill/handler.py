@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import cast
 
 from shared import metrics, protocol
 from shared.config import PrefillSettings
@@ -99,13 +100,15 @@ class PrefillHandler(ModelHandler):
         encoder = None if self.role is Role.AGG else EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s)
         if isinstance(self.engine, base.FeaturesThroughConnector):
             return ConnectorFeatures(self.image, self.store, encoder)
-        # base.FeaturesThroughWorker (the role's engine check passed)
+        engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)
         if encoder is None:
-            return LocalFeatures(self.engine, self.cache, self.image)
-        return StoredFeatures(self.engine, self.cache, self.image, self.store, encoder)
+            return LocalFeatures(engine, self.cache, self.image)
+        assert self.store is not None  # setup() checked
+        return StoredFeatures(engine, self.cache, self.image, self.store, encoder)
 
     async def _handoff(self, ctx: WorkerContext) -> HandOff:
         worker_id = self.settings.worker_id
+        assert self.engine is not None  # setup() checked
         if self.role is not Role.PREFILL:
             return NoHandOff(self.engine, ctx, worker_id)
         if self.kv_store is None:
@@ -191,7 +194,7 @@ class PrefillHandler(ModelHandler):
         if self.features is not None:
             try:
                 await self.features.close()
-            except Exception as exc:  # shutting down anyway: the next janitor pass sees colder objects
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway: the next janitor pass sees colder objects
                 log.warning("could not close the EC lifecycle: %s", exc)
         await super().close()
 

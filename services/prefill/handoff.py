@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 from shared import metrics, protocol
 from shared.engines import base
@@ -112,11 +112,12 @@ class KVHandOff(HandOff):
 
 
 class KVObjectHandOff(KVHandOff):
-    engine: base.KVStateHandoff
+    engine: base.KVStateHandoff  # type: ignore[assignment]  # a mixin: the Engine also hands off KV state
 
     async def run(self, gen: Generation) -> bool:
         job = gen.job
-        prefilled = await self.engine.prefill(job.messages, gen.images, gen.params, gen.stats)
+        prefilled = await self.engine.prefill(job.messages, gen.images,  # type: ignore[arg-type]  # encoded: this engine's features come through the worker
+                                              gen.params, gen.stats)
         try:
             await gen.out.publish(prefilled.first)
             if prefilled.first.finish_reason is not None:
@@ -154,7 +155,7 @@ class KVObjectHandOff(KVHandOff):
 
 
 class KVConnectorHandOff(KVHandOff):
-    engine: base.KVConnectorHandoff
+    engine: base.KVConnectorHandoff  # type: ignore[assignment]  # a mixin: the Engine also hands off via its connector
 
     async def run(self, gen: Generation) -> bool:
         job = gen.job
@@ -165,7 +166,8 @@ class KVConnectorHandOff(KVHandOff):
         expected_key = self.kv_store.key(job.request_id, job.reprefill)
         try:
             handoff = await self.engine.prefill_for_handoff(
-                job.messages, gen.images, gen.params, request_name=job.request_id, attempt=job.reprefill,
+                job.messages, gen.images,  # type: ignore[arg-type]  # media images: the connector engine encodes or loads them
+                gen.params, request_name=job.request_id, attempt=job.reprefill,
                 stats=gen.stats,
             )
             if handoff.key != expected_key:

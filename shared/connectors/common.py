@@ -12,7 +12,8 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shared.fingerprint import encoder_fingerprint, model_fingerprint
 from shared.store.ec import ECStore
@@ -77,7 +78,7 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None,
-                   section: str = "ec_connector_extra_config") -> "ConnectorConfig":
+                   section: str = "ec_connector_extra_config") -> ConnectorConfig:
         """Parse and check a connector's extra config (``section`` names it in error messages)."""
         extra = dict(extra or {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -162,7 +163,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to version
+    except Exception as exc:  # any failure means: no local folder to version
         raise ValueError(f"epd-serve vLLM connector: cannot find a local folder for model {model!r}: {exc}") from exc
 
 

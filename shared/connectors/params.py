@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 # kv_transfer_params keys (vLLM's own and ours)
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -56,7 +57,7 @@ class KVHandoffRequest:
         return {DO_REMOTE_DECODE: True, KV_REQUEST: self.request, KV_ATTEMPT: self.attempt}
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None, *, default_request: str) -> "KVHandoffRequest | None":
+    def from_params(cls, params: Mapping[str, Any] | None, *, default_request: str) -> KVHandoffRequest | None:
         """The request's hand-off ask, or None when it does not ask for one."""
         params = params or {}
         if not params.get(DO_REMOTE_DECODE):
@@ -86,7 +87,7 @@ class KVHandoff:
         return params
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> "KVHandoff | None":
+    def from_params(cls, params: Mapping[str, Any] | None) -> KVHandoff | None:
         """The hand-off the params describe, or None when they describe none."""
         params = params or {}
         if not params.get(DO_REMOTE_PREFILL) or KV_KEY not in params:

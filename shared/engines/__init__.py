@@ -27,7 +27,7 @@ ENGINES: dict[str, str] = {
 }
 
 
-def engine_class(name: str) -> type["Engine"]:
+def engine_class(name: str) -> type[Engine]:
     try:
         target = ENGINES[name]
     except KeyError:
@@ -49,7 +49,7 @@ def _requirements(role: Role) -> list[tuple[str, tuple[type, ...]]]:
     return [features]
 
 
-def check_role(engine_cls: type["Engine"], role: Role) -> None:
+def check_role(engine_cls: type[Engine], role: Role) -> None:
     """Refuse, before anything is loaded, an engine that cannot play ``role``."""
     for what, capabilities in _requirements(role):
         if not issubclass(engine_cls, capabilities):
@@ -59,11 +59,11 @@ def check_role(engine_cls: type["Engine"], role: Role) -> None:
                               f"support {what}.{hint}")
 
 
-def make_engine(name: str, model_dir: Any, **kwargs: Any) -> "Engine":
+def make_engine(name: str, model_dir: Any, **kwargs: Any) -> Engine:
     return engine_class(name)(model_dir, **kwargs)
 
 
-def load_engine(settings: Any, role: Role) -> "Engine":
+def load_engine(settings: Any, role: Role) -> Engine:
     """The engine of ``settings.engine`` for ``role`` (blocking: call it off the event loop)."""
     cls = engine_class(settings.engine)
     check_role(cls, role)

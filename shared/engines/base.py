@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Sequence
 
 if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     import torch
@@ -61,7 +62,7 @@ class EncodedImage:
     models with M-RoPE (Qwen2-VL), ``None`` for models with 1-D positions (LLaVA).
     """
 
-    features: "torch.Tensor"
+    features: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
 
     @property
@@ -74,7 +75,7 @@ class MediaImage:
     """An image for :class:`FeaturesThroughConnector` engines: the decoded RGB image and its content hash, which is
     the item part of the EC key (``shared.media.content_hash_of``)."""
 
-    image: "Image.Image"
+    image: Image.Image
     item_hash: str
 
 
@@ -104,8 +105,12 @@ class Engine(abc.ABC):
 
     name: str = "base"
 
+    if TYPE_CHECKING:  # what make_engine / load_engine call: every engine takes its model folder and options
+
+        def __init__(self, model_dir: Any, **options: Any) -> None: ...
+
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: "Role") -> dict[str, Any]:
+    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
         """Engine-specific constructor options from the worker's settings and role. The default
         engine needs none."""
         return {}
@@ -124,7 +129,7 @@ class Engine(abc.ABC):
     def generate(
         self,
         messages: list[dict[str, Any]],
-        images: Sequence["EncodedImage | MediaImage"],
+        images: Sequence[EncodedImage | MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
@@ -158,7 +163,7 @@ class FeaturesThroughWorker(abc.ABC):
     and loads them, and ``generate`` takes :class:`EncodedImage` items."""
 
     @abc.abstractmethod
-    async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    async def encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Run the vision encoder (+ projector) on RGB images, one item per image."""
 
 
@@ -180,7 +185,7 @@ class PrefilledRequest(Protocol):
     #: The first generated token (``finish_reason`` set when it is also the last).
     first: TokenEvent
 
-    async def export(self) -> tuple[dict[str, "RawTensor"], dict[str, str]]:
+    async def export(self) -> tuple[dict[str, RawTensor], dict[str, str]]:
         """The decode state as raw tensors + string metadata (the KV object's payload)."""
 
     def continue_here(self) -> AsyncIterator[TokenEvent]:
@@ -211,7 +216,7 @@ class KVStateHandoff(abc.ABC):
         """Prefill the prompt and sample the first token."""
 
     @abc.abstractmethod
-    def decode(self, obj: "KVObject", params: SamplingParams,
+    def decode(self, obj: KVObject, params: SamplingParams,
                stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
         """Continue a handed-off request from its KV object: the tokens after the ones prefill
         emitted (``obj.state["emitted"]``), batched with the other requests this engine decodes.
@@ -234,7 +239,7 @@ class KVConnectorHandoff(abc.ABC):
         request_name: str,
         attempt: int,
         stats: GenerationStats | None = None,
-    ) -> "KVHandoff":
+    ) -> KVHandoff:
         """Compute the prompt and have the KV connector store its KV cache as the KV object of
         (``request_name``, ``attempt``). Returns where it is."""
 
@@ -244,7 +249,7 @@ class KVConnectorHandoff(abc.ABC):
         messages: list[dict[str, Any]],
         images: Sequence[MediaImage],
         params: SamplingParams,
-        handoff: "KVHandoff",
+        handoff: KVHandoff,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``generate`` with the prompt's KV cache loaded from ``handoff`` instead of computed;

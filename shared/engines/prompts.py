@@ -8,7 +8,8 @@ import it without pulling in a model library.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from shared.chat import ROLES
 from shared.engines.base import SamplingParams
@@ -112,7 +113,8 @@ def prompt_cost(messages: list[dict[str, Any]], image_tokens: Sequence[int]) -> 
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
+            chars += sum(len(p.get("text") or "") for p in content
+                         if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
     return chars // 4 + sum(image_tokens)
 
 
@@ -121,7 +123,7 @@ def image_token_estimate(width: int, height: int) -> int:
     return max(1, (width * height) // _PIXELS_PER_IMAGE_TOKEN)
 
 
-def render_chat_prompt(processor: Any, chat_template: str, messages: list[dict[str, Any]]) -> str:
+def render_chat_prompt(processor: Any, chat_template: str | None, messages: list[dict[str, Any]]) -> str:
     """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
     ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
     norm = normalize_messages(messages)

@@ -43,7 +43,8 @@ import logging
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import torch
 
@@ -457,7 +458,7 @@ class DecodeLoop:
         members = [k for k in live if k in decoder]
         try:
             events = decoder.step()
-        except Exception as exc:  # the whole batch is gone (BatchDecoder cleared itself)
+        except Exception as exc:  # noqa: BLE001 - the whole batch is gone (BatchDecoder cleared itself)
             log.error("batched decode step failed for %d request(s): %s", len(members), exc)
             for key in members:
                 self._finish(key, exc)
@@ -501,17 +502,19 @@ class EncodeBatcher:
         self.max_pixels = max_pixels
         self._queue: list[tuple[list[Any], int, asyncio.Future]] = []
         self._draining = False
+        self._drain_task: asyncio.Future[None] | None = None  # held: the loop keeps only a weak reference
 
     async def submit(self, pixels: list[Any], n_pixels: int) -> list[Any]:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((pixels, n_pixels, future))
         if not self._draining:
             self._draining = True
-            asyncio.ensure_future(self._drain())
+            self._drain_task = asyncio.ensure_future(self._drain())
         return await future
 
     def _take(self) -> list[tuple[list[Any], int, asyncio.Future]]:
-        batch, total = [], 0
+        batch: list[tuple[list[Any], int, asyncio.Future]] = []
+        total = 0
         while self._queue and (not batch or total + self._queue[0][1] <= self.max_pixels):
             item = self._queue.pop(0)
             if item[2].done():  # its caller gave up
@@ -526,7 +529,7 @@ class EncodeBatcher:
                 flat = [px for pixels, _, _ in batch for px in pixels]
                 try:
                     out = await self.engine._call(self.engine._encode_pixels, flat)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - handed to every caller in the batch
                     for _, _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
@@ -540,4 +543,4 @@ class EncodeBatcher:
             self._draining = False
             if self._queue:  # arrived after the last take, while this task was finishing
                 self._draining = True
-                asyncio.ensure_future(self._drain())
+                self._drain_task = asyncio.ensure_future(self._drain())

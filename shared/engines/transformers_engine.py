@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -96,7 +98,7 @@ class TransformersPrefilled:
     """A prefilled request of :class:`TransformersEngine` (a ``PrefilledRequest``): the decode
     state with its first token already emitted (``state.emitted == 1``)."""
 
-    def __init__(self, engine: "TransformersEngine", stream: DecodeStream, first: TokenEvent,
+    def __init__(self, engine: TransformersEngine, stream: DecodeStream, first: TokenEvent,
                  stats: GenerationStats | None):
         self._engine = engine
         self._stream: DecodeStream | None = stream
@@ -112,7 +114,7 @@ class TransformersPrefilled:
             raise EngineError("the prefilled request was released")
         return self._stream
 
-    async def export(self) -> tuple[dict[str, "RawTensor"], dict[str, str]]:
+    async def export(self) -> tuple[dict[str, RawTensor], dict[str, str]]:
         """The decode state as raw tensors + metadata (``decode_state_to_raw``)."""
         return await self._engine._call(decode_state_to_raw, self._live().state)
 
@@ -201,8 +203,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         # The one compute thread: torch work stays off the event loop and is never concurrent.
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="transformers-engine",
-            initializer=torch.set_num_threads if threads is not None else None,
-            initargs=(int(threads),) if threads is not None else (),
+            initializer=functools.partial(torch.set_num_threads, int(threads)) if threads is not None else None,
         )
         self._closed = False
         self._keys = itertools.count()
@@ -255,7 +256,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                 "encode_batch_pixels": self._encode_batcher.max_pixels,
                 "encode_batch_invariant": self.encode_batch_invariant, "torch_threads": self.threads}
 
-    async def encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    async def encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Image processor + vision tower + projector. Concurrent calls are taken together into
         the compute thread (up to :data:`ENCODE_BATCH_PIXELS`). Batch-invariant (the default): each
         image still gets a forward of its own, so its features are exactly its one-image forward's
@@ -268,7 +269,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         pixels = await self._call(self._preprocess, images)
         return await self._encode_batcher.submit(pixels, sum(img.width * img.height for img in images))
 
-    async def generate(
+    async def generate(  # type: ignore[override]  # encoded images only: its features come through the worker
         self,
         messages: list[dict[str, Any]],
         images: Sequence[EncodedImage],
@@ -302,7 +303,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             stream, first = await self._call(self._prefill_first, messages, images, params, stats)
         return TransformersPrefilled(self, stream, first, stats)
 
-    async def decode(self, obj: "KVObject", params: SamplingParams,
+    async def decode(self, obj: KVObject, params: SamplingParams,
                      stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
         """Continue a handed-off request in the batched decode loop (see the base class).
         ``stats``: ``completion_tokens`` counts every output token (prefill's too),
@@ -350,7 +351,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self._closed = True
         self._decode_loop.close()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
-        self.model = None  # type: ignore[assignment]
+        self.model = None
 
     # -- compute thread plumbing ----------------------------------------------------------------
 
@@ -449,11 +450,11 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     # -- compute thread: encode / prefill / decode ----------------------------------------------
 
-    def _encode(self, images: Sequence["Image.Image"]) -> list[EncodedImage]:
+    def _encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Encode ``images`` now, in this thread (one forward per shape group)."""
         return self._encode_pixels(self._preprocess(images))
 
-    def _preprocess(self, images: Sequence["Image.Image"]) -> list[Any]:
+    def _preprocess(self, images: Sequence[Image.Image]) -> list[Any]:
         """The image processor's tensors, one dict per image (InvalidImage names the bad one)."""
         from PIL import Image as PILImage
 
@@ -496,7 +497,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             for i, f, g in zip(group, feats, grids):
                 out[i] = EncodedImage(features=f, grid_thw=g)
             metrics.ENCODE_BATCH_IMAGES.observe(len(group))
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # every slot was filled by the loop above
 
     def _forward_images(self, pixels: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
         # no_grad rather than inference_mode: the features leave the engine, and callers may
@@ -508,7 +509,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                     pixel_values=torch.cat([px["pixel_values"] for px in pixels]), image_grid_thw=grid,
                     return_dict=True,
                 )
-                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]
+                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]  # grid_thw rows are (t, h, w)
             else:
                 res = self.model.get_image_features(
                     pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
@@ -606,7 +607,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         if not self.is_mrope:
             return text_pos[0], 0
         if images:
-            grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]
+            grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]  # mrope images always carry grid_thw
             vision_pos, deltas = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=image_mask.to(torch.int32), image_grid_thw=grid
             )
@@ -638,7 +639,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         state.cache = out.past_key_values
         return out.logits[0, -1]
 
-    def _state_from_object(self, obj: "KVObject") -> DecodeState:
+    def _state_from_object(self, obj: KVObject) -> DecodeState:
         """The decode state of a validated KV object; KVStateMismatch when it does not fit."""
         try:
             return kv_object_to_state(obj, self.config)

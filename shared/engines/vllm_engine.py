@@ -40,7 +40,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 
 from shared.connectors.params import (
     KVHandoff,
@@ -197,7 +198,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             ec_transfer_config = ECTransferConfig(
                 ec_connector=connector[0],
                 ec_connector_module_path=connector[1],
-                ec_role=ec_role,
+                ec_role=ec_role,  # type: ignore[arg-type]  # a str checked above to be one of these Literal roles
                 ec_connector_extra_config=dict(ec_extra_config or {}),
             )
         kv_transfer_config = None
@@ -206,10 +207,10 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             kv_transfer_config = KVTransferConfig(
                 kv_connector=KV_CONNECTOR_CLASS,
                 kv_connector_module_path=KV_CONNECTOR_MODULE,
-                kv_role=kv_role,
+                kv_role=kv_role,  # type: ignore[arg-type]  # a str checked above to be one of these Literal roles
                 kv_connector_extra_config=dict(kv_extra or {}),
             )
-        args = dict(
+        args: dict[str, Any] = dict(
             model=str(self.model_dir),
             served_model_name=[self._model_id],
             dtype=dtype,
@@ -368,7 +369,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         else:
             post(_END)
 
-    async def _outputs(self, prompt: dict[str, Any], sp: Any) -> AsyncIterator[Any]:
+    async def _outputs(self, prompt: dict[str, Any], sp: Any) -> AsyncGenerator[Any, None]:
         """The RequestOutputs of one request, on the caller's loop. Closing this iterator before
         the request finished (or cancelling the task that reads it) aborts it in vLLM."""
         self._live_llm()
@@ -388,7 +389,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             while True:
                 try:
                     item = await asyncio.wait_for(outputs.get(), timeout=_EVENT_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise EngineError(f"vLLM produced nothing for {_EVENT_TIMEOUT_S:.0f}s") from None
                 if item is _END:
                     finished = True
@@ -414,7 +415,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         except Exception as exc:  # noqa: BLE001 - best effort (the request may have just finished)
             log.debug("abort of %s failed: %s", request_id, exc)
 
-    async def generate(
+    async def generate(  # type: ignore[override]  # media images only: vLLM encodes them (or its connector loads their features)
         self,
         messages: list[dict[str, Any]],
         images: Sequence[MediaImage],
@@ -448,7 +449,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
     async def _token_events(self, messages: list[dict[str, Any]], images: Sequence[MediaImage],
                             params: SamplingParams, stats: GenerationStats | None,
-                            handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+                            handoff: KVHandoff | None) -> AsyncGenerator[TokenEvent, None]:
         prompt = self.build_prompt(messages, images)
         sp = self.sampling_params(params, kv_transfer_params=handoff.to_params() if handoff else None)
         t0 = time.perf_counter()

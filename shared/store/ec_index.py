@@ -85,7 +85,7 @@ def _wrong_sequence(exc: BaseException) -> bool:
     return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in (10071, 10164)
 
 
-async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
     """Cancel a background task and wait until it has stopped, whatever it raised."""
     if task is None:
         return
@@ -126,7 +126,7 @@ class ECIndex:
         self.kv = kv
 
     @classmethod
-    async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> "ECIndex":
+    async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> ECIndex:
         """Open the bucket, creating it when missing (safe from several processes at once)."""
         try:
             return cls(await js.key_value(bucket))

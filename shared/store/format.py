@@ -38,7 +38,8 @@ import math
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 SCHEMA = "epd-ec-v2"  # v2: the generic layout (``tensors`` metadata); v1 objects are misses
 TENSOR_NAME = "features"
@@ -218,7 +219,8 @@ def decode_tensor_object(
         table = json.loads(meta["tensors"])
         declared = [(str(n), str(d), tuple(int(x) for x in shp)) for n, d, shp in table]
         entries = {
-            name: (str(info["dtype"]), tuple(int(x) for x in info["shape"]), tuple(int(x) for x in info["data_offsets"]))
+            name: (str(info["dtype"]), tuple(int(x) for x in info["shape"]),
+                   tuple(int(x) for x in info["data_offsets"]))
             for name, info in header.items()
         }
         created_at = float(meta["created_at"])

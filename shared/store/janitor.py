@@ -35,7 +35,8 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from shared import metrics, protocol
 from shared.errors import StoreError
@@ -91,7 +92,7 @@ async def subscribe_invalidations(nc: Any, subjects: Subjects, on_event: Callabl
             result = on_event(event)
             if asyncio.iscoroutine(result):
                 await result
-        except Exception:  # noqa: BLE001 - a holder's bug must not kill the subscription
+        except Exception:  # a holder's bug must not kill the subscription
             log.exception("invalidation handler failed")
 
     sub = await nc.subscribe(subjects.ec_invalidated_all, cb=handle)
@@ -159,7 +160,7 @@ def set_expiration_rule(store: ObjectStore, prefix: str, days: int) -> bool:
 def get_expiration_days(store: ObjectStore, prefix: str) -> int | None:
     """The days of our backstop rule on ``prefix`` as the server reports it (None: none)."""
     client = getattr(store, "_client", None)
-    config = client.get_bucket_lifecycle(store.bucket) if client is not None else None  # type: ignore[attr-defined]
+    config = client.get_bucket_lifecycle(store.bucket) if client is not None else None  # type: ignore[attr-defined]  # minio client of S3ObjectStore (None for other stores)
     for rule in (config.rules if config else []):
         if rule.rule_id == "epd-ec-ttl-backstop" and rule.expiration is not None:
             return rule.expiration.days
@@ -314,7 +315,7 @@ class Janitor:
     async def _purge_tombstones(self) -> None:
         try:
             await self.index.kv.purge_deletes(olderthan=int(self.tombstone_keep_s))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - tombstones are purged again next pass
             log.debug("purging index tombstones: %s", exc)
 
     def _select(self, entries: list[tuple[str, IndexEntry, int]], fps: dict[str, FingerprintEntry], now: float,
@@ -560,7 +561,7 @@ class ECLifecycle:
         self._fp_written: dict[str, float] = {}
 
     @classmethod
-    async def open(cls, nc: Any, subjects: Subjects, *, flush_s: float, replicas: int = 1) -> "ECLifecycle":
+    async def open(cls, nc: Any, subjects: Subjects, *, flush_s: float, replicas: int = 1) -> ECLifecycle:
         index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=replicas)
         recorder = UseRecorder(index, flush_s=flush_s)
         recorder.start()
@@ -592,7 +593,7 @@ class ECLifecycle:
         self._fp_written[fingerprint] = now
         try:
             await self.index.seen(fingerprint, model=model, model_path=model_path, at=now)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - recorded again on the next write
             self._fp_written.pop(fingerprint, None)
             log.debug("could not record fingerprint %s: %s", fingerprint, exc)
 
@@ -602,7 +603,7 @@ class ECLifecycle:
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - closing anyway
                 pass
         await self.recorder.close()
 

@@ -34,7 +34,8 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 
 from shared import metrics
 from shared.store.format import (

@@ -45,7 +45,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 from shared.errors import ERRORS_BY_CODE, EPDError, StoreError
 

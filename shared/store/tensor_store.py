@@ -34,10 +34,10 @@ META_SCHEMA = "epd-schema"
 META_FINGERPRINT = "epd-fingerprint"
 
 T = TypeVar("T")  # the decoded object
-I = TypeVar("I")  # what identifies an object within one fingerprint (item hash, (request, attempt))
+Id = TypeVar("Id")  # what identifies an object within one fingerprint (item hash, (request, attempt))
 
 
-class TensorCodec(abc.ABC, Generic[T, I]):
+class TensorCodec(abc.ABC, Generic[T, Id]):
     """What one kind of tensor object adds to :class:`TensorObjectStore`."""
 
     #: short name in logs (``<kind> miss key=...``)
@@ -50,12 +50,12 @@ class TensorCodec(abc.ABC, Generic[T, I]):
     not_found_level: int = logging.WARNING
 
     @abc.abstractmethod
-    def name(self, ident: I) -> str:
+    def name(self, ident: Id) -> str:
         """The object's name under its fingerprint folder. Raises ValueError for an ident that
         cannot be part of a key."""
 
     @abc.abstractmethod
-    def decode(self, blob: bytes, *, fingerprint: str, ident: I) -> T:
+    def decode(self, blob: bytes, *, fingerprint: str, ident: Id) -> T:
         """Parse and check a blob. Raises :class:`ObjectValidationError`."""
 
     # -- metrics (prometheus children; the codec picks its series) ------------------------------
@@ -72,10 +72,10 @@ class TensorCodec(abc.ABC, Generic[T, I]):
         """Counter (child) of loads by ``outcome`` (``hit``, ``miss``) and miss reason."""
 
 
-class TensorObjectStore(Generic[T, I]):
+class TensorObjectStore(Generic[T, Id]):
     """Tensor objects of one kind (``codec``) and one ``fingerprint`` in one object store."""
 
-    def __init__(self, store: ObjectStore, codec: TensorCodec[T, I], *, namespace: str, fingerprint: str,
+    def __init__(self, store: ObjectStore, codec: TensorCodec[T, Id], *, namespace: str, fingerprint: str,
                  producer: str, max_object_bytes: int):
         self.store = store
         self.codec = codec
@@ -91,16 +91,16 @@ class TensorObjectStore(Generic[T, I]):
         folder = self.codec.folder
         return f"{self.namespace}/{folder}/" if folder else f"{self.namespace}/"
 
-    def object_key(self, ident: I) -> str:
+    def object_key(self, ident: Id) -> str:
         return f"{self.kind_prefix}{self.fingerprint}/{self.codec.name(ident)}"
 
     # -- operations -----------------------------------------------------------------------------
-    def stat(self, ident: I) -> ObjectInfo | None:
+    def stat(self, ident: Id) -> ObjectInfo | None:
         """HEAD of the object (None when missing)."""
         with self.codec.latency("stat").time():
             return self.store.stat(self.object_key(ident))
 
-    def stored(self, ident: I) -> ObjectInfo | None:
+    def stored(self, ident: Id) -> ObjectInfo | None:
         """HEAD of the object when one of this schema and fingerprint is stored, else None.
 
         A hit here is a hint, not a promise: :meth:`fetch` still validates the bytes."""
@@ -113,7 +113,7 @@ class TensorObjectStore(Generic[T, I]):
             return info
         return None
 
-    def exists(self, ident: I) -> bool:
+    def exists(self, ident: Id) -> bool:
         """Cheap check (one HEAD): :meth:`stored` found the object."""
         return self.stored(ident) is not None
 
@@ -130,7 +130,7 @@ class TensorObjectStore(Generic[T, I]):
         self.codec.transferred("put").inc(len(blob))
         return len(blob)
 
-    def fetch(self, ident: I, *, request_id: str = "-", key: str | None = None) -> T:
+    def fetch(self, ident: Id, *, request_id: str = "-", key: str | None = None) -> T:
         """GET + validate the object of ``ident``. ``key``: the key a caller was handed; one that
         is not this store's key for ``ident`` (another fingerprint's, or forged) is never read.
         Raises ObjectValidationError (a miss, with reason); never returns bad data."""

@@ -115,7 +115,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, Topology(args.topology)))
         timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
         print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
-        progress = lambda line: print(line, flush=True)  # noqa: E731
+        progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
         stack.start(staggered=staggered, timeout=timeout, progress=progress)
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started

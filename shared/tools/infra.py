@@ -39,7 +39,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ def _spawn(argv: list[str], *, log_fh: Any, cwd: Path,
 
 
 # Strong references on purpose: a server whose object the caller dropped still gets stopped.
-_LIVE: "set[_EmbeddedServer]" = set()
+_LIVE: set[_EmbeddedServer] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -259,7 +260,7 @@ def _stop_all_at_exit() -> None:
     for server in servers:
         try:
             server.stop(grace=5.0)
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        except Exception:  # best effort at interpreter exit
             log.exception("failed to stop %s at exit", server.name)
 
 
@@ -325,7 +326,7 @@ class _EmbeddedServer:
         """True while the server process is alive (started and not exited)."""
         return self._proc is not None and self._exit_status() is None
 
-    def start(self, timeout: float | None = None) -> "_EmbeddedServer":
+    def start(self, timeout: float | None = None) -> _EmbeddedServer:
         """Launch the server and wait until it is ready; returns ``self``.
 
         Raises :class:`PortInUseError` if a fixed port is taken, :class:`InfraError` if the
@@ -458,7 +459,7 @@ class _EmbeddedServer:
         text = data.decode("utf-8", "replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def __enter__(self) -> "_EmbeddedServer":
+    def __enter__(self) -> _EmbeddedServer:
         if self._proc is None:
             self.start()
         return self
@@ -598,11 +599,11 @@ class EmbeddedNats(_EmbeddedServer):
     def monitor_port(self) -> int:
         return int(self.monitor_url.rsplit(":", 1)[1])
 
-    def start(self, timeout: float | None = None) -> "EmbeddedNats":
+    def start(self, timeout: float | None = None) -> EmbeddedNats:
         super().start(timeout)
         return self
 
-    def __enter__(self) -> "EmbeddedNats":
+    def __enter__(self) -> EmbeddedNats:
         super().__enter__()
         return self
 
@@ -744,11 +745,11 @@ class EmbeddedS3(_EmbeddedServer):
     def identities_path(self) -> Path:
         return self.data_dir / "s3-identities.json"
 
-    def start(self, timeout: float | None = None) -> "EmbeddedS3":
+    def start(self, timeout: float | None = None) -> EmbeddedS3:
         super().start(timeout)
         return self
 
-    def __enter__(self) -> "EmbeddedS3":
+    def __enter__(self) -> EmbeddedS3:
         super().__enter__()
         return self
 

@@ -164,7 +164,7 @@ class Stack:
     #: A :class:`Topology` or its value (``epd up --topology``).
     topology: Topology | str = Topology.E_PD
     api_port: int = 8000
-    replicas: dict[str, int] = field(default_factory=dict)
+    replicas: dict[Service, int] = field(default_factory=dict)
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     #: Service -> module that runs it instead of ``services.<service>`` (``service_command``).
     service_modules: dict[str, str] = field(default_factory=dict)
@@ -188,17 +188,17 @@ class Stack:
             raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(Topology)}") from None
 
     def start(self, *, staggered: bool = False, timeout: float = 600.0,
-              progress: Callable[[str], None] | None = None) -> "Stack":
+              progress: Callable[[str], None] | None = None) -> Stack:
         """Start every service of the topology. ``staggered``: the API, then one worker service at a
         time, each once the previous one is ready (:meth:`wait_ready`), so engines that each take
         all the cores to start (vLLM on a small CPU host) do not slow each other down."""
-        services = TOPOLOGIES[self.topology].services
+        services = TOPOLOGIES[Topology(self.topology)].services
         if not staggered:
             for service in services:
                 for i in range(self.replicas.get(service, 1)):
                     self.add(service, index=i)
             return self
-        workers = TOPOLOGIES[self.topology].worker_services
+        workers = TOPOLOGIES[Topology(self.topology)].worker_services
         for service in services:
             if service in workers:
                 continue
@@ -216,7 +216,8 @@ class Stack:
         """Start one more process of service ``name`` (``service_env`` / ``extra_env`` override the
         topology's environment)."""
         name = Service(name).value
-        env = {**self.env, **topology_env(self.topology), **self.service_env.get(name, {}), **(extra_env or {})}
+        env = {**self.env, **topology_env(Topology(self.topology)), **self.service_env.get(name, {}),
+               **(extra_env or {})}
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
         env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")
@@ -243,7 +244,7 @@ class Stack:
         role (a worker's service name; default: every worker service of the topology, replicas each).
         ``progress`` gets a line whenever what is ready changes (``epd up`` prints it)."""
         if roles is None:
-            roles = {s.value: self.replicas.get(s, 1) for s in TOPOLOGIES[self.topology].worker_services}
+            roles = {s.value: self.replicas.get(s, 1) for s in TOPOLOGIES[Topology(self.topology)].worker_services}
         started = time.monotonic()
         deadline = started + timeout
         health = None

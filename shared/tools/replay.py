@@ -320,7 +320,7 @@ async def replay_request(
     return ReplayOutcome(
         original_id=request_id, replay_id=replay_id, greedy=sampling.temperature == 0, seed=sampling.seed,
         recorded=case.final, recorded_error=case.error if case.final is None else None, result=result,
-        recorded_texts=[m.msg.text for m in case.chunks()],  # type: ignore[union-attr]
+        recorded_texts=[m.msg.text for m in case.chunks()],  # type: ignore[union-attr]  # chunks() holds TokenChunks only
         replay_texts=texts, elapsed_s=time.time() - received, notes=notes + case.notes,
     )
 

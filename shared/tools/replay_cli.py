@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace, body, *, prog: str = "epd replay") -> int:
         settings = _settings(args)
         try:
             nc = await _connect(settings)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise ServiceUnavailable(f"cannot connect to NATS at {redact_url(settings.nats_url)}: timed out") from exc
         try:
             return await body(nc, Subjects(settings.subject_prefix), settings)
@@ -166,7 +166,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         if args.json:
             _print_json([r.to_json() for r in rows])
         elif not rows:
-            print(f"no requests in the last {args.since:.0f} s" + (f" with status {args.status}" if args.status else ""))
+            status = f" with status {args.status}" if args.status else ""
+            print(f"no requests in the last {args.since:.0f} s{status}")
         else:
             for r in rows:
                 print(render_summary(r))
@@ -280,7 +281,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from shared.history import HistoryError
     from shared.tools import replay
 
-    doc = None
+    doc: dict[str, Any] = {}
 
     async def body(nc, subjects, settings) -> int:
         report = await replay.import_cases(nc, subjects, settings, doc, store=_store(settings))

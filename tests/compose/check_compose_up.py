@@ -77,7 +77,8 @@ class Compose:
                 "--env-file", str(self.env_file), "--profile", self.profile, *args]
         proc = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check:
-            assert proc.returncode == 0, f"{' '.join(argv[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            assert proc.returncode == 0, (f"{' '.join(argv[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                                          f"{proc.stderr[-3000:]}")
         return proc
 
     def up(self, *args: str) -> None:
@@ -315,7 +316,8 @@ def test_encoder_hung_then_killed_mid_request(compose, expected):
         log.info("encoder unhealthy; the request %s", "has ended" if request.done() else "is still waiting")
     finally:
         os.kill(pid, signal.SIGKILL)
-    wait_state(compose, "encoder", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(compose, "encoder", "restarted by the restart policy",
+               lambda s, h, n: n == before + 1 and s == "running")
     wait_state(compose, "encoder", "healthy again", lambda s, h, n: h == "healthy")
     assert request.result() == expected["encoder-fault"]
 
@@ -335,7 +337,8 @@ def test_prefill_killed_mid_stream(compose, expected):
     ids = stream_tokens(url, LONG_BODY, on_event=kill_after_first_tokens)
     assert killed and killed[0] < len(expected["long"]), f"the kill did not land mid-stream: {killed}"
     assert ids == expected["long"]
-    wait_state(compose, "prefill", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(compose, "prefill", "restarted by the restart policy",
+               lambda s, h, n: n == before + 1 and s == "running")
     wait_state(compose, "prefill", "healthy again", lambda s, h, n: h == "healthy")
     assert tokens_of(chat(url, BODY)) == expected["short"]
 

@@ -35,7 +35,8 @@ def env(name: str) -> str:
 def serve() -> None:
     bucket = env("EPD_S3_BUCKET")
     identities = {"identities": [
-        {"name": "root", "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
+        {"name": "root",
+         "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
          "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
         # What minio-init's policy grants the services: s3:* on the bucket and its objects, nothing else.
         {"name": "epd-services",

@@ -38,7 +38,7 @@ class S3ECConnector(ECConnectorBase):
     scheduler_class: type[ECScheduler] = ECScheduler
     worker_class: type[ECWorker] = ECWorker
 
-    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         inherit_vllm_log_handlers()
         ec_config = vllm_config.ec_transfer_config
@@ -61,13 +61,13 @@ class S3ECConnector(ECConnectorBase):
         )
 
     # -- construction seams ------------------------------------------------------------------------
-    def _make_scheduler(self, vllm_config: "VllmConfig") -> ECScheduler:
+    def _make_scheduler(self, vllm_config: VllmConfig) -> ECScheduler:
         return self.scheduler_class(
             config=self.config, store=self.store, is_producer=self.is_producer, is_consumer=self.is_consumer,
             embed_width=int(vllm_config.model_config.get_inputs_embeds_size()), stats=self.stats,
         )
 
-    def _make_worker(self, vllm_config: "VllmConfig") -> ECWorker:
+    def _make_worker(self, vllm_config: VllmConfig) -> ECWorker:
         return self.worker_class(store=self.store, is_producer=self.is_producer,
                                  model_dtype=vllm_config.model_config.dtype, stats=self.stats)
 
@@ -83,24 +83,24 @@ class S3ECConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         return self._scheduler().has_cache_item(identifier)
 
-    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         return self._scheduler().ensure_cache_available(request, num_computed_tokens)
 
     def take_unavailable_requests(self) -> set[str]:
         return self._scheduler().take_unavailable_requests()
 
-    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         self._scheduler().update_state_after_alloc(request, index)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ECConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "ECConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
         if isinstance(meta, S3ECWorkerMetadata) and meta.stats:
             self._scheduler().update_worker_stats(meta.stats)
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request)
 
     # -- worker side -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class ConnectorLifecycle:
         self.ready = threading.Event()
 
     @classmethod
-    def from_env(cls, store: ECStore) -> "ConnectorLifecycle | None":
+    def from_env(cls, store: ECStore) -> ConnectorLifecycle | None:
         url = os.environ.get("EPD_NATS_URL", "")
         if not url:
             log.info("EC connector: EPD_NATS_URL not set: no invalidation events, uses not recorded")

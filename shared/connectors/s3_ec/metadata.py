@@ -35,7 +35,7 @@ class S3ECWorkerMetadata(ECConnectorWorkerMetadata):
 
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> "S3ECWorkerMetadata":
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> S3ECWorkerMetadata:
         merged = S3ECStats(data={})
         merged.aggregate(S3ECStats(data=self.stats))
         merged.aggregate(S3ECStats(data=getattr(other, "stats", {}) or {}))

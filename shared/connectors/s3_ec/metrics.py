@@ -8,7 +8,8 @@ import contextlib
 import dataclasses
 import enum
 import threading
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
@@ -93,7 +94,7 @@ class S3ECStats(ECConnectorStats):
         return list(self.data.get(_SECONDS, {}).get(timing.value, []))
 
     # -- vLLM's interface
-    def aggregate(self, other: ECConnectorStats) -> "S3ECStats":
+    def aggregate(self, other: ECConnectorStats) -> S3ECStats:
         data = other.data or {}
         for outcome, by_reason in data.get(_LOOKUPS, {}).items():
             mine = self.data.setdefault(_LOOKUPS, {}).setdefault(outcome, {})
@@ -170,7 +171,7 @@ class S3ECPromMetrics(ECConnectorPromMetrics):
                         "epd:ec_connector_bytes_total", "EC object bytes moved by the connector.",
                         labelnames=names + ["direction"],
                     ),
-                    seconds=self._histogram_cls(
+                    seconds=self._histogram_cls(  # type: ignore[call-arg]  # vLLM types it as any metric class; it is a Histogram
                         "epd:ec_connector_seconds",
                         "EC connector latency: fetch (existence check + GET + validation) and save.",
                         labelnames=names + ["op"],

@@ -85,7 +85,7 @@ class ECScheduler:
         entry = self._objects.get(identifier)
         return self.is_consumer and entry is not None and entry.obj is not None
 
-    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.is_consumer:
             return True
         self._collect_finished_fetches()
@@ -119,7 +119,7 @@ class ECScheduler:
             else:
                 fresh = (entry is not None and entry.exists is not None
                          and now - entry.checked_at < self.config.exists_ttl_s)
-                if fresh and not entry.exists:
+                if fresh and entry is not None and not entry.exists:
                     self._decide(request, feature, LookupOutcome.MISS, MissReason.NOT_FOUND)
                 else:
                     if entry is None:
@@ -136,7 +136,7 @@ class ECScheduler:
         # through take_unavailable_requests it must not be admitted without its input)
         return not pending and not state.unavailable
 
-    def _admit_held(self, request: "Request", feature: Any, entry: StoredItem) -> None:
+    def _admit_held(self, request: Request, feature: Any, entry: StoredItem) -> None:
         assert entry.obj is not None
         want = feature.mm_position.get_num_embeds()
         if entry.obj.shape[0] != want:
@@ -155,7 +155,7 @@ class ECScheduler:
         self._objects.move_to_end(entry.identifier)
         self._requests[request.request_id].item(entry.identifier).outcome = LookupOutcome.HIT
 
-    def _decide(self, request: "Request", feature: Any, outcome: LookupOutcome, reason: MissReason) -> None:
+    def _decide(self, request: Request, feature: Any, outcome: LookupOutcome, reason: MissReason) -> None:
         """The item will not come from the store: vLLM encodes it locally (its pixels are in the
         request); without local input the request is reported unavailable."""
         rid = request.request_id
@@ -198,7 +198,7 @@ class ECScheduler:
 
     def _collect_finished_fetches(self) -> None:
         now = time.monotonic()
-        for ident in [i for i in self._fetching if self._objects[i].fetch.done()]:  # type: ignore[union-attr]
+        for ident in [i for i in self._fetching if self._objects[i].fetch.done()]:  # type: ignore[union-attr]  # _fetching holds only items with a fetch in flight
             self._fetching.discard(ident)
             entry = self._objects[ident]
             assert entry.fetch is not None
@@ -234,7 +234,7 @@ class ECScheduler:
         return failed
 
     # -- allocation and metadata -------------------------------------------------------------------
-    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         if not self.is_consumer:
             return
         ident = request.mm_features[index].identifier
@@ -255,7 +255,7 @@ class ECScheduler:
             if item.reason is None:
                 item.reason = MissReason.NOT_FOUND
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> S3ECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> S3ECMetadata:
         meta = S3ECMetadata(loads=list(self._outbox.values()))
         self._outbox.clear()
         self.apply_invalidations()
@@ -271,7 +271,7 @@ class ECScheduler:
         with self._stats.record() as stats:
             stats.aggregate(S3ECStats(data=data))
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         state = self._requests.pop(rid, None)
         for feature in request.mm_features:

@@ -67,7 +67,7 @@ class ECWorker:
             if ident in encoder_cache and valid_identifier(ident):
                 try:
                     stored = self.store.exists(ident)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - an existence check failure only means: not stored
                     log.warning("EC existence check of %s failed: %s", ident, exc)
                     stored = False
                 if not stored:

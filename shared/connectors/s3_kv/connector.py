@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 class S3KVConnector(KVConnectorBase_V1):
     """vLLM KV connector over the epd-serve KV store (see :mod:`shared.connectors.s3_kv`)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes one
         inherit_vllm_log_handlers()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, "kv_connector_extra_config")
@@ -74,10 +75,13 @@ class S3KVConnector(KVConnectorBase_V1):
         when the cache spec is of a kind this cannot read (the worker still checks every block's
         shape against the cache itself). The block's exact shape depends on the attention backend
         - ``[kv_heads, block_size, 2 * head_size]`` on the CPU."""
+
+        def layout_of(spec: Any) -> tuple[int, str]:  # an attention spec; other kinds raise AttributeError
+            return 2 * spec.num_kv_heads * spec.head_size * self.block_size, safetensors_dtype(spec.dtype)
+
         try:
             return {
-                name: (2 * group.kv_cache_spec.num_kv_heads * group.kv_cache_spec.head_size * self.block_size,
-                       safetensors_dtype(group.kv_cache_spec.dtype))
+                name: layout_of(group.kv_cache_spec)
                 for group in self._kv_cache_config.kv_cache_groups
                 for name in group.layer_names
             }
@@ -94,28 +98,28 @@ class S3KVConnector(KVConnectorBase_V1):
         return self.connector_worker
 
     # -- scheduler side ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._scheduler().update_state_after_alloc(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._scheduler().on_new_request(request)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, S3KVWorkerMetadata):
             self._scheduler().update_worker_output(meta)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request)
 
     # -- worker side -------------------------------------------------------------------------------
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, S3KVMetadata):
             self._worker().start_load_kv(forward_context, meta)

@@ -49,7 +49,7 @@ class S3KVWorkerMetadata(KVConnectorWorkerMetadata):
     #: recomputes the blocks)
     load_failures: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "S3KVWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> S3KVWorkerMetadata:
         merged = dict(self.load_failures)
         merged.update(getattr(other, "load_failures", {}) or {})
         return S3KVWorkerMetadata(load_failures=merged)

@@ -61,7 +61,7 @@ class KVScheduler:
         return state
 
     # -- consumer --------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.is_consumer:
             return 0, False
         rid = request.request_id
@@ -91,7 +91,7 @@ class KVScheduler:
         load.offered_from = num_computed_tokens
         return load_to - num_computed_tokens, False
 
-    def _poll_fetch(self, request: "Request", state: RequestState) -> bool:
+    def _poll_fetch(self, request: Request, state: RequestState) -> bool:
         """Start or check the request's fetch; True once it is decided."""
         load = state.load
         assert load is not None and load.handoff is not None
@@ -138,12 +138,12 @@ class KVScheduler:
         return check_kv_object(obj, prompt, self.block_size, self._layout)
 
     # -- both --------------------------------------------------------------------------------------
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         # cached requests' scheduler data lacks the prompt: keep the request objects we save for
         if self.is_producer and (request.kv_transfer_params or {}).get(DO_REMOTE_DECODE):
             self._state(request.request_id).request = request
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         rid = request.request_id
         state = self._requests.get(rid)
         load = state.load if state is not None else None
@@ -162,7 +162,7 @@ class KVScheduler:
             return
         self._state(rid).save = SaveState(target, key)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> S3KVMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> S3KVMetadata:
         meta = S3KVMetadata()
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -184,7 +184,7 @@ class KVScheduler:
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
             save = state.save if state is not None else None
-            if save is None or save.done is not None:
+            if state is None or save is None or save.done is not None:
                 continue
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
@@ -212,7 +212,7 @@ class KVScheduler:
             if state is not None:
                 state.source, state.reason = Source.RECOMPUTED, MissReason(reason)
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None

@@ -36,7 +36,7 @@ class KVWorker:
         self._lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------------------------
-    def start_load_kv(self, forward_context: "ForwardContext", meta: S3KVMetadata) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, meta: S3KVMetadata) -> None:
         if not meta.loads:
             return
         layers = {

@@ -51,7 +51,8 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--output-tokens", type=parse_range, metavar="MIN,MAX", help="output length in tokens (32)")
     run.add_argument("--turns", type=int, help="turns per conversation about one image (1)")
     run.add_argument("--seed", type=int, help="workload seed (0)")
-    run.add_argument("--slo", type=parse_slo, metavar="ttft=MS,tpot=MS,e2e=MS", help="report goodput under these bounds")
+    run.add_argument("--slo", type=parse_slo, metavar="ttft=MS,tpot=MS,e2e=MS",
+                     help="report goodput under these bounds")
     run.add_argument("--label", default="", help="a name for this run in reports and comparisons")
     run.add_argument("--out", metavar="FILE.json", help="write the result here")
     run.add_argument("--timeout", type=float, default=None, metavar="S",

@@ -221,7 +221,7 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
     from shared.jetstream import connect, redact_url
     from shared.protocol import Subjects
 
-    overrides = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
+    overrides: dict[str, Any] = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
     try:
         settings = CommonSettings(**overrides)
     except ValueError as exc:  # settings validation (e.g. a bad --prefix)
@@ -231,7 +231,7 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
         try:
             nc = await asyncio.wait_for(connect(settings, name="epd-plan", connect_timeout=5.0, allow_reconnect=False,
                                                 max_reconnect_attempts=1), timeout=15.0)
-        except (asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise PlanError(f"cannot connect to NATS at {redact_url(settings.nats_url)}: {exc or 'timed out'}") from exc
         try:
             return await records_from_streams(nc, Subjects(settings.subject_prefix), since_s=since_s, limit=limit)

@@ -42,7 +42,8 @@ def parse_slo(text: str) -> dict[str, float]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise argparse.ArgumentTypeError(f"invalid SLO {part!r}: use e.g. ttft=500,tpot=50 (ms; keys ttft, tpot, e2e)")
+            raise argparse.ArgumentTypeError(
+                f"invalid SLO {part!r}: use e.g. ttft=500,tpot=50 (ms; keys ttft, tpot, e2e)")
         try:
             bound = float(value)
         except ValueError:

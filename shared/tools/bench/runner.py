@@ -250,7 +250,9 @@ async def read_timeline(client: httpx.AsyncClient,
     return stages, exclusive_stage_times(doc), sources
 
 
-async def add_timelines(client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool) -> list[RequestRecord]:
+async def add_timelines(
+    client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool
+) -> list[RequestRecord]:
     from tqdm import tqdm
 
     limit = asyncio.Semaphore(TIMELINE_CONCURRENCY)
@@ -313,7 +315,7 @@ async def _run_point(client: httpx.AsyncClient, spec: WorkloadSpec, *, model: st
 
     try:
         if rate:  # open loop: send at the planned arrivals
-            tasks = []
+            tasks: list[asyncio.Task[Any]] = []
             for req in plan:
                 if spec.requests is not None and len(tasks) >= spec.requests:
                     break

@@ -303,7 +303,7 @@ def plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int = 0) -
         rate = spec.rate
     if spec.requests is None and (spec.duration_s is None or not rate):
         raise ValueError("a duration-only workload without a rate has no fixed length: use iter_plan")
-    out = []
+    out: list[PlannedRequest] = []
     for req in iter_plan(spec, rate=rate, run_index=run_index):
         if spec.requests is not None and len(out) >= spec.requests:
             break
@@ -330,7 +330,8 @@ def image_bytes(seed: int, run_index: int, image_id: int, width: int, height: in
         pixels[..., c] = (base[c] + 45 * np.sin(freq[c, 0] * 2 * np.pi * x + phase[c, 0])[None, :]
                           + 45 * np.sin(freq[c, 1] * 2 * np.pi * y + phase[c, 1])[:, None])
     cells = rng.integers(0, 256, (max(1, height // 32), max(1, width // 32), 3), dtype=np.uint8)
-    pixels += np.asarray(Image.fromarray(cells, "RGB").resize((width, height), Image.BILINEAR), np.float32) * 0.4 - 51
+    blocks = Image.fromarray(cells, "RGB").resize((width, height), Image.Resampling.BILINEAR)
+    pixels += np.asarray(blocks, np.float32) * 0.4 - 51
     pixels += rng.integers(-10, 11, (height, width, 3), dtype=np.int8)
     buf = io.BytesIO()
     Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").save(buf, format="JPEG", quality=90)

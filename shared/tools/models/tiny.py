@@ -260,7 +260,7 @@ def _build_qwen2_tokenizer():
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token=None,
+        unk_token=None,  # type: ignore[arg-type]  # Qwen2 has no unk token; transformers takes None
         model_max_length=32768,
         errors="replace",
         split_special_tokens=False,
@@ -274,8 +274,8 @@ def _build_llama_tokenizer():
     words = ["\u2581" + w for w in _CORPUS.split()]
     merges = _learn_bpe(words, _NUM_MERGES)
     vocab: dict[str, int] = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
     for ch in sorted({c for w in words for c in w}):
         vocab.setdefault(ch, len(vocab))
     for a, b in merges:
@@ -435,7 +435,7 @@ def _llava_config(spec: SizeSpec, tok) -> Any:
             pad_token_id=tok.pad_token_id,
             tie_word_embeddings=False,
         ),
-        image_token_id=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        image_token_index=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
         image_seq_length=(spec.clip_image_size // 14) ** 2,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
@@ -516,7 +516,12 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
     Returns the folder path. Same arguments -> byte-identical files.
     """
     import torch
-    from transformers import GenerationConfig, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        LlavaForConditionalGeneration,
+        PreTrainedModel,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.initialization import no_init_weights
 
     if arch not in ARCHS:
@@ -532,7 +537,7 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
         tok = _build_qwen2_tokenizer()
         config = _qwen2_vl_config(spec, tok)
         processor = _qwen2_vl_processor(spec, tok)
-        model_cls = Qwen2VLForConditionalGeneration
+        model_cls: type[PreTrainedModel] = Qwen2VLForConditionalGeneration
         eos_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
         gen_config = GenerationConfig(
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
