@@ -20,7 +20,6 @@ import torch
 from shared.engines.base import GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.transformers_batch import BatchDecoder
 from shared.engines.transformers_engine import TransformersEngine
-from shared.engines.transformers_state import DecodeStream
 from shared.errors import InvalidRequest
 from shared.store.kv import KVObject
 from shared.tools.models.tiny import build_tiny_model

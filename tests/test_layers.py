@@ -184,7 +184,8 @@ VIOLATIONS = {
     "tools-on-top": ("shared/worker.py", "def f():\n    from shared.tools import replay\n"),
     # a type-only import back: ec_lifecycle <- features already imports the other way
     "acyclic": ("services/prefill/ec_lifecycle.py",
-                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.prefill.features import FeatureCache\n"),
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from services.prefill.features import FeatureCache\n"),
 }
 
 
@@ -419,7 +420,8 @@ def test_bench_checks_see_violations():
                                                                           "tests.test_x:1 imports bench.run"]
     # Controls: bench may import the library, the tools, its siblings and third-party modules;
     # the tools' own bench package is not the bench scripts.
-    ok = "import harness as h\nfrom shared.tools.bench.schema import WorkloadSpec\nfrom shared.cpus import split_cpus\n" \
+    ok = "import harness as h\nfrom shared.tools.bench.schema import WorkloadSpec\n" \
+         "from shared.cpus import split_cpus\n" \
          "import httpx\nfrom tests.epdup import EpdUp\n"
     assert bench_imports("p4", ok) == []
     assert imports_of_bench("shared.tools.cli", "from shared.tools.bench import plan\n") == []
@@ -470,7 +472,8 @@ def test_subject_check_sees_violations():
            'adv = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.C"\n'
            'kv = f"$KV.{bucket}.{key}"\n')
     assert hand_built_subjects("shared.store.janitor", src) == [
-        "shared.store.janitor:1 builds a subject from the prefix", "shared.store.janitor:2 builds a subject from the prefix",
+        "shared.store.janitor:1 builds a subject from the prefix",
+        "shared.store.janitor:2 builds a subject from the prefix",
         "shared.store.janitor:3 builds a subject from the prefix",
         "shared.store.janitor:4 spells '$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.C'",
         "shared.store.janitor:5 spells '$KV.'"]

@@ -20,8 +20,8 @@ bit for bit, so a request alone in a decode worker decodes exactly like the aggr
 
 Numerics: with two or more rows the matmuls run with M = rows instead of 1 and attention runs
 over the padded column count, so logits can differ from the single-request run in the last bits
-(measured on the tiny models: see docs/operations.md, "Batching and bit-identity"). Greedy tokens are equal unless two logits
-tie within that difference.
+(measured on the tiny models: see docs/operations.md, "Batching and bit-identity"). Greedy tokens are
+equal unless two logits tie within that difference.
 
 Not thread-safe: call it from the engine's compute thread only.
 

@@ -97,7 +97,7 @@ class DecodeState:
         return tensors, meta
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: Any) -> "DecodeState":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: Any) -> DecodeState:
         """Rebuild a state written by :meth:`to_tensors` (``config``: the model config)."""
         from transformers import DynamicCache
 
@@ -212,7 +212,8 @@ class IncrementalDetokenizer:
 
 def special_token_ids_of(tokenizer: Any) -> frozenset[int]:
     """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
-    ids = {int(i) for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(tok, "special", False)}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    ids = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
     ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None)
     return frozenset(ids)
 

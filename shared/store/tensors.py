@@ -5,7 +5,6 @@ state <-> KV object in :mod:`shared.engines.transformers_state`."""
 
 from __future__ import annotations
 
-from typing import cast
 
 import torch
 
