@@ -4,6 +4,8 @@ use this module): the features tensor is the object's one tensor, the Qwen2-VL i
 
 from __future__ import annotations
 
+from typing import cast
+
 from shared.engines.base import EncodedImage
 from shared.store.format import ECObject
 from shared.store.tensors import raw_to_tensor
@@ -17,5 +19,5 @@ def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
     grid = obj.extra.get("grid_thw")
     return EncodedImage(
         features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
-        grid_thw=tuple(int(x) for x in grid) if grid else None,
+        grid_thw=cast("tuple[int, int, int]", tuple(int(x) for x in grid)) if grid else None,
     )
