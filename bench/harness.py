@@ -143,17 +143,27 @@ class Bench:
         env.update(overrides)
         return env
 
-    def start(self, specs: dict[str, tuple[str, dict[str, str]]], model: Path, *,
-              timeout: float = 600.0, service_env: dict[str, dict[str, dict[str, str]]] | None = None,
-              ) -> dict[str, BenchStack]:
+    def start(
+        self,
+        specs: dict[str, tuple[str, dict[str, str]]],
+        model: Path,
+        *,
+        timeout: float = 600.0,
+        service_env: dict[str, dict[str, dict[str, str]]] | None = None,
+    ) -> dict[str, BenchStack]:
         """Start one stack per ``label -> (topology, EPD_* overrides)``, all at once (they load their
         engines in parallel), and wait until every one is ready (an API heartbeat from each worker).
         ``service_env``: label -> service (``encoder``, ``prefill``, ...) -> more environment for
         that service only (e.g. one engine's core binding)."""
         started: dict[str, BenchStack] = {}
         for label, (topology, overrides) in specs.items():
-            stack = Stack(env=self.env(model, **overrides), log_dir=self.work / "logs" / label, topology=topology,
-                          api_port=free_port(), service_env=dict((service_env or {}).get(label, {})))
+            stack = Stack(
+                env=self.env(model, **overrides),
+                log_dir=self.work / "logs" / label,
+                topology=topology,
+                api_port=free_port(),
+                service_env=dict((service_env or {}).get(label, {})),
+            )
             bs = BenchStack(label, stack, model.name)
             self.stacks.append(bs)
             started[label] = bs
@@ -161,8 +171,11 @@ class Bench:
         t = time.perf_counter()
         for bs in started.values():
             bs.stack.wait_ready(timeout=timeout)
-        print(f"stacks ready ({', '.join(f'{k}: {v[0]}' for k, v in specs.items())}) in "
-              f"{time.perf_counter() - t:.1f}s; logs under {self.work / 'logs'}", flush=True)
+        print(
+            f"stacks ready ({', '.join(f'{k}: {v[0]}' for k, v in specs.items())}) in "
+            f"{time.perf_counter() - t:.1f}s; logs under {self.work / 'logs'}",
+            flush=True,
+        )
         return started
 
     def close(self) -> None:
@@ -188,8 +201,10 @@ def _raise_interrupt(*_: object) -> None:
 
 
 # -- requests ----------------------------------------------------------------------------------
-_WORDS = ("describe the picture in detail and name every colour shape and object you can see in it "
-          "then say what might happen next").split()
+_WORDS = (
+    "describe the picture in detail and name every colour shape and object you can see in it "
+    "then say what might happen next"
+).split()
 
 
 def prompt(words: int, salt: int = 0) -> str:
@@ -199,8 +214,15 @@ def prompt(words: int, salt: int = 0) -> str:
 def chat_body(model: str, text: str, images: Sequence[str] = (), *, max_tokens: int = 8) -> dict[str, Any]:
     parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in images]
     parts.append({"type": "text", "text": text})
-    return {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
 
 
 @dataclass
@@ -242,8 +264,10 @@ async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Pro
 
 
 def client(timeout: float = 600.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0),
-                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=30.0),
+        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+    )
 
 
 async def timeline(http: httpx.AsyncClient, url: str, request_id: str) -> dict[str, Any]:
@@ -371,8 +395,14 @@ class Ratio:
 
     def line(self) -> str:
         fmt = "{:.2f}" if not self.unit else "{:.1f}"
-        spread = (f" [{fmt.format(min(self.values))}-{fmt.format(max(self.values))}]{self.unit}, "
-                  f"{len(self.values)} {self.per}") if self.values else ""
+        spread = (
+            (
+                f" [{fmt.format(min(self.values))}-{fmt.format(max(self.values))}]{self.unit}, "
+                f"{len(self.values)} {self.per}"
+            )
+            if self.values
+            else ""
+        )
         text = f"{self.name} = {fmt.format(self.median)}{self.unit if not spread else ''}{spread}"
         if self.target is None:
             return text + " (no target: reported)"
@@ -405,11 +435,13 @@ def merge(label: str, runs: Sequence[Run]) -> BenchResult:
             points.setdefault((rr.rate, rr.concurrency), []).append(rr)
     merged = []
     for (rate, concurrency), rrs in points.items():
-        records = [msgspec.structs.replace(rec, index=i)
-                   for i, rec in enumerate(rec for rr in rrs for rec in rr.requests)]
+        records = [
+            msgspec.structs.replace(rec, index=i) for i, rec in enumerate(rec for rr in rrs for rec in rr.requests)
+        ]
         duration = sum(rr.summary.duration_s for rr in rrs)
-        merged.append(RunResult(rate=rate, concurrency=concurrency, requests=tuple(records),
-                                summary=summarize(records, duration)))
+        merged.append(
+            RunResult(rate=rate, concurrency=concurrency, requests=tuple(records), summary=summarize(records, duration))
+        )
     return msgspec.structs.replace(results[0], label=label, runs=tuple(merged))
 
 
@@ -424,12 +456,17 @@ def save(out_dir: Path | None, sides: dict[str, Sequence[Run]]) -> None:
     for side, runs in sides.items():
         if any(r.result is not None for r in runs):
             (out_dir / f"{side}.json").write_bytes(dump(merge(side, runs)))
-    print(f"wrote {', '.join(f'{s}.json' for s in sides)} to {out_dir} (epd bench compare ... --plots DIR)",
-          flush=True)
+    print(f"wrote {', '.join(f'{s}.json' for s in sides)} to {out_dir} (epd bench compare ... --plots DIR)", flush=True)
 
 
-def common_args(parser: argparse.ArgumentParser, *, reps: int = 3, requests: int | None = 8,
-                images: bool = False, model_size: str = "bench") -> None:
+def common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    reps: int = 3,
+    requests: int | None = 8,
+    images: bool = False,
+    model_size: str = "bench",
+) -> None:
     """The flags every script has; ``images``: also --image-size and --max-tokens (image workloads)."""
     parser.add_argument("--reps", type=int, default=reps, help="repetitions per side (alternating)")
     parser.add_argument("--model-size", default=model_size, choices=["bench", "tiny"])
@@ -442,9 +479,15 @@ def common_args(parser: argparse.ArgumentParser, *, reps: int = 3, requests: int
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, data)")
 
 
-def run_stacks(name: str, args: argparse.Namespace, specs: dict[str, tuple[str, dict[str, str]]],
-               measure: Any, *, ready_timeout: float = 600.0,
-               service_env: dict[str, dict[str, dict[str, str]]] | None = None) -> int:
+def run_stacks(
+    name: str,
+    args: argparse.Namespace,
+    specs: dict[str, tuple[str, dict[str, str]]],
+    measure: Any,
+    *,
+    ready_timeout: float = 600.0,
+    service_env: dict[str, dict[str, dict[str, str]]] | None = None,
+) -> int:
     """A script's body: start ``specs`` (:meth:`Bench.start`) on the ``--model-size`` model, run
     ``asyncio.run(measure(args, stacks))``, stop everything, print the figures (:func:`finish`).
     ``ready_timeout``: a hang bound on the stacks' start (vLLM engines take minutes on 2 cores);

@@ -41,9 +41,9 @@ def main() -> None:
 
     from shared.engines.base import GenerationStats, SamplingParams
     from shared.engines.vllm_engine import VllmEngine
+    from shared.store.objects import S3ObjectStore
     from shared.tools.infra import EmbeddedS3
     from shared.tools.models.tiny import build_tiny_model
-    from shared.store.objects import S3ObjectStore
     from tests.stackutil import engine_messages
     from tests.vllmutil import media
 
@@ -58,8 +58,13 @@ def main() -> None:
     try:
         os.environ["EPD_BENCH_AK"], os.environ["EPD_BENCH_SK"] = s3.access_key, s3.secret_key
         S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, "bench").ensure_bucket()
-        config = {"endpoint": s3.endpoint, "bucket": "bench", "namespace": "bench",
-                  "access_key_env": "EPD_BENCH_AK", "secret_key_env": "EPD_BENCH_SK"}
+        config = {
+            "endpoint": s3.endpoint,
+            "bucket": "bench",
+            "namespace": "bench",
+            "access_key_env": "EPD_BENCH_AK",
+            "secret_key_env": "EPD_BENCH_SK",
+        }
         common = dict(dtype="float32", work_dir=work / "vllm", engine_args={"enable_prefix_caching": False})
         producer = VllmEngine(model, kv_role="kv_producer", ec_extra_config=config, **common)
         engines.append(producer)
@@ -79,8 +84,9 @@ def main() -> None:
 
             stats = GenerationStats()
             t = time.perf_counter()
-            kv = producer.prefill_for_handoff(messages, items, params, request_name=f"b{uuid.uuid4().hex[:12]}",
-                                              attempt=0, stats=stats)
+            kv = producer.prefill_for_handoff(
+                messages, items, params, request_name=f"b{uuid.uuid4().hex[:12]}", attempt=0, stats=stats
+            )
             prefill = time.perf_counter() - t
 
             dstats = GenerationStats()
@@ -95,8 +101,10 @@ def main() -> None:
                 prompt_tokens = stats.prompt_tokens
 
         base = statistics.median(times["aggregated"])
-        print(f"model {model.name}, {prompt_tokens} prompt tokens, {args.max_tokens} output tokens, "
-              f"{args.rounds} rounds (medians; outputs equal in every round)")
+        print(
+            f"model {model.name}, {prompt_tokens} prompt tokens, {args.max_tokens} output tokens, "
+            f"{args.rounds} rounds (medians; outputs equal in every round)"
+        )
         for key, values in times.items():
             med = statistics.median(values)
             note = "  (producer engine)" if key == "prefill" else ""

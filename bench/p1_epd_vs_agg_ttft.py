@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
+
 from shared.tools.bench.schema import WorkloadSpec
 
 TARGETS = {1: 1.0, 4: 0.6}
@@ -30,9 +31,14 @@ TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
 
 
 def spec(args: argparse.Namespace, seed: int, concurrency: int, requests: int) -> WorkloadSpec:
-    return WorkloadSpec(seed=seed, requests=requests, concurrency=concurrency,
-                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
-                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+    return WorkloadSpec(
+        seed=seed,
+        requests=requests,
+        concurrency=concurrency,
+        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+        prompt_words=(16, 16),
+        output_tokens=(args.max_tokens, args.max_tokens),
+    )
 
 
 async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
@@ -56,13 +62,17 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
         for rep, sides in by_rep.items():
             agg, epd = (h.pct([t for run in sides[s] for t in run.ttfts()], 50) for s in SIDES)
             ratio.add(epd / agg)
-            print(f"  c={c} rep {rep}: TTFT p50 agg {agg * 1e3:.0f} ms, E|PD {epd * 1e3:.0f} ms -> {epd / agg:.2f}",
-                  flush=True)
+            print(
+                f"  c={c} rep {rep}: TTFT p50 agg {agg * 1e3:.0f} ms, E|PD {epd * 1e3:.0f} ms -> {epd / agg:.2f}",
+                flush=True,
+            )
         for side in SIDES:
             recs = [rec for sides in by_rep.values() for run in sides[side] for rec in run.ok()]
             ttfts = [r.ttft_s for r in recs if r.ttft_s is not None]
-            print(f"  c={c} {side:>3}: TTFT p50 {h.pct(ttfts, 50) * 1e3:.0f} ms, p90 {h.pct(ttfts, 90) * 1e3:.0f} ms "
-                  f"({len(ttfts)} requests); stage means: {h.format_stages(h.stage_means(recs))}")
+            print(
+                f"  c={c} {side:>3}: TTFT p50 {h.pct(ttfts, 50) * 1e3:.0f} ms, p90 {h.pct(ttfts, 90) * 1e3:.0f} ms "
+                f"({len(ttfts)} requests); stage means: {h.format_stages(h.stage_means(recs))}"
+            )
         figures.append(ratio)
     h.save(args.out, runs)
     return figures
@@ -72,8 +82,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     h.common_args(parser, reps=3, requests=8, images=True)
     parser.add_argument("--concurrency", default="1,4", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--slot", type=int, default=None,
-                        help="requests per turn of a side (default: 1 at concurrency 1, else all of a repetition's)")
+    parser.add_argument(
+        "--slot",
+        type=int,
+        default=None,
+        help="requests per turn of a side (default: 1 at concurrency 1, else all of a repetition's)",
+    )
     args = parser.parse_args()
     return h.run_stacks("p1", args, {s: (TOPOLOGY[s], {}) for s in SIDES}, measure)
 

@@ -26,17 +26,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
+
 from shared.tools.bench.schema import WorkloadSpec
 
 TARGET = 0.25
-PATHS = {"cache": ("worker local cache", "local_cache", {}),
-         "store": ("S3 store, local cache off", "store", {"EPD_LOCAL_CACHE_BYTES": "0"})}
+PATHS = {
+    "cache": ("worker local cache", "local_cache", {}),
+    "store": ("S3 store, local cache off", "store", {"EPD_LOCAL_CACHE_BYTES": "0"}),
+}
 
 
 def spec(args: argparse.Namespace, seed: int, requests: int) -> WorkloadSpec:
-    return WorkloadSpec(seed=seed, requests=requests, concurrency=1,
-                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
-                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+    return WorkloadSpec(
+        seed=seed,
+        requests=requests,
+        concurrency=1,
+        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+        prompt_words=(16, 16),
+        output_tokens=(args.max_tokens, args.max_tokens),
+    )
 
 
 async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
@@ -67,8 +75,10 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
             ratio.add(w50 / c50)
             cold_all += cold_rep
             warm_all += warm_rep
-            print(f"  {path} rep {rep}: TTFT p50 cold {c50 * 1e3:.0f} ms, stored {w50 * 1e3:.0f} ms -> {w50 / c50:.2f}",
-                  flush=True)
+            print(
+                f"  {path} rep {rep}: TTFT p50 cold {c50 * 1e3:.0f} ms, stored {w50 * 1e3:.0f} ms -> {w50 / c50:.2f}",
+                flush=True,
+            )
         print(f"  {path}: EC sources of the stored requests: {dict(sources)} (expected: {want})")
         if set(sources) != {want}:
             print(f"  WARNING {path}: not every stored request took its features from {want}")

@@ -26,8 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
-from shared.tools.bench.schema import WorkloadSpec
+
 from shared.cpus import available_cpus, split_cpus
+from shared.tools.bench.schema import WorkloadSpec
 
 SIDES = ("agg", "epd")
 TOPOLOGY = {"agg": "agg", "epd": "e-pd"}
@@ -36,9 +37,14 @@ TARGETS = {"transformers": {50: 3.0}, "vllm": {50: 1.5, 99: 3.0}}
 
 
 def burst_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
-    return WorkloadSpec(seed=seed, requests=args.burst, concurrency=args.burst,
-                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
-                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+    return WorkloadSpec(
+        seed=seed,
+        requests=args.burst,
+        concurrency=args.burst,
+        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+        prompt_words=(16, 16),
+        output_tokens=(args.max_tokens, args.max_tokens),
+    )
 
 
 async def probe(http, bs: h.BenchStack, i: int, max_tokens: int) -> h.Probe:
@@ -62,15 +68,18 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
     server = f"{first[0] * 1e3:.0f} ms" if first else "?"
     timings = h.final_timings(doc)
     worker = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(timings.items()) if isinstance(v, (int, float)))
-    return (f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
-            f"stages: {h.format_stages(stages)}; worker: {worker}")
+    return (
+        f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
+        f"stages: {h.format_stages(stages)}; worker: {worker}"
+    )
 
 
 async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tuple[list[float], list[float], h.Run]:
     async with h.client() as http:
         idle = [(await probe(http, bs, i, args.probe_tokens)).ttft_s for i in range(args.probes)]
-        burst = asyncio.create_task(h.run_load(bs, burst_spec(args, seed), label=f"p4-{bs.label}-burst-{seed}",
-                                               timelines=False))
+        burst = asyncio.create_task(
+            h.run_load(bs, burst_spec(args, seed), label=f"p4-{bs.label}-burst-{seed}", timelines=False)
+        )
         probes: list[h.Probe] = []
         while not burst.done():  # a probe in flight when the burst ends was sent during it: counted
             probes.append(await probe(http, bs, 100 + len(probes), args.probe_tokens))
@@ -85,12 +94,18 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
     async with h.client() as http:  # warm-up, not counted
         for side in SIDES:
             await probe(http, stacks[side], 0, args.probe_tokens)
-            await h.run_load(stacks[side], burst_spec(args, 1 + SIDES.index(side)), label=f"warmup-{side}",
-                             timelines=False)
+            await h.run_load(
+                stacks[side], burst_spec(args, 1 + SIDES.index(side)), label=f"warmup-{side}", timelines=False
+            )
     name = {"agg": "agg", "epd": "E|PD"}
-    figures = {(side, q): h.Ratio(f"P4 {name[side]} ({args.engine}): text TTFT p{q} during burst / idle",
-                                  target=TARGETS[args.engine].get(q) if side == "epd" else None)
-               for side in SIDES for q in (50, 99)}
+    figures = {
+        (side, q): h.Ratio(
+            f"P4 {name[side]} ({args.engine}): text TTFT p{q} during burst / idle",
+            target=TARGETS[args.engine].get(q) if side == "epd" else None,
+        )
+        for side in SIDES
+        for q in (50, 99)
+    }
     pooled: dict[str, tuple[list[float], list[float]]] = {s: ([], []) for s in SIDES}
     runs: dict[str, list[h.Run]] = {f"{s}-burst": [] for s in SIDES}
     for rep, side in h.alternate(args.reps, SIDES):
@@ -104,13 +119,19 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
             figures[(side, q)].add(b / i)
             parts.append(f"p{q} idle {i * 1e3:.0f} ms, burst {b * 1e3:.0f} ms -> {b / i:.1f}x")
         burst_ttft = h.pct(run.ttfts(), 50)
-        print(f"  rep {rep} {side:>3}: {len(busy)} probes during the burst; " + "; ".join(parts)
-              + f"; burst image TTFT p50 {burst_ttft:.2f} s (load {h.load_average()})", flush=True)
+        print(
+            f"  rep {rep} {side:>3}: {len(busy)} probes during the burst; "
+            + "; ".join(parts)
+            + f"; burst image TTFT p50 {burst_ttft:.2f} s (load {h.load_average()})",
+            flush=True,
+        )
     for side in SIDES:
         idle, busy = pooled[side]
-        print(f"  {side:>3} pooled: idle p50 {h.pct(idle, 50) * 1e3:.0f} ms p99 {h.pct(idle, 99) * 1e3:.0f} ms "
-              f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms "
-              f"({len(busy)})")
+        print(
+            f"  {side:>3} pooled: idle p50 {h.pct(idle, 50) * 1e3:.0f} ms p99 {h.pct(idle, 99) * 1e3:.0f} ms "
+            f"({len(idle)}), burst p50 {h.pct(busy, 50) * 1e3:.0f} ms p99 {h.pct(busy, 99) * 1e3:.0f} ms "
+            f"({len(busy)})"
+        )
     h.save(args.out, runs)
     return list(figures.values())
 
@@ -126,10 +147,17 @@ def main() -> int:
     # vLLM: E|PD's encoder and PD worker on their own CPUs, as `epd up --engine vllm` binds them
     # (vLLM alone puts every engine on CPU 0 of 2); agg's one engine as vLLM binds it.
     split = split_cpus(available_cpus(), ["encoder", "prefill"])
-    service_env = {"epd": {svc: {"EPD_CPU_CORES": cores} for svc, cores in split.items()}} \
-        if args.engine == "vllm" else {}
-    return h.run_stacks("p4", args, {s: (TOPOLOGY[s], {"EPD_ENGINE": args.engine}) for s in SIDES}, measure,
-                        ready_timeout=1200.0 if args.engine == "vllm" else 600.0, service_env=service_env)
+    service_env = (
+        {"epd": {svc: {"EPD_CPU_CORES": cores} for svc, cores in split.items()}} if args.engine == "vllm" else {}
+    )
+    return h.run_stacks(
+        "p4",
+        args,
+        {s: (TOPOLOGY[s], {"EPD_ENGINE": args.engine}) for s in SIDES},
+        measure,
+        ready_timeout=1200.0 if args.engine == "vllm" else 600.0,
+        service_env=service_env,
+    )
 
 
 if __name__ == "__main__":

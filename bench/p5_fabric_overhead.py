@@ -27,14 +27,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
+
 from shared.tools.bench.runner import parse_timeline
 
 TARGET_MS = 2.0
 
 
 async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
-    overhead = h.Ratio("P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS,
-                       unit=" ms")
+    overhead = h.Ratio(
+        "P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS, unit=" ms"
+    )
     e2e_fig = h.Ratio("P5 client E2E p50 (same requests)", unit=" ms")
     parts: dict[str, list[float]] = {}
     async with h.client() as http:
@@ -54,24 +56,34 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
                 compute = t.get("prefill_s", 0.0) + t.get("decode_s", 0.0)
                 server_e2e = doc["case"]["summary"].get("e2e_s") or 0.0
                 stages, _ = parse_timeline(doc)
-                rows.append({"overhead": p.e2e_s - compute, "e2e": p.e2e_s, "compute": compute,
-                             "api side (E2E - worker total)": p.e2e_s - t.get("total_s", 0.0),
-                             "worker side (total - compute)": t.get("total_s", 0.0) - compute,
-                             "server side (server E2E - compute)": server_e2e - compute,
-                             "HTTP (client E2E - server E2E)": p.e2e_s - server_e2e,
-                             "generation queued (API publish -> worker takes the job)":
-                                 stages.get("generation queued", 0.0)})
+                rows.append(
+                    {
+                        "overhead": p.e2e_s - compute,
+                        "e2e": p.e2e_s,
+                        "compute": compute,
+                        "api side (E2E - worker total)": p.e2e_s - t.get("total_s", 0.0),
+                        "worker side (total - compute)": t.get("total_s", 0.0) - compute,
+                        "server side (server E2E - compute)": server_e2e - compute,
+                        "HTTP (client E2E - server E2E)": p.e2e_s - server_e2e,
+                        "generation queued (API publish -> worker takes the job)": stages.get("generation queued", 0.0),
+                    }
+                )
             for k in rows[0]:
                 parts.setdefault(k, []).extend(r[k] for r in rows)
             o50 = h.pct([r["overhead"] for r in rows], 50) * 1e3
             e50 = h.pct([r["e2e"] for r in rows], 50) * 1e3
             overhead.add(o50)
             e2e_fig.add(e50)
-            print(f"  rep {rep}: E2E p50 {e50:.1f} ms, "
-                  f"compute p50 {h.pct([r['compute'] for r in rows], 50) * 1e3:.1f} ms, "
-                  f"overhead p50 {o50:.1f} ms ({len(rows)} requests)", flush=True)
-    print("  where the time goes (p50 over all requests): "
-          + ", ".join(f"{k} {h.pct(v, 50) * 1e3:.1f} ms" for k, v in parts.items()))
+            print(
+                f"  rep {rep}: E2E p50 {e50:.1f} ms, "
+                f"compute p50 {h.pct([r['compute'] for r in rows], 50) * 1e3:.1f} ms, "
+                f"overhead p50 {o50:.1f} ms ({len(rows)} requests)",
+                flush=True,
+            )
+    print(
+        "  where the time goes (p50 over all requests): "
+        + ", ".join(f"{k} {h.pct(v, 50) * 1e3:.1f} ms" for k, v in parts.items())
+    )
     return [e2e_fig, overhead]
 
 

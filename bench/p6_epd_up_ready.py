@@ -78,15 +78,23 @@ def main() -> int:
     parser.add_argument("--model-size", default="tiny", choices=["bench", "tiny"])
     args = parser.parse_args()
     model = h.model_dir(args.model_size)
-    wall = h.Ratio(f"P6 epd up ({args.topology}, {args.model_size} model) to ready, wall clock", target=TARGET_S,
-                   strict=True, unit=" s", per="runs")
+    wall = h.Ratio(
+        f"P6 epd up ({args.topology}, {args.model_size} model) to ready, wall clock",
+        target=TARGET_S,
+        strict=True,
+        unit=" s",
+        per="runs",
+    )
     printed = h.Ratio("P6 'ready in' as printed (from the CLI's start)", unit=" s", per="runs")
     for i in range(args.runs):
         w, p, ms = one_run(model, args.topology)
         wall.add(w)
         printed.add(p)
-        print(f"  run {i}: ready after {w:.1f} s (printed {p:.1f} s); "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(ms.items(), key=lambda kv: kv[1])), flush=True)
+        print(
+            f"  run {i}: ready after {w:.1f} s (printed {p:.1f} s); "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(ms.items(), key=lambda kv: kv[1])),
+            flush=True,
+        )
     return h.finish([printed, wall])
 
 

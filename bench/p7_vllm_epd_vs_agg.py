@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
+
 from shared.tools.bench.schema import WorkloadSpec
 
 SIDES = ("agg", "epd")
@@ -63,9 +64,14 @@ CORES = {
 
 def spec(args: argparse.Namespace, seed: int, workload: str) -> WorkloadSpec:
     n, c = (args.burst, args.burst) if workload == "burst" else (args.c2_requests, 2)
-    return WorkloadSpec(seed=seed, requests=n, concurrency=c,
-                        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
-                        prompt_words=(16, 16), output_tokens=(args.max_tokens, args.max_tokens))
+    return WorkloadSpec(
+        seed=seed,
+        requests=n,
+        concurrency=c,
+        image_sizes={f"{args.image_size}x{args.image_size}": 1.0},
+        prompt_words=(16, 16),
+        output_tokens=(args.max_tokens, args.max_tokens),
+    )
 
 
 def throughput(run: h.Run) -> float:
@@ -117,11 +123,15 @@ def picture(docs) -> str:
     parts = []
     if enc:
         busy = _union(enc)
-        parts.append(f"encodes {min(a for a, _ in enc):.1f}-{max(b for _, b in enc):.1f} s, busy {busy:.1f} s, "
-                     f"{sum(b - a for a, b in enc) / busy if busy else 0:.1f} at once")
+        parts.append(
+            f"encodes {min(a for a, _ in enc):.1f}-{max(b for _, b in enc):.1f} s, busy {busy:.1f} s, "
+            f"{sum(b - a for a, b in enc) / busy if busy else 0:.1f} at once"
+        )
     if slot:
-        parts.append(f"worker slots taken {min(a for a, _ in slot):.1f}-{max(b for _, b in slot):.1f} s, "
-                     f"{slot_s / _union(slot):.1f} jobs at once, {wait / slot_s:.0%} of slot time waiting for features")
+        parts.append(
+            f"worker slots taken {min(a for a, _ in slot):.1f}-{max(b for _, b in slot):.1f} s, "
+            f"{slot_s / _union(slot):.1f} jobs at once, {wait / slot_s:.0%} of slot time waiting for features"
+        )
     if firsts and dones:
         parts.append(f"first tokens {min(firsts):.1f}-{max(firsts):.1f} s, last done {max(dones):.1f} s")
     return "; ".join(parts)
@@ -170,12 +180,14 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
             seed = 10_000 * (rep + 1) + WORKLOADS.index(workload)  # the same requests on both sides
             got: dict[str, h.Run] = {}
             tokens: dict[str, dict[int, tuple[int, ...]]] = {}
-            for side in (SIDES if rep % 2 == 0 else SIDES[::-1]):  # A B, then B A, ...
+            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:  # A B, then B A, ...
                 load = h.load_average()
                 run = await h.run_load(stacks[side], spec(args, seed, workload), label=f"p7-{workload}-{side}-{rep}")
                 if run.failed():
-                    print(f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}",
-                          flush=True)
+                    print(
+                        f"  {run.label}: {run.failed()} failed: {[r.error for r in run.records if not r.ok][:3]}",
+                        flush=True,
+                    )
                 docs = await h.debug_docs(stacks[side], run.records)
                 fin = {i: f for i, d in docs.items() if (f := h.final_result(d)) is not None}
                 got[side] = run
@@ -183,9 +195,11 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
                 runs[f"{side}-{workload}"].append(run)
                 finals[f"{side}-{workload}"].extend(fin.values())
                 ttfts = run.ttfts()
-                print(f"  rep {rep} {workload:>5} {side:>3}: {throughput(run):.2f} req/s, TTFT p50 "
-                      f"{h.pct(ttfts, 50):.2f} s p99 {h.pct(ttfts, 99):.2f} s ({len(ttfts)} ok; load {load})",
-                      flush=True)
+                print(
+                    f"  rep {rep} {workload:>5} {side:>3}: {throughput(run):.2f} req/s, TTFT p50 "
+                    f"{h.pct(ttfts, 50):.2f} s p99 {h.pct(ttfts, 99):.2f} s ({len(ttfts)} ok; load {load})",
+                    flush=True,
+                )
                 if workload == "burst":
                     print(f"        {picture(docs.values())}", flush=True)
             for i in tokens["agg"].keys() & tokens["epd"].keys():
@@ -207,15 +221,19 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
             recs = [r for run in rs for r in run.ok()]
             ttfts = [r.ttft_s for r in recs if r.ttft_s is not None]
             tput = [throughput(run) for run in rs]
-            print(f"  {workload:>5} {side:>3}: {statistics.median(tput):.2f} req/s [{min(tput):.2f}-{max(tput):.2f}], "
-                  f"TTFT p50 {h.pct(ttfts, 50):.2f} s p99 {h.pct(ttfts, 99):.2f} s ({len(ttfts)} requests)")
+            print(
+                f"  {workload:>5} {side:>3}: {statistics.median(tput):.2f} req/s [{min(tput):.2f}-{max(tput):.2f}], "
+                f"TTFT p50 {h.pct(ttfts, 50):.2f} s p99 {h.pct(ttfts, 99):.2f} s ({len(ttfts)} requests)"
+            )
             print(f"        stages (timeline means): {h.format_stages(h.stage_means(recs))}")
             means = timing_means(finals[f"{side}-{workload}"])
             listed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(means.items()))
             print(f"        worker timings (means): {listed}")
     verdict = "EQUAL" if differ == 0 and equal else "DIFFERENT"
-    print(f"  outputs E|PD vs agg, same requests, greedy: {equal} equal token for token, {differ} different "
-          f"-> {verdict}", flush=True)
+    print(
+        f"  outputs E|PD vs agg, same requests, greedy: {equal} equal token for token, {differ} different -> {verdict}",
+        flush=True,
+    )
     print(f"load average at the end: {h.load_average()}", flush=True)
     h.save(args.out, runs)
     return list(figures.values())
@@ -227,12 +245,16 @@ def main() -> int:
     parser.set_defaults(image_size=224)
     parser.add_argument("--burst", type=int, default=40, help="image requests in a burst (all at once)")
     parser.add_argument("--c2-requests", type=int, default=12, help="requests of a concurrency-2 run")
-    parser.add_argument("--cores", default="split-epd", choices=sorted(CORES),
-                        help="the workers' cores (EPD_CPU_CORES, VLLM_CPU_OMP_THREADS_BIND): auto = vLLM's own "
-                             "binding (on 2 cores every engine takes core 0 and leaves core 1 to the rest); split = "
-                             "agg's worker on cores 0-1, E|PD's encoder on core 1 and its PD worker on core 0; "
-                             "split-epd = "
-                             "E|PD's split, agg's as in auto")
+    parser.add_argument(
+        "--cores",
+        default="split-epd",
+        choices=sorted(CORES),
+        help="the workers' cores (EPD_CPU_CORES, VLLM_CPU_OMP_THREADS_BIND): auto = vLLM's own "
+        "binding (on 2 cores every engine takes core 0 and leaves core 1 to the rest); split = "
+        "agg's worker on cores 0-1, E|PD's encoder on core 1 and its PD worker on core 0; "
+        "split-epd = "
+        "E|PD's split, agg's as in auto",
+    )
     args = parser.parse_args()
     specs = {s: (TOPOLOGY[s], {"EPD_ENGINE": "vllm"}) for s in SIDES}
     return h.run_stacks("p7", args, specs, measure, ready_timeout=1200.0, service_env=CORES[args.cores])

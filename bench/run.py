@@ -23,15 +23,17 @@ SCRIPTS = {
 
 
 def main(argv: list[str]) -> int:
-    names, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    names, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     names = [n.upper() for n in names]
     if names == ["ALL"]:
         names = list(SCRIPTS)
     unknown = [n for n in names if n not in SCRIPTS]
     if not names or unknown:
-        print(f"usage: bench/run.py {{{','.join(SCRIPTS)}|all}} ... [-- flags]"
-              + (f"\nunknown: {', '.join(unknown)} (P3 has no script here)" if unknown else ""),
-              file=sys.stderr)
+        print(
+            f"usage: bench/run.py {{{','.join(SCRIPTS)}|all}} ... [-- flags]"
+            + (f"\nunknown: {', '.join(unknown)} (P3 has no script here)" if unknown else ""),
+            file=sys.stderr,
+        )
         return 2
     rc = 0
     for name in names:

@@ -29,8 +29,8 @@ import asyncio
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 #: Ageing of a queued job's cost: each second it has waited for a slot counts as this many prompt
 #: tokens less, so a 350-token image prompt overtakes fresh 30-token prompts after 10 s. Slow on

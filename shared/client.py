@@ -63,8 +63,14 @@ class TokenStream:
     unsubscribes when it ends; call :meth:`aclose` when leaving it earlier (closing twice is
     harmless)."""
 
-    def __init__(self, sub: TypedSubscription, *, request_id: str, deadline: float,
-                 on_abandon: Callable[[EPDError], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        sub: TypedSubscription,
+        *,
+        request_id: str,
+        deadline: float,
+        on_abandon: Callable[[EPDError], Awaitable[None]] | None = None,
+    ):
         self._sub = sub
         self.request_id = request_id
         self.deadline = deadline
@@ -150,24 +156,42 @@ class RequestClient:
             generation = await self.ec_index.generation(entry_key(job.fingerprint, job.image.item_hash))
         except Exception as exc:  # nats-py raises several unrelated types
             raise nats_unavailable("reading the EC index", exc) from exc
-        fresh = await self.publisher.publish(self.subjects.encode_jobs, job, request_id=job.request_id,
-                                             msg_id=protocol.encode_job_msg_id(job.ec_key, generation))
-        log.info("encode job for %s (generation %d) %s", job.image.item_hash[:12], generation,
-                 "queued" if fresh else "already queued (deduplicated)")
+        fresh = await self.publisher.publish(
+            self.subjects.encode_jobs,
+            job,
+            request_id=job.request_id,
+            msg_id=protocol.encode_job_msg_id(job.ec_key, generation),
+        )
+        log.info(
+            "encode job for %s (generation %d) %s",
+            job.image.item_hash[:12],
+            generation,
+            "queued" if fresh else "already queued (deduplicated)",
+        )
         if not fresh:
-            wanted = ECWanted(request_id=job.request_id, fingerprint=job.fingerprint,
-                              item_hash=job.image.item_hash, created_at=time.time())
+            wanted = ECWanted(
+                request_id=job.request_id,
+                fingerprint=job.fingerprint,
+                item_hash=job.image.item_hash,
+                created_at=time.time(),
+            )
             try:
-                await self.publisher.publish(self.subjects.ec_wanted(job.fingerprint, job.image.item_hash), wanted,
-                                             request_id=job.request_id)
+                await self.publisher.publish(
+                    self.subjects.ec_wanted(job.fingerprint, job.image.item_hash), wanted, request_id=job.request_id
+                )
             except EPDError as exc:
                 # Best effort: without it, cancelling the other request may drop the job (this
                 # request's worker then encodes the image itself).
                 log.warning("could not record interest in the encode job: %s", exc.message)
         return fresh
 
-    async def submit(self, job: GenerationJob, *, record: ChatRequestRecord | None = None,
-                     on_abandon: Callable[[EPDError], Awaitable[None]] | None = None) -> TokenStream:
+    async def submit(
+        self,
+        job: GenerationJob,
+        *,
+        record: ChatRequestRecord | None = None,
+        on_abandon: Callable[[EPDError], Awaitable[None]] | None = None,
+    ) -> TokenStream:
         """Record the request (``record``, best effort), subscribe to its tokens, publish ``job``.
         Returns its token stream, bounded by ``job.deadline`` (``on_abandon``: see
         :class:`TokenStream`). Raises PayloadTooLarge when the job does not fit in one NATS message."""
@@ -201,8 +225,12 @@ class RequestClient:
         metrics.REQUESTS_CANCELLED.labels(stage).inc()
         log.info("abandoning the request: %s: %s", error.code, error.message)
         try:
-            await self.publisher.publish(self.subjects.cancel(request_id), cancel_record(request_id, error.code),
-                                         request_id=request_id, msg_id=f"cancel-{request_id}")
+            await self.publisher.publish(
+                self.subjects.cancel(request_id),
+                cancel_record(request_id, error.code),
+                request_id=request_id,
+                msg_id=f"cancel-{request_id}",
+            )
         except Exception as exc:  # noqa: BLE001 - best effort: the request is already failed
             log.warning("could not cancel the request's work: %s", exc)
         event = protocol.error_event(request_id, stage, error)

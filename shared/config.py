@@ -40,8 +40,9 @@ class CommonSettings(BaseSettings):
 
     # env_ignore_empty: an empty variable means "use the default", so docker-compose.yml can pass
     # every setting through as ${EPD_X:-} and the defaults stay defined here only.
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True,
-                                      use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True, use_attribute_docstrings=True
+    )
 
     # NATS / JetStream
     nats_url: str = "nats://127.0.0.1:4222"
@@ -95,26 +96,35 @@ class CommonSettings(BaseSettings):
     """Model engine: `transformers` or `vllm` (part of the encoder fingerprint: every service must agree)."""
     dtype: str = "float32"
     """Compute dtype (part of the encoder fingerprint)."""
-    torch_threads: int = Field(1, ge=1, description="torch threads per process; keep the same value in every "
-                                                    "stage for bit-identical output")
-    encode_batch_invariant: bool = Field(True, description="transformers engine: every image gets a vision-tower "
-                                                         "forward of its own, so its features never depend on "
-                                                         "what was encoded with it (bit-identical on any CPU); "
-                                                         "false: concurrent encodes share forwards (features "
-                                                         "may differ in the last bits by batch and CPU)")
-    cpu_cores: str | None = Field(None, description="CPUs a worker binds itself (and vLLM's engine processes) to, "
-                                                   "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
-                                                   "and the PD worker disjoint lists on one host")
+    torch_threads: int = Field(
+        1, ge=1, description="torch threads per process; keep the same value in every stage for bit-identical output"
+    )
+    encode_batch_invariant: bool = Field(
+        True,
+        description="transformers engine: every image gets a vision-tower "
+        "forward of its own, so its features never depend on "
+        "what was encoded with it (bit-identical on any CPU); "
+        "false: concurrent encodes share forwards (features "
+        "may differ in the last bits by batch and CPU)",
+    )
+    cpu_cores: str | None = Field(
+        None,
+        description="CPUs a worker binds itself (and vLLM's engine processes) to, "
+        "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
+        "and the PD worker disjoint lists on one host",
+    )
     vllm_dir: Path = Path("var/vllm")
     """vLLM engine (`EPD_ENGINE=vllm`): folder of its caches, compile artefacts and IPC sockets."""
-    vllm_enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs (fast start on CPU; "
-                                                                   "false on GPUs)")
+    vllm_enforce_eager: bool = Field(
+        True, description="no torch.compile / CUDA graphs (fast start on CPU; false on GPUs)"
+    )
     vllm_max_model_len: int | None = Field(None, ge=16)
     """vLLM maximum sequence length (unset: the model's)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
     vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
-    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="more vLLM engine args (JSON), "
-                                             'e.g. {"gpu_memory_utilization": 0.85}')
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description='more vLLM engine args (JSON), e.g. {"gpu_memory_utilization": 0.85}'
+    )
 
     worker_id: str = Field(default_factory=default_worker_id)
     """Worker identity in EC object metadata and heartbeats (unset: host name + random suffix)."""
@@ -127,28 +137,41 @@ class CommonSettings(BaseSettings):
     health_file: Path | None = None
     """Workers: heartbeat file for `epd healthcheck`, refreshed every 2 s after a JetStream round trip to the
     worker's consumer and removed when one fails (unset: none)."""
-    unreachable_exit_s: float = Field(60, gt=0, description="a worker that cannot reach its consumer this long "
-                                                           "exits (code 3) for its supervisor to restart it")
+    unreachable_exit_s: float = Field(
+        60,
+        gt=0,
+        description="a worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it",
+    )
 
     # EC store lifecycle (shared.store.ec_index, shared.store.janitor). The janitor runs in the API
     # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
     ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
     ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
-    ec_ttl_s: float | None = Field(None, gt=0, description="EC objects unused this long are deleted (plus an S3 "
-                                                          "lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)")
+    ec_ttl_s: float | None = Field(
+        None,
+        gt=0,
+        description="EC objects unused this long are deleted (plus an S3 "
+        "lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)",
+    )
     ec_purge_retired_after_s: float | None = Field(
-        None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long")
-    ec_retired_after_s: float = Field(600, gt=0, description="a fingerprint no worker heartbeats for this long "
-                                                             "is retired")
+        None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long"
+    )
+    ec_retired_after_s: float = Field(
+        600, gt=0, description="a fingerprint no worker heartbeats for this long is retired"
+    )
     ec_janitor_interval_s: float = Field(15, gt=0, description="seconds between janitor passes")
-    ec_evict_grace_s: float = Field(60, ge=0, description="objects created or used this recently are never "
-                                                          "evicted for a bound (requests in flight)")
-    ec_reconcile_interval_s: float = Field(300, gt=0, description="the janitor lists the store this often to "
-                                                                  "index objects nobody announced")
-    ec_use_flush_s: float = Field(2.0, gt=0, description="uses of EC objects are written to the index in "
-                                                         "batches this often")
-    ec_lifecycle_rule: bool = Field(True, description="with EPD_EC_TTL_S, also set an S3 lifecycle expiration "
-                                                      "rule on the namespace (a backstop)")
+    ec_evict_grace_s: float = Field(
+        60, ge=0, description="objects created or used this recently are never evicted for a bound (requests in flight)"
+    )
+    ec_reconcile_interval_s: float = Field(
+        300, gt=0, description="the janitor lists the store this often to index objects nobody announced"
+    )
+    ec_use_flush_s: float = Field(
+        2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
+    )
+    ec_lifecycle_rule: bool = Field(
+        True, description="with EPD_EC_TTL_S, also set an S3 lifecycle expiration rule on the namespace (a backstop)"
+    )
 
     @field_validator("namespace", "subject_prefix")
     @classmethod
@@ -197,10 +220,14 @@ class ApiSettings(CommonSettings):
     """Comma-separated CIDRs image URLs may resolve to although private or loopback."""
     url_allow_hosts: CSV = ()
     """Comma-separated host names allowed although they resolve to private addresses."""
-    decode_pixel_budget: int | None = Field(None, ge=1, description="pixels the API process decodes at once, all "
-                                            "requests together (~4 bytes a pixel of memory; unset: two images of "
-                                            "EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one "
-                                            "decodes alone")
+    decode_pixel_budget: int | None = Field(
+        None,
+        ge=1,
+        description="pixels the API process decodes at once, all "
+        "requests together (~4 bytes a pixel of memory; unset: two images of "
+        "EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one "
+        "decodes alone",
+    )
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
     topology: Topology = Topology.E_PD
     """Deployment shape: `agg`, `e-pd` or `e-p-d`. The API reads only whether it has encoder workers: with `agg`
@@ -222,11 +249,16 @@ class ApiSettings(CommonSettings):
 
 class EncoderSettings(CommonSettings):
     batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
-    encode_jobs_in_flight: int | None = Field(None, ge=1, description="encode jobs an encoder worker holds at once "
-                                              "(unset: the engine's batch, 16 by default; their "
-                                              "encodes share forwards, within the pixel budget)")
-    encode_pixel_budget: int = Field(16_000_000, ge=1, description="image pixels an encoder worker holds decoded at "
-                                                                   "once; a larger image goes alone")
+    encode_jobs_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="encode jobs an encoder worker holds at once "
+        "(unset: the engine's batch, 16 by default; their "
+        "encodes share forwards, within the pixel budget)",
+    )
+    encode_pixel_budget: int = Field(
+        16_000_000, ge=1, description="image pixels an encoder worker holds decoded at once; a larger image goes alone"
+    )
 
 
 class PrefillSettings(CommonSettings):
@@ -234,11 +266,16 @@ class PrefillSettings(CommonSettings):
     """`pd`: prefill and decode in one worker (E|PD); `prefill`: prefill, then hand off to decode workers (E|P|D);
     `agg`: encode, prefill and decode in process (the baseline)."""
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
-    max_concurrent_jobs: int | None = Field(None, ge=1, description="jobs in the engine at once; unset = the "
-                                            "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
-                                            "printed at start-up")
-    max_waiting_jobs: int = Field(64, ge=0, description="jobs held while they wait for image features (they take "
-                                                        "no engine slot)")
+    max_concurrent_jobs: int | None = Field(
+        None,
+        ge=1,
+        description="jobs in the engine at once; unset = the "
+        "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
+        "printed at start-up",
+    )
+    max_waiting_jobs: int = Field(
+        64, ge=0, description="jobs held while they wait for image features (they take no engine slot)"
+    )
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
     """In-memory encoder-output cache per worker (0: off)."""
 
@@ -255,6 +292,7 @@ class DecodeSettings(CommonSettings):
 
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
     max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
-    kv_ttl_s: float = Field(3600, gt=0, description="KV objects older than this are swept (keep it "
-                                                          "above EPD_REQUEST_TIMEOUT_S)")
+    kv_ttl_s: float = Field(
+        3600, gt=0, description="KV objects older than this are swept (keep it above EPD_REQUEST_TIMEOUT_S)"
+    )
     kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")

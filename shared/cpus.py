@@ -61,8 +61,9 @@ def bind_process(cpu_list: str | None) -> list[int] | None:
     available = available_cpus()
     usable = sorted(set(parse_cpu_list(cpu_list)) & set(available))
     if not usable:
-        raise ValueError(f"EPD_CPU_CORES={cpu_list}: none of these CPUs is available (have "
-                         f"{format_cpu_list(available)})")
+        raise ValueError(
+            f"EPD_CPU_CORES={cpu_list}: none of these CPUs is available (have {format_cpu_list(available)})"
+        )
     os.sched_setaffinity(0, usable)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", format_cpu_list(usable))
     log.info("bound to CPU(s) %s", format_cpu_list(usable))
@@ -85,6 +86,6 @@ def split_cpus(cpus: Sequence[int], services: Sequence[str]) -> dict[str, str]:
     start = 0
     for i, name in enumerate(services):
         n = per + (1 if i < extra else 0)
-        out[name] = format_cpu_list(cpus[start:start + n])
+        out[name] = format_cpu_list(cpus[start : start + n])
         start += n
     return out

@@ -28,9 +28,7 @@ FINGERPRINT_SCHEMA = "epd-fp-v1"
 FINGERPRINT_HEX_CHARS = 24
 
 # A tensor is part of the encoder if one of its dotted name components is one of these.
-ENCODER_COMPONENTS = frozenset(
-    {"visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector"}
-)
+ENCODER_COMPONENTS = frozenset({"visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector"})
 PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024

@@ -49,14 +49,16 @@ class HealthFile:
 
     def write(self, *, role: str, worker_id: str, in_flight: int = 0, now: float | None = None) -> None:
         """Atomically replace the file (a reader never sees a partial write)."""
-        body = json.dumps({
-            "schema": HEALTH_SCHEMA,
-            "role": role,
-            "worker_id": worker_id,
-            "pid": os.getpid(),
-            "in_flight": in_flight,
-            "written_at": time.time() if now is None else now,
-        }).encode()
+        body = json.dumps(
+            {
+                "schema": HEALTH_SCHEMA,
+                "role": role,
+                "worker_id": worker_id,
+                "pid": os.getpid(),
+                "in_flight": in_flight,
+                "written_at": time.time() if now is None else now,
+            }
+        ).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as fh:
@@ -80,8 +82,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def check_worker(path: Path, *, role: str | None, max_age_s: float = DEFAULT_MAX_AGE_S,
-                 now: float | None = None) -> tuple[bool, str]:
+def check_worker(
+    path: Path, *, role: str | None, max_age_s: float = DEFAULT_MAX_AGE_S, now: float | None = None
+) -> tuple[bool, str]:
     """(healthy, reason) for the worker whose heartbeat file is ``path``."""
     try:
         raw = Path(path).read_bytes()
@@ -132,12 +135,20 @@ def api_health_url(host: str, port: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", required=True, choices=[s.value for s in Service],
-                        help="api, or the worker service to expect in the heartbeat file (a worker beats as its "
-                             "service: an EPD_ROLE=pd worker is a prefill worker)")
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=[s.value for s in Service],
+        help="api, or the worker service to expect in the heartbeat file (a worker beats as its "
+        "service: an EPD_ROLE=pd worker is a prefill worker)",
+    )
     parser.add_argument("--file", help="worker heartbeat file (default: EPD_HEALTH_FILE)")
-    parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
-                        help=f"seconds a worker heartbeat stays fresh (default {DEFAULT_MAX_AGE_S:g})")
+    parser.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help=f"seconds a worker heartbeat stays fresh (default {DEFAULT_MAX_AGE_S:g})",
+    )
     parser.add_argument("--url", help="API health URL (default: from EPD_HOST / EPD_PORT)")
     parser.add_argument("--timeout", type=float, default=3.0, help="API request timeout, seconds")
 

@@ -33,9 +33,9 @@ import datetime as dt
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -99,8 +99,12 @@ class RequestNotFound(HistoryError):
 
 def check_request_id(request_id: Any) -> str:
     """A request id is one NATS subject token: letters, digits, ``-`` and ``_``."""
-    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS \
-            or not _REQUEST_ID_RE.fullmatch(request_id):
+    if (
+        not isinstance(request_id, str)
+        or not request_id
+        or len(request_id) > MAX_REQUEST_ID_CHARS
+        or not _REQUEST_ID_RE.fullmatch(request_id)
+    ):
         raise InvalidRequestId(
             f"invalid request id {request_id!r:.80}: expected letters, digits, '-' or '_' "
             f"(at most {MAX_REQUEST_ID_CHARS} characters), e.g. chatcmpl-0123abcd..."
@@ -147,8 +151,17 @@ class StreamMessage:
     imported: bool = False
 
     @classmethod
-    def build(cls, stream: str, seq: int, subject: str, time_: float, headers: dict[str, str] | None,
-              data: bytes | None, *, imported: bool = False) -> StreamMessage:
+    def build(
+        cls,
+        stream: str,
+        seq: int,
+        subject: str,
+        time_: float,
+        headers: dict[str, str] | None,
+        data: bytes | None,
+        *,
+        imported: bool = False,
+    ) -> StreamMessage:
         data = data or b""
         try:
             msg, error = protocol.decode(data), ""
@@ -343,8 +356,7 @@ class StreamReader:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
-                                   raw.data)
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers, raw.data)
 
     async def first(self, stream: str, subject: str, from_seq: int = 1) -> StreamMessage | None:
         """The first message on ``subject`` at or after ``from_seq`` (the server's subject index)."""
@@ -352,16 +364,14 @@ class StreamReader:
             raw = await self.js.get_msg(stream, seq=max(1, from_seq), subject=subject, next=True)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers,
-                                   raw.data)
+        return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers, raw.data)
 
     async def by_seq(self, stream: str, seq: int) -> StreamMessage | None:
         try:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:
             return None
-        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", _stamp(raw), raw.headers,
-                                   raw.data)
+        return StreamMessage.build(stream, raw.seq or seq, raw.subject or "", _stamp(raw), raw.headers, raw.data)
 
     async def scan(
         self,
@@ -396,8 +406,10 @@ class StreamReader:
             pending = (await psub.consumer_info()).num_pending or 0
             while pending > 0:
                 if examined >= self.max_scan:
-                    self.notes.append(f"scan of {stream} ({subject}) stopped after {examined} messages "
-                                      f"(bound {self.max_scan}); later messages are not shown")
+                    self.notes.append(
+                        f"scan of {stream} ({subject}) stopped after {examined} messages "
+                        f"(bound {self.max_scan}); later messages are not shown"
+                    )
                     break
                 try:
                     msgs = await psub.fetch(min(FETCH_BATCH, pending), timeout=self.timeout)
@@ -408,8 +420,9 @@ class StreamReader:
                     examined += 1
                     meta = m.metadata
                     pending = meta.num_pending
-                    sm = StreamMessage.build(stream, meta.sequence.stream, m.subject, meta.timestamp.timestamp(),
-                                             m.headers, m.data)
+                    sm = StreamMessage.build(
+                        stream, meta.sequence.stream, m.subject, meta.timestamp.timestamp(), m.headers, m.data
+                    )
                     if until is not None and sm.time > until:
                         done = True
                         break
@@ -441,12 +454,15 @@ async def retention_hint(reader: StreamReader, stream: str) -> str:
     if not state.messages:
         return f"{stream} keeps messages for {age} and is empty now"
     first = await reader.by_seq(stream, state.first_seq)
-    return (f"{stream} keeps messages for {age} (max {cfg.max_bytes} bytes) and now holds {state.messages} "
-            f"from {iso_time(first.time if first else None)} on")
+    return (
+        f"{stream} keeps messages for {age} (max {cfg.max_bytes} bytes) and now holds {state.messages} "
+        f"from {iso_time(first.time if first else None)} on"
+    )
 
 
-async def find_case(nc: NATS, subjects: Subjects, request_id: str, *, reader: StreamReader | None = None,
-                    include_imported: bool = True) -> RequestCase:
+async def find_case(
+    nc: NATS, subjects: Subjects, request_id: str, *, reader: StreamReader | None = None, include_imported: bool = True
+) -> RequestCase:
     """Every message of ``request_id``; the live streams first, then imported cases.
 
     Raises :class:`RequestNotFound` (with the streams' retention, so "expired" and "unknown" can be
@@ -490,18 +506,24 @@ async def _find_live(reader: StreamReader, subjects: Subjects, rid: str) -> Requ
         for subject in subjs:
             messages += await reader.scan(stream, subject, start=start, until=until, match=belongs)
     case.messages = messages
+
     def relevant(m: StreamMessage) -> bool:  # another request's event counts if it came while this one ran
         return m.request_id == rid or m.time >= received
 
     for item in case.item_hashes():  # events of the request's images, whoever's job produced them
-        messages += await reader.scan(subjects.stream_events, subjects.ec_item_events(item), start=start,
-                                      until=until, match=relevant)
+        messages += await reader.scan(
+            subjects.stream_events, subjects.ec_item_events(item), start=start, until=until, match=relevant
+        )
     if record is None:
-        case.notes.append(f"no record of the request on {subjects.request(rid)} (expired, or the API could not "
-                          "record it): body and images unknown")
+        case.notes.append(
+            f"no record of the request on {subjects.request(rid)} (expired, or the API could not "
+            "record it): body and images unknown"
+        )
     if terminal is None:
-        case.notes.append("no final result or error on the tokens subject: the request is running, was lost, "
-                          "or the API gave up (deadline)")
+        case.notes.append(
+            "no final result or error on the tokens subject: the request is running, was lost, "
+            "or the API gave up (deadline)"
+        )
     case.messages = ordered(messages)
     return case
 
@@ -523,8 +545,17 @@ def _from_imported(m: StreamMessage) -> StreamMessage:
     orig_time = _float(h.get(HDR_ORIG_TIME)) or m.time
     orig_seq = int(_float(h.get(HDR_ORIG_SEQ)) or 0)
     headers = {k: v for k, v in h.items() if not k.startswith("Epd-Orig-") and k != protocol.HDR_MSG_ID}
-    return StreamMessage(h.get(HDR_ORIG_STREAM, m.stream), orig_seq, h.get(HDR_ORIG_SUBJECT, m.subject), orig_time,
-                         headers, m.data, m.msg, m.error, imported=True)
+    return StreamMessage(
+        h.get(HDR_ORIG_STREAM, m.stream),
+        orig_seq,
+        h.get(HDR_ORIG_SUBJECT, m.subject),
+        orig_time,
+        headers,
+        m.data,
+        m.msg,
+        m.error,
+        imported=True,
+    )
 
 
 async def _find_imported(reader: StreamReader, subjects: Subjects, rid: str) -> RequestCase | None:
@@ -537,8 +568,15 @@ async def _find_imported(reader: StreamReader, subjects: Subjects, rid: str) -> 
 
 
 # -- list ---------------------------------------------------------------------------------------
-async def list_requests(nc: NATS, subjects: Subjects, *, since_s: float = 3600.0, status: str | None = None,
-                        limit: int = 20, reader: StreamReader | None = None) -> list[Summary]:
+async def list_requests(
+    nc: NATS,
+    subjects: Subjects,
+    *,
+    since_s: float = 3600.0,
+    status: str | None = None,
+    limit: int = 20,
+    reader: StreamReader | None = None,
+) -> list[Summary]:
     """The newest requests first, received within ``since_s``: walks ``<P>_REQUESTS`` backwards
     by sequence (no scan) and reads each request's first and last result message directly."""
     if status not in (None, *STATUSES):

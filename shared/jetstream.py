@@ -77,8 +77,11 @@ class _ConnectionLog:
         self.client: NATS | None = None
 
     def callbacks(self) -> dict[str, Any]:
-        return {"error_cb": self.on_error, "disconnected_cb": self.on_disconnected,
-                "reconnected_cb": self.on_reconnected}
+        return {
+            "error_cb": self.on_error,
+            "disconnected_cb": self.on_disconnected,
+            "reconnected_cb": self.on_reconnected,
+        }
 
     async def on_error(self, exc: Exception) -> None:
         text = f"{type(exc).__name__}: {exc}"
@@ -274,8 +277,9 @@ class TypedSubscription(Generic[M]):
         await self.close()
 
 
-async def subscribe_typed(nc: NATS, subject: str, *expect: type, queue: str = "",
-                          confirm: bool = False) -> TypedSubscription:
+async def subscribe_typed(
+    nc: NATS, subject: str, *expect: type, queue: str = "", confirm: bool = False
+) -> TypedSubscription:
     """Subscribe to ``subject`` (in queue group ``queue``, if given) for messages of the ``expect``
     types (any protocol message when none is given). Subscribe before publishing whatever
     causes the awaited message, or it may be missed: core NATS keeps no history.

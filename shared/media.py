@@ -169,9 +169,11 @@ class LoadedImage:
         """Decode ``data`` again into an RGB image (first frame, alpha composited onto white)."""
         # The bytes were validated when this object was built; bounding the pixel count by the
         # recorded size keeps a tampered-with ``data`` from becoming a bomb.
-        limits = MediaLimits(max_image_bytes=max(len(self.data), 1),
-                             max_pixels=max(self.width * self.height, 1),
-                             allowed_formats=(_OPENER_OF_FORMAT.get(self.format, self.format),))
+        limits = MediaLimits(
+            max_image_bytes=max(len(self.data), 1),
+            max_pixels=max(self.width * self.height, 1),
+            allowed_formats=(_OPENER_OF_FORMAT.get(self.format, self.format),),
+        )
         rgb, _, _ = decode_image(self.data, limits)
         return rgb
 
@@ -187,13 +189,10 @@ _STRIP_PIXELS = 1 << 20
 def _check_dimensions(size: tuple[int, int], limits: MediaLimits) -> None:
     width, height = size
     if width < limits.min_side or height < limits.min_side:
-        raise InvalidImage(
-            f"image is {width}x{height}; each side must be at least {limits.min_side} pixel(s)"
-        )
+        raise InvalidImage(f"image is {width}x{height}; each side must be at least {limits.min_side} pixel(s)")
     if width * height > limits.max_pixels:
         raise InvalidImage(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of "
-            f"{limits.max_pixels} pixels"
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} pixels"
         )
 
 
@@ -201,9 +200,7 @@ def _check_size(data: bytes, limits: MediaLimits) -> None:
     if not data:
         raise InvalidImage("image data is empty")
     if len(data) > limits.max_image_bytes:
-        raise PayloadTooLarge(
-            f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes"
-        )
+        raise PayloadTooLarge(f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes")
 
 
 def _open(data: bytes, limits: MediaLimits) -> Image.Image:
@@ -222,13 +219,10 @@ def _image_errors(limits: MediaLimits) -> Iterator[None]:
         raise
     except Image.DecompressionBombError as exc:
         # Pillow's own guard (2x Image.MAX_IMAGE_PIXELS) fired while reading the header.
-        raise InvalidImage(
-            f"image dimensions are too large (limit {limits.max_pixels} pixels): {exc}"
-        ) from None
+        raise InvalidImage(f"image dimensions are too large (limit {limits.max_pixels} pixels): {exc}") from None
     except UnidentifiedImageError:
         raise InvalidImage(
-            "data is not a recognised image (supported formats: "
-            f"{', '.join(limits.allowed_formats)})"
+            f"data is not a recognised image (supported formats: {', '.join(limits.allowed_formats)})"
         ) from None
     except Exception as exc:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError,
         # struct.error, EOFError, ... for corrupt input; all of them mean "bad image".
@@ -324,9 +318,7 @@ def hash_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[str, 
         return _hash_strips(im.size, _rgb_strips(im)), im.width, im.height, fmt
 
 
-def decode_image(
-    data: bytes, limits: MediaLimits = DEFAULT_LIMITS
-) -> tuple[Image.Image, str, str]:
+def decode_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[Image.Image, str, str]:
     """Validate and decode encoded image bytes.
 
     Returns ``(rgb_image, content_hash, format)``. Steps: size bound on the bytes; ``Image.open``
@@ -475,8 +467,7 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     # line breaks plus a generous header. The exact check on the payload follows.
     if len(url) > limits.max_image_bytes * 4 // 3 * 11 // 10 + 4096:
         raise PayloadTooLarge(
-            f"data URL is {len(url)} characters, too long for the image limit of "
-            f"{limits.max_image_bytes} bytes"
+            f"data URL is {len(url)} characters, too long for the image limit of {limits.max_image_bytes} bytes"
         )
     header, sep, payload = url[5:].partition(",")
     if not sep:
@@ -485,9 +476,7 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     mime = params[0].lower()
     if not mime.startswith("image/") or len(mime) <= len("image/"):
         # RFC 2397: an empty media type means text/plain.
-        raise UnsupportedContent(
-            f"data URL media type must be image/*, got {mime or 'text/plain'!r}"
-        )
+        raise UnsupportedContent(f"data URL media type must be image/*, got {mime or 'text/plain'!r}")
     if "base64" not in (p.lower() for p in params[1:]):
         raise InvalidRequest("data URL images must be base64-encoded (';base64,' is missing)")
 
@@ -498,8 +487,7 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     decoded_len = len(payload) * 3 // 4 - min(padding, 2)
     if decoded_len > limits.max_image_bytes:
         raise PayloadTooLarge(
-            f"data URL image is about {decoded_len} bytes, over the limit of "
-            f"{limits.max_image_bytes} bytes"
+            f"data URL image is about {decoded_len} bytes, over the limit of {limits.max_image_bytes} bytes"
         )
     if "-" in payload or "_" in payload:
         payload = payload.translate(_B64_URLSAFE)
@@ -600,8 +588,7 @@ def check_address(
     elif host is not None and _normalize_host_name(host) in _normalized_hosts(limits.allowed_hosts):
         allowed = True
     else:
-        allowed = any(ip.version == net.version and ip in net
-                      for net in _parse_networks(limits.allowed_networks))
+        allowed = any(ip.version == net.version and ip in net for net in _parse_networks(limits.allowed_networks))
     if allowed:
         return ip
     # Which internal address a name maps to is itself information; it goes to the log only.
@@ -654,7 +641,10 @@ class _PinnedNetworkBackend(httpcore.AsyncNetworkBackend):
         for address in pin.addresses:
             try:
                 return await self._inner.connect_tcp(
-                    address, port, timeout=timeout, local_address=local_address,
+                    address,
+                    port,
+                    timeout=timeout,
+                    local_address=local_address,
                     socket_options=socket_options,
                 )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
@@ -753,11 +743,9 @@ class ImageFetcher:
             ssl_context = verify
         else:
             ssl_context = httpx.create_ssl_context(verify=verify, trust_env=False)
-        pool_limits = httpx.Limits(max_connections=max_connections,
-                                   max_keepalive_connections=min(16, max_connections))
+        pool_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(16, max_connections))
         self._client = httpx.AsyncClient(
-            transport=_PinnedTransport(ssl_context=ssl_context, limits=pool_limits,
-                                       network_backend=network_backend),
+            transport=_PinnedTransport(ssl_context=ssl_context, limits=pool_limits, network_backend=network_backend),
             follow_redirects=False,
             trust_env=False,
             timeout=httpx.Timeout(limits.fetch_timeout_s),
@@ -798,9 +786,7 @@ class ImageFetcher:
             async with asyncio.timeout(self.limits.fetch_timeout_s):
                 return await self._fetch(url)
         except TimeoutError:
-            raise FetchTimeout(
-                f"fetching image from {host} timed out after {self.limits.fetch_timeout_s:g}s"
-            ) from None
+            raise FetchTimeout(f"fetching image from {host} timed out after {self.limits.fetch_timeout_s:g}s") from None
 
     async def _vet(self, url: str) -> _Target:
         """Parse and check one hop; resolve its host and vet every address. No connections."""
@@ -833,8 +819,7 @@ class ImageFetcher:
             try:
                 resolved = await self._resolver(host, port)
             except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
-                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") \
-                    from None
+                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") from None
         if not resolved:
             raise FetchFailed(f"could not resolve image URL host {host!r}: no addresses")
 
@@ -879,17 +864,13 @@ class ImageFetcher:
                     f"followed): {_short(exc)}"
                 ) from None
             except httpx.HTTPError as exc:
-                raise FetchFailed(
-                    f"fetching image from {host} failed: {type(exc).__name__}: {_short(exc)}"
-                ) from None
+                raise FetchFailed(f"fetching image from {host} failed: {type(exc).__name__}: {_short(exc)}") from None
             try:
                 status = response.status_code
                 if status in _REDIRECT_STATUSES:
                     location = response.headers.get("location")
                     if not location:
-                        raise FetchFailed(
-                            f"fetching image from {host} failed: HTTP {status} without Location"
-                        )
+                        raise FetchFailed(f"fetching image from {host} failed: HTTP {status} without Location")
                     try:
                         return str(target.url.join(location))
                     except (httpx.InvalidURL, ValueError) as exc:
@@ -898,9 +879,7 @@ class ImageFetcher:
                         ) from None
                 if not 200 <= status < 300:
                     reason = response.reason_phrase or ""
-                    raise FetchFailed(
-                        f"fetching image from {host} failed: HTTP {status} {reason}".rstrip()
-                    )
+                    raise FetchFailed(f"fetching image from {host} failed: HTTP {status} {reason}".rstrip())
                 body = await self._read_body(response, host)
                 logger.debug("image fetch: %d bytes from %s", len(body), host)
                 return body
@@ -913,23 +892,18 @@ class ImageFetcher:
         cap = self.limits.max_image_bytes
         declared = response.headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > cap:
-            raise PayloadTooLarge(
-                f"image at {host} is {int(declared)} bytes, over the limit of {cap} bytes"
-            )
+            raise PayloadTooLarge(f"image at {host} is {int(declared)} bytes, over the limit of {cap} bytes")
         body = bytearray()
         try:
             async for chunk in response.aiter_bytes():
                 body += chunk
                 if len(body) > cap:
-                    raise PayloadTooLarge(
-                        f"image at {host} is over the limit of {cap} bytes"
-                    )
+                    raise PayloadTooLarge(f"image at {host} is over the limit of {cap} bytes")
         except httpx.TimeoutException:
             raise FetchTimeout(f"fetching image from {host} timed out reading the body") from None
         except httpx.HTTPError as exc:
             raise FetchFailed(
-                f"fetching image from {host} failed while reading the body: "
-                f"{type(exc).__name__}: {_short(exc)}"
+                f"fetching image from {host} failed while reading the body: {type(exc).__name__}: {_short(exc)}"
             ) from None
         return bytes(body)
 
@@ -938,7 +912,11 @@ class ImageFetcher:
 # entry point
 # ------------------------------------------------------------------------------------------------
 async def load_image(
-    url: str, fetcher: ImageFetcher, limits: MediaLimits | None = None, *, budget: DecodeBudget | None = None,
+    url: str,
+    fetcher: ImageFetcher,
+    limits: MediaLimits | None = None,
+    *,
+    budget: DecodeBudget | None = None,
 ) -> LoadedImage:
     """Load an ``image_url`` (``data:`` or ``http(s):``) into a validated :class:`LoadedImage`.
 
@@ -956,9 +934,7 @@ async def load_image(
     elif scheme in _KNOWN_SCHEMES:
         data = await fetcher.fetch(url)
     else:
-        raise UnsupportedContent(
-            f"unsupported image URL scheme {scheme or '(none)'!r}; use http(s) or a data: URL"
-        )
+        raise UnsupportedContent(f"unsupported image URL scheme {scheme or '(none)'!r}; use http(s) or a data: URL")
     width, height = await asyncio.to_thread(image_size, data, limits)
     if budget is None:
         return await asyncio.to_thread(_load_decoded, data, limits, width * height)

@@ -23,7 +23,9 @@ ENCODE_SECONDS = Histogram("epd:encode_seconds", "Vision encoder time per image.
 ENCODE_JOBS = Counter("epd:encode_jobs_total", "Encode jobs handled by outcome.", ["outcome"])
 GENERATION_JOBS = Counter("epd:generation_jobs_total", "Generation jobs handled by outcome.", ["outcome"])
 QUEUE_SECONDS = Histogram(
-    "epd:queue_time_seconds", "Time a job waited in its stream before a worker took it.", ["stream"],
+    "epd:queue_time_seconds",
+    "Time a job waited in its stream before a worker took it.",
+    ["stream"],
     buckets=_LATENCY_BUCKETS,
 )
 TTFT = Histogram("epd:time_to_first_token_seconds", "Time to first token seen by the API.", buckets=_LATENCY_BUCKETS)
@@ -32,45 +34,73 @@ REQUESTS = Counter("epd:requests_total", "API requests by final status code.", [
 IN_FLIGHT = Gauge("epd:requests_in_flight", "Requests being processed.", ["service"])
 
 # E|P|D: KV hand-off from prefill to decode workers, batched decode.
-KV_LOOKUPS = Counter("epd:kv_lookups_total", "KV object loads by decode workers by outcome and miss reason.",
-                     ["outcome", "reason"])
+KV_LOOKUPS = Counter(
+    "epd:kv_lookups_total", "KV object loads by decode workers by outcome and miss reason.", ["outcome", "reason"]
+)
 KV_BYTES = Counter("epd:kv_bytes_total", "KV object bytes moved to/from the store.", ["direction"])
-KV_HANDOFFS = Counter("epd:kv_handoffs_total", "Prefill outcomes in role 'prefill': handed off, finished by "
-                      "prefill, or decoded locally (and why).", ["outcome"])
-REPREFILLS = Counter("epd:reprefills_total", "Requests sent back to prefill because their KV object was unusable.",
-                     ["reason"])
-DECODE_BATCH_ROWS = Histogram("epd:decode_batch_rows", "Rows (requests) per batched decode step.",
-                              buckets=(1, 2, 4, 8, 16, 32, 64))
+KV_HANDOFFS = Counter(
+    "epd:kv_handoffs_total",
+    "Prefill outcomes in role 'prefill': handed off, finished by prefill, or decoded locally (and why).",
+    ["outcome"],
+)
+REPREFILLS = Counter(
+    "epd:reprefills_total", "Requests sent back to prefill because their KV object was unusable.", ["reason"]
+)
+DECODE_BATCH_ROWS = Histogram(
+    "epd:decode_batch_rows", "Rows (requests) per batched decode step.", buckets=(1, 2, 4, 8, 16, 32, 64)
+)
 
 # Observability (replay, timelines): per-token latency, bytes moved, consumer lag, in-flight jobs.
 TPOT = Histogram(
-    "epd:time_per_output_token_seconds", "Time per output token after the first, seen by the API.",
+    "epd:time_per_output_token_seconds",
+    "Time per output token after the first, seen by the API.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
 )
 PROMPT_TOKENS = Counter("epd:prompt_tokens_total", "Prompt tokens of completed requests.")
 GENERATION_TOKENS = Counter("epd:generation_tokens_total", "Completion tokens of completed requests.")
 MEDIA_BYTES = Counter("epd:media_bytes_total", "Image bytes moved to/from the store.", ["direction"])
-MESSAGE_BYTES = Counter("epd:message_bytes_total", "Payload bytes published to JetStream, by message kind.",
-                        ["kind"])
-CONSUMER_PENDING = Gauge("epd:consumer_num_pending", "Messages in a stream not yet delivered to its durable "
-                         "consumer (consumer lag), polled by the workers.", ["stream", "consumer"])
-CONSUMER_ACK_PENDING = Gauge("epd:consumer_num_ack_pending", "Messages delivered to a durable consumer and not "
-                             "yet acknowledged (being worked on).", ["stream", "consumer"])
+MESSAGE_BYTES = Counter("epd:message_bytes_total", "Payload bytes published to JetStream, by message kind.", ["kind"])
+CONSUMER_PENDING = Gauge(
+    "epd:consumer_num_pending",
+    "Messages in a stream not yet delivered to its durable consumer (consumer lag), polled by the workers.",
+    ["stream", "consumer"],
+)
+CONSUMER_ACK_PENDING = Gauge(
+    "epd:consumer_num_ack_pending",
+    "Messages delivered to a durable consumer and not yet acknowledged (being worked on).",
+    ["stream", "consumer"],
+)
 REQUESTS_CANCELLED = Counter(
-    "epd:requests_cancelled_total", "Cancelled requests, by where the cancellation took effect: api (the caller "
-    "gave up), or the worker stage that dropped a queued job or stopped a running one.", ["stage"])
-ENCODE_BATCH_IMAGES = Histogram("epd:encode_batch_images", "Images per vision-tower forward (transformers engine: "
-                                "concurrent encodes share forwards).", buckets=(1, 2, 4, 8, 16, 32, 64))
+    "epd:requests_cancelled_total",
+    "Cancelled requests, by where the cancellation took effect: api (the caller "
+    "gave up), or the worker stage that dropped a queued job or stopped a running one.",
+    ["stage"],
+)
+ENCODE_BATCH_IMAGES = Histogram(
+    "epd:encode_batch_images",
+    "Images per vision-tower forward (transformers engine: concurrent encodes share forwards).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
 
 # EC store lifecycle (shared.store.janitor, shared.store.ec_index).
-EC_STORE_BYTES = Gauge("epd:ec_store_bytes", "Bytes of EC objects in the store by encoder fingerprint (janitor's "
-                       "index).", ["fingerprint"])
-EC_STORE_OBJECTS = Gauge("epd:ec_store_objects", "EC objects in the store by encoder fingerprint (janitor's index).",
-                         ["fingerprint"])
-EC_EVICTIONS = Counter("epd:ec_evictions_total", "EC objects removed from the store, by why: bytes / objects "
-                       "(over a bound, LRU), ttl (unused too long), retired (model version gone), purge (epd ec "
-                       "purge), gone (removed behind the index's back).", ["reason"])
-EC_USES_RECORDED = Counter("epd:ec_uses_recorded_total", "EC object uses written to the index (one per object "
-                           "per flush, however many hits).")
-EC_INVALIDATIONS = Counter("epd:ec_invalidations_total", "Local copies of EC objects dropped after an "
-                           "invalidation event, by holder.", ["holder"])
+EC_STORE_BYTES = Gauge(
+    "epd:ec_store_bytes", "Bytes of EC objects in the store by encoder fingerprint (janitor's index).", ["fingerprint"]
+)
+EC_STORE_OBJECTS = Gauge(
+    "epd:ec_store_objects", "EC objects in the store by encoder fingerprint (janitor's index).", ["fingerprint"]
+)
+EC_EVICTIONS = Counter(
+    "epd:ec_evictions_total",
+    "EC objects removed from the store, by why: bytes / objects "
+    "(over a bound, LRU), ttl (unused too long), retired (model version gone), purge (epd ec "
+    "purge), gone (removed behind the index's back).",
+    ["reason"],
+)
+EC_USES_RECORDED = Counter(
+    "epd:ec_uses_recorded_total", "EC object uses written to the index (one per object per flush, however many hits)."
+)
+EC_INVALIDATIONS = Counter(
+    "epd:ec_invalidations_total",
+    "Local copies of EC objects dropped after an invalidation event, by holder.",
+    ["holder"],
+)

@@ -61,8 +61,12 @@ def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
     """The engine's sampling settings for a job's wire ``SamplingSpec``; ``seed`` is the one the
     job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
     return SamplingParams(
-        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=seed,
-        stop=tuple(spec.stop), ignore_eos=spec.ignore_eos,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        seed=seed,
+        stop=tuple(spec.stop),
+        ignore_eos=spec.ignore_eos,
     )
 
 
@@ -98,8 +102,12 @@ class ModelHandler(Handler):
         from shared.fingerprint import model_fingerprint
         from shared.store.factory import kv_store_from_settings
 
-        fp = await asyncio.to_thread(model_fingerprint, self.settings.require_model_path(),
-                                     dtype=self.settings.dtype, engine=self.settings.engine)
+        fp = await asyncio.to_thread(
+            model_fingerprint,
+            self.settings.require_model_path(),
+            dtype=self.settings.dtype,
+            engine=self.settings.engine,
+        )
         return await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
 
     async def setup(self, ctx: WorkerContext) -> None:

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, TypeVar, overload
 from collections.abc import Mapping
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -364,8 +364,13 @@ class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):
 
 def error_event(request_id: str, stage: str, error: EPDError, *, message: str | None = None) -> ErrorEvent:
     """The ``ErrorEvent`` for ``error`` (its code and HTTP status; ``message`` overrides its text)."""
-    return ErrorEvent(request_id=request_id, code=error.code, stage=stage, http_status=error.http_status,
-                      message=error.message if message is None else message)
+    return ErrorEvent(
+        request_id=request_id,
+        code=error.code,
+        stage=stage,
+        http_status=error.http_status,
+        message=error.message if message is None else message,
+    )
 
 
 class RequestCancelled(_Msg, frozen=True, kw_only=True, tag="cancelled"):

@@ -30,8 +30,8 @@ from typing import Any
 
 from shared import protocol
 from shared.errors import Cancelled
-from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
 from shared.history import RequestCase, StreamMessage, Summary, iso_time
+from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
 
 #: A wait for an engine slot shorter than this is not shown as a stage.
 ADMISSION_SHOWN_S = 0.001
@@ -59,7 +59,9 @@ class Stage:
 
     def to_json(self, t0: float) -> dict[str, Any]:
         return {
-            "name": self.name, "service": self.service, "detail": self.detail,
+            "name": self.name,
+            "service": self.service,
+            "detail": self.detail,
             "start_s": round(self.start - t0, 6),
             "end_s": None if self.end is None else round(self.end - t0, 6),
             "duration_s": None if self.duration is None else round(self.duration, 6),
@@ -88,8 +90,11 @@ class Timeline:
         }
 
 
-_SOURCE_STAGE = {"local_cache": "EC from local cache", "store": "EC loaded from store",
-                 "local": "EC encoded in process"}
+_SOURCE_STAGE = {
+    "local_cache": "EC from local cache",
+    "store": "EC loaded from store",
+    "local": "EC encoded in process",
+}
 
 
 def _ec_stage(source: str) -> tuple[str, str]:
@@ -121,8 +126,9 @@ def build_timeline(case: RequestCase) -> Timeline:
     stages.append(Stage("received", "replay" if first_stage == "replay" else "api", t0, None, detail))
     api_out = [m.time for m in own if m.stage == "api" and m.time >= t0]
     if summary.images and api_out:
-        stages.append(Stage("image intake", "api", t0, min(api_out),
-                            f"fetch, decode, hash and store {summary.images} image(s)"))
+        stages.append(
+            Stage("image intake", "api", t0, min(api_out), f"fetch, decode, hash and store {summary.images} image(s)")
+        )
 
     # -- encode side -----------------------------------------------------------------------
     queued: dict[str, StreamMessage] = {
@@ -137,12 +143,26 @@ def build_timeline(case: RequestCase) -> Timeline:
         if item in queued:
             continue
         if not ref.encode_queued:
-            stages.append(Stage("no encode job", "api", _queued_time(case, t0), None,
-                                f"item {item[:12]}: EC object already stored (or encoded in the worker)"))
+            stages.append(
+                Stage(
+                    "no encode job",
+                    "api",
+                    _queued_time(case, t0),
+                    None,
+                    f"item {item[:12]}: EC object already stored (or encoded in the worker)",
+                )
+            )
         else:
             by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
-            stages.append(Stage("encode deduplicated", "api", _queued_time(case, t0), None,
-                                f"item {item[:12]}: an encode job was already queued by {by}"))
+            stages.append(
+                Stage(
+                    "encode deduplicated",
+                    "api",
+                    _queued_time(case, t0),
+                    None,
+                    f"item {item[:12]}: an encode job was already queued by {by}",
+                )
+            )
     for item, m in queued.items():
         ev_msg = ready.get(item)
         taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
@@ -152,17 +172,33 @@ def build_timeline(case: RequestCase) -> Timeline:
         whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
         if ev.encode_started_at:
             end = ev.encode_started_at + ev.encode_s
-            stages.append(Stage("encode", "encoder", ev.encode_started_at, end,
-                                f"item {ev.item_hash[:12]}: {ev.n_tokens} tokens on {ev.producer}{whose}"))
-            stages.append(Stage("EC stored", "encoder", end, max(end, ev.created_at),
-                                f"{ev.nbytes} bytes -> {ev.ec_key}"))
+            stages.append(
+                Stage(
+                    "encode",
+                    "encoder",
+                    ev.encode_started_at,
+                    end,
+                    f"item {ev.item_hash[:12]}: {ev.n_tokens} tokens on {ev.producer}{whose}",
+                )
+            )
+            stages.append(
+                Stage("EC stored", "encoder", end, max(end, ev.created_at), f"{ev.nbytes} bytes -> {ev.ec_key}")
+            )
         else:
-            stages.append(Stage("EC announced", "encoder", ev.created_at, None,
-                                f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}"))
+            stages.append(
+                Stage(
+                    "EC announced",
+                    "encoder",
+                    ev.created_at,
+                    None,
+                    f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}",
+                )
+            )
     for m in case.of(ECFailed):
         ev_f: ECFailed = m.msg  # type: ignore[assignment]  # of(ECFailed) holds ECFailed only
-        stages.append(Stage("encode failed", "encoder", m.time, None,
-                            f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}"))
+        stages.append(
+            Stage("encode failed", "encoder", m.time, None, f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}")
+        )
 
     # -- generation side -------------------------------------------------------------------
     gen_msgs = [m for m in case.of(GenerationJob) if m.request_id == rid]
@@ -173,9 +209,16 @@ def build_timeline(case: RequestCase) -> Timeline:
         name = "generation queued" if not again else "re-prefill queued"
         took = taken if i == 0 else None
         gen_job: GenerationJob = gm.msg  # type: ignore[assignment]  # of(GenerationJob) holds GenerationJobs only
-        stages.append(Stage(name, "api" if not again else "decode", gm.time, took,
-                            f"{len(gen_job.images)} image placeholder(s), max_tokens "
-                            f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}"))
+        stages.append(
+            Stage(
+                name,
+                "api" if not again else "decode",
+                gm.time,
+                took,
+                f"{len(gen_job.images)} image placeholder(s), max_tokens "
+                f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}",
+            )
+        )
 
     final, error = case.final, case.error
     decode_jobs = [m for m in own if m.kind == "decode_job"]
@@ -183,54 +226,101 @@ def build_timeline(case: RequestCase) -> Timeline:
     sources: dict[str, str] = dict(final.ec_sources) if final else {}
     if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
         dj = decode_jobs[0].msg
-        timings = {**dict(getattr(dj, "timings", {}) or {}),
-                   **{k: v for k, v in timings.items() if k not in ("features_s", "admission_s", "prefill_s")}}
+        timings = {
+            **dict(getattr(dj, "timings", {}) or {}),
+            **{k: v for k, v in timings.items() if k not in ("features_s", "admission_s", "prefill_s")},
+        }
         sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
     if taken is not None:
         features_end = taken + timings.get("features_s", 0.0)
         for item, source in sources.items():
             name, reason = _ec_stage(source)
-            stages.append(Stage(name, "prefill", taken, features_end,
-                                f"item {item[:12]}" + (f": {reason}" if reason else "")))
+            stages.append(
+                Stage(name, "prefill", taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else ""))
+            )
         prefill_start = features_end + timings.get("admission_s", 0.0)
         if timings.get("admission_s", 0.0) >= ADMISSION_SHOWN_S:
-            stages.append(Stage("waiting for an engine slot", "prefill", features_end, prefill_start,
-                                "ready, every engine slot of the worker busy"))
+            stages.append(
+                Stage(
+                    "waiting for an engine slot",
+                    "prefill",
+                    features_end,
+                    prefill_start,
+                    "ready, every engine slot of the worker busy",
+                )
+            )
         if "prefill_s" in timings:
-            stages.append(Stage("prefill", "prefill", prefill_start, prefill_start + timings["prefill_s"],
-                                f"{final.prompt_tokens} prompt tokens" if final else ""))
+            stages.append(
+                Stage(
+                    "prefill",
+                    "prefill",
+                    prefill_start,
+                    prefill_start + timings["prefill_s"],
+                    f"{final.prompt_tokens} prompt tokens" if final else "",
+                )
+            )
 
     chunks = case.chunks()
     all_chunks = [m for m in case.of(TokenChunk) if m.request_id == rid]
     attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]  # chunks hold TokenChunks only
     for a in attempts[1:]:
         first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]  # chunks hold TokenChunks only
-        stages.append(Stage("redelivered", chunks[0].stage or "prefill", first_of, None,
-                            f"the job was delivered again (attempt {a}); tokens restart at seq 0"))
+        stages.append(
+            Stage(
+                "redelivered",
+                chunks[0].stage or "prefill",
+                first_of,
+                None,
+                f"the job was delivered again (attempt {a}); tokens restart at seq 0",
+            )
+        )
     first_token = chunks[0].time if chunks else None
     if first_token is not None:
-        stages.append(Stage("first token", chunks[0].stage or "prefill", first_token, None,
-                            f"TTFT {_ms(first_token - t0)}"))
+        stages.append(
+            Stage("first token", chunks[0].stage or "prefill", first_token, None, f"TTFT {_ms(first_token - t0)}")
+        )
     end_msg = case.terminal
     if decode_jobs and first_token is not None:
         dj_msg = decode_jobs[0]
-        stages.append(Stage("KV hand-off", "prefill", first_token, dj_msg.time,
-                            f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object"))
+        stages.append(
+            Stage(
+                "KV hand-off",
+                "prefill",
+                first_token,
+                dj_msg.time,
+                f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object",
+            )
+        )
         decode_taken = end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == "decode" else None
         stages.append(Stage("decode queued", "prefill", dj_msg.time, decode_taken))
         if decode_taken and end_msg is not None:
             stages.append(Stage("decode", "decode", decode_taken, end_msg.time, _decode_detail(final, case)))
     elif first_token is not None and end_msg is not None and final is not None:
-        stages.append(Stage("decode", end_msg.stage or "prefill", first_token, end_msg.time,
-                            _decode_detail(final, case)))
+        stages.append(
+            Stage("decode", end_msg.stage or "prefill", first_token, end_msg.time, _decode_detail(final, case))
+        )
     if final is not None and end_msg is not None:
-        stages.append(Stage("done", end_msg.stage or "prefill", end_msg.time, None,
-                            f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
-                            f"{_ms(end_msg.time - t0)}, worker {final.worker}"))
+        stages.append(
+            Stage(
+                "done",
+                end_msg.stage or "prefill",
+                end_msg.time,
+                None,
+                f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
+                f"{_ms(end_msg.time - t0)}, worker {final.worker}",
+            )
+        )
     elif error is not None and end_msg is not None:
         cancelled = error.code == Cancelled.code  # the caller gave up; its workers were told to stop
-        stages.append(Stage("cancelled" if cancelled else "error", error.stage or end_msg.stage or "api",
-                            end_msg.time, None, f"{error.code} (HTTP {error.http_status}): {error.message}"))
+        stages.append(
+            Stage(
+                "cancelled" if cancelled else "error",
+                error.stage or end_msg.stage or "api",
+                end_msg.time,
+                None,
+                f"{error.code} (HTTP {error.http_status}): {error.message}",
+            )
+        )
 
     stages.sort(key=lambda s: (s.start, 0 if s.end is None else 1))
     return Timeline(rid, t0, stages, summary, list(case.notes))
@@ -257,8 +347,10 @@ def render_summary(s: Summary) -> str:
         return "-" if x is None else f"{x:.3f}s"
 
     tokens = "-" if s.completion_tokens is None else str(s.completion_tokens)
-    line = (f"{s.request_id}  {iso_time(s.received_at)}  {s.status:<10}  images {s.images}  tokens {tokens:>4}  "
-            f"TTFT {sec(s.ttft_s):>7}  E2E {sec(s.e2e_s):>7}")
+    line = (
+        f"{s.request_id}  {iso_time(s.received_at)}  {s.status:<10}  images {s.images}  tokens {tokens:>4}  "
+        f"TTFT {sec(s.ttft_s):>7}  E2E {sec(s.e2e_s):>7}"
+    )
     if s.replay_of:
         line += f"  replay of {s.replay_of}"
     if s.error:
@@ -267,12 +359,16 @@ def render_summary(s: Summary) -> str:
 
 
 def render_text(tl: Timeline) -> str:
-    lines = [f"timeline (t0 = received {iso_time(tl.t0)}):",
-             f"  {'start':>10} {'end':>10} {'duration':>10}  {'service':<8} {'stage':<22} detail"]
+    lines = [
+        f"timeline (t0 = received {iso_time(tl.t0)}):",
+        f"  {'start':>10} {'end':>10} {'duration':>10}  {'service':<8} {'stage':<22} detail",
+    ]
     for s in tl.stages:
         end = "" if s.end is None else f"{(s.end - tl.t0) * 1e3:+.1f}"
-        lines.append(f"  {f'{(s.start - tl.t0) * 1e3:+.1f}':>10} {end:>10} {_ms(s.duration):>10}  "
-                     f"{s.service:<8} {s.name:<22} {s.detail}")
+        lines.append(
+            f"  {f'{(s.start - tl.t0) * 1e3:+.1f}':>10} {end:>10} {_ms(s.duration):>10}  "
+            f"{s.service:<8} {s.name:<22} {s.detail}"
+        )
     lines.append("  (times in ms after t0)")
     return "\n".join(lines)
 
@@ -301,12 +397,16 @@ def render_html(case: RequestCase, tl: Timeline | None = None) -> str:
     total = max(hi - lo, 1e-3)
     label_w, chart_w, row_h, top = 230, 640, 22, 24
     height = top + row_h * len(tl.stages) + 10
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 120}" height="{height}" '
-           f'role="img" aria-label="waterfall of request {e(tl.request_id)}">']
+    svg = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 120}" height="{height}" '
+        f'role="img" aria-label="waterfall of request {e(tl.request_id)}">'
+    ]
     for i in range(5):  # grid with time ticks
         x = label_w + chart_w * i / 4
-        svg.append(f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 6}" class="grid"/>'
-                   f'<text x="{x:.1f}" y="{top - 10}" class="tick">{(lo + total * i / 4) * 1e3:.1f} ms</text>')
+        svg.append(
+            f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 6}" class="grid"/>'
+            f'<text x="{x:.1f}" y="{top - 10}" class="tick">{(lo + total * i / 4) * 1e3:.1f} ms</text>'
+        )
     for row, s in enumerate(tl.stages):
         y = top + row * row_h
         color = SERVICE_COLORS.get(s.service, "#9c755f")
@@ -314,21 +414,29 @@ def render_html(case: RequestCase, tl: Timeline | None = None) -> str:
         svg.append(f'<text x="{label_w - 8}" y="{y + 15}" class="label">{e(s.name)}</text>')
         tip = f"{s.name} ({s.service}) {(s.start - t0) * 1e3:+.1f} ms"
         if s.end is None:
-            svg.append(f'<path d="M{x:.1f} {y + 4} l6 7 l-6 7 l-6 -7 z" fill="{color}"><title>{e(tip)}</title></path>'
-                       f'<text x="{x + 10:.1f}" y="{y + 15}" class="dur">{(s.start - t0) * 1e3:+.1f} ms</text>')
+            svg.append(
+                f'<path d="M{x:.1f} {y + 4} l6 7 l-6 7 l-6 -7 z" fill="{color}"><title>{e(tip)}</title></path>'
+                f'<text x="{x + 10:.1f}" y="{y + 15}" class="dur">{(s.start - t0) * 1e3:+.1f} ms</text>'
+            )
         else:
             w = max(1.5, chart_w * (s.end - s.start) / total)
-            svg.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" rx="2" fill="{color}">'
-                       f'<title>{e(tip)}, {_ms(s.duration)}</title></rect>'
-                       f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="dur">{_ms(s.duration)}</text>')
+            svg.append(
+                f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" rx="2" fill="{color}">'
+                f"<title>{e(tip)}, {_ms(s.duration)}</title></rect>"
+                f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="dur">{_ms(s.duration)}</text>'
+            )
     svg.append("</svg>")
 
     sm = tl.summary
     facts = [
-        ("status", sm.status), ("received", iso_time(sm.received_at)), ("images", str(sm.images)),
+        ("status", sm.status),
+        ("received", iso_time(sm.received_at)),
+        ("images", str(sm.images)),
         ("prompt tokens", "-" if sm.prompt_tokens is None else str(sm.prompt_tokens)),
         ("completion tokens", "-" if sm.completion_tokens is None else str(sm.completion_tokens)),
-        ("TTFT", _ms(sm.ttft_s) or "-"), ("E2E", _ms(sm.e2e_s) or "-"), ("source", case.source),
+        ("TTFT", _ms(sm.ttft_s) or "-"),
+        ("E2E", _ms(sm.e2e_s) or "-"),
+        ("source", case.source),
     ]
     if sm.replay_of:
         facts.append(("replay of", sm.replay_of))
@@ -362,13 +470,13 @@ pre {{ background: #f7f7f7; padding: 8px; overflow-x: auto; }} details {{ margin
 </style></head>
 <body>
 <h1>Request <code>{e(tl.request_id)}</code></h1>
-<table class="facts">{''.join(f'<tr><td>{e(k)}</td><td>{e(v)}</td></tr>' for k, v in facts)}</table>
+<table class="facts">{"".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in facts)}</table>
 <h2>Waterfall</h2>
 <div>{legend}</div>
-{''.join(svg)}
+{"".join(svg)}
 <h2>Stages</h2>
 <table><tr><th>start</th><th>end</th><th>duration</th><th>service</th><th>stage</th><th>detail</th></tr>{rows}</table>
-{f'<h2>Notes</h2><ul>{notes}</ul>' if notes else ''}
+{f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
 <h2>Messages ({len(case.messages)})</h2>
 {msgs}
 </body></html>

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from shared.errors import DeadlineExceeded
 from shared.protocol import TokenChunk
@@ -45,8 +45,11 @@ class TokenOutput:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         chunk = TokenChunk(
-            request_id=self.request_id, attempt=self.attempt, seq=self.first_seq + len(self.token_ids),
-            token_ids=(event.token_id,), text=event.text,
+            request_id=self.request_id,
+            attempt=self.attempt,
+            seq=self.first_seq + len(self.token_ids),
+            token_ids=(event.token_id,),
+            text=event.text,
         )
         self.token_ids.append(event.token_id)
         self.text_parts.append(event.text)
@@ -54,8 +57,7 @@ class TokenOutput:
             self.finish_reason = event.finish_reason
         await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id)
 
-    async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float,
-                     what: str = "generation") -> None:
+    async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float, what: str = "generation") -> None:
         """Publish every event of ``events`` as it comes. At ``deadline`` (epoch seconds) stop
         - closing the iterator cancels the request in the engine - and raise DeadlineExceeded
         ("... during <what>")."""

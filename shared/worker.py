@@ -310,8 +310,9 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
                 _count(handler, "retried")
                 return Settlement(Action.NAK, delivery.backoff_s, f"{type(exc).__name__}: {exc}")
             error = exc if isinstance(exc, EPDError) else WorkerFailed(f"{type(exc).__name__}: {exc}")
-            reject = Reject(error, message=f"gave up after {delivery.num_delivered} attempts: "
-                                           f"{type(exc).__name__}: {exc}")
+            reject = Reject(
+                error, message=f"gave up after {delivery.num_delivered} attempts: {type(exc).__name__}: {exc}"
+            )
     _count(handler, reject.outcome)
     try:
         await handler.on_terminal(job, reject.error, reject.message)
@@ -451,8 +452,7 @@ class WorkerRunner:
         token = REQUEST_ID.set(delivery.request_id)
         # Everything the handler publishes for this job says who published it, when this worker
         # took the job, and when the request reached the API (carried over from the job's headers).
-        trace = set_trace(self.name, received_at=delivery.headers.get(protocol.HDR_RECEIVED_AT),
-                          started_at=time.time())
+        trace = set_trace(self.name, received_at=delivery.headers.get(protocol.HDR_RECEIVED_AT), started_at=time.time())
         ticker = asyncio.create_task(self._keep_alive(msg))
         self.handler.in_flight += 1
         in_flight = metrics.IN_FLIGHT.labels(self.name)
@@ -529,21 +529,35 @@ class WorkerRunner:
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
-                    log.warning("cannot reach consumer %s/%s (%s: %s): unhealthy until it answers",
-                                stream, self.handler.durable, type(exc).__name__, exc)
+                    log.warning(
+                        "cannot reach consumer %s/%s (%s: %s): unhealthy until it answers",
+                        stream,
+                        self.handler.durable,
+                        type(exc).__name__,
+                        exc,
+                    )
                     if self.health is not None:
                         self.health.remove()
                 if now - last_ok >= self.settings.unreachable_exit_s:
-                    log.error("consumer %s/%s unreachable for %.0fs: stopping (exit code %d) for a restart",
-                              stream, self.handler.durable, now - last_ok, EXIT_UNREACHABLE)
+                    log.error(
+                        "consumer %s/%s unreachable for %.0fs: stopping (exit code %d) for a restart",
+                        stream,
+                        self.handler.durable,
+                        now - last_ok,
+                        EXIT_UNREACHABLE,
+                    )
                     self.exit_code = EXIT_UNREACHABLE
                     self.request_stop()
                     return
             else:
                 last_ok = time.monotonic()
                 if failing_since is not None:
-                    log.info("consumer %s/%s reachable again after %.1fs", stream, self.handler.durable,
-                             last_ok - failing_since)
+                    log.info(
+                        "consumer %s/%s reachable again after %.1fs",
+                        stream,
+                        self.handler.durable,
+                        last_ok - failing_since,
+                    )
                     failing_since = None
                 pending.set(info.num_pending or 0)
                 ack_pending.set(info.num_ack_pending or 0)
@@ -553,8 +567,9 @@ class WorkerRunner:
                     log.debug("heartbeat not published: %s", exc)
                 if self.health is not None:
                     try:
-                        self.health.write(role=self.name, worker_id=self.settings.worker_id,
-                                          in_flight=self.handler.in_flight)
+                        self.health.write(
+                            role=self.name, worker_id=self.settings.worker_id, in_flight=self.handler.in_flight
+                        )
                     except OSError as exc:  # e.g. a full disk: unhealthy, not dead
                         log.warning("cannot write the health file %s: %s", self.health.path, exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)

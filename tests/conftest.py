@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.tools.infra import EmbeddedNats, EmbeddedS3
 from shared.store.objects import S3ObjectStore
+from shared.tools.infra import EmbeddedNats, EmbeddedS3
 from tests.stackutil import start_stack
 
 
@@ -47,8 +47,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
 def s3_store(s3_server: EmbeddedS3) -> Iterator[S3ObjectStore]:
     """An :class:`S3ObjectStore` on a fresh, empty bucket of ``s3_server``."""
     bucket = f"epd-test-{uuid.uuid4().hex[:16]}"
-    store = S3ObjectStore(
-        s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
+    store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
     store.ensure_bucket()
     yield store
     try:
@@ -103,7 +102,10 @@ def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 
     metrics_port = free_port()
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-stack-logs"),
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("epd-stack-logs"),
         service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
         EPD_MAX_IMAGES_PER_REQUEST="2",
         EPD_MAX_IMAGE_BYTES=str(512 * 1024),
@@ -119,8 +121,14 @@ def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """Just the API (no workers), with API keys and a short request deadline."""
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("api-only-logs"),
-        services=["api"], roles={}, EPD_API_KEYS="sk-test-1, sk-test-2", EPD_REQUEST_TIMEOUT_S="2",
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("api-only-logs"),
+        services=["api"],
+        roles={},
+        EPD_API_KEYS="sk-test-1, sk-test-2",
+        EPD_REQUEST_TIMEOUT_S="2",
     )
     running.request_timeout_s = 2
     try:
@@ -141,10 +149,16 @@ def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     from tests import fault_workers
 
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("epd-split-logs"), topology="e-p-d",
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("epd-split-logs"),
+        topology="e-p-d",
         service_env={"decode": {fault_workers.DECODE_STEP_DELAY_ENV: "0.05"}},
         service_modules={"decode": fault_workers.MODULE},
-        EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024), EPD_ACK_WAIT_S="15",
+        EPD_MAX_IMAGES_PER_REQUEST="2",
+        EPD_MAX_IMAGE_BYTES=str(512 * 1024),
+        EPD_ACK_WAIT_S="15",
     )
     try:
         yield running

@@ -112,8 +112,9 @@ def compose_variables(compose: Mapping) -> dict[str, list[VarRef]]:
 def active_services(compose: Mapping, profiles: Iterable[str]) -> list[str]:
     """Services Compose starts with these profiles active (no profiles: always)."""
     active = set(p for p in profiles if p)
-    return [name for name, svc in compose["services"].items()
-            if not svc.get("profiles") or active & set(svc["profiles"])]
+    return [
+        name for name, svc in compose["services"].items() if not svc.get("profiles") or active & set(svc["profiles"])
+    ]
 
 
 def environment(service: Mapping) -> dict[str, str]:
@@ -202,7 +203,7 @@ def apt_packages(stage: Stage) -> set[str]:
         for cmd in re.split(r"&&|;", run):
             words = shlex.split(cmd)
             if len(words) >= 2 and words[0] in ("apt-get", "apt") and "install" in words:
-                pkgs.update(w for w in words[words.index("install") + 1:] if not w.startswith("-"))
+                pkgs.update(w for w in words[words.index("install") + 1 :] if not w.startswith("-"))
     return pkgs
 
 
@@ -247,8 +248,9 @@ def dockerfile_problems(text: str) -> list[str]:
             problems.append(f"final stage {target} is built FROM a build stage ({' <- '.join(names)})")
         users = [u for s in reversed(lineage) for u in s.args_of("USER")]
         if not users or _uid(users[-1]) in ("root", "0") or not _uid(users[-1]).isdigit():
-            problems.append(f"final stage {target} does not end as a numeric non-root USER "
-                            f"(got {users[-1:] or 'none'})")
+            problems.append(
+                f"final stage {target} does not end as a numeric non-root USER (got {users[-1:] or 'none'})"
+            )
         pkgs = set().union(*(apt_packages(s) for s in lineage))
         allowed = GPU_RUNTIME_COMPILERS if target == "gpu" else set()
         if pkgs & (BUILD_TOOLS - allowed):
@@ -272,9 +274,9 @@ def dockerfile_problems(text: str) -> list[str]:
 class AppSpec:
     """What the checks expect of one epd-serve service in docker-compose.yml."""
 
-    module: str             # python -m <module>
-    health_role: str        # epd healthcheck --role <role>
-    target: str             # Dockerfile target
+    module: str  # python -m <module>
+    health_role: str  # epd healthcheck --role <role>
+    target: str  # Dockerfile target
     role: str | None = None  # EPD_ROLE
     gpu_device: bool = False
 
@@ -286,8 +288,9 @@ def _healthcheck_args(service: Mapping) -> list[str] | None:
     return None
 
 
-def compose_problems(compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfile_targets: set[str],
-                     image_version: str, model_path: str) -> list[str]:
+def compose_problems(
+    compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfile_targets: set[str], image_version: str, model_path: str
+) -> list[str]:
     """Structural problems of a compose model: entry points, healthchecks, ports, dependencies,
     images, GPU reservations and hardening. Settings-level checks live in the tests."""
     problems = []
@@ -352,14 +355,20 @@ def compose_problems(compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfil
         if "no-new-privileges:true" not in (svc.get("security_opt") or []):
             problems.append(f"{name}: no no-new-privileges")
         mounts = [v for v in svc.get("volumes") or [] if isinstance(v, Mapping) and v.get("target") == model_path]
-        if (len(mounts) != 1 or not mounts[0].get("read_only")
-                or (mounts[0].get("bind") or {}).get("create_host_path") is not False):
+        if (
+            len(mounts) != 1
+            or not mounts[0].get("read_only")
+            or (mounts[0].get("bind") or {}).get("create_host_path") is not False
+        ):
             problems.append(f"{name}: the model is not bind-mounted read-only at {model_path} (without creating it)")
         if env.get("EPD_MODEL_PATH") != model_path:
             problems.append(f"{name}: EPD_MODEL_PATH={env.get('EPD_MODEL_PATH')!r} is not the mount {model_path}")
         deps = svc.get("depends_on") or {}
-        for dep, cond in (("nats", "service_healthy"), ("minio", "service_healthy"),
-                          ("minio-init", "service_completed_successfully")):
+        for dep, cond in (
+            ("nats", "service_healthy"),
+            ("minio", "service_healthy"),
+            ("minio-init", "service_completed_successfully"),
+        ):
             if (deps.get(dep) or {}).get("condition") != cond:
                 problems.append(f"{name}: does not wait for {dep} ({cond})")
     return problems

@@ -20,9 +20,12 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 EPD = Path(sys.executable).parent / "epd"  # the console script `make run` calls
-READY = re.compile(r"^epd-serve ready in [\d.]+s: (?P<url>http://\S+)\s+"
-                   r"\(model (?P<model>\S+), engine (?P<engine>\S+), "
-                   r"topology (?P<topology>\S+)\)$", re.M)
+READY = re.compile(
+    r"^epd-serve ready in [\d.]+s: (?P<url>http://\S+)\s+"
+    r"\(model (?P<model>\S+), engine (?P<engine>\S+), "
+    r"topology (?P<topology>\S+)\)$",
+    re.M,
+)
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,37 @@ class EpdUp:
         else of this process's ``EPD_*`` leaks in)."""
         self.data_dir = tmp_path / "var"
         self.api_port, self.nats_port, self.s3_port = distinct_free_ports(3)
-        argv = [str(EPD), "up", "--data-dir", str(self.data_dir), "--port", str(self.api_port), "--nats-port",
-                str(self.nats_port), "--s3-port", str(self.s3_port), *args]
+        argv = [
+            str(EPD),
+            "up",
+            "--data-dir",
+            str(self.data_dir),
+            "--port",
+            str(self.api_port),
+            "--nats-port",
+            str(self.nats_port),
+            "--s3-port",
+            str(self.s3_port),
+            *args,
+        ]
         # PYTHONPATH: the tree under test (the editable install points at the main checkout).
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, **(env or {}),
-               "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EPD_")},
+            **(env or {}),
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+        }
         self.out_path = tmp_path / "epd-up.out"
         with self.out_path.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.seen: set[Proc] = set()
 
     @property
@@ -124,6 +149,7 @@ class EpdUp:
 
     def wait_line(self, pattern: str, what: str, timeout: float = 240, after: int = 0) -> re.Match:
         """The first output line at or after offset ``after`` matching ``pattern`` (epd up must keep running)."""
+
         def line():
             assert self.proc.poll() is None, f"epd up exited ({self.proc.returncode}):\n{self.output()[-4000:]}"
             return re.search(pattern, self.output()[after:], re.M)

@@ -30,11 +30,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,10 @@ class Outcome:
             return None
 
     def describe(self, origin: float) -> str:
-        detail = self.error or (json.dumps(self.body)[:300] if self.status != 200
-                                else f"{len(self.tokens or [])} tokens")
-        return (f"{self.what}: sent at {self.started - origin:+.1f}s, {self.status} after {self.seconds:.1f}s "
-                f"({detail})")
+        detail = self.error or (
+            json.dumps(self.body)[:300] if self.status != 200 else f"{len(self.tokens or [])} tokens"
+        )
+        return f"{self.what}: sent at {self.started - origin:+.1f}s, {self.status} after {self.seconds:.1f}s ({detail})"
 
 
 def post_chat(url: str, body: dict, *, what: str, timeout: float) -> Outcome:
@@ -191,9 +191,16 @@ class Requests:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def probe_recovery(url: str, make: Callable[[], tuple[dict, list[int]]], *, since: float, bound: float,
-                   timeout: float, expected_of: dict[str, list[int]], interval: float = 2.0,
-                   ) -> tuple[Outcome | None, list[Outcome]]:
+def probe_recovery(
+    url: str,
+    make: Callable[[], tuple[dict, list[int]]],
+    *,
+    since: float,
+    bound: float,
+    timeout: float,
+    expected_of: dict[str, list[int]],
+    interval: float = 2.0,
+) -> tuple[Outcome | None, list[Outcome]]:
     """Send a request (``make()``: body and clean-run tokens, called in this thread) every
     ``interval`` s from now until one succeeds or ``bound`` s after ``since`` (the fault's end)
     have passed; then wait for every probe sent. Returns the first probe to succeed with the
@@ -216,8 +223,7 @@ def probe_recovery(url: str, make: Callable[[], tuple[dict, list[int]]], *, sinc
             while time.monotonic() < deadline and not succeeded():
                 time.sleep(0.05)
         outcomes = [p.result(timeout=timeout + 60) for p in probes]
-    ok = [o for o in outcomes
-          if o.status == 200 and o.tokens == expected_of[o.what] and o.started - since <= bound]
+    ok = [o for o in outcomes if o.status == 200 and o.tokens == expected_of[o.what] and o.started - since <= bound]
     return (min(ok, key=lambda o: o.ended) if ok else None), outcomes
 
 
@@ -283,8 +289,10 @@ class HealthMonitor:
             key = (tuple(sorted(s.workers.items())), s.api_status, tuple(sorted(s.api_workers.items())))
             if key != last:
                 red = [f"{k} ({s.reasons[k]})" for k, ok in s.workers.items() if not ok]
-                lines.append(f"{s.at - origin:+6.1f}s api /health {s.api_status} workers {s.api_workers}; "
-                             f"unhealthy: {'; '.join(red) or 'none'}")
+                lines.append(
+                    f"{s.at - origin:+6.1f}s api /health {s.api_status} workers {s.api_workers}; "
+                    f"unhealthy: {'; '.join(red) or 'none'}"
+                )
                 last = key
         return "\n".join(lines)
 

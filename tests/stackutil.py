@@ -23,9 +23,9 @@ import numpy as np
 from PIL import Image
 
 from shared import protocol
+from shared.protocol import ErrorEvent, FinalResult, Subjects, TokenChunk
 from shared.tools.infra import EmbeddedNats, EmbeddedS3
 from shared.tools.launcher import Stack
-from shared.protocol import ErrorEvent, FinalResult, Subjects, TokenChunk
 
 #: Greedy request parameters of the equality tests (the API's extension returns token ids).
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
@@ -108,8 +108,9 @@ class RunningStack:
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
 
-    def chat(self, messages: list[dict], *, timeout: float = 120, headers: dict | None = None,
-             **params: Any) -> httpx.Response:
+    def chat(
+        self, messages: list[dict], *, timeout: float = 120, headers: dict | None = None, **params: Any
+    ) -> httpx.Response:
         body = {"model": "qwen2-vl-tiny", "messages": messages, **params}
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout, headers=headers)
 
@@ -125,8 +126,20 @@ class RunningStack:
         return "\n".join(p.log_path.read_text() for p in self.stack.processes if p.name == service)
 
 
-def start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", services=None, roles=None,
-                service_env=None, service_modules=None, ready_timeout=300, **env_overrides) -> RunningStack:
+def start_stack(
+    nats_server,
+    s3_server,
+    model_dir,
+    log_dir,
+    *,
+    topology="e-pd",
+    services=None,
+    roles=None,
+    service_env=None,
+    service_modules=None,
+    ready_timeout=300,
+    **env_overrides,
+) -> RunningStack:
     """A ready stack on the session's NATS and S3: every service of ``topology``
     (``shared.topology.TOPOLOGIES``), or just ``services``; ``roles`` are the worker roles
     to wait for. ``env_overrides`` are ``EPD_*`` settings for every service, ``service_env`` per
@@ -135,8 +148,14 @@ def start_stack(nats_server, s3_server, model_dir, log_dir, *, topology="e-pd", 
     from shared.tools.infra import free_port
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
-    stack = Stack(env=env, log_dir=log_dir, topology=topology, api_port=free_port(), service_env=service_env or {},
-                  service_modules=service_modules or {})
+    stack = Stack(
+        env=env,
+        log_dir=log_dir,
+        topology=topology,
+        api_port=free_port(),
+        service_env=service_env or {},
+        service_modules=service_modules or {},
+    )
     running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
     try:
         if services is None:
@@ -179,8 +198,9 @@ class SSEStream:
 
     @property
     def text(self) -> str:
-        return "".join((choice.get("delta") or {}).get("content") or ""
-                       for ev in self.events for choice in ev.get("choices", []))
+        return "".join(
+            (choice.get("delta") or {}).get("content") or "" for ev in self.events for choice in ev.get("choices", [])
+        )
 
     @property
     def errors(self) -> list[dict]:
@@ -199,7 +219,7 @@ def parse_sse(lines: Iterable[str], stream: SSEStream | None = None) -> Iterator
         if line == "data: [DONE]":
             stream.done = True
             continue
-        event = json.loads(line[len("data: "):])
+        event = json.loads(line[len("data: ") :])
         stream.events.append(event)
         yield event
 
@@ -208,8 +228,9 @@ def stream_chat(stack: RunningStack, body: dict, *, timeout: float = 300, on_eve
     """POST ``body`` with ``stream: true`` and read the whole SSE stream; ``on_event(event,
     stream)`` is called after each event (e.g. to kill a worker mid-stream)."""
     out = SSEStream()
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json={**body, "stream": True},
-                      timeout=timeout) as resp:
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/chat/completions", json={**body, "stream": True}, timeout=timeout
+    ) as resp:
         assert resp.status_code == 200, resp.read()
         for event in parse_sse(resp.iter_lines(), out):
             if on_event is not None:
@@ -218,7 +239,7 @@ def stream_chat(stack: RunningStack, body: dict, *, timeout: float = 300, on_eve
 
 
 # -- metrics --------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\d+)?$')
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -236,8 +257,11 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of ``name`` whose labels include ``labels`` (0.0 when none)."""
-    return sum(v for n, lab, v in parse_metrics(text)
-               if n == name and all(lab.get(k) == str(want) for k, want in labels.items()))
+    return sum(
+        v
+        for n, lab, v in parse_metrics(text)
+        if n == name and all(lab.get(k) == str(want) for k, want in labels.items())
+    )
 
 
 def scrape(url: str) -> str:
@@ -313,8 +337,9 @@ class JobOutcome:
         return stream_tokens(self.chunks, self.terminal)
 
 
-async def publish_and_collect(nats_url: str, subjects: Subjects, subject: str, msg: protocol.Message,
-                              request_id: str, *, timeout: float = 300) -> JobOutcome:
+async def publish_and_collect(
+    nats_url: str, subjects: Subjects, subject: str, msg: protocol.Message, request_id: str, *, timeout: float = 300
+) -> JobOutcome:
     """Subscribe to ``request_id``'s token subject, publish ``msg`` to the JetStream ``subject``,
     and collect chunks until the terminal event (or fail after ``timeout``)."""
     import nats
@@ -343,8 +368,9 @@ async def publish_and_collect(nats_url: str, subjects: Subjects, subject: str, m
 
 def run_job(stack: RunningStack, subject: str, msg: protocol.Message, *, timeout: float = 300) -> JobOutcome:
     """:func:`publish_and_collect` on a running stack (``msg.request_id``)."""
-    return asyncio.run(publish_and_collect(stack.nats_url, stack.subjects, subject, msg, msg.request_id,
-                                           timeout=timeout))
+    return asyncio.run(
+        publish_and_collect(stack.nats_url, stack.subjects, subject, msg, msg.request_id, timeout=timeout)
+    )
 
 
 def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent | None = None) -> list[int]:
@@ -378,9 +404,11 @@ def work_consumers(nats_url: str, subjects: Subjects) -> dict[str, Any]:
         try:
             js = nc.jetstream()
             infos = {}
-            for stream, durable in ((subjects.stream_encode, protocol.CONSUMER_ENCODER),
-                                    (subjects.stream_generate, protocol.CONSUMER_PREFILL),
-                                    (subjects.stream_decode, protocol.CONSUMER_DECODE)):
+            for stream, durable in (
+                (subjects.stream_encode, protocol.CONSUMER_ENCODER),
+                (subjects.stream_generate, protocol.CONSUMER_PREFILL),
+                (subjects.stream_decode, protocol.CONSUMER_DECODE),
+            ):
                 try:
                     infos[durable] = await js.consumer_info(stream, durable)
                 except NotFoundError:
@@ -396,14 +424,18 @@ def busy_work_consumers(nats_url: str, subjects: Subjects) -> dict[str, tuple[in
     """The work consumers that still hold a job: name -> (pending, delivered but not acked). A
     worker acks a job only after publishing everything it sends for it, so once this is empty no
     further event of a finished request can appear."""
-    return {name: (info.num_pending, info.num_ack_pending) for name, info in work_consumers(nats_url, subjects).items()
-            if info.num_pending or info.num_ack_pending}
+    return {
+        name: (info.num_pending, info.num_ack_pending)
+        for name, info in work_consumers(nats_url, subjects).items()
+        if info.num_pending or info.num_ack_pending
+    }
 
 
 def final_result(stack: RunningStack, request_id: str, *, timeout: float = 120) -> FinalResult:
     """The one ``FinalResult`` of ``request_id`` on record. Waits until it is there and until
     the stack's workers hold no job (so a second final - a redelivered job finished twice -
     would be on record too); two finals fail the test, and so does an ``ErrorEvent``."""
+
     def finals():
         events = [m for m in stack.messages_of("stream_results", (FinalResult, ErrorEvent), request_id)]
         assert not any(isinstance(m, ErrorEvent) for m in events), events
@@ -487,7 +519,15 @@ def epd_cli(env: dict[str, str], *args: str, timeout: float = 300):
     import sys
 
     # (the operator CLI must not pull in torch: it runs where no engine is installed)
-    code = ("import sys; from shared.tools.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'the epd CLI imported torch'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; from shared.tools.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'the epd CLI imported torch'; sys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[1],
+    )

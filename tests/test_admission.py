@@ -135,9 +135,18 @@ def _jobs_recorded(stack, n: int) -> bool:
 
 def _pd_without_encoder(nats_server, s3_server, model_dir, log_dir, **env):
     # No encoder yet: image jobs wait for their features (EPD_EC_WAIT_S) on the prefill worker.
-    return start_stack(nats_server, s3_server, model_dir, log_dir, services=["api", "prefill"],
-                       roles={"prefill": 1}, EPD_MAX_CONCURRENT_JOBS="1", EPD_EC_WAIT_S="300",
-                       EPD_REQUEST_TIMEOUT_S="400", **env)
+    return start_stack(
+        nats_server,
+        s3_server,
+        model_dir,
+        log_dir,
+        services=["api", "prefill"],
+        roles={"prefill": 1},
+        EPD_MAX_CONCURRENT_JOBS="1",
+        EPD_EC_WAIT_S="300",
+        EPD_REQUEST_TIMEOUT_S="400",
+        **env,
+    )
 
 
 def _serve_images_then_check(stack, images: list[_Post]) -> None:
@@ -168,8 +177,7 @@ def test_text_is_served_while_image_jobs_wait_for_the_encoder(nats_server, s3_se
 
 @pytest.mark.slow
 def test_control_a_waiting_job_holding_its_place_blocks_text(nats_server, s3_server, tiny_model_dir, tmp_path):
-    stack = _pd_without_encoder(nats_server, s3_server, tiny_model_dir, tmp_path / "hold",
-                                EPD_MAX_WAITING_JOBS="0")
+    stack = _pd_without_encoder(nats_server, s3_server, tiny_model_dir, tmp_path / "hold", EPD_MAX_WAITING_JOBS="0")
     try:
         images = [_Post(stack.url, _image_body(seed)) for seed in (3, 4)]
         wait_for(lambda: _gen_consumer(stack) == (1, 1), 120, "the prefill worker to hold one image job")

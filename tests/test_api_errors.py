@@ -15,8 +15,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.protocol import ChatRequestRecord, ErrorEvent
 from shared.history import list_requests
+from shared.protocol import ChatRequestRecord, ErrorEvent
 from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import data_url, noise_image, png_bytes, user_message
 
@@ -63,8 +63,12 @@ def closed_port() -> int:
 
 
 def _post_raw(stack, content: bytes, headers=None):
-    return httpx.post(f"{stack.url}/v1/chat/completions", content=content, timeout=60,
-                      headers={"Content-Type": "application/json", **(headers or {})})
+    return httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        content=content,
+        timeout=60,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
 
 
 def _image_msg(url):
@@ -88,44 +92,117 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
     cases = [
         ("invalid json", lambda: _post_raw(epd_stack, b"{not json"), 400, "invalid_request"),
         ("no messages", lambda: epd_stack.chat([], **GREEDY), 400, "invalid_request"),
-        ("unsupported part", lambda: epd_stack.chat(
-            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], **GREEDY), 400,
-         "unsupported_content"),
-        ("undecodable image", lambda: epd_stack.chat(
-            _image_msg("data:image/png;base64," + base64.b64encode(b"not an image at all").decode()), **GREEDY),
-         400, "invalid_image"),
-        ("truncated png", lambda: epd_stack.chat(
-            _image_msg("data:image/png;base64," + base64.b64encode(tiny_png[: len(tiny_png) // 2]).decode()),
-            **GREEDY), 400, "invalid_image"),
-        ("bad base64", lambda: epd_stack.chat(_image_msg("data:image/png;base64,@@@###"), **GREEDY), 400,
-         "invalid_request"),
-        ("too many images", lambda: epd_stack.chat(
-            [user_message("x", [data_url(noise_image(63, (8, 8)))] * 3)], **GREEDY), 400, "too_many_images"),
+        (
+            "unsupported part",
+            lambda: epd_stack.chat(
+                [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], **GREEDY
+            ),
+            400,
+            "unsupported_content",
+        ),
+        (
+            "undecodable image",
+            lambda: epd_stack.chat(
+                _image_msg("data:image/png;base64," + base64.b64encode(b"not an image at all").decode()), **GREEDY
+            ),
+            400,
+            "invalid_image",
+        ),
+        (
+            "truncated png",
+            lambda: epd_stack.chat(
+                _image_msg("data:image/png;base64," + base64.b64encode(tiny_png[: len(tiny_png) // 2]).decode()),
+                **GREEDY,
+            ),
+            400,
+            "invalid_image",
+        ),
+        (
+            "bad base64",
+            lambda: epd_stack.chat(_image_msg("data:image/png;base64,@@@###"), **GREEDY),
+            400,
+            "invalid_request",
+        ),
+        (
+            "too many images",
+            lambda: epd_stack.chat([user_message("x", [data_url(noise_image(63, (8, 8)))] * 3)], **GREEDY),
+            400,
+            "too_many_images",
+        ),
         ("too large image", lambda: epd_stack.chat(_image_msg(too_large_url), **GREEDY), 400, "payload_too_large"),
-        ("private url", lambda: epd_stack.chat(_image_msg("http://10.1.2.3/cat.png"), **GREEDY), 400,
-         "url_not_allowed"),
-        ("link-local url", lambda: epd_stack.chat(_image_msg("http://169.254.169.254/latest/meta-data"), **GREEDY),
-         400, "url_not_allowed"),
-        ("ftp url", lambda: epd_stack.chat(_image_msg("ftp://example.com/a.png"), **GREEDY), 400,
-         "unsupported_content"),
-        ("url 404", lambda: epd_stack.chat(_image_msg(f"{image_server}/missing.png"), **GREEDY), 502,
-         "image_fetch_failed"),
-        ("unreachable url", lambda: epd_stack.chat(_image_msg(f"http://127.0.0.1:{closed_port()}/a.png"), **GREEDY),
-         502, "image_fetch_failed"),
-        ("bad temperature", lambda: epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7), 400,
-         "invalid_request"),
-        ("unknown model", lambda: httpx.post(f"{epd_stack.url}/v1/chat/completions", timeout=30, json={
-            "model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request"),
+        (
+            "private url",
+            lambda: epd_stack.chat(_image_msg("http://10.1.2.3/cat.png"), **GREEDY),
+            400,
+            "url_not_allowed",
+        ),
+        (
+            "link-local url",
+            lambda: epd_stack.chat(_image_msg("http://169.254.169.254/latest/meta-data"), **GREEDY),
+            400,
+            "url_not_allowed",
+        ),
+        (
+            "ftp url",
+            lambda: epd_stack.chat(_image_msg("ftp://example.com/a.png"), **GREEDY),
+            400,
+            "unsupported_content",
+        ),
+        (
+            "url 404",
+            lambda: epd_stack.chat(_image_msg(f"{image_server}/missing.png"), **GREEDY),
+            502,
+            "image_fetch_failed",
+        ),
+        (
+            "unreachable url",
+            lambda: epd_stack.chat(_image_msg(f"http://127.0.0.1:{closed_port()}/a.png"), **GREEDY),
+            502,
+            "image_fetch_failed",
+        ),
+        (
+            "bad temperature",
+            lambda: epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7),
+            400,
+            "invalid_request",
+        ),
+        (
+            "unknown model",
+            lambda: httpx.post(
+                f"{epd_stack.url}/v1/chat/completions",
+                timeout=30,
+                json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+            ),
+            400,
+            "invalid_request",
+        ),
         # Inputs that used to escape as plain-text 500s (issue 12):
-        ("deeply nested json", lambda: _post_raw(epd_stack, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-         400, "invalid_request"),
-        ("lone surrogate", lambda: _post_raw(
-            epd_stack, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800b"}]}]}'),
-         400, "invalid_request"),
-        ("redirect to a data url", lambda: epd_stack.chat(_image_msg(f"{image_server}/to-data"), **GREEDY), 400,
-         "unsupported_content"),
-        ("request id with a newline", lambda: httpx.get(f"{epd_stack.url}/debug/requests/abc%0A", timeout=30), 400,
-         "invalid_request_id"),
+        (
+            "deeply nested json",
+            lambda: _post_raw(epd_stack, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "lone surrogate",
+            lambda: _post_raw(
+                epd_stack, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800b"}]}]}'
+            ),
+            400,
+            "invalid_request",
+        ),
+        (
+            "redirect to a data url",
+            lambda: epd_stack.chat(_image_msg(f"{image_server}/to-data"), **GREEDY),
+            400,
+            "unsupported_content",
+        ),
+        (
+            "request id with a newline",
+            lambda: httpx.get(f"{epd_stack.url}/debug/requests/abc%0A", timeout=30),
+            400,
+            "invalid_request_id",
+        ),
     ]
     for name, call, status, code in cases:
         resp = call()
@@ -156,7 +233,10 @@ def test_api_keys_and_deadline(api_only_stack):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "qwen2-vl-tiny"
     # The fields vLLM's `bench serve` reads (root: the model, when --model is left out).
     assert {k: r.json()["data"][0][k] for k in ("object", "root", "parent")} == {
-        "object": "model", "root": "qwen2-vl-tiny", "parent": None}
+        "object": "model",
+        "root": "qwen2-vl-tiny",
+        "parent": None,
+    }
     # With keys configured, /metrics and /debug ask for one too (EPD_METRICS_PUBLIC is off).
     for path in ("/metrics", "/debug/requests/chatcmpl-0"):
         _assert_error(httpx.get(f"{api_only_stack.url}{path}", timeout=10), 401, "invalid_api_key")
@@ -171,14 +251,18 @@ def test_api_keys_and_deadline(api_only_stack):
     headers = {"Authorization": "Bearer sk-test-1"}
     for stream in (False, True):
         started = time.monotonic()
-        r = api_only_stack.chat([{"role": "user", "content": "hi"}], headers=headers, timeout=HANG_S, stream=stream,
-                                **GREEDY)
+        r = api_only_stack.chat(
+            [{"role": "user", "content": "hi"}], headers=headers, timeout=HANG_S, stream=stream, **GREEDY
+        )
         elapsed = time.monotonic() - started
         _assert_error(r, 504, "deadline_exceeded")
         assert deadline_s - 0.05 <= elapsed < HANG_S, (stream, elapsed, deadline_s)
     # Both are on record as ended by the API with an error (not "incomplete": nothing else answered).
-    abandoned = {m.request_id: m for _, _, m in api_only_stack.stream_messages("stream_results")
-                 if isinstance(m, ErrorEvent) and m.stage == "api"}
+    abandoned = {
+        m.request_id: m
+        for _, _, m in api_only_stack.stream_messages("stream_results")
+        if isinstance(m, ErrorEvent) and m.stage == "api"
+    }
     assert len(abandoned) >= 2
     assert {(e.code, e.http_status) for e in abandoned.values()} == {("deadline_exceeded", 504)}
 
@@ -234,8 +318,9 @@ def test_an_unexpected_exception_is_an_openai_error_with_an_id(tiny_model_dir, c
     assert line.exc_info and "boom" in str(line.exc_info[1])
 
 
-def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(nats_server, s3_server, tiny_model_dir,
-                                                                             tmp_path):
+def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(
+    nats_server, s3_server, tiny_model_dir, tmp_path
+):
     """SIGTERM while requests wait (no worker: they would wait until the deadline): before uvicorn's
     graceful-shutdown timeout cuts them off (a plain-text 500), each ends with an OpenAI-shaped
     503, in-band for a stream; the requests are recorded as cancelled."""
@@ -243,8 +328,9 @@ def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(na
 
     from tests.stackutil import start_stack
 
-    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path, services=["api"], roles={},
-                          EPD_REQUEST_TIMEOUT_S="300")
+    running = start_stack(
+        nats_server, s3_server, tiny_model_dir, tmp_path, services=["api"], roles={}, EPD_REQUEST_TIMEOUT_S="300"
+    )
     body = {"model": "qwen2-vl-tiny", "messages": [user_message("hi", [])], "max_tokens": 4}
     out: dict[str, object] = {}
 
@@ -255,6 +341,7 @@ def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(na
         waiter = threading.Thread(target=plain)
         waiter.start()
         from tests.stackutil import wait_for
+
         wait_for(lambda: "accepted" in running.log_of("api"), 60, "the request to be accepted")
         (api,) = running.stack.processes
         api.popen.send_signal(signal.SIGTERM)

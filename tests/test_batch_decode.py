@@ -62,8 +62,9 @@ async def requests_(engine):
     out = []
     for text, specs in PROMPTS:
         parts = [{"type": "image"} for _ in specs] + [{"type": "text", "text": text}]
-        out.append(([{"role": "user", "content": parts}],
-                    await engine.encode([noise_image(s, size) for s, size in specs])))
+        out.append(
+            ([{"role": "user", "content": parts}], await engine.encode([noise_image(s, size) for s, size in specs]))
+        )
     return out
 
 
@@ -138,8 +139,9 @@ async def test_batched_greedy_equals_single_with_joins_and_leaves(engine, reques
     assert dec.max_rows_seen == len(requests_)
     assert max_diff < LOGIT_TOLERANCE, max_diff
     assert min_margin > 10 * max_diff  # no near-tie could have flipped a token
-    print(f"\n[{engine.arch}] batched vs single: max |logit diff| = {max_diff:.3g}, "
-          f"min top-2 margin = {min_margin:.3g}")
+    print(
+        f"\n[{engine.arch}] batched vs single: max |logit diff| = {max_diff:.3g}, min top-2 margin = {min_margin:.3g}"
+    )
 
 
 async def test_padding_mask_and_positions_matter(engine, requests_):
@@ -245,8 +247,17 @@ async def _handed_off(engine, messages, images, params):
         tensors, meta = await request.export()
     finally:
         await request.release()
-    obj = KVObject(request_id="r", attempt=0, tensors=tensors, state_metadata=meta, state=json.loads(meta["state"]),
-                   sampling={}, producer="test", created_at=0.0, nbytes=0)
+    obj = KVObject(
+        request_id="r",
+        attempt=0,
+        tensors=tensors,
+        state_metadata=meta,
+        state=json.loads(meta["state"]),
+        sampling={},
+        producer="test",
+        created_at=0.0,
+        nbytes=0,
+    )
     return request.first, obj
 
 
@@ -262,8 +273,9 @@ async def test_engine_decode_steps_concurrent_requests_together(engine, requests
     params[5] = _greedy()  # every request long enough to overlap the others
     handed = [await _handed_off(engine, *req, params[i]) for i, req in enumerate(requests_)]
     stats = [GenerationStats() for _ in requests_]
-    got = await asyncio.gather(*(_decode_all(engine, first, obj, params[i], stats[i])
-                                 for i, (first, obj) in enumerate(handed)))
+    got = await asyncio.gather(
+        *(_decode_all(engine, first, obj, params[i], stats[i]) for i, (first, obj) in enumerate(handed))
+    )
     for i, (messages, images) in enumerate(requests_):
         assert got[i] == await _drain(engine.generate(messages, images, params[i])), f"request {i}"
         assert stats[i].completion_tokens == len(got[i])
@@ -296,9 +308,17 @@ async def test_decode_of_a_state_that_does_not_fit_raises_before_any_token(engin
     bad = [
         KVObject(**{**obj.__dict__, "tensors": {n: t for n, t in obj.tensors.items() if n != "kv.0.k"}}),
         KVObject(**{**obj.__dict__, "state_metadata": {**obj.state_metadata, "state": json.dumps(state)}}),
-        KVObject(**{**obj.__dict__, "tensors": {**obj.tensors, "kv.0.k": type(k)(k.data[: len(k.data) // 2], k.dtype,
-                                                                               (k.shape[0], k.shape[1], k.shape[2] // 2,
-                                                                                k.shape[3]))}}),
+        KVObject(
+            **{
+                **obj.__dict__,
+                "tensors": {
+                    **obj.tensors,
+                    "kv.0.k": type(k)(
+                        k.data[: len(k.data) // 2], k.dtype, (k.shape[0], k.shape[1], k.shape[2] // 2, k.shape[3])
+                    ),
+                },
+            }
+        ),
     ]
     for item in bad:
         with pytest.raises(KVStateMismatch):
@@ -322,8 +342,9 @@ async def test_more_requests_than_max_batch_wait_for_a_row(model_dir, requests_,
         handed = [await _handed_off(engine, *requests_[i], _greedy(n)) for i in range(4)]
         stats = [GenerationStats() for _ in handed]
         t0 = time.perf_counter()
-        got = await asyncio.gather(*(_decode_all(engine, first, obj, _greedy(n), stats[i])
-                                     for i, (first, obj) in enumerate(handed)))
+        got = await asyncio.gather(
+            *(_decode_all(engine, first, obj, _greedy(n), stats[i]) for i, (first, obj) in enumerate(handed))
+        )
         elapsed = time.perf_counter() - t0
         for i in range(4):
             assert got[i] == await _drain(engine.generate(*requests_[i], _greedy(n))), f"request {i}"

@@ -40,8 +40,16 @@ def images_of(req: workload.PlannedRequest) -> list[bytes]:
 
 
 # -- the workload -------------------------------------------------------------------------------
-MIXED = dict(requests=60, text_only_share=0.2, repeat_share=0.4, images_per_request={1: 0.6, 2: 0.4},
-             image_sizes={"64x64": 0.5, "96x48": 0.5}, prompt_words=(4, 12), output_tokens=(8, 24), turns=2)
+MIXED = dict(
+    requests=60,
+    text_only_share=0.2,
+    repeat_share=0.4,
+    images_per_request={1: 0.6, 2: 0.4},
+    image_sizes={"64x64": 0.5, "96x48": 0.5},
+    prompt_words=(4, 12),
+    output_tokens=(8, 24),
+    turns=2,
+)
 
 
 def test_plan_is_deterministic_for_a_seed():
@@ -67,9 +75,17 @@ def test_plan_is_deterministic_for_a_seed():
 
 def test_plan_honours_the_shares():
     n = 6000
-    s = spec(seed=3, requests=n, text_only_share=0.25, repeat_share=0.3, repeat_window=8,
-             images_per_request={1: 0.7, 3: 0.3}, image_sizes={"64x64": 0.75, "32x32": 0.25},
-             prompt_words=(5, 9), output_tokens=(10, 20))
+    s = spec(
+        seed=3,
+        requests=n,
+        text_only_share=0.25,
+        repeat_share=0.3,
+        repeat_window=8,
+        images_per_request={1: 0.7, 3: 0.3},
+        image_sizes={"64x64": 0.75, "32x32": 0.25},
+        prompt_words=(5, 9),
+        output_tokens=(10, 20),
+    )
     reqs = workload.plan(s)
     assert len(reqs) == n and [r.index for r in reqs] == list(range(n))
 
@@ -124,15 +140,18 @@ def test_poisson_arrivals_and_duration():
 
 
 def test_conversations_and_request_bodies():
-    s = spec(seed=11, requests=9, turns=3, images_per_request={2: 1.0}, image_sizes={"48x32": 1.0},
-             output_tokens=(7, 7))
+    s = spec(
+        seed=11, requests=9, turns=3, images_per_request={2: 1.0}, image_sizes={"48x32": 1.0}, output_tokens=(7, 7)
+    )
     reqs = workload.plan(s)
     assert [r.turn for r in reqs] == [0, 1, 2] * 3
     assert [r.kind for r in reqs] == ["image", "repeat", "repeat"] * 3
     for r in reqs:
         first = reqs[r.index - r.turn]
         assert r.images == first.images and r.conversation == first.conversation
-        assert len(r.history) == r.turn and [t.user for t in r.history] == [q.prompt for q in reqs[first.index:r.index]]
+        assert len(r.history) == r.turn and [t.user for t in r.history] == [
+            q.prompt for q in reqs[first.index : r.index]
+        ]
         body = r.body("tiny", extra={"return_token_ids": True})
         assert body["max_tokens"] == 7 and body["ignore_eos"] is True and body["stream"] is True
         assert body["stream_options"] == {"include_usage": True} and body["return_token_ids"] is True
@@ -157,18 +176,30 @@ def test_conversations_and_request_bodies():
 
 def test_spec_from_yaml_and_flags(tmp_path):
     path = tmp_path / "w.yaml"
-    path.write_text("seed: 4\nrequests: 30\nrate: 2.5\nimages_per_request: {1: 0.5, 2: 0.5}\n"
-                    "image_sizes: {'64x64': 1}\nprompt_words: [3, 5]\n")
+    path.write_text(
+        "seed: 4\nrequests: 30\nrate: 2.5\nimages_per_request: {1: 0.5, 2: 0.5}\n"
+        "image_sizes: {'64x64': 1}\nprompt_words: [3, 5]\n"
+    )
     s = workload.load_spec(path)
-    assert (s.seed, s.requests, s.arrival, s.rate, s.images_per_request, s.prompt_words) == \
-        (4, 30, "poisson", 2.5, {1: 0.5, 2: 0.5}, (3, 5))
+    assert (s.seed, s.requests, s.arrival, s.rate, s.images_per_request, s.prompt_words) == (
+        4,
+        30,
+        "poisson",
+        2.5,
+        {1: 0.5, 2: 0.5},
+        (3, 5),
+    )
     s = workload.load_spec(path, {"seed": 9, "duration_s": 12.0, "requests": None})
     assert (s.seed, s.requests, s.duration_s, s.rate) == (9, 30, 12.0, 2.5)  # None: not given
     only_duration = tmp_path / "d.yaml"
     only_duration.write_text("duration_s: 5\n")
     assert workload.load_spec(only_duration).requests is None  # not the default 50
-    for bad in ({"repeat_share": 1.5}, {"image_sizes": {"64by64": 1.0}}, {"arrival": "poisson"},
-                {"output_tokens": (5, 2)}):
+    for bad in (
+        {"repeat_share": 1.5},
+        {"image_sizes": {"64by64": 1.0}},
+        {"arrival": "poisson"},
+        {"output_tokens": (5, 2)},
+    ):
         with pytest.raises(ValueError, match="invalid workload"):
             workload.load_spec(None, bad)
     # The CLI: flags over the file; a load flag replaces the file's load (its sweep).
@@ -179,12 +210,20 @@ def test_spec_from_yaml_and_flags(tmp_path):
     swept.write_text("sweep: [1, 2]\nrequests: 5\nturns: 2\n")
 
     def cli_spec(*flags: str) -> WorkloadSpec:
-        return spec_from_args(build_parser().parse_args(["bench", "run", "--url", "http://x", "--workload", str(swept),
-                                                         *flags]))
+        return spec_from_args(
+            build_parser().parse_args(["bench", "run", "--url", "http://x", "--workload", str(swept), *flags])
+        )
 
     s = cli_spec("--seed", "2", "--image-sizes", "64x64:3,32x32:1", "--prompt-words", "2,3", "--slo", "ttft=9")
-    assert (s.arrival, s.sweep, s.seed, s.requests, s.turns, s.image_sizes, s.prompt_words) == \
-        ("poisson", (1.0, 2.0), 2, 5, 2, {"64x64": 3.0, "32x32": 1.0}, (2, 3))
+    assert (s.arrival, s.sweep, s.seed, s.requests, s.turns, s.image_sizes, s.prompt_words) == (
+        "poisson",
+        (1.0, 2.0),
+        2,
+        5,
+        2,
+        {"64x64": 3.0, "32x32": 1.0},
+        (2, 3),
+    )
     s = cli_spec("--concurrency", "3", "--images-per-request", "1:1,2:3")
     assert (s.arrival, s.sweep, s.concurrency, s.images_per_request) == ("concurrency", (), 3, {1: 1.0, 2: 3.0})
     assert (cli_spec("--rate", "0.5").arrival, cli_spec("--rate", "0.5").sweep) == ("poisson", ())
@@ -202,15 +241,39 @@ def _rec(index: int, ok: bool = True, **fields) -> RequestRecord:
 
 
 RECORDS = [
-    _rec(0, ttft_s=0.1, e2e_s=1.0, output_tokens=10, prompt_tokens=20, itl_s=(0.1,) * 9,
-         stages={"prefill": 0.1, "encode": 0.2}, ec_sources={"a": "store", "b": "recomputed:stale"}),
-    _rec(1, ttft_s=0.2, e2e_s=2.2, output_tokens=11, prompt_tokens=20, itl_s=(0.2, 0.2),
-         stages={"prefill": 0.3}, ec_sources={"c": "store"}),
+    _rec(
+        0,
+        ttft_s=0.1,
+        e2e_s=1.0,
+        output_tokens=10,
+        prompt_tokens=20,
+        itl_s=(0.1,) * 9,
+        stages={"prefill": 0.1, "encode": 0.2},
+        ec_sources={"a": "store", "b": "recomputed:stale"},
+    ),
+    _rec(
+        1,
+        ttft_s=0.2,
+        e2e_s=2.2,
+        output_tokens=11,
+        prompt_tokens=20,
+        itl_s=(0.2, 0.2),
+        stages={"prefill": 0.3},
+        ec_sources={"c": "store"},
+    ),
     _rec(2, ttft_s=0.3, e2e_s=0.3, output_tokens=1, prompt_tokens=10),
-    _rec(3, ttft_s=0.4, e2e_s=4.4, output_tokens=5, prompt_tokens=30, itl_s=(1.0,),
-         ec_sources={"d": "local_cache"}),
-    _rec(4, ok=False, status=503, error="unavailable", ttft_s=0.01, output_tokens=3, prompt_tokens=99,
-         stages={"prefill": 9.0}, ec_sources={"e": "store"}),
+    _rec(3, ttft_s=0.4, e2e_s=4.4, output_tokens=5, prompt_tokens=30, itl_s=(1.0,), ec_sources={"d": "local_cache"}),
+    _rec(
+        4,
+        ok=False,
+        status=503,
+        error="unavailable",
+        ttft_s=0.01,
+        output_tokens=3,
+        prompt_tokens=99,
+        stages={"prefill": 9.0},
+        ec_sources={"e": "store"},
+    ),
 ]
 
 
@@ -224,8 +287,9 @@ def _stats(s, mean, median, p90, p99, std=None):
 def test_summarize_gives_hand_computed_figures():
     s = report.summarize(RECORDS, 10.0)
     assert (s.completed, s.failed, s.duration_s) == (4, 1, 10.0)
-    assert (s.request_throughput, s.output_token_throughput, s.total_token_throughput) == \
-        pytest.approx((0.4, 2.7, 10.7), abs=1e-12)
+    assert (s.request_throughput, s.output_token_throughput, s.total_token_throughput) == pytest.approx(
+        (0.4, 2.7, 10.7), abs=1e-12
+    )
     # TTFT 100/200/300/400 ms: p90 at rank 2.7 -> 300 + 0.7 * 100
     _stats(s.ttft_ms, 250, 250, 370, 397, math.sqrt(12500))
     # TPOT (e2e - ttft) / (n - 1): 0.9/9, 2.0/10, 4.0/4 (the one-token request has none)
@@ -261,15 +325,29 @@ def test_empty_and_all_failed_runs():
 def test_format_result_prints_every_run():
     summary = report.summarize(RECORDS, 10.0, {"ttft": 250})
     run = schema.RunResult(rate=None, concurrency=2, requests=tuple(RECORDS), summary=summary)
-    result = schema.BenchResult(label="synthetic", url="http://x", model="m", epd=True, started_at=0.0,
-                                machine="test", spec=WorkloadSpec(), runs=(run, schema.RunResult(
-                                    rate=1.5, concurrency=None, requests=tuple(RECORDS), summary=summary)))
+    result = schema.BenchResult(
+        label="synthetic",
+        url="http://x",
+        model="m",
+        epd=True,
+        started_at=0.0,
+        machine="test",
+        spec=WorkloadSpec(),
+        runs=(run, schema.RunResult(rate=1.5, concurrency=None, requests=tuple(RECORDS), summary=summary)),
+    )
     text = report.format_result(result)
     assert text.count("Serving Benchmark Result") == 2 and "concurrency 2" in text and "rate 1.5 req/s" in text
-    for name, value in (("Successful requests:", "4"), ("Failed requests:", "1"), ("Total input tokens:", "80"),
-                        ("Total generated tokens:", "27"), ("Mean TTFT (ms):", "250.00"),
-                        ("P99 E2EL (ms):", "4334.00"), ("Request goodput (req/s):", "0.20 (ttft<=250ms)"),
-                        ("prefill (2):", "200.00"), ("store:", "2")):
+    for name, value in (
+        ("Successful requests:", "4"),
+        ("Failed requests:", "1"),
+        ("Total input tokens:", "80"),
+        ("Total generated tokens:", "27"),
+        ("Mean TTFT (ms):", "250.00"),
+        ("P99 E2EL (ms):", "4334.00"),
+        ("Request goodput (req/s):", "0.20 (ttft<=250ms)"),
+        ("prefill (2):", "200.00"),
+        ("store:", "2"),
+    ):
         assert f"\n{name:<40}{value}\n" in text, (name, value, text)
     assert "#4 HTTP 503: unavailable" in text
     assert schema.load(schema.dump(result)) == result
@@ -277,36 +355,67 @@ def test_format_result_prints_every_run():
 
 def test_parse_timeline_stage_wall_times_and_ec_sources():
     def stage(name, start, end=None):
-        return {"name": name, "service": "x", "detail": "", "start_s": start, "end_s": end,
-                "duration_s": None if end is None else end - start}
+        return {
+            "name": name,
+            "service": "x",
+            "detail": "",
+            "start_s": start,
+            "end_s": end,
+            "duration_s": None if end is None else end - start,
+        }
 
     doc = {
-        "timeline": {"stages": [
-            stage("received", 0.0), stage("image intake", 0.0, 0.010),
-            stage("encode", 0.02, 0.05), stage("encode", 0.04, 0.08), stage("encode", 0.1, 0.12),  # union 0.08
-            stage("EC loaded from store", 0.2, 0.25), stage("EC loaded from store", 0.2, 0.25),
-            stage("prefill", 0.25, 0.4), stage("first token", 0.4), stage("done", 0.6)]},
-        "case": {"request_id": "r1", "messages": [
-            {"kind": "token_chunk", "message": {"request_id": "r1"}},
-            {"kind": "final_result", "message": {"request_id": "r1", "ec_sources": {"h1": "store",
-                                                                                   "h2": "local_cache"}}},
-            # another request's result in the case (a deduplicated encode's owner): not ours
-            {"kind": "final_result", "message": {"request_id": "other", "ec_sources": {"zz": "store"}}}]},
+        "timeline": {
+            "stages": [
+                stage("received", 0.0),
+                stage("image intake", 0.0, 0.010),
+                stage("encode", 0.02, 0.05),
+                stage("encode", 0.04, 0.08),
+                stage("encode", 0.1, 0.12),  # union 0.08
+                stage("EC loaded from store", 0.2, 0.25),
+                stage("EC loaded from store", 0.2, 0.25),
+                stage("prefill", 0.25, 0.4),
+                stage("first token", 0.4),
+                stage("done", 0.6),
+            ]
+        },
+        "case": {
+            "request_id": "r1",
+            "messages": [
+                {"kind": "token_chunk", "message": {"request_id": "r1"}},
+                {
+                    "kind": "final_result",
+                    "message": {"request_id": "r1", "ec_sources": {"h1": "store", "h2": "local_cache"}},
+                },
+                # another request's result in the case (a deduplicated encode's owner): not ours
+                {"kind": "final_result", "message": {"request_id": "other", "ec_sources": {"zz": "store"}}},
+            ],
+        },
     }
     stages, sources = runner.parse_timeline(doc)
-    assert stages == pytest.approx({"image intake": 0.010, "encode": 0.08, "EC loaded from store": 0.05,
-                                    "prefill": 0.15})
+    assert stages == pytest.approx(
+        {"image intake": 0.010, "encode": 0.08, "EC loaded from store": 0.05, "prefill": 0.15}
+    )
     assert sources == {"h1": "store", "h2": "local_cache"}
     # E|P|D: the decode job carries them when the final result has none.
-    doc["case"]["messages"] = [{"kind": "decode_job", "message": {"request_id": "r1", "ec_sources": {"h": "store"}}},
-                               {"kind": "final_result", "message": {"request_id": "r1", "ec_sources": {}}}]
+    doc["case"]["messages"] = [
+        {"kind": "decode_job", "message": {"request_id": "r1", "ec_sources": {"h": "store"}}},
+        {"kind": "final_result", "message": {"request_id": "r1", "ec_sources": {}}},
+    ]
     assert runner.parse_timeline(doc)[1] == {"h": "store"}
     assert runner.parse_timeline({}) == ({}, {})
 
 
 # -- end to end -----------------------------------------------------------------------------------
-E2E = dict(requests=6, concurrency=2, output_tokens=(8, 8), prompt_words=(4, 8), image_sizes={"64x64": 1.0},
-           repeat_share=0.5, text_only_share=0.2)
+E2E = dict(
+    requests=6,
+    concurrency=2,
+    output_tokens=(8, 8),
+    prompt_words=(4, 8),
+    image_sizes={"64x64": 1.0},
+    repeat_share=0.5,
+    text_only_share=0.2,
+)
 
 
 def _e2e_seed() -> int:
@@ -323,11 +432,37 @@ def test_bench_run_against_a_stack(epd_stack, tmp_path):
     seed = _e2e_seed()
     planned = workload.plan(spec(seed=seed, **E2E))
     out = tmp_path / "result.json"
-    proc = epd_cli({}, "bench", "run", "--url", epd_stack.url, "--requests", "6", "--concurrency", "2",
-                   "--output-tokens", "8", "--prompt-words", "4,8", "--image-sizes", "64x64",
-                   "--repeat-share", "0.5", "--text-only-share", "0.2", "--seed", str(seed),
-                   "--slo", "ttft=600000,tpot=600000", "--label", "e2e", "--out", str(out), "--no-progress",
-                   timeout=300)
+    proc = epd_cli(
+        {},
+        "bench",
+        "run",
+        "--url",
+        epd_stack.url,
+        "--requests",
+        "6",
+        "--concurrency",
+        "2",
+        "--output-tokens",
+        "8",
+        "--prompt-words",
+        "4,8",
+        "--image-sizes",
+        "64x64",
+        "--repeat-share",
+        "0.5",
+        "--text-only-share",
+        "0.2",
+        "--seed",
+        str(seed),
+        "--slo",
+        "ttft=600000,tpot=600000",
+        "--label",
+        "e2e",
+        "--out",
+        str(out),
+        "--no-progress",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "EC sources" in proc.stdout, proc.stdout
 
@@ -362,7 +497,8 @@ def test_bench_run_against_a_stack(epd_stack, tmp_path):
     assert s.goodput == pytest.approx(s.request_throughput)
     assert s.ttft_ms is not None and s.tpot_ms is not None and "prefill" in s.stage_means_s
     assert sum(s.exclusive_stage_means_s.values()) == pytest.approx(
-        sum(sum(r.exclusive_stages.values()) for r in recs) / len(recs))
+        sum(sum(r.exclusive_stages.values()) for r in recs) / len(recs)
+    )
     assert report.summarize(recs, s.duration_s, s.slo_ms) == s
 
 
@@ -376,8 +512,22 @@ def test_bench_records_refused_requests(epd_stack):
     assert {r.status for r in recs} == {400} and all("no-such-model" in r.error for r in recs), recs
     assert result.runs[0].summary.completed == 0
     # The CLI says so with exit code 1, and 2 when the endpoint cannot be reached at all.
-    proc = epd_cli({}, "bench", "run", "--url", epd_stack.url, "--requests", "1", "--model", "no-such-model",
-                   "--output-tokens", "2", "--text-only-share", "1", "--no-progress")
+    proc = epd_cli(
+        {},
+        "bench",
+        "run",
+        "--url",
+        epd_stack.url,
+        "--requests",
+        "1",
+        "--model",
+        "no-such-model",
+        "--output-tokens",
+        "2",
+        "--text-only-share",
+        "1",
+        "--no-progress",
+    )
     assert proc.returncode == 1 and f"\n{'Failed requests:':<40}1\n" in proc.stdout, proc.stdout
     dead = epd_cli({}, "bench", "run", "--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress")
     assert dead.returncode == 2 and "cannot list the served models" in dead.stderr, dead.stderr

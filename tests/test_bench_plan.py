@@ -20,51 +20,132 @@ def stats(mean: float, median: float, p90: float, p99: float) -> LatencyStats:
     return LatencyStats(mean=mean, median=median, p90=p90, p99=p99)
 
 
-def summary(*, rps: float, tok: float, ttft: LatencyStats, e2e: LatencyStats | None = None,
-            goodput: float | None = None, stage_means: dict[str, float] | None = None) -> Summary:
-    return Summary(completed=10, failed=0, duration_s=5.0, request_throughput=rps, output_token_throughput=tok,
-                   total_token_throughput=tok * 2, ttft_ms=ttft, tpot_ms=stats(10, 10, 12, 14), itl_ms=None,
-                   e2e_ms=e2e or stats(400, 380, 500, 600), goodput=goodput, stage_means_s=stage_means or {})
+def summary(
+    *,
+    rps: float,
+    tok: float,
+    ttft: LatencyStats,
+    e2e: LatencyStats | None = None,
+    goodput: float | None = None,
+    stage_means: dict[str, float] | None = None,
+) -> Summary:
+    return Summary(
+        completed=10,
+        failed=0,
+        duration_s=5.0,
+        request_throughput=rps,
+        output_token_throughput=tok,
+        total_token_throughput=tok * 2,
+        ttft_ms=ttft,
+        tpot_ms=stats(10, 10, 12, 14),
+        itl_ms=None,
+        e2e_ms=e2e or stats(400, 380, 500, 600),
+        goodput=goodput,
+        stage_means_s=stage_means or {},
+    )
 
 
-def record(i: int, *, ttft: float | None, e2e: float | None, ok: bool = True, images: int = 1,
-           output_tokens: int = 20, stages: dict[str, float] | None = None) -> RequestRecord:
-    return RequestRecord(index=i, kind="image" if images else "text", images=images, sent_at=0.1 * i, ok=ok,
-                         status=200 if ok else 503, output_tokens=output_tokens, ttft_s=ttft, e2e_s=e2e,
-                         stages=stages or {})
+def record(
+    i: int,
+    *,
+    ttft: float | None,
+    e2e: float | None,
+    ok: bool = True,
+    images: int = 1,
+    output_tokens: int = 20,
+    stages: dict[str, float] | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        index=i,
+        kind="image" if images else "text",
+        images=images,
+        sent_at=0.1 * i,
+        ok=ok,
+        status=200 if ok else 503,
+        output_tokens=output_tokens,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        stages=stages or {},
+    )
 
 
-def run_at(rate: float | None, summ: Summary, records: tuple[RequestRecord, ...] = (),
-           concurrency: int | None = None) -> RunResult:
+def run_at(
+    rate: float | None, summ: Summary, records: tuple[RequestRecord, ...] = (), concurrency: int | None = None
+) -> RunResult:
     return RunResult(rate=rate, concurrency=concurrency, requests=records, summary=summ)
 
 
-def result(label: str, runs: tuple[RunResult, ...], *, epd: bool = True,
-           spec: WorkloadSpec | None = None) -> BenchResult:
-    return BenchResult(label=label, url="http://127.0.0.1:1", model="tiny", epd=epd, started_at=0.0,
-                       machine="test", spec=spec or WorkloadSpec(), runs=runs)
+def result(
+    label: str, runs: tuple[RunResult, ...], *, epd: bool = True, spec: WorkloadSpec | None = None
+) -> BenchResult:
+    return BenchResult(
+        label=label,
+        url="http://127.0.0.1:1",
+        model="tiny",
+        epd=epd,
+        started_at=0.0,
+        machine="test",
+        spec=spec or WorkloadSpec(),
+        runs=runs,
+    )
 
 
 # -- compare ---------------------------------------------------------------------------------------
 def two_point_results() -> tuple[BenchResult, BenchResult, BenchResult]:
     """A (epd) at rates 1 and 2; B (epd) at rates 2 and 1 (listed the other way round); C (not
     epd) two concurrency runs, matched to A's by order."""
-    a_recs = (record(0, ttft=0.1, e2e=0.4), record(1, ttft=0.3, e2e=0.2), record(2, ttft=None, e2e=None, ok=False),
-              record(3, ttft=0.2, e2e=0.6))
-    a1 = run_at(1.0, summary(rps=2.0, tok=64.0, ttft=stats(100, 90, 150, 200), goodput=1.0,
-                             stage_means={"prefill": 0.4, "encode": 0.2}), a_recs)
-    a2 = run_at(2.0, summary(rps=4.0, tok=128.0, ttft=stats(200, 180, 300, 400), goodput=2.0,
-                             stage_means={"prefill": 0.5, "encode": 0.3}), a_recs[:2])
-    b1 = run_at(1.0, summary(rps=3.0, tok=16.0, ttft=stats(50, 45, 75, 250), goodput=0.25,
-                             stage_means={"encode": 0.1, "prefill": 0.1, "decode": 0.5}),
-                (record(0, ttft=0.05, e2e=0.1),))
-    b2 = run_at(2.0, summary(rps=2.0, tok=256.0, ttft=stats(400, 360, 600, 800), goodput=4.0,
-                             stage_means={"encode": 0.15, "prefill": 1.0}), (record(0, ttft=0.4, e2e=0.5),))
+    a_recs = (
+        record(0, ttft=0.1, e2e=0.4),
+        record(1, ttft=0.3, e2e=0.2),
+        record(2, ttft=None, e2e=None, ok=False),
+        record(3, ttft=0.2, e2e=0.6),
+    )
+    a1 = run_at(
+        1.0,
+        summary(
+            rps=2.0, tok=64.0, ttft=stats(100, 90, 150, 200), goodput=1.0, stage_means={"prefill": 0.4, "encode": 0.2}
+        ),
+        a_recs,
+    )
+    a2 = run_at(
+        2.0,
+        summary(
+            rps=4.0, tok=128.0, ttft=stats(200, 180, 300, 400), goodput=2.0, stage_means={"prefill": 0.5, "encode": 0.3}
+        ),
+        a_recs[:2],
+    )
+    b1 = run_at(
+        1.0,
+        summary(
+            rps=3.0,
+            tok=16.0,
+            ttft=stats(50, 45, 75, 250),
+            goodput=0.25,
+            stage_means={"encode": 0.1, "prefill": 0.1, "decode": 0.5},
+        ),
+        (record(0, ttft=0.05, e2e=0.1),),
+    )
+    b2 = run_at(
+        2.0,
+        summary(
+            rps=2.0,
+            tok=256.0,
+            ttft=stats(400, 360, 600, 800),
+            goodput=4.0,
+            stage_means={"encode": 0.15, "prefill": 1.0},
+        ),
+        (record(0, ttft=0.4, e2e=0.5),),
+    )
     # A stage mean in a non-epd result (a hand-edited file, say) is neither compared nor drawn.
-    c1 = run_at(None, summary(rps=1.0, tok=32.0, ttft=stats(25, 45, 150, 50), stage_means={"encode": 9.0}),
-                (record(0, ttft=0.02, e2e=0.3),), concurrency=1)
-    c2 = run_at(None, summary(rps=8.0, tok=32.0, ttft=stats(200, 180, 300, 400)), (record(0, ttft=0.2, e2e=0.3),),
-                concurrency=4)
+    c1 = run_at(
+        None,
+        summary(rps=1.0, tok=32.0, ttft=stats(25, 45, 150, 50), stage_means={"encode": 9.0}),
+        (record(0, ttft=0.02, e2e=0.3),),
+        concurrency=1,
+    )
+    c2 = run_at(
+        None, summary(rps=8.0, tok=32.0, ttft=stats(200, 180, 300, 400)), (record(0, ttft=0.2, e2e=0.3),), concurrency=4
+    )
     return (result("A", (a1, a2)), result("B", (b2, b1)), result("C", (c1, c2), epd=False))
 
 
@@ -75,8 +156,10 @@ def rows(point: compare.Point) -> dict[str, compare.Row]:
 def test_compare_ratios_are_exact_and_points_match_by_rate_then_order():
     a, b, c = two_point_results()
     points = compare.compare([a, b, c])
-    assert [p.title for p in points] == ["rate 1 req/s ~ concurrency 1 (by order)",
-                                         "rate 2 req/s ~ concurrency 4 (by order)"]
+    assert [p.title for p in points] == [
+        "rate 1 req/s ~ concurrency 1 (by order)",
+        "rate 2 req/s ~ concurrency 4 (by order)",
+    ]
     # Rates matched by key although B lists them the other way round; C by order.
     assert [run.rate for run in points[0].runs] == [1.0, 1.0, None]
     assert [run.concurrency for run in points[1].runs] == [None, None, 4]
@@ -111,7 +194,7 @@ def test_compare_matches_by_rate_when_every_result_shares_the_points():
 def table_line(text: str, metric: str, section: str) -> list[str]:
     block = text.split(f"== {section} ==")[1].split("==")[0]
     line = next(ln for ln in block.splitlines() if ln.startswith(metric))
-    return line[len(metric):].split()
+    return line[len(metric) :].split()
 
 
 def test_compare_cli_prints_ratios_and_writes_pngs_with_expected_series(tmp_path, capsys):
@@ -126,8 +209,12 @@ def test_compare_cli_prints_ratios_and_writes_pngs_with_expected_series(tmp_path
     assert header.split() == ["metric", "A", "B", "B/A", "C", "C/A"]
     assert out.splitlines()[:3] == [
         f"{key} = {label}: http://127.0.0.1:1  model tiny  {kind}  (2 run(s); test)"
-        for key, label, kind in (("A", "base run", "epd-serve"), ("B", "new run", "epd-serve"),
-                                 ("C", "vllm", "other server"))]
+        for key, label, kind in (
+            ("A", "base run", "epd-serve"),
+            ("B", "new run", "epd-serve"),
+            ("C", "vllm", "other server"),
+        )
+    ]
     first, second = "rate 1 req/s ~ concurrency 1 (by order)", "rate 2 req/s ~ concurrency 4 (by order)"
     assert table_line(out, "TTFT mean (ms)", first) == ["100", "50", "0.500x", "25", "0.250x"]
     assert table_line(out, "request throughput (req/s)", second) == ["4", "2", "0.500x", "8", "2.000x"]
@@ -145,13 +232,23 @@ def test_plots_draw_the_expected_series(tmp_path):
     a, b, c = two_point_results()
     labels = ["A", "B", "C"]
     cdf = compare.plot_latency_cdfs([a, b, c], labels, tmp_path / "cdf.png")
-    assert cdf.labels("TTFT CDF") == ["A @ rate 1 req/s", "A @ rate 2 req/s", "B @ rate 2 req/s",
-                                      "B @ rate 1 req/s", "C @ concurrency 1", "C @ concurrency 4"]
+    assert cdf.labels("TTFT CDF") == [
+        "A @ rate 1 req/s",
+        "A @ rate 2 req/s",
+        "B @ rate 2 req/s",
+        "B @ rate 1 req/s",
+        "C @ concurrency 1",
+        "C @ concurrency 4",
+    ]
     # A's first run: the failed request is left out; sorted ms against (i + 1) / n, from 0.
-    assert cdf.axes["TTFT CDF"]["A @ rate 1 req/s"] == (pytest.approx([100.0, 100.0, 200.0, 300.0]),
-                                                        pytest.approx([0.0, 1 / 3, 2 / 3, 1.0]))
-    assert cdf.axes["E2E CDF"]["A @ rate 1 req/s"] == (pytest.approx([200.0, 200.0, 400.0, 600.0]),
-                                                       pytest.approx([0.0, 1 / 3, 2 / 3, 1.0]))
+    assert cdf.axes["TTFT CDF"]["A @ rate 1 req/s"] == (
+        pytest.approx([100.0, 100.0, 200.0, 300.0]),
+        pytest.approx([0.0, 1 / 3, 2 / 3, 1.0]),
+    )
+    assert cdf.axes["E2E CDF"]["A @ rate 1 req/s"] == (
+        pytest.approx([200.0, 200.0, 400.0, 600.0]),
+        pytest.approx([0.0, 1 / 3, 2 / 3, 1.0]),
+    )
     assert cdf.axes["TTFT CDF"]["B @ rate 1 req/s"] == (pytest.approx([50.0, 50.0]), [0.0, 1.0])
 
     rate = compare.plot_ttft_vs_rate([a, b, c], labels, tmp_path / "rate.png")
@@ -171,24 +268,38 @@ def test_plots_draw_the_expected_series(tmp_path):
 
 
 def test_stage_bars_add_up_to_a_mean_request(tmp_path):
-    recs = (record(0, ttft=0.1, e2e=0.5, stages={"encode": 0.2, "prefill": 0.1}),
-            record(1, ttft=0.1, e2e=0.5, stages={"prefill": 0.3, "EC recomputed locally": 30.0}),
-            record(2, ttft=None, e2e=None, ok=False, stages={"encode": 5.0}))
-    run = run_at(1.0, summary(rps=1.0, tok=1.0, ttft=stats(1, 1, 1, 1),
-                              stage_means={"encode": 0.2, "prefill": 0.2, "EC recomputed locally": 30.0}), recs)
+    recs = (
+        record(0, ttft=0.1, e2e=0.5, stages={"encode": 0.2, "prefill": 0.1}),
+        record(1, ttft=0.1, e2e=0.5, stages={"prefill": 0.3, "EC recomputed locally": 30.0}),
+        record(2, ttft=None, e2e=None, ok=False, stages={"encode": 5.0}),
+    )
+    run = run_at(
+        1.0,
+        summary(
+            rps=1.0,
+            tok=1.0,
+            ttft=stats(1, 1, 1, 1),
+            stage_means={"encode": 0.2, "prefill": 0.2, "EC recomputed locally": 30.0},
+        ),
+        recs,
+    )
     # Per completed request: encode 0.2 / 2, prefill 0.4 / 2, the one 30 s recompute / 2.
     assert compare.stage_seconds_per_request(run) == pytest.approx(
-        {"encode": 0.1, "prefill": 0.2, "EC recomputed locally": 15.0})
+        {"encode": 0.1, "prefill": 0.2, "EC recomputed locally": 15.0}
+    )
     drawn = compare.plot_stage_breakdown([result("X", (run,))], ["X"], tmp_path / "s.png").axes
     assert drawn["stage seconds per request (epd-serve)"] == {
-        "encode": ([0.0], pytest.approx([0.1])), "EC recomputed locally": ([0.0], pytest.approx([15.0])),
-        "prefill": ([0.0], pytest.approx([0.2]))}
+        "encode": ([0.0], pytest.approx([0.1])),
+        "EC recomputed locally": ([0.0], pytest.approx([15.0])),
+        "prefill": ([0.0], pytest.approx([0.2])),
+    }
 
 
 def test_single_point_results_skip_the_rate_plot_and_non_epd_the_stage_bars(tmp_path):
     one = run_at(2.0, summary(rps=2.0, tok=1.0, ttft=stats(1, 1, 1, 1)), (record(0, ttft=0.1, e2e=0.2),))
-    written = compare.write_plots([result("X", (one,), epd=False), result("Y", (one,), epd=False)], ["X", "Y"],
-                                  tmp_path)
+    written = compare.write_plots(
+        [result("X", (one,), epd=False), result("Y", (one,), epd=False)], ["X", "Y"], tmp_path
+    )
     assert [p.path.name for p in written] == ["latency_cdf.png"]
     assert written[0].labels("TTFT CDF") == ["X", "Y"]
 
@@ -260,8 +371,11 @@ def test_plan_counts_by_utilisation_are_the_hand_computed_ones():
     assert plan.make_plan(BRIEF, ONE_IMAGE_20_TOKENS, 4.0, "e-p-d", target=0.5).counts["encoder"] == 2
     # The prefill side loads every image, cold or not: 10 x (0.3 + 2 x 0.1) / 0.8 = 6.25 -> 7.
     loads = plan.StageCosts(encode_s=0.2, prefill_s=0.3, decode_s_per_token=0.05, ec_load_s=0.1)
-    assert plan.make_plan(loads, plan.Mix(cold_images=0.5, output_tokens=20, images=2.0), 10.0,
-                          "e-p-d").counts == {"encoder": 2, "prefill": 7, "decode": 13}
+    assert plan.make_plan(loads, plan.Mix(cold_images=0.5, output_tokens=20, images=2.0), 10.0, "e-p-d").counts == {
+        "encoder": 2,
+        "prefill": 7,
+        "decode": 13,
+    }
     # Nothing to encode: still one encoder (images outside the mix), and a note says so.
     text = plan.make_plan(BRIEF, plan.Mix(cold_images=0.0, output_tokens=20), 10.0, "e-pd")
     assert text.counts["encoder"] == 1 and any("no cold images" in n for n in text.notes)
@@ -335,20 +449,45 @@ def measured_records() -> tuple[RequestRecord, ...]:
     return (
         # single-image requests: encode + EC stored = 0.21 and 0.19 -> 0.2 s per image; their loads
         # include waiting for that encode (not prefill-side work)
-        record(0, ttft=0.5, e2e=1.5, stages={"encode": 0.2, "EC stored": 0.01, "EC loaded from store": 0.25,
-                                             "prefill": 0.3, "decode": 1.0}),
-        record(1, ttft=0.5, e2e=1.5, stages={"encode": 0.18, "EC stored": 0.01, "EC loaded from store": 0.2,
-                                             "prefill": 0.3, "decode": 0.8, "KV hand-off": 0.02}),
+        record(
+            0,
+            ttft=0.5,
+            e2e=1.5,
+            stages={"encode": 0.2, "EC stored": 0.01, "EC loaded from store": 0.25, "prefill": 0.3, "decode": 1.0},
+        ),
+        record(
+            1,
+            ttft=0.5,
+            e2e=1.5,
+            stages={
+                "encode": 0.18,
+                "EC stored": 0.01,
+                "EC loaded from store": 0.2,
+                "prefill": 0.3,
+                "decode": 0.8,
+                "KV hand-off": 0.02,
+            },
+        ),
         # two images encoded in parallel (the union of the spans): not used while singles exist
-        record(2, ttft=0.5, e2e=1.5, images=2, stages={"encode": 0.25, "EC loaded from store": 0.3,
-                                                        "prefill": 0.3, "decode": 1.2}),
+        record(
+            2,
+            ttft=0.5,
+            e2e=1.5,
+            images=2,
+            stages={"encode": 0.25, "EC loaded from store": 0.3, "prefill": 0.3, "decode": 1.2},
+        ),
         record(3, ttft=None, e2e=None, ok=False, stages={"encode": 9.0, "prefill": 9.0, "decode": 9.0}),
         # repeats: pure loads, 0.02 + 0.04 s for 3 images -> 0.02 s per image
         record(4, ttft=0.5, e2e=1.5, stages={"EC from local cache": 0.02, "prefill": 0.3, "decode": 1.0}),
         record(5, ttft=0.5, e2e=1.5, images=2, stages={"EC loaded from store": 0.04, "prefill": 0.3, "decode": 1.0}),
         # a recompute after EPD_EC_WAIT_S (the other image's load shares its span): not a load
-        record(6, ttft=30.5, e2e=31.5, images=2, stages={"EC recomputed locally": 30.0, "EC loaded from store": 30.0,
-                                                          "prefill": 0.3, "decode": 1.0}),
+        record(
+            6,
+            ttft=30.5,
+            e2e=31.5,
+            images=2,
+            stages={"EC recomputed locally": 30.0, "EC loaded from store": 30.0, "prefill": 0.3, "decode": 1.0},
+        ),
     )
 
 
@@ -373,8 +512,9 @@ def test_costs_from_a_result_are_the_stage_means():
 
 
 def test_mix_from_the_workload_spec():
-    spec = WorkloadSpec(images_per_request={1: 0.5, 3: 0.5}, text_only_share=0.25, repeat_share=0.5,
-                        output_tokens=(10, 30))
+    spec = WorkloadSpec(
+        images_per_request={1: 0.5, 3: 0.5}, text_only_share=0.25, repeat_share=0.5, output_tokens=(10, 30)
+    )
     m = plan.mix_from_spec(spec)
     assert m.cold_images == pytest.approx(2 * 0.75 * 0.5) and m.output_tokens == 20
     assert m.all_images == pytest.approx(2 * 0.75)
@@ -395,8 +535,11 @@ def msgspec_replace(spec: WorkloadSpec, **changes) -> WorkloadSpec:
 
 
 def test_plan_cli_from_a_result_file(tmp_path, capsys):
-    res = result("m", (run_at(1.0, summary(rps=1, tok=1, ttft=stats(1, 1, 1, 1)), measured_records()),),
-                 spec=WorkloadSpec(output_tokens=(20, 20)))
+    res = result(
+        "m",
+        (run_at(1.0, summary(rps=1, tok=1, ttft=stats(1, 1, 1, 1)), measured_records()),),
+        spec=WorkloadSpec(output_tokens=(20, 20)),
+    )
     path = tmp_path / "m.json"
     path.write_bytes(dump(res))
     # costs 0.2 s/image, prefill 0.3 s + 0.02 s EC load (one image) + 0.02 s hand-off, decode 0.05 s x 20
@@ -415,11 +558,45 @@ def test_plan_cli_from_a_result_file(tmp_path, capsys):
     assert "cannot be met" in capsys.readouterr().out
     # --costs instead of a file (EC load per image on the prefill side: 10 x (0.3 + 0.05) / 0.8 = 4.375);
     # neither, or both: exit 2.
-    assert main(["plan", "--costs", "encode=0.2,prefill=0.3,decode=0.05,ec_load=0.05", "--rate", "10", "--images", "1",
-                 "--output-tokens", "20", "--topology", "e-p-d", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--costs",
+                "encode=0.2,prefill=0.3,decode=0.05,ec_load=0.05",
+                "--rate",
+                "10",
+                "--images",
+                "1",
+                "--output-tokens",
+                "20",
+                "--topology",
+                "e-p-d",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)[0]["ratio"] == "3:5:13"
-    assert main(["plan", "--costs", "encode=0.2,prefill=0.3,decode=0.05", "--rate", "10", "--images", "1",
-                 "--output-tokens", "20", "--topology", "e-p-d", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--costs",
+                "encode=0.2,prefill=0.3,decode=0.05",
+                "--rate",
+                "10",
+                "--images",
+                "1",
+                "--output-tokens",
+                "20",
+                "--topology",
+                "e-p-d",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)[0]["ratio"] == "3:4:13"
     assert main(["plan", "--rate", "10"]) == plan.EXIT_ERROR
     assert main(["plan", str(path), "--from-streams", "5m", "--rate", "1"]) == plan.EXIT_ERROR
@@ -442,8 +619,9 @@ def test_validation_scales_counts_and_rate_down_together():
     small = plan.fixed_plan(BRIEF, ONE_IMAGE_20_TOKENS, rate, "e-p-d", counts)
     assert max(r.utilisation for r in small.roles) <= max(r.utilisation for r in p.roles) + 1e-12
     assert plan.scale_down(p, 20) == (p.counts, 10.0)  # small enough already
-    spec = plan.validation_spec(WorkloadSpec(sweep=(1.0, 2.0), requests=None, duration_s=30.0), rate, 12,
-                                images=2, output_tokens=20)
+    spec = plan.validation_spec(
+        WorkloadSpec(sweep=(1.0, 2.0), requests=None, duration_s=30.0), rate, 12, images=2, output_tokens=20
+    )
     assert (spec.arrival, spec.rate, spec.sweep, spec.requests, spec.duration_s) == ("poisson", rate, (), 12, None)
     assert spec.images_per_request == {2: 1.0} and spec.output_tokens == (20, 20)
 
@@ -453,8 +631,9 @@ def test_validation_judges_measured_means_against_the_slo():
     recs = tuple(record(i, ttft=0.5, e2e=1.0, images=0, stages={"prefill": 0.5, "decode": 0.5}) for i in range(3))
 
     def measured(ttft_ms: float, failed: int = 0) -> BenchResult:
-        summ = msgspec_replace(summary(rps=1.0, tok=20.0, ttft=stats(ttft_ms, ttft_ms, ttft_ms, ttft_ms)),
-                               failed=failed)
+        summ = msgspec_replace(
+            summary(rps=1.0, tok=20.0, ttft=stats(ttft_ms, ttft_ms, ttft_ms, ttft_ms)), failed=failed
+        )
         return result("v", (run_at(1.0, summ, recs),))
 
     ok, text = plan.judge(p, p, measured(550.0))

@@ -30,8 +30,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def stage(name: str, start_ms: float, end_ms: float | None = None) -> dict:
     """One stage as ``Timeline.to_json`` writes it (seconds, rounded to microseconds)."""
     start, end = round(start_ms / 1e3, 6), None if end_ms is None else round(end_ms / 1e3, 6)
-    return {"name": name, "service": "x", "detail": "", "start_s": start, "end_s": end,
-            "duration_s": None if end is None else round(max(0.0, end - start), 6)}
+    return {
+        "name": name,
+        "service": "x",
+        "detail": "",
+        "start_s": start,
+        "end_s": end,
+        "duration_s": None if end is None else round(max(0.0, end - start), 6),
+    }
 
 
 # An E|P|D image request with two images (ms after received):
@@ -43,35 +49,56 @@ def stage(name: str, start_ms: float, end_ms: float | None = None) -> dict:
 #   110-111, decode 111-150, done at 150; plus another request's encode at -5..-1 (a deduplicated
 #   job's, before this request was received) and points that take no time.
 SYNTHETIC = [
-    stage("received", 0), stage("image intake", 0, 20), stage("encode queued", 20, 22),
-    stage("encode", -5, -1), stage("no encode job", 22), stage("generation queued", 25, 30),
-    stage("encode", 27, 60), stage("EC loaded from store", 30, 70), stage("EC loaded from store", 30, 70),
-    stage("EC from local cache", 30, 70), stage("EC stored", 60, 61.001), stage("prefill", 70, 100),
-    stage("first token", 103), stage("KV hand-off", 103, 110), stage("decode queued", 110, 111),
-    stage("decode", 111, 150), stage("done", 150),
+    stage("received", 0),
+    stage("image intake", 0, 20),
+    stage("encode queued", 20, 22),
+    stage("encode", -5, -1),
+    stage("no encode job", 22),
+    stage("generation queued", 25, 30),
+    stage("encode", 27, 60),
+    stage("EC loaded from store", 30, 70),
+    stage("EC loaded from store", 30, 70),
+    stage("EC from local cache", 30, 70),
+    stage("EC stored", 60, 61.001),
+    stage("prefill", 70, 100),
+    stage("first token", 103),
+    stage("KV hand-off", 103, 110),
+    stage("decode queued", 110, 111),
+    stage("decode", 111, 150),
+    stage("done", 150),
 ]
 E2E_S = 0.150
 
 # Each elementary interval to the covering span that ends first (ties: the later start; equal spans
 # share it, the odd microsecond to the first name in sorted order):
 EXCLUSIVE = {
-    "image intake": 0.020,        # 0-20
-    "encode queued": 0.002,       # 20-22
-    UNTRACKED: 0.006,             # 22-25 and 100-103
-    "generation queued": 0.005,   # 25-30 (27-30: it ends before the encode does)
-    "encode": 0.030,              # 30-60 (ends before the features wait it overlaps)
-    "EC stored": 0.001001,        # 60-61.001 (inside the wait)
+    "image intake": 0.020,  # 0-20
+    "encode queued": 0.002,  # 20-22
+    UNTRACKED: 0.006,  # 22-25 and 100-103
+    "generation queued": 0.005,  # 25-30 (27-30: it ends before the encode does)
+    "encode": 0.030,  # 30-60 (ends before the features wait it overlaps)
+    "EC stored": 0.001001,  # 60-61.001 (inside the wait)
     "EC from local cache": 0.0045,  # 61.001-70: 8999 us shared, 4500 ...
     "EC loaded from store": 0.004499,  # ... and 4499
-    "prefill": 0.030,             # 70-100
-    "KV hand-off": 0.007,         # 103-110
-    "decode queued": 0.001,       # 110-111
-    "decode": 0.039,              # 111-150
+    "prefill": 0.030,  # 70-100
+    "KV hand-off": 0.007,  # 103-110
+    "decode queued": 0.001,  # 110-111
+    "decode": 0.039,  # 111-150
 }
 # Union of each stage's spans (what RequestRecord.stages holds): they overlap.
-UNION = {"image intake": 0.020, "encode queued": 0.002, "generation queued": 0.005, "encode": 0.037,
-         "EC loaded from store": 0.040, "EC from local cache": 0.040, "EC stored": 0.001001, "prefill": 0.030,
-         "KV hand-off": 0.007, "decode queued": 0.001, "decode": 0.039}
+UNION = {
+    "image intake": 0.020,
+    "encode queued": 0.002,
+    "generation queued": 0.005,
+    "encode": 0.037,
+    "EC loaded from store": 0.040,
+    "EC from local cache": 0.040,
+    "EC stored": 0.001001,
+    "prefill": 0.030,
+    "KV hand-off": 0.007,
+    "decode queued": 0.001,
+    "decode": 0.039,
+}
 
 
 def doc_of(stages: list[dict]) -> dict:
@@ -109,16 +136,16 @@ def test_union_times_of_the_same_timeline_do_not_add_up():
 def test_partial_overlap_goes_to_the_span_that_ends_first_not_the_latest_start():
     """The features wait starts after the encode and outlasts it: the shared time is encoding.
     A "latest start wins" sweep would book it as the wait (negative control in the numbers)."""
-    doc = doc_of([stage("received", 0), stage("encode", 10, 50), stage("EC loaded from store", 20, 60),
-                  stage("done", 60)])
+    doc = doc_of(
+        [stage("received", 0), stage("encode", 10, 50), stage("EC loaded from store", 20, 60), stage("done", 60)]
+    )
     assert runner.exclusive_stage_times(doc) == {UNTRACKED: 0.010, "encode": 0.040, "EC loaded from store": 0.010}
     latest_start_encode = 0.010  # 10-20 only
     assert runner.exclusive_stage_times(doc)["encode"] != latest_start_encode
     # Nested: the inner span (later start, earlier end) wins either way; a tie on the end goes to
     # the later start.
     nested = doc_of([stage("EC loaded from store", 0, 40), stage("encode", 5, 30), stage("EC stored", 30, 40)])
-    assert runner.exclusive_stage_times(nested) == {"EC loaded from store": 0.005, "encode": 0.025,
-                                                    "EC stored": 0.010}
+    assert runner.exclusive_stage_times(nested) == {"EC loaded from store": 0.005, "encode": 0.025, "EC stored": 0.010}
 
 
 def test_edge_cases():
@@ -128,27 +155,50 @@ def test_edge_cases():
     assert runner.exclusive_stage_times(doc_of([stage("received", 0), stage("error", 12)])) == {UNTRACKED: 0.012}
     # A span past the last point still counts (the last event is the latest start or end).
     assert runner.exclusive_stage_times(doc_of([stage("decode", 2, 9), stage("done", 8)])) == {
-        UNTRACKED: 0.002, "decode": 0.007}
+        UNTRACKED: 0.002,
+        "decode": 0.007,
+    }
 
 
 # -- records, summaries, reports --------------------------------------------------------------------
 def record(i: int, doc: dict, *, ok: bool = True, exclusive: bool = True) -> RequestRecord:
     union, _ = runner.parse_timeline(doc)
-    return RequestRecord(index=i, kind="image", images=1, sent_at=0.0, ok=ok, status=200 if ok else 503,
-                         output_tokens=8, ttft_s=0.1 if ok else None, e2e_s=0.2 if ok else None, stages=union,
-                         exclusive_stages=runner.exclusive_stage_times(doc) if exclusive else {})
+    return RequestRecord(
+        index=i,
+        kind="image",
+        images=1,
+        sent_at=0.0,
+        ok=ok,
+        status=200 if ok else 503,
+        output_tokens=8,
+        ttft_s=0.1 if ok else None,
+        e2e_s=0.2 if ok else None,
+        stages=union,
+        exclusive_stages=runner.exclusive_stage_times(doc) if exclusive else {},
+    )
 
 
 # A text-only request: generation queued 1-3, prefill 3-13, (13-15 nothing), decode 15-50, done 50.
-TEXT = doc_of([stage("received", 0), stage("generation queued", 1, 3), stage("prefill", 3, 13),
-               stage("first token", 15), stage("decode", 15, 50), stage("done", 50)])
+TEXT = doc_of(
+    [
+        stage("received", 0),
+        stage("generation queued", 1, 3),
+        stage("prefill", 3, 13),
+        stage("first token", 15),
+        stage("decode", 15, 50),
+        stage("done", 50),
+    ]
+)
 TEXT_E2E_S = 0.050
 
 
 def records() -> tuple[RequestRecord, ...]:
-    return (record(0, doc_of(SYNTHETIC)), record(1, TEXT),
-            record(2, TEXT, exclusive=False),  # its timeline unread: left out of the exclusive means
-            record(3, doc_of(SYNTHETIC), ok=False))  # failed: left out
+    return (
+        record(0, doc_of(SYNTHETIC)),
+        record(1, TEXT),
+        record(2, TEXT, exclusive=False),  # its timeline unread: left out of the exclusive means
+        record(3, doc_of(SYNTHETIC), ok=False),
+    )  # failed: left out
 
 
 MEAN_E2E_S = (E2E_S + TEXT_E2E_S) / 2
@@ -165,10 +215,18 @@ def test_summary_exclusive_means_add_up_to_the_mean_e2e():
     # The union means are as before: over the requests that have the stage, overlapping.
     assert s.stage_means_s["encode"] == pytest.approx(0.037)
     assert sum(s.stage_means_s.values()) > sum(means.values())
-    text = report.format_result(BenchResult(label="x", url="http://x", model="m", epd=True, started_at=0.0,
-                                            machine="t", spec=WorkloadSpec(),
-                                            runs=(RunResult(rate=None, concurrency=1, requests=records(),
-                                                            summary=s),)))
+    text = report.format_result(
+        BenchResult(
+            label="x",
+            url="http://x",
+            model="m",
+            epd=True,
+            started_at=0.0,
+            machine="t",
+            spec=WorkloadSpec(),
+            runs=(RunResult(rate=None, concurrency=1, requests=records(), summary=s),),
+        )
+    )
     assert "Exclusive stages (mean ms per request, 2)" in text, text
     assert f"\n{'total = server-side E2E:':<40}{MEAN_E2E_S * 1e3:.2f}\n" in text, text
     assert f"\n{'encode:':<40}15.00\n" in text, text
@@ -176,8 +234,16 @@ def test_summary_exclusive_means_add_up_to_the_mean_e2e():
 
 def result(label: str, recs: tuple[RequestRecord, ...]) -> BenchResult:
     s = report.summarize(recs, 5.0)
-    return BenchResult(label=label, url="http://127.0.0.1:1", model="tiny", epd=True, started_at=0.0, machine="test",
-                       spec=WorkloadSpec(), runs=(RunResult(rate=1.0, concurrency=None, requests=recs, summary=s),))
+    return BenchResult(
+        label=label,
+        url="http://127.0.0.1:1",
+        model="tiny",
+        epd=True,
+        started_at=0.0,
+        machine="test",
+        spec=WorkloadSpec(),
+        runs=(RunResult(rate=1.0, concurrency=None, requests=recs, summary=s),),
+    )
 
 
 def old_file_bytes(res: BenchResult) -> bytes:
@@ -214,9 +280,20 @@ def test_stage_bars_draw_the_exclusive_series_and_add_up_to_e2e(tmp_path):
     drawn = plot.axes[compare.EXCLUSIVE_TITLE]
     # Stacked in the order a request meets the stages, untracked last; per completed request with
     # a timeline: SYNTHETIC's and TEXT's figures over 2.
-    assert list(drawn) == ["image intake", "encode queued", "encode", "EC stored", "generation queued",
-                           "EC from local cache", "EC loaded from store", "prefill", "KV hand-off", "decode queued",
-                           "decode", UNTRACKED]
+    assert list(drawn) == [
+        "image intake",
+        "encode queued",
+        "encode",
+        "EC stored",
+        "generation queued",
+        "EC from local cache",
+        "EC loaded from store",
+        "prefill",
+        "KV hand-off",
+        "decode queued",
+        "decode",
+        UNTRACKED,
+    ]
     expected = report.exclusive_means(records())
     for name, (xs, ys) in drawn.items():
         assert xs == [0.0] and ys == [pytest.approx(expected[name], abs=1e-12)], name
@@ -248,8 +325,11 @@ def test_compare_rows_use_the_exclusive_times_and_name_them(tmp_path, capsys):
     (point,) = compare.compare([new, old])
     rows = {r.metric: r for r in point.rows}
     staged = [m for m in rows if m.startswith("stage ")]
-    assert staged[:3] == ["stage image intake (ms, exclusive)", "stage encode queued (ms, exclusive)",
-                          "stage encode (ms, exclusive)"]
+    assert staged[:3] == [
+        "stage image intake (ms, exclusive)",
+        "stage encode queued (ms, exclusive)",
+        "stage encode (ms, exclusive)",
+    ]
     assert staged[11:13] == [f"stage {UNTRACKED} (ms, exclusive)", "stage total (ms, exclusive)"]
     assert staged[13] == "stage image intake (ms)"  # the old result's union rows follow
     assert rows["stage encode (ms, exclusive)"].values == (pytest.approx(15.0), None)
@@ -267,4 +347,3 @@ def test_compare_rows_use_the_exclusive_times_and_name_them(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "they add up to the stage total = mean server-side E2E" in out, out
     assert (tmp_path / "plots" / "stage_breakdown.png").read_bytes().startswith(PNG_SIGNATURE)
-

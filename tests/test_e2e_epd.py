@@ -13,23 +13,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.store.format import encode_ec_object
-from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
-from shared.store.format import SCHEMA
-from shared.engines.ec_objects import encoded_to_extra
-from shared.store.tensors import tensor_to_raw
 from shared.engines.base import SamplingParams
+from shared.engines.ec_objects import encoded_to_extra
 from shared.media import content_hash_of
-from shared.store.objects import S3ObjectStore
 from shared.protocol import ECReady, EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec
+from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
+from shared.store.format import SCHEMA, encode_ec_object
+from shared.store.objects import S3ObjectStore
+from shared.store.tensors import tensor_to_raw
+
 # GREEDY and api_tokens are imported from here by other test modules too.
 from tests.stackutil import (
-    engine_encode,
-    engine_tokens,
     GREEDY,
     api_tokens,
     data_url,
+    engine_encode,
     engine_messages,
+    engine_tokens,
     final_result,
     metric_value,
     noise_image,
@@ -93,10 +93,14 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
         responses = list(pool.map(lambda i: epd_stack.chat([user_message(f"Prompt {i}", [url])], **GREEDY), range(n)))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
-    jobs = [m for _, _, m in epd_stack.stream_messages("stream_encode")
-            if isinstance(m, EncodeJob) and m.image.item_hash == item]
-    ready = [m for _, _, m in epd_stack.stream_messages("stream_events")
-             if isinstance(m, ECReady) and m.item_hash == item]
+    jobs = [
+        m
+        for _, _, m in epd_stack.stream_messages("stream_encode")
+        if isinstance(m, EncodeJob) and m.image.item_hash == item
+    ]
+    ready = [
+        m for _, _, m in epd_stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item
+    ]
     assert len(jobs) == 1
     assert len(ready) == 1 and ready[0].encode_s > 0
     finals = [final_result(epd_stack, r.json()["id"]) for r in responses]  # exactly one each
@@ -109,8 +113,9 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
 @pytest.fixture
 def ec_store(epd_stack, s3_server, reference_engine):
     store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack.bucket)
-    return ECStore(store, namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint,
-                   producer="test")
+    return ECStore(
+        store, namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint, producer="test"
+    )
 
 
 def _put_valid_object(ec_store, engine, image):
@@ -122,8 +127,12 @@ def _put_valid_object(ec_store, engine, image):
 
 
 def _recomputed(stack, reason: str) -> float:
-    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"), "epd:ec_lookups_total",
-                        source="recomputed", reason=reason)
+    return metric_value(
+        scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
+        "epd:ec_lookups_total",
+        source="recomputed",
+        reason=reason,
+    )
 
 
 def _run_damaged(epd_stack, reference_engine, image, reason):
@@ -161,8 +170,9 @@ def test_ec_object_of_another_fingerprint_is_not_used(epd_stack, reference_engin
     item, raw, dtype, shape, _ = _put_valid_object(ec_store, reference_engine, image)
     # Same key, S3 metadata claiming our version, but the object was produced by another model.
     foreign = encode_ec_object(raw, dtype=dtype, shape=shape, fingerprint="0" * 24, item_hash=item, producer="other")
-    ec_store.store.put(ec_store.key(item), foreign,
-                       metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: ec_store.fingerprint})
+    ec_store.store.put(
+        ec_store.key(item), foreign, metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: ec_store.fingerprint}
+    )
     _run_damaged(epd_stack, reference_engine, image, "fingerprint_mismatch")
 
 
@@ -196,10 +206,15 @@ def test_ec_object_deleted_after_scheduling_is_recomputed(epd_stack, reference_e
     text = "Describe the image."
     request_id = f"test-deleted-{uuid.uuid4().hex[:12]}"
     job = GenerationJob(
-        request_id=request_id, model="qwen2-vl-tiny", messages=engine_messages(text, 1),
+        request_id=request_id,
+        model="qwen2-vl-tiny",
+        messages=engine_messages(text, 1),
         images=(ImageRef(item_hash=item, media_key=media_key, width=56, height=56, encode_queued=False),),
-        fingerprint=ec_store.fingerprint, sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True),
-        stream=False, deadline=time.time() + 120, created_at=time.time(),
+        fingerprint=ec_store.fingerprint,
+        sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True),
+        stream=False,
+        deadline=time.time() + 120,
+        created_at=time.time(),
     )
     outcome = run_job(epd_stack, epd_stack.subjects.generate_jobs, job, timeout=120)
     assert isinstance(outcome.terminal, FinalResult), outcome.terminal
@@ -231,8 +246,13 @@ def test_openai_client_non_streaming_and_streaming(epd_stack, reference_engine):
     assert completion.usage.completion_tokens == 12 and completion.usage.prompt_tokens > 12
 
     stream = client.chat.completions.create(
-        model="qwen2-vl-tiny", messages=messages, temperature=0, max_tokens=12, stream=True,
-        stream_options={"include_usage": True}, extra_body=extra,
+        model="qwen2-vl-tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     )
     pieces, finish, usage = [], None, None
     for chunk in stream:
@@ -257,8 +277,10 @@ def test_sampling_seed_and_stop_through_the_api(epd_stack, reference_engine):
     # Same as the engine sampling in-process with that seed.
     want = engine_tokens(
         reference_engine,
-        engine_messages("Tell me a story.", 1), engine_encode(reference_engine, [image]),
-        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))
+        engine_messages("Tell me a story.", 1),
+        engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True),
+    )
     assert a["token_ids"] == want
 
     # A stop string cut from the greedy text ends the completion right before it.

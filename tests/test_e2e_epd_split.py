@@ -15,17 +15,17 @@ import pytest
 
 from shared.engines.base import SamplingParams
 from shared.media import content_hash_of
-from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ECReady, EncodeJob, GenerationJob, TokenChunk
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import (
-    engine_encode,
-    engine_tokens,
     GREEDY,
     api_tokens,
     chat_body,
     data_url,
     decoders,
+    engine_encode,
     engine_messages,
+    engine_tokens,
     final_result,
     kv_keys,
     noise_image,
@@ -58,8 +58,10 @@ def restore_decoder(epd_stack_epd):
 def _other_images_change_the_output(engine, text, specs, got) -> bool:
     """Negative control: other images' features give other tokens, so an equality can fail.
     (Several other image sets: the tiny model's output depends only weakly on some images.)"""
-    return any(reference_tokens(engine, text, [noise_image(seed + k, size) for seed, size in specs]) != got
-               for k in (1000, 2000, 3000))
+    return any(
+        reference_tokens(engine, text, [noise_image(seed + k, size) for seed, size in specs]) != got
+        for k in (1000, 2000, 3000)
+    )
 
 
 # -- equality with the aggregated run -----------------------------------------------------------
@@ -90,12 +92,17 @@ def test_seeded_sampling_continues_from_the_handed_off_rng_state(epd_stack_epd, 
     assert got.status_code == 200, got.text
     want = engine_tokens(
         reference_engine,
-        engine_messages("Tell me a story.", 1), engine_encode(reference_engine, [image]),
-        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True))
+        engine_messages("Tell me a story.", 1),
+        engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True),
+    )
     assert got.json()["choices"][0]["token_ids"] == want
-    other = engine_tokens(reference_engine, engine_messages("Tell me a story.", 1),
-                          engine_encode(reference_engine, [image]),
-                          SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True))
+    other = engine_tokens(
+        reference_engine,
+        engine_messages("Tell me a story.", 1),
+        engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True),
+    )
     assert other != want  # control: the seed matters
 
 
@@ -119,8 +126,11 @@ def test_streaming_and_a_request_that_ends_in_prefill(epd_stack_epd, reference_e
 
 # -- one image, encoded once ----------------------------------------------------------------------
 def _encode_jobs_and_ready(stack, item: str) -> tuple[list[EncodeJob], list[ECReady]]:
-    jobs = [m for _, _, m in stack.stream_messages("stream_encode")
-            if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    jobs = [
+        m
+        for _, _, m in stack.stream_messages("stream_encode")
+        if isinstance(m, EncodeJob) and m.image.item_hash == item
+    ]
     ready = [m for _, _, m in stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
     return jobs, ready
 
@@ -157,8 +167,8 @@ def test_same_image_twice_in_one_request_is_encoded_once(epd_stack_epd, referenc
     assert got == reference_tokens(reference_engine, text, [image, image])
     # Controls: both placeholders matter, and both get this image's features.
     once = engine_tokens(
-        reference_engine,
-        engine_messages(text, 1), engine_encode(reference_engine, [image]), REF_PARAMS)
+        reference_engine, engine_messages(text, 1), engine_encode(reference_engine, [image]), REF_PARAMS
+    )
     assert got != once
     assert got != reference_tokens(reference_engine, text, [image, other])
     assert got != reference_tokens(reference_engine, text, [other, image])
@@ -175,8 +185,9 @@ BATCH = [
 ]
 
 
-def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack_epd, reference_engine, store,
-                                                                       restore_decoder):
+def test_concurrent_requests_batched_in_one_decode_worker_equal_single(
+    epd_stack_epd, reference_engine, store, restore_decoder
+):
     """5 requests of different prompt lengths and lengths through ONE decode worker, decoded
     together (one forward per step, rows joining and leaving), each equal to its single run."""
     stop_decoders(epd_stack_epd)
@@ -190,8 +201,9 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
     with ThreadPoolExecutor(len(BATCH)) as pool:
         futures = [pool.submit(run, case) for case in BATCH]
         # All decode jobs wait in the stream; then one worker takes them in one fetch.
-        wait_for(lambda: len(epd_stack_epd.stream_messages("stream_decode")) >= before + len(BATCH), 120,
-                 "the decode jobs")
+        wait_for(
+            lambda: len(epd_stack_epd.stream_messages("stream_decode")) >= before + len(BATCH), 120, "the decode jobs"
+        )
         start_decoder(epd_stack_epd)  # 50 ms per step: they overlap even if loading KV takes a while
         results = [f.result(timeout=180) for f in futures]
 
@@ -199,9 +211,11 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
     for (text, specs, n), (got, body) in zip(BATCH, results):
         images = [noise_image(s, size) for s, size in specs]
         want = engine_tokens(
-        reference_engine,
-            engine_messages(text, len(images)), engine_encode(reference_engine, images),
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            reference_engine,
+            engine_messages(text, len(images)),
+            engine_encode(reference_engine, images),
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
         assert got == want, text
         final = final_result(epd_stack_epd, body["id"])
         rows.append(final.timings["decode_batch_rows_max"])
@@ -211,8 +225,9 @@ def test_concurrent_requests_batched_in_one_decode_worker_equal_single(epd_stack
 
 
 # -- failures -----------------------------------------------------------------------------------
-def test_corrupted_kv_object_is_reprefilled_with_the_same_output(epd_stack_epd, reference_engine, store,
-                                                                 restore_decoder):
+def test_corrupted_kv_object_is_reprefilled_with_the_same_output(
+    epd_stack_epd, reference_engine, store, restore_decoder
+):
     stop_decoders(epd_stack_epd)
     image = noise_image(71, (56, 56))
     text = "Describe the image."
@@ -247,8 +262,10 @@ def test_killed_decode_worker_request_completes(epd_stack_epd, reference_engine,
     text = "Describe the image."
     want = engine_tokens(
         reference_engine,
-        engine_messages(text, 1), engine_encode(reference_engine, [image]),
-        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        engine_messages(text, 1),
+        engine_encode(reference_engine, [image]),
+        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+    )
     body = chat_body(text, [image], **{**GREEDY, "max_tokens": 64})
     ids, rid, killed_after, done = stream_killing_a_decoder(epd_stack_epd, body, victim, timeout=180)
     assert done and killed_after is not None and killed_after < len(want)

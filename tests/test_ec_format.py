@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
-from shared.store.format import ObjectValidationError, MissReason, decode_ec_object, ec_key, encode_ec_object
+from shared.store.format import MissReason, ObjectValidationError, decode_ec_object, ec_key, encode_ec_object
 
 FP, ITEM = "f" * 24, "1" * 64
 
 
 def make(features: np.ndarray, **kw) -> bytes:
-    args = dict(dtype="F32", shape=features.shape, fingerprint=FP, item_hash=ITEM, producer="w1",
-                extra={"grid_thw": [1, 2, 3]})
+    args = dict(
+        dtype="F32", shape=features.shape, fingerprint=FP, item_hash=ITEM, producer="w1", extra={"grid_thw": [1, 2, 3]}
+    )
     args.update(kw)
     return encode_ec_object(features.astype(np.float32).tobytes(), **args)
 

@@ -61,9 +61,17 @@ def save(world, item: str, fp: str = FP_A) -> tuple[str, int]:
 
 def janitor(world, holder: str = "j1", interval_s: float = 1.0, headroom: bool = False, **policy) -> Janitor:
     """(no headroom below the bound unless asked: the tests count exactly)"""
-    return Janitor(nc=world["nc"], subjects=world["subjects"], index=world["index"], store=world["store"],
-                   namespace=world["namespace"], holder=holder, policy=Policy(headroom=headroom, **policy),
-                   interval_s=interval_s, reconcile_interval_s=3600)
+    return Janitor(
+        nc=world["nc"],
+        subjects=world["subjects"],
+        index=world["index"],
+        store=world["store"],
+        namespace=world["namespace"],
+        holder=holder,
+        policy=Policy(headroom=headroom, **policy),
+        interval_s=interval_s,
+        reconcile_interval_s=3600,
+    )
 
 
 def stored_items(world, fp: str = FP_A) -> set[str]:
@@ -122,8 +130,10 @@ async def test_bound_keeps_namespace_under_it_and_evicts_least_recently_used(wor
         assert indexed <= bound, (i, indexed)
         stored = list_objects(world["store"], world["namespace"])
         assert sum(o.info.size for o in stored) <= bound, (
-            i, [(o.name, o.info.size) for o in stored],
-            {e.item_hash: e.size for e, _ in (await world["index"].snapshot()).values()})
+            i,
+            [(o.name, o.info.size) for o in stored],
+            {e.item_hash: e.size for e, _ in (await world["index"].snapshot()).values()},
+        )
         assert hot in after
     # Least recently used first: the never-used probe, then the cold images in the order they came.
     assert evicted == ["probe"] + [f"img-{i:02d}" for i in range(9)]
@@ -155,8 +165,16 @@ async def test_a_pass_over_the_bound_leaves_room_for_the_next_interval(world):
 async def test_ttl_and_grace(world):
     for item in ("old", "new"):
         save(world, item)
-    await world["index"].record(Use(key=ec_store(world).key("old"), fingerprint=FP_A, item_hash="old",
-                                    at=time.time() - 1000, size=1, created=True))
+    await world["index"].record(
+        Use(
+            key=ec_store(world).key("old"),
+            fingerprint=FP_A,
+            item_hash="old",
+            at=time.time() - 1000,
+            size=1,
+            created=True,
+        )
+    )
     await record(world, ["new"], size=1)
     # TTL: only the object unused for longer goes.
     report = await janitor(world, ttl_s=500).run_once()
@@ -218,8 +236,9 @@ async def test_reconcile_indexes_unannounced_objects_and_drops_gone_ones(world):
     assert await janitor(world).reconcile() == 1
     snap = await world["index"].snapshot()
     assert set(snap) == {entry_key(FP_A, "unannounced")}
-    assert snap[entry_key(FP_A, "unannounced")][0].size == len(world["store"].get(
-        ec_store(world).key("unannounced"), max_bytes=1 << 20))
+    assert snap[entry_key(FP_A, "unannounced")][0].size == len(
+        world["store"].get(ec_store(world).key("unannounced"), max_bytes=1 << 20)
+    )
 
 
 # -- purges by model version ------------------------------------------------------------------------
@@ -231,15 +250,23 @@ async def test_purge_by_fingerprint_removes_exactly_that_version(world):
         save(world, item, FP_B)
     await record(world, ["x", "y", "z"], fp=FP_A)
     await record(world, ["x", "y", "z"], fp=FP_B)
-    kv_a = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_A, producer="t",
-                   max_object_bytes=1 << 20)
-    kv_b = KVStore(world["store"], namespace=world["namespace"], fingerprint=FP_B, producer="t",
-                   max_object_bytes=1 << 20)
+    kv_a = KVStore(
+        world["store"], namespace=world["namespace"], fingerprint=FP_A, producer="t", max_object_bytes=1 << 20
+    )
+    kv_b = KVStore(
+        world["store"], namespace=world["namespace"], fingerprint=FP_B, producer="t", max_object_bytes=1 << 20
+    )
     for kv in (kv_a, kv_b):
         world["store"].put(kv.key("req-1", 0), b"kv")
     media = ec_store(world).put_media("x", b"png")
-    common = dict(nc=world["nc"], subjects=world["subjects"], index=world["index"], store=world["store"],
-                  namespace=world["namespace"], by="test")
+    common = dict(
+        nc=world["nc"],
+        subjects=world["subjects"],
+        index=world["index"],
+        store=world["store"],
+        namespace=world["namespace"],
+        by="test",
+    )
     # A mistyped fingerprint is refused, naming the known ones, and removes nothing (dry run or not).
     typo = FP_A[:-1] + ("0" if FP_A[-1] != "0" else "1")
     for dry_run in (True, False):
@@ -251,9 +278,10 @@ async def test_purge_by_fingerprint_removes_exactly_that_version(world):
     dry = await purge(**common, fingerprint=FP_A, dry_run=True)
     assert dry.objects == 4 and stored_items(world, FP_A) == {"x", "y", "z"}
     result = await purge(**common, fingerprint=FP_A)
-    assert dict(result.removed) == {("ec", FP_A): [3, 3 * len(world["store"].get(ec_store(world, FP_B).key("x"),
-                                                                              max_bytes=1 << 20))],
-                                    ("kv", FP_A): [1, 2]}
+    assert dict(result.removed) == {
+        ("ec", FP_A): [3, 3 * len(world["store"].get(ec_store(world, FP_B).key("x"), max_bytes=1 << 20))],
+        ("kv", FP_A): [1, 2],
+    }
     assert stored_items(world, FP_A) == set() and stored_items(world, FP_B) == {"x", "y", "z"}
     assert world["store"].exists(kv_b.key("req-1", 0)) and not world["store"].exists(kv_a.key("req-1", 0))
     assert world["store"].exists(media)
@@ -271,8 +299,14 @@ async def test_purge_retired_keeps_current_versions(world):
         save(world, "x", fp)
     await world["index"].seen(FP_A, model="current-model", model_path="/models/a")
     await world["index"].seen(FP_B, model="old-model", at=time.time() - 7200)
-    common = dict(nc=world["nc"], subjects=world["subjects"], index=world["index"], store=world["store"],
-                  namespace=world["namespace"], by="test")
+    common = dict(
+        nc=world["nc"],
+        subjects=world["subjects"],
+        index=world["index"],
+        store=world["store"],
+        namespace=world["namespace"],
+        by="test",
+    )
     fp_c = "c" * 24  # never named by a heartbeat, used just now: not retired (yet)
     save(world, "x", fp_c)
     result = await purge(**common, retired=True, retired_after_s=600)

@@ -49,8 +49,17 @@ def object_size(reference_engine) -> int:
     """Bytes of one EC object of a SIZE image of the tiny model."""
     (item,) = engine_encode(reference_engine, [noise_image(0, SIZE)])
     raw, dtype, shape = tensor_to_raw(item.features)
-    return len(encode_ec_object(raw, dtype=dtype, shape=shape, fingerprint="f" * 24, item_hash="0" * 64,
-                                producer="x" * 24, extra={"grid_thw": [1, 4, 4]}))
+    return len(
+        encode_ec_object(
+            raw,
+            dtype=dtype,
+            shape=shape,
+            fingerprint="f" * 24,
+            item_hash="0" * 64,
+            producer="x" * 24,
+            extra={"grid_thw": [1, 4, 4]},
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +68,15 @@ def stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory, object_size)
 
     port = free_port()
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("ec-lifecycle-logs"),
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("ec-lifecycle-logs"),
         service_env={"prefill": {"EPD_METRICS_PORT": str(port)}},
         EPD_EC_MAX_BYTES=str(BOUND_OBJECTS * object_size + object_size // 2),
-        EPD_EC_EVICT_GRACE_S=str(GRACE_S), EPD_EC_JANITOR_INTERVAL_S="1", EPD_EC_USE_FLUSH_S="0.5",
+        EPD_EC_EVICT_GRACE_S=str(GRACE_S),
+        EPD_EC_JANITOR_INTERVAL_S="1",
+        EPD_EC_USE_FLUSH_S="0.5",
     )
     running.prefill_metrics_port = port
     running.bound = BOUND_OBJECTS * object_size + object_size // 2
@@ -155,8 +169,13 @@ def test_purged_image_is_recomputed_not_served_from_a_local_copy(stack, store, r
     assert [(r["kind"], r["fingerprint"]) for r in removed] == [("ec", fingerprint)]
     assert item not in ec_items(store, stack)
     # The worker dropped its copy when the event came (one delivery; wait for it, bounded).
-    wait_for(lambda: metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache")
-             > dropped_before, 60, "the worker to drop purged items")
+    wait_for(
+        lambda: (
+            metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache") > dropped_before
+        ),
+        60,
+        "the worker to drop purged items",
+    )
     got, body = api_tokens(stack, text, [image])
     assert got == want
     # Encoded again by the encoder at once, loaded from the store: its new encode job was not
@@ -182,17 +201,32 @@ def test_request_in_flight_when_its_object_is_purged_recomputes_it(stack, store,
     dropped_before = metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache")
     out = epd_cli(stack.env, "ec", "purge", "--fingerprint", reference_engine.encoder_fingerprint, "--kind", "ec")
     assert out.returncode == 0, out.stderr
-    wait_for(lambda: metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache")
-             > dropped_before, 60, "the worker to drop purged items")
+    wait_for(
+        lambda: (
+            metric_value(scrape(metrics_url), "epd:ec_invalidations_total", holder="feature_cache") > dropped_before
+        ),
+        60,
+        "the worker to drop purged items",
+    )
     request_id = f"test-purged-in-flight-{uuid.uuid4().hex[:12]}"
     job = GenerationJob(
-        request_id=request_id, model="qwen2-vl-tiny", messages=engine_messages(text, 1),
-        images=(ImageRef(item_hash=item, media_key=ECStore(store, namespace=stack.namespace, fingerprint="-",
-                                                           producer="t").media_key(item),
-                         width=SIZE[0], height=SIZE[1], encode_queued=False),),
+        request_id=request_id,
+        model="qwen2-vl-tiny",
+        messages=engine_messages(text, 1),
+        images=(
+            ImageRef(
+                item_hash=item,
+                media_key=ECStore(store, namespace=stack.namespace, fingerprint="-", producer="t").media_key(item),
+                width=SIZE[0],
+                height=SIZE[1],
+                encode_queued=False,
+            ),
+        ),
         fingerprint=reference_engine.encoder_fingerprint,
         sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True),
-        stream=False, deadline=time.time() + 120, created_at=time.time(),
+        stream=False,
+        deadline=time.time() + 120,
+        created_at=time.time(),
     )
     outcome = run_job(stack, stack.subjects.generate_jobs, job, timeout=120)
     assert isinstance(outcome.terminal, FinalResult), outcome.terminal
@@ -218,8 +252,16 @@ def test_purges_racing_requests_still_yield_the_right_tokens(stack, store, refer
                 subjects = Subjects(stack.prefix)
                 index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket)
                 while not stop.is_set():
-                    result = await purge(nc=nc, subjects=subjects, index=index, store=store,
-                                         namespace=stack.namespace, by="test", fingerprint=fingerprint, kinds=("ec",))
+                    result = await purge(
+                        nc=nc,
+                        subjects=subjects,
+                        index=index,
+                        store=store,
+                        namespace=stack.namespace,
+                        by="test",
+                        fingerprint=fingerprint,
+                        kinds=("ec",),
+                    )
                     purged.append(result.objects)
                     await asyncio.sleep(0.2)
             finally:

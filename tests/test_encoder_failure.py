@@ -9,7 +9,8 @@ import pytest
 
 from shared.media import content_hash_of
 from shared.protocol import ECReady
-from tests.fault_workers import ENCODE_DELAY_ENV, MODULE as FAULT_WORKERS
+from tests.fault_workers import ENCODE_DELAY_ENV
+from tests.fault_workers import MODULE as FAULT_WORKERS
 from tests.stackutil import api_tokens, final_result, noise_image, start_stack, wait_for
 from tests.test_e2e_epd import reference_tokens
 
@@ -22,10 +23,17 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
     # Ack wait 3 s: the killed worker's job comes back quickly. A worker starved of CPU for 3 s
     # on a loaded machine (it sends in_progress every second) may see its job redelivered once
     # more; the generous max_deliver keeps such extra deliveries from exhausting the job.
-    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
-                          service_env={"encoder": {ENCODE_DELAY_ENV: "600"}},
-                          service_modules={"encoder": FAULT_WORKERS},
-                          EPD_ACK_WAIT_S="3", EPD_MAX_DELIVER="10", EPD_EC_WAIT_S="300")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path / "logs",
+        service_env={"encoder": {ENCODE_DELAY_ENV: "600"}},
+        service_modules={"encoder": FAULT_WORKERS},
+        EPD_ACK_WAIT_S="3",
+        EPD_MAX_DELIVER="10",
+        EPD_EC_WAIT_S="300",
+    )
     stack = running.stack
     try:
         slow = next(p for p in stack.processes if p.name == "encoder")
@@ -55,9 +63,15 @@ def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir
     # The encoder holds the job for 15 s: SIGTERM must arrive while it does, also on a loaded
     # machine where seeing the log line and sending the signal may take seconds. The prefill
     # worker waits for the drained encoder's output (EPD_EC_WAIT_S) instead of encoding locally.
-    running = start_stack(nats_server, s3_server, tiny_model_dir, tmp_path / "logs",
-                          service_env={"encoder": {ENCODE_DELAY_ENV: "15"}},
-                          service_modules={"encoder": FAULT_WORKERS}, EPD_EC_WAIT_S="300")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path / "logs",
+        service_env={"encoder": {ENCODE_DELAY_ENV: "15"}},
+        service_modules={"encoder": FAULT_WORKERS},
+        EPD_EC_WAIT_S="300",
+    )
     stack = running.stack
     try:
         encoder = next(p for p in stack.processes if p.name == "encoder")

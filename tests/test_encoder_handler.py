@@ -10,11 +10,11 @@ import pytest
 from services.encoder.handler import EncoderHandler
 from shared import protocol
 from shared.config import EncoderSettings
-from shared.store.ec import ECStore
 from shared.errors import StoreError
 from shared.media import content_hash_of
-from shared.store.objects import LocalDirObjectStore
 from shared.protocol import ECFailed, ECReady, EncodeJob, ImageRef, Subjects
+from shared.store.ec import ECStore
+from shared.store.objects import LocalDirObjectStore
 from shared.worker import Action, Delivery, WorkerContext, settle
 from tests.stackutil import noise_image, png_bytes
 
@@ -30,10 +30,10 @@ class RecordingPublisher:
 
 async def _handler(tmp_path, tiny_model_dir, engine, **settings) -> EncoderHandler:
     """An encoder handler on an fs store in ``tmp_path``, set up, with a recording publisher."""
-    settings = EncoderSettings(model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path, max_deliver=3,
-                               **settings)
-    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=engine.encoder_fingerprint,
-                    producer="w1")
+    settings = EncoderSettings(
+        model_path=tiny_model_dir, store_backend="fs", store_fs_root=tmp_path, max_deliver=3, **settings
+    )
+    store = ECStore(LocalDirObjectStore(tmp_path), namespace="t", fingerprint=engine.encoder_fingerprint, producer="w1")
     h = EncoderHandler(settings, engine=engine, store=store)
     publisher = RecordingPublisher()
     await h.setup(WorkerContext(settings, Subjects("t"), publisher))
@@ -52,20 +52,26 @@ def _job(handler, image, *, fingerprint=None, media=True):
     item = content_hash_of(image)
     key = handler.store.put_media(item, png_bytes(image)) if media else f"t/media/{item}"
     ref = ImageRef(item_hash=item, media_key=key, width=image.width, height=image.height)
-    return EncodeJob(request_id="r1", image=ref, fingerprint=fingerprint or handler.fingerprint,
-                     ec_key=handler.store.key(item), created_at=time.time())
+    return EncodeJob(
+        request_id="r1",
+        image=ref,
+        fingerprint=fingerprint or handler.fingerprint,
+        ec_key=handler.store.key(item),
+        created_at=time.time(),
+    )
 
 
 def _delivery(job, n=1, max_deliver=3):
-    return Delivery(data=protocol.encode(job), subject="t.encode.jobs", headers={}, num_delivered=n,
-                    max_deliver=max_deliver)
+    return Delivery(
+        data=protocol.encode(job), subject="t.encode.jobs", headers={}, num_delivered=n, max_deliver=max_deliver
+    )
 
 
 async def test_encodes_then_is_idempotent(handler):
     job = _job(handler, noise_image(1, (56, 56)))
     verdict = await settle(handler, _delivery(job))
     assert verdict.action is Action.ACK
-    (subject, ready), = handler.publisher.sent
+    ((subject, ready),) = handler.publisher.sent
     assert isinstance(ready, ECReady) and ready.encode_s > 0
     assert subject == f"t.ec.ready.{handler.fingerprint}.{job.image.item_hash}"
     assert handler.store.load(job.image.item_hash).n_tokens == ready.n_tokens

@@ -4,8 +4,8 @@ through the engine's async API (its compute thread)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 import random
 import time
 from dataclasses import replace
@@ -18,10 +18,10 @@ from shared.engines.prompts import check_image_count, count_image_placeholders
 from shared.engines.transformers_engine import TransformersEngine
 from shared.engines.transformers_state import DecodeState, IncrementalDetokenizer, StopStringMatcher
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
+from shared.fingerprint import encoder_fingerprint
 from shared.store.format import RawTensor
 from shared.store.kv import KVObject
 from shared.store.tensors import tensor_to_raw
-from shared.fingerprint import encoder_fingerprint
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
@@ -95,9 +95,17 @@ async def _run(engine, messages, encoded, params=GREEDY, stats=None):
 
 def _kv_object(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> KVObject:
     """A KV object (as the decode worker loads it) holding a decode state's tensors + metadata."""
-    return KVObject(request_id="r", attempt=0, tensors={n: RawTensor(*tensor_to_raw(t)) for n, t in tensors.items()},
-                    state_metadata=meta, state=json.loads(meta["state"]), sampling={}, producer="test",
-                    created_at=0.0, nbytes=0)
+    return KVObject(
+        request_id="r",
+        attempt=0,
+        tensors={n: RawTensor(*tensor_to_raw(t)) for n, t in tensors.items()},
+        state_metadata=meta,
+        state=json.loads(meta["state"]),
+        sampling={},
+        producer="test",
+        created_at=0.0,
+        nbytes=0,
+    )
 
 
 def _hf_generate(engine, messages, pil_images, max_new_tokens=N_TOKENS):
@@ -151,8 +159,10 @@ def _encode_forwards() -> tuple[float, float]:
     """(vision-tower forwards, images through them) so far (``epd:encode_batch_images``)."""
     from prometheus_client import REGISTRY
 
-    return (REGISTRY.get_sample_value("epd:encode_batch_images_count") or 0.0,
-            REGISTRY.get_sample_value("epd:encode_batch_images_sum") or 0.0)
+    return (
+        REGISTRY.get_sample_value("epd:encode_batch_images_count") or 0.0,
+        REGISTRY.get_sample_value("epd:encode_batch_images_sum") or 0.0,
+    )
 
 
 #: Mixed sizes: Qwen2-VL concatenates their patches when they share a forward.
@@ -170,8 +180,9 @@ async def test_concurrent_encodes_are_batch_invariant(engine):
     assert engine.encode_batch_invariant
     singles = [engine._encode([im])[0] for im in MIXED]  # one forward each, in this thread
     before = _encode_forwards()
-    *outs, bad = await asyncio.gather(*(engine.encode([im]) for im in MIXED), engine.encode(["not an image"]),
-                                      return_exceptions=True)
+    *outs, bad = await asyncio.gather(
+        *(engine.encode([im]) for im in MIXED), engine.encode(["not an image"]), return_exceptions=True
+    )
     together = await engine.encode(MIXED)  # one call with every image (an aggregated request's way)
     after = _encode_forwards()
     assert isinstance(bad, InvalidImage)
@@ -258,8 +269,9 @@ async def test_decode_state_roundtrip_through_safetensors_bytes(engine, sampling
     blob = save(tensors, metadata=meta)
     restored = DecodeState.from_tensors(load(blob), _safetensors_metadata(blob), engine.config)
     assert restored.output_ids == [request.first.token_id] and restored.emitted == 1
-    events = [request.first] + await _drain(engine.decode(_kv_object(load(blob), _safetensors_metadata(blob)),
-                                                          sampling))
+    events = [request.first] + await _drain(
+        engine.decode(_kv_object(load(blob), _safetensors_metadata(blob)), sampling)
+    )
     assert [e.token_id for e in events] == direct_ids
     assert "".join(e.text for e in events) == direct_text
 
@@ -483,7 +495,9 @@ async def test_options_and_aclose(model_dirs):
 
     settings = SimpleNamespace(max_batch_size=3, encode_batch_invariant=False)
     assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {
-        "max_batch": 3, "encode_batch_invariant": False}
+        "max_batch": 3,
+        "encode_batch_invariant": False,
+    }
     for role in (Role.ENCODER, Role.PD, Role.PREFILL, Role.AGG):
         assert TransformersEngine.options_from_settings(settings, role=role) == {"encode_batch_invariant": False}
     engine = TransformersEngine(model_dirs["llava"], threads=1, max_batch=3)

@@ -28,25 +28,27 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
 from shared.config import CommonSettings
 from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
-from shared.tools.infra import free_port, port_available
-from shared.tools.launcher import Stack
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
+from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.tools.infra import free_port, port_available
+from shared.tools.launcher import Stack
 from shared.topology import Topology
-from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.epdup import EPD, READY, REPO, EpdUp, Proc, descendants, distinct_free_ports
+from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.test_e2e_epd import REF_PARAMS
 
 log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.slow
 
-CURL = re.compile(r"^\s*curl -s (?P<url>\S+)/v1/chat/completions "
-                  r"-H 'Content-Type: application/json' -d '(?P<body>.*)'$",
-                  re.M)
+CURL = re.compile(
+    r"^\s*curl -s (?P<url>\S+)/v1/chat/completions "
+    r"-H 'Content-Type: application/json' -d '(?P<body>.*)'$",
+    re.M,
+)
 METRICS = re.compile(r"^\s*worker /metrics: (?P<ports>.*)$", re.M)
 #: The service processes of each topology (docs/architecture.md: agg is the API plus one worker that encodes,
 #: prefills and decodes; e-pd adds encoder workers).
@@ -71,7 +73,9 @@ def test_epd_up_per_service_settings_from_flags():
         return _service_env(build_parser().parse_args(["up", *argv]), Topology.E_P_D)
 
     assert env("--cores", "encoder=0", "--service-env", "prefill:EPD_VLLM_KV_CACHE_GIB=2") == {
-        "encoder": {"EPD_CPU_CORES": "0"}, "prefill": {"EPD_VLLM_KV_CACHE_GIB": "2"}}
+        "encoder": {"EPD_CPU_CORES": "0"},
+        "prefill": {"EPD_VLLM_KV_CACHE_GIB": "2"},
+    }
     auto = env("--cores", "auto")
     assert sorted(auto) == ["decode", "encoder", "prefill"]
     # vLLM binds every engine to the same core(s) by itself: split unless told otherwise.
@@ -83,8 +87,12 @@ def test_epd_up_per_service_settings_from_flags():
     assert _own_cpus({"encoder": {"EPD_CPU_CORES": "0"}, "prefill": {"EPD_CPU_CORES": "1-2"}}, Topology.E_PD)
     assert not _own_cpus({"encoder": {"EPD_CPU_CORES": "0-1"}, "prefill": {"EPD_CPU_CORES": "1"}}, Topology.E_PD)
     assert not _own_cpus({"encoder": {"EPD_CPU_CORES": "0"}}, Topology.E_PD)  # the prefill worker may use any
-    for bad in (["--cores", "api=0"], ["--cores", "encoder=x"], ["--service-env", "prefill:VLLM_X=1"],
-                ["--service-env", "nope:EPD_X=1"]):
+    for bad in (
+        ["--cores", "api=0"],
+        ["--cores", "encoder=x"],
+        ["--service-env", "prefill:VLLM_X=1"],
+        ["--service-env", "nope:EPD_X=1"],
+    ):
         with pytest.raises(SystemExit):
             env(*bad)
 
@@ -93,8 +101,9 @@ def test_make_run_is_epd_up_on_port_8000():
     """README: `make run` starts everything (epd up) on http://127.0.0.1:8000, files under ./var."""
     # (a clean make environment: under `make test` MAKELEVEL/MAKEFLAGS would add "make[1]: ..." lines)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "run"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, env=env)
+    dry = subprocess.run(
+        ["make", "-n", "--no-print-directory", "run"], cwd=REPO, capture_output=True, text=True, timeout=60, env=env
+    )
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.strip().splitlines()[-1] == ".venv/bin/epd up"  # after the install steps, if any
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
@@ -169,30 +178,54 @@ def generate(engine, messages, images) -> list[int]:
 
 
 @pytest.mark.parametrize("topology", [None, "agg"], ids=["default", "agg"])
-def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topology, tiny_model_dir, reference_engine,
-                                                                          tmp_path):
+def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
+    topology, tiny_model_dir, reference_engine, tmp_path
+):
     expected = topology or build_parser().parse_args(["up"]).topology
     workers = [s for s in SERVICES[expected] if s != "api"]
     data_dir = tmp_path / "var"
     api_port, nats_port, s3_port = distinct_free_ports(3)
     metrics_base = free_port_block(len(workers) + 1, exclude=[api_port, nats_port, s3_port])
-    argv = [str(EPD), "up", "--data-dir", str(data_dir), "--port", str(api_port), "--nats-port", str(nats_port),
-            "--s3-port", str(s3_port), "--metrics-port", str(metrics_base)]
+    argv = [
+        str(EPD),
+        "up",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(api_port),
+        "--nats-port",
+        str(nats_port),
+        "--s3-port",
+        str(s3_port),
+        "--metrics-port",
+        str(metrics_base),
+    ]
     if topology is not None:
         argv += ["--topology", topology, "--model", str(tiny_model_dir)]
     else:  # per-service CPU binding, and one worker service after another
         argv += ["--cores", "auto", "--start", "staggered"]
     # Nothing of this session's configuration leaks in; PYTHONPATH: the tree under test (the
     # editable install points at the main checkout; make run runs in the checkout it installed).
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, "PYTHONPATH": str(REPO),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("EPD_")},
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
     out_path = tmp_path / "epd-up.out"
     with out_path.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     output = lambda: out_path.read_text(errors="replace")  # noqa: E731 - a one-line helper
     children: list[Proc] = []
     try:
+
         def ready():
             if proc.poll() is not None:
                 raise AssertionError(f"epd up exited with {proc.returncode} before it was ready:\n{output()[-4000:]}")
@@ -211,13 +244,17 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
 
         # Real processes: the topology's services (and nothing else of ours), NATS and S3.
         children = descendants(proc.pid)
-        modules = sorted(re.search(r"-m services\.(\w+)", p.cmdline)[1] for p in children
-                         if "-m services." in p.cmdline)
+        modules = sorted(
+            re.search(r"-m services\.(\w+)", p.cmdline)[1] for p in children if "-m services." in p.cmdline
+        )
         assert modules == sorted(SERVICES[expected]), [p.cmdline for p in children]
         assert any("nats-server" in p.cmdline for p in children) and any(" mini " in p.cmdline for p in children)
         assert len(children) == len(modules) + 2, [p.cmdline for p in children]
-        bound = {re.search(r"-m services\.(\w+)", p.cmdline)[1]: os.sched_getaffinity(p.pid)
-                 for p in children if "-m services." in p.cmdline}
+        bound = {
+            re.search(r"-m services\.(\w+)", p.cmdline)[1]: os.sched_getaffinity(p.pid)
+            for p in children
+            if "-m services." in p.cmdline
+        }
         if topology is None:  # --cores auto: each worker on its share of the CPUs, the API anywhere
             split = split_cpus(available_cpus(), workers)
             assert {w: bound[w] for w in workers} == {w: set(parse_cpu_list(c)) for w, c in split.items()}, bound
@@ -250,9 +287,14 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
         # What the topology means on the wire: agg encodes in the worker (then keeps the features in
         # its cache) and queues no encode job; e-pd queues one for the image's first request.
         defaults = CommonSettings.model_fields
-        running = RunningStack(Stack(env={}, log_dir=tmp_path, topology=expected, api_port=api_port),
-                               f"nats://127.0.0.1:{nats_port}", defaults["subject_prefix"].default,
-                               defaults["namespace"].default, defaults["s3_bucket"].default, {})
+        running = RunningStack(
+            Stack(env={}, log_dir=tmp_path, topology=expected, api_port=api_port),
+            f"nats://127.0.0.1:{nats_port}",
+            defaults["subject_prefix"].default,
+            defaults["namespace"].default,
+            defaults["s3_bucket"].default,
+            {},
+        )
         item = content_hash_of(images[0])
         jobs = [running.messages_of("stream_encode", EncodeJob, r) for r in (first_rid, rid)]
         sources = [final_result(running, r).ec_sources[item] for r in (first_rid, rid)]
@@ -264,10 +306,32 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(topolo
 
         # `epd bench run` against it (a short run): every request completes, with stage timings.
         out_json = tmp_path / "bench.json"
-        bench = subprocess.run([str(EPD), "bench", "run", "--url", m["url"], "--requests", "4", "--concurrency", "2",
-                                "--image-sizes", "64x64", "--repeat-share", "0.5", "--output-tokens", "4,4",
-                                "--no-progress", "--out", str(out_json)], capture_output=True, text=True, timeout=300,
-                               env=env)
+        bench = subprocess.run(
+            [
+                str(EPD),
+                "bench",
+                "run",
+                "--url",
+                m["url"],
+                "--requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--image-sizes",
+                "64x64",
+                "--repeat-share",
+                "0.5",
+                "--output-tokens",
+                "4,4",
+                "--no-progress",
+                "--out",
+                str(out_json),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
         from shared.tools.bench.schema import load as load_bench
 
@@ -325,8 +389,9 @@ def _script_process(tmp_path: Path, name: str, code: str):
     """A ServiceProcess running ``python -c code`` (what a Stack starts, minus the services)."""
     from shared.tools.launcher import ServiceProcess
 
-    proc = ServiceProcess(name, None, tmp_path / f"{name}-0.log", argv=[sys.executable, "-c", code],
-                          env=dict(os.environ), cwd=tmp_path)  # type: ignore[arg-type]  # the wrong type on purpose
+    proc = ServiceProcess(
+        name, None, tmp_path / f"{name}-0.log", argv=[sys.executable, "-c", code], env=dict(os.environ), cwd=tmp_path
+    )  # type: ignore[arg-type]  # the wrong type on purpose
     proc.respawn()  # (the first start, the way a restart does it)
     proc.restarts = 0
     return proc
@@ -363,8 +428,9 @@ def test_supervisor_restarts_an_exited_process_with_backoff_unless_stopped(tmp_p
         assert delays == [1, 2, 4]
         assert stack.processes == [crasher, sleeper] and sleeper.restarts == 0
         # The log is appended to, with a line per restart.
-        assert crasher.log_tail(100).count("no model here") == 4 and "epd: restarting encoder-0 (restart 3)" in \
-            crasher.log_tail(100)
+        assert crasher.log_tail(100).count(
+            "no model here"
+        ) == 4 and "epd: restarting encoder-0 (restart 3)" in crasher.log_tail(100)
         # Stopped on purpose: left alone.
         sleeper.stop()
         crasher.popen.wait(60)
@@ -423,13 +489,15 @@ def test_restarted_workers_stop_with_epd_up(stop, tiny_model_dir, tmp_path):
             assert up.proc.wait(timeout=120) == 0, up.output()[-3000:]
             took = time.monotonic() - t0
             # The restarted encoder drained and said so (a SIGKILL after the grace leaves no such line).
-            assert re.search(rf"INFO {new_encoder} .*encoder worker \S+ stopped$", encoder_log.read_text()[restart_at:],
-                             re.M), encoder_log.read_text()[restart_at:][-2000:]
+            assert re.search(
+                rf"INFO {new_encoder} .*encoder worker \S+ stopped$", encoder_log.read_text()[restart_at:], re.M
+            ), encoder_log.read_text()[restart_at:][-2000:]
         else:
             up.proc.kill()
             up.proc.wait(30)
-            wait_for(lambda: not [p for p in procs if p.alive()], 30,
-                     "every worker and embedded server to die with epd up")
+            wait_for(
+                lambda: not [p for p in procs if p.alive()], 30, "every worker and embedded server to die with epd up"
+            )
             took = time.monotonic() - t0
         log.info("%s: every process gone %.1fs after the signal", stop, took)
         left = [p.cmdline for p in procs if p.alive()]
@@ -442,8 +510,16 @@ def _image_request(image: Image.Image, text: str, **params) -> dict:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return {"model": "qwen2-vl-tiny", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}], **params}
+    return {
+        "model": "qwen2-vl-tiny",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}],
+            }
+        ],
+        **params,
+    }
 
 
 def _stream_tokens(url: str, body: dict, on_first_tokens=None) -> tuple[list[int], str, str]:
@@ -493,9 +569,14 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
     try:
         up.wait_ready()
         defaults = CommonSettings.model_fields
-        running = RunningStack(Stack(env={}, log_dir=tmp_path, topology="e-pd", api_port=up.api_port),
-                               f"nats://127.0.0.1:{up.nats_port}", defaults["subject_prefix"].default,
-                               defaults["namespace"].default, defaults["s3_bucket"].default, {})
+        running = RunningStack(
+            Stack(env={}, log_dir=tmp_path, topology="e-pd", api_port=up.api_port),
+            f"nats://127.0.0.1:{up.nats_port}",
+            defaults["subject_prefix"].default,
+            defaults["namespace"].default,
+            defaults["s3_bucket"].default,
+            {},
+        )
         api_log = up.data_dir / "logs" / "api-0.log"
 
         # 1. The encoder dies holding the encode job of a request in flight. Stopped first, it
@@ -507,8 +588,11 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
         queued = api_log.read_text().count("queued")
         with httpx.Client(timeout=600) as client, ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.post, f"{up.url}/v1/chat/completions", json=body)
-            wait_for(lambda: future.done() or api_log.read_text().count("queued") > queued, 120,
-                     "the encode job to be queued")
+            wait_for(
+                lambda: future.done() or api_log.read_text().count("queued") > queued,
+                120,
+                "the encode job to be queued",
+            )
             assert not future.done(), future.result().text
             mark = len(up.output())
             os.kill(encoder, signal.SIGKILL)
@@ -529,8 +613,11 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
         # gave up waiting and encoded it first, found it stored and announced it.
         item = content_hash_of(images[0])[:12]
         took = rf"^\S+ \S+ INFO {new_encoder} .* (encoded {item}: .*|item {item} already stored by .*)$"
-        m = wait_for(lambda: re.search(took, (up.data_dir / "logs" / "encoder-0.log").read_text(), re.M), 120,
-                     "the restarted encoder to take the killed one's job")
+        m = wait_for(
+            lambda: re.search(took, (up.data_dir / "logs" / "encoder-0.log").read_text(), re.M),
+            120,
+            "the restarted encoder to take the killed one's job",
+        )
         log.info("the restarted encoder took the job: %s", m[1])
         assert httpx.get(f"{up.url}/health", timeout=30).json()["workers"].get("encoder", 0) >= 1
         # Every other service still runs the process it started with.
@@ -571,7 +658,8 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
         log.info("api: %s", healthy.group(0))
         resp = httpx.post(f"{up.url}/v1/chat/completions", json=body, timeout=300)
         assert resp.status_code == 200 and resp.json()["choices"][0]["token_ids"] == generate(
-            reference_engine, messages, images), resp.text
+            reference_engine, messages, images
+        ), resp.text
 
         # 4. A worker that cannot start is retried with growing delays, not in a hot loop.
         hidden = tmp_path / "model-away"
@@ -584,14 +672,17 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
         for _ in range(2):
             m = up.wait_line(crash, "the encoder to fail at start-up", after=mark)
             delays.append(float(m["delay"]))
-            tail = up.output()[mark + m.end():].split("\n", 1)[1].splitlines()[:5]
+            tail = up.output()[mark + m.end() :].split("\n", 1)[1].splitlines()[:5]
             assert tail and all(line.startswith("    | ") for line in tail), tail
             mark += m.end()
         assert delays[1] == min(30.0, 2 * delays[0]), delays
         model = hidden.rename(model)
         healthy = up.wait_line(HEALTHY.format(label="encoder-0"), "the encoder to start again", after=mark)
-        resp = httpx.post(f"{up.url}/v1/chat/completions", json=_image_request(noise_image(83, (48, 48)), "Hi.",
-                                                                                 **GREEDY), timeout=300)
+        resp = httpx.post(
+            f"{up.url}/v1/chat/completions",
+            json=_image_request(noise_image(83, (48, 48)), "Hi.", **GREEDY),
+            timeout=300,
+        )
         assert resp.status_code == 200, resp.text
 
         # 5. NATS dies: the stack stops, saying why, and leaves nothing running.
@@ -602,8 +693,9 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
             assert up.proc.wait(timeout=180) != 0
         except subprocess.TimeoutExpired:
             pytest.fail(f"epd up still running 180 s after NATS died:\n{up.output()[-3000:]}")
-        assert re.search(rf"^epd up failed: nats-server \(pid {nats}\) exited; stopping the stack", up.output(),
-                         re.M), up.output()[-3000:]
+        assert re.search(
+            rf"^epd up failed: nats-server \(pid {nats}\) exited; stopping the stack", up.output(), re.M
+        ), up.output()[-3000:]
         left = [p for p in up.seen if p.alive()]
         assert left == [], f"still running after epd up exited: {[p.cmdline for p in left]}"
     finally:

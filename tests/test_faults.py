@@ -44,10 +44,31 @@ from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port, port_availab
 from shared.tools.launcher import Stack, StackError
 from tests import faultutil
 from tests.epdup import EpdUp
-from tests.faultutil import (HealthMonitor, Outcome, Requests, SupervisorThread, contract_violation,
-                             health_sample, post_chat, probe_recovery)
-from tests.stackutil import (GREEDY, RunningStack, busy_work_consumers, chat_body, engine_encode, engine_messages,
-                             engine_tokens, noise_image, parse_sse, scrape, metric_value, stack_env, wait_for)
+from tests.faultutil import (
+    HealthMonitor,
+    Outcome,
+    Requests,
+    SupervisorThread,
+    contract_violation,
+    health_sample,
+    post_chat,
+    probe_recovery,
+)
+from tests.stackutil import (
+    GREEDY,
+    RunningStack,
+    busy_work_consumers,
+    chat_body,
+    engine_encode,
+    engine_messages,
+    engine_tokens,
+    metric_value,
+    noise_image,
+    parse_sse,
+    scrape,
+    stack_env,
+    wait_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +115,12 @@ class Reference:
         if key not in self.cache:
             images = [] if image is None else [image]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            self.cache[key] = engine_tokens(self.engine, engine_messages(text, len(images)),
-                                            engine_encode(self.engine, images) if images else [], params)
+            self.cache[key] = engine_tokens(
+                self.engine,
+                engine_messages(text, len(images)),
+                engine_encode(self.engine, images) if images else [],
+                params,
+            )
         return self.cache[key]
 
     def request(self, text: str, image, **params) -> tuple[dict, list[int]]:
@@ -141,15 +166,25 @@ class Rig:
     def _start_stack(self) -> None:
         self.generation += 1
         env, prefix, namespace, bucket = stack_env(
-            self.nats, self.s3, self.model_dir,
-            EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S), EPD_ACK_WAIT_S=str(ACK_WAIT_S),
-            **{faultutil.FAULT_DIR_ENV: str(self.fault_dir)})
+            self.nats,
+            self.s3,
+            self.model_dir,
+            EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
+            EPD_ACK_WAIT_S=str(ACK_WAIT_S),
+            **{faultutil.FAULT_DIR_ENV: str(self.fault_dir)},
+        )
         api_port = free_port()
-        stack = Stack(env=env, log_dir=self.tmp / f"logs-{self.generation}", topology="e-p-d", api_port=api_port,
-                      service_modules={s: faultutil.MODULE for s in ("encoder", "prefill", "decode")},
-                      metrics_port_base=_free_port_block(4, {api_port, self.nats.port, self.s3.port}))
-        self.running = RunningStack(stack, self.nats.url, prefix, namespace, bucket, env,
-                                    request_timeout_s=REQUEST_TIMEOUT_S)
+        stack = Stack(
+            env=env,
+            log_dir=self.tmp / f"logs-{self.generation}",
+            topology="e-p-d",
+            api_port=api_port,
+            service_modules={s: faultutil.MODULE for s in ("encoder", "prefill", "decode")},
+            metrics_port_base=_free_port_block(4, {api_port, self.nats.port, self.s3.port}),
+        )
+        self.running = RunningStack(
+            stack, self.nats.url, prefix, namespace, bucket, env, request_timeout_s=REQUEST_TIMEOUT_S
+        )
         try:
             stack.start()
             stack.wait_ready(timeout=300)
@@ -197,15 +232,15 @@ class Rig:
     def all_healthy(self) -> bool:
         s = health_sample(self.url, self.health_files())
         roles = {role for _, role in self.health_files().values()}
-        return (all(s.workers.values()) and s.api_status == 200
-                and all(s.api_workers.get(r, 0) >= 1 for r in roles))
+        return all(s.workers.values()) and s.api_status == 200 and all(s.api_workers.get(r, 0) >= 1 for r in roles)
 
     def logs(self) -> str:
         return str(self.stack.log_dir)
 
     def log_grep(self, label: str, needle: str) -> list[str]:
-        return [line for line in self.process(label).log_path.read_text(errors="replace").splitlines()
-                if needle in line]
+        return [
+            line for line in self.process(label).log_path.read_text(errors="replace").splitlines() if needle in line
+        ]
 
     def ensure_serving(self) -> None:
         """Before a case: the stack serves a clean request, every worker healthy. If an earlier case
@@ -242,8 +277,9 @@ def rig(tiny_model_dir, reference, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     # Fixed ports: the services reconnect to the same URLs when a server comes back.
     nats = EmbeddedNats(tmp / "nats", port=free_port(), monitor_port=free_port())
-    s3 = EmbeddedS3(tmp / "s3", port=free_port(), access_key="fault" + secrets.token_hex(4),
-                    secret_key=secrets.token_urlsafe(24))
+    s3 = EmbeddedS3(
+        tmp / "s3", port=free_port(), access_key="fault" + secrets.token_hex(4), secret_key=secrets.token_urlsafe(24)
+    )
     fault_dir = tmp / "switches"
     fault_dir.mkdir()
     rig = Rig(tmp, nats, s3, tiny_model_dir, reference, fault_dir)
@@ -281,8 +317,10 @@ class Verdict:
         for outcome, expected in self.during + [(p, expected_of[p.what]) for p in self.probes]:
             why = contract_violation(outcome, expected)
             if why is None and outcome.status == 504 and outcome.seconds < REQUEST_TIMEOUT_S - 1:
-                why = (f"504 after {outcome.seconds:.1f}s, before the {REQUEST_TIMEOUT_S}s deadline: an outage "
-                       f"answered as a deadline (503 expected)")
+                why = (
+                    f"504 after {outcome.seconds:.1f}s, before the {REQUEST_TIMEOUT_S}s deadline: an outage "
+                    f"answered as a deadline (503 expected)"
+                )
             if why is None and outcome.status == 503:
                 message = outcome.body["error"]["message"]
                 if not any(word in message.lower() for word in ("nats", "store", "s3")):
@@ -323,9 +361,14 @@ def run_fault(rig: Rig, case: str, fault, *, expect_unhealthy: bool, probe=None)
         verdict.fault = fault(verdict, during)
         end = verdict.fault[1]
         during()  # and right after it ends
-        verdict.recovered, verdict.probes = probe_recovery(rig.url, probe or (lambda: (image_body, image_tokens)),
-                                                           since=end, bound=RECOVERY_S,
-                                                           timeout=CLIENT_TIMEOUT_S, expected_of=expected_of)
+        verdict.recovered, verdict.probes = probe_recovery(
+            rig.url,
+            probe or (lambda: (image_body, image_tokens)),
+            since=end,
+            bound=RECOVERY_S,
+            timeout=CLIENT_TIMEOUT_S,
+            expected_of=expected_of,
+        )
         try:
             wait_for(rig.all_healthy, 120, "every worker healthy again", interval=0.5)
             verdict.healthy_again_s = time.monotonic() - end
@@ -340,23 +383,31 @@ def run_fault(rig: Rig, case: str, fault, *, expect_unhealthy: bool, probe=None)
     start, end = verdict.fault
     if verdict.recovered is None:
         verdict.problems.append(f"no request sent within {RECOVERY_S}s after the fault ended succeeded")
-        green = [s for s in monitor.between(end, verdict.probes[-1].ended if verdict.probes else end)
-                 if all(s.workers.values())]
+        green = [
+            s
+            for s in monitor.between(end, verdict.probes[-1].ended if verdict.probes else end)
+            if all(s.workers.values())
+        ]
         if green:
-            verdict.problems.append(f"health said every worker was healthy {green[-1].at - end:.1f}s after the fault "
-                                    f"while no request succeeded")
+            verdict.problems.append(
+                f"health said every worker was healthy {green[-1].at - end:.1f}s after the fault "
+                f"while no request succeeded"
+            )
     red = {label: monitor.first_unhealthy(label, start, end + 1.0) for label in files}
     if expect_unhealthy:
         for label, sample in red.items():
             if sample is None:
                 verdict.problems.append(f"{label} never reported unhealthy during the fault (it could not pull)")
-    _record(case, fault_s=end - start,
-            unhealthy_after_s={label: None if s is None else round(s.at - start, 1) for label, s in red.items()},
-            recovery_s=None if verdict.recovered is None else verdict.recovered.ended - end,
-            healthy_again_s=verdict.healthy_again_s,
-            during=[(o.status, round(o.seconds, 1)) for o, _ in verdict.during],
-            probes=[(o.status, round(o.started - end, 1), round(o.seconds, 1)) for o in verdict.probes],
-            ok=not verdict.problems)
+    _record(
+        case,
+        fault_s=end - start,
+        unhealthy_after_s={label: None if s is None else round(s.at - start, 1) for label, s in red.items()},
+        recovery_s=None if verdict.recovered is None else verdict.recovered.ended - end,
+        healthy_again_s=verdict.healthy_again_s,
+        during=[(o.status, round(o.seconds, 1)) for o, _ in verdict.during],
+        probes=[(o.status, round(o.started - end, 1), round(o.seconds, 1)) for o in verdict.probes],
+        ok=not verdict.problems,
+    )
     report = verdict.report(monitor, rig.logs())
     log.info("%s", report)
     assert not verdict.problems, "\n".join(verdict.problems) + "\n\n" + report
@@ -404,13 +455,22 @@ def test_epd_up_serves_within_30s_after_a_5s_nats_pause(tiny_model_dir, referenc
         try:
             verdict.fault = _pause(nats, 5.0, lambda: requests.send("image request (during)", body, expected))
             end = verdict.fault[1]
-            verdict.recovered, verdict.probes = probe_recovery(up.url, lambda: (body, expected), since=end,
-                                                               bound=RECOVERY_S, timeout=CLIENT_TIMEOUT_S,
-                                                               expected_of=expected_of)
+            verdict.recovered, verdict.probes = probe_recovery(
+                up.url,
+                lambda: (body, expected),
+                since=end,
+                bound=RECOVERY_S,
+                timeout=CLIENT_TIMEOUT_S,
+                expected_of=expected_of,
+            )
             verdict.during = requests.outcomes()
             try:
-                wait_for(lambda: all(health_sample(up.url, up.health_files()).workers.values()), 120,
-                         "every worker healthy again", interval=0.5)
+                wait_for(
+                    lambda: all(health_sample(up.url, up.health_files()).workers.values()),
+                    120,
+                    "every worker healthy again",
+                    interval=0.5,
+                )
                 verdict.healthy_again_s = time.monotonic() - end
             except AssertionError as exc:
                 verdict.problems.append(f"health: {exc}")
@@ -424,12 +484,15 @@ def test_epd_up_serves_within_30s_after_a_5s_nats_pause(tiny_model_dir, referenc
         if verdict.recovered is None:
             verdict.problems.append(f"no request sent within {RECOVERY_S}s after the pause succeeded")
         assert up.proc.poll() is None, f"epd up exited ({up.proc.returncode}):\n{up.output()[-3000:]}"
-        _record(verdict.case, fault_s=verdict.fault[1] - verdict.fault[0],
-                recovery_s=None if verdict.recovered is None else verdict.recovered.ended - end,
-                healthy_again_s=verdict.healthy_again_s,
-                during=[(o.status, round(o.seconds, 1)) for o, _ in verdict.during],
-                probes=[(o.status, round(o.started - end, 1), round(o.seconds, 1)) for o in verdict.probes],
-                ok=not verdict.problems)
+        _record(
+            verdict.case,
+            fault_s=verdict.fault[1] - verdict.fault[0],
+            recovery_s=None if verdict.recovered is None else verdict.recovered.ended - end,
+            healthy_again_s=verdict.healthy_again_s,
+            during=[(o.status, round(o.seconds, 1)) for o, _ in verdict.during],
+            probes=[(o.status, round(o.started - end, 1), round(o.seconds, 1)) for o in verdict.probes],
+            ok=not verdict.problems,
+        )
         report = verdict.report(monitor, str(up.data_dir / "logs")) + "\nepd up output:\n" + up.output()[-2000:]
         log.info("%s", report)
         assert not verdict.problems, "\n".join(verdict.problems) + "\n\n" + report
@@ -441,13 +504,11 @@ def test_epd_up_serves_within_30s_after_a_5s_nats_pause(tiny_model_dir, referenc
 def test_nats_sigstop_5s(rig):
     """A 5 s stall: too short for a heartbeat file to go stale (10 s), so health is not asserted
     red during it; what matters is that the workers pull again after it."""
-    run_fault(rig, "nats_sigstop_5s", lambda v, during: _pause(rig.nats.pid, 5.0, during),
-              expect_unhealthy=False)
+    run_fault(rig, "nats_sigstop_5s", lambda v, during: _pause(rig.nats.pid, 5.0, during), expect_unhealthy=False)
 
 
 def test_nats_sigstop_15s(rig):
-    run_fault(rig, "nats_sigstop_15s", lambda v, during: _pause(rig.nats.pid, 15.0, during),
-              expect_unhealthy=True)
+    run_fault(rig, "nats_sigstop_15s", lambda v, during: _pause(rig.nats.pid, 15.0, during), expect_unhealthy=True)
 
 
 def test_nats_sigkill_and_restart_on_the_same_store(rig):
@@ -460,8 +521,12 @@ def test_nats_sigkill_and_restart_on_the_same_store(rig):
         os.killpg(rig.nats.pid, signal.SIGKILL)
         during()
         try:
-            wait_for(lambda: not any(health_sample(rig.url, files).workers.values()), 60,
-                     "every worker to report unhealthy while NATS is down", interval=0.5)
+            wait_for(
+                lambda: not any(health_sample(rig.url, files).workers.values()),
+                60,
+                "every worker to report unhealthy while NATS is down",
+                interval=0.5,
+            )
         except AssertionError as exc:
             verdict.problems.append(str(exc))
         during()
@@ -499,8 +564,18 @@ def test_s3_killed_and_restarted(rig):
 
 
 # -- worker kills under supervision ----------------------------------------------------------------
-def _kill_worker_mid_request(rig: Rig, case: str, label: str, *, body: dict, expected: list[int], hold,
-                             stream: bool = False, probe=None, check=None) -> None:
+def _kill_worker_mid_request(
+    rig: Rig,
+    case: str,
+    label: str,
+    *,
+    body: dict,
+    expected: list[int],
+    hold,
+    stream: bool = False,
+    probe=None,
+    check=None,
+) -> None:
     """Send ``body``; once ``hold()`` says the victim works on it, SIGKILL the victim's process
     group. The supervisor restarts it; the request completes with the clean run's tokens; a new
     request succeeds within 30 s of the kill; the victim is unhealthy after the kill and healthy
@@ -514,14 +589,19 @@ def _kill_worker_mid_request(rig: Rig, case: str, label: str, *, body: dict, exp
     expected_of: dict[str, list[int]] = {}
     result: dict = {}
     try:
+
         def client():
             try:
                 if stream:
                     from tests.stackutil import SSEStream
 
                     out = SSEStream()
-                    with httpx.stream("POST", f"{rig.url}/v1/chat/completions", json={**body, "stream": True},
-                                      timeout=CLIENT_TIMEOUT_S) as resp:
+                    with httpx.stream(
+                        "POST",
+                        f"{rig.url}/v1/chat/completions",
+                        json={**body, "stream": True},
+                        timeout=CLIENT_TIMEOUT_S,
+                    ) as resp:
                         result["status"] = resp.status_code
                         for _ in parse_sse(resp.iter_lines(), out):
                             result["seen"] = len(out.token_ids)
@@ -540,13 +620,22 @@ def _kill_worker_mid_request(rig: Rig, case: str, label: str, *, body: dict, exp
         rig.switches_off()  # the restarted worker works at full speed
         verdict.fault = (kill_at, kill_at)
         verdict.recovered, verdict.probes = probe_recovery(
-            rig.url, probe or (lambda: rig.ref.request(TEXT, IMAGE)), since=kill_at, bound=RECOVERY_S,
-            timeout=CLIENT_TIMEOUT_S, expected_of=expected_of)
+            rig.url,
+            probe or (lambda: rig.ref.request(TEXT, IMAGE)),
+            since=kill_at,
+            bound=RECOVERY_S,
+            timeout=CLIENT_TIMEOUT_S,
+            expected_of=expected_of,
+        )
         thread.join(CLIENT_TIMEOUT_S + 60)
         assert not thread.is_alive(), "the request in flight hung"
         try:
-            wait_for(lambda: rig.supervisor.seen("healthy", label, kill_at) and rig.all_healthy(), 120,
-                     f"{label} restarted and every worker healthy", interval=0.5)
+            wait_for(
+                lambda: rig.supervisor.seen("healthy", label, kill_at) and rig.all_healthy(),
+                120,
+                f"{label} restarted and every worker healthy",
+                interval=0.5,
+            )
             verdict.healthy_again_s = time.monotonic() - kill_at
         except AssertionError as exc:
             verdict.problems.append(f"health: {exc}")
@@ -559,15 +648,21 @@ def _kill_worker_mid_request(rig: Rig, case: str, label: str, *, body: dict, exp
     elif stream:
         out = result["stream"]
         if result.get("status") != 200 or out.errors or not out.done or out.token_ids != expected:
-            verdict.problems.append(f"the stream in flight: status {result.get('status')}, errors {out.errors}, "
-                                    f"[DONE] {out.done}, tokens {out.token_ids} (clean run {expected})")
+            verdict.problems.append(
+                f"the stream in flight: status {result.get('status')}, errors {out.errors}, "
+                f"[DONE] {out.done}, tokens {out.token_ids} (clean run {expected})"
+            )
     else:
         outcome = result["outcome"]
         if outcome.status != 200 or outcome.tokens != expected:
             verdict.problems.append(f"the request in flight: {outcome.describe(verdict.origin)}; clean run {expected}")
-    rid = (result["stream"].events[-1]["id"] if "stream" in result and result["stream"].events
-           else result["outcome"].body.get("id") if "outcome" in result and isinstance(result["outcome"].body, dict)
-           else None)
+    rid = (
+        result["stream"].events[-1]["id"]
+        if "stream" in result and result["stream"].events
+        else result["outcome"].body.get("id")
+        if "outcome" in result and isinstance(result["outcome"].body, dict)
+        else None
+    )
     if check is not None and rid is not None:
         finals = rig.running.messages_of("stream_results", FinalResult, rid)
         if finals:
@@ -582,14 +677,17 @@ def _kill_worker_mid_request(rig: Rig, case: str, label: str, *, body: dict, exp
         verdict.problems.append(f"{label} was not restarted (still pid {old_pid})")
     unhealthy = monitor.first_unhealthy(label, kill_at, kill_at + 30)
     restarted_at, healthy_at = (rig.supervisor.first_at(kind, label, kill_at) for kind in ("restarted", "healthy"))
-    _record(case, recovery_s=None if verdict.recovered is None else verdict.recovered.ended - kill_at,
-            unhealthy_after_s=None if unhealthy is None else unhealthy.at - kill_at,
-            restarted_s=None if restarted_at is None else restarted_at - kill_at,
-            supervisor_healthy_s=None if healthy_at is None else healthy_at - kill_at,
-            healthy_again_s=verdict.healthy_again_s,
-            in_flight_done_s=result.get("ended", kill_at) - kill_at,
-            probes=[(o.status, round(o.started - kill_at, 1), round(o.seconds, 1)) for o in verdict.probes],
-            ok=not verdict.problems)
+    _record(
+        case,
+        recovery_s=None if verdict.recovered is None else verdict.recovered.ended - kill_at,
+        unhealthy_after_s=None if unhealthy is None else unhealthy.at - kill_at,
+        restarted_s=None if restarted_at is None else restarted_at - kill_at,
+        supervisor_healthy_s=None if healthy_at is None else healthy_at - kill_at,
+        healthy_again_s=verdict.healthy_again_s,
+        in_flight_done_s=result.get("ended", kill_at) - kill_at,
+        probes=[(o.status, round(o.started - kill_at, 1), round(o.seconds, 1)) for o in verdict.probes],
+        ok=not verdict.problems,
+    )
     report = verdict.report(monitor, rig.logs())
     log.info("%s", report)
     assert not verdict.problems, "\n".join(verdict.problems) + "\n\n" + report
@@ -599,9 +697,12 @@ def _wait_injection(rig: Rig, label: str, before: int):
     """A ``hold``: wait until ``label`` logs a new ``fault injection`` line (it holds the job)."""
 
     def hold(result):
-        wait_for(lambda: "error" in result or "outcome" in result
-                 or len(rig.log_grep(label, "fault injection")) > before, 120,
-                 f"{label} to take the job", interval=0.05)
+        wait_for(
+            lambda: "error" in result or "outcome" in result or len(rig.log_grep(label, "fault injection")) > before,
+            120,
+            f"{label} to take the job",
+            interval=0.05,
+        )
         assert "error" not in result and "outcome" not in result, f"the request ended before the kill: {result}"
 
     return hold
@@ -623,9 +724,16 @@ def test_encoder_sigkill_mid_request(rig):
             return [f"the features came from {final.ec_sources}, not from the redelivered encode job (store)"]
         return []
 
-    _kill_worker_mid_request(rig, "encoder_sigkill", "encoder-0", body=body, expected=expected,
-                             hold=_wait_injection(rig, "encoder-0", before), check=check,
-                             probe=lambda: rig.ref.request(TEXT, noise_image(next(_fresh_seeds), (64, 48))))
+    _kill_worker_mid_request(
+        rig,
+        "encoder_sigkill",
+        "encoder-0",
+        body=body,
+        expected=expected,
+        hold=_wait_injection(rig, "encoder-0", before),
+        check=check,
+        probe=lambda: rig.ref.request(TEXT, noise_image(next(_fresh_seeds), (64, 48))),
+    )
 
 
 def test_prefill_sigkill_mid_request(rig):
@@ -633,8 +741,14 @@ def test_prefill_sigkill_mid_request(rig):
     before = len(rig.log_grep("prefill-0", "fault injection"))
     body, expected = rig.ref.request(TEXT, IMAGE)
     rig.switch("prefill", 120)
-    _kill_worker_mid_request(rig, "prefill_sigkill", "prefill-0", body=body, expected=expected,
-                             hold=_wait_injection(rig, "prefill-0", before))
+    _kill_worker_mid_request(
+        rig,
+        "prefill_sigkill",
+        "prefill-0",
+        body=body,
+        expected=expected,
+        hold=_wait_injection(rig, "prefill-0", before),
+    )
 
 
 def test_decode_sigkill_mid_stream(rig):
@@ -646,8 +760,12 @@ def test_decode_sigkill_mid_stream(rig):
     rig.switch("decode", 0.05)
 
     def hold(result):
-        wait_for(lambda: "error" in result or "stream" in result or result.get("seen", 0) >= 3, 120,
-                 "the first streamed tokens", interval=0.02)
+        wait_for(
+            lambda: "error" in result or "stream" in result or result.get("seen", 0) >= 3,
+            120,
+            "the first streamed tokens",
+            interval=0.02,
+        )
         assert "error" not in result and "stream" not in result, f"the stream ended before the kill: {result}"
 
     _kill_worker_mid_request(rig, "decode_sigkill", "decode-0", body=body, expected=expected, hold=hold, stream=True)
@@ -666,8 +784,9 @@ def test_client_disconnect_mid_stream_stops_generation(rig):
     origin = time.monotonic()
     rid = None
     try:
-        with httpx.stream("POST", f"{rig.url}/v1/chat/completions", json={**body, "stream": True},
-                          timeout=CLIENT_TIMEOUT_S) as resp:
+        with httpx.stream(
+            "POST", f"{rig.url}/v1/chat/completions", json={**body, "stream": True}, timeout=CLIENT_TIMEOUT_S
+        ) as resp:
             assert resp.status_code == 200, resp.read()
             chunks = 0
             for event in parse_sse(resp.iter_lines()):
@@ -696,14 +815,22 @@ def test_client_disconnect_mid_stream_stops_generation(rig):
     published = sum(len(c.token_ids) for c in rig.running.messages_of("stream_results", TokenChunk, rid))
     if published >= max_tokens // 8:
         problems.append(f"{published} of {max_tokens} tokens were generated for the abandoned request")
-    cancelled = sum(metric_value(scrape(f"http://127.0.0.1:{port}/metrics"), "epd:requests_cancelled_total")
-                    for port in rig.stack.metrics_ports.values())
+    cancelled = sum(
+        metric_value(scrape(f"http://127.0.0.1:{port}/metrics"), "epd:requests_cancelled_total")
+        for port in rig.stack.metrics_ports.values()
+    )
     if cancelled < 1:
         problems.append("epd:requests_cancelled_total did not count the abandoned request on any worker")
     probe_body, expected = rig.ref.request(TEXT, IMAGE)
     after = post_chat(rig.url, probe_body, what="next request", timeout=CLIENT_TIMEOUT_S)
     if contract_violation(after, expected) or after.status != 200:
         problems.append(f"the next request: {after.describe(origin)}")
-    _record("client_disconnect", idle_after_s=idle_after, tokens_published=published, cancelled_metric=cancelled,
-            next_request_s=after.seconds, ok=not problems)
+    _record(
+        "client_disconnect",
+        idle_after_s=idle_after,
+        tokens_published=published,
+        cancelled_metric=cancelled,
+        next_request_s=after.seconds,
+        ok=not problems,
+    )
     assert not problems, "\n".join(problems) + f"\nrequest {rid}; service logs: {rig.logs()}"

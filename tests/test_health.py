@@ -26,14 +26,17 @@ def test_fresh_heartbeat_is_healthy(tmp_path):
     assert not list(hf.path.parent.glob(".*.tmp"))  # atomic replace leaves nothing behind
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("missing", "no heartbeat file"),
-    ("stale", "stale"),
-    ("wrong-role", "expected encoder"),
-    ("dead-pid", "is gone"),
-    ("garbage", "not a valid heartbeat"),
-    ("old-schema", "schema"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("missing", "no heartbeat file"),
+        ("stale", "stale"),
+        ("wrong-role", "expected encoder"),
+        ("dead-pid", "is gone"),
+        ("garbage", "not a valid heartbeat"),
+        ("old-schema", "schema"),
+    ],
+)
 def test_unhealthy_heartbeats(tmp_path, case, expected):
     path = tmp_path / "hb.json"
     hf = HealthFile(path)
@@ -44,8 +47,18 @@ def test_unhealthy_heartbeats(tmp_path, case, expected):
         hf.write(role="prefill", worker_id="w")
     elif case == "dead-pid":
         proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-        path.write_text(json.dumps({"schema": 1, "role": "encoder", "worker_id": "w", "pid": int(proc.stdout),
-                                    "in_flight": 0, "written_at": now}))
+        path.write_text(
+            json.dumps(
+                {
+                    "schema": 1,
+                    "role": "encoder",
+                    "worker_id": "w",
+                    "pid": int(proc.stdout),
+                    "in_flight": 0,
+                    "written_at": now,
+                }
+            )
+        )
     elif case == "garbage":
         path.write_text("{not json")
     elif case == "old-schema":
@@ -156,8 +169,9 @@ def test_worker_runner_writes_and_removes_the_file(tmp_path, nats_server):
             pass
 
     path = tmp_path / "hb.json"
-    settings = EncoderSettings(nats_url=nats_server.url, subject_prefix=f"hc{os.getpid()}", health_file=path,
-                               worker_id="hc-worker")
+    settings = EncoderSettings(
+        nats_url=nats_server.url, subject_prefix=f"hc{os.getpid()}", health_file=path, worker_id="hc-worker"
+    )
 
     async def scenario():
         runner = WorkerRunner(Idle(), settings)

@@ -142,8 +142,7 @@ async def test_an_oversized_header_is_refused_without_waiting_for_the_budget() -
     held = await budget.acquire(1)
     async with ImageFetcher() as fetcher:
         with pytest.raises(InvalidImage, match="over the limit of 10000000 pixels"):
-            await asyncio.wait_for(
-                load_image(url, fetcher, MediaLimits(max_pixels=10_000_000), budget=budget), 60)
+            await asyncio.wait_for(load_image(url, fetcher, MediaLimits(max_pixels=10_000_000), budget=budget), 60)
     budget.release(held)
 
 
@@ -168,8 +167,10 @@ def _send(url: str, body: bytes) -> socket.socket:
     with no workers the API would hold the request until its deadline."""
     u = httpx.URL(url)
     sock = socket.create_connection((u.host, u.port), timeout=HANG_S)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.host}:{u.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.host}:{u.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     sock.sendall(head.encode() + body)
     return sock
 
@@ -185,9 +186,15 @@ def _answered_early(sock: socket.socket) -> str | None:
 def intake_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """Just the API process (no workers), default decode budget, a deadline far past the intake."""
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("intake-logs"),
-        services=["api"], roles={}, EPD_REQUEST_TIMEOUT_S=str(HANG_S * 2),
-        EPD_MAX_IMAGES_PER_REQUEST=str(N_BIG), EPD_MAX_IMAGE_PIXELS=str(40_000_000),
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("intake-logs"),
+        services=["api"],
+        roles={},
+        EPD_REQUEST_TIMEOUT_S=str(HANG_S * 2),
+        EPD_MAX_IMAGES_PER_REQUEST=str(N_BIG),
+        EPD_MAX_IMAGE_PIXELS=str(40_000_000),
     )
     try:
         yield running
@@ -199,8 +206,9 @@ def test_many_large_images_are_taken_in_with_bounded_memory(intake_stack) -> Non
     stack = intake_stack
     pid = next(p for p in stack.stack.processes if p.name == "api").popen.pid
     urls = [data_url(Image.new("RGB", (BIG_SIDE, BIG_SIDE), (30 * i, 100, 200))) for i in range(N_BIG)]
-    body = json.dumps({"model": "qwen2-vl-tiny", "max_tokens": 4,
-                       "messages": [user_message("describe", urls)]}).encode()
+    body = json.dumps(
+        {"model": "qwen2-vl-tiny", "max_tokens": 4, "messages": [user_message("describe", urls)]}
+    ).encode()
     seen = {m.request_id for _, _, m in stack.stream_messages("stream_encode") if isinstance(m, EncodeJob)}
 
     baseline = _status_bytes(pid, "VmRSS")
@@ -226,13 +234,16 @@ def test_many_large_images_are_taken_in_with_bounded_memory(intake_stack) -> Non
         right_after = _status_bytes(pid, "VmRSS") - baseline
         # Memory the request no longer needs must go back; poll (a hang bound, not a speed claim).
         settle_deadline = time.monotonic() + 60
-        while (settled := _status_bytes(pid, "VmRSS")) - baseline >= SETTLED_MARGIN \
-                and time.monotonic() < settle_deadline:
+        while (
+            settled := _status_bytes(pid, "VmRSS")
+        ) - baseline >= SETTLED_MARGIN and time.monotonic() < settle_deadline:
             time.sleep(0.5)
     finally:
         sock.close()
-    figures = (f"baseline {baseline / MiB:.0f} MiB, peak growth {peak_growth / MiB:.0f} MiB, right after "
-               f"{right_after / MiB:+.0f} MiB, settled {(settled - baseline) / MiB:+.0f} MiB, intake {intake_s:.1f}s")
+    figures = (
+        f"baseline {baseline / MiB:.0f} MiB, peak growth {peak_growth / MiB:.0f} MiB, right after "
+        f"{right_after / MiB:+.0f} MiB, settled {(settled - baseline) / MiB:+.0f} MiB, intake {intake_s:.1f}s"
+    )
     print(f"\nintake of {N_BIG} x {BIG_SIDE}x{BIG_SIDE} PNG: {figures}")
     assert peak_growth < PEAK_GROWTH_LIMIT, figures
     assert settled - baseline < SETTLED_MARGIN, figures

@@ -18,9 +18,9 @@ from minio import Minio
 from minio.error import S3Error
 
 from shared.tools.infra import (
+    SEAWEED_MAX_VOLUMES,
     EmbeddedNats,
     EmbeddedS3,
-    SEAWEED_MAX_VOLUMES,
     InfraError,
     PortInUseError,
     find_binary,
@@ -292,8 +292,7 @@ def test_s3_stop_closes_ports_and_restart_keeps_data(tmp_path: Path) -> None:
     import io
 
     s3_port = free_port()
-    a = EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234",
-                   port=s3_port)
+    a = EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234", port=s3_port)
     with a:
         assert a.endpoint == f"127.0.0.1:{s3_port}"
         ports, pid = dict(a.ports), a.pid
@@ -304,8 +303,7 @@ def test_s3_stop_closes_ports_and_restart_keeps_data(tmp_path: Path) -> None:
     assert a.stop_seconds is not None
     for flag, port in ports.items():
         assert not _connectable(port), f"{flag} {port} still open after stop"
-    with EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234",
-                    port=s3_port) as b:
+    with EmbeddedS3(tmp_path, access_key="restartkey", secret_key="restart-secret-1234", port=s3_port) as b:
         c = Minio(b.endpoint, b.access_key, b.secret_key, secure=False)
         resp = c.get_object("keep", "k")
         try:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
+from shared.fingerprint import encoder_fingerprint, model_fingerprint, read_safetensors_header
 from shared.store.format import (
     MissReason,
     ObjectValidationError,
@@ -20,7 +21,6 @@ from shared.store.format import (
     encode_tensor_object,
 )
 from shared.store.kv import KV_SCHEMA, KVStore, decode_kv_object, encode_kv_object, kv_key
-from shared.fingerprint import encoder_fingerprint, model_fingerprint, read_safetensors_header
 from shared.store.objects import ObjectTooLarge
 
 FP = "a" * 24
@@ -42,8 +42,9 @@ def tensors():
 
 
 def make(tensors, **kw):
-    args = dict(schema="test-v1", fingerprint=FP, id_field="request_id", object_id="req-1", producer="w",
-                metadata={"note": "x"})
+    args = dict(
+        schema="test-v1", fingerprint=FP, id_field="request_id", object_id="req-1", producer="w", metadata={"note": "x"}
+    )
     args.update(kw)
     return encode_tensor_object(tensors, **args)
 
@@ -143,8 +144,15 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None, "st
 
 
 def test_kv_object_checks_request_attempt_and_model(tensors):
-    blob = encode_kv_object(tensors, state_metadata=STATE_META, sampling=SAMPLING, fingerprint=FP,
-                            request_id="req-1", attempt=0, producer="p")
+    blob = encode_kv_object(
+        tensors,
+        state_metadata=STATE_META,
+        sampling=SAMPLING,
+        fingerprint=FP,
+        request_id="req-1",
+        attempt=0,
+        producer="p",
+    )
     obj = decode_kv_object(blob, fingerprint=FP, request_id="req-1", attempt=0)
     assert obj.state == {"past_len": 5, "emitted": 1} and obj.sampling == SAMPLING
     assert obj.state_metadata == STATE_META and obj.nbytes == len(blob)
@@ -222,14 +230,16 @@ def test_sweep_removes_only_old_kv_objects(s3_store, tensors):
 
 # -- a real decode state through the store ------------------------------------------------------
 async def test_decode_state_round_trip_through_the_store(s3_store, reference_engine, tiny_model_dir):
-    from shared.engines.transformers_state import kv_object_to_state
     from shared.engines.base import SamplingParams
+    from shared.engines.transformers_state import kv_object_to_state
     from tests.stackutil import engine_messages, noise_image
 
     engine = reference_engine
     messages, images = engine_messages("Describe the image.", 1), await engine.encode([noise_image(5, (64, 48))])
-    for params in (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-                   SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)):
+    for params in (
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+    ):
         want = [e async for e in engine.generate(messages, images, params)]
         prefilled = await engine.prefill(messages, images, params)  # prefill's worker emits the first token
         tensors, state_metadata = await prefilled.export()

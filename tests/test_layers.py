@@ -88,10 +88,17 @@ def imported_modules(module: str, source: str, *, is_package: bool = False) -> l
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(module, is_package, node.level, node.module)
             found.append((base, node.lineno))
-            found += [(f"{base}.{alias.name}" if base else alias.name, node.lineno)
-                      for alias in node.names if alias.name != "*"]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+            found += [
+                (f"{base}.{alias.name}" if base else alias.name, node.lineno)
+                for alias in node.names
+                if alias.name != "*"
+            ]
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
             if called in ("import_module", "__import__"):
@@ -109,9 +116,14 @@ def transfer_param_keys() -> dict[str, str]:
     tree = ast.parse((ROOT / "shared" / "connectors" / "params.py").read_text())
     keys = {}
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id.isupper() and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id.isupper()
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             keys[node.value.value] = node.targets[0].id
     return keys
 
@@ -121,9 +133,13 @@ def spelled_keys(module: str, source: str, keys: dict[str, str]) -> list[str]:
     (prose that mentions a key, e.g. in a docstring, is not a literal equal to it)."""
     if module == PARAMS_MODULE:
         return []
-    return sorted({f"{module}:{node.lineno} spells {node.value!r} (use params.{keys[node.value]})"
-                   for node in ast.walk(ast.parse(source))
-                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys})
+    return sorted(
+        {
+            f"{module}:{node.lineno} spells {node.value!r} (use params.{keys[node.value]})"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys
+        }
+    )
 
 
 def heavy_modules_loaded(statements: str, *, extra_path: Path | None = None) -> list[str]:
@@ -131,8 +147,7 @@ def heavy_modules_loaded(statements: str, *, extra_path: Path | None = None) -> 
     code = f"{statements}\nimport json, sys\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     path = [str(extra_path)] if extra_path else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -148,13 +163,23 @@ def lint_imports(root: Path) -> tuple[int, dict[str, str], str]:
     script = Path(sys.executable).with_name("lint-imports")
     assert script.exists(), f"import-linter is not installed next to {sys.executable}"
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run([str(script), "--no-cache", "--config", str(root / "pyproject.toml")], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [str(script), "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     # Long contract names are wrapped over lines: join the report's lines before matching names.
     flat = " ".join(out.split())
-    status = {c["name"]: m.group(1) for c in import_linter_config()["contracts"]
-              if (m := re.search(re.escape(" ".join(c["name"].split())) + r" (KEPT|BROKEN)", flat))}
+    status = {
+        c["name"]: m.group(1)
+        for c in import_linter_config()["contracts"]
+        if (m := re.search(re.escape(" ".join(c["name"].split())) + r" (KEPT|BROKEN)", flat))
+    }
     return proc.returncode, status, out
 
 
@@ -168,8 +193,13 @@ def copy_tree(dst: Path) -> Path:
 
 def test_import_contracts_hold():
     names = [c["name"] for c in import_linter_config()["contracts"]]
-    assert {c["type"] for c in import_linter_config()["contracts"]} >= {"layers", "independence", "forbidden",
-                                                                      "protected", "acyclic_siblings"}
+    assert {c["type"] for c in import_linter_config()["contracts"]} >= {
+        "layers",
+        "independence",
+        "forbidden",
+        "protected",
+        "acyclic_siblings",
+    }
     status, kept, out = lint_imports(ROOT)
     assert status == 0 and kept == dict.fromkeys(names, "KEPT"), out[-5000:]
 
@@ -183,9 +213,10 @@ VIOLATIONS = {
     "library-below-services": ("shared/tools/launcher.py", "import services.api.app\n"),
     "tools-on-top": ("shared/worker.py", "def f():\n    from shared.tools import replay\n"),
     # a type-only import back: ec_lifecycle <- features already imports the other way
-    "acyclic": ("services/prefill/ec_lifecycle.py",
-                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                "    from services.prefill.features import FeatureCache\n"),
+    "acyclic": (
+        "services/prefill/ec_lifecycle.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.prefill.features import FeatureCache\n",
+    ),
 }
 
 
@@ -268,8 +299,10 @@ def test_cycle_finder_sees_cycles(tmp_path, monkeypatch):
     (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cyclic_pkg import e\n")
     (pkg / "e.py").write_text("import cyclic_pkg.d\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert import_cycles(build_graph("cyclic_pkg")) == [["cyclic_pkg.a", "cyclic_pkg.b"],
-                                                        ["cyclic_pkg.d", "cyclic_pkg.e"]]
+    assert import_cycles(build_graph("cyclic_pkg")) == [
+        ["cyclic_pkg.a", "cyclic_pkg.b"],
+        ["cyclic_pkg.d", "cyclic_pkg.e"],
+    ]
 
 
 def layer_modules() -> list[str]:
@@ -299,19 +332,22 @@ def test_every_module_is_in_a_layer():
 
 def test_layer_coverage_check_sees_violations():
     layered = ["p.x", "p.y"]
-    graph = {"p": set(), "p.x": set(), "p.x.inner": {"p.y"}, "p.y": set(), "p.new": set(), "p.sub": {"p.x"},
-             "q": set()}
+    graph = {"p": set(), "p.x": set(), "p.x.inner": {"p.y"}, "p.y": set(), "p.new": set(), "p.sub": {"p.x"}, "q": set()}
     assert modules_outside_layers(graph, layered) == ["p.new", "p.sub", "q"]
     # A container package that imports something is not exempt.
     assert modules_outside_layers({"p": {"p.x"}, "p.x": set()}, ["p.x"]) == ["p"]
 
 
 # -- (c) no torch / vLLM in the API and the CLI ------------------------------------------------
-@pytest.mark.parametrize("statements", [
-    "import services.api.app, services.api.main",
-    "import shared.tools.cli\nshared.tools.cli.build_parser()",
-    "import shared.health",
-], ids=["api", "epd-cli", "healthcheck"])
+@pytest.mark.parametrize(
+    "statements",
+    [
+        "import services.api.app, services.api.main",
+        "import shared.tools.cli\nshared.tools.cli.build_parser()",
+        "import shared.health",
+    ],
+    ids=["api", "epd-cli", "healthcheck"],
+)
 def test_api_and_cli_start_without_torch_or_vllm(statements):
     assert heavy_modules_loaded(statements) == []
 
@@ -339,7 +375,8 @@ def test_key_check_sees_violations():
     src = 'params = {"do_remote_prefill": True}\nkey = params.get("epd_kv_key")\n'
     assert spelled_keys("shared.engines.vllm_engine", src, keys) == [
         "shared.engines.vllm_engine:1 spells 'do_remote_prefill' (use params.DO_REMOTE_PREFILL)",
-        "shared.engines.vllm_engine:2 spells 'epd_kv_key' (use params.KV_KEY)"]
+        "shared.engines.vllm_engine:2 spells 'epd_kv_key' (use params.KV_KEY)",
+    ]
     # Controls: params.py itself, and prose that mentions a key.
     assert spelled_keys(PARAMS_MODULE, src, keys) == []
     assert spelled_keys("shared.connectors.s3_kv", '"""Reads epd_kv_key from the request."""\n', keys) == []
@@ -352,8 +389,12 @@ def dynamic_imports(module: str, source: str) -> list[str]:
     ``shared.engines.ENGINES``, imports them through a variable, inside its own package)."""
     out = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
             if called in ("import_module", "__import__"):
@@ -369,10 +410,13 @@ def test_no_dynamic_imports_of_constant_names():
 
 def test_dynamic_import_check_sees_violations():
     src = "import importlib\ndef f():\n    return importlib.import_module('shared.tools.replay')\n__import__('torch')\n"
-    assert dynamic_imports("shared.worker", src) == ["shared.worker:3 imports shared.tools.replay dynamically",
-                                                    "shared.worker:4 imports torch dynamically"]
+    assert dynamic_imports("shared.worker", src) == [
+        "shared.worker:3 imports shared.tools.replay dynamically",
+        "shared.worker:4 imports torch dynamically",
+    ]
     assert dynamic_imports("shared.x", "from importlib import import_module\nimport_module('services.api')\n") == [
-        "shared.x:2 imports services.api dynamically"]
+        "shared.x:2 imports services.api dynamically"
+    ]
     # Controls: a name in a variable (a registry), and an import statement.
     assert dynamic_imports("shared.engines", "import importlib\nimportlib.import_module(name)\n") == []
     assert dynamic_imports("shared.x", "import shared.tools.replay\n") == []
@@ -402,27 +446,41 @@ def imports_of_bench(module: str, source: str, *, is_package: bool = False) -> l
 def test_bench_imports_only_the_library_and_nothing_imports_bench():
     scripts = sorted((ROOT / "bench").glob("*.py"))
     assert {"harness", "run"} <= BENCH_MODULES and len(scripts) >= 5
-    assert any(name.startswith("shared.tools") for path in scripts
-               for name, _ in imported_modules(path.stem, path.read_text(encoding="utf-8")))
+    assert any(
+        name.startswith("shared.tools")
+        for path in scripts
+        for name, _ in imported_modules(path.stem, path.read_text(encoding="utf-8"))
+    )
     assert [p for path in scripts for p in bench_imports(path.stem, path.read_text(encoding="utf-8"))] == []
-    assert [p for name, is_pkg, _, src in sources(*PACKAGES, "tests")
-            for p in imports_of_bench(name, src, is_package=is_pkg)] == []
+    assert [
+        p
+        for name, is_pkg, _, src in sources(*PACKAGES, "tests")
+        for p in imports_of_bench(name, src, is_package=is_pkg)
+    ] == []
 
 
 def test_bench_checks_see_violations():
     assert bench_imports("p1", "import harness as h\nfrom services.api.app import ApiService\n") == [
-        "bench/p1.py:2 imports services.api.app", "bench/p1.py:2 imports services.api.app.ApiService"]
+        "bench/p1.py:2 imports services.api.app",
+        "bench/p1.py:2 imports services.api.app.ApiService",
+    ]
     assert bench_imports("run", "def f():\n    import services.decode.handler\n") == [
-        "bench/run.py:2 imports services.decode.handler"]
+        "bench/run.py:2 imports services.decode.handler"
+    ]
     assert imports_of_bench("shared.tools.bench.plan", "def f():\n    import harness\n") == [
-        "shared.tools.bench.plan:2 imports harness"]
-    assert imports_of_bench("tests.test_x", "from bench import run\n") == ["tests.test_x:1 imports bench",
-                                                                          "tests.test_x:1 imports bench.run"]
+        "shared.tools.bench.plan:2 imports harness"
+    ]
+    assert imports_of_bench("tests.test_x", "from bench import run\n") == [
+        "tests.test_x:1 imports bench",
+        "tests.test_x:1 imports bench.run",
+    ]
     # Controls: bench may import the library, the tools, its siblings and third-party modules;
     # the tools' own bench package is not the bench scripts.
-    ok = "import harness as h\nfrom shared.tools.bench.schema import WorkloadSpec\n" \
-         "from shared.cpus import split_cpus\n" \
-         "import httpx\nfrom tests.epdup import EpdUp\n"
+    ok = (
+        "import harness as h\nfrom shared.tools.bench.schema import WorkloadSpec\n"
+        "from shared.cpus import split_cpus\n"
+        "import httpx\nfrom tests.epdup import EpdUp\n"
+    )
     assert bench_imports("p4", ok) == []
     assert imports_of_bench("shared.tools.cli", "from shared.tools.bench import plan\n") == []
 
@@ -433,8 +491,9 @@ NATS_SPACES = ("$JS.", "$KV.", "$SYS.", "$OBJ.")
 
 
 def _is_prefix(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "prefix") or (isinstance(node, ast.Name)
-                                                                         and node.id in ("prefix", "p"))
+    return (isinstance(node, ast.Attribute) and node.attr == "prefix") or (
+        isinstance(node, ast.Name) and node.id in ("prefix", "p")
+    )
 
 
 def hand_built_subjects(module: str, source: str) -> list[str]:
@@ -450,8 +509,12 @@ def hand_built_subjects(module: str, source: str) -> list[str]:
             parts = node.values
             for i, part in enumerate(parts[:-1]):
                 nxt = parts[i + 1]
-                if isinstance(part, ast.FormattedValue) and _is_prefix(part.value) and isinstance(nxt, ast.Constant) \
-                        and str(nxt.value).startswith("."):
+                if (
+                    isinstance(part, ast.FormattedValue)
+                    and _is_prefix(part.value)
+                    and isinstance(nxt, ast.Constant)
+                    and str(nxt.value).startswith(".")
+                ):
                     out.add(f"{module}:{node.lineno} builds a subject from the prefix")
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(NATS_SPACES):
             out.add(f"{module}:{node.lineno} spells {node.value!r}")
@@ -466,19 +529,26 @@ def test_subjects_are_built_in_the_protocol():
 
 
 def test_subject_check_sees_violations():
-    src = ('sub = await nc.subscribe(f"{self.subjects.prefix}.ec.ready.>")\n'
-           'scan(f"{subjects.prefix}.ec.*.*.{item}")\n'
-           'x = f"{prefix}.tokens.{rid}"\n'
-           'adv = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.C"\n'
-           'kv = f"$KV.{bucket}.{key}"\n')
+    src = (
+        'sub = await nc.subscribe(f"{self.subjects.prefix}.ec.ready.>")\n'
+        'scan(f"{subjects.prefix}.ec.*.*.{item}")\n'
+        'x = f"{prefix}.tokens.{rid}"\n'
+        'adv = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.C"\n'
+        'kv = f"$KV.{bucket}.{key}"\n'
+    )
     assert hand_built_subjects("shared.store.janitor", src) == [
         "shared.store.janitor:1 builds a subject from the prefix",
         "shared.store.janitor:2 builds a subject from the prefix",
         "shared.store.janitor:3 builds a subject from the prefix",
         "shared.store.janitor:4 spells '$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.C'",
-        "shared.store.janitor:5 spells '$KV.'"]
+        "shared.store.janitor:5 spells '$KV.'",
+    ]
     # Controls: the protocol module, a prefix in prose, a path under an object prefix, Subjects' methods.
     assert hand_built_subjects(PROTOCOL_MODULE, src) == []
-    assert hand_built_subjects("shared.tools.replay", 'm = f"use EPD_SUBJECT_PREFIX={subjects.prefix}"\n'
-                                                     'k = f"{self.prefix}/{name}"\n'
-                                                     's = subjects.ec_ready_all\n') == []
+    assert (
+        hand_built_subjects(
+            "shared.tools.replay",
+            'm = f"use EPD_SUBJECT_PREFIX={subjects.prefix}"\nk = f"{self.prefix}/{name}"\ns = subjects.ec_ready_all\n',
+        )
+        == []
+    )

@@ -35,12 +35,17 @@ SETTLE_S = 3.0
 def crashing_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     """Two API replicas on one NATS and no worker; the test is the (crashing) worker."""
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path_factory.mktemp("max-deliver-logs"),
-        services=["api"], roles={}, EPD_ACK_WAIT_S=str(ACK_WAIT_S), EPD_MAX_DELIVER=str(MAX_DELIVER),
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("max-deliver-logs"),
+        services=["api"],
+        roles={},
+        EPD_ACK_WAIT_S=str(ACK_WAIT_S),
+        EPD_MAX_DELIVER=str(MAX_DELIVER),
         EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
     )
-    replica = Stack(env=running.env, log_dir=tmp_path_factory.mktemp("max-deliver-replica-logs"),
-                    api_port=free_port())
+    replica = Stack(env=running.env, log_dir=tmp_path_factory.mktemp("max-deliver-replica-logs"), api_port=free_port())
     try:
         replica.add("api", index=1)
         replica.wait_ready(timeout=120, roles={})
@@ -75,6 +80,7 @@ class Watch:
             async def cb(msg):
                 json.loads(msg.data)  # an advisory is JSON
                 counts[i] += 1
+
             return cb
 
         await self.nc.subscribe(self.subject, cb=on_event)
@@ -131,18 +137,28 @@ def test_generation_job_that_keeps_failing_ends_the_request_with_502(crashing_st
     started = time.monotonic()
 
     def client():
-        result["resp"] = crashing_stack.chat([{"role": "user", "content": "Hello"}], max_tokens=4,
-                                             timeout=REQUEST_TIMEOUT_S + 60)
+        result["resp"] = crashing_stack.chat(
+            [{"role": "user", "content": "Hello"}], max_tokens=4, timeout=REQUEST_TIMEOUT_S + 60
+        )
         result["seconds"] = time.monotonic() - started
 
     async def main():
         nc = await nats.connect(crashing_stack.nats_url)
         try:
-            watch = await Watch(nc, subjects.tokens_all, ErrorEvent, subjects.max_deliveries_advisory(
-                subjects.stream_generate, protocol.CONSUMER_PREFILL)).start()
+            watch = await Watch(
+                nc,
+                subjects.tokens_all,
+                ErrorEvent,
+                subjects.max_deliveries_advisory(subjects.stream_generate, protocol.CONSUMER_PREFILL),
+            ).start()
             thread.start()
-            job, seen = await _take_and_die(crashing_stack, subjects.stream_generate, protocol.CONSUMER_PREFILL,
-                                            GenerationJob, deliveries=MAX_DELIVER)
+            job, seen = await _take_and_die(
+                crashing_stack,
+                subjects.stream_generate,
+                protocol.CONSUMER_PREFILL,
+                GenerationJob,
+                deliveries=MAX_DELIVER,
+            )
             await asyncio.to_thread(thread.join, REQUEST_TIMEOUT_S + 60)
             await asyncio.sleep(SETTLE_S)
             return job, seen, watch
@@ -180,20 +196,28 @@ def test_encode_job_that_keeps_failing_is_reported_failed(crashing_stack):
     subjects = crashing_stack.subjects
     item = "ab" * 32
     job = EncodeJob(
-        request_id=f"test-maxdeliver-{int(time.time() * 1000)}", fingerprint="f" * 24, ec_key=f"x/{item}",
-        image=ImageRef(item_hash=item, media_key=f"x/media/{item}", width=8, height=8), created_at=time.time(),
+        request_id=f"test-maxdeliver-{int(time.time() * 1000)}",
+        fingerprint="f" * 24,
+        ec_key=f"x/{item}",
+        image=ImageRef(item_hash=item, media_key=f"x/media/{item}", width=8, height=8),
+        created_at=time.time(),
     )
 
     async def main():
         nc = await nats.connect(crashing_stack.nats_url)
         try:
-            watch = await Watch(nc, subjects.ec_failed(job.fingerprint, item), ECFailed,
-                                subjects.max_deliveries_advisory(subjects.stream_encode,
-                                                                 protocol.CONSUMER_ENCODER)).start()
-            await nc.jetstream().publish(subjects.encode_jobs, protocol.encode(job),
-                                         headers=protocol.headers_for(job, job.request_id))
-            taken, seen = await _take_and_die(crashing_stack, subjects.stream_encode, protocol.CONSUMER_ENCODER,
-                                              EncodeJob, deliveries=MAX_DELIVER)
+            watch = await Watch(
+                nc,
+                subjects.ec_failed(job.fingerprint, item),
+                ECFailed,
+                subjects.max_deliveries_advisory(subjects.stream_encode, protocol.CONSUMER_ENCODER),
+            ).start()
+            await nc.jetstream().publish(
+                subjects.encode_jobs, protocol.encode(job), headers=protocol.headers_for(job, job.request_id)
+            )
+            taken, seen = await _take_and_die(
+                crashing_stack, subjects.stream_encode, protocol.CONSUMER_ENCODER, EncodeJob, deliveries=MAX_DELIVER
+            )
             deadline = time.monotonic() + 60
             while not watch.events and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)

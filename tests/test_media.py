@@ -67,9 +67,7 @@ def encode(im: Image.Image, fmt: str, **kwargs: Any) -> bytes:
 
 def expected_hash(im: Image.Image) -> str:
     rgb = im.convert("RGB")
-    return hashlib.sha256(
-        b"epd-img-v1|RGB|%dx%d|" % (rgb.width, rgb.height) + rgb.tobytes()
-    ).hexdigest()
+    return hashlib.sha256(b"epd-img-v1|RGB|%dx%d|" % (rgb.width, rgb.height) + rgb.tobytes()).hexdigest()
 
 
 def bytes_data_url(data: bytes, mime: str = "image/png") -> str:
@@ -113,8 +111,13 @@ def _make_handler(state: Server) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:  # silence
             pass
 
-        def _send(self, status: int, body: bytes = b"", ctype: str = "application/octet-stream",
-                  headers: dict[str, str] | None = None) -> None:
+        def _send(
+            self,
+            status: int,
+            body: bytes = b"",
+            ctype: str = "application/octet-stream",
+            headers: dict[str, str] | None = None,
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -216,9 +219,14 @@ class _LoopbackOnlyBackend(httpcore.AsyncNetworkBackend):
         self.inner = httpcore.AnyIOBackend()
         self.connects: list[tuple[str, int]] = []
 
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                          local_address: str | None = None,
-                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
         self.connects.append((host, port))
         if host != "127.0.0.1":
             raise AssertionError(f"test tried to connect to non-loopback address {host}")
@@ -228,9 +236,9 @@ class _LoopbackOnlyBackend(httpcore.AsyncNetworkBackend):
         await self.inner.sleep(seconds)
 
 
-def make_fetcher(limits: MediaLimits = LOOPBACK_OK,
-                 resolver: media.Resolver | None = None,
-                 verify: ssl.SSLContext | bool = True) -> tuple[ImageFetcher, _LoopbackOnlyBackend]:
+def make_fetcher(
+    limits: MediaLimits = LOOPBACK_OK, resolver: media.Resolver | None = None, verify: ssl.SSLContext | bool = True
+) -> tuple[ImageFetcher, _LoopbackOnlyBackend]:
     backend = _LoopbackOnlyBackend()
     return ImageFetcher(limits, resolver=resolver, verify=verify, network_backend=backend), backend
 
@@ -254,10 +262,30 @@ class FakeResolver:
 # SSRF guard: pure address checks
 # ------------------------------------------------------------------------------------------------
 REFUSED_ADDRESSES = [
-    "127.0.0.1", "127.255.255.254", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254",
-    "100.64.0.1", "0.0.0.0", "224.0.0.1", "255.255.255.255", "240.0.0.1", "198.18.0.1",
-    "192.0.2.1", "::1", "::", "fe80::1", "fe80::1%1", "fc00::1", "fd12:3456::1", "fec0::1",
-    "ff02::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::ffff:169.254.169.254",
+    "127.0.0.1",
+    "127.255.255.254",
+    "10.0.0.1",
+    "172.16.0.1",
+    "192.168.1.1",
+    "169.254.169.254",
+    "100.64.0.1",
+    "0.0.0.0",
+    "224.0.0.1",
+    "255.255.255.255",
+    "240.0.0.1",
+    "198.18.0.1",
+    "192.0.2.1",
+    "::1",
+    "::",
+    "fe80::1",
+    "fe80::1%1",
+    "fc00::1",
+    "fd12:3456::1",
+    "fec0::1",
+    "ff02::1",
+    "::ffff:127.0.0.1",
+    "::ffff:10.0.0.1",
+    "::ffff:169.254.169.254",
     "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
     "64:ff9b:1::1",  # local-use NAT64
     "2002:7f00:1::",  # 6to4 of 127.0.0.1
@@ -265,8 +293,15 @@ REFUSED_ADDRESSES = [
     "::7f00:1",  # deprecated IPv4-compatible ::127.0.0.1
     "2001:db8::1",
 ]
-PUBLIC_ADDRESSES = ["8.8.8.8", "1.1.1.1", "93.184.216.34", "2606:4700:4700::1111",
-                    "::ffff:8.8.8.8", "64:ff9b::808:808", "2002:808:808::1"]
+PUBLIC_ADDRESSES = [
+    "8.8.8.8",
+    "1.1.1.1",
+    "93.184.216.34",
+    "2606:4700:4700::1111",
+    "::ffff:8.8.8.8",
+    "64:ff9b::808:808",
+    "2002:808:808::1",
+]
 
 
 @pytest.mark.parametrize("address", REFUSED_ADDRESSES)
@@ -321,13 +356,31 @@ def test_media_limits_validation() -> None:
 # ------------------------------------------------------------------------------------------------
 # SSRF guard: the fetcher never connects to a refused address
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("host", [
-    "127.0.0.1", "localhost", "[::1]", "10.0.0.1", "192.168.1.1", "172.16.0.1",
-    "169.254.169.254", "100.64.0.1", "[::ffff:127.0.0.1]", "[::ffff:a9fe:a9fe]", "[::]",
-    "[fe80::1]", "[fd00::1]", "0.0.0.0", "224.0.0.1",
-    # Numeric forms that only the system resolver (inet_aton) turns into 127.0.0.1 / 0.0.0.0.
-    "0x7f000001", "2130706433", "127.1", "0",
-])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "localhost",
+        "[::1]",
+        "10.0.0.1",
+        "192.168.1.1",
+        "172.16.0.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "[::ffff:127.0.0.1]",
+        "[::ffff:a9fe:a9fe]",
+        "[::]",
+        "[fe80::1]",
+        "[fd00::1]",
+        "0.0.0.0",
+        "224.0.0.1",
+        # Numeric forms that only the system resolver (inet_aton) turns into 127.0.0.1 / 0.0.0.0.
+        "0x7f000001",
+        "2130706433",
+        "127.1",
+        "0",
+    ],
+)
 async def test_default_limits_refuse_private_targets(server: Server, host: str) -> None:
     before = len(server.requests)
     fetcher, backend = make_fetcher(MediaLimits())
@@ -396,16 +449,19 @@ async def test_allowed_hosts_lets_a_named_private_host_through(server: Server) -
             await fetcher.fetch(server.url("/x.png"))
 
 
-@pytest.mark.parametrize("url,error", [
-    ("http://user:pw@127.0.0.1/x.png", InvalidRequest),
-    ("http://user@127.0.0.1/x.png", InvalidRequest),
-    ("ftp://127.0.0.1/x.png", UnsupportedContent),
-    ("file:///etc/passwd", UnsupportedContent),
-    ("gopher://127.0.0.1:6379/_INFO", UnsupportedContent),
-    ("http://[::1/x.png", InvalidRequest),
-    ("http:///x.png", InvalidRequest),
-    ("http://0177.0.0.1/x.png", InvalidRequest),  # octal dotted quad: httpx refuses to parse
-])
+@pytest.mark.parametrize(
+    "url,error",
+    [
+        ("http://user:pw@127.0.0.1/x.png", InvalidRequest),
+        ("http://user@127.0.0.1/x.png", InvalidRequest),
+        ("ftp://127.0.0.1/x.png", UnsupportedContent),
+        ("file:///etc/passwd", UnsupportedContent),
+        ("gopher://127.0.0.1:6379/_INFO", UnsupportedContent),
+        ("http://[::1/x.png", InvalidRequest),
+        ("http:///x.png", InvalidRequest),
+        ("http://0177.0.0.1/x.png", InvalidRequest),  # octal dotted quad: httpx refuses to parse
+    ],
+)
 async def test_bad_urls_rejected_before_connecting(url: str, error: type[Exception]) -> None:
     fetcher, backend = make_fetcher(LOOPBACK_OK)
     async with fetcher:
@@ -417,8 +473,7 @@ async def test_bad_urls_rejected_before_connecting(url: str, error: type[Excepti
 
 
 async def test_https_only_limits_refuse_http(server: Server) -> None:
-    fetcher, backend = make_fetcher(MediaLimits(allowed_networks=("127.0.0.0/8",),
-                                                allowed_schemes=("https",)))
+    fetcher, backend = make_fetcher(MediaLimits(allowed_networks=("127.0.0.0/8",), allowed_schemes=("https",)))
     async with fetcher:
         with pytest.raises(UnsupportedContent):
             await fetcher.fetch(server.url("/x.png"))
@@ -469,8 +524,9 @@ async def test_non_image_body_is_invalid_image(server: Server) -> None:
 
 async def test_huge_body_is_cut_off(server: Server) -> None:
     # A fetch deadline well past any load-induced delay: reaching it is a failure (FetchTimeout).
-    fetcher, _ = make_fetcher(MediaLimits(allowed_networks=("127.0.0.0/8",),
-                                          max_image_bytes=1024 * 1024, fetch_timeout_s=HANG_S))
+    fetcher, _ = make_fetcher(
+        MediaLimits(allowed_networks=("127.0.0.0/8",), max_image_bytes=1024 * 1024, fetch_timeout_s=HANG_S)
+    )
     async with fetcher:
         with pytest.raises(PayloadTooLarge, match="over the limit"):
             await fetcher.fetch(server.url("/huge"))
@@ -615,10 +671,20 @@ def self_signed_certificate(folder: Path, host: str) -> tuple[Path, Path]:
         .not_valid_before(now - datetime.timedelta(hours=1))
         .not_valid_after(now + datetime.timedelta(days=2))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=False,
-                                     content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, encipher_only=False,
-                                     decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
         .add_extension(ski, critical=False)
@@ -627,8 +693,9 @@ def self_signed_certificate(folder: Path, host: str) -> tuple[Path, Path]:
     )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -655,8 +722,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 async def test_https_uses_sni_and_verifies_the_host_name(tls_server: tuple[Server, Path]) -> None:
     state, cert = tls_server
     trust = ssl.create_default_context(cafile=str(cert))
-    resolver = FakeResolver({"img.example.test": [["127.0.0.1"]],
-                             "other.example.test": [["127.0.0.1"]]})
+    resolver = FakeResolver({"img.example.test": [["127.0.0.1"]], "other.example.test": [["127.0.0.1"]]})
     fetcher, backend = make_fetcher(LOOPBACK_OK, resolver=resolver, verify=trust)
     async with fetcher:
         url = state.url("/x.png", host="img.example.test", scheme="https")
@@ -686,24 +752,27 @@ def test_data_url_tolerated_variations() -> None:
     b64 = base64.b64encode(PNG).decode()
     assert parse_data_url(f"DATA:Image/PNG;base64,{b64}") == PNG
     assert parse_data_url(f"data:image/png;name=x.png;base64,{b64}") == PNG
-    wrapped = "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76))
+    wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))
     assert parse_data_url(f"data:image/png;base64,{wrapped}") == PNG
     assert parse_data_url(f"data:image/png;base64,{b64.rstrip('=')}") == PNG
     urlsafe = base64.urlsafe_b64encode(PNG).decode()
     assert parse_data_url(f"data:image/png;base64,{urlsafe}") == PNG
 
 
-@pytest.mark.parametrize("url,needle", [
-    ("data:image/png;base64,@@@@not-base64@@@@", "invalid base64"),
-    ("data:image/png;base64,QUJD=QUJD", "invalid base64"),
-    ("data:image/png;base64,A", "invalid base64"),
-    ("data:text/plain;base64,aGVsbG8=", "image/*"),
-    ("data:;base64,aGVsbG8=", "image/*"),
-    ("data:application/octet-stream;base64,aGVsbG8=", "image/*"),
-    ("data:image/png,rawbytes", "base64"),
-    ("data:image/png;base64", "malformed"),
-    ("data:image/png;base64,", "no data"),
-])
+@pytest.mark.parametrize(
+    "url,needle",
+    [
+        ("data:image/png;base64,@@@@not-base64@@@@", "invalid base64"),
+        ("data:image/png;base64,QUJD=QUJD", "invalid base64"),
+        ("data:image/png;base64,A", "invalid base64"),
+        ("data:text/plain;base64,aGVsbG8=", "image/*"),
+        ("data:;base64,aGVsbG8=", "image/*"),
+        ("data:application/octet-stream;base64,aGVsbG8=", "image/*"),
+        ("data:image/png,rawbytes", "base64"),
+        ("data:image/png;base64", "malformed"),
+        ("data:image/png;base64,", "no data"),
+    ],
+)
 def test_bad_data_urls(url: str, needle: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_data_url(url)
@@ -841,8 +910,13 @@ def test_decompression_bomb_is_refused_without_allocating() -> None:
     valid 8000x8000 (192 MB of pixels, under Pillow's guard: only our header check stops it).
     Decoded in a fresh process, whose peak RSS (which can only grow) is read before and after:
     in this process an earlier test may already have set a higher peak, hiding any growth."""
-    proc = subprocess.run([sys.executable, "-c", _BOMB_SCRIPT], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", _BOMB_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert max(out["sizes"].values()) < 1024 * 1024, out["sizes"]  # small files ...
@@ -862,14 +936,17 @@ def test_pixel_and_side_limits() -> None:
         decode_image(PNG, MediaLimits(max_image_bytes=len(PNG) - 1))
 
 
-@pytest.mark.parametrize("data", [
-    PNG[: len(PNG) // 2],
-    PNG[:40],
-    JPEG[: len(JPEG) // 2],
-    PNG[:-20] + b"\0" * 20,  # IEND / IDAT CRC damaged
-    b"",
-    b"GIF89a",
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        PNG[: len(PNG) // 2],
+        PNG[:40],
+        JPEG[: len(JPEG) // 2],
+        PNG[:-20] + b"\0" * 20,  # IEND / IDAT CRC damaged
+        b"",
+        b"GIF89a",
+    ],
+)
 def test_truncated_or_corrupt_images_are_invalid(data: bytes) -> None:
     with pytest.raises(InvalidImage):
         decode_image(data)

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.store.ec import ECStore
 from shared.engines.ec_objects import encoded_to_extra
-from shared.store.tensors import tensor_to_raw
 from shared.media import content_hash_of
+from shared.store.ec import ECStore
 from shared.store.objects import S3ObjectStore
+from shared.store.tensors import tensor_to_raw
 from tests.stackutil import GREEDY as _GREEDY
 from tests.stackutil import (
     data_url,
@@ -40,8 +40,11 @@ def worker_metrics_url(stack) -> str:
 
 
 def ec_counts(stack) -> dict[tuple[str, str, str], float]:
-    return {(labels["source"], labels["outcome"], labels["reason"]): v
-            for name, labels, v in parse_metrics(scrape(worker_metrics_url(stack))) if name == EC}
+    return {
+        (labels["source"], labels["outcome"], labels["reason"]): v
+        for name, labels, v in parse_metrics(scrape(worker_metrics_url(stack)))
+        if name == EC
+    }
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -77,8 +80,12 @@ def test_ec_outcome_counters_for_a_hit_a_miss_and_a_fallback(epd_stack, s3_serve
     # worker recomputes the features locally (counted with the same reason).
     image2 = noise_image(402, (56, 56))
     item2 = content_hash_of(image2)
-    store = ECStore(S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack.bucket),
-                    namespace=epd_stack.namespace, fingerprint=reference_engine.encoder_fingerprint, producer="test")
+    store = ECStore(
+        S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, epd_stack.bucket),
+        namespace=epd_stack.namespace,
+        fingerprint=reference_engine.encoder_fingerprint,
+        producer="test",
+    )
     encoded = engine_encode(reference_engine, [image2])[0]
     raw, dtype, shape = tensor_to_raw(encoded.features)
     store.save(item2, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded))
@@ -107,10 +114,12 @@ def test_latency_token_byte_in_flight_and_lag_metrics(epd_stack):
 
     def gauges():
         api, worker = scrape(api_url), scrape(worker_url)
-        return (metric_value(api, "epd:requests_in_flight", service="api"),
-                metric_value(worker, "epd:requests_in_flight", service="prefill"),
-                metric_value(worker, "epd:consumer_num_ack_pending", **lag),
-                metric_value(worker, "epd:consumer_num_pending", **lag))
+        return (
+            metric_value(api, "epd:requests_in_flight", service="api"),
+            metric_value(worker, "epd:requests_in_flight", service="prefill"),
+            metric_value(worker, "epd:consumer_num_ack_pending", **lag),
+            metric_value(worker, "epd:consumer_num_pending", **lag),
+        )
 
     with ThreadPoolExecutor(1) as pool:
         os.killpg(encoder.popen.pid, signal.SIGSTOP)
@@ -129,8 +138,11 @@ def test_latency_token_byte_in_flight_and_lag_metrics(epd_stack):
         return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
     # API: one more request in every latency histogram, its tokens counted, TPOT in range.
-    for name in ("epd:time_to_first_token_seconds_count", "epd:e2e_request_latency_seconds_count",
-                 "epd:time_per_output_token_seconds_count"):
+    for name in (
+        "epd:time_to_first_token_seconds_count",
+        "epd:e2e_request_latency_seconds_count",
+        "epd:time_per_output_token_seconds_count",
+    ):
         assert moved(api0, api1, name) == 1, name
     tpot = moved(api0, api1, "epd:time_per_output_token_seconds_sum")
     e2e = moved(api0, api1, "epd:e2e_request_latency_seconds_sum")
@@ -186,8 +198,10 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
     labels = {"stream": subjects.stream_generate, "consumer": protocol.CONSUMER_PREFILL}
 
     def gauges():
-        return (REGISTRY.get_sample_value("epd:consumer_num_pending", labels),
-                REGISTRY.get_sample_value("epd:consumer_num_ack_pending", labels))
+        return (
+            REGISTRY.get_sample_value("epd:consumer_num_pending", labels),
+            REGISTRY.get_sample_value("epd:consumer_num_ack_pending", labels),
+        )
 
     async def poll_once(nc, js):
         from shared import metrics

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from shared.errors import EPDError, StoreError, error_from_code
-from shared.tools.infra import EmbeddedS3, free_port
 from shared.store.objects import (
     STORE_BACKENDS,
     InvalidObjectKey,
@@ -23,6 +22,7 @@ from shared.store.objects import (
     S3ObjectStore,
     make_object_store,
 )
+from shared.tools.infra import EmbeddedS3, free_port
 
 
 @pytest.fixture(params=["s3", "fs"])
@@ -38,8 +38,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
 def test_put_get_stat_roundtrip(store: ObjectStore) -> None:
     data = os.urandom(1000)
     before = time.time()
-    store.put("ec/abc/features.safetensors", data,
-              metadata={"Model-Id": "tiny-llava", "x-amz-meta-shape": "256x768"})
+    store.put("ec/abc/features.safetensors", data, metadata={"Model-Id": "tiny-llava", "x-amz-meta-shape": "256x768"})
     assert store.get("ec/abc/features.safetensors", max_bytes=10_000) == data
     info = store.stat("ec/abc/features.safetensors")
     assert isinstance(info, ObjectInfo)
@@ -143,10 +142,21 @@ def test_ensure_bucket_idempotent(store: ObjectStore) -> None:
     assert store.get("keep", max_bytes=10) == b"1"
 
 
-@pytest.mark.parametrize("key", [
-    "../escape", "a/../../b", "/abs/path", "", "a//b", "trailing/", "./x", "a/./b", "nul\x00",
-    "x" * 1025,
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../escape",
+        "a/../../b",
+        "/abs/path",
+        "",
+        "a//b",
+        "trailing/",
+        "./x",
+        "a/./b",
+        "nul\x00",
+        "x" * 1025,
+    ],
+)
 def test_invalid_keys_rejected(store: ObjectStore, key: str) -> None:
     with pytest.raises(InvalidObjectKey):
         store.put(key, b"x")
@@ -156,10 +166,18 @@ def test_invalid_keys_rejected(store: ObjectStore, key: str) -> None:
         store.delete(key)
 
 
-@pytest.mark.parametrize("metadata", [
-    {"bad key": "v"}, {"under_score": "v"}, {"k": "non-ascii é"}, {"k": " padded"},
-    {"k": "line\nbreak"}, {"k": "v" * 3000}, {"A": "1", "a": "2"},
-])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"bad key": "v"},
+        {"under_score": "v"},
+        {"k": "non-ascii é"},
+        {"k": " padded"},
+        {"k": "line\nbreak"},
+        {"k": "v" * 3000},
+        {"A": "1", "a": "2"},
+    ],
+)
 def test_invalid_metadata_rejected(store: ObjectStore, metadata: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         store.put("m", b"x", metadata=metadata)
@@ -167,13 +185,15 @@ def test_invalid_metadata_rejected(store: ObjectStore, metadata: dict[str, str])
 
 
 # -- S3 specifics ------------------------------------------------------------------------------
-def test_s3_wrong_credentials_raise_store_error_without_secret(s3_server: EmbeddedS3,
-                                                               s3_store: S3ObjectStore) -> None:
+def test_s3_wrong_credentials_raise_store_error_without_secret(s3_server: EmbeddedS3, s3_store: S3ObjectStore) -> None:
     secret = "Wr0ngSecretThatMustNotLeak-" + uuid.uuid4().hex
-    bad = S3ObjectStore(s3_server.endpoint, s3_server.access_key, secret, s3_store.bucket,
-                        region="us-east-1")
-    for call in (lambda: bad.get("k", max_bytes=10), lambda: bad.put("k", b"v"),
-                 bad.ensure_bucket, lambda: list(bad.list(""))):
+    bad = S3ObjectStore(s3_server.endpoint, s3_server.access_key, secret, s3_store.bucket, region="us-east-1")
+    for call in (
+        lambda: bad.get("k", max_bytes=10),
+        lambda: bad.put("k", b"v"),
+        bad.ensure_bucket,
+        lambda: list(bad.list("")),
+    ):
         with pytest.raises(StoreError) as excinfo:
             call()
         err = excinfo.value
@@ -194,8 +214,9 @@ def test_s3_wrong_credentials_raise_store_error_without_secret(s3_server: Embedd
 
 def test_s3_unreachable_server_raises_store_error() -> None:
     secret = "unreachable-secret-" + uuid.uuid4().hex
-    store = S3ObjectStore(f"127.0.0.1:{free_port()}", "ak", secret, "some-bucket",
-                          region="us-east-1", connect_timeout=1, max_retries=1)
+    store = S3ObjectStore(
+        f"127.0.0.1:{free_port()}", "ak", secret, "some-bucket", region="us-east-1", connect_timeout=1, max_retries=1
+    )
     t0 = time.monotonic()
     with pytest.raises(StoreError) as excinfo:
         store.get("k", max_bytes=10)
@@ -204,8 +225,13 @@ def test_s3_unreachable_server_raises_store_error() -> None:
 
 
 def test_s3_missing_bucket_is_store_error(s3_server: EmbeddedS3) -> None:
-    store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key,
-                          f"epd-missing-{uuid.uuid4().hex[:8]}", region="us-east-1")
+    store = S3ObjectStore(
+        s3_server.endpoint,
+        s3_server.access_key,
+        s3_server.secret_key,
+        f"epd-missing-{uuid.uuid4().hex[:8]}",
+        region="us-east-1",
+    )
     with pytest.raises(StoreError, match="NoSuchBucket"):
         store.get("k", max_bytes=10)
     with pytest.raises(StoreError):
@@ -221,8 +247,7 @@ def test_s3_ensure_bucket_race_safe(s3_server: EmbeddedS3) -> None:
     barrier = threading.Barrier(4)
 
     def create() -> None:
-        s = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key,
-                          bucket)
+        s = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
         barrier.wait()
         try:
             s.ensure_bucket()
@@ -315,15 +340,13 @@ def test_make_object_store(tmp_path: Path) -> None:
     assert set(STORE_BACKENDS) >= {"s3", "fs"}
     fs = make_object_store("fs", root=tmp_path)
     assert isinstance(fs, LocalDirObjectStore)
-    s3 = make_object_store("s3", endpoint="127.0.0.1:9000", access_key="a", secret_key="b",
-                           bucket="bkt")
+    s3 = make_object_store("s3", endpoint="127.0.0.1:9000", access_key="a", secret_key="b", bucket="bkt")
     assert isinstance(s3, S3ObjectStore)
     by_path = make_object_store("shared.store.objects:LocalDirObjectStore", root=tmp_path)
     assert isinstance(by_path, LocalDirObjectStore)
     with pytest.raises(ValueError) as excinfo:
         make_object_store("gcs")
-    assert "gcs" in str(excinfo.value) and "fs" in str(excinfo.value) and "s3" in str(
-        excinfo.value)
+    assert "gcs" in str(excinfo.value) and "fs" in str(excinfo.value) and "s3" in str(excinfo.value)
     with pytest.raises(ValueError):
         make_object_store("no.such.module:Thing")
     with pytest.raises(TypeError):
@@ -340,8 +363,15 @@ def test_import_is_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, shared.store.objects as m; "
-            "print(','.join(x for x in ('torch', 'minio', 'urllib3') if x in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, shared.store.objects as m; "
+        "print(','.join(x for x in ('torch', 'minio', 'urllib3') if x in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.stdout.strip() == ""

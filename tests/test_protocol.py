@@ -5,7 +5,15 @@ import pytest
 
 from shared import protocol
 from shared.protocol import (
-    EncodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, ProtocolError, SamplingSpec, Subjects, TokenChunk,
+    EncodeJob,
+    ErrorEvent,
+    FinalResult,
+    GenerationJob,
+    ImageRef,
+    ProtocolError,
+    SamplingSpec,
+    Subjects,
+    TokenChunk,
 )
 
 REF = ImageRef(item_hash="ab" * 32, media_key="epd/media/" + "ab" * 32, width=64, height=48)
@@ -15,13 +23,27 @@ def test_every_message_round_trips():
     msgs = [
         EncodeJob(request_id="r1", image=REF, fingerprint="f" * 24, ec_key="k", created_at=1.5),
         GenerationJob(
-            request_id="r1", model="m", messages=[{"role": "user", "content": [{"type": "image"}]}],
-            images=(REF,), fingerprint="f" * 24, sampling=SamplingSpec(temperature=0.0, stop=("x",)),
-            stream=True, deadline=10.0, created_at=1.0,
+            request_id="r1",
+            model="m",
+            messages=[{"role": "user", "content": [{"type": "image"}]}],
+            images=(REF,),
+            fingerprint="f" * 24,
+            sampling=SamplingSpec(temperature=0.0, stop=("x",)),
+            stream=True,
+            deadline=10.0,
+            created_at=1.0,
         ),
         TokenChunk(request_id="r1", attempt=1, seq=3, token_ids=(7,), text="a"),
-        FinalResult(request_id="r1", attempt=1, token_ids=(1, 2), text="ab", finish_reason="stop",
-                    prompt_tokens=5, completion_tokens=2, timings={"total_s": 0.1}),
+        FinalResult(
+            request_id="r1",
+            attempt=1,
+            token_ids=(1, 2),
+            text="ab",
+            finish_reason="stop",
+            prompt_tokens=5,
+            completion_tokens=2,
+            timings={"total_s": 0.1},
+        ),
         ErrorEvent(request_id="r1", code="invalid_image", message="bad", stage="prefill", http_status=400),
     ]
     for msg in msgs:
@@ -75,18 +97,25 @@ def test_error_event_is_built_from_a_typed_error():
 
     for error, status in ((KVUnavailable("gone"), 502), (DeadlineExceeded("late"), 504), (ModelMismatch("other"), 500)):
         event = protocol.error_event("r1", "decode", error)
-        assert (event.code, event.http_status, event.message, event.stage) == (error.code, status, error.message,
-                                                                                 "decode")
+        assert (event.code, event.http_status, event.message, event.stage) == (
+            error.code,
+            status,
+            error.message,
+            "decode",
+        )
         assert protocol.decode(protocol.encode(event), ErrorEvent) == event
     assert protocol.error_event("r1", "decode", KVUnavailable("x"), message="y").message == "y"
 
 
-@pytest.mark.parametrize("fields", [
-    {"message": 502, "http_status": "gone"},  # the old decode worker's swapped arguments
-    {"message": "gone", "http_status": "502"},
-    {"message": "gone", "http_status": 200},
-    {"message": "gone", "http_status": True},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"message": 502, "http_status": "gone"},  # the old decode worker's swapped arguments
+        {"message": "gone", "http_status": "502"},
+        {"message": "gone", "http_status": 200},
+        {"message": "gone", "http_status": True},
+    ],
+)
 def test_an_error_event_the_api_could_not_decode_cannot_be_built(fields):
     with pytest.raises((TypeError, ValueError)):
         ErrorEvent(request_id="r1", code="kv_unavailable", stage="decode", **fields)
@@ -98,8 +127,17 @@ def test_an_error_event_the_api_could_not_decode_cannot_be_built(fields):
 def test_an_ill_typed_error_event_on_the_wire_is_refused():
     """What the API does with an event a worker built wrongly: decoding fails, it is never taken
     for a valid error (the reason a client of the old decode worker waited for its deadline)."""
-    raw = msgspec.msgpack.encode({"kind": "error", "v": 1, "request_id": "r1", "code": "kv_unavailable",
-                                  "message": 502, "stage": "decode", "http_status": "gone"})
+    raw = msgspec.msgpack.encode(
+        {
+            "kind": "error",
+            "v": 1,
+            "request_id": "r1",
+            "code": "kv_unavailable",
+            "message": 502,
+            "stage": "decode",
+            "http_status": "gone",
+        }
+    )
     with pytest.raises(ProtocolError):
         protocol.decode(raw)
 
@@ -111,12 +149,16 @@ def test_chat_messages_are_validated_once_into_one_struct_with_one_role_set():
     from shared.chat import ROLES, ChatMessage, ImagePart, TextPart
     from shared.errors import InvalidRequest
 
-    body = {"messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}},
-                                     {"type": "text", "text": "what?"}]},
-        {"role": "assistant", "content": None},
-    ]}
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:x"}}, {"type": "text", "text": "what?"}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    }
     parsed = parse_chat_request(body, served_model="m", max_images=2, max_tokens_limit=8, default_max_tokens=4)
     assert parsed.messages == [
         ChatMessage(role="system", content="be brief"),
@@ -125,15 +167,31 @@ def test_chat_messages_are_validated_once_into_one_struct_with_one_role_set():
     ]
     assert parsed.image_urls == ["data:x"]
     wire = [m.to_wire() for m in parsed.messages]
-    assert wire == [{"role": "system", "content": "be brief"},
-                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
-                    {"role": "assistant", "content": ""}]
-    job = GenerationJob(request_id="r", model="m", messages=wire, images=(), fingerprint="f", sampling=SamplingSpec(),
-                        stream=False, deadline=1.0, created_at=0.0)
+    assert wire == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+        {"role": "assistant", "content": ""},
+    ]
+    job = GenerationJob(
+        request_id="r",
+        model="m",
+        messages=wire,
+        images=(),
+        fingerprint="f",
+        sampling=SamplingSpec(),
+        stream=False,
+        deadline=1.0,
+        created_at=0.0,
+    )
     assert protocol.decode(protocol.encode(job), GenerationJob).messages == wire
     # One role set: what the API accepts is what the engines accept; anything else is refused.
     assert set(ROLES) == {"system", "user", "assistant", "developer"}
     for role in ("tool", "function", None):
         with pytest.raises(InvalidRequest, match=r"messages\[0\]\.role must be one of"):
-            parse_chat_request({"messages": [{"role": role, "content": "x"}]}, served_model="m", max_images=1,
-                               max_tokens_limit=8, default_max_tokens=4)
+            parse_chat_request(
+                {"messages": [{"role": role, "content": "x"}]},
+                served_model="m",
+                max_images=1,
+                max_tokens_limit=8,
+                default_max_tokens=4,
+            )

@@ -22,14 +22,10 @@ import nats
 import pytest
 
 from shared import history, protocol
-from shared.tools import replay
 from shared.config import CommonSettings
 from shared.engines.base import SamplingParams
-from shared.tools.infra import EmbeddedNats, free_port
 from shared.jetstream import ensure_topology
-from shared.tools.launcher import Stack
 from shared.media import content_hash_of
-from shared.store.objects import S3ObjectStore
 from shared.protocol import (
     HDR_RECEIVED_AT,
     HDR_STAGE,
@@ -39,7 +35,11 @@ from shared.protocol import (
     FinalResult,
     Subjects,
 )
+from shared.store.objects import S3ObjectStore
 from shared.timeline import build_timeline
+from shared.tools import replay
+from shared.tools.infra import EmbeddedNats, free_port
+from shared.tools.launcher import Stack
 from tests.stackutil import (
     data_url,
     engine_encode,
@@ -55,8 +55,20 @@ pytestmark = pytest.mark.slow
 
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True, return_token_ids=True)
 SAMPLED = dict(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True, return_token_ids=True)
-IMAGE_STAGES = ("received", "encode queued", "encode", "EC stored", "generation queued", "EC loaded from store",
-                "prefill", "first token", "decode", "done")
+IMAGE_STAGES = (
+    "received",
+    "encode queued",
+    "encode",
+    "EC stored",
+    "generation queued",
+    "EC loaded from store",
+    "prefill",
+    "first token",
+    "decode",
+    "done",
+)
+
+
 def with_nats(url: str, fn):
     async def main():
         nc = await nats.connect(url)
@@ -78,8 +90,10 @@ def bucket_store(s3_server, bucket: str) -> S3ObjectStore:
 
 def run_replay(stack, s3_server, request_id: str, **kw) -> replay.ReplayOutcome:
     store = bucket_store(s3_server, stack.bucket)
-    return with_nats(stack.nats_url, lambda nc: replay.replay_request(
-        nc, stack.subjects, request_id, namespace=stack.namespace, store=store, **kw))
+    return with_nats(
+        stack.nats_url,
+        lambda nc: replay.replay_request(nc, stack.subjects, request_id, namespace=stack.namespace, store=store, **kw),
+    )
 
 
 def chat_id(stack, image_seed: int | None, **params) -> tuple[str, list[int]]:
@@ -95,8 +109,13 @@ def test_show_lists_every_stage_of_an_image_request(epd_stack):
     rid, tokens = chat_id(epd_stack, 301, **GREEDY)
     case = find_case(epd_stack, rid)
     s = epd_stack.subjects
-    assert {m.stream for m in case.messages} == {s.stream_requests, s.stream_encode, s.stream_events,
-                                                 s.stream_generate, s.stream_results}
+    assert {m.stream for m in case.messages} == {
+        s.stream_requests,
+        s.stream_encode,
+        s.stream_events,
+        s.stream_generate,
+        s.stream_results,
+    }
     assert [m.time for m in case.messages] == sorted(m.time for m in case.messages)
     kinds = [m.kind for m in case.messages]
     assert kinds.count("chat_request") == kinds.count("encode_job") == kinds.count("ec_ready") == 1
@@ -115,8 +134,16 @@ def test_show_lists_every_stage_of_an_image_request(epd_stack):
     assert all(name in by for name in IMAGE_STAGES), tl.names()
     ready: ECReady = case.of(ECReady)[0].msg
     assert by["encode"].duration == pytest.approx(ready.encode_s, abs=1e-5) and ready.encode_s > 0
-    order = [by["received"].start, by["encode queued"].start, by["encode"].start, by["EC stored"].end,
-             by["EC loaded from store"].end, by["prefill"].start, by["first token"].start, by["done"].start]
+    order = [
+        by["received"].start,
+        by["encode queued"].start,
+        by["encode"].start,
+        by["EC stored"].end,
+        by["EC loaded from store"].end,
+        by["prefill"].start,
+        by["first token"].start,
+        by["done"].start,
+    ]
     assert order == sorted(order), order
     assert tl.summary.status == "ok" and tl.summary.images == 1 and tl.summary.completion_tokens == 8
     assert 0 < tl.summary.ttft_s < tl.summary.e2e_s
@@ -213,8 +240,10 @@ def test_unknown_ids_expired_messages_and_unreachable_nats_are_clear_errors(epd_
     gen = next(m for m in case.messages if m.kind == "generation_job")
     with_nats(epd_stack.nats_url, lambda nc: nc.jetstream().delete_msg(gen.stream, gen.seq))
     with pytest.raises(replay.MessagesExpired, match="no generation job left"):
-        with_nats(epd_stack.nats_url, lambda nc: replay.replay_request(
-            nc, epd_stack.subjects, rid, namespace=epd_stack.namespace))
+        with_nats(
+            epd_stack.nats_url,
+            lambda nc: replay.replay_request(nc, epd_stack.subjects, rid, namespace=epd_stack.namespace),
+        )
     trimmed = find_case(epd_stack, rid)
     assert "generation queued" not in build_timeline(trimmed).names() and trimmed.final is not None
 
@@ -282,8 +311,12 @@ def test_exported_case_imported_into_a_fresh_nats_replays(epd_stack, s3_server, 
         stack = Stack(env=env, log_dir=tmp_path / "fresh-logs", api_port=free_port())
         stack.add("prefill")
         store = bucket_store(s3_server, bucket)
-        outcome = with_nats(fresh.url, lambda nc: replay.replay_request(
-            nc, Subjects(prefix), rid, namespace=namespace, store=store, worker_wait_s=240))
+        outcome = with_nats(
+            fresh.url,
+            lambda nc: replay.replay_request(
+                nc, Subjects(prefix), rid, namespace=namespace, store=store, worker_wait_s=240
+            ),
+        )
         assert outcome.identical is True and list(outcome.result.token_ids) == tokens
         # No EC object here: the worker encoded the imported image itself.
         assert outcome.result.ec_sources == {item: "recomputed:not_found"}
@@ -355,10 +388,19 @@ def test_replayed_sampled_e_p_d_requests_reproduce_their_tokens(epd_stack_epd, r
     stack, image = epd_stack_epd, noise_image(307, (56, 56))
 
     def sampled_reference(seed: int) -> list[int]:
-        params = SamplingParams(max_tokens=SAMPLED["max_tokens"], temperature=SAMPLED["temperature"],
-                                top_p=SAMPLED["top_p"], seed=seed, ignore_eos=True)
-        return engine_tokens(reference_engine, engine_messages("Describe the image.", 1),
-                             engine_encode(reference_engine, [image]), params)
+        params = SamplingParams(
+            max_tokens=SAMPLED["max_tokens"],
+            temperature=SAMPLED["temperature"],
+            top_p=SAMPLED["top_p"],
+            seed=seed,
+            ignore_eos=True,
+        )
+        return engine_tokens(
+            reference_engine,
+            engine_messages("Describe the image.", 1),
+            engine_encode(reference_engine, [image]),
+            params,
+        )
 
     def replay_cli(rid: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
         out = epd_cli(stack.env, "replay", "run", rid, "--compare", "--timeout", "300", *extra)

@@ -12,7 +12,6 @@ import msgspec
 import pytest
 
 from shared import history, protocol, timeline
-from shared.tools import replay
 from shared.jetstream import redact_url
 from shared.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
 from shared.protocol import (
@@ -26,6 +25,7 @@ from shared.protocol import (
     SamplingSpec,
     TokenChunk,
 )
+from shared.tools import replay
 from shared.tools.replay_cli import parse_duration
 
 T0 = 1_700_000_000.0
@@ -43,43 +43,119 @@ def _sm(stream, seq, t, msg, *, stage="api", started=None, rid="req-1"):
 
 
 def _job(rid="req-1"):
-    return GenerationJob(request_id=rid, model="m", messages=[], images=(REF,), fingerprint="fp",
-                         sampling=SamplingSpec(temperature=0, max_tokens=3), stream=False, deadline=T0 + 60,
-                         created_at=T0 + 0.02)
+    return GenerationJob(
+        request_id=rid,
+        model="m",
+        messages=[],
+        images=(REF,),
+        fingerprint="fp",
+        sampling=SamplingSpec(temperature=0, max_tokens=3),
+        stream=False,
+        deadline=T0 + 60,
+        created_at=T0 + 0.02,
+    )
 
 
 def _epd_case(*, split: bool = False, admission_s: float | None = None) -> history.RequestCase:
     rid = "req-1"
     msgs = [
-        _sm("P_REQUESTS", 1, T0 + 0.010, ChatRequestRecord(request_id=rid, received_at=T0, model="m", body={},
-                                                           images=(REF,))),
-        _sm("P_ENCODE", 1, T0 + 0.005, EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key="k",
-                                                 created_at=T0 + 0.005)),
+        _sm(
+            "P_REQUESTS",
+            1,
+            T0 + 0.010,
+            ChatRequestRecord(request_id=rid, received_at=T0, model="m", body={}, images=(REF,)),
+        ),
+        _sm(
+            "P_ENCODE",
+            1,
+            T0 + 0.005,
+            EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key="k", created_at=T0 + 0.005),
+        ),
         _sm("P_GENERATE", 1, T0 + 0.020, _job()),
-        _sm("P_EVENTS", 1, T0 + 0.300, ECReady(request_id=rid, item_hash=ITEM, fingerprint="fp", ec_key="ns/fp/i",
-                                               n_tokens=4, nbytes=1000, producer="enc-0", encode_s=0.2,
-                                               created_at=T0 + 0.300, encode_started_at=T0 + 0.090),
-            stage="encoder", started=T0 + 0.050),
+        _sm(
+            "P_EVENTS",
+            1,
+            T0 + 0.300,
+            ECReady(
+                request_id=rid,
+                item_hash=ITEM,
+                fingerprint="fp",
+                ec_key="ns/fp/i",
+                n_tokens=4,
+                nbytes=1000,
+                producer="enc-0",
+                encode_s=0.2,
+                created_at=T0 + 0.300,
+                encode_started_at=T0 + 0.090,
+            ),
+            stage="encoder",
+            started=T0 + 0.050,
+        ),
     ]
     started = T0 + 0.030
     for seq in range(3):
         stage = "prefill" if seq == 0 or not split else "decode"
-        msgs.append(_sm("P_RESULTS", 10 + seq, T0 + 0.500 + 0.1 * seq,
-                        TokenChunk(request_id=rid, attempt=1, seq=seq, token_ids=(seq + 7,), text=f"t{seq}"),
-                        stage=stage, started=started if stage == "prefill" else T0 + 0.560))
+        msgs.append(
+            _sm(
+                "P_RESULTS",
+                10 + seq,
+                T0 + 0.500 + 0.1 * seq,
+                TokenChunk(request_id=rid, attempt=1, seq=seq, token_ids=(seq + 7,), text=f"t{seq}"),
+                stage=stage,
+                started=started if stage == "prefill" else T0 + 0.560,
+            )
+        )
     timings = {"features_s": 0.300, "prefill_s": 0.100, "decode_s": 0.2, "first_token_s": 0.47}
     if admission_s is not None:
         timings["admission_s"] = admission_s
-    final = FinalResult(request_id=rid, attempt=1, token_ids=(7, 8, 9), text="t0t1t2", finish_reason="length",
-                        prompt_tokens=20, completion_tokens=3, timings=timings, ec_sources={ITEM: "store"}, worker="w")
+    final = FinalResult(
+        request_id=rid,
+        attempt=1,
+        token_ids=(7, 8, 9),
+        text="t0t1t2",
+        finish_reason="length",
+        prompt_tokens=20,
+        completion_tokens=3,
+        timings=timings,
+        ec_sources={ITEM: "store"},
+        worker="w",
+    )
     if split:
-        msgs.append(_sm("P_DECODE", 1, T0 + 0.520, DecodeJob(
-            request_id=rid, kv_key="kv", kv_attempt=0, kv_nbytes=5000, model_fingerprint="mf",
-            sampling=SamplingSpec(), deadline=T0 + 60, created_at=T0 + 0.52, emitted=1, emitted_text="t0",
-            prompt_tokens=20, generation=_job(), timings={"features_s": 0.3, "prefill_s": 0.1},
-            ec_sources={ITEM: "store"}), stage="prefill", started=started))
-    msgs.append(_sm("P_RESULTS", 20, T0 + 0.800, final, stage="decode" if split else "prefill",
-                    started=T0 + 0.560 if split else started))
+        msgs.append(
+            _sm(
+                "P_DECODE",
+                1,
+                T0 + 0.520,
+                DecodeJob(
+                    request_id=rid,
+                    kv_key="kv",
+                    kv_attempt=0,
+                    kv_nbytes=5000,
+                    model_fingerprint="mf",
+                    sampling=SamplingSpec(),
+                    deadline=T0 + 60,
+                    created_at=T0 + 0.52,
+                    emitted=1,
+                    emitted_text="t0",
+                    prompt_tokens=20,
+                    generation=_job(),
+                    timings={"features_s": 0.3, "prefill_s": 0.1},
+                    ec_sources={ITEM: "store"},
+                ),
+                stage="prefill",
+                started=started,
+            )
+        )
+    msgs.append(
+        _sm(
+            "P_RESULTS",
+            20,
+            T0 + 0.800,
+            final,
+            stage="decode" if split else "prefill",
+            started=T0 + 0.560 if split else started,
+        )
+    )
     return history.RequestCase(rid, history.ordered(msgs))
 
 
@@ -87,8 +163,18 @@ def test_timeline_of_an_epd_image_request():
     case = _epd_case()
     tl = timeline.build_timeline(case)
     by_name = {s.name: s for s in tl.stages}
-    for name in ("received", "encode queued", "encode", "EC stored", "generation queued", "EC loaded from store",
-                 "prefill", "first token", "decode", "done"):
+    for name in (
+        "received",
+        "encode queued",
+        "encode",
+        "EC stored",
+        "generation queued",
+        "EC loaded from store",
+        "prefill",
+        "first token",
+        "decode",
+        "done",
+    ):
         assert name in by_name, (name, tl.names())
     assert by_name["received"].start == T0
     assert by_name["encode queued"].start == T0 + 0.005 and by_name["encode queued"].end == T0 + 0.050
@@ -124,8 +210,13 @@ def test_timeline_of_a_split_request_shows_the_kv_hand_off_and_a_recompute_reaso
     final_msg = case.terminal
     recomputed = msgspec.structs.replace(final_msg.msg, ec_sources={ITEM: "recomputed:timeout"})
     case.messages[case.messages.index(final_msg)] = history.StreamMessage.build(
-        final_msg.stream, final_msg.seq, final_msg.subject, final_msg.time, final_msg.headers,
-        protocol.encode(recomputed))
+        final_msg.stream,
+        final_msg.seq,
+        final_msg.subject,
+        final_msg.time,
+        final_msg.headers,
+        protocol.encode(recomputed),
+    )
     tl = timeline.build_timeline(case)
     by_name = {s.name: s for s in tl.stages}
     assert by_name["KV hand-off"].start == T0 + 0.500 and by_name["KV hand-off"].end == T0 + 0.520
@@ -148,10 +239,26 @@ def test_html_page_is_self_contained_and_escaped():
 
 
 def test_case_documents_are_validated():
-    good = {"format": replay.CASE_FORMAT, "version": 1, "cases": [{
-        "request_id": "req-1", "media": [], "messages": [{
-            "stream": "S", "subject": "s", "seq": 1, "time": T0, "headers": {},
-            "data": base64.b64encode(protocol.encode(_job())).decode()}]}]}
+    good = {
+        "format": replay.CASE_FORMAT,
+        "version": 1,
+        "cases": [
+            {
+                "request_id": "req-1",
+                "media": [],
+                "messages": [
+                    {
+                        "stream": "S",
+                        "subject": "s",
+                        "seq": 1,
+                        "time": T0,
+                        "headers": {},
+                        "data": base64.b64encode(protocol.encode(_job())).decode(),
+                    }
+                ],
+            }
+        ],
+    }
     assert replay.validate_case_doc(good) is good
     case, message = good["cases"][0], good["cases"][0]["messages"][0]
     # Each bad document fails with its own error type and a message that names what is wrong.
@@ -160,10 +267,16 @@ def test_case_documents_are_validated():
         ({**good, "version": 99}, replay.CaseFileError, "unsupported case file version 99"),
         ({**good, "cases": []}, replay.CaseFileError, "holds no cases"),
         ({**good, "cases": [{**case, "request_id": "a.b"}]}, history.InvalidRequestId, "invalid request id 'a.b'"),
-        ({**good, "cases": [{**case, "messages": [{**message, "data": "!!"}]}]}, replay.CaseFileError,
-         "message 0: not a valid protocol message"),
-        ({**good, "cases": [{**case, "messages": [{**message, "data": base64.b64encode(b"\x93junk").decode()}]}]},
-         replay.CaseFileError, "message 0: not a valid protocol message"),
+        (
+            {**good, "cases": [{**case, "messages": [{**message, "data": "!!"}]}]},
+            replay.CaseFileError,
+            "message 0: not a valid protocol message",
+        ),
+        (
+            {**good, "cases": [{**case, "messages": [{**message, "data": base64.b64encode(b"\x93junk").decode()}]}]},
+            replay.CaseFileError,
+            "message 0: not a valid protocol message",
+        ),
         ({**good, "cases": [{**case, "media": [{"item_hash": 1}]}]}, replay.CaseFileError, "'media' must be a list"),
     ]
     for doc, error, needle in bad_cases:
@@ -203,10 +316,24 @@ def test_effective_seed_is_the_clients_else_derived_from_the_request_id():
 
 
 def test_outcome_diff_marks_the_changed_tokens():
-    rec = FinalResult(request_id="a", attempt=1, token_ids=(1, 2, 3), text="abc", finish_reason="length",
-                      prompt_tokens=1, completion_tokens=3)
-    new = FinalResult(request_id="b", attempt=1, token_ids=(1, 5, 3), text="aXc", finish_reason="length",
-                      prompt_tokens=1, completion_tokens=3)
+    rec = FinalResult(
+        request_id="a",
+        attempt=1,
+        token_ids=(1, 2, 3),
+        text="abc",
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=3,
+    )
+    new = FinalResult(
+        request_id="b",
+        attempt=1,
+        token_ids=(1, 5, 3),
+        text="aXc",
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=3,
+    )
     out = replay.ReplayOutcome("a", "b", True, None, rec, None, new, ["a", "b", "c"], ["a", "X", "c"], 0.1)
     assert out.identical is False and out.first_difference == 1
     assert out.diff() == "a[-b-]{+X+}c"

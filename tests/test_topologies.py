@@ -12,20 +12,23 @@ from pathlib import Path
 import pytest
 
 from shared import protocol
+from shared.config import ApiSettings, DecodeSettings, PrefillSettings
+from shared.protocol import EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
 from shared.tools import launcher
 from shared.tools.cli import build_parser
-from shared.config import ApiSettings, DecodeSettings, PrefillSettings
 from shared.tools.launcher import Stack, StackError
 from shared.topology import PREFILL_SERVICE_ROLES, TOPOLOGIES, Role, Service, Topology, service_of
-from shared.protocol import EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
 from tests.stackutil import data_url, engine_messages, noise_image, png_bytes, read_stream, stack_env
 from tests.test_e2e_epd import reference_tokens
 
 
 @pytest.mark.parametrize(
     "topology, services, role",
-    [("agg", ["api", "prefill"], "agg"), ("e-pd", ["api", "encoder", "prefill"], "pd"),
-     ("e-p-d", ["api", "encoder", "prefill", "decode"], "prefill")],
+    [
+        ("agg", ["api", "prefill"], "agg"),
+        ("e-pd", ["api", "encoder", "prefill"], "pd"),
+        ("e-p-d", ["api", "encoder", "prefill", "decode"], "prefill"),
+    ],
 )
 def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, topology, services, role):
     started = []
@@ -35,8 +38,12 @@ def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, top
         return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]  # a fake: no process
 
     monkeypatch.setattr(launcher, "start_service", fake_start)
-    stack = Stack(env={"EPD_ROLE": "pd", "EPD_X": "1"}, log_dir=tmp_path, topology=topology,
-                  service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}})
+    stack = Stack(
+        env={"EPD_ROLE": "pd", "EPD_X": "1"},
+        log_dir=tmp_path,
+        topology=topology,
+        service_env={"decode": {"EPD_MAX_BATCH_SIZE": "4"}},
+    )
     stack.start()
     assert [name for name, _ in started] == services == list(TOPOLOGIES[Topology(topology)].services)
     for _name, env in started:
@@ -149,16 +156,19 @@ def test_api_queues_encode_jobs_except_in_agg(env, topology, queued):
 
     (ref,) = asyncio.run(main())
     assert ref.encode_queued is queued
-    jobs = [m for _, _, m in read_stream(settings.nats_url, Subjects(settings.subject_prefix).stream_encode)
-            if isinstance(m, EncodeJob)]
+    jobs = [
+        m
+        for _, _, m in read_stream(settings.nats_url, Subjects(settings.subject_prefix).stream_encode)
+        if isinstance(m, EncodeJob)
+    ]
     assert len(jobs) == int(queued)
 
 
 def test_agg_worker_encodes_in_process(env, reference_engine):
     from services.prefill.handler import PrefillHandler
-    from shared.store.factory import ec_store_from_settings
     from shared.jetstream import JetStreamPublisher, connect, ensure_topology
     from shared.media import content_hash_of
+    from shared.store.factory import ec_store_from_settings
     from shared.worker import Delivery, WorkerContext, settle
 
     settings = PrefillSettings(**env, role="agg")
@@ -169,11 +179,15 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
     media_key = ec.put_media(item, png_bytes(image))
     rid = f"agg-{uuid.uuid4().hex[:8]}"
     job = GenerationJob(
-        request_id=rid, model="qwen2-vl-tiny", messages=engine_messages("Describe the image.", 1),
+        request_id=rid,
+        model="qwen2-vl-tiny",
+        messages=engine_messages("Describe the image.", 1),
         images=(ImageRef(item_hash=item, media_key=media_key, width=64, height=48, encode_queued=False),),
         fingerprint=reference_engine.encoder_fingerprint,
-        sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True), stream=False,
-        deadline=time.time() + 60, created_at=time.time(),
+        sampling=SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True),
+        stream=False,
+        deadline=time.time() + 60,
+        created_at=time.time(),
     )
 
     async def main():
@@ -184,8 +198,9 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
         await handler.setup(WorkerContext(settings, subjects, JetStreamPublisher(js), nc))
         sub = await nc.subscribe(subjects.tokens(rid))
         try:
-            verdict = await settle(handler, Delivery(protocol.encode(job), subjects.generate_jobs,
-                                                     {protocol.HDR_REQUEST_ID: rid}, 1, 3))
+            verdict = await settle(
+                handler, Delivery(protocol.encode(job), subjects.generate_jobs, {protocol.HDR_REQUEST_ID: rid}, 1, 3)
+            )
             while True:
                 event = protocol.decode((await sub.next_msg(timeout=30)).data)
                 if isinstance(event, FinalResult):

@@ -16,21 +16,20 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import PlaceholderRange
 
-from shared.store.format import SCHEMA, MissReason
-from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
 from shared.connectors.common import ConnectorConfig
 from shared.connectors.params import EC_ITEMS, EC_SOURCES
 from shared.connectors.s3_ec import S3ECConnector
 from shared.connectors.s3_ec.metrics import Event, S3ECStats, Timing, Transfer
 from shared.connectors.s3_ec.state import LookupOutcome
 from shared.fingerprint import encoder_fingerprint
+from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
+from shared.store.format import SCHEMA, MissReason
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import wait_for
 
@@ -43,8 +42,9 @@ def other_model_dir(tmp_path_factory):
     """The tiny Qwen2-VL with other weights (seed 1): same architecture, other version."""
     from shared.tools.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models-s1") / "qwen2-vl-tiny", arch="qwen2_vl", size="tiny",
-                            seed=1)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models-s1") / "qwen2-vl-tiny", arch="qwen2_vl", size="tiny", seed=1
+    )
 
 
 @pytest.fixture
@@ -62,24 +62,38 @@ def bucket(s3_env):
 
 
 def extra_config(s3_server, bucket, **more):
-    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "ns", "access_key_env": AK_ENV,
-            "secret_key_env": SK_ENV, **more}
+    return {
+        "endpoint": s3_server.endpoint,
+        "bucket": bucket,
+        "namespace": "ns",
+        "access_key_env": AK_ENV,
+        "secret_key_env": SK_ENV,
+        **more,
+    }
 
 
 def make_connector(model_dir, ec_role, role, extra):
     """A connector built from what vLLM hands it: an ECTransferConfig and the model config."""
     model_config = SimpleNamespace(
-        model=str(model_dir), revision=None, dtype=torch.float32, get_inputs_embeds_size=lambda: HIDDEN,
+        model=str(model_dir),
+        revision=None,
+        dtype=torch.float32,
+        get_inputs_embeds_size=lambda: HIDDEN,
     )
-    ec = ECTransferConfig(ec_connector="S3ECConnector", ec_connector_module_path="shared.connectors.s3_ec",
-                          ec_role=ec_role, ec_connector_extra_config=extra)
+    ec = ECTransferConfig(
+        ec_connector="S3ECConnector",
+        ec_connector_module_path="shared.connectors.s3_ec",
+        ec_role=ec_role,
+        ec_connector_extra_config=extra,
+    )
     return S3ECConnector(SimpleNamespace(ec_transfer_config=ec, model_config=model_config), role)
 
 
 def feature(identifier, n_tokens, offset=5, with_data=True):
     data = {"pixel_values": SimpleNamespace(data=torch.zeros(1))} if with_data else None
-    return SimpleNamespace(identifier=identifier, modality="image", data=data,
-                           mm_position=PlaceholderRange(offset=offset, length=n_tokens))
+    return SimpleNamespace(
+        identifier=identifier, modality="image", data=data, mm_position=PlaceholderRange(offset=offset, length=n_tokens)
+    )
 
 
 def request(*features):
@@ -162,8 +176,12 @@ def test_producer_to_consumer_loads_the_exact_tensor(tiny_model_dir, s3_env, buc
     # API computes from the same folder (EPD_ENGINE=vllm, EPD_DTYPE=float32).
     fp = encoder_fingerprint(tiny_model_dir, dtype="float32", engine="vllm")
     assert sched.fingerprint == fp
-    store = ECStore(S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket),
-                    namespace="ns", fingerprint=fp, producer="test")
+    store = ECStore(
+        S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket),
+        namespace="ns",
+        fingerprint=fp,
+        producer="test",
+    )
     obj = store.load(item)
     assert obj.shape == (4, HIDDEN) and obj.dtype == "F32"
     assert torch.equal(torch.frombuffer(bytearray(obj.data), dtype=torch.float32).view(4, HIDDEN), t_item)
@@ -187,7 +205,8 @@ def test_producer_reports_items_and_resaves_lost_objects(tiny_model_dir, s3_env,
     store = worker.store
     assert not store.exists(item)
     meta = sched.build_connector_meta(
-        SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(mm_features=req.mm_features)]))
+        SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(mm_features=req.mm_features)])
+    )
     assert meta.save_candidates == [item]
     worker.bind_connector_metadata(meta)
     worker.start_save_caches(encoder_cache={item: t})
@@ -197,8 +216,9 @@ def test_producer_reports_items_and_resaves_lost_objects(tiny_model_dir, s3_env,
 # -- misses and fallbacks: decided before vLLM commits the item; the item is encoded locally ------
 def test_missing_object_is_a_miss_and_cached_briefly(tiny_model_dir, s3_env, bucket):
     item = ident()
-    sched = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
-                           extra_config(s3_env, bucket, exists_ttl_s=60))
+    sched = make_connector(
+        tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket, exists_ttl_s=60)
+    )
     req = request(feature(item, 4))
     schedule(sched, req)
     assert not sched.has_cache_item(item)  # -> vLLM schedules the encoder for it
@@ -293,8 +313,11 @@ def test_other_model_weights_never_hit(tiny_model_dir, other_model_dir, s3_env, 
 
     # Even an object copied under the other model's key is refused by validation.
     raw = S3ObjectStore(s3_env.endpoint, s3_env.access_key, s3_env.secret_key, bucket)
-    raw.put(other.store.key(item), raw.get(same.store.key(item), max_bytes=1 << 30),
-            metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: other.fingerprint})
+    raw.put(
+        other.store.key(item),
+        raw.get(same.store.key(item), max_bytes=1 << 30),
+        metadata={META_SCHEMA: SCHEMA, META_FINGERPRINT: other.fingerprint},
+    )
     req = request(feature(item, 4))
     schedule(other, req)
     assert not other.has_cache_item(item)
@@ -324,8 +347,12 @@ def test_bad_identifier_never_reaches_the_store(tiny_model_dir, s3_env, bucket):
 def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
     from shared.tools.infra import free_port
 
-    down = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
-                          {**extra_config(s3_env, bucket), "endpoint": f"127.0.0.1:{free_port()}"})
+    down = make_connector(
+        tiny_model_dir,
+        "ec_consumer",
+        ECConnectorRole.SCHEDULER,
+        {**extra_config(s3_env, bucket), "endpoint": f"127.0.0.1:{free_port()}"},
+    )
     req = request(feature(ident(), 4))
     schedule(down, req)
     assert stats_of(down).lookups(MISS, MissReason.STORE_ERROR) == 1
@@ -334,8 +361,9 @@ def test_store_down_and_slow_store_fall_back(tiny_model_dir, s3_env, bucket):
     # request is admitted (falling back to local encoding) while the fetch is still running.
     item = ident()
     produce(tiny_model_dir, s3_env, bucket, item, features_tensor(9))
-    slow = make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER,
-                          extra_config(s3_env, bucket, fetch_timeout_s=0.5))
+    slow = make_connector(
+        tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket, fetch_timeout_s=0.5)
+    )
     original, release = slow.connector_scheduler.load_item, threading.Event()
     slow.connector_scheduler.load_item = lambda i: (release.wait(300), original(i))[1]
     req = request(feature(item, 4))
@@ -404,8 +432,9 @@ def test_config_is_validated(tiny_model_dir, s3_env, bucket, monkeypatch):
 
 def test_stats_reach_prometheus():
     types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
-    prom = S3ECConnector.build_prom_metrics(SimpleNamespace(ec_transfer_config=None), types, ["model_name", "engine"],
-                                            {0: ["m-test", "0"]})
+    prom = S3ECConnector.build_prom_metrics(
+        SimpleNamespace(ec_transfer_config=None), types, ["model_name", "engine"], {0: ["m-test", "0"]}
+    )
     stats = S3ECStats()
     stats.count_lookup(HIT, n=2)
     other = S3ECStats()
@@ -420,10 +449,17 @@ def test_stats_reach_prometheus():
     assert reduced["bytes_get"] == 100 and reduced["seconds_fetch_n"] == 2
     prom.observe(stats.data, 0)
     value = REGISTRY.get_sample_value
-    assert value("epd:ec_connector_lookups_total",
-                 {"model_name": "m-test", "engine": "0", "outcome": "hit", "reason": ""}) == 2
-    assert value("epd:ec_connector_lookups_total",
-                 {"model_name": "m-test", "engine": "0", "outcome": "fallback", "reason": "checksum_mismatch"}) == 1
+    assert (
+        value("epd:ec_connector_lookups_total", {"model_name": "m-test", "engine": "0", "outcome": "hit", "reason": ""})
+        == 2
+    )
+    assert (
+        value(
+            "epd:ec_connector_lookups_total",
+            {"model_name": "m-test", "engine": "0", "outcome": "fallback", "reason": "checksum_mismatch"},
+        )
+        == 1
+    )
     assert value("epd:ec_connector_bytes_total", {"model_name": "m-test", "engine": "0", "direction": "get"}) == 100
     assert value("epd:ec_connector_seconds_count", {"model_name": "m-test", "engine": "0", "op": "fetch"}) == 2
 
@@ -434,7 +470,9 @@ def test_api_process_never_imports_vllm_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, services.api.app, shared.engines, shared.engines.vllm_engine, shared.model_worker; "
-            "print(','.join(m for m in ('torch', 'vllm') if m in sys.modules))")
+    code = (
+        "import sys, services.api.app, shared.engines, shared.engines.vllm_engine, shared.model_worker; "
+        "print(','.join(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""

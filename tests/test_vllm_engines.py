@@ -44,9 +44,11 @@ def engines(vllm_reference, tiny_model_dir, vllm_work_dir, store_config, fault_d
     os.environ[FAULT_DIR_ENV] = str(fault_dir)
     common = dict(dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir, ec_extra_config=store_config)
     try:
-        with started_engines(tiny_model_dir, dict(ec_role="ec_producer", **common),
-                             dict(ec_role="ec_consumer", connector=("FaultInjectingECConnector", "tests.vllm_faults"),
-                                  **common)) as pair:
+        with started_engines(
+            tiny_model_dir,
+            dict(ec_role="ec_producer", **common),
+            dict(ec_role="ec_consumer", connector=("FaultInjectingECConnector", "tests.vllm_faults"), **common),
+        ) as pair:
             yield pair
     finally:
         os.environ.pop(FAULT_DIR_ENV, None)
@@ -68,8 +70,7 @@ def test_engines_agree_on_the_encoder_version(vllm_reference, engines, tiny_mode
 
 
 @pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
-async def test_consumer_uses_stored_outputs_and_equals_plain_vllm(vllm_reference, engines, ec_store, name, text,
-                                                                  specs):
+async def test_consumer_uses_stored_outputs_and_equals_plain_vllm(vllm_reference, engines, ec_store, name, text, specs):
     producer, consumer = engines
     items = [media(seed, size) for seed, size in specs]
     counts = await producer.produce(items)
@@ -99,15 +100,19 @@ async def test_swapped_objects_change_the_output(vllm_reference, engines, ec_sto
 
 
 def _lookups(outcome: str, reason: str) -> float:
-    return REGISTRY.get_sample_value(
-        "epd:ec_connector_lookups_total",
-        {"model_name": "qwen2-vl-tiny", "engine": "0", "outcome": outcome, "reason": reason},
-    ) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "epd:ec_connector_lookups_total",
+            {"model_name": "qwen2-vl-tiny", "engine": "0", "outcome": outcome, "reason": reason},
+        )
+        or 0.0
+    )
 
 
 @pytest.mark.parametrize("action,reason,seed", [("delete", "not_found", 41), ("corrupt", "checksum_mismatch", 42)])
-async def test_object_lost_after_the_existence_check_still_completes(vllm_reference, engines, ec_store, fault_dir,
-                                                                action, reason, seed):
+async def test_object_lost_after_the_existence_check_still_completes(
+    vllm_reference, engines, ec_store, fault_dir, action, reason, seed
+):
     producer, consumer = engines
     item = media(seed, (64, 48))
     await producer.produce([item])

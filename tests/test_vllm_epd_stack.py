@@ -16,18 +16,30 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shared import protocol
-from shared.store.format import media_key
 from shared.engines.base import SamplingParams
 from shared.fingerprint import model_fingerprint
-from shared.tools.infra import free_port
 from shared.media import content_hash_of
-from shared.store.objects import S3ObjectStore
 from shared.protocol import DecodeJob, ErrorEvent, FinalResult, GenerationJob, ImageRef, SamplingSpec
+from shared.store.format import media_key
+from shared.store.objects import S3ObjectStore
+from shared.tools.infra import free_port
 from tests.stackutil import (
-    run_sync,
-    engine_tokens, api_tokens, chat_body, decoders, engine_messages, final_result, kv_keys, metric_value, noise_image,
+    api_tokens,
+    chat_body,
+    decoders,
+    engine_messages,
+    engine_tokens,
+    final_result,
+    kv_keys,
+    metric_value,
+    noise_image,
     run_job,
-    scrape, start_stack, stream_killing_a_decoder, wait_for, work_consumers,
+    run_sync,
+    scrape,
+    start_stack,
+    stream_killing_a_decoder,
+    wait_for,
+    work_consumers,
 )
 from tests.vllmutil import CASES, generate, media
 
@@ -42,11 +54,17 @@ def vllm_epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("vepd")
     metrics_port = free_port()
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, work / "logs", topology="e-p-d",
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        work / "logs",
+        topology="e-p-d",
         service_env={"decode": {"EPD_METRICS_PORT": str(metrics_port)}},
         ready_timeout=900,  # three vLLM engines start at once (~150 s on 2 busy cores)
-        EPD_ENGINE="vllm", EPD_VLLM_DIR=str(work / "vllm"),
-        EPD_MAX_IMAGES_PER_REQUEST="2", EPD_MAX_IMAGE_BYTES=str(512 * 1024),
+        EPD_ENGINE="vllm",
+        EPD_VLLM_DIR=str(work / "vllm"),
+        EPD_MAX_IMAGES_PER_REQUEST="2",
+        EPD_MAX_IMAGE_BYTES=str(512 * 1024),
         EPD_ACK_WAIT_S="15",
         EPD_REQUEST_TIMEOUT_S="600",  # a killed decode worker's replacement's vLLM takes a while to start
     )
@@ -131,11 +149,15 @@ def test_concurrent_requests_are_batched_by_the_decode_engine(vllm_epd_stack, vl
         try:
             # No pull request of the paused worker may be left open: a job delivered to it now
             # would start its ack timer with nobody sending in_progress.
-            wait_for(lambda: _decode_consumer(stack).num_waiting == 0, 120,
-                     "the paused worker's pull requests to expire")
+            wait_for(
+                lambda: _decode_consumer(stack).num_waiting == 0, 120, "the paused worker's pull requests to expire"
+            )
             futures = [pool.submit(run, case) for case in BATCH]
-            wait_for(lambda: len(_decode_job_ids(stack) - known) == len(BATCH) or any(f.done() for f in futures),
-                     600, "all five decode jobs to be queued")
+            wait_for(
+                lambda: len(_decode_job_ids(stack) - known) == len(BATCH) or any(f.done() for f in futures),
+                600,
+                "all five decode jobs to be queued",
+            )
             assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
             assert _decode_consumer(stack).num_ack_pending == 0  # none delivered while paused
         finally:
@@ -148,8 +170,11 @@ def test_concurrent_requests_are_batched_by_the_decode_engine(vllm_epd_stack, vl
         assert final.kv_source == "store" and final.attempt == 1
     total = sum(n for _, _, n in BATCH)
     # vLLM's stats reach the worker's registry with its outputs, possibly after the responses.
-    wait_for(lambda: _engine_counts(scrape(stack.decode_metrics_url))[0] - gen_before >= total, 120,
-             "vLLM's stats of the five requests")
+    wait_for(
+        lambda: _engine_counts(scrape(stack.decode_metrics_url))[0] - gen_before >= total,
+        120,
+        "vLLM's stats of the five requests",
+    )
     gen_after, steps_after = _engine_counts(scrape(stack.decode_metrics_url))
     assert gen_after - gen_before == total
     assert steps_after - steps_before < total, f"{steps_after - steps_before} engine steps for {total} tokens"
@@ -170,24 +195,45 @@ def test_seeded_sampling_draws_as_in_the_aggregated_run(vllm_epd_stack, vllm_ref
     assert got != sampled(4321)
 
 
-def _decode_job(stack, tiny_model_dir, rid: str, text: str, images: tuple[ImageRef, ...] = (),
-                max_tokens: int = 8) -> DecodeJob:
+def _decode_job(
+    stack, tiny_model_dir, rid: str, text: str, images: tuple[ImageRef, ...] = (), max_tokens: int = 8
+) -> DecodeJob:
     """A decode job as a prefill worker would publish it, for KV object ``<rid>-0`` (which the
     test may or may not have stored)."""
     fp = model_fingerprint(tiny_model_dir, dtype="float32", engine="vllm")
     sampling = SamplingSpec(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     now = time.time()
-    gen = GenerationJob(request_id=rid, model="qwen2-vl-tiny", messages=engine_messages(text, len(images)),
-                        images=images, fingerprint="x", sampling=sampling, stream=False, deadline=now + 300,
-                        created_at=now)
-    return DecodeJob(request_id=rid, kv_key=f"{stack.namespace}/kv/{fp}/{rid}-0", kv_attempt=0, kv_nbytes=0,
-                     model_fingerprint=fp, sampling=sampling, deadline=gen.deadline, created_at=now, emitted=0,
-                     emitted_text="", prompt_tokens=0, generation=gen)
+    gen = GenerationJob(
+        request_id=rid,
+        model="qwen2-vl-tiny",
+        messages=engine_messages(text, len(images)),
+        images=images,
+        fingerprint="x",
+        sampling=sampling,
+        stream=False,
+        deadline=now + 300,
+        created_at=now,
+    )
+    return DecodeJob(
+        request_id=rid,
+        kv_key=f"{stack.namespace}/kv/{fp}/{rid}-0",
+        kv_attempt=0,
+        kv_nbytes=0,
+        model_fingerprint=fp,
+        sampling=sampling,
+        deadline=gen.deadline,
+        created_at=now,
+        emitted=0,
+        emitted_text="",
+        prompt_tokens=0,
+        generation=gen,
+    )
 
 
 @pytest.mark.parametrize("fault,reason", [("missing", "not_found"), ("garbage", "corrupt")])
-def test_unusable_kv_object_is_prefilled_again_by_the_decode_engine(vllm_epd_stack, vllm_reference, store,
-                                                                     tiny_model_dir, fault, reason):
+def test_unusable_kv_object_is_prefilled_again_by_the_decode_engine(
+    vllm_epd_stack, vllm_reference, store, tiny_model_dir, fault, reason
+):
     """A decode job whose KV object is missing or garbage: the decode worker's vLLM prefills the
     request itself and the output equals the aggregated run; the bad object is deleted."""
     rid = f"test-kv-{fault}-{uuid.uuid4().hex[:8]}"
@@ -232,8 +278,9 @@ def test_killed_decode_worker_request_completes(vllm_epd_stack, vllm_reference):
     (victim,) = decoders(vllm_epd_stack)
     text, n = "Describe the image.", 300
     want = _reference(vllm_reference, text, [(321, (64, 48))], n)
-    body = chat_body(text, [noise_image(321, (64, 48))], temperature=0, max_tokens=n, ignore_eos=True,
-                     return_token_ids=True)
+    body = chat_body(
+        text, [noise_image(321, (64, 48))], temperature=0, max_tokens=n, ignore_eos=True, return_token_ids=True
+    )
     ids, rid, killed_after, done = stream_killing_a_decoder(vllm_epd_stack, body, victim, timeout=600)
     assert done and killed_after is not None and killed_after < n
     assert ids == want  # complete, no token twice, none missing

@@ -12,10 +12,10 @@ import uuid
 import pytest
 
 from shared.connectors.params import KVHandoff
-from shared.store.format import RawTensor
-from shared.store.kv import KVStore, kv_prefix
 from shared.engines.base import GenerationStats
 from shared.fingerprint import model_fingerprint
+from shared.store.format import RawTensor
+from shared.store.kv import KVStore, kv_prefix
 from shared.store.objects import S3ObjectStore
 from tests.stackutil import engine_messages
 from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config, started_engines
@@ -36,8 +36,11 @@ def engines(vllm_reference, tiny_model_dir, vllm_work_dir, store_config):
     every request that is not loaded from the store is computed in full (nothing left over from
     an earlier test can stand in for a load)."""
     common = dict(dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir, ec_extra_config=store_config)
-    with started_engines(tiny_model_dir, dict(kv_role="kv_producer", **common),
-                         dict(kv_role="kv_consumer", engine_args={"enable_prefix_caching": False}, **common)) as pair:
+    with started_engines(
+        tiny_model_dir,
+        dict(kv_role="kv_producer", **common),
+        dict(kv_role="kv_consumer", engine_args={"enable_prefix_caching": False}, **common),
+    ) as pair:
         yield pair
 
 
@@ -51,15 +54,17 @@ def kv_store(s3_server, store_config, tiny_model_dir):
 async def handoff(prefill, text, items, name=None) -> tuple[KVHandoff, GenerationStats]:
     name = name or f"kv-{uuid.uuid4().hex[:12]}"
     stats = GenerationStats()
-    stored = await prefill.prefill_for_handoff(engine_messages(text, len(items)), items, GREEDY, request_name=name,
-                                               attempt=0, stats=stats)
+    stored = await prefill.prefill_for_handoff(
+        engine_messages(text, len(items)), items, GREEDY, request_name=name, attempt=0, stats=stats
+    )
     return stored, stats
 
 
 async def decode(engine, text, items, stored: KVHandoff):
     stats = GenerationStats()
-    events = [e async for e in engine.generate_from_handoff(engine_messages(text, len(items)), items, GREEDY, stored,
-                                                             stats)]
+    events = [
+        e async for e in engine.generate_from_handoff(engine_messages(text, len(items)), items, GREEDY, stored, stats)
+    ]
     return [e.token_id for e in events], stats.extra.get("kv_source")
 
 
@@ -116,11 +121,14 @@ def _flip_a_byte(kv_store, key):
     kv_store.store.put(key, bytes(blob))
 
 
-@pytest.mark.parametrize("fault,reason", [
-    ("deleted", "not_found"),
-    ("corrupted", "checksum_mismatch"),
-    ("other_prompt", "item_mismatch"),
-])
+@pytest.mark.parametrize(
+    "fault,reason",
+    [
+        ("deleted", "not_found"),
+        ("corrupted", "checksum_mismatch"),
+        ("other_prompt", "item_mismatch"),
+    ],
+)
 async def test_unusable_kv_is_prefilled_again_with_the_same_output(engines, vllm_reference, kv_store, fault, reason):
     prefill, decoder = engines
     text, specs = CASES[1][1], CASES[1][2]
@@ -157,5 +165,4 @@ async def test_engines_refuse_the_wrong_kv_role(engines):
     with pytest.raises(EngineError, match="KV producer"):
         await decoder.prefill_for_handoff(engine_messages("Hi", 0), [], GREEDY, request_name="x", attempt=0)
     with pytest.raises(EngineError, match="KV consumer"):
-        [e async for e in prefill.generate_from_handoff(engine_messages("Hi", 0), [], GREEDY,
-                                                        KVHandoff("k", "x"))]
+        [e async for e in prefill.generate_from_handoff(engine_messages("Hi", 0), [], GREEDY, KVHandoff("k", "x"))]

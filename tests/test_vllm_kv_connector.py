@@ -18,14 +18,14 @@ import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from shared.store.format import MissReason, ObjectValidationError, RawTensor
-from shared.store.kv import KVStore, decode_kv_object
 from shared.connectors.common import vllm_model_fingerprint
 from shared.connectors.params import KV_ATTEMPT, KV_SOURCE, KVHandoff, KVHandoffRequest
 from shared.connectors.s3_kv import S3KVConnector
 from shared.connectors.s3_kv.layout import STATE_SCHEMA, check_kv_object
-from shared.tools.infra import EmbeddedS3
+from shared.store.format import MissReason, ObjectValidationError, RawTensor
+from shared.store.kv import KVStore, decode_kv_object
 from shared.store.objects import S3ObjectStore
+from shared.tools.infra import EmbeddedS3
 
 AK_ENV, SK_ENV = "EPD_TEST_KVC_AK", "EPD_TEST_KVC_SK"
 BLOCK, HEADS, HEAD = 4, 2, 3  # block size, KV heads, head size of the fake cache
@@ -51,9 +51,17 @@ def make_connector(model_dir, s3_server, bucket, kv_role, role, **extra):
     """A connector built from what vLLM hands it: a KVTransferConfig, the model, cache and KV cache
     configs. ``extra``: more ``kv_connector_extra_config`` settings."""
     transfer = KVTransferConfig(
-        kv_connector="S3KVConnector", kv_connector_module_path="shared.connectors.s3_kv", kv_role=kv_role,
-        kv_connector_extra_config={"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": "ns",
-                                   "access_key_env": AK_ENV, "secret_key_env": SK_ENV, **extra},
+        kv_connector="S3KVConnector",
+        kv_connector_module_path="shared.connectors.s3_kv",
+        kv_role=kv_role,
+        kv_connector_extra_config={
+            "endpoint": s3_server.endpoint,
+            "bucket": bucket,
+            "namespace": "ns",
+            "access_key_env": AK_ENV,
+            "secret_key_env": SK_ENV,
+            **extra,
+        },
     )
     vllm_config = SimpleNamespace(
         kv_transfer_config=transfer,
@@ -73,22 +81,34 @@ def paged_cache(seed=None):
 
 
 def fake_request(prompt, kv_params):
-    return SimpleNamespace(request_id=f"vllm-{uuid.uuid4().hex[:8]}", prompt_token_ids=list(prompt),
-                           kv_transfer_params=kv_params, num_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=f"vllm-{uuid.uuid4().hex[:8]}",
+        prompt_token_ids=list(prompt),
+        kv_transfer_params=kv_params,
+        num_computed_tokens=0,
+    )
 
 
 def new_req(req, block_ids, num_computed=0):
-    return SimpleNamespace(req_id=req.request_id, block_ids=(list(block_ids),), prompt_token_ids=req.prompt_token_ids,
-                           num_computed_tokens=num_computed)
+    return SimpleNamespace(
+        req_id=req.request_id,
+        block_ids=(list(block_ids),),
+        prompt_token_ids=req.prompt_token_ids,
+        num_computed_tokens=num_computed,
+    )
 
 
 def step(new=(), cached=(), scheduled=None):
     """A SchedulerOutput with ``new`` requests and ``cached`` (request, new block ids, computed) ones."""
-    cached_reqs = SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached], resumed_req_ids=set(),
-                                  new_block_ids=[(list(b),) if b else None for _, b, _ in cached],
-                                  num_computed_tokens=[c for _, _, c in cached])
-    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_reqs,
-                           num_scheduled_tokens=dict(scheduled or {}))
+    cached_reqs = SimpleNamespace(
+        req_ids=[r.request_id for r, _, _ in cached],
+        resumed_req_ids=set(),
+        new_block_ids=[(list(b),) if b else None for _, b, _ in cached],
+        num_computed_tokens=[c for _, _, c in cached],
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=dict(scheduled or {})
+    )
 
 
 def run_worker_step(worker, meta, layers):
@@ -125,18 +145,21 @@ def produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, ch
     sched.on_new_request(req)
     sched.update_state_after_alloc(req, None, 0)
     if chunks == (None,):
-        meta = sched.build_connector_meta(step(new=[new_req(req, producer_blocks)],
-                                               scheduled={req.request_id: len(prompt)}))
+        meta = sched.build_connector_meta(
+            step(new=[new_req(req, producer_blocks)], scheduled={req.request_id: len(prompt)})
+        )
         run_worker_step(worker, meta, layers)
     else:  # chunked prefill: first chunk with the first blocks, later chunks add blocks
         first, second = chunks
         n_first_blocks = -(-first // BLOCK)
-        meta = sched.build_connector_meta(step(new=[new_req(req, producer_blocks[:n_first_blocks])],
-                                               scheduled={req.request_id: first}))
+        meta = sched.build_connector_meta(
+            step(new=[new_req(req, producer_blocks[:n_first_blocks])], scheduled={req.request_id: first})
+        )
         assert meta.saves == []  # the prompt is not complete yet
         run_worker_step(worker, meta, layers)
-        meta = sched.build_connector_meta(step(cached=[(req, producer_blocks[n_first_blocks:], first)],
-                                               scheduled={req.request_id: second}))
+        meta = sched.build_connector_meta(
+            step(cached=[(req, producer_blocks[n_first_blocks:], first)], scheduled={req.request_id: second})
+        )
         assert len(meta.saves) == 1
         run_worker_step(worker, meta, layers)
     _, params = sched.request_finished(req, list(producer_blocks))
@@ -145,8 +168,10 @@ def produce(tiny_model_dir, s3_server, bucket, prompt, producer_blocks, name, ch
 
 def consumer(tiny_model_dir, s3_server, bucket, **extra):
     """(scheduler half, worker half) of a decode engine's connector."""
-    return tuple(make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", role, **extra)
-                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
+    return tuple(
+        make_connector(tiny_model_dir, s3_server, bucket, "kv_consumer", role, **extra)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    )
 
 
 def stored(tiny_model_dir, s3_server, bucket, prompt):
@@ -214,12 +239,26 @@ def test_unusable_objects_are_not_loaded(tiny_model_dir, s3_server, bucket):
     assert decide(sched, other_prompt) == 0
     assert sched.request_finished(other_prompt, [])[1] == {KV_SOURCE: "recomputed:item_mismatch"}
     handoff = KVHandoff.from_params(params)
-    missing = fake_request(prompt, KVHandoff(handoff.key.removesuffix("-0") + "-1", handoff.request, 1,  # no object
-                                             handoff.prompt_tokens).to_params())
+    missing = fake_request(
+        prompt,
+        KVHandoff(
+            handoff.key.removesuffix("-0") + "-1",
+            handoff.request,
+            1,  # no object
+            handoff.prompt_tokens,
+        ).to_params(),
+    )
     assert decide(sched, missing) == 0
     assert sched.request_finished(missing, [])[1] == {KV_SOURCE: "recomputed:not_found"}
-    forged = fake_request(prompt, KVHandoff("ns/kv/0000/elsewhere-0", handoff.request, 0,  # not this model's key
-                                            handoff.prompt_tokens).to_params())
+    forged = fake_request(
+        prompt,
+        KVHandoff(
+            "ns/kv/0000/elsewhere-0",
+            handoff.request,
+            0,  # not this model's key
+            handoff.prompt_tokens,
+        ).to_params(),
+    )
     assert decide(sched, forged) == 0
     assert sched.request_finished(forged, [])[1] == {KV_SOURCE: "recomputed:fingerprint_mismatch"}
     malformed = fake_request(prompt, {**params, KV_ATTEMPT: -1})
@@ -302,8 +341,10 @@ def kv_store(s3_server, bucket):
 
 def _object(kv_store, *, tokens=(5, 6, 7), block_size=32, layers=None, dtype="F32", schema=STATE_SCHEMA):
     layers = layers or {"l0": (2, 32, 8), "l1": (2, 32, 8)}
-    tensors = {f"kv.{name}": RawTensor(np.zeros((1, *shape), np.float32).tobytes(), dtype, (1, *shape))
-               for name, shape in layers.items()}
+    tensors = {
+        f"kv.{name}": RawTensor(np.zeros((1, *shape), np.float32).tobytes(), dtype, (1, *shape))
+        for name, shape in layers.items()
+    }
     tensors["token_ids"] = RawTensor(np.asarray(tokens, np.int64).tobytes(), "I64", (len(tokens),))
     state = {"engine": "vllm", "num_tokens": len(tokens), "block_size": block_size}
     _, blob = kv_store.encode("unit", 0, tensors, {"schema": schema, "state": json.dumps(state)}, {})

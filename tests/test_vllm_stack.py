@@ -14,13 +14,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.tools.infra import free_port
 from shared.media import content_hash_of
 from shared.protocol import ECReady, EncodeJob
+from shared.tools.infra import free_port
 from tests.stackutil import (
+    GREEDY,
+    api_tokens,
+    chat_body,
+    data_url,
+    epd_cli,
+    final_result,
+    metric_value,
+    noise_image,
     run_sync,
-    GREEDY, api_tokens, chat_body, data_url, epd_cli, final_result, metric_value, noise_image, scrape, start_stack,
-    stream_chat, user_message, wait_for,
+    scrape,
+    start_stack,
+    stream_chat,
+    user_message,
+    wait_for,
 )
 from tests.vllmutil import CASES, generate, media
 
@@ -34,7 +45,10 @@ def vllm_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
     metrics_port = free_port()
     work = tmp_path_factory.mktemp("vs")
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, work / "logs",
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        work / "logs",
         service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
         ready_timeout=900,  # two vLLM engines start at once (~40-90 s each on 2 cores)
         EPD_ENGINE="vllm",
@@ -96,8 +110,11 @@ def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_refer
         responses = list(pool.map(lambda p: vllm_stack.chat([user_message(p, [url])], **GREEDY), prompts))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
-    jobs = [m for _, _, m in vllm_stack.stream_messages("stream_encode")
-            if isinstance(m, EncodeJob) and m.image.item_hash == item]
+    jobs = [
+        m
+        for _, _, m in vllm_stack.stream_messages("stream_encode")
+        if isinstance(m, EncodeJob) and m.image.item_hash == item
+    ]
     assert len(jobs) == 1
     assert len(_ec_ready(vllm_stack, item)) == 1
     outputs = [r.json()["choices"][0]["token_ids"] for r in responses]
@@ -111,8 +128,11 @@ def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_refer
 
 
 def _lookups(stack, outcome: str) -> float:
-    return metric_value(scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
-                        "epd:ec_connector_lookups_total", outcome=outcome)
+    return metric_value(
+        scrape(f"http://127.0.0.1:{stack.prefill_metrics_port}/metrics"),
+        "epd:ec_connector_lookups_total",
+        outcome=outcome,
+    )
 
 
 def test_connector_counts_this_requests_store_hit(vllm_stack):

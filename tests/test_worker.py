@@ -14,8 +14,13 @@ from shared.protocol import EncodeJob, ImageRef
 from shared.topology import Role, Service
 from shared.worker import Action, Delivery, Handler, Reject, Retry, settle
 
-JOB = EncodeJob(request_id="r1", image=ImageRef(item_hash="a" * 64, media_key="k", width=1, height=1),
-                fingerprint="f", ec_key="e", created_at=time.time())
+JOB = EncodeJob(
+    request_id="r1",
+    image=ImageRef(item_hash="a" * 64, media_key="k", width=1, height=1),
+    fingerprint="f",
+    ec_key="e",
+    created_at=time.time(),
+)
 
 
 class Scripted(Handler):
@@ -26,8 +31,9 @@ class Scripted(Handler):
     job_type = EncodeJob
     stream_attr = "stream_encode"
 
-    def __init__(self, outcome: BaseException | None = None, *, terminal_fails: bool = False,
-                 block: asyncio.Event | None = None):
+    def __init__(
+        self, outcome: BaseException | None = None, *, terminal_fails: bool = False, block: asyncio.Event | None = None
+    ):
         self.outcome = outcome
         self.terminal_fails = terminal_fails
         self.block = block
@@ -58,8 +64,13 @@ class Scripted(Handler):
 
 
 def delivery(n: int = 1, max_deliver: int = 3, data: bytes | None = None) -> Delivery:
-    return Delivery(data=protocol.encode(JOB) if data is None else data, subject="t.encode.jobs", headers={},
-                    num_delivered=n, max_deliver=max_deliver)
+    return Delivery(
+        data=protocol.encode(JOB) if data is None else data,
+        subject="t.encode.jobs",
+        headers={},
+        num_delivered=n,
+        max_deliver=max_deliver,
+    )
 
 
 async def test_return_acks_and_sends_nothing():
@@ -89,14 +100,17 @@ async def test_reject_ends_the_request_once_with_its_error():
     assert [(e.code, m) for _, e, m in h.terminal] == [("invalid_request", "bad request")]
 
 
-@pytest.mark.parametrize("exc, n, action, terminal", [
-    (EngineError("broken"), 1, Action.TERM, ("engine_error", "EngineError: broken")),  # final at once
-    (StoreError("store down"), 1, Action.NAK, None),  # transient
-    (ServiceUnavailable("NATS unavailable"), 1, Action.NAK, None),  # transient too: NATS stalled
-    (StoreError("store down"), 3, Action.TERM, ("store_error", "gave up after 3 attempts: StoreError: store down")),
-    (RuntimeError("bug"), 2, Action.NAK, None),  # unexpected: retried
-    (RuntimeError("bug"), 3, Action.TERM, ("worker_failed", "gave up after 3 attempts: RuntimeError: bug")),
-])
+@pytest.mark.parametrize(
+    "exc, n, action, terminal",
+    [
+        (EngineError("broken"), 1, Action.TERM, ("engine_error", "EngineError: broken")),  # final at once
+        (StoreError("store down"), 1, Action.NAK, None),  # transient
+        (ServiceUnavailable("NATS unavailable"), 1, Action.NAK, None),  # transient too: NATS stalled
+        (StoreError("store down"), 3, Action.TERM, ("store_error", "gave up after 3 attempts: StoreError: store down")),
+        (RuntimeError("bug"), 2, Action.NAK, None),  # unexpected: retried
+        (RuntimeError("bug"), 3, Action.TERM, ("worker_failed", "gave up after 3 attempts: RuntimeError: bug")),
+    ],
+)
 async def test_other_exceptions(exc, n, action, terminal):
     h = Scripted(exc)
     assert (await settle(h, delivery(n=n))).action is action

@@ -45,8 +45,13 @@ def s3_connector_config(s3_server, *, namespace: str, ak_env: str, sk_env: str) 
     os.environ[ak_env], os.environ[sk_env] = s3_server.access_key, s3_server.secret_key
     bucket = f"{namespace}-{uuid.uuid4().hex[:10]}"
     S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket).ensure_bucket()
-    return {"endpoint": s3_server.endpoint, "bucket": bucket, "namespace": namespace, "access_key_env": ak_env,
-            "secret_key_env": sk_env}
+    return {
+        "endpoint": s3_server.endpoint,
+        "bucket": bucket,
+        "namespace": namespace,
+        "access_key_env": ak_env,
+        "secret_key_env": sk_env,
+    }
 
 
 def close_engine(engine) -> None:

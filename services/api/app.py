@@ -28,10 +28,10 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import AsyncIterator
 
 import msgspec
 import nats
@@ -44,9 +44,6 @@ from services.api.supervisor import DeliverySupervisor
 from shared import history, metrics, protocol, timeline
 from shared.client import RequestClient, TokenStream
 from shared.config import ApiSettings
-from shared.store.factory import ec_store_from_settings
-from shared.store.ec import ECStore
-from shared.store.janitor import ECLifecycle, start_api_lifecycle
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -60,7 +57,6 @@ from shared.fingerprint import encoder_fingerprint
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, nats_unavailable, set_trace
 from shared.logs import REQUEST_ID
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
-from shared.topology import TOPOLOGIES
 from shared.protocol import (
     ChatRequestRecord,
     EncodeJob,
@@ -72,6 +68,10 @@ from shared.protocol import (
     TokenChunk,
     WorkerHeartbeat,
 )
+from shared.store.ec import ECStore
+from shared.store.factory import ec_store_from_settings
+from shared.store.janitor import ECLifecycle, start_api_lifecycle
+from shared.topology import TOPOLOGIES
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,9 @@ class ApiService:
         self.settings = settings
         self.subjects = Subjects(settings.subject_prefix)
         self.model_name = settings.served_model_name()
-        self.fingerprint = encoder_fingerprint(settings.require_model_path(), dtype=settings.dtype,
-                                               engine=settings.engine)
+        self.fingerprint = encoder_fingerprint(
+            settings.require_model_path(), dtype=settings.dtype, engine=settings.engine
+        )
         self.limits = MediaLimits(
             max_image_bytes=settings.max_image_bytes,
             max_pixels=settings.max_image_pixels,
@@ -179,9 +180,15 @@ class ApiService:
         await ensure_topology(self.js, self.settings, self.subjects)
         publisher = JetStreamPublisher(self.js)
         self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
-        self.ec = await start_api_lifecycle(self.nc, self.subjects, self.settings, self.store,
-                                            fingerprint=self.fingerprint, model=self.model_name,
-                                            model_path=str(self.settings.model_path or ""))
+        self.ec = await start_api_lifecycle(
+            self.nc,
+            self.subjects,
+            self.settings,
+            self.store,
+            fingerprint=self.fingerprint,
+            model=self.model_name,
+            model_path=str(self.settings.model_path or ""),
+        )
         self.client = RequestClient(self.nc, self.subjects, publisher, ec_index=self.ec.index)
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
@@ -229,21 +236,24 @@ class ApiService:
         if hb.fingerprint and hb.fingerprint != self.fingerprint and (hb.role, hb.worker_id) not in self.workers.seen:
             log.warning(
                 "%s worker %s has encoder fingerprint %s, the API expects %s (different model, dtype or engine?)",
-                hb.role, hb.worker_id, hb.fingerprint, self.fingerprint,
+                hb.role,
+                hb.worker_id,
+                hb.fingerprint,
+                self.fingerprint,
             )
         self.workers.update(hb)
         if self.ec is not None:  # which fingerprints are served (current) and which are retired
             await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
-            await self.ec.fingerprint_seen(self.fingerprint, model=self.model_name,
-                                           model_path=str(self.settings.model_path or ""))
+            await self.ec.fingerprint_seen(
+                self.fingerprint, model=self.model_name, model_path=str(self.settings.model_path or "")
+            )
 
     # -- request pipeline ------------------------------------------------------------------
     async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
         """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
         assert self.store is not None and self.fetcher is not None and self.client is not None
         # Fetches run side by side; decodes wait for the process's decode budget.
-        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget))
-                 for u in urls]
+        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget)) for u in urls]
         try:
             loaded: list[LoadedImage] = await asyncio.gather(*loads)
         except BaseException:
@@ -267,30 +277,46 @@ class ApiService:
                     metrics.EC_LOOKUPS.labels("api", "hit", "").inc()
                 else:
                     metrics.EC_LOOKUPS.labels("api", "miss", "not_found").inc()
-                    await self.client.queue_encode(EncodeJob(
-                        request_id=request_id, image=ref, fingerprint=self.fingerprint,
-                        ec_key=self.store.key(ref.item_hash), created_at=time.time(),
-                    ))
+                    await self.client.queue_encode(
+                        EncodeJob(
+                            request_id=request_id,
+                            image=ref,
+                            fingerprint=self.fingerprint,
+                            ec_key=self.store.key(ref.item_hash),
+                            created_at=time.time(),
+                        )
+                    )
                 distinct[img.content_hash] = ref
             refs.append(distinct[img.content_hash])
         return refs
 
-    async def submit(self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float,
-                     deadline: float) -> TokenStream:
+    async def submit(
+        self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float, deadline: float
+    ) -> TokenStream:
         """Record the request and publish its generation job; its token stream, bounded by
         ``deadline`` (at which the request is recorded as abandoned by the API)."""
         assert self.client is not None
         record = ChatRequestRecord(
-            request_id=request_id, received_at=received_at, model=parsed.model,
-            body=redact_images(parsed.body, [r.item_hash for r in refs]), images=tuple(refs),
+            request_id=request_id,
+            received_at=received_at,
+            model=parsed.model,
+            body=redact_images(parsed.body, [r.item_hash for r in refs]),
+            images=tuple(refs),
         )
         job = GenerationJob(
-            request_id=request_id, model=parsed.model, messages=[m.to_wire() for m in parsed.messages],
-            images=tuple(refs), fingerprint=self.fingerprint, sampling=parsed.sampling, stream=parsed.stream,
-            deadline=deadline, created_at=time.time(),
+            request_id=request_id,
+            model=parsed.model,
+            messages=[m.to_wire() for m in parsed.messages],
+            images=tuple(refs),
+            fingerprint=self.fingerprint,
+            sampling=parsed.sampling,
+            stream=parsed.stream,
+            deadline=deadline,
+            created_at=time.time(),
         )
-        return await self.client.submit(job, record=record,
-                                        on_abandon=functools.partial(self.client.abandon, request_id))
+        return await self.client.submit(
+            job, record=record, on_abandon=functools.partial(self.client.abandon, request_id)
+        )
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` in the background, outside the request's task: what must happen after the
@@ -389,8 +415,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return {
             "object": "list",
             # root / parent as vLLM answers them: its `bench serve` reads root when --model is left out.
-            "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "epd-serve",
-                      "root": service.model_name, "parent": None}],
+            "data": [
+                {
+                    "id": service.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "epd-serve",
+                    "root": service.model_name,
+                    "parent": None,
+                }
+            ],
         }
 
     @app.post("/v1/chat/completions")
@@ -422,7 +456,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 if not parsed.stream:
                     try:
                         return await _unless_interrupted(
-                            _complete(events, request_id, parsed, received_at), service.stopping, request)
+                            _complete(events, request_id, parsed, received_at), service.stopping, request
+                        )
                     finally:
                         await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
@@ -520,22 +555,30 @@ async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest,
         elif isinstance(event, FinalResult):
             _observe_final(event, received_at, first_token_at)
             metrics.REQUESTS.labels("200").inc()
-            log.info("completed: %d tokens, finish=%s, sources=%s", event.completion_tokens, event.finish_reason,
-                     event.ec_sources)
+            log.info(
+                "completed: %d tokens, finish=%s, sources=%s",
+                event.completion_tokens,
+                event.finish_reason,
+                event.ec_sources,
+            )
             return JSONResponse(_completion_body(request_id, parsed, event, int(received_at)))
     raise ServiceUnavailable("token stream ended without a result")
 
 
-async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float,
-               service: ApiService) -> AsyncIterator[bytes]:
+async def _sse(
+    first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float, service: ApiService
+) -> AsyncIterator[bytes]:
     created = int(received_at)
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         choice.update(extra)
         body = {
-            "id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": parsed.model, "choices": [choice],
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": parsed.model,
+            "choices": [choice],
         }
         return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -568,8 +611,12 @@ async def _sse(first, events: TokenStream, request_id: str, parsed: ParsedReques
                     yield chunk({}, event.finish_reason)
                     if parsed.include_usage:
                         body = {
-                            "id": request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": parsed.model, "choices": [], "usage": _usage(event),
+                            "id": request_id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": parsed.model,
+                            "choices": [],
+                            "usage": _usage(event),
                         }
                         yield f"data: {json.dumps(body)}\n\n".encode()
                     _observe_final(event, received_at, first_token_at)

@@ -10,7 +10,6 @@ from shared.config import ApiSettings
 from shared.logs import setup_logging
 from shared.topology import Service
 
-
 #: How long a stopping API waits for requests in flight; those still running ~2 s before that
 #: end with a JSON 503 (uvicorn would cut them off with a plain-text 500).
 GRACEFUL_SHUTDOWN_S = 10

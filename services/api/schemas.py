@@ -43,8 +43,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:  # JSON escapes can spell lone surrogates ("\ud800"), which no UTF-8 message can carry
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"request body is not valid Unicode: {exc.reason} at a {exc.object[exc.start:exc.end]!a}"
-                             ) from None
+        raise InvalidRequest(
+            f"request body is not valid Unicode: {exc.reason} at a {exc.object[exc.start : exc.end]!a}"
+        ) from None
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     return body
@@ -126,13 +127,10 @@ def parse_chat_request(
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    if (
-        not isinstance(stop, list)
-        or len(stop) > MAX_STOP_SEQUENCES
-        or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise InvalidRequest(f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings",
-                             param="stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest(
+            f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
+        )
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise InvalidRequest("'seed' must be a non-negative integer", param="seed")

@@ -36,8 +36,15 @@ log = logging.getLogger(__name__)
 class DeliverySupervisor:
     """Subscribes to the MAX_DELIVERIES advisories of the work consumers (see the module docstring)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, publisher: Publisher, *, max_deliver: int,
-                 queue: str = protocol.QUEUE_SUPERVISOR):
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        publisher: Publisher,
+        *,
+        max_deliver: int,
+        queue: str = protocol.QUEUE_SUPERVISOR,
+    ):
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
@@ -80,18 +87,30 @@ class DeliverySupervisor:
         msg_id = f"max-deliveries-{stream}-{seq}"
         if isinstance(job, (GenerationJob, DecodeJob)):
             stage, what = ("decode", "decode") if isinstance(job, DecodeJob) else ("prefill", "generation")
-            event = protocol.error_event(job.request_id, stage, WorkerFailed(
-                f"the {what} job failed {self.max_deliver} times (workers crashed or timed out)"))
-            await self.publisher.publish(self.subjects.tokens(job.request_id), event, request_id=job.request_id,
-                                         msg_id=msg_id)
+            event = protocol.error_event(
+                job.request_id,
+                stage,
+                WorkerFailed(f"the {what} job failed {self.max_deliver} times (workers crashed or timed out)"),
+            )
+            await self.publisher.publish(
+                self.subjects.tokens(job.request_id), event, request_id=job.request_id, msg_id=msg_id
+            )
             log.warning("%s job of %s failed %d times: request failed", what, job.request_id, self.max_deliver)
         elif isinstance(job, EncodeJob):
             failed = ECFailed(
-                request_id=job.request_id, item_hash=job.image.item_hash, fingerprint=job.fingerprint,
-                code="max_deliveries", message=f"encode job failed {self.max_deliver} times",
+                request_id=job.request_id,
+                item_hash=job.image.item_hash,
+                fingerprint=job.fingerprint,
+                code="max_deliveries",
+                message=f"encode job failed {self.max_deliver} times",
                 created_at=time.time(),
             )
-            await self.publisher.publish(self.subjects.ec_failed(job.fingerprint, job.image.item_hash), failed,
-                                         request_id=job.request_id, msg_id=msg_id)
-            log.warning("encode job of item %s failed %d times: reported failed", job.image.item_hash[:12],
-                        self.max_deliver)
+            await self.publisher.publish(
+                self.subjects.ec_failed(job.fingerprint, job.image.item_hash),
+                failed,
+                request_id=job.request_id,
+                msg_id=msg_id,
+            )
+            log.warning(
+                "encode job of item %s failed %d times: reported failed", job.image.item_hash[:12], self.max_deliver
+            )

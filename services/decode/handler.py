@@ -98,8 +98,9 @@ class KVObjectDecode(DecodeStrategy):
         engine: base.KVStateHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
         assert h.kv_store is not None  # setup() opened it
         try:
-            obj = await asyncio.to_thread(h.kv_store.load, job.kv_key, request_id=job.request_id,
-                                          attempt=job.kv_attempt)
+            obj = await asyncio.to_thread(
+                h.kv_store.load, job.kv_key, request_id=job.request_id, attempt=job.kv_attempt
+            )
         except ObjectValidationError as exc:
             if exc.reason is MissReason.STORE_ERROR and not delivery.is_last_attempt:
                 raise Retry(None, f"store unavailable: {exc}") from exc  # (then: re-prefill)
@@ -115,12 +116,16 @@ class KVObjectDecode(DecodeStrategy):
         t_end = time.perf_counter()
         emitted_ids = tuple(obj.state.get("output_ids", [])[: job.emitted])
         return Decoded(
-            token_ids=emitted_ids + tuple(out.token_ids), text=job.emitted_text + out.text,
-            prompt_tokens=job.prompt_tokens, kv_source="store",
-            timings={"decode_s": t_end - t0,
-                     "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
-                     "kv_bytes": float(obj.nbytes),
-                     "decode_batch_rows_max": float(stats.extra.get("decode_batch_rows_max", 0))},
+            token_ids=emitted_ids + tuple(out.token_ids),
+            text=job.emitted_text + out.text,
+            prompt_tokens=job.prompt_tokens,
+            kv_source="store",
+            timings={
+                "decode_s": t_end - t0,
+                "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
+                "kv_bytes": float(obj.nbytes),
+                "decode_batch_rows_max": float(stats.extra.get("decode_batch_rows_max", 0)),
+            },
         )
 
     @staticmethod
@@ -132,8 +137,9 @@ class KVObjectDecode(DecodeStrategy):
         if sampling != job.sampling:
             raise KVUnusable(MissReason.CORRUPT, f"KV object sampling {obj.sampling} does not match the job's")
         if int(obj.state.get("emitted", -1)) != job.emitted:
-            raise KVUnusable(MissReason.CORRUPT,
-                             f"KV object emitted {obj.state.get('emitted')} tokens, the job says {job.emitted}")
+            raise KVUnusable(
+                MissReason.CORRUPT, f"KV object emitted {obj.state.get('emitted')} tokens, the job says {job.emitted}"
+            )
 
 
 class KVConnectorDecode(DecodeStrategy):
@@ -148,16 +154,24 @@ class KVConnectorDecode(DecodeStrategy):
         handoff = KVHandoff(key=job.kv_key, request=job.request_id, attempt=job.kv_attempt)
         stats = GenerationStats()
         t0 = time.perf_counter()
-        await out.stream(engine.generate_from_handoff(gen.messages, list(images), params, handoff, stats),
-                         deadline=job.deadline, what="decoding")
+        await out.stream(
+            engine.generate_from_handoff(gen.messages, list(images), params, handoff, stats),
+            deadline=job.deadline,
+            what="decoding",
+        )
         t_end = time.perf_counter()
         kv_source = str(stats.extra.get("kv_source", ""))
         if kv_source != "store":
             metrics.REPREFILLS.labels(kv_source.removeprefix("recomputed:") or "unknown").inc()
         return Decoded(
-            token_ids=tuple(out.token_ids), text=out.text, prompt_tokens=stats.prompt_tokens, kv_source=kv_source,
-            timings={"decode_s": t_end - t0,
-                     "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0},
+            token_ids=tuple(out.token_ids),
+            text=out.text,
+            prompt_tokens=stats.prompt_tokens,
+            kv_source=kv_source,
+            timings={
+                "decode_s": t_end - t0,
+                "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
+            },
         )
 
 
@@ -171,8 +185,13 @@ class DecodeHandler(ModelHandler):
     stream_attr = "stream_decode"
     durable = protocol.CONSUMER_DECODE
 
-    def __init__(self, settings: DecodeSettings, engine: Engine | None = None, kv_store: KVStore | None = None,
-                 store: ECStore | None = None):
+    def __init__(
+        self,
+        settings: DecodeSettings,
+        engine: Engine | None = None,
+        kv_store: KVStore | None = None,
+        store: ECStore | None = None,
+    ):
         super().__init__(settings, engine, store)
         self.settings: DecodeSettings = settings
         self.kv_store = kv_store
@@ -191,8 +210,12 @@ class DecodeHandler(ModelHandler):
             self.strategy = KVObjectDecode(self)
         if self.settings.kv_sweep_interval_s > 0:
             self._sweeper = asyncio.create_task(self._sweep_forever())
-        log.info("decode worker ready: model fingerprint %s, max batch %d, %s", self.model_fingerprint,
-                 self.settings.max_batch_size, type(self.strategy).__name__)
+        log.info(
+            "decode worker ready: model fingerprint %s, max batch %d, %s",
+            self.model_fingerprint,
+            self.settings.max_batch_size,
+            type(self.strategy).__name__,
+        )
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -203,9 +226,12 @@ class DecodeHandler(ModelHandler):
     async def handle(self, job: DecodeJob, delivery: Delivery) -> None:
         assert self.ctx is not None and self.strategy is not None
         if job.model_fingerprint != self.model_fingerprint:
-            raise Reject(ModelMismatch(
-                f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
-                f"{self.model_fingerprint}: prefill and decode workers must serve the same model"))
+            raise Reject(
+                ModelMismatch(
+                    f"the request was prefilled by model {job.model_fingerprint} but this decode worker runs "
+                    f"{self.model_fingerprint}: prefill and decode workers must serve the same model"
+                )
+            )
         if time.time() > job.deadline:
             raise Reject(DeadlineExceeded("request deadline passed before a decode worker took it"), outcome="expired")
         out = TokenOutput(self.ctx, job.request_id, delivery.num_delivered, first_seq=job.emitted)
@@ -221,14 +247,27 @@ class DecodeHandler(ModelHandler):
         assert self.ctx is not None
         timings = {**job.timings, **decoded.timings}
         final = FinalResult(
-            request_id=job.request_id, attempt=out.attempt, token_ids=decoded.token_ids, text=decoded.text,
-            finish_reason=out.finish_reason, prompt_tokens=decoded.prompt_tokens,
-            completion_tokens=len(decoded.token_ids), timings=timings, ec_sources=dict(job.ec_sources),
-            worker=self.settings.worker_id, kv_source=decoded.kv_source,
+            request_id=job.request_id,
+            attempt=out.attempt,
+            token_ids=decoded.token_ids,
+            text=decoded.text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=decoded.prompt_tokens,
+            completion_tokens=len(decoded.token_ids),
+            timings=timings,
+            ec_sources=dict(job.ec_sources),
+            worker=self.settings.worker_id,
+            kv_source=decoded.kv_source,
         )
         await self.ctx.publisher.publish(out.subject, final, request_id=job.request_id)
-        log.info("done: %d completion tokens (%d here), finish=%s, decode %.3fs, kv=%s", len(decoded.token_ids),
-                 len(out.token_ids), out.finish_reason, timings.get("decode_s", 0.0), decoded.kv_source)
+        log.info(
+            "done: %d completion tokens (%d here), finish=%s, decode %.3fs, kv=%s",
+            len(decoded.token_ids),
+            len(out.token_ids),
+            out.finish_reason,
+            timings.get("decode_s", 0.0),
+            decoded.kv_source,
+        )
 
     async def on_terminal(self, job: DecodeJob, error: EPDError, message: str) -> None:
         """An ErrorEvent for the client; the request is over, so no worker will read its KV object."""
@@ -247,18 +286,28 @@ class DecodeHandler(ModelHandler):
         assert self.ctx is not None
         gen = job.generation
         if gen.reprefill >= self.settings.max_reprefills:
-            raise Reject(KVUnavailable(
-                f"the request's KV state was unusable ({reason.value}: {detail}) "
-                f"after {gen.reprefill} re-prefill(s)"))
+            raise Reject(
+                KVUnavailable(
+                    f"the request's KV state was unusable ({reason.value}: {detail}) "
+                    f"after {gen.reprefill} re-prefill(s)"
+                )
+            )
         await self._delete(job.kv_key)
         again = msgspec.structs.replace(gen, reprefill=gen.reprefill + 1, created_at=time.time())
         await self.ctx.publisher.publish(
-            self.ctx.subjects.generate_jobs, again, request_id=job.request_id,
+            self.ctx.subjects.generate_jobs,
+            again,
+            request_id=job.request_id,
             msg_id=f"{job.request_id}-reprefill-{again.reprefill}",
         )
         metrics.REPREFILLS.labels(reason.value).inc()
-        log.warning("KV object %s unusable (%s): re-prefill %d of at most %d", job.kv_key, reason.value,
-                    again.reprefill, self.settings.max_reprefills)
+        log.warning(
+            "KV object %s unusable (%s): re-prefill %d of at most %d",
+            job.kv_key,
+            reason.value,
+            again.reprefill,
+            self.settings.max_reprefills,
+        )
 
     async def _delete(self, key: str) -> None:
         """Delete a job's KV object (of any model fingerprint); a key outside this namespace's KV

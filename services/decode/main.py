@@ -18,8 +18,9 @@ def main() -> None:
     from services.decode.handler import DecodeHandler
 
     # One fetch can take a whole batch; every job in flight is one row of the engine's batch.
-    run_worker(DecodeHandler(settings), settings, batch_size=settings.max_batch_size,
-               concurrency=settings.max_batch_size)
+    run_worker(
+        DecodeHandler(settings), settings, batch_size=settings.max_batch_size, concurrency=settings.max_batch_size
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,7 @@ class FeatureProducer(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
-        ...
+    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]: ...
 
 
 class WorkerStoresFeatures(FeatureProducer):
@@ -121,9 +120,13 @@ class EncoderHandler(ModelHandler):
         # working (an encode job waits for nothing), within the pixel budget whatever the count.
         jobs = self.settings.encode_jobs_in_flight or self.engine.max_running_requests
         self.admission = Admission(jobs, max_waiting=0)
-        log.info("encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); "
-                 "engine: %s", jobs, "EPD_ENCODE_JOBS_IN_FLIGHT" if self.settings.encode_jobs_in_flight else
-                 "from the engine", self.settings.encode_pixel_budget, self.engine_capacity())
+        log.info(
+            "encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); engine: %s",
+            jobs,
+            "EPD_ENCODE_JOBS_IN_FLIGHT" if self.settings.encode_jobs_in_flight else "from the engine",
+            self.settings.encode_pixel_budget,
+            self.engine_capacity(),
+        )
 
     async def handle(self, job: EncodeJob, delivery: Delivery) -> None:
         if job.fingerprint != self.fingerprint:
@@ -159,8 +162,14 @@ class EncoderHandler(ModelHandler):
             self.pixel_budget.release(claim)
         encode_s = time.perf_counter() - started
         metrics.ENCODE_SECONDS.observe(encode_s)
-        log.info("encoded %s: %d tokens, %d bytes, %.3fs (attempt %d)", item[:12], n_tokens, nbytes, encode_s,
-                 delivery.num_delivered)
+        log.info(
+            "encoded %s: %d tokens, %d bytes, %.3fs (attempt %d)",
+            item[:12],
+            n_tokens,
+            nbytes,
+            encode_s,
+            delivery.num_delivered,
+        )
         await self._ready(job, n_tokens, nbytes, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels("encoded").inc()
 
@@ -194,8 +203,9 @@ class EncoderHandler(ModelHandler):
             self.ctx.subjects.ec_failed(job.fingerprint, job.image.item_hash), event, request_id=job.request_id
         )
 
-    async def _ready(self, job: EncodeJob, n_tokens: int, nbytes: int, encode_s: float, *,
-                     started_at: float = 0.0) -> None:
+    async def _ready(
+        self, job: EncodeJob, n_tokens: int, nbytes: int, encode_s: float, *, started_at: float = 0.0
+    ) -> None:
         assert self.ctx is not None
         event = ECReady(
             request_id=job.request_id,

@@ -56,14 +56,21 @@ class WorkerLifecycle:
             # (started from a request's task: the flusher and the subscription must not log under its id)
             token = REQUEST_ID.set("-")
             try:
-                lifecycle = await ECLifecycle.open(self.ctx.nc, self.ctx.subjects,
-                                                   flush_s=self.ctx.settings.ec_use_flush_s,
-                                                   replicas=self.ctx.settings.stream_replicas)
+                lifecycle = await ECLifecycle.open(
+                    self.ctx.nc,
+                    self.ctx.subjects,
+                    flush_s=self.ctx.settings.ec_use_flush_s,
+                    replicas=self.ctx.settings.stream_replicas,
+                )
                 self._sub = await subscribe_invalidations(self.ctx.nc, self.ctx.subjects, self.invalidated)
             except Exception as exc:  # noqa: BLE001 - lifecycle is best effort; requests go on
                 self._retry_at = time.monotonic() + _RETRY_S
-                log.warning("EC index unavailable (%s: %s): uses not recorded, retrying in %.0fs",
-                            type(exc).__name__, exc, _RETRY_S)
+                log.warning(
+                    "EC index unavailable (%s: %s): uses not recorded, retrying in %.0fs",
+                    type(exc).__name__,
+                    exc,
+                    _RETRY_S,
+                )
                 return
             finally:
                 REQUEST_ID.reset(token)
@@ -71,8 +78,9 @@ class WorkerLifecycle:
 
     def used(self, item_hash: str, *, size: int = 0, created: bool = False) -> None:
         if self.lifecycle is not None:
-            self.lifecycle.recorder.note(self.store.key(item_hash), self.store.fingerprint, item_hash, size=size,
-                                         created=created)
+            self.lifecycle.recorder.note(
+                self.store.key(item_hash), self.store.fingerprint, item_hash, size=size, created=created
+            )
 
     def invalidated(self, event: ECInvalidated) -> None:
         if event.fingerprint != self.store.fingerprint or self.cache is None:

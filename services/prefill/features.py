@@ -38,18 +38,18 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
+from services.prefill.ec_lifecycle import WorkerLifecycle
 from shared import metrics
 from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
 from shared.errors import StoreError
 from shared.jetstream import TypedSubscription, subscribe_typed
 from shared.protocol import ECFailed, ECReady, ImageRef
-from shared.store.format import ObjectValidationError, MissReason
 from shared.store.ec import ECStore
-from services.prefill.ec_lifecycle import WorkerLifecycle
+from shared.store.format import MissReason, ObjectValidationError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -117,8 +117,9 @@ class EncoderWait:
         if not (ref.encode_queued and self.ctx.nc is not None and self.wait_s > 0):
             yield None
             return
-        async with await subscribe_typed(self.ctx.nc, self.ctx.subjects.ec_any(self.fingerprint, ref.item_hash),
-                                         ECReady, ECFailed, confirm=True) as sub:
+        async with await subscribe_typed(
+            self.ctx.nc, self.ctx.subjects.ec_any(self.fingerprint, ref.item_hash), ECReady, ECFailed, confirm=True
+        ) as sub:
             yield sub
 
     async def wait(self, sub: TypedSubscription, ref: ImageRef) -> MissReason | None:
@@ -178,8 +179,14 @@ class LocalFeatures(FeatureSource):
 class StoredFeatures(LocalFeatures):
     """Cache -> store -> wait for the encoder -> encode here with write-back (module docstring)."""
 
-    def __init__(self, engine: base.FeaturesThroughWorker, cache: FeatureCache, image: ImageLoader,
-                 store: ECStore, encoder: EncoderWait):
+    def __init__(
+        self,
+        engine: base.FeaturesThroughWorker,
+        cache: FeatureCache,
+        image: ImageLoader,
+        store: ECStore,
+        encoder: EncoderWait,
+    ):
         super().__init__(engine, cache, image)
         self.store = store
         self.encoder = encoder
@@ -229,8 +236,9 @@ class StoredFeatures(LocalFeatures):
 
         raw, dtype, shape = tensor_to_raw(item.features)
         try:
-            _key, nbytes = await asyncio.to_thread(self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape,
-                                                   extra=encoded_to_extra(item))
+            _key, nbytes = await asyncio.to_thread(
+                self.store.save, ref.item_hash, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(item)
+            )
             self.lifecycle.used(ref.item_hash, size=nbytes, created=True)
         except StoreError as exc:
             log.warning("could not write back %s: %s", ref.item_hash[:12], exc)

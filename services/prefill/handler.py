@@ -27,10 +27,19 @@ import logging
 import time
 from typing import cast
 
+from services.prefill.features import (
+    ConnectorFeatures,
+    EncoderWait,
+    FeatureCache,
+    FeatureSource,
+    LocalFeatures,
+    StoredFeatures,
+)
+from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
 from shared import metrics, protocol
+from shared.admission import Admission
 from shared.config import PrefillSettings
 from shared.engines import base
-from shared.admission import Admission
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
@@ -41,16 +50,6 @@ from shared.store.kv import KVStore
 from shared.token_stream import TokenOutput
 from shared.topology import Role, Service
 from shared.worker import Delivery, Reject, WorkerContext
-
-from services.prefill.features import (
-    ConnectorFeatures,
-    EncoderWait,
-    FeatureCache,
-    FeatureSource,
-    LocalFeatures,
-    StoredFeatures,
-)
-from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +67,13 @@ class PrefillHandler(ModelHandler):
     durable = protocol.CONSUMER_PREFILL
     jobs_metric = metrics.GENERATION_JOBS
 
-    def __init__(self, settings: PrefillSettings, engine: Engine | None = None, store: ECStore | None = None,
-                 kv_store: KVStore | None = None):
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        engine: Engine | None = None,
+        store: ECStore | None = None,
+        kv_store: KVStore | None = None,
+    ):
         super().__init__(settings, engine, store)
         self.settings: PrefillSettings = settings
         self.role = settings.role
@@ -91,9 +95,13 @@ class PrefillHandler(ModelHandler):
         they came from; room for ``EPD_MAX_WAITING_JOBS`` jobs waiting for their features."""
         assert self.engine is not None
         slots = self.settings.max_concurrent_jobs or self.engine.max_running_requests
-        log.info("admission: %d job(s) in the engine at once (%s; engine: %s), up to %d more waiting for "
-                 "image features", slots, "EPD_MAX_CONCURRENT_JOBS" if self.settings.max_concurrent_jobs else
-                 "from the engine", self.engine_capacity(), self.settings.max_waiting_jobs)
+        log.info(
+            "admission: %d job(s) in the engine at once (%s; engine: %s), up to %d more waiting for image features",
+            slots,
+            "EPD_MAX_CONCURRENT_JOBS" if self.settings.max_concurrent_jobs else "from the engine",
+            self.engine_capacity(),
+            self.settings.max_waiting_jobs,
+        )
         return Admission(slots, self.settings.max_waiting_jobs)
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
@@ -139,7 +147,8 @@ class PrefillHandler(ModelHandler):
         if distinct:
             async with self.admission.waiting():
                 resolved = await asyncio.gather(
-                    *(self.features.resolve(ref, job.request_id) for ref in distinct.values()))
+                    *(self.features.resolve(ref, job.request_id) for ref in distinct.values())
+                )
         by_hash = dict(zip(distinct, resolved))
         images = [by_hash[ref.item_hash][0] for ref in job.images]
         t_features = time.perf_counter()
@@ -186,8 +195,12 @@ class PrefillHandler(ModelHandler):
         await self.ctx.publisher.publish(out.subject, final, request_id=job.request_id)
         log.info(
             "done: %d prompt + %d completion tokens, finish=%s, features %.3fs, total %.3fs, sources=%s",
-            stats.prompt_tokens, stats.completion_tokens, out.finish_reason, gen.t_features - gen.t0,
-            t_end - gen.t0, gen.sources,
+            stats.prompt_tokens,
+            stats.completion_tokens,
+            out.finish_reason,
+            gen.t_features - gen.t0,
+            t_end - gen.t0,
+            gen.sources,
         )
 
     async def close(self) -> None:

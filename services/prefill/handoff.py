@@ -23,8 +23,8 @@ import abc
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from shared import metrics, protocol
 from shared.engines import base
@@ -76,7 +76,6 @@ class HandOff(abc.ABC):
         await gen.stream(self.engine.generate(gen.job.messages, gen.images, gen.params, gen.stats))
 
 
-
 class NoHandOff(HandOff):
     async def run(self, gen: Generation) -> bool:
         await self.generate_here(gen)
@@ -95,17 +94,29 @@ class KVHandOff(HandOff):
         """The request's ``DecodeJob``, after the tokens ``gen.out`` streamed."""
         job = gen.job
         return DecodeJob(
-            request_id=job.request_id, kv_key=kv_key, kv_attempt=job.reprefill, kv_nbytes=kv_nbytes,
-            model_fingerprint=self.kv_store.fingerprint, sampling=job.sampling, deadline=job.deadline,
-            created_at=time.time(), emitted=len(gen.out.token_ids), emitted_text=gen.out.text,
-            prompt_tokens=gen.stats.prompt_tokens, generation=job, timings=timings,
-            ec_sources=gen.sources, prefill_worker=self.worker_id,
+            request_id=job.request_id,
+            kv_key=kv_key,
+            kv_attempt=job.reprefill,
+            kv_nbytes=kv_nbytes,
+            model_fingerprint=self.kv_store.fingerprint,
+            sampling=job.sampling,
+            deadline=job.deadline,
+            created_at=time.time(),
+            emitted=len(gen.out.token_ids),
+            emitted_text=gen.out.text,
+            prompt_tokens=gen.stats.prompt_tokens,
+            generation=job,
+            timings=timings,
+            ec_sources=gen.sources,
+            prefill_worker=self.worker_id,
         )
 
     async def publish(self, decode_job: DecodeJob) -> None:
         """Hand the request to the decode workers."""
         await self.ctx.publisher.publish(
-            self.ctx.subjects.decode_jobs, decode_job, request_id=decode_job.request_id,
+            self.ctx.subjects.decode_jobs,
+            decode_job,
+            request_id=decode_job.request_id,
             msg_id=f"{decode_job.request_id}-decode-{decode_job.kv_attempt}",
         )
         metrics.KV_HANDOFFS.labels("handed_off").inc()
@@ -116,8 +127,12 @@ class KVObjectHandOff(KVHandOff):
 
     async def run(self, gen: Generation) -> bool:
         job = gen.job
-        prefilled = await self.engine.prefill(job.messages, gen.images,  # type: ignore[arg-type]  # encoded: this engine's features come through the worker
-                                              gen.params, gen.stats)
+        prefilled = await self.engine.prefill(
+            job.messages,
+            gen.images,  # type: ignore[arg-type]  # encoded: this engine's features come through the worker
+            gen.params,
+            gen.stats,
+        )
         try:
             await gen.out.publish(prefilled.first)
             if prefilled.first.finish_reason is not None:
@@ -126,13 +141,25 @@ class KVObjectHandOff(KVHandOff):
             t_handoff = time.perf_counter()
             try:
                 tensors, meta = await prefilled.export()
-                key, blob = await asyncio.to_thread(self.kv_store.encode, job.request_id, job.reprefill, tensors, meta,
-                                                    protocol.to_builtins(job.sampling))
+                key, blob = await asyncio.to_thread(
+                    self.kv_store.encode,
+                    job.request_id,
+                    job.reprefill,
+                    tensors,
+                    meta,
+                    protocol.to_builtins(job.sampling),
+                )
                 decode_job = self.decode_job(
-                    gen, kv_key=key, kv_nbytes=len(blob),
-                    timings={"features_s": gen.t_features - gen.t0, "admission_s": gen.t_admitted - gen.t_features,
-                             "prefill_s": gen.stats.prefill_s,
-                             "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0})
+                    gen,
+                    kv_key=key,
+                    kv_nbytes=len(blob),
+                    timings={
+                        "features_s": gen.t_features - gen.t0,
+                        "admission_s": gen.t_admitted - gen.t_features,
+                        "prefill_s": gen.stats.prefill_s,
+                        "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0,
+                    },
+                )
                 limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
                 if len(protocol.encode(decode_job)) > limit:
                     raise ValueError(f"decode job over the NATS payload limit of {limit} bytes")
@@ -148,8 +175,13 @@ class KVObjectHandOff(KVHandOff):
         await self.publish(decode_job)
         log.info(
             "handed off: %d prompt tokens, KV %s (%d bytes) in %.3fs, features %.3fs, prefill %.3fs, sources=%s",
-            gen.stats.prompt_tokens, key, len(blob), time.perf_counter() - t_handoff, gen.t_features - gen.t0,
-            gen.stats.prefill_s, gen.sources,
+            gen.stats.prompt_tokens,
+            key,
+            len(blob),
+            time.perf_counter() - t_handoff,
+            gen.t_features - gen.t0,
+            gen.stats.prefill_s,
+            gen.sources,
         )
         return True
 
@@ -166,13 +198,18 @@ class KVConnectorHandOff(KVHandOff):
         expected_key = self.kv_store.key(job.request_id, job.reprefill)
         try:
             handoff = await self.engine.prefill_for_handoff(
-                job.messages, gen.images,  # type: ignore[arg-type]  # media images: the connector engine encodes or loads them
-                gen.params, request_name=job.request_id, attempt=job.reprefill,
+                job.messages,
+                gen.images,  # type: ignore[arg-type]  # media images: the connector engine encodes or loads them
+                gen.params,
+                request_name=job.request_id,
+                attempt=job.reprefill,
                 stats=gen.stats,
             )
             if handoff.key != expected_key:
-                raise EngineError(f"the engine stored the KV under {handoff.key!r}, not {expected_key!r}: prefill "
-                                  "and decode would disagree on the model version")
+                raise EngineError(
+                    f"the engine stored the KV under {handoff.key!r}, not {expected_key!r}: prefill "
+                    "and decode would disagree on the model version"
+                )
         except EngineError as exc:
             log.warning("cannot hand off to a decode worker (%s): decoding here", exc)
             metrics.KV_HANDOFFS.labels("local_engine_error").inc()
@@ -180,11 +217,24 @@ class KVConnectorHandOff(KVHandOff):
             return False
         if gen.stats.extra.get("ec_sources"):
             gen.sources.update(gen.stats.extra["ec_sources"])
-        await self.publish(self.decode_job(
-            gen, kv_key=handoff.key, kv_nbytes=0,
-            timings={"features_s": gen.t_features - gen.t0, "admission_s": gen.t_admitted - gen.t_features,
-                     "prefill_s": gen.stats.prefill_s}))
-        log.info("handed off through the KV connector: %d prompt tokens, KV %s, features %.3fs, prefill %.3fs, "
-                 "sources=%s", gen.stats.prompt_tokens, handoff.key, gen.t_features - gen.t0, gen.stats.prefill_s,
-                 gen.sources)
+        await self.publish(
+            self.decode_job(
+                gen,
+                kv_key=handoff.key,
+                kv_nbytes=0,
+                timings={
+                    "features_s": gen.t_features - gen.t0,
+                    "admission_s": gen.t_admitted - gen.t_features,
+                    "prefill_s": gen.stats.prefill_s,
+                },
+            )
+        )
+        log.info(
+            "handed off through the KV connector: %d prompt tokens, KV %s, features %.3fs, prefill %.3fs, sources=%s",
+            gen.stats.prompt_tokens,
+            handoff.key,
+            gen.t_features - gen.t0,
+            gen.stats.prefill_s,
+            gen.sources,
+        )
         return True

@@ -11,9 +11,9 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from shared.fingerprint import encoder_fingerprint, model_fingerprint
 from shared.store.ec import ECStore
@@ -77,8 +77,7 @@ class ConnectorConfig:
     producer_id: str = ""
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None,
-                   section: str = "ec_connector_extra_config") -> ConnectorConfig:
+    def from_extra(cls, extra: Mapping[str, Any] | None, section: str = "ec_connector_extra_config") -> ConnectorConfig:
         """Parse and check a connector's extra config (``section`` names it in error messages)."""
         extra = dict(extra or {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -102,8 +101,10 @@ class ConnectorConfig:
                 values[name] = value
         config = cls(**values)
         if not config.namespace or any(c in config.namespace for c in "/.*> "):
-            raise ValueError(f"{section}.namespace {config.namespace!r} must be non-empty "
-                             "and contain no '/', '.', '*', '>' or spaces")
+            raise ValueError(
+                f"{section}.namespace {config.namespace!r} must be non-empty "
+                "and contain no '/', '.', '*', '>' or spaces"
+            )
         if config.backend not in ("s3", "fs"):
             raise ValueError(f"{section}.backend must be 's3' or 'fs', got {config.backend!r}")
         if config.backend == "fs" and not config.fs_root:
@@ -132,19 +133,34 @@ class ConnectorConfig:
                 "secret_key_env)"
             )
         return make_object_store(
-            "s3", endpoint=self.endpoint, access_key=access_key, secret_key=secret_key,
-            bucket=self.bucket, secure=self.secure, region=self.region,
+            "s3",
+            endpoint=self.endpoint,
+            access_key=access_key,
+            secret_key=secret_key,
+            bucket=self.bucket,
+            secure=self.secure,
+            region=self.region,
         )
 
     def ec_store(self, fingerprint: str) -> ECStore:
         """The EC store of an encoder fingerprint."""
-        return ECStore(self.object_store(), namespace=self.namespace, fingerprint=fingerprint,
-                       producer=self.producer, max_object_bytes=self.max_object_bytes)
+        return ECStore(
+            self.object_store(),
+            namespace=self.namespace,
+            fingerprint=fingerprint,
+            producer=self.producer,
+            max_object_bytes=self.max_object_bytes,
+        )
 
     def kv_store(self, fingerprint: str) -> KVStore:
         """The KV store of a model fingerprint."""
-        return KVStore(self.object_store(), namespace=self.namespace, fingerprint=fingerprint,
-                       producer=self.producer, max_object_bytes=self.max_object_bytes)
+        return KVStore(
+            self.object_store(),
+            namespace=self.namespace,
+            fingerprint=fingerprint,
+            producer=self.producer,
+            max_object_bytes=self.max_object_bytes,
+        )
 
 
 # -- model version --------------------------------------------------------------------------------

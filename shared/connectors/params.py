@@ -9,9 +9,9 @@ No vLLM or torch import: the engine, the connectors and the tests share this mod
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
 # kv_transfer_params keys (vLLM's own and ours)
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -80,8 +80,12 @@ class KVHandoff:
     prompt_tokens: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {DO_REMOTE_PREFILL: True, KV_KEY: self.key, KV_REQUEST: self.request,
-                                  KV_ATTEMPT: self.attempt}
+        params: dict[str, Any] = {
+            DO_REMOTE_PREFILL: True,
+            KV_KEY: self.key,
+            KV_REQUEST: self.request,
+            KV_ATTEMPT: self.attempt,
+        }
         if self.prompt_tokens:
             params[KV_TOKENS] = self.prompt_tokens
         return params
@@ -94,8 +98,16 @@ class KVHandoff:
             return None
         key, request = params.get(KV_KEY), params.get(KV_REQUEST)
         attempt, tokens = params.get(KV_ATTEMPT, 0), params.get(KV_TOKENS, 0)
-        if not (isinstance(key, str) and key and isinstance(request, str) and request
-                and isinstance(attempt, int) and attempt >= 0 and isinstance(tokens, int) and tokens >= 0):
+        if not (
+            isinstance(key, str)
+            and key
+            and isinstance(request, str)
+            and request
+            and isinstance(attempt, int)
+            and attempt >= 0
+            and isinstance(tokens, int)
+            and tokens >= 0
+        ):
             raise MalformedParams(f"malformed kv_transfer_params {dict(params)!r}")
         return cls(key, request, attempt, tokens)
 

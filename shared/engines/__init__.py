@@ -40,10 +40,14 @@ def _requirements(role: Role) -> list[tuple[str, tuple[type, ...]]]:
     """(what, any-of capability classes) a role needs from its engine."""
     from shared.engines import base
 
-    features = ("encoder outputs that move through the worker or through its own EC connector",
-                (base.FeaturesThroughWorker, base.FeaturesThroughConnector))
-    handoff = ("a KV hand-off from prefill to decode workers (through the worker or through its own KV connector)",
-               (base.KVStateHandoff, base.KVConnectorHandoff))
+    features = (
+        "encoder outputs that move through the worker or through its own EC connector",
+        (base.FeaturesThroughWorker, base.FeaturesThroughConnector),
+    )
+    handoff = (
+        "a KV hand-off from prefill to decode workers (through the worker or through its own KV connector)",
+        (base.KVStateHandoff, base.KVConnectorHandoff),
+    )
     if role in (Role.PREFILL, Role.DECODE):
         return [features, handoff]
     return [features]
@@ -53,10 +57,14 @@ def check_role(engine_cls: type[Engine], role: Role) -> None:
     """Refuse, before anything is loaded, an engine that cannot play ``role``."""
     for what, capabilities in _requirements(role):
         if not issubclass(engine_cls, capabilities):
-            hint = (" E|P|D needs an engine with a KV hand-off; use the e-pd topology with this engine."
-                    if role in (Role.PREFILL, Role.DECODE) else "")
-            raise EngineError(f"the {engine_cls.name!r} engine cannot run the {role.value!r} role: it does not "
-                              f"support {what}.{hint}")
+            hint = (
+                " E|P|D needs an engine with a KV hand-off; use the e-pd topology with this engine."
+                if role in (Role.PREFILL, Role.DECODE)
+                else ""
+            )
+            raise EngineError(
+                f"the {engine_cls.name!r} engine cannot run the {role.value!r} role: it does not support {what}.{hint}"
+            )
 
 
 def make_engine(name: str, model_dir: Any, **kwargs: Any) -> Engine:
@@ -76,6 +84,12 @@ def load_engine(settings: Any, role: Role) -> Engine:
         model_id=settings.served_model_name(),
         **cls.options_from_settings(settings, role=role),
     )
-    log.info("engine %s loaded %s for role %s in %.2fs (encoder fingerprint %s)", settings.engine, model_dir,
-             role.value, time.perf_counter() - started, engine.encoder_fingerprint)
+    log.info(
+        "engine %s loaded %s for role %s in %.2fs (encoder fingerprint %s)",
+        settings.engine,
+        model_dir,
+        role.value,
+        time.perf_counter() - started,
+        engine.encoder_fingerprint,
+    )
     return engine

@@ -28,9 +28,9 @@ the same inputs, and the features of one image depend only on that image (not on
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
-from collections.abc import AsyncIterator, Sequence
 
 if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     import torch
@@ -216,8 +216,9 @@ class KVStateHandoff(abc.ABC):
         """Prefill the prompt and sample the first token."""
 
     @abc.abstractmethod
-    def decode(self, obj: KVObject, params: SamplingParams,
-               stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
+    def decode(
+        self, obj: KVObject, params: SamplingParams, stats: GenerationStats | None = None
+    ) -> AsyncIterator[TokenEvent]:
         """Continue a handed-off request from its KV object: the tokens after the ones prefill
         emitted (``obj.state["emitted"]``), batched with the other requests this engine decodes.
         Raises :class:`KVStateMismatch` (before any token) when the state does not fit this

@@ -8,8 +8,8 @@ import it without pulling in a model library.
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from shared.chat import ROLES
 from shared.engines.base import SamplingParams
@@ -45,9 +45,7 @@ def _iter_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param="messages")
             elif ptype not in IMAGE_PART_TYPES:
-                raise UnsupportedContent(
-                    f"messages[{i}].content[{j}] has unsupported type {ptype!r}", param="messages"
-                )
+                raise UnsupportedContent(f"messages[{i}].content[{j}] has unsupported type {ptype!r}", param="messages")
             yield part
 
 
@@ -113,8 +111,9 @@ def prompt_cost(messages: list[dict[str, Any]], image_tokens: Sequence[int]) -> 
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content
-                         if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
+            chars += sum(
+                len(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES
+            )
     return chars // 4 + sum(image_tokens)
 
 
@@ -128,8 +127,9 @@ def render_chat_prompt(processor: Any, chat_template: str | None, messages: list
     ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
     norm = normalize_messages(messages)
     try:
-        return processor.apply_chat_template(norm, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False)
+        return processor.apply_chat_template(
+            norm, chat_template=chat_template, add_generation_prompt=True, tokenize=False
+        )
     except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
         raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
 

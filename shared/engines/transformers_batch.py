@@ -41,9 +41,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from collections.abc import Hashable
 from typing import Any, Protocol
 
 import torch
@@ -269,11 +269,16 @@ class BatchDecoder:
         grow, pad_new = width - cols, width - length
         kv = []
         for (k, v), (nk, nv) in zip(self._kv, new_kv):
-            kv.append((torch.cat([_left_pad(k, grow), _left_pad(nk, pad_new)], dim=0),
-                       torch.cat([_left_pad(v, grow), _left_pad(nv, pad_new)], dim=0)))
+            kv.append(
+                (
+                    torch.cat([_left_pad(k, grow), _left_pad(nk, pad_new)], dim=0),
+                    torch.cat([_left_pad(v, grow), _left_pad(nv, pad_new)], dim=0),
+                )
+            )
         mask_old = torch.cat([torch.zeros((len(self._rows), grow), dtype=torch.long), self._mask], dim=1)
-        mask_new = torch.cat([torch.zeros((1, pad_new), dtype=torch.long), torch.ones((1, length), dtype=torch.long)],
-                             dim=1)
+        mask_new = torch.cat(
+            [torch.zeros((1, pad_new), dtype=torch.long), torch.ones((1, length), dtype=torch.long)], dim=1
+        )
         self._kv = kv
         self._mask = torch.cat([mask_old, mask_new], dim=0)
         self._pad = [p + grow for p in self._pad] + [pad_new]
@@ -363,8 +368,14 @@ class DecodeLoop:
         with self._lock:
             return len(self._sinks)
 
-    def join(self, key: Hashable, state: DecodeState, params: SamplingParams, loop: asyncio.AbstractEventLoop,
-             queue: asyncio.Queue) -> None:
+    def join(
+        self,
+        key: Hashable,
+        state: DecodeState,
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue,
+    ) -> None:
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -537,7 +548,7 @@ class EncodeBatcher:
                 start = 0
                 for pixels, _, future in batch:
                     if not future.done():
-                        future.set_result(out[start:start + len(pixels)])
+                        future.set_result(out[start : start + len(pixels)])
                     start += len(pixels)
         finally:
             self._draining = False

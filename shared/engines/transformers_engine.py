@@ -36,13 +36,14 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
+from shared import metrics
 from shared.engines.base import (
     EncodedImage,
     Engine,
@@ -53,7 +54,6 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from shared import metrics
 from shared.engines.prompts import (
     check_image_count,
     check_placeholder_tokens,
@@ -98,8 +98,9 @@ class TransformersPrefilled:
     """A prefilled request of :class:`TransformersEngine` (a ``PrefilledRequest``): the decode
     state with its first token already emitted (``state.emitted == 1``)."""
 
-    def __init__(self, engine: TransformersEngine, stream: DecodeStream, first: TokenEvent,
-                 stats: GenerationStats | None):
+    def __init__(
+        self, engine: TransformersEngine, stream: DecodeStream, first: TokenEvent, stats: GenerationStats | None
+    ):
         self._engine = engine
         self._stream: DecodeStream | None = stream
         self._stats = stats
@@ -155,8 +156,12 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         max_batch: int = 16,
         encode_batch_invariant: bool = True,
     ):
-        from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
-        from transformers import Qwen2VLForConditionalGeneration
+        from transformers import (
+            AutoConfig,
+            AutoProcessor,
+            LlavaForConditionalGeneration,
+            Qwen2VLForConditionalGeneration,
+        )
 
         from shared.admission import PrioritySlots
         from shared.engines.transformers_batch import BatchDecoder, DecodeLoop, EncodeBatcher
@@ -202,7 +207,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
         # The one compute thread: torch work stays off the event loop and is never concurrent.
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="transformers-engine",
+            max_workers=1,
+            thread_name_prefix="transformers-engine",
             initializer=functools.partial(torch.set_num_threads, int(threads)) if threads is not None else None,
         )
         self._closed = False
@@ -252,9 +258,12 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return self._decode_loop.decoder.max_batch
 
     def capacity(self) -> dict[str, Any]:
-        return {"max_running_requests": self.max_running_requests,  # the decode batch's rows
-                "encode_batch_pixels": self._encode_batcher.max_pixels,
-                "encode_batch_invariant": self.encode_batch_invariant, "torch_threads": self.threads}
+        return {
+            "max_running_requests": self.max_running_requests,  # the decode batch's rows
+            "encode_batch_pixels": self._encode_batcher.max_pixels,
+            "encode_batch_invariant": self.encode_batch_invariant,
+            "torch_threads": self.threads,
+        }
 
     async def encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Image processor + vision tower + projector. Concurrent calls are taken together into
@@ -303,8 +312,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             stream, first = await self._call(self._prefill_first, messages, images, params, stats)
         return TransformersPrefilled(self, stream, first, stats)
 
-    async def decode(self, obj: KVObject, params: SamplingParams,
-                     stats: GenerationStats | None = None) -> AsyncIterator[TokenEvent]:
+    async def decode(
+        self, obj: KVObject, params: SamplingParams, stats: GenerationStats | None = None
+    ) -> AsyncIterator[TokenEvent]:
         """Continue a handed-off request in the batched decode loop (see the base class).
         ``stats``: ``completion_tokens`` counts every output token (prefill's too),
         ``decode_s`` is the time from joining to the last event, ``extra
@@ -316,8 +326,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         async for event in self._decode_batched(state, params, stats):
             yield event
 
-    async def _decode_batched(self, state: DecodeState, params: SamplingParams,
-                              stats: GenerationStats | None) -> AsyncIterator[TokenEvent]:
+    async def _decode_batched(
+        self, state: DecodeState, params: SamplingParams, stats: GenerationStats | None
+    ) -> AsyncIterator[TokenEvent]:
         """The events after ``state.emitted`` from the batched decode loop (:meth:`decode`)."""
         t0 = time.perf_counter()
         already = state.emitted
@@ -506,7 +517,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             if self.is_mrope:
                 grid = torch.cat([px["image_grid_thw"] for px in pixels])
                 res = self.model.get_image_features(
-                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]), image_grid_thw=grid,
+                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
+                    image_grid_thw=grid,
                     return_dict=True,
                 )
                 grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]  # grid_thw rows are (t, h, w)

@@ -39,9 +39,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 
 from shared.connectors.params import (
     KVHandoff,
@@ -72,8 +72,12 @@ CONNECTOR_MODULE = "shared.connectors.s3_ec"
 KV_CONNECTOR_CLASS = "S3KVConnector"
 KV_CONNECTOR_MODULE = "shared.connectors.s3_kv"
 #: worker role -> vLLM EC role (``Role.AGG``: a plain engine)
-EC_ROLES: dict[Role, str] = {Role.ENCODER: "ec_producer", Role.PD: "ec_consumer", Role.PREFILL: "ec_consumer",
-                             Role.DECODE: "ec_consumer"}
+EC_ROLES: dict[Role, str] = {
+    Role.ENCODER: "ec_producer",
+    Role.PD: "ec_consumer",
+    Role.PREFILL: "ec_consumer",
+    Role.DECODE: "ec_consumer",
+}
 #: worker role -> vLLM KV role (E|P|D: the KV cache moves through the KV connector and the store)
 KV_ROLES: dict[Role, str] = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 #: vLLM's CPU backend accepts a KV connector only with this block size (16 fails: "No common block size")
@@ -102,8 +106,12 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
         path.mkdir(parents=True, exist_ok=True)
         os.environ[name] = applied[name] = str(path)
     # No phoning home, no hub: models are local folders.
-    for name, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("HF_HUB_OFFLINE", "1"),
-                        ("TRANSFORMERS_OFFLINE", "1")):
+    for name, value in (
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("DO_NOT_TRACK", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+    ):
         applied[name] = os.environ.setdefault(name, value)
     return applied
 
@@ -246,8 +254,13 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
         # The same function the connector uses in vLLM's processes: one version for both sides.
         self._fingerprint = vllm_encoder_fingerprint(self.vllm_config.model_config)
-        log.info("vLLM engine %s (%s) started in %.1fs; encoder fingerprint %s",
-                 self.model_dir, ec_role or "plain", self.start_seconds, self._fingerprint)
+        log.info(
+            "vLLM engine %s (%s) started in %.1fs; encoder fingerprint %s",
+            self.model_dir,
+            ec_role or "plain",
+            self.start_seconds,
+            self._fingerprint,
+        )
 
     @classmethod
     def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
@@ -328,8 +341,9 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             if not isinstance(item, MediaImage):
                 raise InvalidRequest(f"images[{i}] is not a MediaImage ({type(item).__name__})")
         text = self.render_prompt(messages)
-        check_placeholder_tokens(self.tokenizer(text, add_special_tokens=False)["input_ids"], self.image_token_id,
-                                 len(images))
+        check_placeholder_tokens(
+            self.tokenizer(text, add_special_tokens=False)["input_ids"], self.image_token_id, len(images)
+        )
         prompt: dict[str, Any] = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": [item.image for item in images]}
@@ -337,8 +351,13 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         return prompt
 
     @staticmethod
-    def sampling_params(params: SamplingParams, *, max_tokens: int | None = None, final_only: bool = False,
-                        kv_transfer_params: dict[str, Any] | None = None):
+    def sampling_params(
+        params: SamplingParams,
+        *,
+        max_tokens: int | None = None,
+        final_only: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -447,9 +466,14 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             async for event in events:
                 yield event
 
-    async def _token_events(self, messages: list[dict[str, Any]], images: Sequence[MediaImage],
-                            params: SamplingParams, stats: GenerationStats | None,
-                            handoff: KVHandoff | None) -> AsyncGenerator[TokenEvent, None]:
+    async def _token_events(
+        self,
+        messages: list[dict[str, Any]],
+        images: Sequence[MediaImage],
+        params: SamplingParams,
+        stats: GenerationStats | None,
+        handoff: KVHandoff | None,
+    ) -> AsyncGenerator[TokenEvent, None]:
         prompt = self.build_prompt(messages, images)
         sp = self.sampling_params(params, kv_transfer_params=handoff.to_params() if handoff else None)
         t0 = time.perf_counter()
@@ -486,8 +510,9 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                     carry += completion.text or ""
                     if output.finished:
                         if n_out:
-                            log.warning("vLLM finished (%s) without a token in its last output: %r dropped",
-                                        reason, carry)
+                            log.warning(
+                                "vLLM finished (%s) without a token in its last output: %r dropped", reason, carry
+                            )
                         return
                     continue
                 n_out += len(new_ids)
@@ -541,8 +566,9 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         except MalformedParams as exc:
             raise EngineError(f"vLLM's KV connector reported an unusable KV object for {request_name}: {exc}") from exc
         if handoff is None:
-            raise EngineError(f"vLLM's KV connector reported no KV object for {request_name} "
-                              f"(params {final.kv_transfer_params})")
+            raise EngineError(
+                f"vLLM's KV connector reported no KV object for {request_name} (params {final.kv_transfer_params})"
+            )
         if stats is not None:
             stats.prompt_tokens = len(final.prompt_token_ids or ())
             stats.prefill_s = time.perf_counter() - t0
@@ -580,6 +606,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         """Stop vLLM's engine processes and the private loop."""
         llm, self._llm = self._llm, None
         if llm is not None and self._loop.is_running():
+
             async def shutdown() -> None:
                 llm.shutdown()
 

@@ -68,8 +68,14 @@ class ECStore(TensorObjectStore[ECObject, str]):
         max_object_bytes: int = 512 * 1024**2,
         max_media_bytes: int = 64 * 1024**2,
     ):
-        super().__init__(store, EC_CODEC, namespace=namespace, fingerprint=fingerprint, producer=producer,
-                         max_object_bytes=max_object_bytes)
+        super().__init__(
+            store,
+            EC_CODEC,
+            namespace=namespace,
+            fingerprint=fingerprint,
+            producer=producer,
+            max_object_bytes=max_object_bytes,
+        )
         self.max_media_bytes = max_media_bytes
 
     # -- EC objects ------------------------------------------------------------------------
@@ -82,8 +88,13 @@ class ECStore(TensorObjectStore[ECObject, str]):
     ) -> tuple[str, int]:
         """Write (or overwrite) the EC object of an item. Returns (key, object size)."""
         blob = encode_ec_object(
-            data, dtype=dtype, shape=shape, fingerprint=self.fingerprint, item_hash=item_hash,
-            producer=self.producer, extra=extra,
+            data,
+            dtype=dtype,
+            shape=shape,
+            fingerprint=self.fingerprint,
+            item_hash=item_hash,
+            producer=self.producer,
+            extra=extra,
         )
         key = self.key(item_hash)
         return key, self.write(key, blob)

@@ -132,8 +132,11 @@ class ECIndex:
             return cls(await js.key_value(bucket))
         except (BucketNotFoundError, NotFoundError):
             pass
-        kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
-                                                      replicas=replicas, description="epd EC store index"))
+        kv = await js.create_key_value(
+            KeyValueConfig(
+                bucket=bucket, history=1, storage=StorageType.FILE, replicas=replicas, description="epd EC store index"
+            )
+        )
         return cls(kv)
 
     # -- entries -------------------------------------------------------------------------------
@@ -172,8 +175,14 @@ class ECIndex:
             if found is None:
                 if not use.created:
                     return
-                entry = IndexEntry(key=use.key, fingerprint=use.fingerprint, item_hash=use.item_hash, size=use.size,
-                                   created=use.at, last_use=use.at)
+                entry = IndexEntry(
+                    key=use.key,
+                    fingerprint=use.fingerprint,
+                    item_hash=use.item_hash,
+                    size=use.size,
+                    created=use.at,
+                    last_use=use.at,
+                )
                 try:
                     await self.kv.create(ikey, _enc.encode(entry))
                     return
@@ -183,7 +192,8 @@ class ECIndex:
                 old, revision = found
                 entry = msgspec.structs.replace(
                     # a write knows the object's size; a read's size is a hint for an entry without one
-                    old, last_use=max(old.last_use, use.at),
+                    old,
+                    last_use=max(old.last_use, use.at),
                     size=(use.size or old.size) if use.created else (old.size or use.size),
                     created=use.at if use.created else old.created,
                 )
@@ -246,9 +256,11 @@ class ECIndex:
         except (KeyNotFoundError, msgspec.DecodeError):
             old = None
         entry = FingerprintEntry(
-            fingerprint=fingerprint, model=model or (old.model if old else ""),
+            fingerprint=fingerprint,
+            model=model or (old.model if old else ""),
             model_path=model_path or (old.model_path if old else ""),
-            first_seen=old.first_seen if old else at, last_seen=max(at, old.last_seen if old else 0.0),
+            first_seen=old.first_seen if old else at,
+            last_seen=max(at, old.last_seen if old else 0.0),
         )
         if entry != old:
             await self.kv.put(key, _enc.encode(entry))
@@ -306,8 +318,14 @@ class UseRecorder:
         with self._lock:
             old = self._pending.get(key)
             if old is not None:
-                use = Use(key=key, fingerprint=fingerprint, item_hash=item_hash, at=use.at,
-                          size=size or old.size, created=created or old.created)
+                use = Use(
+                    key=key,
+                    fingerprint=fingerprint,
+                    item_hash=item_hash,
+                    at=use.at,
+                    size=size or old.size,
+                    created=created or old.created,
+                )
             self._pending[key] = use
 
     def start(self) -> None:

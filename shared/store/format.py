@@ -37,9 +37,9 @@ import json
 import math
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping
 
 SCHEMA = "epd-ec-v2"  # v2: the generic layout (``tensors`` metadata); v1 objects are misses
 TENSOR_NAME = "features"
@@ -50,8 +50,16 @@ MAX_TENSORS = 4096
 
 # safetensors dtype name -> bytes per element
 DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
 _RESERVED_META = frozenset({"schema", "fingerprint", "tensors", "sha256", "producer", "created_at"})
 
@@ -219,8 +227,11 @@ def decode_tensor_object(
         table = json.loads(meta["tensors"])
         declared = [(str(n), str(d), tuple(int(x) for x in shp)) for n, d, shp in table]
         entries = {
-            name: (str(info["dtype"]), tuple(int(x) for x in info["shape"]),
-                   tuple(int(x) for x in info["data_offsets"]))
+            name: (
+                str(info["dtype"]),
+                tuple(int(x) for x in info["shape"]),
+                tuple(int(x) for x in info["data_offsets"]),
+            )
             for name, info in header.items()
         }
         created_at = float(meta["created_at"])
@@ -229,9 +240,7 @@ def decode_tensor_object(
         raise ObjectValidationError(MissReason.CORRUPT, f"bad tensor header ({exc})") from exc
     if not declared or len(declared) > MAX_TENSORS:
         raise ObjectValidationError(MissReason.CORRUPT, f"{len(declared)} tensors (1..{MAX_TENSORS} allowed)")
-    if len(entries) != len(declared) or any(
-        n not in entries or entries[n][:2] != (d, shp) for n, d, shp in declared
-    ):
+    if len(entries) != len(declared) or any(n not in entries or entries[n][:2] != (d, shp) for n, d, shp in declared):
         raise ObjectValidationError(MissReason.SHAPE_MISMATCH, "tensor table does not match the metadata")
     data_start = 8 + header_len
     offset = 0
@@ -341,7 +350,11 @@ def decode_ec_object(blob: bytes, *, fingerprint: str, item_hash: str) -> ECObje
     Raises :class:`ObjectValidationError`; never returns data that failed a check.
     """
     obj = decode_tensor_object(
-        blob, schema=SCHEMA, fingerprint=fingerprint, id_field="item_hash", object_id=item_hash,
+        blob,
+        schema=SCHEMA,
+        fingerprint=fingerprint,
+        id_field="item_hash",
+        object_id=item_hash,
         max_header_bytes=_MAX_HEADER_BYTES,
     )
     meta = obj.metadata

@@ -34,9 +34,9 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable, Iterable
 
 from shared import metrics, protocol
 from shared.errors import StoreError
@@ -62,16 +62,25 @@ EVICT_CONCURRENCY = 8
 
 
 # -- invalidation broadcast -------------------------------------------------------------------------
-async def publish_invalidated(nc: Any, subjects: Subjects, fingerprint: str, item_hashes: Iterable[str], *,
-                              reason: str, by: str) -> int:
+async def publish_invalidated(
+    nc: Any, subjects: Subjects, fingerprint: str, item_hashes: Iterable[str], *, reason: str, by: str
+) -> int:
     """Announce removed EC objects; returns how many messages were sent."""
     items = list(dict.fromkeys(item_hashes))
     sent = 0
     for i in range(0, len(items), INVALIDATION_CHUNK):
-        msg = ECInvalidated(fingerprint=fingerprint, item_hashes=tuple(items[i:i + INVALIDATION_CHUNK]),
-                            reason=reason, by=by, created_at=time.time())
-        await nc.publish(subjects.ec_invalidated(fingerprint), protocol.encode(msg),
-                         headers=protocol.headers_for(msg, f"ec-{reason}"))
+        msg = ECInvalidated(
+            fingerprint=fingerprint,
+            item_hashes=tuple(items[i : i + INVALIDATION_CHUNK]),
+            reason=reason,
+            by=by,
+            created_at=time.time(),
+        )
+        await nc.publish(
+            subjects.ec_invalidated(fingerprint),
+            protocol.encode(msg),
+            headers=protocol.headers_for(msg, f"ec-{reason}"),
+        )
         sent += 1
     if sent:
         await nc.flush(timeout=10)
@@ -138,22 +147,29 @@ def set_expiration_rule(store: ObjectStore, prefix: str, days: int) -> bool:
     client = getattr(store, "_client", None)
     bucket = getattr(store, "bucket", None)
     if client is None or bucket is None:
-        log.warning("EC TTL backstop: the %s backend has no lifecycle rules; only the janitor bounds the store",
-                    type(store).__name__)
+        log.warning(
+            "EC TTL backstop: the %s backend has no lifecycle rules; only the janitor bounds the store",
+            type(store).__name__,
+        )
         return False
     try:
         from minio.commonconfig import ENABLED, Filter
         from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
-        rule = Rule(ENABLED, rule_filter=Filter(prefix=prefix), rule_id="epd-ec-ttl-backstop",
-                    expiration=Expiration(days=days))
+        rule = Rule(
+            ENABLED, rule_filter=Filter(prefix=prefix), rule_id="epd-ec-ttl-backstop", expiration=Expiration(days=days)
+        )
         client.set_bucket_lifecycle(bucket, LifecycleConfig([rule]))
-        log.info("EC TTL backstop: S3 lifecycle rule on s3://%s/%s expires objects after %d day(s)", bucket, prefix,
-                 days)
+        log.info(
+            "EC TTL backstop: S3 lifecycle rule on s3://%s/%s expires objects after %d day(s)", bucket, prefix, days
+        )
         return True
     except Exception as exc:  # noqa: BLE001 - NotImplemented, MalformedXML, AccessDenied...: a backstop only
-        log.warning("EC TTL backstop: the S3 server refused a lifecycle rule (%s: %s); only the janitor bounds "
-                    "the store", type(exc).__name__, exc)
+        log.warning(
+            "EC TTL backstop: the S3 server refused a lifecycle rule (%s: %s); only the janitor bounds the store",
+            type(exc).__name__,
+            exc,
+        )
         return False
 
 
@@ -161,7 +177,7 @@ def get_expiration_days(store: ObjectStore, prefix: str) -> int | None:
     """The days of our backstop rule on ``prefix`` as the server reports it (None: none)."""
     client = getattr(store, "_client", None)
     config = client.get_bucket_lifecycle(store.bucket) if client is not None else None  # type: ignore[attr-defined]  # minio client of S3ObjectStore (None for other stores)
-    for rule in (config.rules if config else []):
+    for rule in config.rules if config else []:
         if rule.rule_id == "epd-ec-ttl-backstop" and rule.expiration is not None:
             return rule.expiration.days
     return None
@@ -205,9 +221,21 @@ def is_current(fp: FingerprintEntry | None, now: float, retired_after_s: float) 
 class Janitor:
     """Keeps the EC namespace under its bounds (module docstring). Runs in the API process."""
 
-    def __init__(self, *, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectStore, namespace: str,
-                 holder: str, policy: Policy, interval_s: float, reconcile_interval_s: float, flush_s: float = 0.0,
-                 tombstone_keep_s: float = 600.0):
+    def __init__(
+        self,
+        *,
+        nc: Any,
+        subjects: Subjects,
+        index: ECIndex,
+        store: ObjectStore,
+        namespace: str,
+        holder: str,
+        policy: Policy,
+        interval_s: float,
+        reconcile_interval_s: float,
+        flush_s: float = 0.0,
+        tombstone_keep_s: float = 600.0,
+    ):
         self.nc = nc
         self.subjects = subjects
         self.index = index
@@ -286,13 +314,18 @@ class Janitor:
         self._update_gauges(entries, victims)
         left_bytes = report.bytes - report.evicted_bytes
         if victims or report.over_bound:
-            log.info("EC janitor: evicted %d object(s) (%s, %d bytes); %d object(s), %d bytes left (bound %s, "
-                     "headroom %d)%s",
-                     sum(report.evicted.values()), dict(report.evicted), report.evicted_bytes,
-                     report.objects - sum(report.evicted.values()), left_bytes, self.policy.max_bytes,
-                     report.headroom_bytes,
-                     "; OVER THE BOUND: everything left was used within the grace period" if report.over_bound
-                     else "")
+            log.info(
+                "EC janitor: evicted %d object(s) (%s, %d bytes); %d object(s), %d bytes left (bound %s, "
+                "headroom %d)%s",
+                sum(report.evicted.values()),
+                dict(report.evicted),
+                report.evicted_bytes,
+                report.objects - sum(report.evicted.values()),
+                left_bytes,
+                self.policy.max_bytes,
+                report.headroom_bytes,
+                "; OVER THE BOUND: everything left was used within the grace period" if report.over_bound else "",
+            )
         else:
             log.debug("EC janitor: %d object(s), %d bytes, nothing to evict", report.objects, report.bytes)
         return report
@@ -306,8 +339,15 @@ class Janitor:
             info = await asyncio.to_thread(self.store.stat, entry.key)
             if info is None:
                 continue  # gone: the next reconcile drops the entry
-            await self.index.record(Use(key=entry.key, fingerprint=entry.fingerprint, item_hash=entry.item_hash,
-                                        at=entry.last_use, size=info.size))
+            await self.index.record(
+                Use(
+                    key=entry.key,
+                    fingerprint=entry.fingerprint,
+                    item_hash=entry.item_hash,
+                    at=entry.last_use,
+                    size=info.size,
+                )
+            )
             found = await self.index.get(ikey)
             if found is not None:
                 snap[ikey] = found
@@ -318,8 +358,13 @@ class Janitor:
         except Exception as exc:  # noqa: BLE001 - tombstones are purged again next pass
             log.debug("purging index tombstones: %s", exc)
 
-    def _select(self, entries: list[tuple[str, IndexEntry, int]], fps: dict[str, FingerprintEntry], now: float,
-                report: PassReport) -> list[tuple[str, IndexEntry, int, str]]:
+    def _select(
+        self,
+        entries: list[tuple[str, IndexEntry, int]],
+        fps: dict[str, FingerprintEntry],
+        now: float,
+        report: PassReport,
+    ) -> list[tuple[str, IndexEntry, int, str]]:
         p = self.policy
         victims: list[tuple[str, IndexEntry, int, str]] = []
         chosen: set[str] = set()
@@ -428,8 +473,16 @@ class Janitor:
             have = snap.get(ikey)
             if have is None or have[0].size == 0:
                 at = obj.info.last_modified or started
-                await self.index.record(Use(key=obj.info.key, fingerprint=obj.fingerprint, item_hash=obj.name,
-                                            at=at, size=obj.info.size, created=have is None))
+                await self.index.record(
+                    Use(
+                        key=obj.info.key,
+                        fingerprint=obj.fingerprint,
+                        item_hash=obj.name,
+                        at=at,
+                        size=obj.info.size,
+                        created=have is None,
+                    )
+                )
                 added += have is None
         gone: dict[str, list[str]] = defaultdict(list)
         for ikey, (entry, revision) in snap.items():
@@ -438,8 +491,9 @@ class Janitor:
                 gone[entry.fingerprint].append(entry.item_hash)
                 metrics.EC_EVICTIONS.labels("gone").inc()
         for fp, items in gone.items():
-            log.info("EC janitor: %d indexed object(s) of %s are no longer stored (removed behind the index)",
-                     len(items), fp)
+            log.info(
+                "EC janitor: %d indexed object(s) of %s are no longer stored (removed behind the index)", len(items), fp
+            )
             await publish_invalidated(self.nc, self.subjects, fp, items, reason="gone", by=self.holder)
         if added:
             log.info("EC janitor: indexed %d stored object(s) nobody announced", added)
@@ -474,10 +528,23 @@ class UnknownFingerprint(LookupError):
         self.known = known
 
 
-async def purge(*, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectStore, namespace: str, by: str,
-                fingerprint: str | None = None, retired: bool = False, older_than_s: float | None = None,
-                retired_after_s: float = 600, kinds: tuple[str, ...] = ("ec", "kv"), dry_run: bool = False,
-                keep: Iterable[str] = (), allow_unknown: bool = False) -> PurgeResult:
+async def purge(
+    *,
+    nc: Any,
+    subjects: Subjects,
+    index: ECIndex,
+    store: ObjectStore,
+    namespace: str,
+    by: str,
+    fingerprint: str | None = None,
+    retired: bool = False,
+    older_than_s: float | None = None,
+    retired_after_s: float = 600,
+    kinds: tuple[str, ...] = ("ec", "kv"),
+    dry_run: bool = False,
+    keep: Iterable[str] = (),
+    allow_unknown: bool = False,
+) -> PurgeResult:
     """Remove the objects that match every given selector: of ``fingerprint``; of retired
     fingerprints (not served for ``retired_after_s``, and never one in ``keep``); last used (EC:
     per the index, else modified) more than ``older_than_s`` ago. EC removals are announced.
@@ -540,8 +607,13 @@ async def purge(*, nc: Any, subjects: Subjects, index: ECIndex, store: ObjectSto
     for fp, items in gone.items():
         await publish_invalidated(nc, subjects, fp, items, reason="purge", by=by)
     if not dry_run and result.objects:
-        log.info("EC purge by %s: removed %d object(s), %d bytes (%s)", by, result.objects, result.nbytes,
-                 {f"{k}/{fp}": v[0] for (k, fp), v in result.removed.items()})
+        log.info(
+            "EC purge by %s: removed %d object(s), %d bytes (%s)",
+            by,
+            result.objects,
+            result.nbytes,
+            {f"{k}/{fp}": v[0] for (k, fp), v in result.removed.items()},
+        )
     return result
 
 
@@ -582,8 +654,9 @@ class ECLifecycle:
             else:
                 self.recorder.note(ev.ec_key, ev.fingerprint, ev.item_hash, size=ev.nbytes)
 
-        self._subs.append(await self.nc.subscribe(self.subjects.ec_ready_all, queue=protocol.QUEUE_EC_INDEX,
-                                                  cb=on_ready))
+        self._subs.append(
+            await self.nc.subscribe(self.subjects.ec_ready_all, queue=protocol.QUEUE_EC_INDEX, cb=on_ready)
+        )
 
     async def fingerprint_seen(self, fingerprint: str, *, model: str = "", model_path: str = "") -> None:
         """Record that a fingerprint is served (at most once a minute per fingerprint)."""
@@ -609,14 +682,19 @@ class ECLifecycle:
 
 
 def policy_from_settings(settings: Any) -> Policy:
-    return Policy(max_bytes=settings.ec_max_bytes, max_objects=settings.ec_max_objects, ttl_s=settings.ec_ttl_s,
-                  purge_retired_after_s=settings.ec_purge_retired_after_s,
-                  retired_after_s=settings.ec_retired_after_s, grace_s=settings.ec_evict_grace_s)
+    return Policy(
+        max_bytes=settings.ec_max_bytes,
+        max_objects=settings.ec_max_objects,
+        ttl_s=settings.ec_ttl_s,
+        purge_retired_after_s=settings.ec_purge_retired_after_s,
+        retired_after_s=settings.ec_retired_after_s,
+        grace_s=settings.ec_evict_grace_s,
+    )
 
 
-
-async def start_api_lifecycle(nc: Any, subjects: Subjects, settings: Any, store: Any, *, fingerprint: str, model: str,
-                              model_path: str) -> ECLifecycle:
+async def start_api_lifecycle(
+    nc: Any, subjects: Subjects, settings: Any, store: Any, *, fingerprint: str, model: str, model_path: str
+) -> ECLifecycle:
     """The API process's lifecycle: recorder, announcement index, fingerprint registry, and the
     janitor when ``EPD_EC_MAX_BYTES`` / ``EPD_EC_MAX_OBJECTS`` / ``EPD_EC_TTL_S`` /
     ``EPD_EC_PURGE_RETIRED_AFTER_S`` is set (plus the S3 lifecycle backstop with a TTL)."""
@@ -626,15 +704,28 @@ async def start_api_lifecycle(nc: Any, subjects: Subjects, settings: Any, store:
     policy = policy_from_settings(settings)
     if policy.active:
         lifecycle.janitor = Janitor(
-            nc=nc, subjects=subjects, index=lifecycle.index, store=store.store, namespace=settings.namespace,
-            holder=f"api-{settings.worker_id}", policy=policy, interval_s=settings.ec_janitor_interval_s,
-            reconcile_interval_s=settings.ec_reconcile_interval_s, flush_s=settings.ec_use_flush_s,
+            nc=nc,
+            subjects=subjects,
+            index=lifecycle.index,
+            store=store.store,
+            namespace=settings.namespace,
+            holder=f"api-{settings.worker_id}",
+            policy=policy,
+            interval_s=settings.ec_janitor_interval_s,
+            reconcile_interval_s=settings.ec_reconcile_interval_s,
+            flush_s=settings.ec_use_flush_s,
             tombstone_keep_s=max(600.0, 2 * settings.dup_window_s),
         )
         if policy.ttl_s is not None and settings.ec_lifecycle_rule:
-            await asyncio.to_thread(set_expiration_rule, store.store, f"{settings.namespace}/",
-                                    expiration_days(policy.ttl_s))
+            await asyncio.to_thread(
+                set_expiration_rule, store.store, f"{settings.namespace}/", expiration_days(policy.ttl_s)
+            )
         lifecycle.janitor.start()
-        log.info("EC janitor on: max %s bytes, max %s objects, ttl %s s, purge retired after %s s", policy.max_bytes,
-                 policy.max_objects, policy.ttl_s, policy.purge_retired_after_s)
+        log.info(
+            "EC janitor on: max %s bytes, max %s objects, ttl %s s, purge retired after %s s",
+            policy.max_bytes,
+            policy.max_objects,
+            policy.ttl_s,
+            policy.purge_retired_after_s,
+        )
     return lifecycle

@@ -33,9 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from collections.abc import Mapping
 
 from shared import metrics
 from shared.store.format import (
@@ -49,8 +49,20 @@ from shared.store.format import (
 from shared.store.objects import ObjectStore, ObjectTooLarge
 from shared.store.tensor_store import META_FINGERPRINT, META_SCHEMA, TensorCodec, TensorObjectStore
 
-__all__ = ["KV_CODEC", "KV_SCHEMA", "KVCodec", "KVObject", "KVRef", "KVStore", "META_FINGERPRINT", "META_SCHEMA",
-           "decode_kv_object", "encode_kv_object", "kv_key", "kv_prefix"]
+__all__ = [
+    "KV_CODEC",
+    "KV_SCHEMA",
+    "KVCodec",
+    "KVObject",
+    "KVRef",
+    "KVStore",
+    "META_FINGERPRINT",
+    "META_SCHEMA",
+    "decode_kv_object",
+    "encode_kv_object",
+    "kv_key",
+    "kv_prefix",
+]
 
 KV_SCHEMA = "epd-kv-v1"
 _ID_FIELD = "request_id"
@@ -129,7 +141,11 @@ def decode_kv_object(blob: bytes, *, fingerprint: str, request_id: str, attempt:
     """Parse and validate a KV object (schema, model fingerprint, request, attempt, layout,
     sha256). Raises :class:`ObjectValidationError`."""
     obj = decode_tensor_object(
-        blob, schema=KV_SCHEMA, fingerprint=fingerprint, id_field=_ID_FIELD, object_id=request_id,
+        blob,
+        schema=KV_SCHEMA,
+        fingerprint=fingerprint,
+        id_field=_ID_FIELD,
+        object_id=request_id,
         max_header_bytes=MAX_HEADER_BYTES,
     )
     meta = obj.metadata
@@ -191,33 +207,52 @@ KV_CODEC = KVCodec()
 class KVStore(TensorObjectStore[KVObject, KVRef]):
     """KV objects of one model fingerprint in one object store (bounded, validated)."""
 
-    def __init__(self, store: ObjectStore, *, namespace: str, fingerprint: str, producer: str,
-                 max_object_bytes: int):
-        super().__init__(store, KV_CODEC, namespace=namespace, fingerprint=fingerprint, producer=producer,
-                         max_object_bytes=max_object_bytes)
+    def __init__(self, store: ObjectStore, *, namespace: str, fingerprint: str, producer: str, max_object_bytes: int):
+        super().__init__(
+            store,
+            KV_CODEC,
+            namespace=namespace,
+            fingerprint=fingerprint,
+            producer=producer,
+            max_object_bytes=max_object_bytes,
+        )
 
     def key(self, request_id: str, attempt: int) -> str:
         return self.object_key(KVRef(request_id, attempt))
 
-    def encode(self, request_id: str, attempt: int, tensors: Mapping[str, RawTensor],
-               state_metadata: Mapping[str, str], sampling: Mapping[str, Any]) -> tuple[str, bytes]:
+    def encode(
+        self,
+        request_id: str,
+        attempt: int,
+        tensors: Mapping[str, RawTensor],
+        state_metadata: Mapping[str, str],
+        sampling: Mapping[str, Any],
+    ) -> tuple[str, bytes]:
         """``(key, object bytes)``. Raises ObjectTooLarge over ``max_object_bytes`` (checked on
         the tensor sizes before anything is serialized), ValueError for unusable input."""
         size = sum(t.nbytes for t in tensors.values())
         if size > self.max_object_bytes:
             raise ObjectTooLarge(
                 f"KV state of {size} bytes exceeds EPD_MAX_KV_OBJECT_BYTES={self.max_object_bytes}",
-                size=size, max_bytes=self.max_object_bytes,
+                size=size,
+                max_bytes=self.max_object_bytes,
             )
         key = self.key(request_id, attempt)
         blob = encode_kv_object(
-            tensors, state_metadata=state_metadata, sampling=sampling, fingerprint=self.fingerprint,
-            request_id=request_id, attempt=attempt, producer=self.producer,
+            tensors,
+            state_metadata=state_metadata,
+            sampling=sampling,
+            fingerprint=self.fingerprint,
+            request_id=request_id,
+            attempt=attempt,
+            producer=self.producer,
         )
         if len(blob) > self.max_object_bytes:
             raise ObjectTooLarge(
                 f"KV object of {len(blob)} bytes exceeds EPD_MAX_KV_OBJECT_BYTES={self.max_object_bytes}",
-                key=key, size=len(blob), max_bytes=self.max_object_bytes,
+                key=key,
+                size=len(blob),
+                max_bytes=self.max_object_bytes,
             )
         return key, blob
 

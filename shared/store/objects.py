@@ -43,10 +43,10 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Iterator
 
 from shared.errors import ERRORS_BY_CODE, EPDError, StoreError
 
@@ -130,8 +130,7 @@ def validate_key(key: str) -> str:
         raise InvalidObjectKey(f"object key must not start or end with '/': {key!r}")
     for seg in key.split("/"):
         if seg in ("", ".", ".."):
-            raise InvalidObjectKey(
-                f"object key has an empty, '.' or '..' segment: {key!r}")
+            raise InvalidObjectKey(f"object key has an empty, '.' or '..' segment: {key!r}")
     return key
 
 
@@ -162,13 +161,13 @@ def validate_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
             raise ValueError(f"metadata keys and values must be str: {raw_key!r}: {value!r}")
         key = raw_key.lower()
         if key.startswith("x-amz-meta-"):
-            key = key[len("x-amz-meta-"):]
+            key = key[len("x-amz-meta-") :]
         if not _META_KEY.match(key):
             raise ValueError(f"metadata key must match [a-z0-9][a-z0-9-]*: {raw_key!r}")
         if not _META_VALUE.match(value) or value != value.strip():
             raise ValueError(
-                f"metadata value for {key!r} must be printable ASCII without leading/trailing "
-                f"blanks: {value!r}")
+                f"metadata value for {key!r} must be printable ASCII without leading/trailing blanks: {value!r}"
+            )
         if key in out:
             raise ValueError(f"duplicate metadata key (case-insensitive): {raw_key!r}")
         out[key] = value
@@ -187,7 +186,9 @@ def _too_large(key: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
     what = f"{size} bytes" if size is not None else "more than that"
     return ObjectTooLarge(
         f"object {key!r} is {what}, over the limit of {max_bytes} bytes",
-        key=key, size=size, max_bytes=max_bytes,
+        key=key,
+        size=size,
+        max_bytes=max_bytes,
     )
 
 
@@ -200,8 +201,13 @@ class ObjectStore(abc.ABC):
         """Create the bucket if missing. Idempotent and safe against concurrent creators."""
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes, metadata: dict[str, str] | None = None,
-            content_type: str = "application/octet-stream") -> None:
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        metadata: dict[str, str] | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> None:
         """Store ``data`` under ``key``, replacing any previous object and its metadata."""
 
     @abc.abstractmethod
@@ -226,10 +232,17 @@ class ObjectStore(abc.ABC):
 
 
 # -- S3 ----------------------------------------------------------------------------------------
-_AUTH_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-    "ExpiredToken", "AuthorizationHeaderMalformed", "InvalidSecurity",
-})
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "AuthorizationHeaderMalformed",
+        "InvalidSecurity",
+    }
+)
 _MIN_PART = 5 * 1024 * 1024
 _MAX_PART = 5 * 1024 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
@@ -265,7 +278,7 @@ class S3ObjectStore(ObjectStore):
 
         for scheme, is_secure in (("https://", True), ("http://", False)):
             if endpoint.lower().startswith(scheme):
-                endpoint, secure = endpoint[len(scheme):], is_secure
+                endpoint, secure = endpoint[len(scheme) :], is_secure
         endpoint = endpoint.rstrip("/")
         if not endpoint or "/" in endpoint:
             raise ValueError(f"S3 endpoint must be host[:port], got {endpoint!r}")
@@ -284,18 +297,26 @@ class S3ObjectStore(ObjectStore):
             cert_reqs="CERT_REQUIRED",
             ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
             retries=urllib3.Retry(
-                total=max_retries, backoff_factor=0.1,
-                status_forcelist=[500, 502, 503, 504], raise_on_status=False,
+                total=max_retries,
+                backoff_factor=0.1,
+                status_forcelist=[500, 502, 503, 504],
+                raise_on_status=False,
             ),
         )
         self._client: Minio = Minio(
-            endpoint, access_key=access_key, secret_key=secret_key, secure=secure,
-            region=region, http_client=http,
+            endpoint,
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=secure,
+            region=region,
+            http_client=http,
         )
 
     def __repr__(self) -> str:
-        return (f"S3ObjectStore(endpoint={self.endpoint!r}, bucket={self.bucket!r}, "
-                f"secure={self.secure}, access_key={self.access_key!r})")
+        return (
+            f"S3ObjectStore(endpoint={self.endpoint!r}, bucket={self.bucket!r}, "
+            f"secure={self.secure}, access_key={self.access_key!r})"
+        )
 
     # -- error translation
     def _scrub(self, text: str) -> str:
@@ -322,9 +343,9 @@ class S3ObjectStore(ObjectStore):
             raise StoreError(self._scrub(f"S3 {where} failed: {exc}")) from exc
         except (HTTPError, OSError) as exc:
             reason = getattr(exc, "reason", None) or exc
-            raise StoreError(self._scrub(
-                f"S3 {where} failed: cannot reach the server: {type(exc).__name__}: {reason}"
-            )) from exc
+            raise StoreError(
+                self._scrub(f"S3 {where} failed: cannot reach the server: {type(exc).__name__}: {reason}")
+            ) from exc
 
     # -- operations
     def ensure_bucket(self) -> None:
@@ -344,8 +365,13 @@ class S3ObjectStore(ObjectStore):
                 if not self._client.bucket_exists(self.bucket):
                     raise
 
-    def put(self, key: str, data: bytes, metadata: dict[str, str] | None = None,
-            content_type: str = "application/octet-stream") -> None:
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        metadata: dict[str, str] | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> None:
         validate_key(key)
         meta = validate_metadata(metadata)
         size = len(data)
@@ -353,7 +379,10 @@ class S3ObjectStore(ObjectStore):
             raise ValueError(f"object of {size} bytes is over the single-PUT limit of 5 GiB")
         with self._errors("put", key):
             self._client.put_object(
-                self.bucket, key, io.BytesIO(data), size,
+                self.bucket,
+                key,
+                io.BytesIO(data),
+                size,
                 content_type=content_type,
                 metadata={f"x-amz-meta-{k}": v for k, v in meta.items()},
                 # one PUT, never multipart: keeps the ETag the MD5 of the data
@@ -407,7 +436,7 @@ class S3ObjectStore(ObjectStore):
         for name, value in (obj.metadata or {}).items():
             lname = name.lower()
             if lname.startswith("x-amz-meta-"):
-                meta[lname[len("x-amz-meta-"):]] = value
+                meta[lname[len("x-amz-meta-") :]] = value
         return ObjectInfo(
             key=key,
             size=int(obj.size or 0),
@@ -430,8 +459,7 @@ class S3ObjectStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         _validate_prefix(prefix)
         with self._errors("list", prefix + "*"):
-            it = iter(self._client.list_objects(self.bucket, prefix=prefix or None,
-                                                recursive=True))
+            it = iter(self._client.list_objects(self.bucket, prefix=prefix or None, recursive=True))
         while True:
             with self._errors("list", prefix + "*"):
                 try:
@@ -481,8 +509,8 @@ class LocalDirObjectStore(ObjectStore):
         for seg in (*dirs, name):
             if len((seg + _META).encode("utf-8", "surrogatepass")) > _MAX_NAME:
                 raise InvalidObjectKey(
-                    f"key segment too long for the fs backend (max {_MAX_NAME - len(_META)} "
-                    f"bytes): {seg[:64]!r}...")
+                    f"key segment too long for the fs backend (max {_MAX_NAME - len(_META)} bytes): {seg[:64]!r}..."
+                )
         parent = self.root.joinpath(*(d + _DIR for d in dirs))
         data, meta = parent / (name + _OBJ), parent / (name + _META)
         # Defence in depth: validate_key already excludes '..' and absolute keys.
@@ -494,7 +522,8 @@ class LocalDirObjectStore(ObjectStore):
         if not self.root.is_dir():
             raise StoreError(
                 f"fs {op} {key or ''} failed: bucket directory {self.root} does not exist "
-                f"(create it with ensure_bucket())")
+                f"(create it with ensure_bucket())"
+            )
 
     @contextlib.contextmanager
     def _errors(self, op: str, key: str | None = None) -> Iterator[None]:
@@ -532,19 +561,27 @@ class LocalDirObjectStore(ObjectStore):
         with self._errors("ensure_bucket"):
             self.root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, key: str, data: bytes, metadata: dict[str, str] | None = None,
-            content_type: str = "application/octet-stream") -> None:
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        metadata: dict[str, str] | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> None:
         data_path, meta_path = self._paths(key)
         meta = validate_metadata(metadata)
         self._require_root("put", key)
-        sidecar = json.dumps({
-            "version": 1,
-            "key": key,
-            "size": len(data),
-            "etag": hashlib.md5(data, usedforsecurity=False).hexdigest(),
-            "content_type": content_type,
-            "metadata": meta,
-        }, sort_keys=True).encode()
+        sidecar = json.dumps(
+            {
+                "version": 1,
+                "key": key,
+                "size": len(data),
+                "etag": hashlib.md5(data, usedforsecurity=False).hexdigest(),
+                "content_type": content_type,
+                "metadata": meta,
+            },
+            sort_keys=True,
+        ).encode()
         with self._errors("put", key):
             attempts = 20
             for attempt in range(attempts):
@@ -644,10 +681,18 @@ class LocalDirObjectStore(ObjectStore):
                     except FileNotFoundError:
                         continue  # deleted while listing
                     side = self._read_sidecar(path.with_name(fname[: -len(_OBJ)] + _META))
-                    found.append((key.encode("utf-8", "surrogatepass"), ObjectInfo(
-                        key=key, size=st.st_size, etag=str(side.get("etag", "")),
-                        metadata={}, last_modified=st.st_mtime,
-                    )))
+                    found.append(
+                        (
+                            key.encode("utf-8", "surrogatepass"),
+                            ObjectInfo(
+                                key=key,
+                                size=st.st_size,
+                                etag=str(side.get("etag", "")),
+                                metadata={},
+                                last_modified=st.st_mtime,
+                            ),
+                        )
+                    )
         found.sort(key=lambda item: item[0])  # S3 order: UTF-8 byte order of keys
         for _, info in found:
             yield info
@@ -672,7 +717,8 @@ def make_object_store(kind: str, **kwargs: Any) -> ObjectStore:
         if ":" not in kind:
             raise ValueError(
                 f"unknown object store kind {kind!r}; known kinds: "
-                f"{', '.join(sorted(STORE_BACKENDS))} (or a 'package.module:ClassName' path)")
+                f"{', '.join(sorted(STORE_BACKENDS))} (or a 'package.module:ClassName' path)"
+            )
         target = kind
     module_name, _, attr = target.partition(":")
     try:

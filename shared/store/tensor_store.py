@@ -75,8 +75,16 @@ class TensorCodec(abc.ABC, Generic[T, Id]):
 class TensorObjectStore(Generic[T, Id]):
     """Tensor objects of one kind (``codec``) and one ``fingerprint`` in one object store."""
 
-    def __init__(self, store: ObjectStore, codec: TensorCodec[T, Id], *, namespace: str, fingerprint: str,
-                 producer: str, max_object_bytes: int):
+    def __init__(
+        self,
+        store: ObjectStore,
+        codec: TensorCodec[T, Id],
+        *,
+        namespace: str,
+        fingerprint: str,
+        producer: str,
+        max_object_bytes: int,
+    ):
         self.store = store
         self.codec = codec
         self.namespace = namespace
@@ -123,7 +131,9 @@ class TensorObjectStore(Generic[T, Id]):
         if len(blob) > self.max_object_bytes:
             raise ObjectTooLarge(
                 f"{self.codec.kind} object of {len(blob)} bytes exceeds the limit of {self.max_object_bytes}",
-                key=key, size=len(blob), max_bytes=self.max_object_bytes,
+                key=key,
+                size=len(blob),
+                max_bytes=self.max_object_bytes,
             )
         with self.codec.latency("put").time():
             self.store.put(key, blob, metadata={META_SCHEMA: self.codec.schema, META_FINGERPRINT: self.fingerprint})
@@ -153,8 +163,14 @@ class TensorObjectStore(Generic[T, Id]):
             raise self._miss(request_id, expected, exc.reason, exc.detail) from exc
         self.codec.transferred("get").inc(len(blob))
         self.codec.lookup("hit", "").inc()
-        log.debug("request_id=%s %s hit key=%s bytes=%d in %.1f ms", request_id, self.codec.kind, expected,
-                  len(blob), (time.perf_counter() - started) * 1e3)
+        log.debug(
+            "request_id=%s %s hit key=%s bytes=%d in %.1f ms",
+            request_id,
+            self.codec.kind,
+            expected,
+            len(blob),
+            (time.perf_counter() - started) * 1e3,
+        )
         return obj
 
     def delete(self, key: str) -> None:
@@ -179,6 +195,13 @@ class TensorObjectStore(Generic[T, Id]):
     def _miss(self, request_id: str, key: str, reason: MissReason, detail: str) -> ObjectValidationError:
         self.codec.lookup("miss", reason.value).inc()
         level = self.codec.not_found_level if reason is MissReason.NOT_FOUND else logging.WARNING
-        log.log(level, "request_id=%s %s miss key=%s reason=%s detail=%s", request_id, self.codec.kind, key,
-                reason.value, detail)
+        log.log(
+            level,
+            "request_id=%s %s miss key=%s reason=%s detail=%s",
+            request_id,
+            self.codec.kind,
+            key,
+            reason.value,
+            detail,
+        )
         return ObjectValidationError(reason, detail)

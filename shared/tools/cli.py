@@ -1,14 +1,14 @@
 """The ``epd`` command line.
 
-  epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000; restarts a
-                                       service that exits, stops on Ctrl-C or when NATS or S3 dies
-  epd model build-tiny DIR   write a deterministic random-weight model folder
-  epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
-  epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
-  epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.tools.replay_cli)
-  epd ec ls|purge                          EC store per model version, purges (shared.tools.ec_cli)
-  epd bench run|compare   load any OpenAI-compatible endpoint with a multimodal workload; compare results
-  epd plan RESULT.json --rate R   worker counts per role from measured stage costs (shared.tools.bench)
+epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000; restarts a
+                                     service that exits, stops on Ctrl-C or when NATS or S3 dies
+epd model build-tiny DIR   write a deterministic random-weight model folder
+epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
+epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
+epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.tools.replay_cli)
+epd ec ls|purge                          EC store per model version, purges (shared.tools.ec_cli)
+epd bench run|compare   load any OpenAI-compatible endpoint with a multimodal workload; compare results
+epd plan RESULT.json --rate R   worker counts per role from measured stage costs (shared.tools.bench)
 """
 
 from __future__ import annotations
@@ -105,14 +105,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
         service_env = _service_env(args, Topology(args.topology))
         for name, values in service_env.items():
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
-        stack = Stack(env=env, log_dir=data_dir / "logs", topology=args.topology, api_port=args.port,
-                      replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills,
-                                Service.DECODE: args.decoders},
-                      service_env=service_env, metrics_port_base=args.metrics_port)
+        stack = Stack(
+            env=env,
+            log_dir=data_dir / "logs",
+            topology=args.topology,
+            api_port=args.port,
+            replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders},
+            service_env=service_env,
+            metrics_port_base=args.metrics_port,
+        )
         # A vLLM engine uses every CPU it may while it starts: engines that share CPUs start sooner one
         # after another; on CPUs of their own, all at once (measured: 90 s vs 100-113 s; ``--start``).
         staggered = args.start == "staggered" or (
-            args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, Topology(args.topology)))
+            args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, Topology(args.topology))
+        )
         timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
         print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
         progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
@@ -125,8 +131,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
             f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
             f"topology {args.topology})\n"
             f"  NATS {nats.url}   S3 http://{s3.endpoint}   logs {data_dir / 'logs'}\n"
-            + (f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
-               if stack.metrics_ports else "")
+            + (
+                f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
+                if stack.metrics_ports
+                else ""
+            )
             + "\n"
             "Try it:\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
@@ -142,8 +151,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         while True:
             for server in (nats, s3):
                 if not server.is_running():
-                    raise StackError(f"{server.name} (pid {server.pid}) exited; stopping the stack. "
-                                     f"Log {server.log_path}:\n{server.log_tail(10)}")
+                    raise StackError(
+                        f"{server.name} (pid {server.pid}) exited; stopping the stack. "
+                        f"Log {server.log_path}:\n{server.log_tail(10)}"
+                    )
             for event in supervisor.check():
                 print(event.line(), flush=True)
             time.sleep(0.5)
@@ -205,8 +216,9 @@ def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict
         name, sep, assignment = spec.partition(":")
         key, eq, value = assignment.partition("=")
         if not sep or not eq or name not in services or not key.startswith("EPD_"):
-            raise SystemExit(f"--service-env {spec!r}: use SERVICE:EPD_NAME=VALUE with SERVICE one of "
-                             f"{', '.join(services)}")
+            raise SystemExit(
+                f"--service-env {spec!r}: use SERVICE:EPD_NAME=VALUE with SERVICE one of {', '.join(services)}"
+            )
         out.setdefault(name, {})[key] = value
     return out
 
@@ -219,9 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
     up.add_argument("--engine", default=os.environ.get("EPD_ENGINE", "transformers"))
-    up.add_argument("--topology", default=Topology.E_PD.value, choices=[t.value for t in Topology],
-                    help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
-                         "e-p-d: encoders + prefill workers + decode workers")
+    up.add_argument(
+        "--topology",
+        default=Topology.E_PD.value,
+        choices=[t.value for t in Topology],
+        help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
+        "e-p-d: encoders + prefill workers + decode workers",
+    )
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--nats-port", type=int, default=DEFAULT_NATS_PORT)
@@ -229,20 +245,40 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
     up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
-    up.add_argument("--cores", action="append", metavar="SERVICE=LIST|auto",
-                    help="bind a worker service to CPUs (EPD_CPU_CORES), e.g. --cores encoder=0 --cores prefill=1; "
-                         "auto: split the CPUs between the worker services (the default with --engine vllm and "
-                         "more than one worker service)")
-    up.add_argument("--service-env", action="append", metavar="SERVICE:EPD_NAME=VALUE",
-                    help="a setting for one service only, e.g. prefill:EPD_VLLM_KV_CACHE_GIB=2 "
-                         "or prefill:EPD_MAX_WAITING_JOBS=128 (repeatable)")
-    up.add_argument("--start", choices=["auto", "parallel", "staggered"], default="auto",
-                    help="start worker services all at once or one after another (auto: staggered for vLLM "
-                         "engines that share CPUs, else all at once)")
-    up.add_argument("--ready-timeout", type=float, default=None,
-                    help="seconds to wait for all services (default 180; 600 with --engine vllm)")
-    up.add_argument("--metrics-port", type=int, default=None,
-                    help="workers serve Prometheus /metrics on this port + 1, + 2, ... (the API serves it on --port)")
+    up.add_argument(
+        "--cores",
+        action="append",
+        metavar="SERVICE=LIST|auto",
+        help="bind a worker service to CPUs (EPD_CPU_CORES), e.g. --cores encoder=0 --cores prefill=1; "
+        "auto: split the CPUs between the worker services (the default with --engine vllm and "
+        "more than one worker service)",
+    )
+    up.add_argument(
+        "--service-env",
+        action="append",
+        metavar="SERVICE:EPD_NAME=VALUE",
+        help="a setting for one service only, e.g. prefill:EPD_VLLM_KV_CACHE_GIB=2 "
+        "or prefill:EPD_MAX_WAITING_JOBS=128 (repeatable)",
+    )
+    up.add_argument(
+        "--start",
+        choices=["auto", "parallel", "staggered"],
+        default="auto",
+        help="start worker services all at once or one after another (auto: staggered for vLLM "
+        "engines that share CPUs, else all at once)",
+    )
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for all services (default 180; 600 with --engine vllm)",
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="workers serve Prometheus /metrics on this port + 1, + 2, ... (the API serves it on --port)",
+    )
     up.set_defaults(func=_cmd_up)
 
     model = sub.add_parser("model", help="model utilities")

@@ -33,10 +33,7 @@ SECTIONS: tuple[tuple[type[config.CommonSettings], str, str], ...] = (
     (
         config.CommonSettings,
         "Every service",
-        (
-            "api, encoder, prefill, decode; the `epd` CLI "
-            "(`epd replay`, `epd ec`, `epd plan --from-streams`)"
-        ),
+        ("api, encoder, prefill, decode; the `epd` CLI (`epd replay`, `epd ec`, `epd plan --from-streams`)"),
     ),
     (config.ApiSettings, "API", "api"),
     (config.EncoderSettings, "Encoder", "encoder"),
@@ -88,10 +85,7 @@ COMPOSE_ONLY = (
     (
         "COMPOSE_PROFILES",
         "`e-pd` (in .env.example)",
-        (
-            "topology and hardware: `e-pd`, `e-p-d`, "
-            "`gpu-e-pd`, `gpu-e-p-d` (one at a time)"
-        ),
+        ("topology and hardware: `e-pd`, `e-p-d`, `gpu-e-pd`, `gpu-e-p-d` (one at a time)"),
     ),
     (
         "EPD_MODEL_DIR",
@@ -101,10 +95,7 @@ COMPOSE_ONLY = (
     (
         "MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD",
         "required",
-        (
-            "MinIO root account (used by `minio` and "
-            "`minio-init` only, never by the services)"
-        ),
+        ("MinIO root account (used by `minio` and `minio-init` only, never by the services)"),
     ),
     (
         "EPD_NATS_IMAGE",
@@ -124,18 +115,14 @@ def env_name(field: str) -> str:
 
 
 def own_fields(cls: type[config.CommonSettings]) -> dict[str, FieldInfo]:
-    base = (
-        config.CommonSettings.model_fields if cls is not config.CommonSettings else {}
-    )
+    base = config.CommonSettings.model_fields if cls is not config.CommonSettings else {}
     return {name: f for name, f in cls.model_fields.items() if name not in base}
 
 
 def description(field: FieldInfo) -> str:
     text = " ".join((field.description or "").split())
     first = text.split(" ", 1)[0]
-    if (
-        first.replace("-", "").isalpha() and first.islower()
-    ):  # "vLLM ..." and "`text` ..." stay as written
+    if first.replace("-", "").isalpha() and first.islower():  # "vLLM ..." and "`text` ..." stay as written
         text = text[:1].upper() + text[1:]
     return text if not text or text.endswith((".", ")")) else text + "."
 
@@ -171,10 +158,8 @@ def _size(value: int) -> str:
 def env_value(field: FieldInfo) -> str:
     """The default as it is written in the environment ('' for unset)."""
     if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-        return (
-            "{}" if value == {} else ""
-        )  # a computed default (worker id) is not written down
+        value = field.default_factory()  # type: ignore[call-arg]  # pydantic types it as taking the validated data; ours take none
+        return "{}" if value == {} else ""  # a computed default (worker id) is not written down
     value = field.default
     if value is None or value == ():
         return ""
@@ -194,11 +179,7 @@ def doc_default(name: str, field: FieldInfo) -> str:
     if value == "":
         return "unset"
     shown = f"`{value}`"
-    if (
-        isinstance(field.default, int)
-        and not isinstance(field.default, bool)
-        and name.endswith("bytes")
-    ):
+    if isinstance(field.default, int) and not isinstance(field.default, bool) and name.endswith("bytes"):
         size = _size(field.default)
         if size:
             shown += f" ({size})"
@@ -207,9 +188,7 @@ def doc_default(name: str, field: FieldInfo) -> str:
 
 def compose_variables(root: Path) -> set[str]:
     """Variables docker-compose.yml substitutes (``${NAME...}``), comments left out."""
-    text = "\n".join(
-        line.split("#", 1)[0] for line in (root / COMPOSE_FILE).read_text().splitlines()
-    )
+    text = "\n".join(line.split("#", 1)[0] for line in (root / COMPOSE_FILE).read_text().splitlines())
     return set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", text))
 
 
@@ -244,14 +223,8 @@ def configuration_md() -> str:
             "|---|---|---|---|---|",
         ]
         for name, field in own_fields(cls).items():
-            read_by = READ_BY.get(
-                name, "all" if cls is config.CommonSettings else readers.split(" (")[0]
-            )
-            kind = (
-                " \\| ".join(f"`{c}`" for c in CHOICES[name])
-                if name in CHOICES
-                else type_name(field.annotation)
-            )
+            read_by = READ_BY.get(name, "all" if cls is config.CommonSettings else readers.split(" (")[0])
+            kind = " \\| ".join(f"`{c}`" for c in CHOICES[name]) if name in CHOICES else type_name(field.annotation)
             row = (
                 f"`{env_name(name)}`",
                 kind,
@@ -260,12 +233,7 @@ def configuration_md() -> str:
                 read_by,
             )
             out.append(
-                "| "
-                + " | ".join(
-                    cell.replace("|", "\\|") if i != 1 else cell
-                    for i, cell in enumerate(row)
-                )
-                + " |"
+                "| " + " | ".join(cell.replace("|", "\\|") if i != 1 else cell for i, cell in enumerate(row)) + " |"
             )
         out.append("")
     out += [
@@ -377,13 +345,8 @@ def env_example(root: Path = ROOT) -> str:
             continue
         out += ["", _rule(title.lower()), f"# (read by: {readers.replace('`', '')})"]
         for var, field in rows:
-            value = COMPOSE_DEFAULTS.get(
-                var, "" if var in SECRET_VARS else env_value(field)
-            )
-            out += _wrap(
-                description(field)
-                + (" " + COMPOSE_NOTES[var] if var in COMPOSE_NOTES else "")
-            )
+            value = COMPOSE_DEFAULTS.get(var, "" if var in SECRET_VARS else env_value(field))
+            out += _wrap(description(field) + (" " + COMPOSE_NOTES[var] if var in COMPOSE_NOTES else ""))
             out.append(f"# {var}={value}")
     out += [
         "",
@@ -441,9 +404,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Add ``config docs`` to the ``epd`` parser."""
-    cfg = sub.add_parser(
-        "config", help="settings: the generated configuration reference"
-    )
+    cfg = sub.add_parser("config", help="settings: the generated configuration reference")
     csub = cfg.add_subparsers(dest="config_command", required=True)
     docs = csub.add_parser(
         "docs",
@@ -454,7 +415,5 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="write nothing; exit 1 naming each stale file",
     )
-    docs.add_argument(
-        "--root", default=str(ROOT), help="repository root (default: this checkout)"
-    )
+    docs.add_argument("--root", default=str(ROOT), help="repository root (default: this checkout)")
     docs.set_defaults(func=_cmd_docs)

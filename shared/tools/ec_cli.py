@@ -39,13 +39,20 @@ def add_parser(sub: Any) -> None:
     purge = esub.add_parser("purge", parents=[common], help="delete the objects of a model version (or old ones)")
     purge.add_argument("--fingerprint", help="only this fingerprint's objects")
     purge.add_argument("--retired", action="store_true", help="only fingerprints no worker serves any more")
-    purge.add_argument("--older-than", type=parse_duration, metavar="D",
-                       help="only objects last used more than D ago (30s, 15m, 2h, 1d)")
+    purge.add_argument(
+        "--older-than",
+        type=parse_duration,
+        metavar="D",
+        help="only objects last used more than D ago (30s, 15m, 2h, 1d)",
+    )
     purge.add_argument("--kind", choices=("ec", "kv", "all"), default="all", help="object kind (default: all)")
     purge.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
-    purge.add_argument("--allow-unknown-fingerprint", action="store_true",
-                       help="purge a --fingerprint that no stored object and no worker heartbeat named "
-                            "(refused by default: most likely a typo)")
+    purge.add_argument(
+        "--allow-unknown-fingerprint",
+        action="store_true",
+        help="purge a --fingerprint that no stored object and no worker heartbeat named "
+        "(refused by default: most likely a typo)",
+    )
     purge.set_defaults(func=_cmd_purge)
 
 
@@ -83,16 +90,25 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         out = []
         for (kind, fp), row in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[1]["last_use"])):
             reg = fps.get(fp)
-            out.append({
-                "kind": kind, "fingerprint": fp, **row,
-                "model": reg.model if reg else "", "model_path": reg.model_path if reg else "",
-                # (no heartbeat named it: KV objects' model fingerprints, plain vLLM servers' versions)
-                "status": ("current" if is_current(reg, now, settings.ec_retired_after_s) else "retired")
-                if reg is not None else "unknown",
-            })
+            out.append(
+                {
+                    "kind": kind,
+                    "fingerprint": fp,
+                    **row,
+                    "model": reg.model if reg else "",
+                    "model_path": reg.model_path if reg else "",
+                    # (no heartbeat named it: KV objects' model fingerprints, plain vLLM servers' versions)
+                    "status": ("current" if is_current(reg, now, settings.ec_retired_after_s) else "retired")
+                    if reg is not None
+                    else "unknown",
+                }
+            )
         if args.json:
-            print(json.dumps({"namespace": settings.namespace, "max_bytes": settings.ec_max_bytes,
-                              "fingerprints": out}, indent=2))
+            print(
+                json.dumps(
+                    {"namespace": settings.namespace, "max_bytes": settings.ec_max_bytes, "fingerprints": out}, indent=2
+                )
+            )
             return 0
         total = sum(r["bytes"] for r in out if r["kind"] == "ec")
         bound = f" (bound {settings.ec_max_bytes})" if settings.ec_max_bytes else ""
@@ -101,8 +117,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         for r in out:
             ago = _ago(now - r["last_use"]) if r["last_use"] else "-"
             model = " ".join(x for x in (r["model"], f"({r['model_path']})" if r["model_path"] else "") if x) or "?"
-            print(f"{r['kind']:4} {r['fingerprint']:26} {r['objects']:>8} {r['bytes']:>12} {ago:>10}  "
-                  f"{r['status']:8} {model}")
+            print(
+                f"{r['kind']:4} {r['fingerprint']:26} {r['objects']:>8} {r['bytes']:>12} {ago:>10}  "
+                f"{r['status']:8} {model}"
+            )
         return 0
 
     return _run(args, body, prog="epd ec")
@@ -120,32 +138,54 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         kinds = ("ec", "kv") if args.kind == "all" else (args.kind,)
         try:
             result = await purge(
-                nc=nc, subjects=subjects, index=index, store=store, namespace=settings.namespace,
-                by=f"epd-ec-purge-{settings.worker_id}", fingerprint=args.fingerprint, retired=args.retired,
-                older_than_s=args.older_than, retired_after_s=settings.ec_retired_after_s, kinds=kinds,
-                dry_run=args.dry_run, allow_unknown=args.allow_unknown_fingerprint,
+                nc=nc,
+                subjects=subjects,
+                index=index,
+                store=store,
+                namespace=settings.namespace,
+                by=f"epd-ec-purge-{settings.worker_id}",
+                fingerprint=args.fingerprint,
+                retired=args.retired,
+                older_than_s=args.older_than,
+                retired_after_s=settings.ec_retired_after_s,
+                kinds=kinds,
+                dry_run=args.dry_run,
+                allow_unknown=args.allow_unknown_fingerprint,
             )
         except UnknownFingerprint as exc:
             now = time.time()
-            known = "; ".join(
-                f"{fp} ({'current' if is_current(reg, now, settings.ec_retired_after_s) else 'retired'}"
-                f"{', model ' + reg.model if reg.model else ''})" if reg is not None else f"{fp} (unknown model)"
-                for fp, reg in sorted(exc.known.items())) or "none"
-            print(f"epd ec purge: unknown fingerprint {exc.fingerprint!r} in namespace {settings.namespace}: no "
-                  f"stored object and no worker heartbeat has it; nothing removed. Known: {known}. "
-                  "(--allow-unknown-fingerprint purges it anyway)", file=sys.stderr)
+            known = (
+                "; ".join(
+                    f"{fp} ({'current' if is_current(reg, now, settings.ec_retired_after_s) else 'retired'}"
+                    f"{', model ' + reg.model if reg.model else ''})"
+                    if reg is not None
+                    else f"{fp} (unknown model)"
+                    for fp, reg in sorted(exc.known.items())
+                )
+                or "none"
+            )
+            print(
+                f"epd ec purge: unknown fingerprint {exc.fingerprint!r} in namespace {settings.namespace}: no "
+                f"stored object and no worker heartbeat has it; nothing removed. Known: {known}. "
+                "(--allow-unknown-fingerprint purges it anyway)",
+                file=sys.stderr,
+            )
             return EXIT_ERROR
-        rows = [{"kind": k, "fingerprint": fp, "objects": v[0], "bytes": v[1]} for (k, fp), v in
-                sorted(result.removed.items())]
+        rows = [
+            {"kind": k, "fingerprint": fp, "objects": v[0], "bytes": v[1]}
+            for (k, fp), v in sorted(result.removed.items())
+        ]
         if args.json:
             print(json.dumps({"dry_run": args.dry_run, "removed": rows}, indent=2))
             return 0
         if args.fingerprint and result.objects:
             reg = (await index.fingerprints()).get(args.fingerprint)
             if is_current(reg, time.time(), settings.ec_retired_after_s):
-                print(f"note: {args.fingerprint} is a current fingerprint (a worker served it within "
-                      f"{settings.ec_retired_after_s:.0f} s): purging it makes the encoders encode its images again on "
-                      "their next use")
+                print(
+                    f"note: {args.fingerprint} is a current fingerprint (a worker served it within "
+                    f"{settings.ec_retired_after_s:.0f} s): purging it makes the encoders encode its images again on "
+                    "their next use"
+                )
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {result.objects} object(s), {result.nbytes} bytes")
         for r in rows:

@@ -104,8 +104,10 @@ class ServiceProcess:
     def respawn(self) -> None:
         """Start the same command again, same environment, appending to the same log file."""
         with self.log_path.open("ab") as fh:
-            fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} epd: restarting {self.label} "
-                     f"(restart {self.restarts + 1})\n".encode())
+            fh.write(
+                f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} epd: restarting {self.label} "
+                f"(restart {self.restarts + 1})\n".encode()
+            )
             fh.flush()
             self.popen = _spawn(self.argv, log_fh=fh, cwd=self.cwd or Path.cwd(), env=self.env)
         self.started_at = time.monotonic()
@@ -135,8 +137,9 @@ def service_command(module_name: str, python: str = sys.executable, *, module: s
     return [python, "-m", f"services.{module_name}"]
 
 
-def start_service(module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None, *,
-                  module: str | None = None) -> ServiceProcess:
+def start_service(
+    module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None, *, module: str | None = None
+) -> ServiceProcess:
     """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
@@ -187,8 +190,9 @@ class Stack:
         except ValueError:
             raise StackError(f"unknown topology {self.topology!r}; available: {', '.join(Topology)}") from None
 
-    def start(self, *, staggered: bool = False, timeout: float = 600.0,
-              progress: Callable[[str], None] | None = None) -> Stack:
+    def start(
+        self, *, staggered: bool = False, timeout: float = 600.0, progress: Callable[[str], None] | None = None
+    ) -> Stack:
         """Start every service of the topology. ``staggered``: the API, then one worker service at a
         time, each once the previous one is ready (:meth:`wait_ready`), so engines that each take
         all the cores to start (vLLM on a small CPU host) do not slow each other down."""
@@ -216,8 +220,12 @@ class Stack:
         """Start one more process of service ``name`` (``service_env`` / ``extra_env`` override the
         topology's environment)."""
         name = Service(name).value
-        env = {**self.env, **topology_env(Topology(self.topology)), **self.service_env.get(name, {}),
-               **(extra_env or {})}
+        env = {
+            **self.env,
+            **topology_env(Topology(self.topology)),
+            **self.service_env.get(name, {}),
+            **(extra_env or {}),
+        }
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
         env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")
@@ -238,8 +246,13 @@ class Stack:
             return None
         return body if status == 200 else None
 
-    def wait_ready(self, timeout: float = 120.0, *, roles: dict[str, int] | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict:
+    def wait_ready(
+        self,
+        timeout: float = 120.0,
+        *,
+        roles: dict[str, int] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> dict:
         """Wait until the API answers and at least the given number of workers beat per heartbeat
         role (a worker's service name; default: every worker service of the topology, replicas each).
         ``progress`` gets a line whenever what is ready changes (``epd up`` prints it)."""
@@ -362,8 +375,12 @@ class Supervisor:
             if code is None:
                 if proc.awaiting_health and self._healthy(proc):
                     proc.awaiting_health = False
-                    return SupervisorEvent("healthy", proc.label, f"{proc.label} healthy again (pid {proc.popen.pid}, "
-                                                                  f"{now - proc.started_at:.1f}s after its restart)")
+                    return SupervisorEvent(
+                        "healthy",
+                        proc.label,
+                        f"{proc.label} healthy again (pid {proc.popen.pid}, "
+                        f"{now - proc.started_at:.1f}s after its restart)",
+                    )
                 return None
             uptime = now - proc.started_at
             proc.crash_streak = self.policy.streak_after_exit(proc.crash_streak, uptime)
@@ -371,10 +388,12 @@ class Supervisor:
             proc.restart_at = now + delay
             proc.awaiting_health = False
             return SupervisorEvent(
-                "exited", proc.label,
+                "exited",
+                proc.label,
                 f"{proc.label} (pid {proc.popen.pid}) exited ({_describe_exit(code)}) after {uptime:.1f}s up; "
                 f"restarting in {delay:.1f}s (restart {proc.restarts + 1}); log {proc.log_path}:",
-                proc.log_tail(self.log_tail_lines))
+                proc.log_tail(self.log_tail_lines),
+            )
         if now < proc.restart_at:
             return None
         try:
@@ -383,12 +402,14 @@ class Supervisor:
             proc.crash_streak += 1
             delay = self.policy.delay(proc.crash_streak)
             proc.restart_at = now + delay
-            return SupervisorEvent("restart_failed", proc.label,
-                                   f"{proc.label} could not be restarted ({exc}); retrying in {delay:.1f}s")
+            return SupervisorEvent(
+                "restart_failed", proc.label, f"{proc.label} could not be restarted ({exc}); retrying in {delay:.1f}s"
+            )
         proc.restart_at = None
         proc.awaiting_health = True
-        return SupervisorEvent("restarted", proc.label,
-                               f"{proc.label} restarted (pid {proc.popen.pid}, restart {proc.restarts})")
+        return SupervisorEvent(
+            "restarted", proc.label, f"{proc.label} restarted (pid {proc.popen.pid}, restart {proc.restarts})"
+        )
 
     @staticmethod
     def _respawn(proc: ServiceProcess) -> None:

@@ -34,7 +34,6 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import protocol
-from shared.topology import Service
 from shared.client import RequestClient, chunk_texts
 from shared.config import CommonSettings
 from shared.errors import DeadlineExceeded, EPDError, StoreError
@@ -66,6 +65,7 @@ from shared.store.ec_index import ECIndex
 from shared.store.format import ec_key as make_ec_key
 from shared.store.format import media_key as make_media_key
 from shared.store.objects import ObjectStore
+from shared.topology import Service
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,9 @@ def new_replay_id() -> str:
 
 
 # -- live workers -------------------------------------------------------------------------------
-async def live_workers(nc: NATS, subjects: Subjects, *, wait_s: float, need_role: Service = Service.PREFILL
-                       ) -> dict[str, list[WorkerHeartbeat]]:
+async def live_workers(
+    nc: NATS, subjects: Subjects, *, wait_s: float, need_role: Service = Service.PREFILL
+) -> dict[str, list[WorkerHeartbeat]]:
     """Workers whose heartbeat arrives within ``HEARTBEAT_WINDOW_S`` (longer, up to ``wait_s``,
     while no ``need_role`` worker has beaten)."""
     seen: dict[str, dict[str, WorkerHeartbeat]] = {}
@@ -163,8 +164,7 @@ class ReplayOutcome:
             return None
         if not isinstance(self.result, FinalResult):
             return False
-        return (tuple(self.recorded.token_ids) == tuple(self.result.token_ids)
-                and self.recorded.text == self.result.text)
+        return tuple(self.recorded.token_ids) == tuple(self.result.token_ids) and self.recorded.text == self.result.text
 
     @property
     def first_difference(self) -> int | None:
@@ -240,8 +240,10 @@ async def replay_request(
     job = case.generation_job
     if job is None:
         hint = await retention_hint(reader, subjects.stream_generate)
-        raise MessagesExpired(f"request {request_id} has no generation job left on {subjects.generate_jobs} "
-                              f"(expired or trimmed), so it cannot be replayed: {hint}")
+        raise MessagesExpired(
+            f"request {request_id} has no generation job left on {subjects.generate_jobs} "
+            f"(expired or trimmed), so it cannot be replayed: {hint}"
+        )
     notes: list[str] = []
     distinct = list(dict.fromkeys(ref.item_hash for ref in job.images))
     # Images first (cheap, and the clearer error): each needs its media or an EC object.
@@ -252,17 +254,22 @@ async def replay_request(
                 raise MediaExpired(
                     f"image {item[:16]} of request {request_id} is no longer in the store (no media object "
                     f"{make_media_key(namespace, item)}, no EC object for encoder {job.fingerprint}): it cannot be "
-                    "replayed here. `epd replay export` carries the images of a case for this reason")
+                    "replayed here. `epd replay export` carries the images of a case for this reason"
+                )
 
     workers = await live_workers(nc, subjects, wait_s=worker_wait_s)
     prefills = workers.get(Service.PREFILL, [])
     if not prefills:
-        raise NoLiveWorkers(f"no prefill worker heartbeat on {subjects.heartbeat_all} within {worker_wait_s:.0f} s: "
-                            f"start workers on this NATS with EPD_SUBJECT_PREFIX={subjects.prefix}")
+        raise NoLiveWorkers(
+            f"no prefill worker heartbeat on {subjects.heartbeat_all} within {worker_wait_s:.0f} s: "
+            f"start workers on this NATS with EPD_SUBJECT_PREFIX={subjects.prefix}"
+        )
     fingerprint = prefills[0].fingerprint or job.fingerprint
     if fingerprint != job.fingerprint:
-        notes.append(f"encoder fingerprint changed since the recording ({job.fingerprint} -> {fingerprint}): "
-                     "a changed model or processor may change the output")
+        notes.append(
+            f"encoder fingerprint changed since the recording ({job.fingerprint} -> {fingerprint}): "
+            "a changed model or processor may change the output"
+        )
         stored = await _stored_images(store, namespace, fingerprint, distinct, notes)
     encoders = [hb for hb in workers.get(Service.ENCODER, []) if hb.fingerprint == fingerprint]
 
@@ -296,37 +303,63 @@ async def replay_request(
     trace = set_trace("replay", received_at=received)
     try:
         for ref in to_encode:
-            await client.queue_encode(EncodeJob(
-                request_id=replay_id, image=ref, fingerprint=fingerprint,
-                ec_key=make_ec_key(namespace, fingerprint, ref.item_hash), created_at=time.time(),
-            ))
+            await client.queue_encode(
+                EncodeJob(
+                    request_id=replay_id,
+                    image=ref,
+                    fingerprint=fingerprint,
+                    ec_key=make_ec_key(namespace, fingerprint, ref.item_hash),
+                    created_at=time.time(),
+                )
+            )
         record = case.record
         new_record = ChatRequestRecord(
-            request_id=replay_id, received_at=received, model=job.model, body=record.body if record else {},
-            images=images, replay_of=request_id,
+            request_id=replay_id,
+            received_at=received,
+            model=job.model,
+            body=record.body if record else {},
+            images=images,
+            replay_of=request_id,
         )
-        new_job = msgspec.structs.replace(job, request_id=replay_id, images=images, fingerprint=fingerprint,
-                                          sampling=sampling, deadline=deadline, created_at=time.time(), reprefill=0)
+        new_job = msgspec.structs.replace(
+            job,
+            request_id=replay_id,
+            images=images,
+            fingerprint=fingerprint,
+            sampling=sampling,
+            deadline=deadline,
+            created_at=time.time(),
+            reprefill=0,
+        )
         tokens = await client.submit(new_job, record=new_record)
-        log.info("replaying %s as %s (%d image(s), %d encode job(s))", request_id, replay_id, len(refs),
-                 len(to_encode))
+        log.info("replaying %s as %s (%d image(s), %d encode job(s))", request_id, replay_id, len(refs), len(to_encode))
         chunks, result = await tokens.collect()
     except DeadlineExceeded as exc:
-        raise ReplayTimeout(f"replay {replay_id} of {request_id} produced no result within {timeout:.0f} s; "
-                            f"inspect it with `epd replay show {replay_id}`") from exc
+        raise ReplayTimeout(
+            f"replay {replay_id} of {request_id} produced no result within {timeout:.0f} s; "
+            f"inspect it with `epd replay show {replay_id}`"
+        ) from exc
     finally:
         TRACE_HEADERS.reset(trace)
     texts = chunk_texts(chunks)
     return ReplayOutcome(
-        original_id=request_id, replay_id=replay_id, greedy=sampling.temperature == 0, seed=sampling.seed,
-        recorded=case.final, recorded_error=case.error if case.final is None else None, result=result,
+        original_id=request_id,
+        replay_id=replay_id,
+        greedy=sampling.temperature == 0,
+        seed=sampling.seed,
+        recorded=case.final,
+        recorded_error=case.error if case.final is None else None,
+        result=result,
         recorded_texts=[m.msg.text for m in case.chunks()],  # type: ignore[union-attr]  # chunks() holds TokenChunks only
-        replay_texts=texts, elapsed_s=time.time() - received, notes=notes + case.notes,
+        replay_texts=texts,
+        elapsed_s=time.time() - received,
+        notes=notes + case.notes,
     )
 
 
-async def _stored_images(store: ObjectStore | None, namespace: str, fingerprint: str, items: list[str],
-                         notes: list[str]) -> dict[str, tuple[bool, bool]] | None:
+async def _stored_images(
+    store: ObjectStore | None, namespace: str, fingerprint: str, items: list[str], notes: list[str]
+) -> dict[str, tuple[bool, bool]] | None:
     """item -> (EC object of ``fingerprint`` stored, media stored); None when it cannot be told."""
     if store is None:
         return None
@@ -388,19 +421,29 @@ async def export_cases(
                     notes.append(f"image {item[:16]} not exported: it is no longer in the store ({key})")
                     continue
                 budget -= len(data)
-                media.append({"item_hash": item, "sha256": hashlib.sha256(data).hexdigest(),
-                              "data": base64.b64encode(data).decode()})
-        cases.append({
-            "request_id": rid,
-            "source": case.source,
-            "notes": notes,
-            "messages": [
-                {**m.to_json(), "data": base64.b64encode(m.data).decode()} for m in case.messages
-            ],
-            "media": media,
-        })
-    return {"format": CASE_FORMAT, "version": CASE_VERSION, "exported_at": time.time(), "prefix": subjects.prefix,
-            "cases": cases}
+                media.append(
+                    {
+                        "item_hash": item,
+                        "sha256": hashlib.sha256(data).hexdigest(),
+                        "data": base64.b64encode(data).decode(),
+                    }
+                )
+        cases.append(
+            {
+                "request_id": rid,
+                "source": case.source,
+                "notes": notes,
+                "messages": [{**m.to_json(), "data": base64.b64encode(m.data).decode()} for m in case.messages],
+                "media": media,
+            }
+        )
+    return {
+        "format": CASE_FORMAT,
+        "version": CASE_VERSION,
+        "exported_at": time.time(),
+        "prefix": subjects.prefix,
+        "cases": cases,
+    }
 
 
 def write_case_file(doc: dict[str, Any], path: str | Path) -> int:
@@ -439,8 +482,7 @@ def validate_case_doc(doc: Any) -> dict[str, Any]:
         check_request_id(case.get("request_id"))
         messages = case.get("messages")
         if not isinstance(messages, list) or len(messages) > MAX_CASE_MESSAGES:
-            raise CaseFileError(f"case {case['request_id']}: 'messages' must be a list of at most "
-                                f"{MAX_CASE_MESSAGES}")
+            raise CaseFileError(f"case {case['request_id']}: 'messages' must be a list of at most {MAX_CASE_MESSAGES}")
         for i, m in enumerate(messages):
             where = f"case {case['request_id']} message {i}"
             if not isinstance(m, dict) or not isinstance(m.get("headers"), dict) or not isinstance(m.get("data"), str):
@@ -452,16 +494,24 @@ def validate_case_doc(doc: Any) -> dict[str, Any]:
                 protocol.decode(raw)
             except (ValueError, protocol.ProtocolError) as exc:
                 raise CaseFileError(f"{where}: not a valid protocol message: {exc}") from exc
-            if not isinstance(m.get("stream"), str) or not isinstance(m.get("subject"), str) \
-                    or not isinstance(m.get("time"), (int, float)) or not isinstance(m.get("seq"), int):
+            if (
+                not isinstance(m.get("stream"), str)
+                or not isinstance(m.get("subject"), str)
+                or not isinstance(m.get("time"), (int, float))
+                or not isinstance(m.get("seq"), int)
+            ):
                 raise CaseFileError(f"{where}: needs 'stream', 'subject' (strings), 'time' (number), 'seq' (int)")
         media = case.get("media", [])
         if not isinstance(media, list) or not all(
-            isinstance(x, dict) and isinstance(x.get("item_hash"), str) and isinstance(x.get("data"), str)
-            and isinstance(x.get("sha256"), str) for x in media
+            isinstance(x, dict)
+            and isinstance(x.get("item_hash"), str)
+            and isinstance(x.get("data"), str)
+            and isinstance(x.get("sha256"), str)
+            for x in media
         ):
-            raise CaseFileError(f"case {case['request_id']}: 'media' must be a list of "
-                                "{item_hash, sha256, data} objects")
+            raise CaseFileError(
+                f"case {case['request_id']}: 'media' must be a list of {{item_hash, sha256, data}} objects"
+            )
     return doc
 
 
@@ -517,10 +567,15 @@ async def import_cases(
             raw = base64.b64decode(m["data"])
             kind = message_kind(protocol.decode(raw))
             headers = {k: v for k, v in m["headers"].items() if k.startswith("Epd-") and not k.startswith("Epd-Orig-")}
-            headers.update({
-                HDR_ORIG_STREAM: m["stream"], HDR_ORIG_SUBJECT: m["subject"], HDR_ORIG_SEQ: str(m["seq"]),
-                HDR_ORIG_TIME: f"{float(m['time']):.6f}", protocol.HDR_MSG_ID: f"import-{rid}-{i}",
-            })
+            headers.update(
+                {
+                    HDR_ORIG_STREAM: m["stream"],
+                    HDR_ORIG_SUBJECT: m["subject"],
+                    HDR_ORIG_SEQ: str(m["seq"]),
+                    HDR_ORIG_TIME: f"{float(m['time']):.6f}",
+                    protocol.HDR_MSG_ID: f"import-{rid}-{i}",
+                }
+            )
             await js.publish(subjects.imported(rid, kind), raw, headers=headers)
             report.messages += 1
         for item in case.get("media", []):

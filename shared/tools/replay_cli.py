@@ -51,8 +51,9 @@ def add_parser(sub: Any) -> None:
     rsub = replay.add_subparsers(dest="replay_command", required=True)
 
     ls = rsub.add_parser("list", parents=[common], help="recent requests, newest first")
-    ls.add_argument("--since", type=parse_duration, default=parse_duration("1h"),
-                    help="how far back (30s, 15m, 2h, 1d; default 1h)")
+    ls.add_argument(
+        "--since", type=parse_duration, default=parse_duration("1h"), help="how far back (30s, 15m, 2h, 1d; default 1h)"
+    )
     ls.add_argument("--status", choices=STATUSES)
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(func=_cmd_list)
@@ -65,10 +66,14 @@ def add_parser(sub: Any) -> None:
 
     run = rsub.add_parser("run", parents=[common], help="re-run a recorded request on the live workers")
     run.add_argument("request_id")
-    run.add_argument("--compare", action="store_true",
-                     help="diff the new output with the recorded one; exit 1 when they differ")
-    run.add_argument("--new-seed", action="store_true",
-                     help="sample with the replay's own seed instead of the original's derived one")
+    run.add_argument(
+        "--compare", action="store_true", help="diff the new output with the recorded one; exit 1 when they differ"
+    )
+    run.add_argument(
+        "--new-seed",
+        action="store_true",
+        help="sample with the replay's own seed instead of the original's derived one",
+    )
     run.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
     run.add_argument("--wait-workers", type=float, default=10.0, help="seconds to wait for a live prefill worker")
     run.set_defaults(func=_cmd_run)
@@ -77,8 +82,12 @@ def add_parser(sub: Any) -> None:
     export.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
     export.add_argument("--no-media", action="store_true", help="leave the images out")
-    export.add_argument("--max-media-bytes", type=int, default=64 * 1024**2,
-                        help="at most this many image bytes in the file (default 64 MiB)")
+    export.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=64 * 1024**2,
+        help="at most this many image bytes in the file (default 64 MiB)",
+    )
     export.set_defaults(func=_cmd_export)
 
     imp = rsub.add_parser("import", parents=[common], help="load a case file into this NATS (and store)")
@@ -107,8 +116,15 @@ async def _connect(settings):
 
     # Fail fast: one attempt per server, no reconnect loop (services reconnect forever; a CLI must not hang).
     return await asyncio.wait_for(
-        connect(settings, name="epd-replay", connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False,
-                max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet),
+        connect(
+            settings,
+            name="epd-replay",
+            connect_timeout=CONNECT_TIMEOUT_S,
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.1,
+            error_cb=_quiet,
+        ),
         timeout=CONNECT_TIMEOUT_S * 3,
     )
 
@@ -207,8 +223,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     async def body(nc, subjects, settings) -> int:
         out = await replay.replay_request(
-            nc, subjects, args.request_id, namespace=settings.namespace, store=_store(settings),
-            keep_seed=not args.new_seed, timeout_s=args.timeout, worker_wait_s=args.wait_workers,
+            nc,
+            subjects,
+            args.request_id,
+            namespace=settings.namespace,
+            store=_store(settings),
+            keep_seed=not args.new_seed,
+            timeout_s=args.timeout,
+            worker_wait_s=args.wait_workers,
             stream_replicas=settings.stream_replicas,
         )
         if args.json:
@@ -257,15 +279,31 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     async def body(nc, subjects, settings) -> int:
         doc = await replay.export_cases(
-            nc, subjects, args.request_ids, store=None if args.no_media else _store(settings),
-            include_media=not args.no_media, max_media_bytes=args.max_media_bytes,
+            nc,
+            subjects,
+            args.request_ids,
+            store=None if args.no_media else _store(settings),
+            include_media=not args.no_media,
+            max_media_bytes=args.max_media_bytes,
         )
         size = replay.write_case_file(doc, args.output)
         cases = doc["cases"]
         if args.json:
-            _print_json({"file": args.output, "bytes": size, "cases": [
-                {"request_id": c["request_id"], "messages": len(c["messages"]), "images": len(c["media"]),
-                 "notes": c["notes"]} for c in cases]})
+            _print_json(
+                {
+                    "file": args.output,
+                    "bytes": size,
+                    "cases": [
+                        {
+                            "request_id": c["request_id"],
+                            "messages": len(c["messages"]),
+                            "images": len(c["media"]),
+                            "notes": c["notes"],
+                        }
+                        for c in cases
+                    ],
+                }
+            )
             return 0
         for c in cases:
             print(f"{c['request_id']}: {len(c['messages'])} messages, {len(c['media'])} image(s)")

@@ -46,21 +46,25 @@ NATS_IMAGE = "epd-test/nats:2.15.1"
 S3_IMAGE = "epd-test/seaweedfs-s3:4.48"
 API_KEY = "sk-compose-" + uuid.uuid4().hex
 NATS_USER, NATS_PASSWORD = "epd", uuid.uuid4().hex
-UP_TIMEOUT_S = 600      # `up --wait`: model loads on a loaded 2-core machine take minutes
+UP_TIMEOUT_S = 600  # `up --wait`: model loads on a loaded 2-core machine take minutes
 REQUEST_TIMEOUT_S = 300
-STATE_TIMEOUT_S = 240   # a container reaching a state (restarted, unhealthy, healthy)
+STATE_TIMEOUT_S = 240  # a container reaching a state (restarted, unhealthy, healthy)
 
 # The requests: one image each, greedy, 12 token ids back (the API's extension). A check that
 # needs the encoder to work sends an image the stack has not seen (a seen one is served from the
 # EC store without encoding).
 BODY = chat_body("Describe the image.", [noise_image(16, (448, 448))], **GREEDY)
 # The streamed request killed mid-stream: long enough that tokens are still to come after the first.
-LONG_BODY = chat_body("Describe the image in detail.", [noise_image(17, (448, 448))],
-                      **{**GREEDY, "max_tokens": 48})
-BODIES = {"short": BODY, "long": LONG_BODY,
-          **{name: chat_body(f"What is in picture {seed}?", [noise_image(seed, (448, 448))], **GREEDY)
-             for seed, name in enumerate(["encoder-fault", "scale-0", "scale-1", "scale-2", "scale-3", "e-p-d"],
-                                         start=100)}}
+LONG_BODY = chat_body("Describe the image in detail.", [noise_image(17, (448, 448))], **{**GREEDY, "max_tokens": 48})
+BODIES = {
+    "short": BODY,
+    "long": LONG_BODY,
+    **{
+        name: chat_body(f"What is in picture {seed}?", [noise_image(seed, (448, 448))], **GREEDY)
+        for seed, name in enumerate(["encoder-fault", "scale-0", "scale-1", "scale-2", "scale-3", "e-p-d"], start=100)
+    },
+}
+
 
 class Compose:
     """One compose project: docker-compose.yml + the test override, its own env file."""
@@ -73,18 +77,33 @@ class Compose:
         self.profile = "e-pd"
 
     def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        argv = ["docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), "-f", str(OVERRIDE),
-                "--env-file", str(self.env_file), "--profile", self.profile, *args]
+        argv = [
+            "docker",
+            "compose",
+            "-p",
+            self.project,
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "-f",
+            str(OVERRIDE),
+            "--env-file",
+            str(self.env_file),
+            "--profile",
+            self.profile,
+            *args,
+        ]
         proc = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check:
-            assert proc.returncode == 0, (f"{' '.join(argv[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                                          f"{proc.stderr[-3000:]}")
+            assert proc.returncode == 0, (
+                f"{' '.join(argv[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return proc
 
     def up(self, *args: str) -> None:
         start = time.monotonic()
-        self.run("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--no-build", *args,
-                 timeout=UP_TIMEOUT_S + 60)
+        self.run(
+            "up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--no-build", *args, timeout=UP_TIMEOUT_S + 60
+        )
         log.info("compose up %s (%s) took %.0f s", self.profile, " ".join(args), time.monotonic() - start)
 
     def port(self, service: str, target: int) -> int:
@@ -113,9 +132,11 @@ class Compose:
         """Containers, volumes and networks that still carry this project's label."""
         label = f"label=com.docker.compose.project={self.project}"
         found = {}
-        for kind, argv in (("containers", ["docker", "ps", "-aq", "--filter", label]),
-                           ("volumes", ["docker", "volume", "ls", "-q", "--filter", label]),
-                           ("networks", ["docker", "network", "ls", "-q", "--filter", label])):
+        for kind, argv in (
+            ("containers", ["docker", "ps", "-aq", "--filter", label]),
+            ("volumes", ["docker", "volume", "ls", "-q", "--filter", label]),
+            ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
+        ):
             found[kind] = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.split()
         return found
 
@@ -142,8 +163,7 @@ def service_process(compose: Compose, service: str, module: str) -> int:
 
 
 def wait_state(compose: Compose, service: str, what: str, predicate, timeout: float = STATE_TIMEOUT_S):
-    return wait_for(lambda: predicate(*state(compose.container(service))), timeout, f"{service}: {what}",
-                    interval=0.5)
+    return wait_for(lambda: predicate(*state(compose.container(service))), timeout, f"{service}: {what}", interval=0.5)
 
 
 def headers(key: str | None = API_KEY) -> dict[str, str]:
@@ -162,8 +182,13 @@ def tokens_of(resp: httpx.Response) -> list[int]:
 def stream_tokens(url: str, body: dict, on_event=None) -> list[int]:
     """Token ids of a streamed completion (which must end with [DONE] and no error event)."""
     ids: list[int] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers(),
-                      timeout=REQUEST_TIMEOUT_S) as resp:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=headers(),
+        timeout=REQUEST_TIMEOUT_S,
+    ) as resp:
         assert resp.status_code == 200, resp.read()
         for event in parse_sse(resp.iter_lines()):
             assert "error" not in event, event
@@ -203,17 +228,34 @@ def remove_stale_projects() -> None:
     """Remove what an earlier run of this test left behind (a run killed before its teardown):
     compose projects named epdtest<pid> whose pid is gone. Their containers would otherwise be
     started again by the restart policy whenever dockerd starts."""
-    out = subprocess.run(["docker", "ps", "-a", "--filter", "label=com.docker.compose.project",
-                          "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}'],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    stale = {project for _, project in (line.split() for line in out.splitlines())
-             if project.startswith("epdtest") and project[7:].isdigit() and not Path(f"/proc/{project[7:]}").exists()}
+    out = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "-a",
+            "--filter",
+            "label=com.docker.compose.project",
+            "--format",
+            '{{.ID}} {{.Label "com.docker.compose.project"}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    stale = {
+        project
+        for _, project in (line.split() for line in out.splitlines())
+        if project.startswith("epdtest") and project[7:].isdigit() and not Path(f"/proc/{project[7:]}").exists()
+    }
     for project in sorted(stale):
         log.warning("removing the stale compose project %s", project)
         label = f"label=com.docker.compose.project={project}"
-        for ls, rm in ((["docker", "ps", "-aq"], ["docker", "rm", "-f"]),
-                       (["docker", "volume", "ls", "-q"], ["docker", "volume", "rm", "-f"]),
-                       (["docker", "network", "ls", "-q"], ["docker", "network", "rm"])):
+        for ls, rm in (
+            (["docker", "ps", "-aq"], ["docker", "rm", "-f"]),
+            (["docker", "volume", "ls", "-q"], ["docker", "volume", "rm", "-f"]),
+            (["docker", "network", "ls", "-q"], ["docker", "network", "rm"]),
+        ):
             ids = subprocess.run([*ls, "--filter", label], capture_output=True, text=True, timeout=60).stdout.split()
             if ids:
                 subprocess.run([*rm, *ids], capture_output=True, timeout=300)
@@ -244,19 +286,33 @@ def expected(model_dir, tmp_path_factory) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def compose(model_dir, tmp_path_factory):
-    images = subprocess.run(["docker", "image", "inspect", f"epd-serve:{VERSION}-cpu", NATS_IMAGE, S3_IMAGE],
-                            capture_output=True, text=True, timeout=60)
+    images = subprocess.run(
+        ["docker", "image", "inspect", f"epd-serve:{VERSION}-cpu", NATS_IMAGE, S3_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert images.returncode == 0, f"images missing (run tests/compose/build-images.sh): {images.stderr}"
     remove_stale_projects()
     env_file = tmp_path_factory.mktemp("compose") / "test.env"
-    env_file.write_text("\n".join(f"{k}={v}" for k, v in {
-        "EPD_API_KEYS": API_KEY,
-        "EPD_NATS_USER": NATS_USER, "EPD_NATS_PASSWORD": NATS_PASSWORD,
-        "MINIO_ROOT_USER": "epd-admin", "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
-        "EPD_S3_ACCESS_KEY": "epd-services", "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
-        "EPD_MODEL_DIR": str(model_dir),
-        "EPD_NATS_IMAGE": NATS_IMAGE, "EPD_MINIO_IMAGE": S3_IMAGE,
-    }.items()) + "\n")
+    env_file.write_text(
+        "\n".join(
+            f"{k}={v}"
+            for k, v in {
+                "EPD_API_KEYS": API_KEY,
+                "EPD_NATS_USER": NATS_USER,
+                "EPD_NATS_PASSWORD": NATS_PASSWORD,
+                "MINIO_ROOT_USER": "epd-admin",
+                "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
+                "EPD_S3_ACCESS_KEY": "epd-services",
+                "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
+                "EPD_MODEL_DIR": str(model_dir),
+                "EPD_NATS_IMAGE": NATS_IMAGE,
+                "EPD_MINIO_IMAGE": S3_IMAGE,
+            }.items()
+        )
+        + "\n"
+    )
     env_file.chmod(0o600)
     c = Compose(f"epdtest{os.getpid()}", env_file)
     try:
@@ -271,9 +327,14 @@ def compose(model_dir, tmp_path_factory):
 def test_e_pd_comes_up_healthy(compose, expected):
     compose.up()
     running = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c) for c in compose.containers()}
-    assert running == {"nats": ("running", "healthy", 0), "minio": ("running", "healthy", 0),
-                       "minio-init": ("exited", None, 0), "api": ("running", "healthy", 0),
-                       "encoder": ("running", "healthy", 0), "prefill": ("running", "healthy", 0)}, running
+    assert running == {
+        "nats": ("running", "healthy", 0),
+        "minio": ("running", "healthy", 0),
+        "minio-init": ("exited", None, 0),
+        "api": ("running", "healthy", 0),
+        "encoder": ("running", "healthy", 0),
+        "prefill": ("running", "healthy", 0),
+    }, running
     assert compose.container("minio-init")["State"]["ExitCode"] == 0
     health = httpx.get(f"{compose.api_url}/health", timeout=30).json()
     assert health["workers"] == {"encoder": 1, "prefill": 1}, health
@@ -289,9 +350,12 @@ def test_e_pd_answers_like_epd_up(compose, expected):
 
 
 def test_published_ports_bind_loopback_only(compose):
-    published = [(c["Config"]["Labels"]["com.docker.compose.service"], binding["HostIp"], port)
-                 for c in compose.containers(all_states=False)
-                 for port, bindings in (c["NetworkSettings"]["Ports"] or {}).items() for binding in bindings or []]
+    published = [
+        (c["Config"]["Labels"]["com.docker.compose.service"], binding["HostIp"], port)
+        for c in compose.containers(all_states=False)
+        for port, bindings in (c["NetworkSettings"]["Ports"] or {}).items()
+        for binding in bindings or []
+    ]
     assert {service for service, _, _ in published} == {"nats", "minio", "api"}, published
     assert all(ip == "127.0.0.1" for _, ip, _ in published), published
 
@@ -316,8 +380,9 @@ def test_encoder_hung_then_killed_mid_request(compose, expected):
         log.info("encoder unhealthy; the request %s", "has ended" if request.done() else "is still waiting")
     finally:
         os.kill(pid, signal.SIGKILL)
-    wait_state(compose, "encoder", "restarted by the restart policy",
-               lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(
+        compose, "encoder", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running"
+    )
     wait_state(compose, "encoder", "healthy again", lambda s, h, n: h == "healthy")
     assert request.result() == expected["encoder-fault"]
 
@@ -337,8 +402,9 @@ def test_prefill_killed_mid_stream(compose, expected):
     ids = stream_tokens(url, LONG_BODY, on_event=kill_after_first_tokens)
     assert killed and killed[0] < len(expected["long"]), f"the kill did not land mid-stream: {killed}"
     assert ids == expected["long"]
-    wait_state(compose, "prefill", "restarted by the restart policy",
-               lambda s, h, n: n == before + 1 and s == "running")
+    wait_state(
+        compose, "prefill", "restarted by the restart policy", lambda s, h, n: n == before + 1 and s == "running"
+    )
     wait_state(compose, "prefill", "healthy again", lambda s, h, n: h == "healthy")
     assert tokens_of(chat(url, BODY)) == expected["short"]
 
@@ -356,14 +422,20 @@ def test_scale_encoders(compose, expected):
     compose.up("--scale", "encoder=2")
     encoders = compose.containers("encoder", all_states=False)
     assert [state(c)[:2] for c in encoders] == [("running", "healthy")] * 2
-    wait_for(lambda: httpx.get(f"{compose.api_url}/health", timeout=30).json()["workers"].get("encoder") == 2, 60,
-             "the API to see two encoders", interval=0.5)
+    wait_for(
+        lambda: httpx.get(f"{compose.api_url}/health", timeout=30).json()["workers"].get("encoder") == 2,
+        60,
+        "the API to see two encoders",
+        interval=0.5,
+    )
     url = compose.api_url
     names = [f"scale-{i}" for i in range(4)]
     sent = {name: Background(lambda name=name: tokens_of(chat(url, BODIES[name]))) for name in names}
     assert {name: sent[name].result() for name in names} == {name: expected[name] for name in names}
-    logs = {c["Name"]: subprocess.run(["docker", "logs", c["Id"]], capture_output=True, text=True, timeout=60)
-            for c in encoders}
+    logs = {
+        c["Name"]: subprocess.run(["docker", "logs", c["Id"]], capture_output=True, text=True, timeout=60)
+        for c in encoders
+    }
     encoded = {name: (out.stdout + out.stderr).count(" encoded ") for name, out in logs.items()}
     log.info("encode jobs per encoder container: %s", encoded)
 
@@ -372,11 +444,17 @@ def test_e_p_d_answers_too(compose, expected):
     compose.run("down", "--timeout", "30", timeout=300)
     compose.profile = "e-p-d"
     compose.up()
-    services = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2]
-                for c in compose.containers(all_states=False)}
-    assert services == {"nats": ("running", "healthy"), "minio": ("running", "healthy"),
-                        "api": ("running", "healthy"), "encoder": ("running", "healthy"),
-                        "prefill-only": ("running", "healthy"), "decode": ("running", "healthy")}, services
+    services = {
+        c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2] for c in compose.containers(all_states=False)
+    }
+    assert services == {
+        "nats": ("running", "healthy"),
+        "minio": ("running", "healthy"),
+        "api": ("running", "healthy"),
+        "encoder": ("running", "healthy"),
+        "prefill-only": ("running", "healthy"),
+        "decode": ("running", "healthy"),
+    }, services
     url = compose.api_url
     assert tokens_of(chat(url, BODIES["e-p-d"])) == expected["e-p-d"]
     assert stream_tokens(url, LONG_BODY) == expected["long"]

@@ -20,9 +20,18 @@ import urllib.request
 S3_PORT = 9000
 # weed mini's other ports, fixed inside the container (nothing else listens there). Its
 # maintenance worker dials the admin gRPC port as admin.port + 10000.
-PORTS = {"master.port": 9333, "master.port.grpc": 19333, "volume.port": 8080, "volume.port.grpc": 18080,
-         "filer.port": 8888, "filer.port.grpc": 18888, "s3.port": S3_PORT, "s3.port.grpc": 19000,
-         "admin.port": 23646, "admin.port.grpc": 33646}
+PORTS = {
+    "master.port": 9333,
+    "master.port.grpc": 19333,
+    "volume.port": 8080,
+    "volume.port.grpc": 18080,
+    "filer.port": 8888,
+    "filer.port.grpc": 18888,
+    "s3.port": S3_PORT,
+    "s3.port.grpc": 19000,
+    "admin.port": 23646,
+    "admin.port.grpc": 33646,
+}
 
 
 def env(name: str) -> str:
@@ -34,25 +43,45 @@ def env(name: str) -> str:
 
 def serve() -> None:
     bucket = env("EPD_S3_BUCKET")
-    identities = {"identities": [
-        {"name": "root",
-         "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
-         "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
-        # What minio-init's policy grants the services: s3:* on the bucket and its objects, nothing else.
-        {"name": "epd-services",
-         "credentials": [{"accessKey": env("EPD_S3_ACCESS_KEY"), "secretKey": env("EPD_S3_SECRET_KEY")}],
-         "actions": [f"{a}:{bucket}" for a in ("Admin", "Read", "List", "Tagging", "Write")]},
-    ]}
+    identities = {
+        "identities": [
+            {
+                "name": "root",
+                "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            },
+            # What minio-init's policy grants the services: s3:* on the bucket and its objects, nothing else.
+            {
+                "name": "epd-services",
+                "credentials": [{"accessKey": env("EPD_S3_ACCESS_KEY"), "secretKey": env("EPD_S3_SECRET_KEY")}],
+                "actions": [f"{a}:{bucket}" for a in ("Admin", "Read", "List", "Tagging", "Write")],
+            },
+        ]
+    }
     os.makedirs("/tmp/epd-s3", mode=0o700, exist_ok=True)
     path = "/tmp/epd-s3/identities.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(identities, f)
-    argv = ["weed", "-logtostderr=true", "-config_dir=/tmp/epd-s3", "mini", "-dir=/data",
-            "-ip=127.0.0.1", "-ip.bind=0.0.0.0", *(f"-{k}={v}" for k, v in PORTS.items()),
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.telemetry=false", "-volume.preStopSeconds=0",
-            "-s3.allowDeleteBucketNotEmpty=false", "-s3.autoCreateBucket=false", f"-s3.config={path}"]
+    argv = [
+        "weed",
+        "-logtostderr=true",
+        "-config_dir=/tmp/epd-s3",
+        "mini",
+        "-dir=/data",
+        "-ip=127.0.0.1",
+        "-ip.bind=0.0.0.0",
+        *(f"-{k}={v}" for k, v in PORTS.items()),
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.telemetry=false",
+        "-volume.preStopSeconds=0",
+        "-s3.allowDeleteBucketNotEmpty=false",
+        "-s3.autoCreateBucket=false",
+        f"-s3.config={path}",
+    ]
     os.execvp(argv[0], argv)
 
 

@@ -55,21 +55,29 @@ class S3ECConnector(ECConnectorBase):
         else:
             raise ValueError(f"unknown ECConnectorRole {role}")
         log.info(
-            "S3ECConnector %s (%s%s): store %s, keys %s", role.name.lower(),
-            "producer" if self.is_producer else "", "consumer" if self.is_consumer else "",
-            self.config.location, self.store.key("<identifier>"),
+            "S3ECConnector %s (%s%s): store %s, keys %s",
+            role.name.lower(),
+            "producer" if self.is_producer else "",
+            "consumer" if self.is_consumer else "",
+            self.config.location,
+            self.store.key("<identifier>"),
         )
 
     # -- construction seams ------------------------------------------------------------------------
     def _make_scheduler(self, vllm_config: VllmConfig) -> ECScheduler:
         return self.scheduler_class(
-            config=self.config, store=self.store, is_producer=self.is_producer, is_consumer=self.is_consumer,
-            embed_width=int(vllm_config.model_config.get_inputs_embeds_size()), stats=self.stats,
+            config=self.config,
+            store=self.store,
+            is_producer=self.is_producer,
+            is_consumer=self.is_consumer,
+            embed_width=int(vllm_config.model_config.get_inputs_embeds_size()),
+            stats=self.stats,
         )
 
     def _make_worker(self, vllm_config: VllmConfig) -> ECWorker:
-        return self.worker_class(store=self.store, is_producer=self.is_producer,
-                                 model_dtype=vllm_config.model_config.dtype, stats=self.stats)
+        return self.worker_class(
+            store=self.store, is_producer=self.is_producer, model_dtype=vllm_config.model_config.dtype, stats=self.stats
+        )
 
     def _scheduler(self) -> ECScheduler:
         assert self.connector_scheduler is not None, "a scheduler-side call on a worker-side connector"

@@ -93,8 +93,12 @@ class ConnectorLifecycle:
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        nc = await nats.connect([u.strip() for u in self.nats_url.split(",") if u.strip()],
-                                name="epd-ec-connector", max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        nc = await nats.connect(
+            [u.strip() for u in self.nats_url.split(",") if u.strip()],
+            name="epd-ec-connector",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
         try:
             sub = await subscribe_invalidations(nc, self.subjects, self._on_event)
             try:

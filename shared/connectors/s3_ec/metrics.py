@@ -8,8 +8,8 @@ import contextlib
 import dataclasses
 import enum
 import threading
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
@@ -52,8 +52,8 @@ _LOOKUPS, _BYTES, _EVENTS, _SECONDS = "lookups", "bytes", "events", "seconds"
 class S3ECStats(ECConnectorStats):
     """One interval's counters. ``data`` is plain (it crosses processes)::
 
-        {"lookups": {outcome: {reason: n}}, "bytes": {direction: n},
-         "events": {event: n}, "seconds": {op: [latency samples]}}
+    {"lookups": {outcome: {reason: n}}, "bytes": {direction: n},
+     "events": {event: n}, "seconds": {op: [latency samples]}}
     """
 
     def reset(self) -> None:
@@ -105,7 +105,7 @@ class S3ECStats(ECConnectorStats):
                 self._add(group, name, n)
         for op, values in data.get(_SECONDS, {}).items():
             samples = self.data.setdefault(_SECONDS, {}).setdefault(op, [])
-            samples.extend(values[:max(0, _MAX_LATENCY_SAMPLES - len(samples))])
+            samples.extend(values[: max(0, _MAX_LATENCY_SAMPLES - len(samples))])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -168,7 +168,8 @@ class S3ECPromMetrics(ECConnectorPromMetrics):
                         labelnames=names + ["outcome", "reason"],
                     ),
                     bytes=self._counter_cls(
-                        "epd:ec_connector_bytes_total", "EC object bytes moved by the connector.",
+                        "epd:ec_connector_bytes_total",
+                        "EC object bytes moved by the connector.",
                         labelnames=names + ["direction"],
                     ),
                     seconds=self._histogram_cls(  # type: ignore[call-arg]  # vLLM types it as any metric class; it is a Histogram

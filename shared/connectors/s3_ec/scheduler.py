@@ -28,7 +28,7 @@ from shared.connectors.s3_ec.state import (
     valid_identifier,
 )
 from shared.store.ec import ECStore
-from shared.store.format import ECObject, ObjectValidationError, MissReason
+from shared.store.format import ECObject, MissReason, ObjectValidationError
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -43,8 +43,16 @@ _MAX_STORED_ITEMS = 65536
 class ECScheduler:
     """Scheduler-side half of :class:`~shared.connectors.s3_ec.S3ECConnector`."""
 
-    def __init__(self, *, config: ConnectorConfig, store: ECStore, is_producer: bool, is_consumer: bool,
-                 embed_width: int, stats: StatsRecorder):
+    def __init__(
+        self,
+        *,
+        config: ConnectorConfig,
+        store: ECStore,
+        is_producer: bool,
+        is_consumer: bool,
+        embed_width: int,
+        stats: StatsRecorder,
+    ):
         self.config = config
         self.store = store
         self.is_producer = is_producer
@@ -117,8 +125,9 @@ class ECScheduler:
                     entry.waiters.add(rid)
                     pending = True
             else:
-                fresh = (entry is not None and entry.exists is not None
-                         and now - entry.checked_at < self.config.exists_ttl_s)
+                fresh = (
+                    entry is not None and entry.exists is not None and now - entry.checked_at < self.config.exists_ttl_s
+                )
                 if fresh and entry is not None and not entry.exists:
                     self._decide(request, feature, LookupOutcome.MISS, MissReason.NOT_FOUND)
                 else:
@@ -143,7 +152,10 @@ class ECScheduler:
             # Another item under the same identifier (a reused uuid): never load it for this request.
             log.warning(
                 "request %s: EC object %s has %d rows, the prompt has %d placeholders: encoding locally",
-                request.request_id, entry.identifier, entry.obj.shape[0], want,
+                request.request_id,
+                entry.identifier,
+                entry.obj.shape[0],
+                want,
             )
             if not entry.pinned_by:
                 self._release(entry)
@@ -166,14 +178,19 @@ class ECScheduler:
             state.unavailable = True
             item.outcome, item.reason = LookupOutcome.UNAVAILABLE, reason
             self._count(LookupOutcome.UNAVAILABLE, reason)
-            log.error("request %s: no EC object for %s (%s) and no local input: failing it",
-                      rid, feature.identifier, reason.value)
+            log.error(
+                "request %s: no EC object for %s (%s) and no local input: failing it",
+                rid,
+                feature.identifier,
+                reason.value,
+            )
             return
         item.outcome, item.reason = outcome, reason
         self._count(outcome, reason)
         if outcome is LookupOutcome.FALLBACK:
-            log.warning("request %s: EC object %s unusable (%s): encoding locally", rid, feature.identifier,
-                        reason.value)
+            log.warning(
+                "request %s: EC object %s unusable (%s): encoding locally", rid, feature.identifier, reason.value
+            )
 
     def _fetch(self, identifier: str, known_to_exist: bool) -> FetchResult:
         """Background thread: existence check (unless a fresh answer said yes), GET, validation."""
@@ -193,8 +210,9 @@ class ECScheduler:
         except ObjectValidationError as exc:
             return FetchResult(None, exc.reason, existed, time.perf_counter() - started, exc.detail)
         except Exception as exc:  # noqa: BLE001 - a store outage is a fallback, never an engine crash
-            return FetchResult(None, MissReason.STORE_ERROR, existed, time.perf_counter() - started,
-                               f"{type(exc).__name__}: {exc}")
+            return FetchResult(
+                None, MissReason.STORE_ERROR, existed, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"
+            )
 
     def _collect_finished_fetches(self) -> None:
         now = time.monotonic()
@@ -215,8 +233,12 @@ class ECScheduler:
                 continue  # each waiter is admitted (shape-checked, pinned) on its next call
             assert result.reason is not None
             if result.existed:
-                log.warning("EC object %s failed after the existence check said yes: %s %s",
-                            ident, result.reason.value, result.detail)
+                log.warning(
+                    "EC object %s failed after the existence check said yes: %s %s",
+                    ident,
+                    result.reason.value,
+                    result.detail,
+                )
             outcome = LookupOutcome.FALLBACK if result.existed else LookupOutcome.MISS
             for rid in waiters:  # decided on each waiter's next call, where its item is at hand
                 state = self._requests.get(rid)

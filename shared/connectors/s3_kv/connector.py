@@ -36,10 +36,8 @@ log = logging.getLogger(__name__)
 class S3KVConnector(KVConnectorBase_V1):
     """vLLM KV connector over the epd-serve KV store (see :mod:`shared.connectors.s3_kv`)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config=vllm_config, role=role,
-                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes one
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM always passes one
         inherit_vllm_log_handlers()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, "kv_connector_extra_config")
@@ -58,14 +56,24 @@ class S3KVConnector(KVConnectorBase_V1):
             self.connector_worker = self._make_worker()
         else:
             raise ValueError(f"unknown KVConnectorRole {role}")
-        log.info("S3KVConnector (%s, %s): model fingerprint %s, block size %d", role.name, transfer.kv_role,
-                 self.fingerprint, self.block_size)
+        log.info(
+            "S3KVConnector (%s, %s): model fingerprint %s, block size %d",
+            role.name,
+            transfer.kv_role,
+            self.fingerprint,
+            self.block_size,
+        )
 
     # -- construction seams ------------------------------------------------------------------------
     def _make_scheduler(self) -> KVScheduler:
-        return KVScheduler(config=self.config, store=self.store, is_producer=self.is_producer,
-                           is_consumer=self.is_consumer, block_size=self.block_size,
-                           layout=self._expected_layout() if self.is_consumer else None)
+        return KVScheduler(
+            config=self.config,
+            store=self.store,
+            is_producer=self.is_producer,
+            is_consumer=self.is_consumer,
+            block_size=self.block_size,
+            layout=self._expected_layout() if self.is_consumer else None,
+        )
 
     def _make_worker(self) -> KVWorker:
         return KVWorker(store=self.store, block_size=self.block_size)

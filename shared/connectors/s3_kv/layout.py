@@ -30,8 +30,9 @@ def blocks_for(start: int, end: int, block_size: int) -> range:
     return range(start // block_size, -(-end // block_size))
 
 
-def paged_kv_tensors(token_ids: tuple[int, ...], block_ids: tuple[int, ...], layers: Mapping[str, torch.Tensor],
-                     block_size: int) -> tuple[dict[str, RawTensor], dict[str, str]]:
+def paged_kv_tensors(
+    token_ids: tuple[int, ...], block_ids: tuple[int, ...], layers: Mapping[str, torch.Tensor], block_size: int
+) -> tuple[dict[str, RawTensor], dict[str, str]]:
     """The tensors and state metadata of a request's KV object: every block holding its prompt,
     per layer. The last block may be partly filled; its other slots are never read (decode
     overwrites them). Raises ValueError."""
@@ -52,23 +53,26 @@ def paged_kv_tensors(token_ids: tuple[int, ...], block_ids: tuple[int, ...], lay
     return tensors, {"schema": STATE_SCHEMA, "state": json.dumps(state, sort_keys=True)}
 
 
-def check_kv_object(obj: KVObject, prompt: tuple[int, ...], block_size: int,
-                    layout: dict[str, tuple[int, str]] | None) -> tuple[dict[str, RawTensor], int]:
+def check_kv_object(
+    obj: KVObject, prompt: tuple[int, ...], block_size: int, layout: dict[str, tuple[int, str]] | None
+) -> tuple[dict[str, RawTensor], int]:
     """Check a validated KV object against the request and this engine: its schema and block
     size, that its token ids are (a prefix of) the request's prompt, and its layers' block sizes
     and dtypes (``layout``: layer name -> (values per block, safetensors dtype), None: unknown).
     Returns (layer tensors, number of tokens). Raises ObjectValidationError."""
     if obj.state_metadata.get("schema") != STATE_SCHEMA:
-        raise ObjectValidationError(MissReason.SCHEMA_MISMATCH,
-                                    f"decode state schema {obj.state_metadata.get('schema')!r} != {STATE_SCHEMA}")
+        raise ObjectValidationError(
+            MissReason.SCHEMA_MISMATCH, f"decode state schema {obj.state_metadata.get('schema')!r} != {STATE_SCHEMA}"
+        )
     state = obj.state
     n = state.get("num_tokens")
     ids = obj.tensors.get("token_ids")
     if not isinstance(n, int) or n < 1 or ids is None or ids.dtype != "I64" or ids.shape != (n,):
         raise ObjectValidationError(MissReason.CORRUPT, "KV object token ids / count are malformed")
     if state.get("block_size") != block_size:
-        raise ObjectValidationError(MissReason.SHAPE_MISMATCH,
-                                    f"KV object block size {state.get('block_size')} != this engine's {block_size}")
+        raise ObjectValidationError(
+            MissReason.SHAPE_MISMATCH, f"KV object block size {state.get('block_size')} != this engine's {block_size}"
+        )
     stored = raw_to_tensor(ids.data, ids.dtype, ids.shape).tolist()
     if n > len(prompt) or tuple(stored) != prompt[:n]:
         raise ObjectValidationError(MissReason.ITEM_MISMATCH, "KV object was computed for another prompt")
@@ -78,12 +82,14 @@ def check_kv_object(obj: KVObject, prompt: tuple[int, ...], block_size: int,
         if not t.shape or t.shape[0] != n_blocks:
             raise ObjectValidationError(MissReason.SHAPE_MISMATCH, f"{name} holds {t.shape} for {n_blocks} blocks")
     if layout is not None:
-        have = {name[len(LAYER_PREFIX):]: (math.prod(t.shape[1:]), t.dtype) for name, t in tensors.items()}
+        have = {name[len(LAYER_PREFIX) :]: (math.prod(t.shape[1:]), t.dtype) for name, t in tensors.items()}
         if set(have) != set(layout):
-            raise ObjectValidationError(MissReason.SHAPE_MISMATCH,
-                                        f"layers {sorted(have)[:3]}... != this engine's {sorted(layout)[:3]}...")
+            raise ObjectValidationError(
+                MissReason.SHAPE_MISMATCH, f"layers {sorted(have)[:3]}... != this engine's {sorted(layout)[:3]}..."
+            )
         for name, expected in layout.items():
             if have[name] != expected:
-                raise ObjectValidationError(MissReason.SHAPE_MISMATCH,
-                                            f"layer {name}: (values per block, dtype) {have[name]} != {expected}")
+                raise ObjectValidationError(
+                    MissReason.SHAPE_MISMATCH, f"layer {name}: (values per block, dtype) {have[name]} != {expected}"
+                )
     return tensors, n

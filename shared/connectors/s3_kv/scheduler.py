@@ -40,8 +40,16 @@ log = logging.getLogger(__name__)
 class KVScheduler:
     """Scheduler-side half of :class:`~shared.connectors.s3_kv.S3KVConnector`."""
 
-    def __init__(self, *, config: ConnectorConfig, store: KVStore, is_producer: bool, is_consumer: bool,
-                 block_size: int, layout: dict[str, tuple[int, str]] | None):
+    def __init__(
+        self,
+        *,
+        config: ConnectorConfig,
+        store: KVStore,
+        is_producer: bool,
+        is_consumer: bool,
+        block_size: int,
+        layout: dict[str, tuple[int, str]] | None,
+    ):
         self.config = config
         self.store = store
         self.is_producer = is_producer
@@ -118,15 +126,25 @@ class KVScheduler:
             self._decide(state, tensors, n, None, load.handoff.key)
         return True
 
-    def _decide(self, state: RequestState, tensors: dict[str, RawTensor] | None, num_tokens: int,
-                reason: MissReason | None, detail: str) -> None:
+    def _decide(
+        self,
+        state: RequestState,
+        tensors: dict[str, RawTensor] | None,
+        num_tokens: int,
+        reason: MissReason | None,
+        detail: str,
+    ) -> None:
         load = state.load
         assert load is not None
         load.decided, load.tensors, load.num_tokens = True, tensors, num_tokens
         if tensors is None:
             state.source, state.reason = Source.RECOMPUTED, reason
-            log.warning("KV of %s unusable (%s: %s): vLLM prefills it again", state.request_id,
-                        reason.value if reason else "", detail)
+            log.warning(
+                "KV of %s unusable (%s: %s): vLLM prefills it again",
+                state.request_id,
+                reason.value if reason else "",
+                detail,
+            )
         else:
             state.source, state.reason = Source.STORE, None
             log.info("KV of %s loaded from %s (%d tokens)", state.request_id, detail, num_tokens)
@@ -178,8 +196,9 @@ class KVScheduler:
                     load.tensors = None  # the tensors now ride the metadata
             if state.save is not None and state.save.done is None:
                 state.save.block_ids = block_ids
-                self._maybe_save(meta, state, new.prompt_token_ids or [],
-                                 new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+                self._maybe_save(
+                    meta, state, new.prompt_token_ids or [], new.num_computed_tokens + num_scheduled.get(new.req_id, 0)
+                )
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
@@ -202,8 +221,9 @@ class KVScheduler:
         if not prompt or computed < len(prompt):
             return  # the prompt is not complete yet (chunked prefill): save when it is
         target = save.target
-        meta.saves.append(KVSave(state.request_id, save.key, target.request, target.attempt, tuple(prompt),
-                                 tuple(save.block_ids)))
+        meta.saves.append(
+            KVSave(state.request_id, save.key, target.request, target.attempt, tuple(prompt), tuple(save.block_ids))
+        )
         save.done = KVHandoff(save.key, target.request, target.attempt, len(prompt))
 
     def update_worker_output(self, meta: S3KVWorkerMetadata) -> None:

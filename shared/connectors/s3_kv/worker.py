@@ -40,7 +40,8 @@ class KVWorker:
         if not meta.loads:
             return
         layers = {
-            name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
+            name: layer.kv_cache
+            for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None
         }
         for load in meta.loads:
@@ -50,16 +51,17 @@ class KVWorker:
                 first = load.start // self.block_size
                 last = (load.end - 1) // self.block_size
                 with self._lock:
-                    self._invalid_blocks.update(load.block_ids[first:last + 1])
+                    self._invalid_blocks.update(load.block_ids[first : last + 1])
                     self._load_failures[load.req_id] = MissReason.SHAPE_MISMATCH.value
-                log.error("loading the KV of %s failed (%s: %s): vLLM recomputes it", load.req_id,
-                          type(exc).__name__, exc)
+                log.error(
+                    "loading the KV of %s failed (%s: %s): vLLM recomputes it", load.req_id, type(exc).__name__, exc
+                )
 
     def _inject(self, load: KVLoad, layers: dict[str, torch.Tensor]) -> None:
         """Copy whole blocks: a block's slice of the paged cache is self-contained whatever the
         backend's layout inside it (the CPU backend keeps a head's K rows, then its V rows, in
         one block), so whole blocks are what can be moved without knowing that layout."""
-        names = {n[len(LAYER_PREFIX):] for n in load.tensors if n.startswith(LAYER_PREFIX)}
+        names = {n[len(LAYER_PREFIX) :] for n in load.tensors if n.startswith(LAYER_PREFIX)}
         missing = sorted(set(layers) - names)
         if missing:
             raise ValueError(f"object lacks layers {missing[:3]}")
@@ -71,10 +73,12 @@ class KVWorker:
             raw = load.tensors[LAYER_PREFIX + name]
             src = raw_to_tensor(raw.data, raw.dtype, raw.shape)
             if tuple(src.shape[1:]) != tuple(kv_layer.shape[1:]) or src.shape[0] <= index[-1]:
-                raise ValueError(f"layer {name}: object blocks {tuple(src.shape)} vs cache blocks "
-                                 f"{tuple(kv_layer.shape[1:])}, need block {index[-1]}")
+                raise ValueError(
+                    f"layer {name}: object blocks {tuple(src.shape)} vs cache blocks "
+                    f"{tuple(kv_layer.shape[1:])}, need block {index[-1]}"
+                )
             dst = torch.tensor([load.block_ids[i] for i in index], dtype=torch.long, device=kv_layer.device)
-            staged.append((kv_layer, dst, src[index[0]:index[-1] + 1]))
+            staged.append((kv_layer, dst, src[index[0] : index[-1] + 1]))
         for kv_layer, dst, src in staged:
             kv_layer[dst] = src.to(device=kv_layer.device, dtype=kv_layer.dtype)
 
@@ -105,11 +109,20 @@ class KVWorker:
                 blob = self._encode(save, layers)
                 self.store.put(save.key, blob)
             except Exception as exc:  # noqa: BLE001 - a failed save must not crash the engine
-                log.error("KV save of %s failed: %s: %s (the decode side will prefill again)", save.key,
-                          type(exc).__name__, exc)
+                log.error(
+                    "KV save of %s failed: %s: %s (the decode side will prefill again)",
+                    save.key,
+                    type(exc).__name__,
+                    exc,
+                )
                 continue
-            log.info("KV saved %s (%d tokens, %d bytes) in %.1f ms", save.key, len(save.token_ids), len(blob),
-                     (time.perf_counter() - started) * 1e3)
+            log.info(
+                "KV saved %s (%d tokens, %d bytes) in %.1f ms",
+                save.key,
+                len(save.token_ids),
+                len(blob),
+                (time.perf_counter() - started) * 1e3,
+            )
 
     def _encode(self, save: KVSave, layers: dict[str, torch.Tensor]) -> bytes:
         tensors, state_metadata = paged_kv_tensors(save.token_ids, save.block_ids, layers, self.block_size)

@@ -27,8 +27,10 @@ def add_parser(sub: Any) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     run = bench_sub.add_parser(
-        "run", help="run a multimodal workload, print vLLM-style latency tables, write JSON",
-        description="Flags override the --workload file; without --requests, --duration runs for that long.")
+        "run",
+        help="run a multimodal workload, print vLLM-style latency tables, write JSON",
+        description="Flags override the --workload file; without --requests, --duration runs for that long.",
+    )
     run.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
     run.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     run.add_argument("--workload", metavar="FILE.yaml", help="WorkloadSpec fields (shared/tools/bench/schema.py)")
@@ -39,26 +41,38 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--concurrency", type=int, help="keep N requests in flight (default 1)")
     load.add_argument("--rate", type=float, help="Poisson arrivals at R req/s (open loop)")
     load.add_argument("--sweep", type=parse_rates, metavar="R1,R2,...", help="one Poisson run per rate")
-    run.add_argument("--images-per-request", type=_parse_counts, metavar="N[:W],...",
-                     help="images per image request with weights, e.g. 1:0.8,2:0.2 (default 1)")
-    run.add_argument("--image-sizes", type=parse_weights, metavar="WxH[:W],...",
-                     help="image size buckets with weights, e.g. 448x448:0.7,896x896:0.3 (default 448x448)")
+    run.add_argument(
+        "--images-per-request",
+        type=_parse_counts,
+        metavar="N[:W],...",
+        help="images per image request with weights, e.g. 1:0.8,2:0.2 (default 1)",
+    )
+    run.add_argument(
+        "--image-sizes",
+        type=parse_weights,
+        metavar="WxH[:W],...",
+        help="image size buckets with weights, e.g. 448x448:0.7,896x896:0.3 (default 448x448)",
+    )
     run.add_argument("--text-only-share", type=float, metavar="F", help="share of requests without an image")
-    run.add_argument("--repeat-share", type=float, metavar="F",
-                     help="share of image requests that reuse earlier images")
+    run.add_argument(
+        "--repeat-share", type=float, metavar="F", help="share of image requests that reuse earlier images"
+    )
     run.add_argument("--repeat-window", type=int, metavar="N", help="repeats pick among the last N images (16)")
     run.add_argument("--prompt-words", type=parse_range, metavar="MIN,MAX", help="prompt length in words (16)")
     run.add_argument("--output-tokens", type=parse_range, metavar="MIN,MAX", help="output length in tokens (32)")
     run.add_argument("--turns", type=int, help="turns per conversation about one image (1)")
     run.add_argument("--seed", type=int, help="workload seed (0)")
-    run.add_argument("--slo", type=parse_slo, metavar="ttft=MS,tpot=MS,e2e=MS",
-                     help="report goodput under these bounds")
+    run.add_argument(
+        "--slo", type=parse_slo, metavar="ttft=MS,tpot=MS,e2e=MS", help="report goodput under these bounds"
+    )
     run.add_argument("--label", default="", help="a name for this run in reports and comparisons")
     run.add_argument("--out", metavar="FILE.json", help="write the result here")
-    run.add_argument("--timeout", type=float, default=None, metavar="S",
-                     help="bound on one request (default 600 s)")
-    run.add_argument("--no-timelines", action="store_true",
-                     help="epd-serve: skip reading each request's timeline (no stage breakdown)")
+    run.add_argument("--timeout", type=float, default=None, metavar="S", help="bound on one request (default 600 s)")
+    run.add_argument(
+        "--no-timelines",
+        action="store_true",
+        help="epd-serve: skip reading each request's timeline (no stage breakdown)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
 
@@ -103,9 +117,23 @@ def parse_slo(text: str) -> dict[str, float]:
     return report.parse_slo(text)
 
 
-_SPEC_FLAGS = ("requests", "duration_s", "concurrency", "rate", "sweep", "images_per_request", "image_sizes",
-               "text_only_share", "repeat_share", "repeat_window", "prompt_words", "output_tokens", "turns", "seed",
-               "model")
+_SPEC_FLAGS = (
+    "requests",
+    "duration_s",
+    "concurrency",
+    "rate",
+    "sweep",
+    "images_per_request",
+    "image_sizes",
+    "text_only_share",
+    "repeat_share",
+    "repeat_window",
+    "prompt_words",
+    "output_tokens",
+    "turns",
+    "seed",
+    "model",
+)
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -139,9 +167,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         kwargs["request_timeout_s"] = args.timeout
     try:
-        result = asyncio.run(runner.run(args.url, spec, api_key=args.api_key, label=args.label,
-                                        progress=not args.no_progress, slo_ms=args.slo,
-                                        timelines=not args.no_timelines, **kwargs))
+        result = asyncio.run(
+            runner.run(
+                args.url,
+                spec,
+                api_key=args.api_key,
+                label=args.label,
+                progress=not args.no_progress,
+                slo_ms=args.slo,
+                timelines=not args.no_timelines,
+                **kwargs,
+            )
+        )
     except runner.BenchError as exc:
         print(f"epd bench run: {exc}", file=sys.stderr)
         return EXIT_ERROR

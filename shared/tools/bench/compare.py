@@ -46,9 +46,20 @@ EXIT_ERROR = 2
 
 #: Stages in the order a request meets them (the bars stack in this order; others follow by name).
 STAGE_ORDER = (
-    "image intake", "encode queued", "encode", "EC stored", "generation queued", "EC from local cache",
-    "EC loaded from store", "EC recomputed locally", "EC encoded in process", "prefill", "KV hand-off",
-    "decode queued", "decode", UNTRACKED,
+    "image intake",
+    "encode queued",
+    "encode",
+    "EC stored",
+    "generation queued",
+    "EC from local cache",
+    "EC loaded from store",
+    "EC recomputed locally",
+    "EC encoded in process",
+    "prefill",
+    "KV hand-off",
+    "decode queued",
+    "decode",
+    UNTRACKED,
 )
 #: Suffixes of the stage rows: exclusive times (they add up to the total row), union times (older results).
 EXCLUSIVE_ROW, UNION_ROW = " (ms, exclusive)", " (ms)"
@@ -195,9 +206,9 @@ def _stage_rank(name: str) -> tuple[int, str]:
 def _stage_sort_key(metric: str) -> tuple[int, int, str]:
     """Exclusive rows (by stage order, their total last), then union rows (by stage order)."""
     if metric.endswith(EXCLUSIVE_ROW):
-        name = metric[len("stage "):-len(EXCLUSIVE_ROW)]
+        name = metric[len("stage ") : -len(EXCLUSIVE_ROW)]
         return (0, *(_stage_rank(name) if name != STAGE_TOTAL else (len(STAGE_ORDER) + 1, "")))
-    return (1, *_stage_rank(metric[len("stage "):-len(UNION_ROW)]))
+    return (1, *_stage_rank(metric[len("stage ") : -len(UNION_ROW)]))
 
 
 def compare(results: list[BenchResult]) -> list[Point]:
@@ -244,11 +255,15 @@ def format_compare(results: list[BenchResult], labels: list[str]) -> str:
         header += [key, f"{key}/{keys[0]}"]
     lines = []
     for key, label, res in zip(keys, labels, results):
-        lines.append(f"{key} = {label}: {res.url}  model {res.model}  {'epd-serve' if res.epd else 'other server'}"
-                     f"  ({len(res.runs)} run(s); {res.machine})")
+        lines.append(
+            f"{key} = {label}: {res.url}  model {res.model}  {'epd-serve' if res.epd else 'other server'}"
+            f"  ({len(res.runs)} run(s); {res.machine})"
+        )
     if any(res.epd and run.summary.exclusive_stage_means_s for res in results for run in res.runs):
-        lines.append("stage rows (ms, exclusive): mean per request, each instant of its timeline in one stage "
-                     "(untracked: none); they add up to the stage total = mean server-side E2E")
+        lines.append(
+            "stage rows (ms, exclusive): mean per request, each instant of its timeline in one stage "
+            "(untracked: none); they add up to the stage total = mean server-side E2E"
+        )
     for point in compare(results):
         table = [header]
         for row in point.rows:
@@ -279,8 +294,11 @@ def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (8.0, 5.
 
 
 def _read_lines(ax) -> dict[str, tuple[list[float], list[float]]]:
-    return {ln.get_label(): ([float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()])
-            for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    return {
+        ln.get_label(): ([float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()])
+        for ln in ax.get_lines()
+        if not ln.get_label().startswith("_")
+    }
 
 
 def _run_label(label: str, run: RunResult, res: BenchResult) -> str:
@@ -297,8 +315,12 @@ def plot_latency_cdfs(results: list[BenchResult], labels: list[str], path: Path)
                 if not ms:
                     continue
                 # From 0 at the fastest request, so a one-request run still draws its step.
-                ax.step([ms[0], *ms], [0.0] + [(i + 1) / len(ms) for i in range(len(ms))], where="post",
-                        label=_run_label(label, run, res))
+                ax.step(
+                    [ms[0], *ms],
+                    [0.0] + [(i + 1) / len(ms) for i in range(len(ms))],
+                    where="post",
+                    label=_run_label(label, run, res),
+                )
         ax.set_title(f"{name} CDF")
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("share of requests")
@@ -334,8 +356,10 @@ def plot_ttft_vs_rate(results: list[BenchResult], labels: list[str], path: Path)
     runs): one ``<label> median`` and one ``<label> p90`` series per result, points sorted by rate."""
     fig, (ax,) = _figure()
     for res, label in zip(results, labels):
-        pts = sorted(((_rate_x(run), run.summary.ttft_ms) for run in res.runs if run.summary.ttft_ms is not None),
-                     key=lambda pt: pt[0])
+        pts = sorted(
+            ((_rate_x(run), run.summary.ttft_ms) for run in res.runs if run.summary.ttft_ms is not None),
+            key=lambda pt: pt[0],
+        )
         if not pts:
             continue
         xs = [x for x, _ in pts]
@@ -390,7 +414,9 @@ def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Pa
 
     bars: list[tuple[str, dict[str, float], bool]] = [
         (_run_label(label, run, res), stage_seconds_per_request(run), has_exclusive(run))
-        for res, label in zip(results, labels) if res.epd for run in res.runs
+        for res, label in zip(results, labels)
+        if res.epd
+        for run in res.runs
     ]
     bars = [(name, means, excl) for name, means, excl in bars if means]
     exclusive = any(excl for _, _, excl in bars)
@@ -415,8 +441,10 @@ def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Pa
     ax.invert_yaxis()
     if exclusive:
         ax.set_title(EXCLUSIVE_TITLE)
-        ax.set_xlabel("seconds per request (mean); stages exclusive: a bar adds up to the mean server-side E2E "
-                      "(received -> last event)")
+        ax.set_xlabel(
+            "seconds per request (mean); stages exclusive: a bar adds up to the mean server-side E2E "
+            "(received -> last event)"
+        )
     else:
         ax.set_title(UNION_TITLE)
         ax.set_xlabel("seconds (mean over completed requests; stages overlap, so a bar can exceed the E2E)")
@@ -425,8 +453,7 @@ def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Pa
     fig.tight_layout()
     fig.savefig(path, format="png", bbox_inches="tight")
     # Read back what was drawn: one bar container per stage, in stacking order.
-    drawn = {c.get_label(): ([float(y) for y in ys], [float(p.get_width()) for p in c.patches])
-             for c in ax.containers}
+    drawn = {c.get_label(): ([float(y) for y in ys], [float(p.get_width()) for p in c.patches]) for c in ax.containers}
     return Plot(Path(path), {ax.get_title(): drawn})
 
 
@@ -436,8 +463,10 @@ def write_plots(results: list[BenchResult], labels: list[str], out_dir: Path) ->
     plots = [plot_latency_cdfs(results, labels, out_dir / "latency_cdf.png")]
     if load_points(results) >= 2:
         plots.append(plot_ttft_vs_rate(results, labels, out_dir / "ttft_vs_rate.png"))
-    if any(res.epd and any(run.summary.stage_means_s or run.summary.exclusive_stage_means_s for run in res.runs)
-           for res in results):
+    if any(
+        res.epd and any(run.summary.stage_means_s or run.summary.exclusive_stage_means_s for run in res.runs)
+        for res in results
+    ):
         plots.append(plot_stage_breakdown(results, labels, out_dir / "stage_breakdown.png"))
     return plots
 
@@ -446,8 +475,13 @@ def write_plots(results: list[BenchResult], labels: list[str], out_dir: Path) ->
 def add_parser(bench_sub: Any) -> None:
     """Add ``compare`` to the ``epd bench`` subcommands."""
     p = bench_sub.add_parser("compare", help="bench results side by side (ratios to the first), PNG plots")
-    p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
-                   help="bench result files (epd bench run --out); ratios are relative to the first")
+    p.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        metavar="RESULT.json",
+        help="bench result files (epd bench run --out); ratios are relative to the first",
+    )
     p.add_argument("--plots", type=Path, metavar="DIR", help="write latency CDFs, TTFT vs rate and stage bars here")
     p.set_defaults(func=run)
 

@@ -62,8 +62,13 @@ DECODE_STAGE = "decode"
 
 TOPOLOGIES = ("e-pd", "e-p-d", "agg")
 #: The ``epd up`` flag per role, and the ratio letters.
-ROLE_FLAGS = {"encoder": "--encoders", "pd": "--prefills", "prefill": "--prefills", "decode": "--decoders",
-              "agg": "--prefills"}
+ROLE_FLAGS = {
+    "encoder": "--encoders",
+    "pd": "--prefills",
+    "prefill": "--prefills",
+    "decode": "--decoders",
+    "agg": "--prefills",
+}
 ROLE_LETTERS = {"encoder": "E", "pd": "PD", "prefill": "P", "decode": "D", "agg": "A"}
 
 
@@ -99,8 +104,14 @@ class Mix:
         return self.cold_images if self.images is None else self.images
 
 
-def mix_from_spec(spec: WorkloadSpec, *, images: float | None = None, repeat_share: float | None = None,
-                  text_only_share: float | None = None, output_tokens: float | None = None) -> Mix:
+def mix_from_spec(
+    spec: WorkloadSpec,
+    *,
+    images: float | None = None,
+    repeat_share: float | None = None,
+    text_only_share: float | None = None,
+    output_tokens: float | None = None,
+) -> Mix:
     """Cold images per request = mean images per image request x (1 - text-only share) x (1 - repeat
     share) (divided among a conversation's turns, which all carry the images); output tokens = the
     mean of the spec's uniform range. Keyword arguments override the spec's fields."""
@@ -118,8 +129,11 @@ def mix_from_spec(spec: WorkloadSpec, *, images: float | None = None, repeat_sha
     # A conversation is one text-only request, or ``turns`` requests of which only the first can
     # bring new images (the later turns ask about the same ones).
     requests_per_conversation = ts + (1.0 - ts) * spec.turns
-    return Mix(cold_images=images * (1.0 - ts) * (1.0 - rs) / requests_per_conversation, output_tokens=out,
-               images=images * (1.0 - ts) * spec.turns / requests_per_conversation)
+    return Mix(
+        cold_images=images * (1.0 - ts) * (1.0 - rs) / requests_per_conversation,
+        output_tokens=out,
+        images=images * (1.0 - ts) * spec.turns / requests_per_conversation,
+    )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -141,20 +155,31 @@ def costs_from_records(records: list[RequestRecord], source: str = "records") ->
     done = [r for r in records if r.ok and r.stages]
     if not done:
         raise PlanError(f"{source}: no completed request with stage timings (was it run against epd-serve?)")
-    encoded = [(sum(r.stages.get(s, 0.0) for s in ENCODER_STAGES) + r.stages.get(IN_PROCESS_ENCODE, 0.0), r.images)
-               for r in done if r.images > 0]
+    encoded = [
+        (sum(r.stages.get(s, 0.0) for s in ENCODER_STAGES) + r.stages.get(IN_PROCESS_ENCODE, 0.0), r.images)
+        for r in done
+        if r.images > 0
+    ]
     encoded = [(s, n) for s, n in encoded if s > 0]
     # A stage's seconds are the union of its spans (runner.parse_timeline): the images of one
     # request encoded in parallel overlap, so single-image requests give the per-image cost.
     single = [(s, n) for s, n in encoded if n == 1]
     enc_s, enc_n = sum(s for s, _ in single or encoded), sum(n for _, n in single or encoded)
     prefills = [r.stages[PREFILL_STAGE] for r in done if PREFILL_STAGE in r.stages]
-    loading = [r for r in done if r.images > 0 and any(s in r.stages for s in LOAD_STAGES)
-               and "EC recomputed locally" not in r.stages]
+    loading = [
+        r
+        for r in done
+        if r.images > 0 and any(s in r.stages for s in LOAD_STAGES) and "EC recomputed locally" not in r.stages
+    ]
     pure = [r for r in loading if not any(s in r.stages for s in ENCODE_WAIT_STAGES)]
-    loads = [(sum(r.stages.get(s, 0.0) for s in LOAD_STAGES)
-              - (0.0 if pure else sum(r.stages.get(s, 0.0) for s in ENCODE_WAIT_STAGES)), r.images)
-             for r in pure or loading]
+    loads = [
+        (
+            sum(r.stages.get(s, 0.0) for s in LOAD_STAGES)
+            - (0.0 if pure else sum(r.stages.get(s, 0.0) for s in ENCODE_WAIT_STAGES)),
+            r.images,
+        )
+        for r in pure or loading
+    ]
     load_n = sum(n for _, n in loads)
     dec = [(r.stages[DECODE_STAGE], r.output_tokens) for r in done if DECODE_STAGE in r.stages and r.output_tokens]
     if not prefills or not dec:
@@ -188,8 +213,11 @@ def mix_from_records(records: list[RequestRecord]) -> Mix:
     if not done:
         raise PlanError("no completed requests")
     cold = sum(r.images for r in done if any(s in r.stages for s in (*ENCODER_STAGES, IN_PROCESS_ENCODE)))
-    return Mix(cold_images=cold / len(done), output_tokens=sum(r.output_tokens for r in done) / len(done),
-               images=sum(r.images for r in done) / len(done))
+    return Mix(
+        cold_images=cold / len(done),
+        output_tokens=sum(r.output_tokens for r in done) / len(done),
+        images=sum(r.images for r in done) / len(done),
+    )
 
 
 async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit: int) -> list[RequestRecord]:
@@ -205,10 +233,22 @@ async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit:
     for i, summ in enumerate(listed):
         case = await history.find_case(nc, subjects, summ.request_id, reader=reader)
         stages, sources = parse_timeline({"case": case.to_json(), "timeline": timeline.build_timeline(case).to_json()})
-        records.append(RequestRecord(index=i, kind="image" if summ.images else "text", images=summ.images,
-                                     sent_at=0.0, ok=True, request_id=summ.request_id,
-                                     prompt_tokens=summ.prompt_tokens or 0, output_tokens=summ.completion_tokens or 0,
-                                     ttft_s=summ.ttft_s, e2e_s=summ.e2e_s, stages=stages, ec_sources=sources))
+        records.append(
+            RequestRecord(
+                index=i,
+                kind="image" if summ.images else "text",
+                images=summ.images,
+                sent_at=0.0,
+                ok=True,
+                request_id=summ.request_id,
+                prompt_tokens=summ.prompt_tokens or 0,
+                output_tokens=summ.completion_tokens or 0,
+                ttft_s=summ.ttft_s,
+                e2e_s=summ.e2e_s,
+                stages=stages,
+                ec_sources=sources,
+            )
+        )
     return records
 
 
@@ -229,8 +269,12 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
 
     async def main() -> list[RequestRecord]:
         try:
-            nc = await asyncio.wait_for(connect(settings, name="epd-plan", connect_timeout=5.0, allow_reconnect=False,
-                                                max_reconnect_attempts=1), timeout=15.0)
+            nc = await asyncio.wait_for(
+                connect(
+                    settings, name="epd-plan", connect_timeout=5.0, allow_reconnect=False, max_reconnect_attempts=1
+                ),
+                timeout=15.0,
+            )
         except (TimeoutError, OSError) as exc:
             raise PlanError(f"cannot connect to NATS at {redact_url(settings.nats_url)}: {exc or 'timed out'}") from exc
         try:
@@ -247,8 +291,13 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
 def parse_costs(text: str) -> StageCosts:
     """``encode=0.2,prefill=0.3,decode=0.05[,handoff=0.01][,ec_load=0.005]`` (seconds; decode per
     output token, ec_load per image)."""
-    keys = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_s_per_token", "handoff": "handoff_s",
-            "ec_load": "ec_load_s"}
+    keys = {
+        "encode": "encode_s",
+        "prefill": "prefill_s",
+        "decode": "decode_s_per_token",
+        "handoff": "handoff_s",
+        "ec_load": "ec_load_s",
+    }
     values: dict[str, float] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
@@ -375,14 +424,30 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "topology": self.topology, "rate": self.rate, "target": self.target, "slo_ms": self.slo_ms,
-            "costs": asdict(self.costs), "mix": asdict(self.mix), "ratio": self.ratio, "feasible": self.feasible,
-            "bottleneck": self.bottleneck.role, "notes": self.notes,
+            "topology": self.topology,
+            "rate": self.rate,
+            "target": self.target,
+            "slo_ms": self.slo_ms,
+            "costs": asdict(self.costs),
+            "mix": asdict(self.mix),
+            "ratio": self.ratio,
+            "feasible": self.feasible,
+            "bottleneck": self.bottleneck.role,
+            "notes": self.notes,
             "expected_ms": {k: self.expected_ms(k) for k in self.paths if math.isfinite(self.expected_ms(k))},
-            "roles": [{"role": r.role, "workers": r.workers, "jobs_per_s": r.arrival, "service_s": r.service_s,
-                       "utilisation": r.utilisation, "wait_s": r.wait_s if math.isfinite(r.wait_s) else None,
-                       "max_rate": r.max_rate if math.isfinite(r.max_rate) else None, "why": r.why}
-                      for r in self.roles],
+            "roles": [
+                {
+                    "role": r.role,
+                    "workers": r.workers,
+                    "jobs_per_s": r.arrival,
+                    "service_s": r.service_s,
+                    "utilisation": r.utilisation,
+                    "wait_s": r.wait_s if math.isfinite(r.wait_s) else None,
+                    "max_rate": r.max_rate if math.isfinite(r.max_rate) else None,
+                    "why": r.why,
+                }
+                for r in self.roles
+            ],
         }
 
 
@@ -395,14 +460,18 @@ def _roles(topology: str, c: StageCosts, m: Mix, rate: float) -> tuple[list[Role
     e_path = [PathItem("encoder", c.encode_s, True)] if m.cold_images > 0 else []
     if topology == "agg":
         agg = RolePlan("agg", 1.0, enc + c.prefill_s + dec, 1, rate)
-        return [agg], {"ttft": [PathItem("agg", enc + c.prefill_s, True)],
-                       "tpot": [PathItem("agg", dec, False)],
-                       "e2e": [PathItem("agg", agg.service_s, True)]}
+        return [agg], {
+            "ttft": [PathItem("agg", enc + c.prefill_s, True)],
+            "tpot": [PathItem("agg", dec, False)],
+            "e2e": [PathItem("agg", agg.service_s, True)],
+        }
     if topology == "e-pd":
         pd = RolePlan("pd", 1.0, pre + dec, 1, rate)
-        return [encoder, pd], {"ttft": e_path + [PathItem("pd", pre, True)],
-                               "tpot": [PathItem("pd", dec, False)],
-                               "e2e": e_path + [PathItem("pd", pd.service_s, True)]}
+        return [encoder, pd], {
+            "ttft": e_path + [PathItem("pd", pre, True)],
+            "tpot": [PathItem("pd", dec, False)],
+            "e2e": e_path + [PathItem("pd", pd.service_s, True)],
+        }
     if topology == "e-p-d":
         prefill = RolePlan("prefill", 1.0, pre + c.handoff_s, 1, rate)
         decode = RolePlan("decode", 1.0, dec, 1, rate)
@@ -410,7 +479,8 @@ def _roles(topology: str, c: StageCosts, m: Mix, rate: float) -> tuple[list[Role
         return [encoder, prefill, decode], {
             "ttft": e_path + [PathItem("prefill", pre, True)],
             "tpot": [PathItem("decode", dec, True)],
-            "e2e": e_path + [PathItem("prefill", prefill.service_s, True), PathItem("decode", dec, True)]}
+            "e2e": e_path + [PathItem("prefill", prefill.service_s, True), PathItem("decode", dec, True)],
+        }
     raise PlanError(f"unknown topology {topology!r}: use {', '.join(TOPOLOGIES)}")
 
 
@@ -422,8 +492,15 @@ def fixed_plan(costs: StageCosts, mix: Mix, rate: float, topology: str, counts: 
     return Plan(topology, rate, DEFAULT_TARGET, costs, mix, {}, roles, paths)
 
 
-def make_plan(costs: StageCosts, mix: Mix, rate: float, topology: str = "e-pd", *, target: float = DEFAULT_TARGET,
-              slo_ms: dict[str, float] | None = None) -> Plan:
+def make_plan(
+    costs: StageCosts,
+    mix: Mix,
+    rate: float,
+    topology: str = "e-pd",
+    *,
+    target: float = DEFAULT_TARGET,
+    slo_ms: dict[str, float] | None = None,
+) -> Plan:
     """Worker counts per role of ``topology`` for ``rate`` req/s (see the module doc for the model)."""
     if not rate > 0:
         raise PlanError(f"rate must be > 0 req/s, not {rate:g}")
@@ -435,8 +512,10 @@ def make_plan(costs: StageCosts, mix: Mix, rate: float, topology: str = "e-pd", 
     by_name = {r.role: r for r in roles}
     for r in roles:
         r.workers = min_workers(r.arrival, r.service_s, target)
-        r.why.append(f"{r.arrival:.3g} jobs/s x {r.service_s:.3g} s = {r.load:.3g} busy workers; "
-                     f"at most {target:g} busy each -> {r.workers}")
+        r.why.append(
+            f"{r.arrival:.3g} jobs/s x {r.service_s:.3g} s = {r.load:.3g} busy workers; "
+            f"at most {target:g} busy each -> {r.workers}"
+        )
     for key, bound_ms in slo_ms.items():
         per = mix.output_tokens if key == "tpot" else 1.0
         if key == "tpot" and per <= 0:
@@ -447,14 +526,17 @@ def make_plan(costs: StageCosts, mix: Mix, rate: float, topology: str = "e-pd", 
         unit = " per token" if key == "tpot" else ""
         if total >= bound - _EPS and any(p.waits for p in path) or total > bound + _EPS:
             plan.feasible = False
-            plan.notes.append(f"{key} {bound_ms:g} ms{unit} cannot be met by adding workers: the service time on "
-                              f"its path alone is {total / per * 1e3:.1f} ms ({' + '.join(p.role for p in path)})")
+            plan.notes.append(
+                f"{key} {bound_ms:g} ms{unit} cannot be met by adding workers: the service time on "
+                f"its path alone is {total / per * 1e3:.1f} ms ({' + '.join(p.role for p in path)})"
+            )
             continue
         for p in path:
             r = by_name[p.role]
             if not p.waits:
-                r.why.append(f"{key} {bound_ms:g} ms{unit}: {p.service_s / per * 1e3:.1f} ms of service, no queue on "
-                             "this path")
+                r.why.append(
+                    f"{key} {bound_ms:g} ms{unit}: {p.service_s / per * 1e3:.1f} ms of service, no queue on this path"
+                )
                 continue
             share = bound * p.service_s / total
             before = r.workers
@@ -462,16 +544,21 @@ def make_plan(costs: StageCosts, mix: Mix, rate: float, topology: str = "e-pd", 
                 r.workers += 1
             if r.wait_s + p.service_s > share + _EPS:
                 plan.feasible = False
-                plan.notes.append(f"{key}: {p.role} cannot fit its share {share * 1e3:.1f} ms "
-                                  f"with {MAX_WORKERS} workers")
+                plan.notes.append(
+                    f"{key}: {p.role} cannot fit its share {share * 1e3:.1f} ms with {MAX_WORKERS} workers"
+                )
             elif r.workers > before:
-                r.why.append(f"{key} {bound_ms:g} ms{unit}: its share {share / per * 1e3:.1f} ms "
-                             f"({p.service_s:.3g} of {total:.3g} s on the path); wait + service with {before} "
-                             f"workers {(mmc_wait(r.arrival, r.service_s, before) + p.service_s) / per * 1e3:.1f} ms"
-                             f" -> {r.workers} workers: {(r.wait_s + p.service_s) / per * 1e3:.1f} ms")
+                r.why.append(
+                    f"{key} {bound_ms:g} ms{unit}: its share {share / per * 1e3:.1f} ms "
+                    f"({p.service_s:.3g} of {total:.3g} s on the path); wait + service with {before} "
+                    f"workers {(mmc_wait(r.arrival, r.service_s, before) + p.service_s) / per * 1e3:.1f} ms"
+                    f" -> {r.workers} workers: {(r.wait_s + p.service_s) / per * 1e3:.1f} ms"
+                )
             else:
-                r.why.append(f"{key} {bound_ms:g} ms{unit}: wait + service {(r.wait_s + p.service_s) / per * 1e3:.1f}"
-                             f" ms within its share {share / per * 1e3:.1f} ms")
+                r.why.append(
+                    f"{key} {bound_ms:g} ms{unit}: wait + service {(r.wait_s + p.service_s) / per * 1e3:.1f}"
+                    f" ms within its share {share / per * 1e3:.1f} ms"
+                )
     if mix.cold_images <= 0 and "encoder" in by_name:
         plan.notes.append("no cold images in this mix: one encoder is kept for images outside it")
     return plan
@@ -493,20 +580,38 @@ def format_plan(plan: Plan) -> str:
     rows = [head]
     for r in plan.roles:
         wait = "inf" if not math.isfinite(r.wait_s) else f"{r.wait_s * 1e3:.1f}"
-        rows.append((r.role, str(r.workers), f"{r.arrival:.3g}", f"{r.service_s * 1e3:.1f}", f"{r.load:.3g}",
-                     f"{r.utilisation:.2f}", wait, "inf" if not math.isfinite(r.max_rate) else f"{r.max_rate:.3g}"))
+        rows.append(
+            (
+                r.role,
+                str(r.workers),
+                f"{r.arrival:.3g}",
+                f"{r.service_s * 1e3:.1f}",
+                f"{r.load:.3g}",
+                f"{r.utilisation:.2f}",
+                wait,
+                "inf" if not math.isfinite(r.max_rate) else f"{r.max_rate:.3g}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:
         lines.append("  ".join(v.ljust(widths[i]) if i == 0 else v.rjust(widths[i]) for i, v in enumerate(row)))
     letters = ":".join(ROLE_LETTERS[r.role] for r in plan.roles)
     b = plan.bottleneck
-    lines += ["", f"recommended {letters} = {plan.ratio} ({sum(r.workers for r in plan.roles)} workers); "
-                  f"bottleneck: {b.role} (utilisation {b.utilisation:.2f}; saturates at {b.max_rate:.3g} req/s)",
-              "expected means: " + ", ".join(f"{k.upper()} {plan.expected_ms(k):.1f} ms" for k in plan.paths
-                                             if math.isfinite(plan.expected_ms(k)))
-              + " (queue waits + service; transport and image intake not modelled)",
-              "  epd up --topology " + plan.topology + " "
-              + " ".join(f"{ROLE_FLAGS[r.role]} {r.workers}" for r in plan.roles), "reasoning:"]
+    lines += [
+        "",
+        f"recommended {letters} = {plan.ratio} ({sum(r.workers for r in plan.roles)} workers); "
+        f"bottleneck: {b.role} (utilisation {b.utilisation:.2f}; saturates at {b.max_rate:.3g} req/s)",
+        "expected means: "
+        + ", ".join(
+            f"{k.upper()} {plan.expected_ms(k):.1f} ms" for k in plan.paths if math.isfinite(plan.expected_ms(k))
+        )
+        + " (queue waits + service; transport and image intake not modelled)",
+        "  epd up --topology "
+        + plan.topology
+        + " "
+        + " ".join(f"{ROLE_FLAGS[r.role]} {r.workers}" for r in plan.roles),
+        "reasoning:",
+    ]
     for r in plan.roles:
         lines += [f"  {r.role}: {why}" for why in r.why]
     lines += [f"  note: {n}" for n in plan.notes]
@@ -531,14 +636,26 @@ def scale_down(plan: Plan, max_workers: int) -> tuple[dict[str, int], float]:
     return small, rate
 
 
-def validation_spec(spec: WorkloadSpec, rate: float, requests: int, *, images: float | None = None,
-                    repeat_share: float | None = None, text_only_share: float | None = None,
-                    output_tokens: float | None = None) -> WorkloadSpec:
+def validation_spec(
+    spec: WorkloadSpec,
+    rate: float,
+    requests: int,
+    *,
+    images: float | None = None,
+    repeat_share: float | None = None,
+    text_only_share: float | None = None,
+    output_tokens: float | None = None,
+) -> WorkloadSpec:
     """``spec`` as Poisson arrivals at ``rate`` for ``requests`` requests, with the plan's overrides."""
     import msgspec
 
-    changes: dict[str, Any] = {"arrival": "poisson", "rate": rate, "sweep": (), "requests": requests,
-                               "duration_s": None}
+    changes: dict[str, Any] = {
+        "arrival": "poisson",
+        "rate": rate,
+        "sweep": (),
+        "requests": requests,
+        "duration_s": None,
+    }
     if images is not None:
         changes["images_per_request"] = {max(1, round(images)): 1.0}
     if repeat_share is not None:
@@ -550,9 +667,18 @@ def validation_spec(spec: WorkloadSpec, rate: float, requests: int, *, images: f
     return msgspec.structs.replace(spec, **changes)
 
 
-def validate(plan: Plan, spec: WorkloadSpec, *, data_dir: Path, max_workers: int, requests: int,
-             model: str | None = None, engine: str | None = None, ready_timeout: float = 300.0,
-             out: Path | None = None) -> tuple[bool, str]:
+def validate(
+    plan: Plan,
+    spec: WorkloadSpec,
+    *,
+    data_dir: Path,
+    max_workers: int,
+    requests: int,
+    model: str | None = None,
+    engine: str | None = None,
+    ready_timeout: float = 300.0,
+    out: Path | None = None,
+) -> tuple[bool, str]:
     """Start ``plan``'s topology scaled down to ``max_workers`` workers (embedded NATS and S3 on
     free ports, as ``epd up`` does), run ``spec`` at the scaled rate with the bench runner, and
     compare the measured means with the model's and with the SLO. (ok, report text)."""
@@ -584,23 +710,38 @@ def validate(plan: Plan, spec: WorkloadSpec, *, data_dir: Path, max_workers: int
     s3 = EmbeddedS3(data_dir / "s3", access_key=access or None, secret_key=secret or None)
     stack: Stack | None = None
     engine = engine or os.environ.get("EPD_ENGINE", "transformers")
-    replicas = {Service.ENCODER: counts.get("encoder", 1),
-                Service.PREFILL: counts.get("pd") or counts.get("prefill") or counts.get("agg") or 1,
-                Service.DECODE: counts.get("decode", 1)}
-    print(f"validating {plan.topology} {small.ratio} at {rate:.3g} req/s ({requests} requests, model "
-          f"{model_path.name}, engine {engine}; data {data_dir})", flush=True)
+    replicas = {
+        Service.ENCODER: counts.get("encoder", 1),
+        Service.PREFILL: counts.get("pd") or counts.get("prefill") or counts.get("agg") or 1,
+        Service.DECODE: counts.get("decode", 1),
+    }
+    print(
+        f"validating {plan.topology} {small.ratio} at {rate:.3g} req/s ({requests} requests, model "
+        f"{model_path.name}, engine {engine}; data {data_dir})",
+        flush=True,
+    )
     try:
         nats.start()
         s3.start()
-        env = {"EPD_NATS_URL": nats.url, "EPD_S3_ENDPOINT": s3.endpoint, "EPD_S3_ACCESS_KEY": s3.access_key,
-               "EPD_S3_SECRET_KEY": s3.secret_key, "EPD_MODEL_PATH": str(model_path.resolve()),
-               "EPD_ENGINE": engine, "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm")}
-        stack = Stack(env=env, log_dir=data_dir / "logs", topology=plan.topology, api_port=free_port(),
-                      replicas=replicas)
+        env = {
+            "EPD_NATS_URL": nats.url,
+            "EPD_S3_ENDPOINT": s3.endpoint,
+            "EPD_S3_ACCESS_KEY": s3.access_key,
+            "EPD_S3_SECRET_KEY": s3.secret_key,
+            "EPD_MODEL_PATH": str(model_path.resolve()),
+            "EPD_ENGINE": engine,
+            "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
+        }
+        stack = Stack(
+            env=env, log_dir=data_dir / "logs", topology=plan.topology, api_port=free_port(), replicas=replicas
+        )
         stack.start()
         stack.wait_ready(timeout=ready_timeout)
-        result = asyncio.run(runner.run(stack.base_url, spec, label=f"plan-validate {plan.topology} {small.ratio}",
-                                        slo_ms=plan.slo_ms or None))
+        result = asyncio.run(
+            runner.run(
+                stack.base_url, spec, label=f"plan-validate {plan.topology} {small.ratio}", slo_ms=plan.slo_ms or None
+            )
+        )
     finally:
         if stack is not None:
             stack.stop()
@@ -617,24 +758,33 @@ def judge(plan: Plan, small: Plan, result: BenchResult) -> tuple[bool, str]:
     """Measured means against the small-scale model and the SLO: ok when every request completed
     and each SLO bound holds for the measured mean."""
     s = result.runs[0].summary
-    measured = {"ttft": s.ttft_ms.mean if s.ttft_ms else None, "tpot": s.tpot_ms.mean if s.tpot_ms else None,
-                "e2e": s.e2e_ms.mean if s.e2e_ms else None}
-    lines = [f"validation: {s.completed} completed, {s.failed} failed, {s.request_throughput:.3g} req/s",
-             f"  {'figure':<8} {'model ms':>10} {'measured ms':>12} {'SLO ms':>8}"]
+    measured = {
+        "ttft": s.ttft_ms.mean if s.ttft_ms else None,
+        "tpot": s.tpot_ms.mean if s.tpot_ms else None,
+        "e2e": s.e2e_ms.mean if s.e2e_ms else None,
+    }
+    lines = [
+        f"validation: {s.completed} completed, {s.failed} failed, {s.request_throughput:.3g} req/s",
+        f"  {'figure':<8} {'model ms':>10} {'measured ms':>12} {'SLO ms':>8}",
+    ]
     ok = s.failed == 0 and s.completed > 0
     for key, value in measured.items():
         bound = plan.slo_ms.get(key)
         model_ms = small.expected_ms(key)
         held = bound is None or (value is not None and value <= bound)
         ok = ok and held
-        lines.append(f"  {key.upper():<8} {model_ms:>10.1f} {'-' if value is None else f'{value:.1f}':>12} "
-                     f"{'-' if bound is None else f'{bound:g}':>8}{'' if held else '  MISSED'}")
+        lines.append(
+            f"  {key.upper():<8} {model_ms:>10.1f} {'-' if value is None else f'{value:.1f}':>12} "
+            f"{'-' if bound is None else f'{bound:g}':>8}{'' if held else '  MISSED'}"
+        )
     try:
         measured_costs = costs_from_result(result, source="validation run")
-        lines.append(f"  stage costs measured now: encode {measured_costs.encode_s * 1e3:.1f} ms/image, prefill "
-                     f"{measured_costs.prefill_s * 1e3:.1f} ms, decode {measured_costs.decode_s_per_token * 1e3:.2f}"
-                     f" ms/token (planned with {plan.costs.encode_s * 1e3:.1f} / {plan.costs.prefill_s * 1e3:.1f} / "
-                     f"{plan.costs.decode_s_per_token * 1e3:.2f})")
+        lines.append(
+            f"  stage costs measured now: encode {measured_costs.encode_s * 1e3:.1f} ms/image, prefill "
+            f"{measured_costs.prefill_s * 1e3:.1f} ms, decode {measured_costs.decode_s_per_token * 1e3:.2f}"
+            f" ms/token (planned with {plan.costs.encode_s * 1e3:.1f} / {plan.costs.prefill_s * 1e3:.1f} / "
+            f"{plan.costs.decode_s_per_token * 1e3:.2f})"
+        )
     except PlanError as exc:
         lines.append(f"  (no stage costs from the validation run: {exc})")
     lines.append("  SLO held" if ok and plan.slo_ms else ("  done" if ok else "  SLO NOT held (or requests failed)"))
@@ -657,22 +807,44 @@ def _parse_slo(text: str) -> dict[str, float]:
 def add_parser(sub: Any) -> None:
     """Add ``plan`` to the ``epd`` parser."""
     p = sub.add_parser("plan", help="worker counts per role for a request rate and SLO, from measured stage costs")
-    p.add_argument("result", nargs="?", type=Path, metavar="RESULT.json",
-                   help="an epd bench result against epd-serve: its stage timings and workload")
-    p.add_argument("--costs", type=parse_costs, metavar="encode=S,prefill=S,decode=S",
-                   help="stage costs instead of a result (seconds; decode per output token; optional handoff=S)")
-    p.add_argument("--from-streams", type=_parse_duration, metavar="DURATION",
-                   help="costs and mix from the completed requests of the last DURATION (15m, 2h) in the streams")
+    p.add_argument(
+        "result",
+        nargs="?",
+        type=Path,
+        metavar="RESULT.json",
+        help="an epd bench result against epd-serve: its stage timings and workload",
+    )
+    p.add_argument(
+        "--costs",
+        type=parse_costs,
+        metavar="encode=S,prefill=S,decode=S",
+        help="stage costs instead of a result (seconds; decode per output token; optional handoff=S)",
+    )
+    p.add_argument(
+        "--from-streams",
+        type=_parse_duration,
+        metavar="DURATION",
+        help="costs and mix from the completed requests of the last DURATION (15m, 2h) in the streams",
+    )
     p.add_argument("--nats-url", help="with --from-streams: NATS URL (default: EPD_NATS_URL)")
     p.add_argument("--prefix", help="with --from-streams: subject prefix (default: EPD_SUBJECT_PREFIX)")
     p.add_argument("--limit", type=int, default=1000, help="with --from-streams: newest requests read (default 1000)")
     p.add_argument("--run", type=int, default=None, help="take costs from this run of a sweep (default: all)")
     p.add_argument("--rate", type=float, required=True, help="target request rate, req/s")
-    p.add_argument("--slo", type=_parse_slo, default=None, metavar="ttft=MS,tpot=MS",
-                   help="mean latency bounds (ms; keys ttft, tpot, e2e)")
+    p.add_argument(
+        "--slo",
+        type=_parse_slo,
+        default=None,
+        metavar="ttft=MS,tpot=MS",
+        help="mean latency bounds (ms; keys ttft, tpot, e2e)",
+    )
     p.add_argument("--target", type=float, default=DEFAULT_TARGET, help="utilisation target per role (default 0.8)")
-    p.add_argument("--topology", action="append", choices=TOPOLOGIES,
-                   help="plan this topology (repeatable; default: e-pd and e-p-d)")
+    p.add_argument(
+        "--topology",
+        action="append",
+        choices=TOPOLOGIES,
+        help="plan this topology (repeatable; default: e-pd and e-p-d)",
+    )
     p.add_argument("--images", type=float, help="images per image request (default: the result's workload)")
     p.add_argument("--repeat-share", type=float, help="share of image requests whose images were seen before")
     p.add_argument("--text-only-share", type=float, help="share of requests without images")
@@ -682,8 +854,12 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--validate", action="store_true", help="check the (first) plan on this machine")
     v.add_argument("--max-workers", type=int, default=3, help="workers to scale the plan down to (default 3)")
     v.add_argument("--validate-requests", type=int, default=30, help="requests of the validation run (default 30)")
-    v.add_argument("--data-dir", type=Path, default=Path("var") / "plan-validate",
-                   help="data folder of the validation stack (default var/plan-validate)")
+    v.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("var") / "plan-validate",
+        help="data folder of the validation stack (default var/plan-validate)",
+    )
     v.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
     v.add_argument("--validate-out", type=Path, metavar="FILE.json", help="write the validation run's bench result")
     p.set_defaults(func=run)
@@ -716,10 +892,17 @@ def run(args: argparse.Namespace) -> int:
         if observed is not None and all(f is None for f in flags):
             mix = observed
         else:
-            mix = mix_from_spec(spec, images=args.images, repeat_share=args.repeat_share,
-                                text_only_share=args.text_only_share, output_tokens=args.output_tokens)
-        plans = [make_plan(costs, mix, args.rate, t, target=args.target, slo_ms=args.slo)
-                 for t in (args.topology or ["e-pd", "e-p-d"])]
+            mix = mix_from_spec(
+                spec,
+                images=args.images,
+                repeat_share=args.repeat_share,
+                text_only_share=args.text_only_share,
+                output_tokens=args.output_tokens,
+            )
+        plans = [
+            make_plan(costs, mix, args.rate, t, target=args.target, slo_ms=args.slo)
+            for t in (args.topology or ["e-pd", "e-p-d"])
+        ]
     except PlanError as exc:
         print(f"epd plan: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -732,12 +915,25 @@ def run(args: argparse.Namespace) -> int:
         from shared.tools.infra import InfraError
         from shared.tools.launcher import StackError
 
-        vspec = validation_spec(spec, plans[0].rate, args.validate_requests, images=args.images,
-                                repeat_share=args.repeat_share, text_only_share=args.text_only_share,
-                                output_tokens=args.output_tokens)
+        vspec = validation_spec(
+            spec,
+            plans[0].rate,
+            args.validate_requests,
+            images=args.images,
+            repeat_share=args.repeat_share,
+            text_only_share=args.text_only_share,
+            output_tokens=args.output_tokens,
+        )
         try:
-            held, text = validate(plans[0], vspec, data_dir=args.data_dir, max_workers=args.max_workers,
-                                  requests=args.validate_requests, model=args.model, out=args.validate_out)
+            held, text = validate(
+                plans[0],
+                vspec,
+                data_dir=args.data_dir,
+                max_workers=args.max_workers,
+                requests=args.validate_requests,
+                model=args.model,
+                out=args.validate_out,
+            )
         except (InfraError, StackError, OSError, ValueError) as exc:
             print(f"epd plan --validate: {exc}", file=sys.stderr)
             return EXIT_ERROR

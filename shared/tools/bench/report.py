@@ -43,7 +43,8 @@ def parse_slo(text: str) -> dict[str, float]:
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
             raise argparse.ArgumentTypeError(
-                f"invalid SLO {part!r}: use e.g. ttft=500,tpot=50 (ms; keys ttft, tpot, e2e)")
+                f"invalid SLO {part!r}: use e.g. ttft=500,tpot=50 (ms; keys ttft, tpot, e2e)"
+            )
         try:
             bound = float(value)
         except ValueError:
@@ -61,8 +62,13 @@ def latency_stats(values_s: Iterable[float]) -> LatencyStats | None:
     ms = np.asarray(list(values_s), dtype=np.float64) * 1e3
     if ms.size == 0:
         return None
-    return LatencyStats(mean=float(ms.mean()), median=float(np.percentile(ms, 50)), p90=float(np.percentile(ms, 90)),
-                        p99=float(np.percentile(ms, 99)), std=float(ms.std()))
+    return LatencyStats(
+        mean=float(ms.mean()),
+        median=float(np.percentile(ms, 50)),
+        p90=float(np.percentile(ms, 90)),
+        p99=float(np.percentile(ms, 99)),
+        std=float(ms.std()),
+    )
 
 
 def tpot_s(record: RequestRecord) -> float | None:
@@ -162,25 +168,37 @@ def _latency(lines: list[str], title: str, short: str, stats: LatencyStats | Non
     if stats is None:
         return
     lines.append(_title(title))
-    lines += [_row(f"Mean {short} (ms):", stats.mean), _row(f"Median {short} (ms):", stats.median),
-              _row(f"P90 {short} (ms):", stats.p90), _row(f"P99 {short} (ms):", stats.p99)]
+    lines += [
+        _row(f"Mean {short} (ms):", stats.mean),
+        _row(f"Median {short} (ms):", stats.median),
+        _row(f"P90 {short} (ms):", stats.p90),
+        _row(f"P99 {short} (ms):", stats.p99),
+    ]
 
 
 def format_run(result: BenchResult, run: RunResult) -> str:
     s = run.summary
     load = f"rate {run.rate:g} req/s (Poisson)" if run.rate is not None else f"concurrency {run.concurrency}"
-    lines = [_title(" Serving Benchmark Result ", "="), _row("Label:", result.label or "-"),
-             _row("Endpoint:", result.url), _row("Model:", result.model), _row("Load:", load),
-             _row("Successful requests:", s.completed), _row("Failed requests:", s.failed),
-             _row("Benchmark duration (s):", s.duration_s),
-             _row("Total input tokens:", sum(r.prompt_tokens for r in run.requests if r.ok)),
-             _row("Total generated tokens:", sum(r.output_tokens for r in run.requests if r.ok)),
-             _row("Request throughput (req/s):", s.request_throughput)]
+    lines = [
+        _title(" Serving Benchmark Result ", "="),
+        _row("Label:", result.label or "-"),
+        _row("Endpoint:", result.url),
+        _row("Model:", result.model),
+        _row("Load:", load),
+        _row("Successful requests:", s.completed),
+        _row("Failed requests:", s.failed),
+        _row("Benchmark duration (s):", s.duration_s),
+        _row("Total input tokens:", sum(r.prompt_tokens for r in run.requests if r.ok)),
+        _row("Total generated tokens:", sum(r.output_tokens for r in run.requests if r.ok)),
+        _row("Request throughput (req/s):", s.request_throughput),
+    ]
     if s.goodput is not None:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in s.slo_ms.items())
         lines.append(_row("Request goodput (req/s):", s.goodput) + f" ({slo})")
-    lines += [_row("Output token throughput (tok/s):", s.output_token_throughput),
-              _row("Total token throughput (tok/s):", s.total_token_throughput)]
+    lines += [
+        _row("Output token throughput (tok/s):", s.output_token_throughput),
+        _row("Total token throughput (tok/s):", s.total_token_throughput),
+    ]
     _latency(lines, "Time to First Token", "TTFT", s.ttft_ms)
     _latency(lines, "Time per Output Token (excl. 1st token)", "TPOT", s.tpot_ms)
     _latency(lines, "Inter-token Latency", "ITL", s.itl_ms)

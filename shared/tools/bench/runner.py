@@ -72,8 +72,16 @@ def _error_text(body: str) -> str:
     return body.strip()[:500]
 
 
-async def send_request(client: httpx.AsyncClient, req: PlannedRequest, *, model: str, spec: WorkloadSpec,
-                       run_t0: float, epd: bool, timeout_s: float = REQUEST_TIMEOUT_S) -> RequestRecord:
+async def send_request(
+    client: httpx.AsyncClient,
+    req: PlannedRequest,
+    *,
+    model: str,
+    spec: WorkloadSpec,
+    run_t0: float,
+    epd: bool,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> RequestRecord:
     """Stream one planned request; never raises for a failed request (the record says why)."""
     body = req.body(model, ignore_eos=spec.ignore_eos, extra={"return_token_ids": True} if epd else None)
     sent = time.perf_counter()
@@ -126,9 +134,18 @@ async def send_request(client: httpx.AsyncClient, req: PlannedRequest, *, model:
     e2e = time.perf_counter() - sent
     ok = status == 200 and not error
     return RequestRecord(
-        index=req.index, kind=req.kind, images=len(req.images), sent_at=sent - run_t0, ok=ok, status=status,
-        error=error, request_id=request_id, prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or ids or chunks), ttft_s=ttft, e2e_s=e2e if ok else None,
+        index=req.index,
+        kind=req.kind,
+        images=len(req.images),
+        sent_at=sent - run_t0,
+        ok=ok,
+        status=status,
+        error=error,
+        request_id=request_id,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens") or ids or chunks),
+        ttft_s=ttft,
+        e2e_s=e2e if ok else None,
         itl_s=tuple(itl),
     )
 
@@ -161,9 +178,11 @@ def parse_timeline(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, str
     rid = case.get("request_id")
     sources: dict[str, str] = {}
     for kind in ("final_result", "decode_job"):
-        own = [m["message"] for m in case.get("messages") or ()
-               if m.get("kind") == kind and isinstance(m.get("message"), dict)
-               and m["message"].get("request_id") == rid]
+        own = [
+            m["message"]
+            for m in case.get("messages") or ()
+            if m.get("kind") == kind and isinstance(m.get("message"), dict) and m["message"].get("request_id") == rid
+        ]
         if own and own[-1].get("ec_sources"):
             sources = dict(own[-1]["ec_sources"])
             break
@@ -228,15 +247,17 @@ def _us(seconds: Any) -> int | None:
     return None if seconds is None else round(float(seconds) * 1e6)
 
 
-async def read_timeline(client: httpx.AsyncClient,
-                        request_id: str) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+async def read_timeline(
+    client: httpx.AsyncClient, request_id: str
+) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
     """The stages (union seconds), the exclusive stage seconds and the EC sources of one
     request; ({}, {}, {}) when its timeline cannot be read."""
     doc: dict[str, Any] = {}
     for attempt in range(TIMELINE_ATTEMPTS):
         try:
-            resp = await client.get(f"/debug/requests/{request_id}", params={"format": "json"},
-                                    timeout=TIMELINE_TIMEOUT_S)
+            resp = await client.get(
+                f"/debug/requests/{request_id}", params={"format": "json"}, timeout=TIMELINE_TIMEOUT_S
+            )
             resp.raise_for_status()
             doc = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -289,12 +310,23 @@ async def served_model(client: httpx.AsyncClient) -> str:
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise BenchError(f"cannot list the served models at {client.base_url}/v1/models "
-                         f"({type(exc).__name__}: {exc}); pass the model name") from None
+        raise BenchError(
+            f"cannot list the served models at {client.base_url}/v1/models "
+            f"({type(exc).__name__}: {exc}); pass the model name"
+        ) from None
 
 
-async def _run_point(client: httpx.AsyncClient, spec: WorkloadSpec, *, model: str, rate: float | None,
-                     run_index: int, epd: bool, progress: bool, timeout_s: float) -> tuple[list[RequestRecord], float]:
+async def _run_point(
+    client: httpx.AsyncClient,
+    spec: WorkloadSpec,
+    *,
+    model: str,
+    rate: float | None,
+    run_index: int,
+    epd: bool,
+    progress: bool,
+    timeout_s: float,
+) -> tuple[list[RequestRecord], float]:
     import PIL.Image  # noqa: F401 - drawing the first image should not pay for the import
     from tqdm import tqdm
 
@@ -306,8 +338,7 @@ async def _run_point(client: httpx.AsyncClient, spec: WorkloadSpec, *, model: st
     deadline = None if spec.duration_s is None else t0 + spec.duration_s
 
     async def send(req: PlannedRequest) -> None:
-        records.append(await send_request(client, req, model=model, spec=spec, run_t0=t0, epd=epd,
-                                          timeout_s=timeout_s))
+        records.append(await send_request(client, req, model=model, spec=spec, run_t0=t0, epd=epd, timeout_s=timeout_s))
         bar.update()
 
     def more(sent: int) -> bool:
@@ -343,9 +374,17 @@ async def _run_point(client: httpx.AsyncClient, spec: WorkloadSpec, *, model: st
     return records, duration
 
 
-async def run(url: str, spec: WorkloadSpec, *, api_key: str | None = None, label: str = "", progress: bool = True,
-              slo_ms: dict[str, float] | None = None, timelines: bool = True,
-              request_timeout_s: float = REQUEST_TIMEOUT_S) -> BenchResult:
+async def run(
+    url: str,
+    spec: WorkloadSpec,
+    *,
+    api_key: str | None = None,
+    label: str = "",
+    progress: bool = True,
+    slo_ms: dict[str, float] | None = None,
+    timelines: bool = True,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
+) -> BenchResult:
     """Run ``spec`` against ``url`` (an OpenAI-compatible server's base URL, without ``/v1``):
     one :class:`RunResult` per load point (one, or one per sweep rate). Raises :class:`BenchError`
     only when nothing can run (the server does not answer ``/v1/models`` and no model is given)."""
@@ -363,11 +402,33 @@ async def run(url: str, spec: WorkloadSpec, *, api_key: str | None = None, label
             points = [spec.rate if spec.arrival == "poisson" else None]
         runs = []
         for i, rate in enumerate(points):
-            records, duration = await _run_point(client, spec, model=model, rate=rate, run_index=i, epd=epd,
-                                                 progress=progress, timeout_s=request_timeout_s)
+            records, duration = await _run_point(
+                client,
+                spec,
+                model=model,
+                rate=rate,
+                run_index=i,
+                epd=epd,
+                progress=progress,
+                timeout_s=request_timeout_s,
+            )
             if epd and timelines:
                 records = await add_timelines(client, records, progress=progress)
-            runs.append(RunResult(rate=rate, concurrency=None if rate else spec.concurrency, requests=tuple(records),
-                                  summary=summarize(records, duration, slo_ms)))
-    return BenchResult(label=label, url=url, model=model, epd=epd, started_at=started_at, machine=machine(),
-                       spec=spec, runs=tuple(runs))
+            runs.append(
+                RunResult(
+                    rate=rate,
+                    concurrency=None if rate else spec.concurrency,
+                    requests=tuple(records),
+                    summary=summarize(records, duration, slo_ms),
+                )
+            )
+    return BenchResult(
+        label=label,
+        url=url,
+        model=model,
+        epd=epd,
+        started_at=started_at,
+        machine=machine(),
+        spec=spec,
+        runs=tuple(runs),
+    )

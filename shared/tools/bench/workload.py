@@ -208,8 +208,10 @@ class PlannedRequest:
 
     def messages(self) -> list[dict[str, Any]]:
         """The OpenAI chat messages (images as JPEG data URLs, built now)."""
-        image_parts = [{"type": "image_url", "image_url": {"url": image_data_url(self.seed, self.run_index, im)}}
-                       for im in self.images]
+        image_parts = [
+            {"type": "image_url", "image_url": {"url": image_data_url(self.seed, self.run_index, im)}}
+            for im in self.images
+        ]
         out: list[dict[str, Any]] = []
         for i, user in enumerate([t.user for t in self.history] + [self.prompt]):
             if i == 0 and image_parts:
@@ -273,7 +275,7 @@ def iter_plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int =
             chosen.append(ImageSpec(next_image, w, h))
             next_image += 1
         fresh = [im for im in chosen if im not in recent]
-        recent = (recent + fresh)[-spec.repeat_window:]
+        recent = (recent + fresh)[-spec.repeat_window :]
         history: list[Turn] = []
         for turn in range(1 if text_only else spec.turns):
             prompt = _words(lengths, *spec.prompt_words) or "describe"
@@ -286,10 +288,19 @@ def iter_plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int =
                 kind = "repeat"
             else:
                 kind = "image"
-            yield PlannedRequest(index=index, kind=kind, images=tuple(chosen), prompt=prompt,
-                                 output_tokens=out_tokens, arrival_s=clock if rate else 0.0,
-                                 conversation=conversation, turn=turn, history=tuple(history),
-                                 seed=spec.seed, run_index=run_index)
+            yield PlannedRequest(
+                index=index,
+                kind=kind,
+                images=tuple(chosen),
+                prompt=prompt,
+                output_tokens=out_tokens,
+                arrival_s=clock if rate else 0.0,
+                conversation=conversation,
+                turn=turn,
+                history=tuple(history),
+                seed=spec.seed,
+                run_index=run_index,
+            )
             index += 1
             # The planned reply stands in for the model's: every turn can be sent on its own.
             history.append(Turn(prompt, _words(lengths, *spec.prompt_words) or "ok"))
@@ -327,8 +338,11 @@ def image_bytes(seed: int, run_index: int, image_id: int, width: int, height: in
     freq, phase, base = rng.uniform(1, 8, (3, 2)), rng.uniform(0, 2 * np.pi, (3, 2)), rng.uniform(60, 196, 3)
     pixels = np.empty((height, width, 3), dtype=np.float32)
     for c in range(3):  # separable waves: cheap to draw at any size
-        pixels[..., c] = (base[c] + 45 * np.sin(freq[c, 0] * 2 * np.pi * x + phase[c, 0])[None, :]
-                          + 45 * np.sin(freq[c, 1] * 2 * np.pi * y + phase[c, 1])[:, None])
+        pixels[..., c] = (
+            base[c]
+            + 45 * np.sin(freq[c, 0] * 2 * np.pi * x + phase[c, 0])[None, :]
+            + 45 * np.sin(freq[c, 1] * 2 * np.pi * y + phase[c, 1])[:, None]
+        )
     cells = rng.integers(0, 256, (max(1, height // 32), max(1, width // 32), 3), dtype=np.uint8)
     blocks = Image.fromarray(cells, "RGB").resize((width, height), Image.Resampling.BILINEAR)
     pixels += np.asarray(blocks, np.float32) * 0.4 - 51
@@ -339,5 +353,7 @@ def image_bytes(seed: int, run_index: int, image_id: int, width: int, height: in
 
 
 def image_data_url(seed: int, run_index: int, image: ImageSpec) -> str:
-    return "data:image/jpeg;base64," + base64.b64encode(
-        image_bytes(seed, run_index, image.id, image.width, image.height)).decode()
+    return (
+        "data:image/jpeg;base64,"
+        + base64.b64encode(image_bytes(seed, run_index, image.id, image.width, image.height)).decode()
+    )
