@@ -39,7 +39,7 @@ check-types: install
 	$(VENV)/bin/mypy
 
 check-docs: install
-	$(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(VENV)/site
 
 # `docker compose up` for real (tests/compose/, docs/deployment.md; root, not part of `make test`):
 # installs docker.io and the Compose v2 plugin when missing and starts dockerd, builds the images
