@@ -12,10 +12,8 @@ import msgspec
 import nats
 import pytest
 
-from shared.protocol import ECInvalidated, Subjects
-from shared.store.ec import ECStore
-from shared.store.ec_index import ECIndex, Use, UseRecorder, entry_key
-from shared.store.janitor import (
+from shared.ec_lifecycle.index import ECIndex, Use, UseRecorder, entry_key
+from shared.ec_lifecycle.janitor import (
     Janitor,
     Policy,
     UnknownFingerprint,
@@ -27,6 +25,8 @@ from shared.store.janitor import (
     set_expiration_rule,
     subscribe_invalidations,
 )
+from shared.protocol import ECInvalidated, Subjects
+from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 
 FP_A = "a" * 24
@@ -215,7 +215,7 @@ async def test_a_use_recorded_after_the_pass_read_the_index_saves_the_object(wor
     jan = janitor(world, max_objects=0, grace_s=0)
     snap = await world["index"].snapshot()
     entries = sorted(((k, e, r) for k, (e, r) in snap.items()), key=lambda t: t[1].last_use)
-    from shared.store.janitor import PassReport
+    from shared.ec_lifecycle.janitor import PassReport
 
     report = PassReport()
     victims = jan._select(entries, {}, time.time(), report)
@@ -344,7 +344,7 @@ async def test_vllm_connector_side_drops_invalidated_items_and_records_uses(worl
     """The EC connector's lifecycle thread (vLLM scheduler process): item hashes of its own
     fingerprint's invalidations come out of ``take()`` (others never do); ``used()`` reaches the
     index."""
-    from shared.connectors.s3_ec.invalidation import ConnectorLifecycle
+    from shared.ec_lifecycle.invalidation import ConnectorLifecycle
 
     life = ConnectorLifecycle(nats_server.url, world["subjects"].prefix, ec_store(world), flush_s=0.2)
     life.start()

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from shared.connectors.common import ConnectorConfig
 from shared.connectors.params import EC_ITEMS, EC_SOURCES, Source
-from shared.connectors.s3_ec.invalidation import ConnectorLifecycle
 from shared.connectors.s3_ec.metadata import ECLoad, S3ECMetadata
 from shared.connectors.s3_ec.metrics import S3ECStats, StatsRecorder, Timing, Transfer
 from shared.connectors.s3_ec.state import (
@@ -27,6 +26,7 @@ from shared.connectors.s3_ec.state import (
     StoredItem,
     valid_identifier,
 )
+from shared.ec_lifecycle.invalidation import ConnectorLifecycle
 from shared.store.ec import ECStore
 from shared.store.format import ECObject, MissReason, ObjectValidationError
 

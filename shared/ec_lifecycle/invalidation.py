@@ -1,9 +1,9 @@
-"""The EC connector's part in the EC store lifecycle (:mod:`shared.store.janitor`), in vLLM's
+"""The EC connector's part in the EC store lifecycle (:mod:`shared.ec_lifecycle.janitor`), in vLLM's
 scheduler process: drop held bytes of evicted / purged objects, record uses in the EC index.
 
 vLLM's engine step never waits on NATS: a daemon thread runs its own event loop and connection,
 collects the item hashes of every ``ECInvalidated`` for this connector's fingerprint, and owns a
-:class:`~shared.store.ec_index.UseRecorder`. The scheduler drains the hashes once per step
+:class:`~shared.ec_lifecycle.index.UseRecorder`. The scheduler drains the hashes once per step
 (``take``) and notes uses (``used``), both thread-safe.
 
 Enabled when ``EPD_NATS_URL`` is set in the vLLM process's environment (epd-serve's workers pass
@@ -88,8 +88,8 @@ class ConnectorLifecycle:
     async def _main(self) -> None:
         import nats
 
-        from shared.store.ec_index import ECIndex, UseRecorder
-        from shared.store.janitor import subscribe_invalidations
+        from shared.ec_lifecycle.index import ECIndex, UseRecorder
+        from shared.ec_lifecycle.janitor import subscribe_invalidations
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()

@@ -3,7 +3,7 @@ and the invalidation broadcast.
 
 * :class:`Janitor` - one pass every ``EPD_EC_JANITOR_INTERVAL_S``, only while it holds the lease
   in the index bucket (``ECIndex.acquire_lease``: compare-and-set, so two replicas never both
-  evict). A pass reads the index (:mod:`shared.store.ec_index`), then deletes
+  evict). A pass reads the index (:mod:`shared.ec_lifecycle.index`), then deletes
 
   1. objects unused for ``EPD_EC_TTL_S`` (reason ``ttl``);
   2. objects of fingerprints retired for ``EPD_EC_PURGE_RETIRED_AFTER_S`` (reason ``retired``);
@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import metrics, protocol
-from shared.errors import StoreError
-from shared.protocol import ECInvalidated, Subjects
-from shared.store.ec_index import (
+from shared.ec_lifecycle.index import (
     ECIndex,
     FingerprintEntry,
     IndexEntry,
@@ -50,6 +48,8 @@ from shared.store.ec_index import (
     cancel_and_wait,
     entry_key,
 )
+from shared.errors import StoreError
+from shared.protocol import ECInvalidated, Subjects
 from shared.store.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
