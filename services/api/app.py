@@ -44,7 +44,7 @@ from services.api.supervisor import DeliverySupervisor
 from shared import history, metrics, protocol, timeline
 from shared.client import RequestClient, TokenStream
 from shared.config import ApiSettings
-from shared.ec_lifecycle.janitor import ECLifecycle, start_api_lifecycle
+from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,

@@ -1,35 +1,109 @@
-"""The EC connector's part in the EC store lifecycle (:mod:`shared.ec_lifecycle.janitor`), in vLLM's
-scheduler process: drop held bytes of evicted / purged objects, record uses in the EC index.
+"""Invalidations: every removal of EC objects (janitor evictions, ``epd ec purge``, objects gone
+behind the index) is announced with :class:`~shared.protocol.ECInvalidated` on
+``<p>.ec.invalidated.<fp>`` (core NATS); whoever holds copies drops them.
 
-vLLM's engine step never waits on NATS: a daemon thread runs its own event loop and connection,
-collects the item hashes of every ``ECInvalidated`` for this connector's fingerprint, and owns a
-:class:`~shared.ec_lifecycle.index.UseRecorder`. The scheduler drains the hashes once per step
-(``take``) and notes uses (``used``), both thread-safe.
+* The asyncio face - :func:`publish_invalidated`, :func:`subscribe_invalidations`: the API (janitor),
+  ``epd ec purge`` and PD workers (:mod:`shared.ec_lifecycle.worker`), on their own connection.
+* The thread face - :class:`ConnectorLifecycle`: the vLLM EC connector's part, in vLLM's scheduler
+  process, whose engine step never waits on NATS: a daemon thread runs its own event loop and
+  connection, collects the item hashes of every ``ECInvalidated`` for the connector's fingerprint,
+  and owns a :class:`~shared.ec_lifecycle.uses.UseRecorder`. The scheduler drains the hashes once
+  per step (``take``) and notes uses (``used``), both thread-safe.
 
-Enabled when ``EPD_NATS_URL`` is set in the vLLM process's environment (epd-serve's workers pass
-their environment to the engines they start; a standalone vLLM server sets it, with
-``EPD_SUBJECT_PREFIX`` when not ``epd``). Without it the connector holds objects until its own
-LRU drops them; their content is still right (keys are versioned), only a purge is not seen.
-No vLLM or torch import.
+NATS settings are the caller's: the services' settings, or the connector's extra config
+(``nats_url``, ``subject_prefix``, ``nats_user_env`` / ``nats_password_env``; epd-serve's vLLM
+engine fills them in from its own settings). Without a ``nats_url`` the connector holds objects
+until its own LRU drops them; their content is still right (keys are versioned), only a purge is
+not seen. No vLLM or torch import.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from shared import protocol
 from shared.protocol import ECInvalidated, Subjects
 from shared.store.ec import ECStore
 
 log = logging.getLogger(__name__)
 
+#: item hashes per ECInvalidated message (~70 bytes each: well under NATS's 1 MB payload)
+INVALIDATION_CHUNK = 2000
 
+
+# -- the asyncio face --------------------------------------------------------------------------------
+async def publish_invalidated(
+    nc: Any, subjects: Subjects, fingerprint: str, item_hashes: Iterable[str], *, reason: str, by: str
+) -> int:
+    """Announce removed EC objects; returns how many messages were sent."""
+    items = list(dict.fromkeys(item_hashes))
+    sent = 0
+    for i in range(0, len(items), INVALIDATION_CHUNK):
+        msg = ECInvalidated(
+            fingerprint=fingerprint,
+            item_hashes=tuple(items[i : i + INVALIDATION_CHUNK]),
+            reason=reason,
+            by=by,
+            created_at=time.time(),
+        )
+        await nc.publish(
+            subjects.ec_invalidated(fingerprint),
+            protocol.encode(msg),
+            headers=protocol.headers_for(msg, f"ec-{reason}"),
+        )
+        sent += 1
+    if sent:
+        await nc.flush(timeout=10)
+    return sent
+
+
+async def subscribe_invalidations(nc: Any, subjects: Subjects, on_event: Callable[[ECInvalidated], Any]) -> Any:
+    """Call ``on_event`` for every :class:`ECInvalidated` (junk is skipped). Returns the
+    subscription (``await sub.unsubscribe()``). Confirmed with the server before returning."""
+
+    async def handle(msg: Any) -> None:
+        try:
+            event = protocol.decode(msg.data, ECInvalidated)
+        except protocol.ProtocolError as exc:
+            log.warning("skipping a message on %s: %s", msg.subject, exc)
+            return
+        try:
+            result = on_event(event)
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception:  # a holder's bug must not kill the subscription
+            log.exception("invalidation handler failed")
+
+    sub = await nc.subscribe(subjects.ec_invalidated_all, cb=handle)
+    try:  # the server handles a connection's commands in order: a round trip confirms the SUB
+        await nc.jetstream().account_info()
+    except Exception as exc:  # noqa: BLE001 - fails open, like subscribe_typed(confirm=True)
+        log.warning("could not confirm the invalidation subscription: %s", exc)
+    return sub
+
+
+# -- the thread face ------------------------------------------------------------------------------
 class ConnectorLifecycle:
-    def __init__(self, nats_url: str, prefix: str, store: ECStore, *, flush_s: float = 2.0):
+    """The vLLM EC connector's part in the lifecycle, on a thread of its own (module docstring)."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        prefix: str,
+        store: ECStore,
+        *,
+        flush_s: float = 2.0,
+        user: str | None = None,
+        password: str | None = None,
+    ):
         self.nats_url = nats_url
+        self.user = user
+        self.password = password
         self.subjects = Subjects(prefix)
         self.store = store
         self.flush_s = flush_s
@@ -43,12 +117,14 @@ class ConnectorLifecycle:
         self.ready = threading.Event()
 
     @classmethod
-    def from_env(cls, store: ECStore) -> ConnectorLifecycle | None:
-        url = os.environ.get("EPD_NATS_URL", "")
-        if not url:
-            log.info("EC connector: EPD_NATS_URL not set: no invalidation events, uses not recorded")
+    def launch(
+        cls, store: ECStore, *, nats_url: str, prefix: str, user: str | None = None, password: str | None = None
+    ) -> ConnectorLifecycle | None:
+        """Started, or None (with a log line) when no ``nats_url`` is configured."""
+        if not nats_url:
+            log.info("EC connector: no nats_url in its extra config: no invalidation events, uses not recorded")
             return None
-        lifecycle = cls(url, os.environ.get("EPD_SUBJECT_PREFIX", "epd") or "epd", store)
+        lifecycle = cls(nats_url, prefix or "epd", store, user=user, password=password)
         lifecycle.start()
         return lifecycle
 
@@ -88,8 +164,8 @@ class ConnectorLifecycle:
     async def _main(self) -> None:
         import nats
 
-        from shared.ec_lifecycle.index import ECIndex, UseRecorder
-        from shared.ec_lifecycle.janitor import subscribe_invalidations
+        from shared.ec_lifecycle.index import ECIndex
+        from shared.ec_lifecycle.uses import UseRecorder
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -98,6 +174,7 @@ class ConnectorLifecycle:
             name="epd-ec-connector",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
+            **({"user": self.user, "password": self.password or ""} if self.user else {}),
         )
         try:
             sub = await subscribe_invalidations(nc, self.subjects, self._on_event)
