@@ -1,4 +1,5 @@
 # make run  : create .venv, install what is missing, start everything (epd up) on http://127.0.0.1:8000
+#             (options of epd up in ARGS: make run ARGS="--port 8001 --nats-port 14222")
 # make test : create .venv, install what is missing, run the test suite
 # make check: the static checks .ci/run makes before the suite (layers, lint, types, docs site)
 SHELL := /bin/bash
@@ -7,6 +8,7 @@ VENV ?= .venv
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
+ARGS ?=
 
 .PHONY: install run test check check-layers check-lint check-types check-docs clean-data lock lock-gpu
 
@@ -20,7 +22,7 @@ $(STAMP): requirements.lock requirements-overrides.txt pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/epd up
+	$(VENV)/bin/epd up$(if $(strip $(ARGS)), $(ARGS))
 
 test: install
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -33,6 +33,7 @@ from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
 from shared.cancellation import cancel_record
+from shared.ec_lifecycle.index import ECIndex, entry_key
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
 from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, nats_unavailable, subscribe_typed
 from shared.protocol import (
@@ -45,7 +46,6 @@ from shared.protocol import (
     Subjects,
     TokenChunk,
 )
-from shared.store.ec_index import ECIndex, entry_key
 
 log = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ class CommonSettings(BaseSettings):
         description="a worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it",
     )
 
-    # EC store lifecycle (shared.store.ec_index, shared.store.janitor). The janitor runs in the API
+    # EC store lifecycle (shared.ec_lifecycle.index, shared.ec_lifecycle.janitor). The janitor runs in the API
     # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
     ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
     ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")

@@ -82,7 +82,7 @@ ENCODE_BATCH_IMAGES = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
 
-# EC store lifecycle (shared.store.janitor, shared.store.ec_index).
+# EC store lifecycle (shared.ec_lifecycle.janitor, shared.ec_lifecycle.index).
 EC_STORE_BYTES = Gauge(
     "epd:ec_store_bytes", "Bytes of EC objects in the store by encoder fingerprint (janitor's index).", ["fingerprint"]
 )

@@ -99,7 +99,7 @@ class Subjects:
         # creates it; no worker consumes it, so imported jobs are never executed by accident).
         self.imported_all = f"{p}.imported.>"
         self.stream_imported = f"{P}_IMPORTED"
-        #: EC store lifecycle (``shared.store.ec_index``): every invalidation, and the JetStream
+        #: EC store lifecycle (``shared.ec_lifecycle.index``): every invalidation, and the JetStream
         #: key-value bucket that indexes EC objects (size, last use) and holds the janitor lease.
         self.ec_invalidated_all = f"{p}.ec.invalidated.>"
         #: Every ``ECReady`` (the API indexes what encoders announce).

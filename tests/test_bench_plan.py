@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from PIL import Image
@@ -205,8 +206,15 @@ def test_compare_cli_prints_ratios_and_writes_pngs_with_expected_series(tmp_path
     plots = tmp_path / "plots"
     assert main(["bench", "compare", *map(str, files), "--plots", str(plots)]) == 0
     out = capsys.readouterr().out
-    header = next(ln for ln in out.splitlines() if ln.startswith("metric"))
-    assert header.split() == ["metric", "A", "B", "B/A", "C", "C/A"]
+    # Each point's table: the metrics where higher is better, then those where lower is; the
+    # ratio columns' headers say which.
+    headers = [ln for ln in out.splitlines() if ln.startswith("metric")]
+    assert [re.split(r"\s{2,}", h.strip()) for h in headers[:2]] == [
+        ["metric", "A", "B", "B/A (higher is better)", "C", "C/A (higher is better)"],
+        ["metric", "A", "B", "B/A (lower is better)", "C", "C/A (lower is better)"],
+    ]
+    assert compare.better("request throughput (req/s)") == compare.better("goodput (req/s)") == "higher"
+    assert compare.better("TTFT p90 (ms)") == compare.better("failed") == compare.better("stage encode (ms)") == "lower"
     assert out.splitlines()[:3] == [
         f"{key} = {label}: http://127.0.0.1:1  model tiny  {kind}  (2 run(s); test)"
         for key, label, kind in (
@@ -259,10 +267,11 @@ def test_plots_draw_the_expected_series(tmp_path):
     assert series["C median"] == ([1.0, 8.0], [45.0, 180.0])  # concurrency runs: measured req/s
 
     bars = compare.plot_stage_breakdown([a, b, c], labels, tmp_path / "stages.png")
-    drawn = bars.axes["stage seconds per request (epd-serve)"]
+    drawn = bars.axes["stage ms per request (epd-serve)"]  # in ms, like the tables and the other plots
     assert list(drawn) == ["encode", "prefill", "decode"]  # C is not epd-serve: no bar
-    assert drawn["encode"] == ([0.0, 1.0, 2.0, 3.0], [0.2, 0.3, 0.15, 0.1])
-    assert drawn["decode"] == ([0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.5])
+    assert drawn["encode"] == ([0.0, 1.0, 2.0, 3.0], pytest.approx([200.0, 300.0, 150.0, 100.0]))
+    assert drawn["decode"] == ([0.0, 1.0, 2.0, 3.0], pytest.approx([0.0, 0.0, 0.0, 500.0]))
+    assert bars.xlabels["stage ms per request (epd-serve)"].startswith("ms per request")
     for p in (cdf, rate, bars):
         assert p.path.read_bytes().startswith(PNG_SIGNATURE)
 
@@ -288,10 +297,10 @@ def test_stage_bars_add_up_to_a_mean_request(tmp_path):
         {"encode": 0.1, "prefill": 0.2, "EC recomputed locally": 15.0}
     )
     drawn = compare.plot_stage_breakdown([result("X", (run,))], ["X"], tmp_path / "s.png").axes
-    assert drawn["stage seconds per request (epd-serve)"] == {
-        "encode": ([0.0], pytest.approx([0.1])),
-        "EC recomputed locally": ([0.0], pytest.approx([15.0])),
-        "prefill": ([0.0], pytest.approx([0.2])),
+    assert drawn["stage ms per request (epd-serve)"] == {
+        "encode": ([0.0], pytest.approx([100.0])),
+        "EC recomputed locally": ([0.0], pytest.approx([15000.0])),
+        "prefill": ([0.0], pytest.approx([200.0])),
     }
 
 

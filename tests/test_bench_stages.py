@@ -295,9 +295,9 @@ def test_stage_bars_draw_the_exclusive_series_and_add_up_to_e2e(tmp_path):
         UNTRACKED,
     ]
     expected = report.exclusive_means(records())
-    for name, (xs, ys) in drawn.items():
-        assert xs == [0.0] and ys == [pytest.approx(expected[name], abs=1e-12)], name
-    assert sum(ys[0] for _, ys in drawn.values()) == pytest.approx(MEAN_E2E_S, abs=1e-12)
+    for name, (xs, ys) in drawn.items():  # (drawn in ms)
+        assert xs == [0.0] and ys == [pytest.approx(expected[name] * 1e3, abs=1e-9)], name
+    assert sum(ys[0] for _, ys in drawn.values()) == pytest.approx(MEAN_E2E_S * 1e3, abs=1e-9)
     # Negative control: the union bar of the two timed requests overshoots their mean E2E (100 ms)
     # by SYNTHETIC's overlaps: (222.001 + 47) / 2 ms.
     timed = result("timed", records()[:2])
@@ -311,8 +311,8 @@ def test_stage_bars_next_to_an_old_result_mark_its_union_bar(tmp_path):
     old = load(old_file_bytes(result("old", records())))
     plot = compare.plot_stage_breakdown([old, new], ["old", "new"], tmp_path / "mixed.png")
     drawn = plot.axes[compare.EXCLUSIVE_TITLE]
-    assert drawn["encode"] == ([0.0, 1.0], [pytest.approx(0.037 / 3), pytest.approx(0.030 / 2)])
-    assert drawn[UNTRACKED] == ([0.0, 1.0], [0.0, pytest.approx(0.0045)])
+    assert drawn["encode"] == ([0.0, 1.0], [pytest.approx(37 / 3), pytest.approx(30 / 2)])  # ms
+    assert drawn[UNTRACKED] == ([0.0, 1.0], [0.0, pytest.approx(4.5)])
     # Only union bars: the old title, as before.
     only_old = compare.plot_stage_breakdown([old], ["old"], tmp_path / "old.png")
     assert list(only_old.axes) == [compare.UNION_TITLE]

@@ -14,6 +14,7 @@ import pytest
 from shared import protocol
 from shared.client import RequestClient, chunk_texts
 from shared.config import CommonSettings
+from shared.ec_lifecycle.index import ECIndex, Use, entry_key
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
 from shared.jetstream import JetStreamPublisher, ensure_topology, subscribe_typed
 from shared.protocol import (
@@ -31,7 +32,6 @@ from shared.protocol import (
     Subjects,
     TokenChunk,
 )
-from shared.store.ec_index import ECIndex, Use, entry_key
 
 ITEM = "cd" * 32
 REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)

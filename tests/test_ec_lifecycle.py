@@ -12,21 +12,21 @@ import msgspec
 import nats
 import pytest
 
-from shared.protocol import ECInvalidated, Subjects
-from shared.store.ec import ECStore
-from shared.store.ec_index import ECIndex, Use, UseRecorder, entry_key
-from shared.store.janitor import (
+from shared.ec_lifecycle.index import ECIndex, Use, entry_key
+from shared.ec_lifecycle.invalidation import publish_invalidated, subscribe_invalidations
+from shared.ec_lifecycle.janitor import (
     Janitor,
     Policy,
     UnknownFingerprint,
     expiration_days,
     get_expiration_days,
     list_objects,
-    publish_invalidated,
     purge,
     set_expiration_rule,
-    subscribe_invalidations,
 )
+from shared.ec_lifecycle.uses import UseRecorder
+from shared.protocol import ECInvalidated, Subjects
+from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 
 FP_A = "a" * 24
@@ -215,7 +215,7 @@ async def test_a_use_recorded_after_the_pass_read_the_index_saves_the_object(wor
     jan = janitor(world, max_objects=0, grace_s=0)
     snap = await world["index"].snapshot()
     entries = sorted(((k, e, r) for k, (e, r) in snap.items()), key=lambda t: t[1].last_use)
-    from shared.store.janitor import PassReport
+    from shared.ec_lifecycle.janitor import PassReport
 
     report = PassReport()
     victims = jan._select(entries, {}, time.time(), report)
@@ -344,7 +344,7 @@ async def test_vllm_connector_side_drops_invalidated_items_and_records_uses(worl
     """The EC connector's lifecycle thread (vLLM scheduler process): item hashes of its own
     fingerprint's invalidations come out of ``take()`` (others never do); ``used()`` reaches the
     index."""
-    from shared.connectors.s3_ec.invalidation import ConnectorLifecycle
+    from shared.ec_lifecycle.invalidation import ConnectorLifecycle
 
     life = ConnectorLifecycle(nats_server.url, world["subjects"].prefix, ec_store(world), flush_s=0.2)
     life.start()
@@ -367,3 +367,28 @@ async def test_vllm_connector_side_drops_invalidated_items_and_records_uses(worl
         assert entry.key == ec_store(world).key("i1") and entry.size == 7
     finally:
         await asyncio.to_thread(life.close)
+
+
+def test_vllm_connector_takes_its_nats_settings_from_its_extra_config(monkeypatch, tmp_path):
+    """The connector's lifecycle thread is configured like the rest of the connector (its extra
+    config, which epd-serve's vLLM engine fills in from its settings), never from ``EPD_NATS_URL``."""
+    from shared.config import CommonSettings
+    from shared.connectors.common import ConnectorConfig
+    from shared.ec_lifecycle.invalidation import ConnectorLifecycle
+    from shared.engines.vllm_engine import connector_extra_config
+
+    settings = CommonSettings(nats_url="nats://n1:4222,nats://n2:4222", subject_prefix="tenant7")
+    extra = connector_extra_config(settings)
+    assert (extra["nats_url"], extra["subject_prefix"]) == ("nats://n1:4222,nats://n2:4222", "tenant7")
+    config = ConnectorConfig.from_extra(extra)
+    assert (config.nats_url, config.subject_prefix) == ("nats://n1:4222,nats://n2:4222", "tenant7")
+    with pytest.raises(ValueError, match="subject_prefix"):
+        ConnectorConfig.from_extra({"subject_prefix": "a.b"})
+
+    monkeypatch.setenv("EPD_NATS_URL", "nats://127.0.0.1:1")
+    monkeypatch.setenv("EPD_NATS_USER", "u")
+    monkeypatch.setenv("EPD_NATS_PASSWORD", "p")
+    config = ConnectorConfig.from_extra({"backend": "fs", "fs_root": str(tmp_path)})
+    assert config.nats_url == "" and config.nats_credentials() == ("u", "p")
+    store = config.ec_store(FP_A)
+    assert ConnectorLifecycle.launch(store, nats_url=config.nats_url, prefix=config.subject_prefix) is None

@@ -15,11 +15,11 @@ import uuid
 import nats
 import pytest
 
+from shared.ec_lifecycle.index import ECIndex
+from shared.ec_lifecycle.janitor import list_objects, purge
 from shared.protocol import FinalResult, GenerationJob, ImageRef, SamplingSpec, Subjects
 from shared.store.ec import ECStore
-from shared.store.ec_index import ECIndex
 from shared.store.format import encode_ec_object
-from shared.store.janitor import list_objects, purge
 from shared.store.objects import S3ObjectStore
 from shared.store.tensors import tensor_to_raw
 from tests.stackutil import (

@@ -148,8 +148,8 @@ def test_show_lists_every_stage_of_an_image_request(epd_stack):
     assert tl.summary.status == "ok" and tl.summary.images == 1 and tl.summary.completion_tokens == 8
     assert 0 < tl.summary.ttft_s < tl.summary.e2e_s
 
-    # The CLI prints every message and every stage; --json has the same timeline.
-    out = epd_cli(epd_stack.env, "replay", "show", rid)
+    # The CLI prints every stage, and with --messages every message; --json has the same timeline.
+    out = epd_cli(epd_stack.env, "replay", "show", rid, "--messages")
     assert out.returncode == 0, out.stderr
     for name in IMAGE_STAGES:
         assert f" {name} " in out.stdout, name

@@ -44,6 +44,7 @@ from services.api.supervisor import DeliverySupervisor
 from shared import history, metrics, protocol, timeline
 from shared.client import RequestClient, TokenStream
 from shared.config import ApiSettings
+from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -70,7 +71,6 @@ from shared.protocol import (
 )
 from shared.store.ec import ECStore
 from shared.store.factory import ec_store_from_settings
-from shared.store.janitor import ECLifecycle, start_api_lifecycle
 from shared.topology import TOPOLOGIES
 
 log = logging.getLogger(__name__)

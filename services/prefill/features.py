@@ -24,7 +24,7 @@ in ``setup`` from the role and the engine's capability.
 Each returns the image item the engine takes and where it came from (``local_cache``, ``local``,
 ``store``, ``recomputed:<reason>``, ``connector``).
 
-EC store lifecycle (``services.prefill.ec_lifecycle``): :class:`StoredFeatures` and
+EC store lifecycle (``shared.ec_lifecycle.worker``): :class:`StoredFeatures` and
 :class:`ConnectorFeatures` note every use of a stored object (cache hit, store hit, write-back,
 existence check) in the EC index, batched, so the janitor evicts what is least recently used; an
 ``ECInvalidated`` (eviction, purge) drops its items from the feature cache.
@@ -41,8 +41,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from services.prefill.ec_lifecycle import WorkerLifecycle
 from shared import metrics
+from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
 from shared.errors import StoreError

@@ -75,6 +75,12 @@ class ConnectorConfig:
     local_cache_bytes: int = 256 * 1024**2
     #: written into each object's metadata (default: vllm-<host>-<pid>)
     producer_id: str = ""
+    #: the deployment's NATS (EC connector: invalidations, use records; "": none) and subject prefix;
+    #: ``nats_user_env`` / ``nats_password_env`` name the variables with its credentials (unset: none)
+    nats_url: str = ""
+    subject_prefix: str = "epd"
+    nats_user_env: str = "EPD_NATS_USER"
+    nats_password_env: str = "EPD_NATS_PASSWORD"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, section: str = "ec_connector_extra_config") -> ConnectorConfig:
@@ -103,6 +109,11 @@ class ConnectorConfig:
         if not config.namespace or any(c in config.namespace for c in "/.*> "):
             raise ValueError(
                 f"{section}.namespace {config.namespace!r} must be non-empty "
+                "and contain no '/', '.', '*', '>' or spaces"
+            )
+        if not config.subject_prefix or any(c in config.subject_prefix for c in "/.*> "):
+            raise ValueError(
+                f"{section}.subject_prefix {config.subject_prefix!r} must be non-empty "
                 "and contain no '/', '.', '*', '>' or spaces"
             )
         if config.backend not in ("s3", "fs"):
@@ -141,6 +152,10 @@ class ConnectorConfig:
             secure=self.secure,
             region=self.region,
         )
+
+    def nats_credentials(self) -> tuple[str | None, str | None]:
+        """NATS user and password from the named env vars (None, None: no authentication)."""
+        return os.environ.get(self.nats_user_env) or None, os.environ.get(self.nats_password_env) or None
 
     def ec_store(self, fingerprint: str) -> ECStore:
         """The EC store of an encoder fingerprint."""

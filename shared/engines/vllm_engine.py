@@ -118,7 +118,7 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
 
 def connector_extra_config(settings: Any, *, kv: bool = False) -> dict[str, Any]:
     """``ec_connector_extra_config`` (``kv=True``: ``kv_connector_extra_config``) for a worker's
-    store settings (credentials stay in the env). Objects are bounded by ``EPD_MAX_EC_OBJECT_BYTES``
+    store and NATS settings (credentials stay in the env). Objects are bounded by ``EPD_MAX_EC_OBJECT_BYTES``
     (``EPD_MAX_KV_OBJECT_BYTES``)."""
     return {
         "backend": settings.store_backend,
@@ -132,6 +132,9 @@ def connector_extra_config(settings: Any, *, kv: bool = False) -> dict[str, Any]
         "secret_key_env": "EPD_S3_SECRET_KEY",
         "max_object_bytes": settings.max_kv_object_bytes if kv else settings.max_ec_object_bytes,
         "producer_id": settings.worker_id,
+        # the EC connector's part in the EC lifecycle (invalidations, use records); credentials stay in the env
+        "nats_url": settings.nats_url,
+        "subject_prefix": settings.subject_prefix,
     }
 
 

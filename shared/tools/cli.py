@@ -58,6 +58,24 @@ def _example_image_data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key: str) -> str:
+    """The banner's lines that point ``epd ec`` / ``epd replay`` (and other shells) at a stack
+    ``epd up`` started. The S3 keys are printed only when they are the embedded dev defaults;
+    other keys came from the environment (EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY) and are never
+    printed."""
+    from shared.config import CommonSettings
+
+    fields = CommonSettings.model_fields
+    dev = (fields["s3_access_key"].default.get_secret_value(), fields["s3_secret_key"].default.get_secret_value())
+    exports = f"export EPD_NATS_URL={nats_url} EPD_S3_ENDPOINT={s3_endpoint}"
+    if (access_key, secret_key) == dev:
+        return f"  {exports} EPD_S3_ACCESS_KEY={access_key} EPD_S3_SECRET_KEY={secret_key}\n"
+    return (
+        f"  {exports}\n"
+        "  (and EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY as in the environment epd up was started with: not printed)\n"
+    )
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import CommonSettings
     from shared.tools.launcher import Stack, StackError, Supervisor
@@ -136,6 +154,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 if stack.metrics_ports
                 else ""
             )
+            + "\nPoint epd ec / epd replay (another shell) at it:\n"
+            + connect_exports(nats.url, s3.endpoint, access_key, secret_key)
             + "\n"
             "Try it:\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
@@ -230,7 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start embedded NATS + S3 and all services")
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
-    up.add_argument("--engine", default=os.environ.get("EPD_ENGINE", "transformers"))
+    up.add_argument(
+        "--engine",
+        default=os.environ.get("EPD_ENGINE", "transformers"),
+        help="inference engine of the workers: transformers or vllm (default: EPD_ENGINE, else transformers)",
+    )
     up.add_argument(
         "--topology",
         default=Topology.E_PD.value,
@@ -238,10 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
         "e-p-d: encoders + prefill workers + decode workers",
     )
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--nats-port", type=int, default=DEFAULT_NATS_PORT)
-    up.add_argument("--s3-port", type=int, default=DEFAULT_S3_PORT)
+    up.add_argument("--host", default="127.0.0.1", help="address the API listens on (default %(default)s)")
+    up.add_argument("--port", type=int, default=8000, help="port of the API (default %(default)s)")
+    up.add_argument(
+        "--nats-port",
+        type=int,
+        default=DEFAULT_NATS_PORT,
+        help="port of the embedded NATS server (default %(default)s)",
+    )
+    up.add_argument(
+        "--s3-port", type=int, default=DEFAULT_S3_PORT, help="port of the embedded S3 server (default %(default)s)"
+    )
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
     up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
@@ -284,10 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("build-tiny", help="write a deterministic random-weight model folder")
-    tiny.add_argument("out", nargs="?", default=str(default_model_dir(DEFAULT_DATA_DIR)))
-    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "llava"])
-    tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"])
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "out", nargs="?", default=str(default_model_dir(DEFAULT_DATA_DIR)), help="folder to write (default %(default)s)"
+    )
+    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "llava"], help="model architecture")
+    tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="tiny: tests; bench: benchmarks")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     tiny.set_defaults(func=_cmd_build_tiny)
 
     for service in Service:

@@ -1,4 +1,4 @@
-"""``epd ec``: what the EC store holds per model version, and purges (``shared.store.janitor``).
+"""``epd ec``: what the EC store holds per model version, and purges (``shared.ec_lifecycle.janitor``).
 
 * ``epd ec ls`` - per fingerprint and kind (``ec`` encoder outputs, ``kv`` E|P|D hand-offs):
   objects, bytes, last use (EC: the index; KV: modification time), the model it belongs to when
@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
 async def _open(nc: Any, subjects: Any, settings: Any):
     import asyncio
 
-    from shared.store.ec_index import ECIndex
+    from shared.ec_lifecycle.index import ECIndex
     from shared.store.factory import object_store_from_settings
 
     index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=settings.stream_replicas)
@@ -71,8 +71,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     async def body(nc, subjects, settings) -> int:
         import asyncio
 
-        from shared.store.ec_index import entry_key
-        from shared.store.janitor import is_current, list_objects
+        from shared.ec_lifecycle.index import entry_key
+        from shared.ec_lifecycle.janitor import is_current, list_objects
 
         index, store = await _open(nc, subjects, settings)
         listed = await asyncio.to_thread(list_objects, store, settings.namespace)
@@ -132,7 +132,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
     async def body(nc, subjects, settings) -> int:
-        from shared.store.janitor import UnknownFingerprint, is_current, purge
+        from shared.ec_lifecycle.janitor import UnknownFingerprint, is_current, purge
 
         index, store = await _open(nc, subjects, settings)
         kinds = ("ec", "kv") if args.kind == "all" else (args.kind,)

@@ -36,6 +36,7 @@ from nats.js.errors import BadRequestError
 from shared import protocol
 from shared.client import RequestClient, chunk_texts
 from shared.config import CommonSettings
+from shared.ec_lifecycle.index import ECIndex
 from shared.errors import DeadlineExceeded, EPDError, StoreError
 from shared.history import (
     HDR_ORIG_SEQ,
@@ -61,7 +62,6 @@ from shared.protocol import (
     WorkerHeartbeat,
 )
 from shared.store.ec import ECStore
-from shared.store.ec_index import ECIndex
 from shared.store.format import ec_key as make_ec_key
 from shared.store.format import media_key as make_media_key
 from shared.store.objects import ObjectStore

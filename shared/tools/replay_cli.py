@@ -54,18 +54,23 @@ def add_parser(sub: Any) -> None:
     ls.add_argument(
         "--since", type=parse_duration, default=parse_duration("1h"), help="how far back (30s, 15m, 2h, 1d; default 1h)"
     )
-    ls.add_argument("--status", choices=STATUSES)
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--status", choices=STATUSES, help="only requests that ended so")
+    ls.add_argument("--limit", type=int, default=20, help="at most this many requests (default %(default)s)")
     ls.set_defaults(func=_cmd_list)
 
-    show = rsub.add_parser("show", parents=[common], help="every message of a request and its stage timeline")
-    show.add_argument("request_id")
+    show = rsub.add_parser("show", parents=[common], help="a request's summary and stage timeline (and its messages)")
+    show.add_argument("request_id", help="the request's id (chatcmpl-..., as epd replay list prints it)")
     show.add_argument("--html", metavar="FILE", help="also write the waterfall page to FILE")
-    show.add_argument("--no-messages", action="store_true", help="summary and timeline only")
+    show.add_argument(
+        "--messages",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also print every message of the request, after the timeline (default: summary and timeline only)",
+    )
     show.set_defaults(func=_cmd_show)
 
     run = rsub.add_parser("run", parents=[common], help="re-run a recorded request on the live workers")
-    run.add_argument("request_id")
+    run.add_argument("request_id", help="the recorded request's id")
     run.add_argument(
         "--compare", action="store_true", help="diff the new output with the recorded one; exit 1 when they differ"
     )
@@ -79,8 +84,8 @@ def add_parser(sub: Any) -> None:
     run.set_defaults(func=_cmd_run)
 
     export = rsub.add_parser("export", parents=[common], help="write requests to a case file (JSON)")
-    export.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
-    export.add_argument("-o", "--output", required=True, metavar="FILE")
+    export.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="the requests to write")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="the case file to write")
     export.add_argument("--no-media", action="store_true", help="leave the images out")
     export.add_argument(
         "--max-media-bytes",
@@ -91,7 +96,7 @@ def add_parser(sub: Any) -> None:
     export.set_defaults(func=_cmd_export)
 
     imp = rsub.add_parser("import", parents=[common], help="load a case file into this NATS (and store)")
-    imp.add_argument("file")
+    imp.add_argument("file", help="a case file written by epd replay export")
     imp.set_defaults(func=_cmd_import)
 
 
@@ -206,11 +211,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(timeline.render_summary(tl.summary) + f"  ({case.source})")
         for note in tl.notes:
             print(f"note: {note}")
-        if not args.no_messages:
-            print()
-            print(timeline.render_messages(case))
         print()
         print(timeline.render_text(tl))
+        if args.messages:
+            print()
+            print(timeline.render_messages(case))
         if args.html:
             print(f"\nwrote {args.html}")
         return 0

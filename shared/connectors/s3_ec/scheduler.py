@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from shared.connectors.common import ConnectorConfig
 from shared.connectors.params import EC_ITEMS, EC_SOURCES, Source
-from shared.connectors.s3_ec.invalidation import ConnectorLifecycle
 from shared.connectors.s3_ec.metadata import ECLoad, S3ECMetadata
 from shared.connectors.s3_ec.metrics import S3ECStats, StatsRecorder, Timing, Transfer
 from shared.connectors.s3_ec.state import (
@@ -27,6 +26,7 @@ from shared.connectors.s3_ec.state import (
     StoredItem,
     valid_identifier,
 )
+from shared.ec_lifecycle.invalidation import ConnectorLifecycle
 from shared.store.ec import ECStore
 from shared.store.format import ECObject, MissReason, ObjectValidationError
 
@@ -75,9 +75,17 @@ class ECScheduler:
         if is_producer:
             store.store.ensure_bucket()
         #: invalidation events and use recording (EPD_NATS_URL), consumers only: they hold bytes
-        self._lifecycle = ConnectorLifecycle.from_env(store) if is_consumer else None
+        self._lifecycle = self._start_lifecycle(config, store) if is_consumer else None
 
     # -- seams and observability -----------------------------------------------------------------
+    @staticmethod
+    def _start_lifecycle(config: ConnectorConfig, store: ECStore) -> ConnectorLifecycle | None:
+        """Invalidations and use records over the deployment's NATS named in the extra config."""
+        user, password = config.nats_credentials()
+        return ConnectorLifecycle.launch(
+            store, nats_url=config.nats_url, prefix=config.subject_prefix, user=user, password=password
+        )
+
     def load_item(self, identifier: str) -> ECObject:
         """GET + validate one object (runs in a fetch thread). A seam for tests that inject store
         faults."""

@@ -3,7 +3,8 @@
 Each file is a :class:`~shared.tools.bench.schema.BenchResult`. Runs are matched by their load point
 (same ``rate`` and ``concurrency``); a result none of whose points the first result has is matched
 by order instead (its i-th run next to the first result's i-th run). For every matched point the
-table gives each result's value and its ratio to the first result's (``B/A``, ``C/A``, ...):
+table gives each result's value and its ratio to the first result's (``B/A``, ``C/A``, ...; in two
+blocks whose headers say which way the ratio is better: ``B/A (higher is better)``, then ``(lower is better)``):
 throughputs, TTFT/TPOT/ITL/E2E mean/median/p90/p99, goodput, and the stage means where the result
 is from epd-serve. It reads the summaries, not the raw records, except for two plots: the latency
 CDFs (every completed request's ``ttft_s`` / ``e2e_s``) and the stage bars (per-request stages).
@@ -20,7 +21,7 @@ Plots (``--plots DIR``, PNG, matplotlib's Agg canvas, no display needed): ``late
 and E2E, one line per result and run; log x axis when the range spans more than 50x),
 ``ttft_vs_rate.png`` (median and p90 TTFT per run against the offered rate, or the measured request
 rate for concurrency runs; drawn when there are at least two load points), ``stage_breakdown.png``
-(stacked stage seconds per completed request, one bar per epd-serve run: exclusive times, so a bar
+(stacked stage ms per completed request, one bar per epd-serve run: exclusive times, so a bar
 adds up to the mean server-side E2E; a run from before exclusive times draws its union times,
 marked "union, overlaps" in its bar label). Each
 plotting function returns a :class:`Plot` read back from the drawn figure (the series labels and
@@ -98,6 +99,8 @@ class Plot:
 
     path: Path
     axes: dict[str, dict[str, tuple[list[float], list[float]]]] = field(default_factory=dict)
+    #: axes title -> its x-axis label (where the function records it)
+    xlabels: dict[str, str] = field(default_factory=dict)
 
     def labels(self, axes_title: str) -> list[str]:
         return list(self.axes[axes_title])
@@ -174,6 +177,16 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
+#: metrics where more is better (their name starts so); every other one (failures, latencies,
+#: stage times) is better lower
+HIGHER_IS_BETTER = ("completed", "request throughput", "output token throughput", "goodput")
+
+
+def better(metric: str) -> str:
+    """``"higher"`` or ``"lower"``: which way a metric of :func:`compare`'s rows is better."""
+    return "higher" if metric.startswith(HIGHER_IS_BETTER) else "lower"
+
+
 def _metrics(summary: Summary | None, *, stages: bool) -> dict[str, float | None]:
     if summary is None:
         return {}
@@ -247,12 +260,17 @@ def column_keys(n: int) -> list[str]:
 
 
 def format_compare(results: list[BenchResult], labels: list[str]) -> str:
-    """The side-by-side text: a legend (A = the first result's label, ...), then per point
-    metric | A | B | B/A | C | C/A ..."""
+    """The side-by-side text: a legend (A = the first result's label, ...), then per point a table
+    metric | A | B | B/A | C | C/A ... in two blocks, each with its header saying which way its
+    ratios are better: the metrics where higher is better, then those where lower is."""
     keys = column_keys(len(results))
-    header = ["metric", keys[0]]
-    for key in keys[1:]:
-        header += [key, f"{key}/{keys[0]}"]
+
+    def header(direction: str) -> list[str]:
+        cells = ["metric", keys[0]]
+        for key in keys[1:]:
+            cells += [key, f"{key}/{keys[0]} ({direction} is better)"]
+        return cells
+
     lines = []
     for key, label, res in zip(keys, labels, results):
         lines.append(
@@ -265,19 +283,31 @@ def format_compare(results: list[BenchResult], labels: list[str]) -> str:
             "(untracked: none); they add up to the stage total = mean server-side E2E"
         )
     for point in compare(results):
-        table = [header]
-        for row in point.rows:
-            cells = [row.metric, _num(row.values[0])]
-            for v, r in zip(row.values[1:], row.ratios):
-                cells += [_num(v), _ratio_text(r)]
-            table.append(cells)
-        widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+        blocks: list[list[list[str]]] = []
+        for direction in ("higher", "lower"):
+            block = [header(direction)]
+            for row in point.rows:
+                if better(row.metric) != direction:
+                    continue
+                cells = [row.metric, _num(row.values[0])]
+                for v, r in zip(row.values[1:], row.ratios):
+                    cells += [_num(v), _ratio_text(r)]
+                block.append(cells)
+            if len(block) > 1:
+                blocks.append(block)
+        ncols = len(blocks[0][0]) if blocks else 0
+        widths = [max(len(r[c]) for b in blocks for r in b) for c in range(ncols)]
         lines.append("")
         lines.append(f"== {point.title} ==")
-        for k, cells in enumerate(table):
-            lines.append("  ".join(c.ljust(widths[n]) if n == 0 else c.rjust(widths[n]) for n, c in enumerate(cells)))
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        for n_block, block in enumerate(blocks):
+            if n_block:
+                lines.append("")
+            for k, cells in enumerate(block):
+                lines.append(
+                    "  ".join(c.ljust(widths[n]) if n == 0 else c.rjust(widths[n]) for n, c in enumerate(cells))
+                )
+                if k == 0:
+                    lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
@@ -397,19 +427,19 @@ def stage_seconds_per_request(run: RunResult) -> dict[str, float]:
 
 
 #: The stage bars' titles: exclusive times (every bar, or some next to older results), union times only.
-EXCLUSIVE_TITLE = "exclusive stage seconds per request (epd-serve)"
-UNION_TITLE = "stage seconds per request (epd-serve)"
+EXCLUSIVE_TITLE = "exclusive stage ms per request (epd-serve)"
+UNION_TITLE = "stage ms per request (epd-serve)"
 UNION_MARK = " (union, overlaps)"
 
 
 def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Path) -> Plot:
-    """Stacked horizontal bars of the stage seconds per request (:func:`stage_seconds_per_request`),
-    one bar per run of an epd-serve result. With exclusive times a bar is a partition of the mean
-    request's server-side E2E (received to last event; ``untracked`` where no stage ran), titled
-    :data:`EXCLUSIVE_TITLE`; a run without them (an older result) stacks its union times, which
-    overlap and overshoot the E2E: its bar label gets :data:`UNION_MARK` when exclusive bars are
-    drawn too, and the title is :data:`UNION_TITLE` when none is. The returned series are per
-    stage: x = the bar index, y = that stage's seconds."""
+    """Stacked horizontal bars of the stage times per request (:func:`stage_seconds_per_request`,
+    drawn in ms like the tables and the other plots), one bar per run of an epd-serve result. With
+    exclusive times a bar is a partition of the mean request's server-side E2E (received to last
+    event; ``untracked`` where no stage ran), titled :data:`EXCLUSIVE_TITLE`; a run without them (an
+    older result) stacks its union times, which overlap and overshoot the E2E: its bar label gets
+    :data:`UNION_MARK` when exclusive bars are drawn too, and the title is :data:`UNION_TITLE` when
+    none is. The returned series are per stage: x = the bar index, y = that stage's ms."""
     from matplotlib import colormaps
 
     bars: list[tuple[str, dict[str, float], bool]] = [
@@ -431,7 +461,7 @@ def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Pa
     ys = list(range(len(bars)))
     palette = colormaps["tab20"]
     for i, stage in enumerate(stages):
-        widths = [means.get(stage, 0.0) for _, means, _ in bars]
+        widths = [means.get(stage, 0.0) * 1e3 for _, means, _ in bars]
         color = "#bbbbbb" if stage == UNTRACKED else palette(i % palette.N)
         ax.barh(ys, widths, left=left, label=stage, color=color)
         left = [a + b for a, b in zip(left, widths)]
@@ -442,19 +472,19 @@ def plot_stage_breakdown(results: list[BenchResult], labels: list[str], path: Pa
     if exclusive:
         ax.set_title(EXCLUSIVE_TITLE)
         ax.set_xlabel(
-            "seconds per request (mean); stages exclusive: a bar adds up to the mean server-side E2E "
+            "ms per request (mean); stages exclusive: a bar adds up to the mean server-side E2E "
             "(received -> last event)"
         )
     else:
         ax.set_title(UNION_TITLE)
-        ax.set_xlabel("seconds (mean over completed requests; stages overlap, so a bar can exceed the E2E)")
+        ax.set_xlabel("ms per request (mean over completed requests; stages overlap, so a bar can exceed the E2E)")
     if stages:
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, format="png", bbox_inches="tight")
     # Read back what was drawn: one bar container per stage, in stacking order.
     drawn = {c.get_label(): ([float(y) for y in ys], [float(p.get_width()) for p in c.patches]) for c in ax.containers}
-    return Plot(Path(path), {ax.get_title(): drawn})
+    return Plot(Path(path), {ax.get_title(): drawn}, {ax.get_title(): ax.get_xlabel()})
 
 
 def write_plots(results: list[BenchResult], labels: list[str], out_dir: Path) -> list[Plot]:

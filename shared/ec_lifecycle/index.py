@@ -14,8 +14,9 @@ Bucket ``<P>_EC_INDEX`` (``Subjects.ec_index_bucket``), history 1. Keys:
 Values are JSON (msgspec). Updates are compare-and-set on the entry's revision, so a janitor
 deleting an entry whose use was just recorded loses the race and keeps the object.
 
-Uses are recorded through :class:`UseRecorder`: ``note()`` on the hot path is a dict assignment;
-a background task writes one index update per distinct object every ``EPD_EC_USE_FLUSH_S``.
+Uses are recorded through :class:`~shared.ec_lifecycle.uses.UseRecorder`: ``note()`` on the hot
+path is a dict assignment; a background task writes one index update per distinct object every
+``EPD_EC_USE_FLUSH_S``.
 Entries are created by writes (an encoder's announcement, a worker's write-back, the janitor's
 listing), never by reads.
 """
@@ -26,7 +27,6 @@ import asyncio
 import hashlib
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +40,6 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
     NotFoundError,
 )
-
-from shared import metrics
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ def fingerprint_key(fingerprint: str) -> str:
 
 @dataclass(frozen=True)
 class Use:
-    """A use (or a write) of one EC object, as recorded by :class:`UseRecorder`."""
+    """A use (or a write) of one EC object, as recorded by :class:`~shared.ec_lifecycle.uses.UseRecorder`."""
 
     key: str
     fingerprint: str
@@ -300,60 +298,3 @@ class ECIndex:
         except BadRequestError as exc:
             if not _wrong_sequence(exc):
                 raise
-
-
-class UseRecorder:
-    """Batches uses of EC objects: ``note()`` from any thread costs a dict assignment; every
-    ``flush_s`` one index update per distinct object (``epd:ec_uses_recorded_total``)."""
-
-    def __init__(self, index: ECIndex, *, flush_s: float):
-        self.index = index
-        self.flush_s = flush_s
-        self._pending: dict[str, Use] = {}
-        self._lock = threading.Lock()
-        self._task: asyncio.Task | None = None
-
-    def note(self, key: str, fingerprint: str, item_hash: str, *, size: int = 0, created: bool = False) -> None:
-        use = Use(key=key, fingerprint=fingerprint, item_hash=item_hash, at=time.time(), size=size, created=created)
-        with self._lock:
-            old = self._pending.get(key)
-            if old is not None:
-                use = Use(
-                    key=key,
-                    fingerprint=fingerprint,
-                    item_hash=item_hash,
-                    at=use.at,
-                    size=size or old.size,
-                    created=created or old.created,
-                )
-            self._pending[key] = use
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._run())
-
-    async def flush(self) -> int:
-        with self._lock:
-            batch, self._pending = self._pending, {}
-        for use in batch.values():
-            try:
-                await self.index.record(use)
-            except Exception as exc:  # noqa: BLE001 - NATS down: the use is lost, the object only looks colder
-                log.warning("could not record the use of %s: %s: %s", use.key, type(exc).__name__, exc)
-                return 0
-        if batch:
-            metrics.EC_USES_RECORDED.inc(len(batch))
-        return len(batch)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
-
-    async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
-        try:
-            await self.flush()
-        except Exception:  # noqa: BLE001 - closing: best effort
-            pass

@@ -1,4 +1,4 @@
-"""A generating worker's part in the EC store lifecycle (:mod:`shared.store.janitor`): it records
+"""A generating worker's part in the EC store lifecycle (:mod:`shared.ec_lifecycle`): it records
 its uses of EC objects in the index (batched), and drops the items of every ``ECInvalidated`` from
 its local feature cache, so an evicted or purged object is not served from a local copy after
 the event.
@@ -18,10 +18,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared import metrics
+from shared.ec_lifecycle.invalidation import subscribe_invalidations
+from shared.ec_lifecycle.process import ECLifecycle
 from shared.logs import REQUEST_ID
 from shared.protocol import ECInvalidated
 from shared.store.ec import ECStore
-from shared.store.janitor import ECLifecycle, subscribe_invalidations
 
 if TYPE_CHECKING:
     from shared.worker import WorkerContext

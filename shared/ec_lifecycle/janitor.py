@@ -1,9 +1,8 @@
-"""EC store lifecycle: the janitor that keeps the EC namespace bounded, purges of model versions,
-and the invalidation broadcast.
+"""EC store lifecycle: the janitor that keeps the EC namespace bounded, and purges of model versions.
 
 * :class:`Janitor` - one pass every ``EPD_EC_JANITOR_INTERVAL_S``, only while it holds the lease
   in the index bucket (``ECIndex.acquire_lease``: compare-and-set, so two replicas never both
-  evict). A pass reads the index (:mod:`shared.store.ec_index`), then deletes
+  evict). A pass reads the index (:mod:`shared.ec_lifecycle.index`), then deletes
 
   1. objects unused for ``EPD_EC_TTL_S`` (reason ``ttl``);
   2. objects of fingerprints retired for ``EPD_EC_PURGE_RETIRED_AFTER_S`` (reason ``retired``);
@@ -20,8 +19,8 @@ and the invalidation broadcast.
 * :func:`purge` - what ``epd ec purge`` does (by fingerprint, retired fingerprints, age), also for
   KV objects (E|P|D hand-offs, not indexed: selected from the listing).
 * Every removal of EC objects is announced with :class:`~shared.protocol.ECInvalidated` on
-  ``<p>.ec.invalidated.<fp>`` (core NATS): PD workers drop them from their feature cache, vLLM
-  EC connectors from their held bytes (:func:`subscribe_invalidations`).
+  ``<p>.ec.invalidated.<fp>`` (core NATS, :mod:`shared.ec_lifecycle.invalidation`): PD workers drop
+  them from their feature cache, vLLM EC connectors from their held bytes.
 * :func:`set_expiration_rule` - the S3 lifecycle backstop when ``EPD_EC_TTL_S`` is set.
 
 torch-free (the API and the CLI run it).
@@ -34,82 +33,29 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import metrics, protocol
-from shared.errors import StoreError
-from shared.protocol import ECInvalidated, Subjects
-from shared.store.ec_index import (
+from shared import metrics
+from shared.ec_lifecycle.index import (
     ECIndex,
     FingerprintEntry,
     IndexEntry,
     Use,
-    UseRecorder,
     cancel_and_wait,
     entry_key,
 )
+from shared.ec_lifecycle.invalidation import publish_invalidated
+from shared.errors import StoreError
+from shared.protocol import Subjects
 from shared.store.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
-#: item hashes per ECInvalidated message (~70 bytes each: well under NATS's 1 MB payload)
-INVALIDATION_CHUNK = 2000
 _NOT_EC_FOLDERS = frozenset({"media", "kv"})
 #: deletions a janitor pass runs at once (each: one KV compare-and-set, one S3 DELETE)
 EVICT_CONCURRENCY = 8
-
-
-# -- invalidation broadcast -------------------------------------------------------------------------
-async def publish_invalidated(
-    nc: Any, subjects: Subjects, fingerprint: str, item_hashes: Iterable[str], *, reason: str, by: str
-) -> int:
-    """Announce removed EC objects; returns how many messages were sent."""
-    items = list(dict.fromkeys(item_hashes))
-    sent = 0
-    for i in range(0, len(items), INVALIDATION_CHUNK):
-        msg = ECInvalidated(
-            fingerprint=fingerprint,
-            item_hashes=tuple(items[i : i + INVALIDATION_CHUNK]),
-            reason=reason,
-            by=by,
-            created_at=time.time(),
-        )
-        await nc.publish(
-            subjects.ec_invalidated(fingerprint),
-            protocol.encode(msg),
-            headers=protocol.headers_for(msg, f"ec-{reason}"),
-        )
-        sent += 1
-    if sent:
-        await nc.flush(timeout=10)
-    return sent
-
-
-async def subscribe_invalidations(nc: Any, subjects: Subjects, on_event: Callable[[ECInvalidated], Any]) -> Any:
-    """Call ``on_event`` for every :class:`ECInvalidated` (junk is skipped). Returns the
-    subscription (``await sub.unsubscribe()``). Confirmed with the server before returning."""
-
-    async def handle(msg: Any) -> None:
-        try:
-            event = protocol.decode(msg.data, ECInvalidated)
-        except protocol.ProtocolError as exc:
-            log.warning("skipping a message on %s: %s", msg.subject, exc)
-            return
-        try:
-            result = on_event(event)
-            if asyncio.iscoroutine(result):
-                await result
-        except Exception:  # a holder's bug must not kill the subscription
-            log.exception("invalidation handler failed")
-
-    sub = await nc.subscribe(subjects.ec_invalidated_all, cb=handle)
-    try:  # the server handles a connection's commands in order: a round trip confirms the SUB
-        await nc.jetstream().account_info()
-    except Exception as exc:  # noqa: BLE001 - fails open, like subscribe_typed(confirm=True)
-        log.warning("could not confirm the invalidation subscription: %s", exc)
-    return sub
 
 
 # -- listing the store ------------------------------------------------------------------------------
@@ -615,117 +561,3 @@ async def purge(
             {f"{k}/{fp}": v[0] for (k, fp), v in result.removed.items()},
         )
     return result
-
-
-# -- what every process with a store runs -------------------------------------------------------
-class ECLifecycle:
-    """A process's part in the EC lifecycle: its :class:`UseRecorder`, and in the API the index
-    of announced objects (``ECReady``), the fingerprint registry (heartbeats) and, when a bound
-    or TTL is set, the :class:`Janitor`."""
-
-    def __init__(self, *, nc: Any, subjects: Subjects, index: ECIndex, recorder: UseRecorder):
-        self.nc = nc
-        self.subjects = subjects
-        self.index = index
-        self.recorder = recorder
-        self.janitor: Janitor | None = None
-        self._subs: list = []
-        self._fp_written: dict[str, float] = {}
-
-    @classmethod
-    async def open(cls, nc: Any, subjects: Subjects, *, flush_s: float, replicas: int = 1) -> ECLifecycle:
-        index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=replicas)
-        recorder = UseRecorder(index, flush_s=flush_s)
-        recorder.start()
-        return cls(nc=nc, subjects=subjects, index=index, recorder=recorder)
-
-    async def index_announcements(self) -> None:
-        """Index every object an encoder announces (``ECReady``); in a queue group, so N API
-        replicas write each entry once."""
-        from shared.protocol import ECReady
-
-        async def on_ready(msg: Any) -> None:
-            try:
-                ev = protocol.decode(msg.data, ECReady)
-            except protocol.ProtocolError:
-                return
-            if ev.encode_started_at:  # 0: nothing was written (already stored)
-                self.recorder.note(ev.ec_key, ev.fingerprint, ev.item_hash, size=ev.nbytes, created=True)
-            else:
-                self.recorder.note(ev.ec_key, ev.fingerprint, ev.item_hash, size=ev.nbytes)
-
-        self._subs.append(
-            await self.nc.subscribe(self.subjects.ec_ready_all, queue=protocol.QUEUE_EC_INDEX, cb=on_ready)
-        )
-
-    async def fingerprint_seen(self, fingerprint: str, *, model: str = "", model_path: str = "") -> None:
-        """Record that a fingerprint is served (at most once a minute per fingerprint)."""
-        now = time.time()
-        if not fingerprint or now - self._fp_written.get(fingerprint, 0.0) < 60:
-            return
-        self._fp_written[fingerprint] = now
-        try:
-            await self.index.seen(fingerprint, model=model, model_path=model_path, at=now)
-        except Exception as exc:  # noqa: BLE001 - recorded again on the next write
-            self._fp_written.pop(fingerprint, None)
-            log.debug("could not record fingerprint %s: %s", fingerprint, exc)
-
-    async def close(self) -> None:
-        if self.janitor is not None:
-            await self.janitor.stop()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
-        await self.recorder.close()
-
-
-def policy_from_settings(settings: Any) -> Policy:
-    return Policy(
-        max_bytes=settings.ec_max_bytes,
-        max_objects=settings.ec_max_objects,
-        ttl_s=settings.ec_ttl_s,
-        purge_retired_after_s=settings.ec_purge_retired_after_s,
-        retired_after_s=settings.ec_retired_after_s,
-        grace_s=settings.ec_evict_grace_s,
-    )
-
-
-async def start_api_lifecycle(
-    nc: Any, subjects: Subjects, settings: Any, store: Any, *, fingerprint: str, model: str, model_path: str
-) -> ECLifecycle:
-    """The API process's lifecycle: recorder, announcement index, fingerprint registry, and the
-    janitor when ``EPD_EC_MAX_BYTES`` / ``EPD_EC_MAX_OBJECTS`` / ``EPD_EC_TTL_S`` /
-    ``EPD_EC_PURGE_RETIRED_AFTER_S`` is set (plus the S3 lifecycle backstop with a TTL)."""
-    lifecycle = await ECLifecycle.open(nc, subjects, flush_s=settings.ec_use_flush_s, replicas=settings.stream_replicas)
-    await lifecycle.index_announcements()
-    await lifecycle.fingerprint_seen(fingerprint, model=model, model_path=model_path)
-    policy = policy_from_settings(settings)
-    if policy.active:
-        lifecycle.janitor = Janitor(
-            nc=nc,
-            subjects=subjects,
-            index=lifecycle.index,
-            store=store.store,
-            namespace=settings.namespace,
-            holder=f"api-{settings.worker_id}",
-            policy=policy,
-            interval_s=settings.ec_janitor_interval_s,
-            reconcile_interval_s=settings.ec_reconcile_interval_s,
-            flush_s=settings.ec_use_flush_s,
-            tombstone_keep_s=max(600.0, 2 * settings.dup_window_s),
-        )
-        if policy.ttl_s is not None and settings.ec_lifecycle_rule:
-            await asyncio.to_thread(
-                set_expiration_rule, store.store, f"{settings.namespace}/", expiration_days(policy.ttl_s)
-            )
-        lifecycle.janitor.start()
-        log.info(
-            "EC janitor on: max %s bytes, max %s objects, ttl %s s, purge retired after %s s",
-            policy.max_bytes,
-            policy.max_objects,
-            policy.ttl_s,
-            policy.purge_retired_after_s,
-        )
-    return lifecycle
