@@ -44,7 +44,7 @@ from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.model_worker import ModelHandler, sampling_params
-from shared.protocol import FinalResult, GenerationJob
+from shared.protocol import FinalResult, GenerationJob, Timing
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.token_stream import TokenOutput
@@ -182,12 +182,12 @@ class PrefillHandler(ModelHandler):
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.completion_tokens,
             timings={
-                "features_s": gen.t_features - gen.t0,
-                "admission_s": gen.t_admitted - gen.t_features,
-                "prefill_s": stats.prefill_s,
-                "decode_s": stats.decode_s,
-                "first_token_s": (out.first_token_at - gen.t0) if out.first_token_at else 0.0,
-                "total_s": t_end - gen.t0,
+                Timing.FEATURES: gen.t_features - gen.t0,
+                Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                Timing.PREFILL: stats.prefill_s,
+                Timing.DECODE: stats.decode_s,
+                Timing.FIRST_TOKEN: (out.first_token_at - gen.t0) if out.first_token_at else 0.0,
+                Timing.TOTAL: t_end - gen.t0,
             },
             ec_sources=gen.sources,
             worker=self.settings.worker_id,

@@ -30,7 +30,7 @@ from shared import metrics, protocol
 from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import EngineError, StoreError
-from shared.protocol import DecodeJob, GenerationJob
+from shared.protocol import DecodeJob, GenerationJob, Timing
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectTooLarge
 from shared.token_stream import TokenOutput
@@ -154,10 +154,10 @@ class KVObjectHandOff(KVHandOff):
                     kv_key=key,
                     kv_nbytes=len(blob),
                     timings={
-                        "features_s": gen.t_features - gen.t0,
-                        "admission_s": gen.t_admitted - gen.t_features,
-                        "prefill_s": gen.stats.prefill_s,
-                        "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0,
+                        Timing.FEATURES: gen.t_features - gen.t0,
+                        Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                        Timing.PREFILL: gen.stats.prefill_s,
+                        Timing.FIRST_TOKEN: (gen.out.first_token_at or t_handoff) - gen.t0,
                     },
                 )
                 limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
@@ -223,9 +223,9 @@ class KVConnectorHandOff(KVHandOff):
                 kv_key=handoff.key,
                 kv_nbytes=0,
                 timings={
-                    "features_s": gen.t_features - gen.t0,
-                    "admission_s": gen.t_admitted - gen.t_features,
-                    "prefill_s": gen.stats.prefill_s,
+                    Timing.FEATURES: gen.t_features - gen.t0,
+                    Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                    Timing.PREFILL: gen.stats.prefill_s,
                 },
             )
         )
