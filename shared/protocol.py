@@ -140,6 +140,24 @@ class Timing(enum.StrEnum):
 PREFILL_TIMINGS = (Timing.FEATURES, Timing.ADMISSION, Timing.PREFILL)
 
 
+class EvictionReason(enum.StrEnum):
+    """Why EC objects were removed from the store: ``ECInvalidated.reason`` and the ``reason``
+    label of ``epd:ec_evictions_total`` (``shared.store.janitor``, ``epd ec purge``)."""
+
+    #: the namespace was over ``EPD_EC_MAX_BYTES`` (least recently used first)
+    BYTES = "bytes"
+    #: the namespace was over ``EPD_EC_MAX_OBJECTS``
+    OBJECTS = "objects"
+    #: unused for ``EPD_EC_TTL_S``
+    TTL = "ttl"
+    #: of a fingerprint retired for ``EPD_EC_PURGE_RETIRED_AFTER_S``
+    RETIRED = "retired"
+    #: ``epd ec purge``
+    PURGE = "purge"
+    #: indexed, but no longer in the store (removed behind the index's back)
+    GONE = "gone"
+
+
 class StageName(enum.StrEnum):
     """The names of a request's timeline stages (``shared.timeline``, which says what each one
     is): the ``name`` of each stage in ``/debug/requests/<id>?format=json`` and ``epd replay show``,
@@ -369,6 +387,7 @@ class ECInvalidated(_Msg, frozen=True, kw_only=True, tag="ec_invalidated"):
     fingerprint: str
     item_hashes: tuple[str, ...]
     #: ``bytes`` / ``objects`` / ``ttl`` / ``retired`` (janitor) or ``purge`` (``epd ec purge``), ``gone``
+    #: (an ``EvictionReason`` value; a plain ``str`` on the wire: a newer peer's reason still decodes)
     reason: str
     by: str
     created_at: float

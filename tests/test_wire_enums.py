@@ -11,8 +11,19 @@ import enum
 import msgspec
 import pytest
 
-from shared import protocol
-from shared.protocol import DecodeJob, ECSource, FinalResult, GenerationJob, SamplingSpec, StageName, Timing
+from shared import metrics, protocol
+from shared.history import STATUSES, RequestStatus
+from shared.metrics import JobOutcome
+from shared.protocol import (
+    DecodeJob,
+    ECSource,
+    EvictionReason,
+    FinalResult,
+    GenerationJob,
+    SamplingSpec,
+    StageName,
+    Timing,
+)
 
 # enum -> the exact strings the code spelled before it existed
 EXPECTED: dict[type[enum.Enum], set[str]] = {
@@ -27,6 +38,19 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "decode_first_token_s",
         "kv_bytes",
         "decode_batch_rows_max",
+    },
+    EvictionReason: {"bytes", "objects", "ttl", "retired", "purge", "gone"},
+    RequestStatus: {"ok", "error", "cancelled", "incomplete"},
+    JobOutcome: {
+        "ok",
+        "encoded",
+        "already_stored",
+        "bad_message",
+        "retried",
+        "cancelled",
+        "failed",
+        "expired",
+        "rejected",
     },
     StageName: {
         "received",
@@ -76,6 +100,10 @@ def test_members_are_their_strings_everywhere(cls: type[enum.Enum]) -> None:
         assert msgspec.msgpack.encode(m) == msgspec.msgpack.encode(v)
         assert msgspec.json.encode({m: m}) == msgspec.json.encode({v: v})
         assert json.dumps({m: m}) == json.dumps({v: v})
+
+
+def test_statuses_keep_their_order() -> None:
+    assert STATUSES == ("ok", "error", "cancelled", "incomplete")  # epd replay list --status choices
 
 
 def test_recomputed_sources() -> None:
@@ -187,3 +215,40 @@ def test_decode_job_timings_keep_their_keys() -> None:
     raw = msgspec.msgpack.decode(protocol.encode(job))
     assert raw["timings"] == {"features_s": 1.0, "admission_s": 1.0, "prefill_s": 1.0}
     assert raw["ec_sources"] == {"a" * 64: "store"}
+
+
+def test_metric_labels_are_the_values() -> None:
+    """prometheus_client turns label values into strings with str(): a (str, Enum) would label
+    ``JobOutcome.OK``; a StrEnum labels ``ok``."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    jobs = Counter("epd:test_jobs_total", "test", ["outcome"], registry=registry)
+    jobs.labels(JobOutcome.ALREADY_STORED).inc()
+    assert 'epd:test_jobs_total{outcome="already_stored"} 1.0' in generate_latest(registry).decode()
+    assert metrics.ENCODE_JOBS.labels(JobOutcome.ENCODED) is metrics.ENCODE_JOBS.labels("encoded")
+
+
+def test_old_invalidation_decodes_and_new_one_encodes_the_same() -> None:
+    old = msgspec.msgpack.encode(
+        {
+            "kind": "ec_invalidated",
+            "v": 1,
+            "fingerprint": "fp",
+            "item_hashes": ["x"],
+            "reason": "ttl",
+            "by": "j",
+            "created_at": 1.0,
+        }
+    )
+    msg = protocol.decode(old, protocol.ECInvalidated)
+    assert msg.reason == EvictionReason.TTL
+    new = protocol.ECInvalidated(
+        fingerprint="fp", item_hashes=("x",), reason=EvictionReason.TTL, by="j", created_at=1.0
+    )
+    assert protocol.encode(new) == protocol.encode(msg)
+    # a reason this version does not know (a newer janitor's) decodes, as the plain string
+    newer = protocol.encode(
+        protocol.ECInvalidated(fingerprint="fp", item_hashes=(), reason="quota", by="j", created_at=1.0)
+    )
+    assert protocol.decode(newer, protocol.ECInvalidated).reason == "quota"

@@ -49,6 +49,7 @@ from shared.connectors.params import KVHandoff
 from shared.engines import base
 from shared.engines.base import Engine, GenerationStats, KVStateMismatch
 from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch
+from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, sampling_params
 from shared.protocol import DecodeJob, ECSource, FinalResult, SamplingSpec, Timing, recomputed
 from shared.store.ec import ECStore
@@ -233,7 +234,9 @@ class DecodeHandler(ModelHandler):
                 )
             )
         if time.time() > job.deadline:
-            raise Reject(DeadlineExceeded("request deadline passed before a decode worker took it"), outcome="expired")
+            raise Reject(
+                DeadlineExceeded("request deadline passed before a decode worker took it"), outcome=JobOutcome.EXPIRED
+            )
         out = TokenOutput(self.ctx, job.request_id, delivery.num_delivered, first_seq=job.emitted)
         try:
             decoded = await self.strategy.decode(job, delivery, out)

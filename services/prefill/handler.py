@@ -43,6 +43,7 @@ from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
+from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, sampling_params
 from shared.protocol import FinalResult, GenerationJob, Timing
 from shared.store.ec import ECStore
@@ -129,12 +130,14 @@ class PrefillHandler(ModelHandler):
     # -- job -------------------------------------------------------------------------------
     async def handle(self, job: GenerationJob, delivery: Delivery) -> None:
         if time.time() > job.deadline:
-            raise Reject(DeadlineExceeded("request deadline passed before a worker took it"), outcome="expired")
+            raise Reject(
+                DeadlineExceeded("request deadline passed before a worker took it"), outcome=JobOutcome.EXPIRED
+            )
         try:
             await self._generate(job, delivery.num_delivered)
         except InvalidRequest as exc:  # the client's error: its own message
-            raise Reject(exc, outcome="rejected") from exc
-        metrics.GENERATION_JOBS.labels("ok").inc()
+            raise Reject(exc, outcome=JobOutcome.REJECTED) from exc
+        metrics.GENERATION_JOBS.labels(JobOutcome.OK).inc()
 
     async def _generate(self, job: GenerationJob, attempt: int) -> None:
         """Features (waiting for them holds no engine slot), then an engine slot (the cheapest

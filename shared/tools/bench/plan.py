@@ -229,7 +229,9 @@ async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit:
     from shared.tools.bench.runner import parse_timeline
 
     reader = history.StreamReader(nc)
-    listed = await history.list_requests(nc, subjects, since_s=since_s, status="ok", limit=limit, reader=reader)
+    listed = await history.list_requests(
+        nc, subjects, since_s=since_s, status=history.RequestStatus.OK, limit=limit, reader=reader
+    )
     records = []
     for i, summ in enumerate(listed):
         case = await history.find_case(nc, subjects, summ.request_id, reader=reader)
