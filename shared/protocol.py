@@ -191,6 +191,15 @@ class StageName(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class WorkQueue(enum.StrEnum):
+    """The work streams workers consume (one durable consumer each): a handler's ``queue``, the
+    ``stream`` label of ``epd:queue_time_seconds``. :meth:`Subjects.work_stream` names its stream."""
+
+    ENCODE = "encode"
+    GENERATE = "generate"
+    DECODE = "decode"
+
+
 class ProtocolError(ValueError):
     """A message that cannot be decoded or has an unknown/newer schema."""
 
@@ -232,6 +241,15 @@ class Subjects:
         self.stream_decode = f"{P}_DECODE"
         self.stream_results = f"{P}_RESULTS"
         self.stream_control = f"{P}_CONTROL"
+
+    def work_stream(self, queue: WorkQueue) -> str:
+        """The stream of a work queue's jobs (``<P>_ENCODE`` / ``<P>_GENERATE`` / ``<P>_DECODE``)."""
+        streams = {
+            WorkQueue.ENCODE: self.stream_encode,
+            WorkQueue.GENERATE: self.stream_generate,
+            WorkQueue.DECODE: self.stream_decode,
+        }
+        return streams[queue]
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}.requests.{request_id}"

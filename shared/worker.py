@@ -68,7 +68,7 @@ from shared.health import HealthFile
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
 from shared.metrics import JobOutcome
-from shared.protocol import Subjects, WorkerHeartbeat
+from shared.protocol import Subjects, WorkerHeartbeat, WorkQueue
 from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class Handler(abc.ABC):
     role: Role
     #: The message type consumed (``protocol.decode`` target), and its stream and durable consumer.
     job_type: ClassVar[type[Any]]
-    stream_attr: ClassVar[str] = ""
+    queue: ClassVar[WorkQueue]
     durable: ClassVar[str] = ""
     #: The handler's job counter (label ``outcome``): the runner counts ``bad_message``,
     #: ``retried`` and terminal outcomes; the handler counts its successes.
@@ -275,8 +275,7 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
         _count(handler, JobOutcome.BAD_MESSAGE)
         return Settlement(Action.TERM, reason=f"undecodable {handler.job_type.__name__}: {exc}")
     if delivery.published_at:
-        queue = handler.stream_attr.removeprefix("stream_")  # encode / generate / decode
-        metrics.QUEUE_SECONDS.labels(queue).observe(max(0.0, time.time() - delivery.published_at))
+        metrics.QUEUE_SECONDS.labels(handler.queue).observe(max(0.0, time.time() - delivery.published_at))
     attempts = f"{delivery.num_delivered}/{delivery.max_deliver}"
     try:
         if cancels is not None and not await handler.still_wanted(job, cancels):
@@ -365,7 +364,7 @@ class WorkerRunner:
             await ensure_topology(js, self.settings, self.subjects)
             ctx = WorkerContext(self.settings, self.subjects, JetStreamPublisher(js), nc)
             await self.handler.setup(ctx)
-            stream = getattr(self.subjects, self.handler.stream_attr)
+            stream = self.subjects.work_stream(self.handler.queue)
             self._cancels = CancelRecords(js, self.subjects)
             cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)

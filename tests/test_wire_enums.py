@@ -23,6 +23,7 @@ from shared.protocol import (
     SamplingSpec,
     StageName,
     Timing,
+    WorkQueue,
 )
 
 # enum -> the exact strings the code spelled before it existed
@@ -39,6 +40,7 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "kv_bytes",
         "decode_batch_rows_max",
     },
+    WorkQueue: {"encode", "generate", "decode"},
     EvictionReason: {"bytes", "objects", "ttl", "retired", "purge", "gone"},
     RequestStatus: {"ok", "error", "cancelled", "incomplete"},
     JobOutcome: {
@@ -252,3 +254,12 @@ def test_old_invalidation_decodes_and_new_one_encodes_the_same() -> None:
         protocol.ECInvalidated(fingerprint="fp", item_hashes=(), reason="quota", by="j", created_at=1.0)
     )
     assert protocol.decode(newer, protocol.ECInvalidated).reason == "quota"
+
+
+def test_work_queues_name_their_streams() -> None:
+    subjects = protocol.Subjects("epd")
+    assert {q: subjects.work_stream(q) for q in WorkQueue} == {
+        "encode": "EPD_ENCODE",
+        "generate": "EPD_GENERATE",
+        "decode": "EPD_DECODE",
+    }

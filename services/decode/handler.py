@@ -183,7 +183,7 @@ class DecodeHandler(ModelHandler):
     service = Service.DECODE
     role = Role.DECODE
     job_type = DecodeJob
-    stream_attr = "stream_decode"
+    queue = protocol.WorkQueue.DECODE
     durable = protocol.CONSUMER_DECODE
 
     def __init__(

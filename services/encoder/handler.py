@@ -98,7 +98,7 @@ class EncoderHandler(ModelHandler):
     service = Service.ENCODER
     role = Role.ENCODER
     job_type = EncodeJob
-    stream_attr = "stream_encode"
+    queue = protocol.WorkQueue.ENCODE
     durable = protocol.CONSUMER_ENCODER
     jobs_metric = metrics.ENCODE_JOBS
     # One encode job serves every request with the same image: it runs to the end once started.

@@ -64,7 +64,7 @@ def _image_tokens(item: EncodedImage | MediaImage) -> int:
 class PrefillHandler(ModelHandler):
     service = Service.PREFILL
     job_type = GenerationJob
-    stream_attr = "stream_generate"
+    queue = protocol.WorkQueue.GENERATE
     durable = protocol.CONSUMER_PREFILL
     jobs_metric = metrics.GENERATION_JOBS
 
