@@ -67,6 +67,23 @@ KV_LOOKUPS = Counter(
     "epd:kv_lookups_total", "KV object loads by decode workers by outcome and miss reason.", ["outcome", "reason"]
 )
 KV_BYTES = Counter("epd:kv_bytes_total", "KV object bytes moved to/from the store.", ["direction"])
+
+
+class KVHandoffOutcome(enum.StrEnum):
+    """The ``outcome`` label of ``KV_HANDOFFS`` (a prefill worker in role ``prefill``)."""
+
+    #: the KV object is stored and the decode job published
+    HANDED_OFF = "handed_off"
+    #: the first token was the last: nothing to hand off
+    FINISHED_IN_PREFILL = "finished_in_prefill"
+    #: decoded here: the KV object (or the decode job) was over its size limit
+    LOCAL_TOO_LARGE = "local_too_large"
+    #: decoded here: the store could not take the KV object
+    LOCAL_STORE_ERROR = "local_store_error"
+    #: decoded here: the engine could not hand off (vLLM KV connector)
+    LOCAL_ENGINE_ERROR = "local_engine_error"
+
+
 KV_HANDOFFS = Counter(
     "epd:kv_handoffs_total",
     "Prefill outcomes in role 'prefill': handed off, finished by prefill, or decoded locally (and why).",

@@ -12,8 +12,10 @@ import msgspec
 import pytest
 
 from shared import metrics, protocol
+from shared.connectors.params import Source
+from shared.connectors.s3_ec.state import LookupOutcome
 from shared.history import STATUSES, RequestStatus
-from shared.metrics import JobOutcome
+from shared.metrics import JobOutcome, KVHandoffOutcome
 from shared.protocol import (
     DecodeJob,
     ECSource,
@@ -25,6 +27,7 @@ from shared.protocol import (
     Timing,
     WorkQueue,
 )
+from shared.store.format import MissReason
 
 # enum -> the exact strings the code spelled before it existed
 EXPECTED: dict[type[enum.Enum], set[str]] = {
@@ -53,6 +56,13 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "failed",
         "expired",
         "rejected",
+    },
+    KVHandoffOutcome: {
+        "handed_off",
+        "finished_in_prefill",
+        "local_too_large",
+        "local_store_error",
+        "local_engine_error",
     },
     StageName: {
         "received",
@@ -87,6 +97,40 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
 @pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda c: c.__name__)
 def test_enum_values_are_the_old_strings(cls: type[enum.Enum]) -> None:
     assert {m.value for m in cls} == EXPECTED[cls]
+
+
+# Enums from before, (str, Enum): their values reach the wire too (``recomputed:<reason>``,
+# ``epd_ec_sources`` / ``epd_kv_source`` params, metric labels through ``.value``).
+EXPECTED_OLD: dict[type[enum.Enum], set[str]] = {
+    MissReason: {
+        "not_found",
+        "corrupt",
+        "checksum_mismatch",
+        "fingerprint_mismatch",
+        "item_mismatch",
+        "schema_mismatch",
+        "shape_mismatch",
+        "too_large",
+        "store_error",
+        "timeout",
+        "encoder_failed",
+        "bad_identifier",
+    },
+    Source: {"store", "engine_cache", "recomputed"},
+    LookupOutcome: {"hit", "miss", "fallback", "unavailable", "engine_cache"},
+}
+
+
+@pytest.mark.parametrize("cls", list(EXPECTED_OLD), ids=lambda c: c.__name__)
+def test_older_enum_values_are_unchanged(cls: type[enum.Enum]) -> None:
+    assert {m.value for m in cls} == EXPECTED_OLD[cls]
+
+
+def test_the_connectors_sources_are_feature_sources() -> None:
+    """The vLLM connectors report with their own ``Source``: the same strings as ``ECSource``."""
+    assert {s.value for s in Source} <= {s.value for s in ECSource}
+    assert Source.RECOMPUTED.report(MissReason.TIMEOUT.value) == protocol.recomputed("timeout")
+    assert Source.STORE.report() == ECSource.STORE
 
 
 @pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda c: c.__name__)
