@@ -58,6 +58,8 @@ HDR_SENT_AT = "Epd-Sent-At"
 HDR_STAGE = "Epd-Stage"
 HDR_RECEIVED_AT = "Epd-Received-At"
 HDR_STARTED_AT = "Epd-Started-At"
+#: ``Epd-Stage`` of what ``epd replay`` publishes (the services put their ``shared.topology.Service``).
+STAGE_REPLAY = "replay"
 
 # Durable consumer names ---------------------------------------------------------------------
 CONSUMER_ENCODER = "encoder"

@@ -33,6 +33,7 @@ from shared.errors import Cancelled
 from shared.history import RequestCase, StreamMessage, Summary, iso_time
 from shared.protocol import (
     PREFILL_TIMINGS,
+    STAGE_REPLAY,
     ECFailed,
     ECReady,
     ECSource,
@@ -44,16 +45,18 @@ from shared.protocol import (
     TokenChunk,
     recompute_reason,
 )
+from shared.topology import Service
 
 #: A wait for an engine slot shorter than this is not shown as a stage.
 ADMISSION_SHOWN_S = 0.001
 
-SERVICE_COLORS = {
-    "api": "#4e79a7",
-    "encoder": "#f28e2b",
-    "prefill": "#59a14f",
-    "decode": "#b07aa1",
-    "replay": "#76b7b2",
+#: The ``service`` of a stage (who did it; from the ``Epd-Stage`` header) -> its colour.
+SERVICE_COLORS: dict[str, str] = {
+    Service.API: "#4e79a7",
+    Service.ENCODER: "#f28e2b",
+    Service.PREFILL: "#59a14f",
+    Service.DECODE: "#b07aa1",
+    STAGE_REPLAY: "#76b7b2",
 }
 
 
@@ -128,19 +131,21 @@ def build_timeline(case: RequestCase) -> Timeline:
     record, job = case.record, case.generation_job
     own = [m for m in case.messages if m.request_id == rid]
 
-    first_stage = own[0].stage if own and own[0].stage else "api"
+    first_stage = own[0].stage if own and own[0].stage else Service.API
     detail = f"{summary.images} image(s)"
     if summary.model:
         detail += f", model {summary.model}"
     if summary.replay_of:
         detail += f", replay of {summary.replay_of}"
-    stages.append(Stage(StageName.RECEIVED, "replay" if first_stage == "replay" else "api", t0, None, detail))
-    api_out = [m.time for m in own if m.stage == "api" and m.time >= t0]
+    stages.append(
+        Stage(StageName.RECEIVED, STAGE_REPLAY if first_stage == STAGE_REPLAY else Service.API, t0, None, detail)
+    )
+    api_out = [m.time for m in own if m.stage == Service.API and m.time >= t0]
     if summary.images and api_out:
         stages.append(
             Stage(
                 StageName.IMAGE_INTAKE,
-                "api",
+                Service.API,
                 t0,
                 min(api_out),
                 f"fetch, decode, hash and store {summary.images} image(s)",
@@ -163,7 +168,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(
                 Stage(
                     StageName.NO_ENCODE_JOB,
-                    "api",
+                    Service.API,
                     _queued_time(case, t0),
                     None,
                     f"item {item[:12]}: EC object already stored (or encoded in the worker)",
@@ -174,7 +179,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(
                 Stage(
                     StageName.ENCODE_DEDUPLICATED,
-                    "api",
+                    Service.API,
                     _queued_time(case, t0),
                     None,
                     f"item {item[:12]}: an encode job was already queued by {by}",
@@ -183,7 +188,7 @@ def build_timeline(case: RequestCase) -> Timeline:
     for item, m in queued.items():
         ev_msg = ready.get(item)
         taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
-        stages.append(Stage(StageName.ENCODE_QUEUED, "api", m.time, taken, f"item {item[:12]}"))
+        stages.append(Stage(StageName.ENCODE_QUEUED, Service.API, m.time, taken, f"item {item[:12]}"))
     for m in case.of(ECReady):
         ev: ECReady = m.msg  # type: ignore[assignment]  # of(ECReady) holds ECReady only
         whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
@@ -192,20 +197,26 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(
                 Stage(
                     StageName.ENCODE,
-                    "encoder",
+                    Service.ENCODER,
                     ev.encode_started_at,
                     end,
                     f"item {ev.item_hash[:12]}: {ev.n_tokens} tokens on {ev.producer}{whose}",
                 )
             )
             stages.append(
-                Stage(StageName.EC_STORED, "encoder", end, max(end, ev.created_at), f"{ev.nbytes} bytes -> {ev.ec_key}")
+                Stage(
+                    StageName.EC_STORED,
+                    Service.ENCODER,
+                    end,
+                    max(end, ev.created_at),
+                    f"{ev.nbytes} bytes -> {ev.ec_key}",
+                )
             )
         else:
             stages.append(
                 Stage(
                     StageName.EC_ANNOUNCED,
-                    "encoder",
+                    Service.ENCODER,
                     ev.created_at,
                     None,
                     f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}",
@@ -216,7 +227,7 @@ def build_timeline(case: RequestCase) -> Timeline:
         stages.append(
             Stage(
                 StageName.ENCODE_FAILED,
-                "encoder",
+                Service.ENCODER,
                 m.time,
                 None,
                 f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}",
@@ -225,7 +236,7 @@ def build_timeline(case: RequestCase) -> Timeline:
 
     # -- generation side -------------------------------------------------------------------
     gen_msgs = [m for m in case.of(GenerationJob) if m.request_id == rid]
-    prefill_msgs = [m for m in own if m.stage == "prefill"]
+    prefill_msgs = [m for m in own if m.stage == Service.PREFILL]
     taken = prefill_msgs[0].header_time(protocol.HDR_STARTED_AT) if prefill_msgs else None
     for i, gm in enumerate(gen_msgs):
         again = getattr(gm.msg, "reprefill", 0)
@@ -235,7 +246,7 @@ def build_timeline(case: RequestCase) -> Timeline:
         stages.append(
             Stage(
                 name,
-                "api" if not again else "decode",
+                Service.API if not again else Service.DECODE,
                 gm.time,
                 took,
                 f"{len(gen_job.images)} image placeholder(s), max_tokens "
@@ -259,14 +270,16 @@ def build_timeline(case: RequestCase) -> Timeline:
         for item, source in sources.items():
             name, reason = _ec_stage(source)
             stages.append(
-                Stage(name, "prefill", taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else ""))
+                Stage(
+                    name, Service.PREFILL, taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else "")
+                )
             )
         prefill_start = features_end + timings.get(Timing.ADMISSION, 0.0)
         if timings.get(Timing.ADMISSION, 0.0) >= ADMISSION_SHOWN_S:
             stages.append(
                 Stage(
                     StageName.WAITING_FOR_SLOT,
-                    "prefill",
+                    Service.PREFILL,
                     features_end,
                     prefill_start,
                     "ready, every engine slot of the worker busy",
@@ -276,7 +289,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             stages.append(
                 Stage(
                     StageName.PREFILL,
-                    "prefill",
+                    Service.PREFILL,
                     prefill_start,
                     prefill_start + timings[Timing.PREFILL],
                     f"{final.prompt_tokens} prompt tokens" if final else "",
@@ -291,7 +304,7 @@ def build_timeline(case: RequestCase) -> Timeline:
         stages.append(
             Stage(
                 StageName.REDELIVERED,
-                chunks[0].stage or "prefill",
+                chunks[0].stage or Service.PREFILL,
                 first_of,
                 None,
                 f"the job was delivered again (attempt {a}); tokens restart at seq 0",
@@ -301,7 +314,11 @@ def build_timeline(case: RequestCase) -> Timeline:
     if first_token is not None:
         stages.append(
             Stage(
-                StageName.FIRST_TOKEN, chunks[0].stage or "prefill", first_token, None, f"TTFT {_ms(first_token - t0)}"
+                StageName.FIRST_TOKEN,
+                chunks[0].stage or Service.PREFILL,
+                first_token,
+                None,
+                f"TTFT {_ms(first_token - t0)}",
             )
         )
     end_msg = case.terminal
@@ -310,25 +327,35 @@ def build_timeline(case: RequestCase) -> Timeline:
         stages.append(
             Stage(
                 StageName.KV_HANDOFF,
-                "prefill",
+                Service.PREFILL,
                 first_token,
                 dj_msg.time,
                 f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object",
             )
         )
-        decode_taken = end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == "decode" else None
-        stages.append(Stage(StageName.DECODE_QUEUED, "prefill", dj_msg.time, decode_taken))
+        decode_taken = (
+            end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == Service.DECODE else None
+        )
+        stages.append(Stage(StageName.DECODE_QUEUED, Service.PREFILL, dj_msg.time, decode_taken))
         if decode_taken and end_msg is not None:
-            stages.append(Stage(StageName.DECODE, "decode", decode_taken, end_msg.time, _decode_detail(final, case)))
+            stages.append(
+                Stage(StageName.DECODE, Service.DECODE, decode_taken, end_msg.time, _decode_detail(final, case))
+            )
     elif first_token is not None and end_msg is not None and final is not None:
         stages.append(
-            Stage(StageName.DECODE, end_msg.stage or "prefill", first_token, end_msg.time, _decode_detail(final, case))
+            Stage(
+                StageName.DECODE,
+                end_msg.stage or Service.PREFILL,
+                first_token,
+                end_msg.time,
+                _decode_detail(final, case),
+            )
         )
     if final is not None and end_msg is not None:
         stages.append(
             Stage(
                 StageName.DONE,
-                end_msg.stage or "prefill",
+                end_msg.stage or Service.PREFILL,
                 end_msg.time,
                 None,
                 f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
@@ -340,7 +367,7 @@ def build_timeline(case: RequestCase) -> Timeline:
         stages.append(
             Stage(
                 StageName.CANCELLED if cancelled else StageName.ERROR,
-                error.stage or end_msg.stage or "api",
+                error.stage or end_msg.stage or Service.API,
                 end_msg.time,
                 None,
                 f"{error.code} (HTTP {error.http_status}): {error.message}",

@@ -28,6 +28,7 @@ from shared.protocol import (
     WorkQueue,
 )
 from shared.store.format import MissReason
+from shared.topology import Service
 
 # enum -> the exact strings the code spelled before it existed
 EXPECTED: dict[type[enum.Enum], set[str]] = {
@@ -44,6 +45,8 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "decode_batch_rows_max",
     },
     WorkQueue: {"encode", "generate", "decode"},
+    # the Epd-Stage header, ErrorEvent.stage and a timeline stage's service (with "replay")
+    Service: {"api", "encoder", "prefill", "decode"},
     EvictionReason: {"bytes", "objects", "ttl", "retired", "purge", "gone"},
     RequestStatus: {"ok", "error", "cancelled", "incomplete"},
     JobOutcome: {
@@ -307,3 +310,9 @@ def test_work_queues_name_their_streams() -> None:
         "generate": "EPD_GENERATE",
         "decode": "EPD_DECODE",
     }
+
+
+def test_stage_of_an_error_event_and_the_replay_tool() -> None:
+    assert protocol.STAGE_REPLAY == "replay"
+    event = protocol.ErrorEvent(request_id="r1", code="worker_failed", message="x", stage=Service.PREFILL)
+    assert msgspec.msgpack.decode(protocol.encode(event))["stage"] == "prefill"

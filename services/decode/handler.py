@@ -275,7 +275,7 @@ class DecodeHandler(ModelHandler):
     async def on_terminal(self, job: DecodeJob, error: EPDError, message: str) -> None:
         """An ErrorEvent for the client; the request is over, so no worker will read its KV object."""
         assert self.ctx is not None
-        event = protocol.error_event(job.request_id, "decode", error, message=message)
+        event = protocol.error_event(job.request_id, Service.DECODE, error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
         await self._delete(job.kv_key)
 

@@ -216,5 +216,5 @@ class PrefillHandler(ModelHandler):
 
     async def on_terminal(self, job: GenerationJob, error: EPDError, message: str) -> None:
         assert self.ctx is not None
-        event = protocol.error_event(job.request_id, "prefill", error, message=message)
+        event = protocol.error_event(job.request_id, Service.PREFILL, error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
