@@ -41,6 +41,7 @@ def main() -> None:
 
     from shared.engines.base import GenerationStats, SamplingParams
     from shared.engines.vllm_engine import VllmEngine
+    from shared.protocol import ECSource
     from shared.store.objects import S3ObjectStore
     from shared.tools.infra import EmbeddedS3
     from shared.tools.models.tiny import build_tiny_model
@@ -93,7 +94,7 @@ def main() -> None:
             t = time.perf_counter()
             got = [e.token_id for e in consumer.generate(messages, items, params, dstats, kv_params=kv)]
             decode = time.perf_counter() - t
-            assert dstats.extra.get("kv_source") == "store", dstats.extra
+            assert dstats.extra.get("kv_source") == ECSource.STORE, dstats.extra
             assert got == want, "disaggregated output differs from the aggregated run"
             if r:
                 for key, value in zip(times, (aggregated, prefill, decode)):

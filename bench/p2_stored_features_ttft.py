@@ -27,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
 
+from shared.protocol import ECSource
 from shared.tools.bench.schema import WorkloadSpec
 
 TARGET = 0.25
 PATHS = {
-    "cache": ("worker local cache", "local_cache", {}),
-    "store": ("S3 store, local cache off", "store", {"EPD_LOCAL_CACHE_BYTES": "0"}),
+    "cache": ("worker local cache", ECSource.LOCAL_CACHE, {}),
+    "store": ("S3 store, local cache off", ECSource.STORE, {"EPD_LOCAL_CACHE_BYTES": "0"}),
 }
 
 

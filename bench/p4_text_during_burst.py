@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as h
 
 from shared.cpus import available_cpus, split_cpus
+from shared.protocol import StageName
 from shared.tools.bench.schema import WorkloadSpec
 
 SIDES = ("agg", "epd")
@@ -64,7 +65,7 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
     worst = max(probes, key=lambda p: p.ttft_s or 0.0)
     doc = await h.timeline(http, bs.url, worst.request_id)
     stages, _ = parse_timeline(doc)
-    first = [st["start_s"] for st in doc["timeline"]["stages"] if st["name"] == "first token"]
+    first = [st["start_s"] for st in doc["timeline"]["stages"] if st["name"] == StageName.FIRST_TOKEN]
     server = f"{first[0] * 1e3:.0f} ms" if first else "?"
     timings = h.final_timings(doc)
     worker = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(timings.items()) if isinstance(v, (int, float)))

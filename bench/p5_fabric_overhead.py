@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
 
+from shared.protocol import StageName, Timing
 from shared.tools.bench.runner import parse_timeline
 
 TARGET_MS = 2.0
@@ -53,19 +54,20 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
             for p in probes:  # timelines after the timed part
                 doc = await h.timeline(http, bs.url, p.request_id)
                 t = h.final_timings(doc)
-                compute = t.get("prefill_s", 0.0) + t.get("decode_s", 0.0)
+                compute = t.get(Timing.PREFILL, 0.0) + t.get(Timing.DECODE, 0.0)
                 server_e2e = doc["case"]["summary"].get("e2e_s") or 0.0
                 stages, _ = parse_timeline(doc)
+                queued = stages.get(StageName.GENERATION_QUEUED, 0.0)
                 rows.append(
                     {
                         "overhead": p.e2e_s - compute,
                         "e2e": p.e2e_s,
                         "compute": compute,
-                        "api side (E2E - worker total)": p.e2e_s - t.get("total_s", 0.0),
-                        "worker side (total - compute)": t.get("total_s", 0.0) - compute,
+                        "api side (E2E - worker total)": p.e2e_s - t.get(Timing.TOTAL, 0.0),
+                        "worker side (total - compute)": t.get(Timing.TOTAL, 0.0) - compute,
                         "server side (server E2E - compute)": server_e2e - compute,
                         "HTTP (client E2E - server E2E)": p.e2e_s - server_e2e,
-                        "generation queued (API publish -> worker takes the job)": stages.get("generation queued", 0.0),
+                        "generation queued (API publish -> worker takes the job)": queued,
                     }
                 )
             for k in rows[0]:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
 
+from shared.protocol import StageName
 from shared.tools.bench.schema import WorkloadSpec
 
 SIDES = ("agg", "epd")
@@ -106,11 +107,11 @@ def picture(docs) -> str:
         for st in d["timeline"]["stages"]:
             a = st["start_s"] + off
             b = None if st["end_s"] is None else st["end_s"] + off
-            if st["name"] == "generation queued" and b is not None:
+            if st["name"] == StageName.GENERATION_QUEUED and b is not None:
                 taken = b
-            elif st["name"] == "first token":
+            elif st["name"] == StageName.FIRST_TOKEN:
                 firsts.append(a)
-            elif st["name"] == "done":
+            elif st["name"] == StageName.DONE:
                 done = a
             if b is not None:
                 spans.setdefault(st["name"], []).append((a, b))

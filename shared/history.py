@@ -30,6 +30,7 @@ Runtime library: no torch, nothing from ``shared.tools``.
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import logging
 import re
 import time
@@ -201,8 +202,20 @@ class StreamMessage:
         }
 
 
-#: How a recorded request ended (``Summary.status``; ``epd replay list --status``).
-STATUSES = ("ok", "error", "cancelled", "incomplete")
+class RequestStatus(enum.StrEnum):
+    """How a recorded request ended (``Summary.status``, in ``epd replay list`` and its JSON;
+    ``epd replay list --status``)."""
+
+    OK = "ok"
+    ERROR = "error"
+    #: ended with a ``Cancelled`` error event (the caller gave up)
+    CANCELLED = "cancelled"
+    #: no terminal event (yet)
+    INCOMPLETE = "incomplete"
+
+
+#: The status values, in order (``epd replay list --status`` choices).
+STATUSES = tuple(s.value for s in RequestStatus)
 
 
 @dataclass(frozen=True)
@@ -211,7 +224,7 @@ class Summary:
 
     request_id: str
     received_at: float
-    status: str  # ok | error | cancelled | incomplete
+    status: str  # a RequestStatus
     images: int
     prompt_tokens: int | None
     completion_tokens: int | None
@@ -304,11 +317,11 @@ class RequestCase:
         end = self.terminal
         images = len(record.images) if record else (len(self.generation_job.images) if self.generation_job else 0)
         if final is not None:
-            status = "ok"
+            status = RequestStatus.OK
         elif error is not None:
-            status = "cancelled" if error.code == Cancelled.code else "error"
+            status = RequestStatus.CANCELLED if error.code == Cancelled.code else RequestStatus.ERROR
         else:
-            status = "incomplete"
+            status = RequestStatus.INCOMPLETE
         return Summary(
             request_id=self.request_id,
             received_at=received,

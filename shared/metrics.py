@@ -6,6 +6,8 @@ Every process exposes the default registry on ``/metrics`` (the API on its own p
 
 from __future__ import annotations
 
+import enum
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -20,6 +22,33 @@ EC_STORE_LATENCY = Histogram(
     "epd:ec_store_latency_seconds", "Latency of EC store operations.", ["op"], buckets=_LATENCY_BUCKETS
 )
 ENCODE_SECONDS = Histogram("epd:encode_seconds", "Vision encoder time per image.", buckets=_LATENCY_BUCKETS)
+
+
+class JobOutcome(enum.StrEnum):
+    """The ``outcome`` label of the job counters (``ENCODE_JOBS``, ``GENERATION_JOBS``): the
+    handler counts its successes, ``shared.worker`` the rest (``Reject(outcome=...)``). A
+    ``StrEnum``: prometheus_client labels with ``str()``, which is the value."""
+
+    #: a generation finished
+    OK = "ok"
+    #: an encode job wrote its EC object
+    ENCODED = "encoded"
+    #: an encode job found its EC object already stored (announced again)
+    ALREADY_STORED = "already_stored"
+    #: the message did not decode as the handler's job type
+    BAD_MESSAGE = "bad_message"
+    #: failed, redelivered later
+    RETRIED = "retried"
+    #: its request was cancelled (dropped before it ran, or stopped)
+    CANCELLED = "cancelled"
+    #: ended its request with an error (``Reject``'s default)
+    FAILED = "failed"
+    #: the request's deadline passed before a worker took the job
+    EXPIRED = "expired"
+    #: the job itself is invalid (e.g. a model the worker does not serve)
+    REJECTED = "rejected"
+
+
 ENCODE_JOBS = Counter("epd:encode_jobs_total", "Encode jobs handled by outcome.", ["outcome"])
 GENERATION_JOBS = Counter("epd:generation_jobs_total", "Generation jobs handled by outcome.", ["outcome"])
 QUEUE_SECONDS = Histogram(
@@ -38,6 +67,23 @@ KV_LOOKUPS = Counter(
     "epd:kv_lookups_total", "KV object loads by decode workers by outcome and miss reason.", ["outcome", "reason"]
 )
 KV_BYTES = Counter("epd:kv_bytes_total", "KV object bytes moved to/from the store.", ["direction"])
+
+
+class KVHandoffOutcome(enum.StrEnum):
+    """The ``outcome`` label of ``KV_HANDOFFS`` (a prefill worker in role ``prefill``)."""
+
+    #: the KV object is stored and the decode job published
+    HANDED_OFF = "handed_off"
+    #: the first token was the last: nothing to hand off
+    FINISHED_IN_PREFILL = "finished_in_prefill"
+    #: decoded here: the KV object (or the decode job) was over its size limit
+    LOCAL_TOO_LARGE = "local_too_large"
+    #: decoded here: the store could not take the KV object
+    LOCAL_STORE_ERROR = "local_store_error"
+    #: decoded here: the engine could not hand off (vLLM KV connector)
+    LOCAL_ENGINE_ERROR = "local_engine_error"
+
+
 KV_HANDOFFS = Counter(
     "epd:kv_handoffs_total",
     "Prefill outcomes in role 'prefill': handed off, finished by prefill, or decoded locally (and why).",

@@ -35,6 +35,7 @@ Streams use limits retention (not work-queue) so they keep what passed through t
 
 from __future__ import annotations
 
+import enum
 import time
 import zlib
 from collections.abc import Mapping
@@ -57,6 +58,8 @@ HDR_SENT_AT = "Epd-Sent-At"
 HDR_STAGE = "Epd-Stage"
 HDR_RECEIVED_AT = "Epd-Received-At"
 HDR_STARTED_AT = "Epd-Started-At"
+#: ``Epd-Stage`` of what ``epd replay`` publishes (the services put their ``shared.topology.Service``).
+STAGE_REPLAY = "replay"
 
 # Durable consumer names ---------------------------------------------------------------------
 CONSUMER_ENCODER = "encoder"
@@ -70,6 +73,133 @@ QUEUE_SUPERVISOR = "epd-supervisor"
 #: Queue group of the API processes that index the EC objects encoders announce (``ECReady``):
 #: one replica records each announcement in the EC index.
 QUEUE_EC_INDEX = "epd-ec-index"
+
+
+# Closed sets of wire strings ----------------------------------------------------------------
+# ``StrEnum``: a member *is* its string - msgspec encodes it as the value, and ``str()`` /
+# ``format()`` give the value too (a ``(str, Enum)`` formats as ``Class.MEMBER``), so metric
+# labels, f-strings and JSON carry the same bytes as the literals these replaced. The struct
+# fields that hold them stay typed ``str``: old messages decode as before, and a value a newer
+# peer adds still decodes (kept as the plain string) instead of failing the whole message.
+# ``tests/test_wire_enums.py`` pins every value.
+
+
+class ECSource(enum.StrEnum):
+    """Where a request's image features came from: the values of ``FinalResult.ec_sources`` /
+    ``DecodeJob.ec_sources`` (item hash -> source), read by the timeline, replay and bench.
+    ``RECOMPUTED`` travels as ``recomputed:<reason>`` (:func:`recomputed`)."""
+
+    #: the generating worker's in-memory feature cache
+    LOCAL_CACHE = "local_cache"
+    #: encoded in process (role ``agg``: no store, no encoder workers)
+    LOCAL = "local"
+    #: loaded from the EC store
+    STORE = "store"
+    #: encoded again by the generating worker (``recomputed:<reason>``, a ``MissReason`` value)
+    RECOMPUTED = "recomputed"
+    #: handed to a vLLM engine whose EC connector loads it (replaced by the engine's report)
+    CONNECTOR = "connector"
+    #: vLLM still held the item (encoder or prefix cache); the connector was not asked
+    ENGINE_CACHE = "engine_cache"
+
+
+def recomputed(reason: str) -> str:
+    """The wire value of a recomputation: ``recomputed:<reason>`` (``ECSource`` / ``kv_source``)."""
+    return f"{ECSource.RECOMPUTED.value}:{reason}"
+
+
+def recompute_reason(source: str) -> str | None:
+    """``<reason>`` of a ``recomputed:<reason>`` source (``"unknown"`` when empty); None for
+    any other source."""
+    kind, _, reason = source.partition(":")
+    return (reason or "unknown") if kind == ECSource.RECOMPUTED else None
+
+
+class Timing(enum.StrEnum):
+    """The keys of ``FinalResult.timings`` / ``DecodeJob.timings`` (seconds unless said; the
+    timeline and ``epd bench`` read them)."""
+
+    #: job taken -> every image's features ready
+    FEATURES = "features_s"
+    #: features ready -> an engine slot (``shared.admission``)
+    ADMISSION = "admission_s"
+    PREFILL = "prefill_s"
+    DECODE = "decode_s"
+    #: job taken -> first token (prefill worker)
+    FIRST_TOKEN = "first_token_s"
+    #: job taken -> last token (prefill worker, E|PD)
+    TOTAL = "total_s"
+    #: E|P|D: decode job taken -> the decode worker's first token
+    DECODE_FIRST_TOKEN = "decode_first_token_s"
+    # not seconds: facts of the E|P|D decode worker (floats, like the rest of the dict)
+    #: size of the KV object loaded
+    KV_BYTES = "kv_bytes"
+    #: the most rows of a decode step this request was part of
+    DECODE_BATCH_ROWS_MAX = "decode_batch_rows_max"
+
+
+#: The timings a prefill worker measures (in E|P|D they travel in the ``DecodeJob``).
+PREFILL_TIMINGS = (Timing.FEATURES, Timing.ADMISSION, Timing.PREFILL)
+
+
+class EvictionReason(enum.StrEnum):
+    """Why EC objects were removed from the store: ``ECInvalidated.reason`` and the ``reason``
+    label of ``epd:ec_evictions_total`` (``shared.store.janitor``, ``epd ec purge``)."""
+
+    #: the namespace was over ``EPD_EC_MAX_BYTES`` (least recently used first)
+    BYTES = "bytes"
+    #: the namespace was over ``EPD_EC_MAX_OBJECTS``
+    OBJECTS = "objects"
+    #: unused for ``EPD_EC_TTL_S``
+    TTL = "ttl"
+    #: of a fingerprint retired for ``EPD_EC_PURGE_RETIRED_AFTER_S``
+    RETIRED = "retired"
+    #: ``epd ec purge``
+    PURGE = "purge"
+    #: indexed, but no longer in the store (removed behind the index's back)
+    GONE = "gone"
+
+
+class StageName(enum.StrEnum):
+    """The names of a request's timeline stages (``shared.timeline``, which says what each one
+    is): the ``name`` of each stage in ``/debug/requests/<id>?format=json`` and ``epd replay show``,
+    what ``epd bench`` reads back and books time under. Here, not in ``shared.timeline``, because
+    they are read across processes and by the tools without the transport (nats) imports."""
+
+    RECEIVED = "received"
+    IMAGE_INTAKE = "image intake"
+    NO_ENCODE_JOB = "no encode job"
+    ENCODE_DEDUPLICATED = "encode deduplicated"
+    ENCODE_QUEUED = "encode queued"
+    ENCODE = "encode"
+    EC_STORED = "EC stored"
+    EC_ANNOUNCED = "EC announced"
+    ENCODE_FAILED = "encode failed"
+    GENERATION_QUEUED = "generation queued"
+    REPREFILL_QUEUED = "re-prefill queued"
+    EC_FROM_LOCAL_CACHE = "EC from local cache"
+    EC_LOADED_FROM_STORE = "EC loaded from store"
+    EC_RECOMPUTED = "EC recomputed locally"
+    EC_ENCODED_IN_PROCESS = "EC encoded in process"
+    WAITING_FOR_SLOT = "waiting for an engine slot"
+    PREFILL = "prefill"
+    FIRST_TOKEN = "first token"
+    REDELIVERED = "redelivered"
+    KV_HANDOFF = "KV hand-off"
+    DECODE_QUEUED = "decode queued"
+    DECODE = "decode"
+    DONE = "done"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+class WorkQueue(enum.StrEnum):
+    """The work streams workers consume (one durable consumer each): a handler's ``queue``, the
+    ``stream`` label of ``epd:queue_time_seconds``. :meth:`Subjects.work_stream` names its stream."""
+
+    ENCODE = "encode"
+    GENERATE = "generate"
+    DECODE = "decode"
 
 
 class ProtocolError(ValueError):
@@ -113,6 +243,15 @@ class Subjects:
         self.stream_decode = f"{P}_DECODE"
         self.stream_results = f"{P}_RESULTS"
         self.stream_control = f"{P}_CONTROL"
+
+    def work_stream(self, queue: WorkQueue) -> str:
+        """The stream of a work queue's jobs (``<P>_ENCODE`` / ``<P>_GENERATE`` / ``<P>_DECODE``)."""
+        streams = {
+            WorkQueue.ENCODE: self.stream_encode,
+            WorkQueue.GENERATE: self.stream_generate,
+            WorkQueue.DECODE: self.stream_decode,
+        }
+        return streams[queue]
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}.requests.{request_id}"
@@ -268,6 +407,7 @@ class ECInvalidated(_Msg, frozen=True, kw_only=True, tag="ec_invalidated"):
     fingerprint: str
     item_hashes: tuple[str, ...]
     #: ``bytes`` / ``objects`` / ``ttl`` / ``retired`` (janitor) or ``purge`` (``epd ec purge``), ``gone``
+    #: (an ``EvictionReason`` value; a plain ``str`` on the wire: a newer peer's reason still decodes)
     reason: str
     by: str
     created_at: float
@@ -312,7 +452,9 @@ class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
     emitted_text: str
     prompt_tokens: int
     generation: GenerationJob
+    #: ``Timing`` -> seconds
     timings: dict[str, float] = {}
+    #: item hash -> ``ECSource`` value (``recomputed:<reason>``)
     ec_sources: dict[str, str] = {}
     prefill_worker: str = ""
 
@@ -336,11 +478,13 @@ class FinalResult(_Msg, frozen=True, kw_only=True, tag="final_result"):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    #: ``Timing`` -> seconds
     timings: dict[str, float] = {}
+    #: item hash -> ``ECSource`` value (``recomputed:<reason>``)
     ec_sources: dict[str, str] = {}
     worker: str = ""
     #: E|P|D: where the decode worker's KV state came from - "store", or "recomputed:<reason>"
-    #: when a vLLM decode engine had to prefill the request again; "" outside E|P|D
+    #: when a vLLM decode engine had to prefill the request again; "" outside E|P|D (``ECSource``)
     kv_source: str = ""
 
 

@@ -31,17 +31,32 @@ from typing import Any
 from shared import protocol
 from shared.errors import Cancelled
 from shared.history import RequestCase, StreamMessage, Summary, iso_time
-from shared.protocol import ECFailed, ECReady, EncodeJob, FinalResult, GenerationJob, TokenChunk
+from shared.protocol import (
+    PREFILL_TIMINGS,
+    STAGE_REPLAY,
+    ECFailed,
+    ECReady,
+    ECSource,
+    EncodeJob,
+    FinalResult,
+    GenerationJob,
+    StageName,
+    Timing,
+    TokenChunk,
+    recompute_reason,
+)
+from shared.topology import Service
 
 #: A wait for an engine slot shorter than this is not shown as a stage.
 ADMISSION_SHOWN_S = 0.001
 
-SERVICE_COLORS = {
-    "api": "#4e79a7",
-    "encoder": "#f28e2b",
-    "prefill": "#59a14f",
-    "decode": "#b07aa1",
-    "replay": "#76b7b2",
+#: The ``service`` of a stage (who did it; from the ``Epd-Stage`` header) -> its colour.
+SERVICE_COLORS: dict[str, str] = {
+    Service.API: "#4e79a7",
+    Service.ENCODER: "#f28e2b",
+    Service.PREFILL: "#59a14f",
+    Service.DECODE: "#b07aa1",
+    STAGE_REPLAY: "#76b7b2",
 }
 
 
@@ -90,18 +105,17 @@ class Timeline:
         }
 
 
-_SOURCE_STAGE = {
-    "local_cache": "EC from local cache",
-    "store": "EC loaded from store",
-    "local": "EC encoded in process",
+_SOURCE_STAGE: dict[str, str] = {
+    ECSource.LOCAL_CACHE: StageName.EC_FROM_LOCAL_CACHE,
+    ECSource.STORE: StageName.EC_LOADED_FROM_STORE,
+    ECSource.LOCAL: StageName.EC_ENCODED_IN_PROCESS,
 }
 
 
 def _ec_stage(source: str) -> tuple[str, str]:
     """("EC recomputed locally", "reason") for "recomputed:<reason>" etc."""
-    if source.startswith("recomputed"):
-        _, _, reason = source.partition(":")
-        return "EC recomputed locally", reason or "unknown"
+    if source.startswith(ECSource.RECOMPUTED):
+        return StageName.EC_RECOMPUTED, recompute_reason(source) or "unknown"
     return _SOURCE_STAGE.get(source, f"EC from {source}"), ""
 
 
@@ -117,17 +131,25 @@ def build_timeline(case: RequestCase) -> Timeline:
     record, job = case.record, case.generation_job
     own = [m for m in case.messages if m.request_id == rid]
 
-    first_stage = own[0].stage if own and own[0].stage else "api"
+    first_stage = own[0].stage if own and own[0].stage else Service.API
     detail = f"{summary.images} image(s)"
     if summary.model:
         detail += f", model {summary.model}"
     if summary.replay_of:
         detail += f", replay of {summary.replay_of}"
-    stages.append(Stage("received", "replay" if first_stage == "replay" else "api", t0, None, detail))
-    api_out = [m.time for m in own if m.stage == "api" and m.time >= t0]
+    stages.append(
+        Stage(StageName.RECEIVED, STAGE_REPLAY if first_stage == STAGE_REPLAY else Service.API, t0, None, detail)
+    )
+    api_out = [m.time for m in own if m.stage == Service.API and m.time >= t0]
     if summary.images and api_out:
         stages.append(
-            Stage("image intake", "api", t0, min(api_out), f"fetch, decode, hash and store {summary.images} image(s)")
+            Stage(
+                StageName.IMAGE_INTAKE,
+                Service.API,
+                t0,
+                min(api_out),
+                f"fetch, decode, hash and store {summary.images} image(s)",
+            )
         )
 
     # -- encode side -----------------------------------------------------------------------
@@ -145,8 +167,8 @@ def build_timeline(case: RequestCase) -> Timeline:
         if not ref.encode_queued:
             stages.append(
                 Stage(
-                    "no encode job",
-                    "api",
+                    StageName.NO_ENCODE_JOB,
+                    Service.API,
                     _queued_time(case, t0),
                     None,
                     f"item {item[:12]}: EC object already stored (or encoded in the worker)",
@@ -156,8 +178,8 @@ def build_timeline(case: RequestCase) -> Timeline:
             by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
             stages.append(
                 Stage(
-                    "encode deduplicated",
-                    "api",
+                    StageName.ENCODE_DEDUPLICATED,
+                    Service.API,
                     _queued_time(case, t0),
                     None,
                     f"item {item[:12]}: an encode job was already queued by {by}",
@@ -166,7 +188,7 @@ def build_timeline(case: RequestCase) -> Timeline:
     for item, m in queued.items():
         ev_msg = ready.get(item)
         taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
-        stages.append(Stage("encode queued", "api", m.time, taken, f"item {item[:12]}"))
+        stages.append(Stage(StageName.ENCODE_QUEUED, Service.API, m.time, taken, f"item {item[:12]}"))
     for m in case.of(ECReady):
         ev: ECReady = m.msg  # type: ignore[assignment]  # of(ECReady) holds ECReady only
         whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
@@ -174,21 +196,27 @@ def build_timeline(case: RequestCase) -> Timeline:
             end = ev.encode_started_at + ev.encode_s
             stages.append(
                 Stage(
-                    "encode",
-                    "encoder",
+                    StageName.ENCODE,
+                    Service.ENCODER,
                     ev.encode_started_at,
                     end,
                     f"item {ev.item_hash[:12]}: {ev.n_tokens} tokens on {ev.producer}{whose}",
                 )
             )
             stages.append(
-                Stage("EC stored", "encoder", end, max(end, ev.created_at), f"{ev.nbytes} bytes -> {ev.ec_key}")
+                Stage(
+                    StageName.EC_STORED,
+                    Service.ENCODER,
+                    end,
+                    max(end, ev.created_at),
+                    f"{ev.nbytes} bytes -> {ev.ec_key}",
+                )
             )
         else:
             stages.append(
                 Stage(
-                    "EC announced",
-                    "encoder",
+                    StageName.EC_ANNOUNCED,
+                    Service.ENCODER,
                     ev.created_at,
                     None,
                     f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}",
@@ -197,22 +225,28 @@ def build_timeline(case: RequestCase) -> Timeline:
     for m in case.of(ECFailed):
         ev_f: ECFailed = m.msg  # type: ignore[assignment]  # of(ECFailed) holds ECFailed only
         stages.append(
-            Stage("encode failed", "encoder", m.time, None, f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}")
+            Stage(
+                StageName.ENCODE_FAILED,
+                Service.ENCODER,
+                m.time,
+                None,
+                f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}",
+            )
         )
 
     # -- generation side -------------------------------------------------------------------
     gen_msgs = [m for m in case.of(GenerationJob) if m.request_id == rid]
-    prefill_msgs = [m for m in own if m.stage == "prefill"]
+    prefill_msgs = [m for m in own if m.stage == Service.PREFILL]
     taken = prefill_msgs[0].header_time(protocol.HDR_STARTED_AT) if prefill_msgs else None
     for i, gm in enumerate(gen_msgs):
         again = getattr(gm.msg, "reprefill", 0)
-        name = "generation queued" if not again else "re-prefill queued"
+        name: str = StageName.GENERATION_QUEUED if not again else StageName.REPREFILL_QUEUED
         took = taken if i == 0 else None
         gen_job: GenerationJob = gm.msg  # type: ignore[assignment]  # of(GenerationJob) holds GenerationJobs only
         stages.append(
             Stage(
                 name,
-                "api" if not again else "decode",
+                Service.API if not again else Service.DECODE,
                 gm.time,
                 took,
                 f"{len(gen_job.images)} image placeholder(s), max_tokens "
@@ -228,34 +262,36 @@ def build_timeline(case: RequestCase) -> Timeline:
         dj = decode_jobs[0].msg
         timings = {
             **dict(getattr(dj, "timings", {}) or {}),
-            **{k: v for k, v in timings.items() if k not in ("features_s", "admission_s", "prefill_s")},
+            **{k: v for k, v in timings.items() if k not in PREFILL_TIMINGS},
         }
         sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
     if taken is not None:
-        features_end = taken + timings.get("features_s", 0.0)
+        features_end = taken + timings.get(Timing.FEATURES, 0.0)
         for item, source in sources.items():
             name, reason = _ec_stage(source)
             stages.append(
-                Stage(name, "prefill", taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else ""))
+                Stage(
+                    name, Service.PREFILL, taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else "")
+                )
             )
-        prefill_start = features_end + timings.get("admission_s", 0.0)
-        if timings.get("admission_s", 0.0) >= ADMISSION_SHOWN_S:
+        prefill_start = features_end + timings.get(Timing.ADMISSION, 0.0)
+        if timings.get(Timing.ADMISSION, 0.0) >= ADMISSION_SHOWN_S:
             stages.append(
                 Stage(
-                    "waiting for an engine slot",
-                    "prefill",
+                    StageName.WAITING_FOR_SLOT,
+                    Service.PREFILL,
                     features_end,
                     prefill_start,
                     "ready, every engine slot of the worker busy",
                 )
             )
-        if "prefill_s" in timings:
+        if Timing.PREFILL in timings:
             stages.append(
                 Stage(
-                    "prefill",
-                    "prefill",
+                    StageName.PREFILL,
+                    Service.PREFILL,
                     prefill_start,
-                    prefill_start + timings["prefill_s"],
+                    prefill_start + timings[Timing.PREFILL],
                     f"{final.prompt_tokens} prompt tokens" if final else "",
                 )
             )
@@ -267,8 +303,8 @@ def build_timeline(case: RequestCase) -> Timeline:
         first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]  # chunks hold TokenChunks only
         stages.append(
             Stage(
-                "redelivered",
-                chunks[0].stage or "prefill",
+                StageName.REDELIVERED,
+                chunks[0].stage or Service.PREFILL,
                 first_of,
                 None,
                 f"the job was delivered again (attempt {a}); tokens restart at seq 0",
@@ -277,33 +313,49 @@ def build_timeline(case: RequestCase) -> Timeline:
     first_token = chunks[0].time if chunks else None
     if first_token is not None:
         stages.append(
-            Stage("first token", chunks[0].stage or "prefill", first_token, None, f"TTFT {_ms(first_token - t0)}")
+            Stage(
+                StageName.FIRST_TOKEN,
+                chunks[0].stage or Service.PREFILL,
+                first_token,
+                None,
+                f"TTFT {_ms(first_token - t0)}",
+            )
         )
     end_msg = case.terminal
     if decode_jobs and first_token is not None:
         dj_msg = decode_jobs[0]
         stages.append(
             Stage(
-                "KV hand-off",
-                "prefill",
+                StageName.KV_HANDOFF,
+                Service.PREFILL,
                 first_token,
                 dj_msg.time,
                 f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object",
             )
         )
-        decode_taken = end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == "decode" else None
-        stages.append(Stage("decode queued", "prefill", dj_msg.time, decode_taken))
+        decode_taken = (
+            end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == Service.DECODE else None
+        )
+        stages.append(Stage(StageName.DECODE_QUEUED, Service.PREFILL, dj_msg.time, decode_taken))
         if decode_taken and end_msg is not None:
-            stages.append(Stage("decode", "decode", decode_taken, end_msg.time, _decode_detail(final, case)))
+            stages.append(
+                Stage(StageName.DECODE, Service.DECODE, decode_taken, end_msg.time, _decode_detail(final, case))
+            )
     elif first_token is not None and end_msg is not None and final is not None:
         stages.append(
-            Stage("decode", end_msg.stage or "prefill", first_token, end_msg.time, _decode_detail(final, case))
+            Stage(
+                StageName.DECODE,
+                end_msg.stage or Service.PREFILL,
+                first_token,
+                end_msg.time,
+                _decode_detail(final, case),
+            )
         )
     if final is not None and end_msg is not None:
         stages.append(
             Stage(
-                "done",
-                end_msg.stage or "prefill",
+                StageName.DONE,
+                end_msg.stage or Service.PREFILL,
                 end_msg.time,
                 None,
                 f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
@@ -314,8 +366,8 @@ def build_timeline(case: RequestCase) -> Timeline:
         cancelled = error.code == Cancelled.code  # the caller gave up; its workers were told to stop
         stages.append(
             Stage(
-                "cancelled" if cancelled else "error",
-                error.stage or end_msg.stage or "api",
+                StageName.CANCELLED if cancelled else StageName.ERROR,
+                error.stage or end_msg.stage or Service.API,
                 end_msg.time,
                 None,
                 f"{error.code} (HTTP {error.http_status}): {error.message}",
@@ -336,7 +388,7 @@ def _decode_detail(final: FinalResult | None, case: RequestCase) -> str:
     if final is None:
         return ""
     n = final.completion_tokens
-    decode_s = final.timings.get("decode_s")
+    decode_s = final.timings.get(Timing.DECODE)
     per = f", {decode_s / (n - 1) * 1e3:.1f} ms/token" if decode_s and n > 1 else ""
     return f"{n} tokens{per}"
 

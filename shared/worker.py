@@ -67,7 +67,8 @@ from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
 from shared.logs import REQUEST_ID
-from shared.protocol import Subjects, WorkerHeartbeat
+from shared.metrics import JobOutcome
+from shared.protocol import Subjects, WorkerHeartbeat, WorkQueue
 from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class Reject(Exception):
     """The job cannot succeed: end its request with ``error`` (``message`` overrides its text)
     and terminate the message. ``outcome`` labels the handler's job counter."""
 
-    def __init__(self, error: EPDError, *, message: str | None = None, outcome: str = "failed"):
+    def __init__(self, error: EPDError, *, message: str | None = None, outcome: JobOutcome = JobOutcome.FAILED):
         super().__init__(error.message if message is None else message)
         self.error = error
         self.message = error.message if message is None else message
@@ -195,7 +196,7 @@ class Handler(abc.ABC):
     role: Role
     #: The message type consumed (``protocol.decode`` target), and its stream and durable consumer.
     job_type: ClassVar[type[Any]]
-    stream_attr: ClassVar[str] = ""
+    queue: ClassVar[WorkQueue]
     durable: ClassVar[str] = ""
     #: The handler's job counter (label ``outcome``): the runner counts ``bad_message``,
     #: ``retried`` and terminal outcomes; the handler counts its successes.
@@ -246,7 +247,7 @@ class Handler(abc.ABC):
         )
 
 
-def _count(handler: Handler, outcome: str) -> None:
+def _count(handler: Handler, outcome: JobOutcome) -> None:
     if handler.jobs_metric is not None:
         handler.jobs_metric.labels(outcome).inc()
 
@@ -254,7 +255,7 @@ def _count(handler: Handler, outcome: str) -> None:
 async def _cancelled(handler: Handler, job: Any, how: str) -> Settlement:
     """A job of a cancelled request: release what it holds, count it, ack it (no redelivery)."""
     log.info("%s: its request was cancelled", how)
-    _count(handler, "cancelled")
+    _count(handler, JobOutcome.CANCELLED)
     metrics.REQUESTS_CANCELLED.labels(handler.service.value).inc()
     try:
         await handler.on_cancelled(job)
@@ -271,11 +272,10 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
     try:
         job = protocol.decode(delivery.data, handler.job_type)
     except protocol.ProtocolError as exc:
-        _count(handler, "bad_message")
+        _count(handler, JobOutcome.BAD_MESSAGE)
         return Settlement(Action.TERM, reason=f"undecodable {handler.job_type.__name__}: {exc}")
     if delivery.published_at:
-        queue = handler.stream_attr.removeprefix("stream_")  # encode / generate / decode
-        metrics.QUEUE_SECONDS.labels(queue).observe(max(0.0, time.time() - delivery.published_at))
+        metrics.QUEUE_SECONDS.labels(handler.queue).observe(max(0.0, time.time() - delivery.published_at))
     attempts = f"{delivery.num_delivered}/{delivery.max_deliver}"
     try:
         if cancels is not None and not await handler.still_wanted(job, cancels):
@@ -294,7 +294,7 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
         reject = exc
     except Retry as exc:
         if not delivery.is_last_attempt:
-            _count(handler, "retried")
+            _count(handler, JobOutcome.RETRIED)
             delay = delivery.backoff_s if exc.delay_s is None else exc.delay_s
             return Settlement(Action.NAK, delay, exc.reason)
         error = exc.error or WorkerFailed(exc.reason)
@@ -307,7 +307,7 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
             transient = isinstance(exc, TRANSIENT_ERRORS)
             log.warning("job failed (delivery %s): %s: %s", attempts, type(exc).__name__, exc, exc_info=not transient)
             if not delivery.is_last_attempt:
-                _count(handler, "retried")
+                _count(handler, JobOutcome.RETRIED)
                 return Settlement(Action.NAK, delivery.backoff_s, f"{type(exc).__name__}: {exc}")
             error = exc if isinstance(exc, EPDError) else WorkerFailed(f"{type(exc).__name__}: {exc}")
             reject = Reject(
@@ -364,7 +364,7 @@ class WorkerRunner:
             await ensure_topology(js, self.settings, self.subjects)
             ctx = WorkerContext(self.settings, self.subjects, JetStreamPublisher(js), nc)
             await self.handler.setup(ctx)
-            stream = getattr(self.subjects, self.handler.stream_attr)
+            stream = self.subjects.work_stream(self.handler.queue)
             self._cancels = CancelRecords(js, self.subjects)
             cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)

@@ -24,11 +24,17 @@ import math
 import pytest
 from PIL import Image
 
+from shared.protocol import StageName
 from shared.tools.bench import report, runner, schema, workload
 from shared.tools.bench.schema import RequestRecord, WorkloadSpec
 from tests.stackutil import epd_cli
 
-EC_STAGES = {"EC from local cache", "EC loaded from store", "EC recomputed locally", "EC encoded in process"}
+EC_STAGES = {
+    StageName.EC_FROM_LOCAL_CACHE,
+    StageName.EC_LOADED_FROM_STORE,
+    StageName.EC_RECOMPUTED,
+    StageName.EC_ENCODED_IN_PROCESS,
+}
 
 
 def spec(**fields) -> WorkloadSpec:

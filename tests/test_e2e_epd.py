@@ -16,7 +16,16 @@ import pytest
 from shared.engines.base import SamplingParams
 from shared.engines.ec_objects import encoded_to_extra
 from shared.media import content_hash_of
-from shared.protocol import ECReady, EncodeJob, FinalResult, GenerationJob, ImageRef, SamplingSpec
+from shared.protocol import (
+    ECReady,
+    ECSource,
+    EncodeJob,
+    FinalResult,
+    GenerationJob,
+    ImageRef,
+    SamplingSpec,
+    recomputed,
+)
 from shared.store.ec import META_FINGERPRINT, META_SCHEMA, ECStore
 from shared.store.format import SCHEMA, encode_ec_object
 from shared.store.objects import S3ObjectStore
@@ -106,7 +115,7 @@ def test_one_image_in_concurrent_requests_is_encoded_once(epd_stack):
     finals = [final_result(epd_stack, r.json()["id"]) for r in responses]  # exactly one each
     assert len({f.request_id for f in finals}) == n
     sources = [f.ec_sources[item] for f in finals]
-    assert all(s in ("store", "local_cache") for s in sources), sources
+    assert all(s in (ECSource.STORE, ECSource.LOCAL_CACHE) for s in sources), sources
 
 
 # -- store damage: the request still completes with the same tokens via local encoding ---------
@@ -144,7 +153,7 @@ def _run_damaged(epd_stack, reference_engine, image, reason):
     assert got == want
     item = content_hash_of(image)
     final = final_result(epd_stack, body["id"])
-    assert final.ec_sources[item] == f"recomputed:{reason}"
+    assert final.ec_sources[item] == recomputed(reason)
     assert _recomputed(epd_stack, reason) == before + 1
     assert re.search(rf"ec miss key=\S*{item}\S* reason={reason}", epd_stack.log_of("prefill"))
     # The API saw a valid-looking object and queued no encode job: the worker did not wait.
@@ -194,7 +203,7 @@ def test_ec_object_under_another_fingerprint_key_is_never_hit(epd_stack, referen
     # The API found no object for our encoder version, so it queued this request's encode job.
     jobs = epd_stack.messages_of("stream_encode", EncodeJob, body["id"])
     assert [j.image.item_hash for j in jobs] == [item]
-    assert final_result(epd_stack, body["id"]).ec_sources[item] in ("store", "local_cache")
+    assert final_result(epd_stack, body["id"]).ec_sources[item] in (ECSource.STORE, ECSource.LOCAL_CACHE)
 
 
 def test_ec_object_deleted_after_scheduling_is_recomputed(epd_stack, reference_engine, ec_store):

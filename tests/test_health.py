@@ -159,7 +159,7 @@ def test_worker_runner_writes_and_removes_the_file(tmp_path, nats_server):
         service = Service.ENCODER
         role = Role.ENCODER
         job_type = protocol.EncodeJob
-        stream_attr = "stream_encode"
+        queue = protocol.WorkQueue.ENCODE
         durable = protocol.CONSUMER_ENCODER
 
         async def setup(self, ctx: WorkerContext) -> None:

@@ -182,7 +182,7 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
     class Idle(Handler):
         service = Service.PREFILL
         role = Role.PD
-        stream_attr = "stream_generate"
+        queue = protocol.WorkQueue.GENERATE
         durable = protocol.CONSUMER_PREFILL
 
         async def setup(self, ctx):  # never called: this test does not consume

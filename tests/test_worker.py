@@ -29,7 +29,7 @@ class Scripted(Handler):
     service = Service.ENCODER
     role = Role.ENCODER
     job_type = EncodeJob
-    stream_attr = "stream_encode"
+    queue = protocol.WorkQueue.ENCODE
 
     def __init__(
         self, outcome: BaseException | None = None, *, terminal_fails: bool = False, block: asyncio.Event | None = None

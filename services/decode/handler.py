@@ -49,8 +49,9 @@ from shared.connectors.params import KVHandoff
 from shared.engines import base
 from shared.engines.base import Engine, GenerationStats, KVStateMismatch
 from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch
+from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, sampling_params
-from shared.protocol import DecodeJob, FinalResult, SamplingSpec
+from shared.protocol import DecodeJob, ECSource, FinalResult, SamplingSpec, Timing, recomputed
 from shared.store.ec import ECStore
 from shared.store.format import MissReason, ObjectValidationError
 from shared.store.kv import KVObject, KVStore, kv_prefix
@@ -119,12 +120,12 @@ class KVObjectDecode(DecodeStrategy):
             token_ids=emitted_ids + tuple(out.token_ids),
             text=job.emitted_text + out.text,
             prompt_tokens=job.prompt_tokens,
-            kv_source="store",
+            kv_source=ECSource.STORE,
             timings={
-                "decode_s": t_end - t0,
-                "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
-                "kv_bytes": float(obj.nbytes),
-                "decode_batch_rows_max": float(stats.extra.get("decode_batch_rows_max", 0)),
+                Timing.DECODE: t_end - t0,
+                Timing.DECODE_FIRST_TOKEN: (out.first_token_at - t0) if out.first_token_at else 0.0,
+                Timing.KV_BYTES: float(obj.nbytes),
+                Timing.DECODE_BATCH_ROWS_MAX: float(stats.extra.get("decode_batch_rows_max", 0)),
             },
         )
 
@@ -161,16 +162,16 @@ class KVConnectorDecode(DecodeStrategy):
         )
         t_end = time.perf_counter()
         kv_source = str(stats.extra.get("kv_source", ""))
-        if kv_source != "store":
-            metrics.REPREFILLS.labels(kv_source.removeprefix("recomputed:") or "unknown").inc()
+        if kv_source != ECSource.STORE:
+            metrics.REPREFILLS.labels(kv_source.removeprefix(recomputed("")) or "unknown").inc()
         return Decoded(
             token_ids=tuple(out.token_ids),
             text=out.text,
             prompt_tokens=stats.prompt_tokens,
             kv_source=kv_source,
             timings={
-                "decode_s": t_end - t0,
-                "decode_first_token_s": (out.first_token_at - t0) if out.first_token_at else 0.0,
+                Timing.DECODE: t_end - t0,
+                Timing.DECODE_FIRST_TOKEN: (out.first_token_at - t0) if out.first_token_at else 0.0,
             },
         )
 
@@ -182,7 +183,7 @@ class DecodeHandler(ModelHandler):
     service = Service.DECODE
     role = Role.DECODE
     job_type = DecodeJob
-    stream_attr = "stream_decode"
+    queue = protocol.WorkQueue.DECODE
     durable = protocol.CONSUMER_DECODE
 
     def __init__(
@@ -233,7 +234,9 @@ class DecodeHandler(ModelHandler):
                 )
             )
         if time.time() > job.deadline:
-            raise Reject(DeadlineExceeded("request deadline passed before a decode worker took it"), outcome="expired")
+            raise Reject(
+                DeadlineExceeded("request deadline passed before a decode worker took it"), outcome=JobOutcome.EXPIRED
+            )
         out = TokenOutput(self.ctx, job.request_id, delivery.num_delivered, first_seq=job.emitted)
         try:
             decoded = await self.strategy.decode(job, delivery, out)
@@ -265,14 +268,14 @@ class DecodeHandler(ModelHandler):
             len(decoded.token_ids),
             len(out.token_ids),
             out.finish_reason,
-            timings.get("decode_s", 0.0),
+            timings.get(Timing.DECODE, 0.0),
             decoded.kv_source,
         )
 
     async def on_terminal(self, job: DecodeJob, error: EPDError, message: str) -> None:
         """An ErrorEvent for the client; the request is over, so no worker will read its KV object."""
         assert self.ctx is not None
-        event = protocol.error_event(job.request_id, "decode", error, message=message)
+        event = protocol.error_event(job.request_id, Service.DECODE, error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)
         await self._delete(job.kv_key)
 

@@ -32,6 +32,7 @@ from shared.engines import base
 from shared.engines.base import Engine
 from shared.errors import EngineError, EPDError, StoreError
 from shared.media import DecodeBudget
+from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler
 from shared.protocol import ECFailed, ECReady, EncodeJob
 from shared.store.ec import ECStore
@@ -97,7 +98,7 @@ class EncoderHandler(ModelHandler):
     service = Service.ENCODER
     role = Role.ENCODER
     job_type = EncodeJob
-    stream_attr = "stream_encode"
+    queue = protocol.WorkQueue.ENCODE
     durable = protocol.CONSUMER_ENCODER
     jobs_metric = metrics.ENCODE_JOBS
     # One encode job serves every request with the same image: it runs to the end once started.
@@ -144,7 +145,7 @@ class EncoderHandler(ModelHandler):
         if existing is not None:
             log.info("item %s already stored by %s: announcing, not recomputing", item[:12], existing.producer)
             await self._ready(job, existing.n_tokens, len(existing.data), 0.0)
-            metrics.ENCODE_JOBS.labels("already_stored").inc()
+            metrics.ENCODE_JOBS.labels(JobOutcome.ALREADY_STORED).inc()
             return
 
         # Decoded images held at once are bounded by pixels, however many jobs are in flight.
@@ -171,7 +172,7 @@ class EncoderHandler(ModelHandler):
             delivery.num_delivered,
         )
         await self._ready(job, n_tokens, nbytes, encode_s, started_at=started_at)
-        metrics.ENCODE_JOBS.labels("encoded").inc()
+        metrics.ENCODE_JOBS.labels(JobOutcome.ENCODED).inc()
 
     async def still_wanted(self, job: EncodeJob, cancels: CancelRecords) -> bool:
         """Dropped only when its request was cancelled and no other live request waits on it

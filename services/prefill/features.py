@@ -47,7 +47,7 @@ from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
 from shared.errors import StoreError
 from shared.jetstream import TypedSubscription, subscribe_typed
-from shared.protocol import ECFailed, ECReady, ImageRef
+from shared.protocol import ECFailed, ECReady, ECSource, ImageRef, recomputed
 from shared.store.ec import ECStore
 from shared.store.format import MissReason, ObjectValidationError
 
@@ -158,16 +158,16 @@ class LocalFeatures(FeatureSource):
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage, str]:
         if (cached := self.cached(ref)) is not None:
-            return cached, "local_cache"
+            return cached, ECSource.LOCAL_CACHE
         item = await self.encode(ref)
-        metrics.EC_LOOKUPS.labels("local", "hit", "").inc()
-        return item, "local"
+        metrics.EC_LOOKUPS.labels(ECSource.LOCAL, "hit", "").inc()
+        return item, ECSource.LOCAL
 
     def cached(self, ref: ImageRef) -> EncodedImage | None:
         """The item's features from this worker's local cache (counted as a hit), or None."""
         cached = self.cache.get(ref.item_hash)
         if cached is not None:
-            metrics.EC_LOOKUPS.labels("local_cache", "hit", "").inc()
+            metrics.EC_LOOKUPS.labels(ECSource.LOCAL_CACHE, "hit", "").inc()
         return cached
 
     async def encode(self, ref: ImageRef) -> EncodedImage:
@@ -197,11 +197,11 @@ class StoredFeatures(LocalFeatures):
         await self.lifecycle.ensure_started()
         if (cached := self.cached(ref)) is not None:
             self.lifecycle.used(ref.item_hash)
-            return cached, "local_cache"
+            return cached, ECSource.LOCAL_CACHE
         reason = MissReason.NOT_FOUND
         async with self.encoder.watching(ref) as sub:
             try:
-                return await self._from_store(ref, request_id), "store"
+                return await self._from_store(ref, request_id), ECSource.STORE
             except ObjectValidationError as exc:
                 reason = exc.reason
             if reason is MissReason.NOT_FOUND and sub is not None:
@@ -210,15 +210,15 @@ class StoredFeatures(LocalFeatures):
                     reason = waited
                 else:
                     try:
-                        return await self._from_store(ref, request_id), "store"
+                        return await self._from_store(ref, request_id), ECSource.STORE
                     except ObjectValidationError as exc:
                         reason = exc.reason
 
         log.warning("encoding %s locally: %s", ref.item_hash[:12], reason.value)
         item = await self.encode(ref)
         await self._write_back(ref, item)
-        metrics.EC_LOOKUPS.labels("recomputed", "hit", reason.value).inc()
-        return item, f"recomputed:{reason.value}"
+        metrics.EC_LOOKUPS.labels(ECSource.RECOMPUTED, "hit", reason.value).inc()
+        return item, recomputed(reason.value)
 
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
         from shared.engines.ec_objects import ec_object_to_encoded
@@ -259,7 +259,7 @@ class ConnectorFeatures(FeatureSource):
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[MediaImage, str]:
         if self.encoder is None or self.lifecycle is None:
-            return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), "local"
+            return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.LOCAL
         await self.lifecycle.ensure_started()
         if not ref.encode_queued:  # the API found it stored: a use
             self.lifecycle.used(ref.item_hash)
@@ -276,4 +276,4 @@ class ConnectorFeatures(FeatureSource):
                     reason = await self.encoder.wait(sub, ref)
                     if reason is not None:
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
-        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), "connector"
+        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.CONNECTOR

@@ -43,8 +43,9 @@ from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
+from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, sampling_params
-from shared.protocol import FinalResult, GenerationJob
+from shared.protocol import FinalResult, GenerationJob, Timing
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.token_stream import TokenOutput
@@ -63,7 +64,7 @@ def _image_tokens(item: EncodedImage | MediaImage) -> int:
 class PrefillHandler(ModelHandler):
     service = Service.PREFILL
     job_type = GenerationJob
-    stream_attr = "stream_generate"
+    queue = protocol.WorkQueue.GENERATE
     durable = protocol.CONSUMER_PREFILL
     jobs_metric = metrics.GENERATION_JOBS
 
@@ -129,12 +130,14 @@ class PrefillHandler(ModelHandler):
     # -- job -------------------------------------------------------------------------------
     async def handle(self, job: GenerationJob, delivery: Delivery) -> None:
         if time.time() > job.deadline:
-            raise Reject(DeadlineExceeded("request deadline passed before a worker took it"), outcome="expired")
+            raise Reject(
+                DeadlineExceeded("request deadline passed before a worker took it"), outcome=JobOutcome.EXPIRED
+            )
         try:
             await self._generate(job, delivery.num_delivered)
         except InvalidRequest as exc:  # the client's error: its own message
-            raise Reject(exc, outcome="rejected") from exc
-        metrics.GENERATION_JOBS.labels("ok").inc()
+            raise Reject(exc, outcome=JobOutcome.REJECTED) from exc
+        metrics.GENERATION_JOBS.labels(JobOutcome.OK).inc()
 
     async def _generate(self, job: GenerationJob, attempt: int) -> None:
         """Features (waiting for them holds no engine slot), then an engine slot (the cheapest
@@ -182,12 +185,12 @@ class PrefillHandler(ModelHandler):
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.completion_tokens,
             timings={
-                "features_s": gen.t_features - gen.t0,
-                "admission_s": gen.t_admitted - gen.t_features,
-                "prefill_s": stats.prefill_s,
-                "decode_s": stats.decode_s,
-                "first_token_s": (out.first_token_at - gen.t0) if out.first_token_at else 0.0,
-                "total_s": t_end - gen.t0,
+                Timing.FEATURES: gen.t_features - gen.t0,
+                Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                Timing.PREFILL: stats.prefill_s,
+                Timing.DECODE: stats.decode_s,
+                Timing.FIRST_TOKEN: (out.first_token_at - gen.t0) if out.first_token_at else 0.0,
+                Timing.TOTAL: t_end - gen.t0,
             },
             ec_sources=gen.sources,
             worker=self.settings.worker_id,
@@ -213,5 +216,5 @@ class PrefillHandler(ModelHandler):
 
     async def on_terminal(self, job: GenerationJob, error: EPDError, message: str) -> None:
         assert self.ctx is not None
-        event = protocol.error_event(job.request_id, "prefill", error, message=message)
+        event = protocol.error_event(job.request_id, Service.PREFILL, error, message=message)
         await self.ctx.publisher.publish(self.ctx.subjects.tokens(job.request_id), event, request_id=job.request_id)

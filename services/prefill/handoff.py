@@ -30,7 +30,8 @@ from shared import metrics, protocol
 from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
 from shared.errors import EngineError, StoreError
-from shared.protocol import DecodeJob, GenerationJob
+from shared.metrics import KVHandoffOutcome
+from shared.protocol import DecodeJob, GenerationJob, Timing
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectTooLarge
 from shared.token_stream import TokenOutput
@@ -119,7 +120,7 @@ class KVHandOff(HandOff):
             request_id=decode_job.request_id,
             msg_id=f"{decode_job.request_id}-decode-{decode_job.kv_attempt}",
         )
-        metrics.KV_HANDOFFS.labels("handed_off").inc()
+        metrics.KV_HANDOFFS.labels(KVHandoffOutcome.HANDED_OFF).inc()
 
 
 class KVObjectHandOff(KVHandOff):
@@ -136,7 +137,7 @@ class KVObjectHandOff(KVHandOff):
         try:
             await gen.out.publish(prefilled.first)
             if prefilled.first.finish_reason is not None:
-                metrics.KV_HANDOFFS.labels("finished_in_prefill").inc()
+                metrics.KV_HANDOFFS.labels(KVHandoffOutcome.FINISHED_IN_PREFILL).inc()
                 return False
             t_handoff = time.perf_counter()
             try:
@@ -154,10 +155,10 @@ class KVObjectHandOff(KVHandOff):
                     kv_key=key,
                     kv_nbytes=len(blob),
                     timings={
-                        "features_s": gen.t_features - gen.t0,
-                        "admission_s": gen.t_admitted - gen.t_features,
-                        "prefill_s": gen.stats.prefill_s,
-                        "first_token_s": (gen.out.first_token_at or t_handoff) - gen.t0,
+                        Timing.FEATURES: gen.t_features - gen.t0,
+                        Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                        Timing.PREFILL: gen.stats.prefill_s,
+                        Timing.FIRST_TOKEN: (gen.out.first_token_at or t_handoff) - gen.t0,
                     },
                 )
                 limit = self.ctx.nc.max_payload if self.ctx.nc is not None else 1024 * 1024
@@ -165,9 +166,12 @@ class KVObjectHandOff(KVHandOff):
                     raise ValueError(f"decode job over the NATS payload limit of {limit} bytes")
                 await asyncio.to_thread(self.kv_store.put, key, blob)
             except (ObjectTooLarge, StoreError, ValueError) as exc:
-                reason = "too_large" if isinstance(exc, (ObjectTooLarge, ValueError)) else "store_error"
+                too_large = isinstance(exc, (ObjectTooLarge, ValueError))
+                reason = "too_large" if too_large else "store_error"
                 log.warning("cannot hand off to a decode worker (%s: %s): decoding here", reason, exc)
-                metrics.KV_HANDOFFS.labels(f"local_{reason}").inc()
+                metrics.KV_HANDOFFS.labels(
+                    KVHandoffOutcome.LOCAL_TOO_LARGE if too_large else KVHandoffOutcome.LOCAL_STORE_ERROR
+                ).inc()
                 await gen.stream(prefilled.continue_here())
                 return False
         finally:
@@ -192,7 +196,7 @@ class KVConnectorHandOff(KVHandOff):
     async def run(self, gen: Generation) -> bool:
         job = gen.job
         if gen.params.max_tokens <= 1:  # nothing to hand off: decoding here is the whole request
-            metrics.KV_HANDOFFS.labels("finished_in_prefill").inc()
+            metrics.KV_HANDOFFS.labels(KVHandoffOutcome.FINISHED_IN_PREFILL).inc()
             await self.generate_here(gen)
             return False
         expected_key = self.kv_store.key(job.request_id, job.reprefill)
@@ -212,7 +216,7 @@ class KVConnectorHandOff(KVHandOff):
                 )
         except EngineError as exc:
             log.warning("cannot hand off to a decode worker (%s): decoding here", exc)
-            metrics.KV_HANDOFFS.labels("local_engine_error").inc()
+            metrics.KV_HANDOFFS.labels(KVHandoffOutcome.LOCAL_ENGINE_ERROR).inc()
             await self.generate_here(gen)
             return False
         if gen.stats.extra.get("ec_sources"):
@@ -223,9 +227,9 @@ class KVConnectorHandOff(KVHandOff):
                 kv_key=handoff.key,
                 kv_nbytes=0,
                 timings={
-                    "features_s": gen.t_features - gen.t0,
-                    "admission_s": gen.t_admitted - gen.t_features,
-                    "prefill_s": gen.stats.prefill_s,
+                    Timing.FEATURES: gen.t_features - gen.t0,
+                    Timing.ADMISSION: gen.t_admitted - gen.t_features,
+                    Timing.PREFILL: gen.stats.prefill_s,
                 },
             )
         )

@@ -48,7 +48,7 @@ from shared.ec_lifecycle.index import (
 )
 from shared.ec_lifecycle.invalidation import publish_invalidated
 from shared.errors import StoreError
-from shared.protocol import Subjects
+from shared.protocol import EvictionReason, Subjects
 from shared.store.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ class Janitor:
         if p.ttl_s is not None:
             for k, e, r in entries:
                 if now - e.last_use > p.ttl_s:
-                    victims.append((k, e, r, "ttl"))
+                    victims.append((k, e, r, EvictionReason.TTL))
                     chosen.add(k)
         if p.purge_retired_after_s is not None:
             newest: dict[str, float] = defaultdict(float)
@@ -331,7 +331,7 @@ class Janitor:
                     continue
                 retired_since = (fp.last_seen if fp else newest[e.fingerprint]) + p.retired_after_s
                 if now - retired_since > p.purge_retired_after_s:
-                    victims.append((k, e, r, "retired"))
+                    victims.append((k, e, r, EvictionReason.RETIRED))
                     chosen.add(k)
         nbytes = report.bytes - sum(v[1].size for v in victims)
         count = len(entries) - len(victims)
@@ -348,9 +348,9 @@ class Janitor:
 
         def over(room: bool) -> str | None:
             if p.max_bytes is not None and nbytes > p.max_bytes - (room_bytes if room else 0):
-                return "bytes"
+                return EvictionReason.BYTES
             if p.max_objects is not None and count > p.max_objects - (room_objects if room else 0):
-                return "objects"
+                return EvictionReason.OBJECTS
             return None
 
         if over(room=True) is not None:  # over, or within what the next period brings of it
@@ -435,12 +435,12 @@ class Janitor:
             # (an entry made after the listing started may name an object written after it)
             if ikey not in seen and entry.created < started - 60 and await self.index.remove(ikey, revision):
                 gone[entry.fingerprint].append(entry.item_hash)
-                metrics.EC_EVICTIONS.labels("gone").inc()
+                metrics.EC_EVICTIONS.labels(EvictionReason.GONE).inc()
         for fp, items in gone.items():
             log.info(
                 "EC janitor: %d indexed object(s) of %s are no longer stored (removed behind the index)", len(items), fp
             )
-            await publish_invalidated(self.nc, self.subjects, fp, items, reason="gone", by=self.holder)
+            await publish_invalidated(self.nc, self.subjects, fp, items, reason=EvictionReason.GONE, by=self.holder)
         if added:
             log.info("EC janitor: indexed %d stored object(s) nobody announced", added)
         return added
@@ -548,10 +548,10 @@ async def purge(
             await index.remove(ikey, None)
         await asyncio.to_thread(store.delete, obj.info.key)
         if obj.kind == "ec":
-            metrics.EC_EVICTIONS.labels("purge").inc()
+            metrics.EC_EVICTIONS.labels(EvictionReason.PURGE).inc()
             gone[obj.fingerprint].append(obj.name)
     for fp, items in gone.items():
-        await publish_invalidated(nc, subjects, fp, items, reason="purge", by=by)
+        await publish_invalidated(nc, subjects, fp, items, reason=EvictionReason.PURGE, by=by)
     if not dry_run and result.objects:
         log.info(
             "EC purge by %s: removed %d object(s), %d bytes (%s)",

@@ -300,7 +300,7 @@ async def replay_request(
     deadline = received + timeout
     ec_index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=stream_replicas)
     client = RequestClient(nc, subjects, ec_index=ec_index)
-    trace = set_trace("replay", received_at=received)
+    trace = set_trace(protocol.STAGE_REPLAY, received_at=received)
     try:
         for ref in to_encode:
             await client.queue_encode(

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from shared.protocol import StageName
 from shared.tools.bench.report import exclusive_means
 from shared.tools.bench.schema import UNTRACKED, BenchResult, RunResult, Summary, load
 
@@ -47,19 +48,19 @@ EXIT_ERROR = 2
 
 #: Stages in the order a request meets them (the bars stack in this order; others follow by name).
 STAGE_ORDER = (
-    "image intake",
-    "encode queued",
-    "encode",
-    "EC stored",
-    "generation queued",
-    "EC from local cache",
-    "EC loaded from store",
-    "EC recomputed locally",
-    "EC encoded in process",
-    "prefill",
-    "KV hand-off",
-    "decode queued",
-    "decode",
+    StageName.IMAGE_INTAKE,
+    StageName.ENCODE_QUEUED,
+    StageName.ENCODE,
+    StageName.EC_STORED,
+    StageName.GENERATION_QUEUED,
+    StageName.EC_FROM_LOCAL_CACHE,
+    StageName.EC_LOADED_FROM_STORE,
+    StageName.EC_RECOMPUTED,
+    StageName.EC_ENCODED_IN_PROCESS,
+    StageName.PREFILL,
+    StageName.KV_HANDOFF,
+    StageName.DECODE_QUEUED,
+    StageName.DECODE,
     UNTRACKED,
 )
 #: Suffixes of the stage rows: exclusive times (they add up to the total row), union times (older results).

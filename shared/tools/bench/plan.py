@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.protocol import StageName
 from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec
 
 EXIT_SLO = 1
@@ -48,17 +49,17 @@ MAX_WORKERS = 1024
 _EPS = 1e-9
 
 #: Timeline stage names (shared.timeline) whose seconds are a worker's busy time, per side.
-ENCODER_STAGES = ("encode", "EC stored")
+ENCODER_STAGES = (StageName.ENCODE, StageName.EC_STORED)
 #: On the prefill (or PD / agg) worker before its prefill: loading or computing the features.
-FEATURE_STAGES = ("EC from local cache", "EC loaded from store", "EC recomputed locally")
+FEATURE_STAGES = (StageName.EC_FROM_LOCAL_CACHE, StageName.EC_LOADED_FROM_STORE, StageName.EC_RECOMPUTED)
 #: Of those, the loads (a recompute waited ``EPD_EC_WAIT_S`` first: not a cost of the mix).
-LOAD_STAGES = ("EC from local cache", "EC loaded from store")
+LOAD_STAGES = (StageName.EC_FROM_LOCAL_CACHE, StageName.EC_LOADED_FROM_STORE)
 #: The encoder-side stages a load of a freshly encoded image includes (it waits for them).
-ENCODE_WAIT_STAGES = ("encode queued", "encode", "EC stored")
-IN_PROCESS_ENCODE = "EC encoded in process"  # agg: the encode happens inside the one worker
-PREFILL_STAGE = "prefill"
-HANDOFF_STAGE = "KV hand-off"
-DECODE_STAGE = "decode"
+ENCODE_WAIT_STAGES = (StageName.ENCODE_QUEUED, StageName.ENCODE, StageName.EC_STORED)
+IN_PROCESS_ENCODE = StageName.EC_ENCODED_IN_PROCESS  # agg: the encode happens inside the one worker
+PREFILL_STAGE = StageName.PREFILL
+HANDOFF_STAGE = StageName.KV_HANDOFF
+DECODE_STAGE = StageName.DECODE
 
 TOPOLOGIES = ("e-pd", "e-p-d", "agg")
 #: The ``epd up`` flag per role, and the ratio letters.
@@ -169,7 +170,7 @@ def costs_from_records(records: list[RequestRecord], source: str = "records") ->
     loading = [
         r
         for r in done
-        if r.images > 0 and any(s in r.stages for s in LOAD_STAGES) and "EC recomputed locally" not in r.stages
+        if r.images > 0 and any(s in r.stages for s in LOAD_STAGES) and StageName.EC_RECOMPUTED not in r.stages
     ]
     pure = [r for r in loading if not any(s in r.stages for s in ENCODE_WAIT_STAGES)]
     loads = [
@@ -228,7 +229,9 @@ async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit:
     from shared.tools.bench.runner import parse_timeline
 
     reader = history.StreamReader(nc)
-    listed = await history.list_requests(nc, subjects, since_s=since_s, status="ok", limit=limit, reader=reader)
+    listed = await history.list_requests(
+        nc, subjects, since_s=since_s, status=history.RequestStatus.OK, limit=limit, reader=reader
+    )
     records = []
     for i, summ in enumerate(listed):
         case = await history.find_case(nc, subjects, summ.request_id, reader=reader)

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from shared.protocol import StageName
 from shared.tools.bench.report import summarize
 from shared.tools.bench.schema import UNTRACKED, BenchResult, RequestRecord, RunResult, WorkloadSpec
 from shared.tools.bench.workload import PlannedRequest, check_spec, iter_plan
@@ -50,7 +51,7 @@ TIMELINE_TIMEOUT_S = 60.0
 TIMELINE_CONCURRENCY = 4
 #: A timeline read right after the response may miss the last messages: read again this often.
 TIMELINE_ATTEMPTS = 3
-TERMINAL_STAGES = ("done", "error", "cancelled")
+TERMINAL_STAGES = (StageName.DONE, StageName.ERROR, StageName.CANCELLED)
 
 
 class BenchError(Exception):
