@@ -53,7 +53,7 @@ from shared.errors import (
     Unauthorized,
     error_from_code,
 )
-from shared.fingerprint import encoder_fingerprint
+from shared.identity import ModelIdentity
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, nats_unavailable, set_trace
 from shared.logs import REQUEST_ID
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
@@ -145,10 +145,10 @@ class ApiService:
     def __init__(self, settings: ApiSettings):
         self.settings = settings
         self.subjects = Subjects(settings.subject_prefix)
-        self.model_name = settings.served_model_name()
-        self.fingerprint = encoder_fingerprint(
-            settings.require_model_path(), dtype=settings.dtype, engine=settings.engine
-        )
+        #: what this API serves and expects its workers to serve (computed once, here)
+        self.identity = ModelIdentity.from_settings(settings)
+        self.model_name = self.identity.model
+        self.fingerprint = self.identity.fingerprint
         self.limits = MediaLimits(
             max_image_bytes=settings.max_image_bytes,
             max_pixels=settings.max_image_pixels,
@@ -187,7 +187,7 @@ class ApiService:
             self.store,
             fingerprint=self.fingerprint,
             model=self.model_name,
-            model_path=str(self.settings.model_path or ""),
+            model_path=str(self.identity.model_path),
         )
         self.client = RequestClient(self.nc, self.subjects, publisher, ec_index=self.ec.index)
         self.fetcher = ImageFetcher(self.limits)
@@ -245,7 +245,7 @@ class ApiService:
         if self.ec is not None:  # which fingerprints are served (current) and which are retired
             await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
             await self.ec.fingerprint_seen(
-                self.fingerprint, model=self.model_name, model_path=str(self.settings.model_path or "")
+                self.fingerprint, model=self.model_name, model_path=str(self.identity.model_path)
             )
 
     # -- request pipeline ------------------------------------------------------------------
