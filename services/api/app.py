@@ -33,7 +33,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import nats
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -42,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import history, metrics, protocol, timeline
-from shared.client import RequestClient, TokenStream
+from shared.client import RequestClient, Submission, TokenStream
 from shared.config import ApiSettings
 from shared.errors import (
     Cancelled,
@@ -58,11 +57,8 @@ from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_
 from shared.logs import REQUEST_ID
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import (
-    ChatRequestRecord,
-    EncodeJob,
     ErrorEvent,
     FinalResult,
-    GenerationJob,
     ImageRef,
     Subjects,
     TokenChunk,
@@ -189,7 +185,9 @@ class ApiService:
             model=self.model_name,
             model_path=str(self.identity.model_path),
         )
-        self.client = RequestClient(self.nc, self.subjects, publisher, ec_index=self.ec.index)
+        self.client = RequestClient(
+            self.nc, self.subjects, publisher, ec_index=self.ec.index, store=self.store, recorder=self.ec.recorder
+        )
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
         self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
@@ -249,73 +247,48 @@ class ApiService:
             )
 
     # -- request pipeline ------------------------------------------------------------------
-    async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
-        """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
-        assert self.store is not None and self.fetcher is not None and self.client is not None
-        # Fetches run side by side; decodes wait for the process's decode budget.
+    async def load_images(self, urls: list[str]) -> list[LoadedImage]:
+        """Fetch and decode every image (side by side; decodes wait for the process's decode budget)."""
+        assert self.fetcher is not None
         loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget)) for u in urls]
         try:
-            loaded: list[LoadedImage] = await asyncio.gather(*loads)
+            return list(await asyncio.gather(*loads))
         except BaseException:
             for load in loads:  # one bad image fails the request: stop waiting for the others
                 load.cancel()
             raise
-        refs: list[ImageRef] = []
-        distinct: dict[str, ImageRef] = {}
-        for img in loaded:
-            if img.content_hash not in distinct:
-                media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
-                ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
-                if not TOPOLOGIES[self.settings.topology].uses_encoder:  # agg: its worker encodes in process
-                    ref = msgspec.structs.replace(ref, encode_queued=False)
-                elif (info := await asyncio.to_thread(self.store.stored, ref.item_hash)) is not None:
-                    log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
-                    ref = msgspec.structs.replace(ref, encode_queued=False)
-                    if self.ec is not None:
-                        self.ec.recorder.note(info.key, self.fingerprint, ref.item_hash, size=info.size)
-                    # the EC store's hit ratio over time: rate(hit) / rate(hit + miss) of source "api"
-                    metrics.EC_LOOKUPS.labels("api", "hit", "").inc()
-                else:
-                    metrics.EC_LOOKUPS.labels("api", "miss", "not_found").inc()
-                    await self.client.queue_encode(
-                        EncodeJob(
-                            request_id=request_id,
-                            image=ref,
-                            fingerprint=self.fingerprint,
-                            ec_key=self.store.key(ref.item_hash),
-                            created_at=time.time(),
-                        )
-                    )
-                distinct[img.content_hash] = ref
-            refs.append(distinct[img.content_hash])
-        return refs
+
+    @property
+    def uses_encoder(self) -> bool:
+        """Whether requests get encode jobs (not in agg: its worker encodes in process)."""
+        return TOPOLOGIES[self.settings.topology].uses_encoder
+
+    async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
+        """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
+        assert self.client is not None
+        loaded = await self.load_images(urls)
+        return await self.client.image_refs(request_id, loaded, encode=self.uses_encoder)
 
     async def submit(
-        self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float, deadline: float
+        self, request_id: str, parsed: ParsedRequest, images: list[LoadedImage], received_at: float, deadline: float
     ) -> TokenStream:
-        """Record the request and publish its generation job; its token stream, bounded by
-        ``deadline`` (at which the request is recorded as abandoned by the API)."""
+        """Submit the request (``RequestClient.submit``: images, encode jobs, record, generation
+        job); its token stream, bounded by ``deadline`` (at which the request is recorded as
+        abandoned by the API)."""
         assert self.client is not None
-        record = ChatRequestRecord(
-            request_id=request_id,
-            received_at=received_at,
-            model=parsed.model,
-            body=redact_images(parsed.body, [r.item_hash for r in refs]),
-            images=tuple(refs),
-        )
-        job = GenerationJob(
+        submission = Submission(
             request_id=request_id,
             model=parsed.model,
             messages=[m.to_wire() for m in parsed.messages],
-            images=tuple(refs),
-            fingerprint=self.fingerprint,
             sampling=parsed.sampling,
             stream=parsed.stream,
+            received_at=received_at,
             deadline=deadline,
-            created_at=time.time(),
+            body=redact_images(parsed.body, [img.content_hash for img in images]),
+            images=images,
         )
         return await self.client.submit(
-            job, record=record, on_abandon=functools.partial(self.client.abandon, request_id)
+            submission, encode=self.uses_encoder, on_abandon=functools.partial(self.client.abandon, request_id)
         )
 
     def spawn(self, coro: Any) -> None:
@@ -447,11 +420,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
             deadline = received_at + settings.request_timeout_s
             if service.nc is None or not service.nc.is_connected:
                 raise ServiceUnavailable("not connected to NATS")
-            refs = await asyncio.wait_for(
-                service.prepare_images(request_id, parsed.image_urls), timeout=max(0.0, deadline - time.time())
+            images = await asyncio.wait_for(
+                service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
-            events = await service.submit(request_id, parsed, refs, received_at, deadline)
-            log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
+            events = await service.submit(request_id, parsed, images, received_at, deadline)
+            log.info("accepted: %d image(s), stream=%s", len(images), parsed.stream)
             try:
                 if not parsed.stream:
                     try:
