@@ -357,6 +357,22 @@ class RequestClient:
             raise
         return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_abandon=on_abandon)
 
+    async def record_refused(
+        self, record: ChatRequestRecord, error: EPDError, *, stage: str = "api", timeout_s: float = 2.0
+    ) -> None:
+        """Record a request refused before any job was published (bad input, an image URL that
+        failed): its ``record`` and an ``ErrorEvent`` of ``error`` on its token subject, so the
+        results stream - ``epd replay list --status error``, the debug pages - show how it ended.
+        Best effort and bounded by ``timeout_s``: the caller reports the error either way."""
+        request_id = record.request_id
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
+                event = protocol.error_event(request_id, stage, error)
+                await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the request is refused either way
+            log.warning("could not record the refused request: %s: %s", type(exc).__name__, exc)
+
     async def abandon(self, request_id: str, error: EPDError, *, stage: str = "api") -> None:
         """The caller gave up on the request (``error``: deadline, client gone, API failure):
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +44,7 @@ from shared.errors import (
     Cancelled,
     DeadlineExceeded,
     EPDError,
+    InvalidRequest,
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
@@ -167,6 +170,24 @@ def create_app(settings: ApiSettings) -> FastAPI:
             check_auth(request)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/requests")
+    async def debug_requests(
+        request: Request, format: str = "html", status: str | None = None, since_s: float = 3600.0, limit: int = 50
+    ):
+        """Recent requests, newest first, with their status, each linking its waterfall page
+        (``?format=json``: the list; ``status``: ok, error, cancelled or incomplete)."""
+        check_auth(request)
+        if status and status not in history.STATUSES:
+            raise InvalidRequest(f"unknown status {status!r}: use {', '.join(history.STATUSES)}", param="status")
+        if service.nc is None or not service.nc.is_connected:
+            raise ServiceUnavailable("not connected to NATS")
+        summaries = await history.list_requests(
+            service.nc, service.subjects, since_s=since_s, status=status or None, limit=limit
+        )
+        if format == "json":
+            return JSONResponse({"requests": [s.to_json() for s in summaries]})
+        return HTMLResponse(_requests_index_html(summaries, status=status, since_s=since_s))
+
     @app.get("/debug/requests/{request_id}")
     async def debug_request(request: Request, request_id: str, format: str = "html"):
         """The request's waterfall page (``?format=json``: its messages and timeline as JSON)."""
@@ -205,6 +226,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
         token = REQUEST_ID.set(request_id)
         trace = set_trace("api", received_at=received_at)  # headers of everything published below
         metrics.IN_FLIGHT.labels("api").inc()
+        parsed: ParsedRequest | None = None
+        submitted = False  # a generation job was published: from then on the workers record the end
+
+        async def refused(exc: EPDError) -> JSONResponse:
+            """A request refused before any job was published: a 4xx or 502 is recorded (a
+            ``ChatRequestRecord`` and its ``ErrorEvent``, best effort), so ``epd replay list
+            --status error`` and the debug pages show it; its id is in ``X-Request-Id``."""
+            if not submitted and (400 <= exc.http_status < 500 or exc.http_status == 502):
+                await service.record_refused(request_id, received_at, parsed, exc)
+            response = _finish_error(exc)
+            response.headers["X-Request-Id"] = request_id
+            return response
+
         try:
             raw = await _read_body(request, settings.max_body_bytes)
             parsed = parse_chat_request(
@@ -221,6 +255,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)
+            submitted = True
             log.info("accepted: %d image(s), stream=%s", len(images), parsed.stream)
             try:
                 if not parsed.stream:
@@ -250,17 +285,50 @@ def create_app(settings: ApiSettings) -> FastAPI:
             metrics.REQUESTS.labels("499").inc()
             return error_response(Cancelled("the client disconnected"))  # nobody reads it
         except nats.errors.Error as exc:  # (its TimeoutError is an asyncio.TimeoutError: not the deadline)
-            return _finish_error(nats_unavailable("submitting the request", exc))
+            return await refused(nats_unavailable("submitting the request", exc))
         except TimeoutError:
-            return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
+            return await refused(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
-            return _finish_error(exc)
+            return await refused(exc)
         finally:
             metrics.IN_FLIGHT.labels("api").dec()
             TRACE_HEADERS.reset(trace)
             REQUEST_ID.reset(token)
 
     return app
+
+
+def _requests_index_html(summaries: list[history.Summary], *, status: str | None, since_s: float) -> str:
+    """The ``/debug/requests`` page: a self-contained table (no script, no external asset)."""
+    e = html.escape
+
+    def ms(seconds: float | None) -> str:
+        return "" if seconds is None else f"{seconds * 1e3:.0f}"
+
+    rows = []
+    for s in summaries:
+        tokens = "" if s.completion_tokens is None else f"{s.prompt_tokens or 0} / {s.completion_tokens}"
+        link = f"/debug/requests/{urllib.parse.quote(s.request_id, safe='')}"
+        rows.append(
+            f'<tr class="{e(s.status)}"><td><a href="{e(link)}">{e(s.request_id)}</a></td>'
+            f"<td>{e(history.iso_time(s.received_at))}</td><td>{e(s.status)}</td><td>{s.images}</td>"
+            f"<td>{tokens}</td><td>{ms(s.ttft_s)}</td><td>{ms(s.e2e_s)}</td>"
+            f"<td>{e(s.error)}</td><td>{e(s.replay_of)}</td></tr>"
+        )
+    shown = f"status {e(status)}, " if status else ""
+    return (
+        '<!doctype html><html><head><meta charset="utf-8"><title>epd-serve: recent requests</title><style>'
+        "body{font:14px system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse}"
+        "td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
+        "tr.error td,tr.cancelled td{color:#b3261e}tr.incomplete td{color:#8a6d00}</style></head><body>"
+        f"<h1>Recent requests</h1><p>{len(summaries)} request(s), newest first ({shown}received within "
+        f'{since_s:g} s). Filter: <a href="?status=error">errors</a>, <a href="?">all</a>; '
+        "<code>?format=json</code> for the list.</p>"
+        "<table><tr><th>request</th><th>received</th><th>status</th><th>images</th>"
+        "<th>tokens (prompt / completion)</th><th>TTFT ms</th><th>E2E ms</th><th>error</th><th>replay of</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>"
+    )
 
 
 def _finish_error(exc: EPDError) -> JSONResponse:

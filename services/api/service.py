@@ -26,7 +26,7 @@ from shared.errors import EPDError
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
-from shared.protocol import ImageRef, Subjects, WorkerHeartbeat
+from shared.protocol import ChatRequestRecord, ImageRef, Subjects, WorkerHeartbeat
 from shared.store.ec import ECStore
 from shared.store.factory import ec_store_from_settings
 from shared.store.janitor import ECLifecycle, start_api_lifecycle
@@ -210,6 +210,22 @@ class ApiService:
         return await self.client.submit(
             submission, encode=self.uses_encoder, on_abandon=functools.partial(self.client.abandon, request_id)
         )
+
+    async def record_refused(
+        self, request_id: str, received_at: float, parsed: ParsedRequest | None, error: EPDError
+    ) -> None:
+        """Record a request refused before any job was published (``RequestClient.record_refused``):
+        its body as parsed (images as their recorded URLs; none when it did not parse)."""
+        if self.client is None or self.nc is None or not self.nc.is_connected:
+            return
+        body = redact_images(parsed.body, [""] * len(parsed.image_urls)) if parsed is not None else {}
+        record = ChatRequestRecord(
+            request_id=request_id,
+            received_at=received_at,
+            model=parsed.model if parsed is not None else self.model_name,
+            body=body,
+        )
+        await self.client.record_refused(record, error)
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` in the background, outside the request's task: what must happen after the
