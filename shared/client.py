@@ -1,8 +1,13 @@
 """The request client: the one implementation of the request protocol, for the API and for replay.
 
-A request, as :class:`RequestClient` sends it (the API for every chat request, ``epd replay run``
-for a re-run; nothing else publishes these):
+A request, as :meth:`RequestClient.submit` sends it from a :class:`Submission` (the API for every
+chat request, ``epd replay run`` for a re-run; nothing else publishes these):
 
+0. each distinct image stored once, content-addressed (an image the API loaded; a replay's are
+   stored already), and checked against the store of the client's encoder fingerprint: a stored
+   EC object means no encode job (``ImageRef.encode_queued = False``, the use recorded, counted in
+   ``epd:ec_lookups_total``); so does ``encode=False`` (the agg topology; a replay without an
+   encoder);
 1. one :class:`~shared.protocol.EncodeJob` per distinct image whose EC object is not stored yet,
    with ``Nats-Msg-Id = <EC key>@<generation of its index entry>``
    (:func:`~shared.protocol.encode_job_msg_id`) so that concurrent duplicates (another request
@@ -25,17 +30,23 @@ request (:meth:`RequestClient.abandon`: the workers stop working on it, ``shared
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
 from shared.cancellation import cancel_record
 from shared.ec_lifecycle.index import ECIndex, entry_key
+from shared.ec_lifecycle.uses import UseRecorder
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
 from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, nats_unavailable, subscribe_typed
+from shared.media import LoadedImage
 from shared.protocol import (
     ChatRequestRecord,
     ECWanted,
@@ -43,9 +54,12 @@ from shared.protocol import (
     ErrorEvent,
     FinalResult,
     GenerationJob,
+    ImageRef,
+    SamplingSpec,
     Subjects,
     TokenChunk,
 )
+from shared.store.ec import ECStore
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +150,102 @@ def chunk_texts(chunks: list[TokenChunk]) -> list[str]:
     return [chunk.text if i == 0 else "" for chunk in chunks for i in range(len(chunk.token_ids))]
 
 
-class RequestClient:
-    """Submits requests to the workers over JetStream and reads their token streams."""
+@dataclass(frozen=True)
+class Submission:
+    """A request to submit (:meth:`RequestClient.submit`): what its ``GenerationJob`` and its
+    ``ChatRequestRecord`` carry, and its images in prompt order (one per placeholder)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, publisher: Publisher | None = None, *, ec_index: ECIndex):
+    request_id: str
+    model: str
+    #: the chat messages in wire form (``ChatMessage.to_wire``)
+    messages: list[dict[str, Any]]
+    sampling: SamplingSpec
+    stream: bool
+    received_at: float
+    #: when the request ends with ``DeadlineExceeded`` at the latest (epoch seconds)
+    deadline: float
+    #: the recorded request body (images redacted to references)
+    body: dict[str, Any] = field(default_factory=dict)
+    #: loaded images (the API: their bytes are stored here) or references to stored ones (replay)
+    images: Sequence[LoadedImage | ImageRef] = ()
+    #: ``epd replay run``: the request this one re-runs
+    replay_of: str = ""
+    #: the encoder fingerprint the job is for (default: the client's store's)
+    fingerprint: str = ""
+
+
+class RequestClient:
+    """Submits requests to the workers over JetStream and reads their token streams.
+
+    ``store``: the EC store of the encoder fingerprint requests are submitted for (their images'
+    bytes go there, its EC objects spare encode jobs; without one no encode job is queued);
+    ``recorder``: notes the uses of stored EC objects (the EC lifecycle); ``source``: the
+    ``epd:ec_lookups_total`` label of the store checks."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        publisher: Publisher | None = None,
+        *,
+        ec_index: ECIndex,
+        store: ECStore | None = None,
+        recorder: UseRecorder | None = None,
+        source: str = "api",
+    ):
         self.nc = nc
         self.subjects = subjects
         self.publisher = publisher if publisher is not None else JetStreamPublisher(nc.jetstream())
         #: the EC index, whose entry revisions tell one lifetime of an EC object from the next
         self.ec_index = ec_index
+        self.store = store
+        self.recorder = recorder
+        self.source = source
+
+    async def image_refs(
+        self, request_id: str, images: Sequence[LoadedImage | ImageRef], *, encode: bool = True
+    ) -> list[ImageRef]:
+        """Step 0 and 1 of the module docstring: each distinct image stored and, with ``encode``,
+        its encode job queued unless its EC object is stored. Returns one ref per image, in order."""
+        refs: list[ImageRef] = []
+        distinct: dict[str, ImageRef] = {}
+        for img in images:
+            item = img.content_hash if isinstance(img, LoadedImage) else img.item_hash
+            if item not in distinct:
+                distinct[item] = await self._image_ref(request_id, img, encode=encode)
+            refs.append(distinct[item])
+        return refs
+
+    async def _image_ref(self, request_id: str, img: LoadedImage | ImageRef, *, encode: bool) -> ImageRef:
+        if isinstance(img, LoadedImage):
+            if self.store is None:
+                raise RuntimeError("RequestClient: a loaded image needs a store to put its bytes in")
+            media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
+            ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
+        else:
+            ref = img
+        if not encode or self.store is None:  # agg: its worker encodes in process; replay without an encoder
+            return msgspec.structs.replace(ref, encode_queued=False)
+        info = await asyncio.to_thread(self.store.stored, ref.item_hash)
+        if info is not None:
+            log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
+            if self.recorder is not None:
+                self.recorder.note(info.key, self.store.fingerprint, ref.item_hash, size=info.size)
+            # the EC store's hit ratio over time: rate(hit) / rate(hit + miss) of source "api"
+            metrics.EC_LOOKUPS.labels(self.source, "hit", "").inc()
+            return msgspec.structs.replace(ref, encode_queued=False)
+        metrics.EC_LOOKUPS.labels(self.source, "miss", "not_found").inc()
+        ref = msgspec.structs.replace(ref, encode_queued=True)
+        await self.queue_encode(
+            EncodeJob(
+                request_id=request_id,
+                image=ref,
+                fingerprint=self.store.fingerprint,
+                ec_key=self.store.key(ref.item_hash),
+                created_at=time.time(),
+            )
+        )
+        return ref
 
     async def queue_encode(self, job: EncodeJob) -> bool:
         """Publish an encode job (``Nats-Msg-Id``: :func:`~shared.protocol.encode_job_msg_id` of its
@@ -187,14 +288,59 @@ class RequestClient:
 
     async def submit(
         self,
-        job: GenerationJob,
+        request: Submission | GenerationJob,
         *,
         record: ChatRequestRecord | None = None,
+        encode: bool = True,
         on_abandon: Callable[[EPDError], Awaitable[None]] | None = None,
     ) -> TokenStream:
-        """Record the request (``record``, best effort), subscribe to its tokens, publish ``job``.
-        Returns its token stream, bounded by ``job.deadline`` (``on_abandon``: see
-        :class:`TokenStream`). Raises PayloadTooLarge when the job does not fit in one NATS message."""
+        """Submit a request: the whole protocol of the module docstring for a :class:`Submission`
+        (its images stored and encode jobs queued - ``encode=False``: none - within its deadline,
+        else ``DeadlineExceeded``; its record; its generation job), or steps 2-5 for a
+        ``GenerationJob`` built already (``record`` then is its record, if any).
+
+        Returns the token stream, bounded by the deadline (``on_abandon``: see :class:`TokenStream`).
+        Raises PayloadTooLarge when the job does not fit in one NATS message."""
+        if isinstance(request, Submission):
+            job, record = await self._prepare(request, encode=encode)
+        else:
+            job = request
+        return await self._publish(job, record=record, on_abandon=on_abandon)
+
+    async def _prepare(self, sub: Submission, *, encode: bool) -> tuple[GenerationJob, ChatRequestRecord]:
+        try:
+            async with asyncio.timeout(max(0.0, sub.deadline - time.time())):
+                images = tuple(await self.image_refs(sub.request_id, sub.images, encode=encode))
+        except TimeoutError:
+            raise DeadlineExceeded("the request passed its deadline while loading images") from None
+        record = ChatRequestRecord(
+            request_id=sub.request_id,
+            received_at=sub.received_at,
+            model=sub.model,
+            body=sub.body,
+            images=images,
+            replay_of=sub.replay_of,
+        )
+        job = GenerationJob(
+            request_id=sub.request_id,
+            model=sub.model,
+            messages=sub.messages,
+            images=images,
+            fingerprint=sub.fingerprint or (self.store.fingerprint if self.store is not None else ""),
+            sampling=sub.sampling,
+            stream=sub.stream,
+            deadline=sub.deadline,
+            created_at=time.time(),
+        )
+        return job, record
+
+    async def _publish(
+        self,
+        job: GenerationJob,
+        *,
+        record: ChatRequestRecord | None,
+        on_abandon: Callable[[EPDError], Awaitable[None]] | None,
+    ) -> TokenStream:
         request_id = job.request_id
         payload_limit = self.nc.max_payload
         if len(protocol.encode(job)) > payload_limit:
@@ -211,6 +357,22 @@ class RequestClient:
             await sub.close()
             raise
         return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_abandon=on_abandon)
+
+    async def record_refused(
+        self, record: ChatRequestRecord, error: EPDError, *, stage: str = "api", timeout_s: float = 2.0
+    ) -> None:
+        """Record a request refused before any job was published (bad input, an image URL that
+        failed): its ``record`` and an ``ErrorEvent`` of ``error`` on its token subject, so the
+        results stream - ``epd replay list --status error``, the debug pages - show how it ended.
+        Best effort and bounded by ``timeout_s``: the caller reports the error either way."""
+        request_id = record.request_id
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
+                event = protocol.error_event(request_id, stage, error)
+                await self.publisher.publish(self.subjects.tokens(request_id), event, request_id=request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the request is refused either way
+            log.warning("could not record the refused request: %s: %s", type(exc).__name__, exc)
 
     async def abandon(self, request_id: str, error: EPDError, *, stage: str = "api") -> None:
         """The caller gave up on the request (``error``: deadline, client gone, API failure):

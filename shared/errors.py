@@ -53,6 +53,13 @@ class URLNotAllowed(InvalidRequest):
     code = "url_not_allowed"
 
 
+class ImageURLUnavailable(InvalidRequest):
+    """An image URL whose server answers 4xx (404, 403, ...) or whose host does not resolve: the
+    client's URL is wrong, retrying it will not help (a 400, not a 502 the OpenAI SDK retries)."""
+
+    code = "image_url_unavailable"
+
+
 class Unauthorized(EPDError):
     code = "invalid_api_key"
     http_status = 401
@@ -61,7 +68,8 @@ class Unauthorized(EPDError):
 
 # -- upstream / server errors ------------------------------------------------------------------
 class FetchFailed(EPDError):
-    """An image URL could not be fetched (DNS, connect, HTTP error status)."""
+    """An image URL could not be fetched for a reason upstream (connect, HTTP 5xx, a DNS failure
+    other than "no such host"): retrying may help."""
 
     code = "image_fetch_failed"
     http_status = 502

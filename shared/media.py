@@ -51,6 +51,7 @@ from shared.errors import (
     EPDError,
     FetchFailed,
     FetchTimeout,
+    ImageURLUnavailable,
     InvalidImage,
     InvalidRequest,
     PayloadTooLarge,
@@ -595,7 +596,8 @@ def check_address(
     logger.info("refusing image URL host %s: resolves to %s (%s)", shown, ip, reason)
     raise URLNotAllowed(
         f"image URL host {shown!r} is not allowed: it resolves to a private, loopback, "
-        "link-local or otherwise non-public address"
+        "link-local or otherwise non-public address (an operator can allow it: its network in "
+        f"{ALLOW_NETWORKS_SETTING}, comma-separated CIDRs, or its host name in {ALLOW_HOSTS_SETTING})"
     )
 
 
@@ -700,6 +702,22 @@ class _Target:
     host: str  # raw (ASCII / punycode) host, as httpcore sees it
     port: int
     addresses: tuple[str, ...]
+
+
+#: getaddrinfo's "no such host" answers (others, like EAI_AGAIN, are upstream trouble: a 502)
+_NO_SUCH_HOST = frozenset(
+    code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None)) if code is not None
+)
+#: the settings that allow image URLs on non-public addresses (``ApiSettings.url_allow_*``)
+ALLOW_NETWORKS_SETTING = "EPD_URL_ALLOW_NETWORKS"
+ALLOW_HOSTS_SETTING = "EPD_URL_ALLOW_HOSTS"
+
+
+def shown_url(url: httpx.URL) -> str:
+    """An image URL for an error message: without credentials, query and fragment (signatures,
+    tokens), at most 200 characters."""
+    text = str(url.copy_with(userinfo=b"", query=None, fragment=None))
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _short(exc: BaseException) -> str:
@@ -818,10 +836,16 @@ class ImageFetcher:
         else:
             try:
                 resolved = await self._resolver(host, port)
-            except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+            except socket.gaierror as exc:
+                if exc.errno in _NO_SUCH_HOST:  # the name does not exist: the client's URL is wrong
+                    raise ImageURLUnavailable(
+                        f"image URL {shown_url(parsed)}: host {host!r} does not resolve ({_short(exc)})"
+                    ) from None
+                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") from None
+            except (OSError, UnicodeError) as exc:
                 raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") from None
         if not resolved:
-            raise FetchFailed(f"could not resolve image URL host {host!r}: no addresses")
+            raise ImageURLUnavailable(f"image URL {shown_url(parsed)}: host {host!r} resolves to no address")
 
         vetted: list[str] = []
         for address in resolved:
@@ -879,6 +903,10 @@ class ImageFetcher:
                         ) from None
                 if not 200 <= status < 300:
                     reason = response.reason_phrase or ""
+                    if 400 <= status < 500:  # the URL is wrong (or not the client's to read): not worth a retry
+                        raise ImageURLUnavailable(
+                            f"image URL {shown_url(target.url)} answered HTTP {status} {reason}".rstrip()
+                        )
                     raise FetchFailed(f"fetching image from {host} failed: HTTP {status} {reason}".rstrip())
                 body = await self._read_body(response, host)
                 logger.debug("image fetch: %d bytes from %s", len(body), host)

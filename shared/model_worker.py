@@ -19,6 +19,7 @@ from shared.worker import Handler, WorkerContext
 if TYPE_CHECKING:
     from PIL import Image
 
+    from shared.identity import ModelIdentity
     from shared.protocol import ImageRef, SamplingSpec
     from shared.store.ec import ECStore
     from shared.store.kv import KVStore
@@ -88,8 +89,14 @@ class ModelHandler(Handler):
         self._owned_engine: Engine | None = None
 
     @property
+    def identity(self) -> ModelIdentity:
+        """What this worker serves: its engine's identity (``shared.identity``; set in :meth:`setup`)."""
+        assert self.engine is not None, "the model identity is known once the engine is loaded"
+        return self.engine.identity
+
+    @property
     def fingerprint(self) -> str:
-        return self.engine.encoder_fingerprint if self.engine else ""
+        return self.engine.identity.fingerprint if self.engine else ""
 
     def engine_capacity(self) -> str:
         """What the engine's capacity is derived from, for the start-up line (``Engine.capacity``)."""
@@ -99,15 +106,10 @@ class ModelHandler(Handler):
     async def model_kv_store(self) -> KVStore:
         """The KV store of this worker's model fingerprint (E|P|D prefill and decode workers: both
         sides must compute the same fingerprint, so both build it here)."""
-        from shared.fingerprint import model_fingerprint
         from shared.store.factory import kv_store_from_settings
 
-        fp = await asyncio.to_thread(
-            model_fingerprint,
-            self.settings.require_model_path(),
-            dtype=self.settings.dtype,
-            engine=self.settings.engine,
-        )
+        identity = self.identity
+        fp = await asyncio.to_thread(lambda: identity.model_fingerprint)  # reads every weight once
         return await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
 
     async def setup(self, ctx: WorkerContext) -> None:
@@ -120,7 +122,7 @@ class ModelHandler(Handler):
         else:  # (load_engine checks before loading)
             check_role(type(self.engine), self.role)
         if self.store is None:
-            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.engine.encoder_fingerprint)
+            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.identity.fingerprint)
 
     async def media_bytes(self, ref: ImageRef) -> bytes:
         """A request's stored image bytes. Raises MediaMissing when they are gone."""

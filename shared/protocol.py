@@ -144,7 +144,7 @@ PREFILL_TIMINGS = (Timing.FEATURES, Timing.ADMISSION, Timing.PREFILL)
 
 class EvictionReason(enum.StrEnum):
     """Why EC objects were removed from the store: ``ECInvalidated.reason`` and the ``reason``
-    label of ``epd:ec_evictions_total`` (``shared.store.janitor``, ``epd ec purge``)."""
+    label of ``epd:ec_evictions_total`` (``shared.ec_lifecycle.janitor``, ``epd ec purge``)."""
 
     #: the namespace was over ``EPD_EC_MAX_BYTES`` (least recently used first)
     BYTES = "bytes"

@@ -148,11 +148,11 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
             400,
             "unsupported_content",
         ),
-        (
+        (  # the client's URL is wrong: a 400, which the OpenAI SDK does not retry (issue 23.7)
             "url 404",
             lambda: epd_stack.chat(_image_msg(f"{image_server}/missing.png"), **GREEDY),
-            502,
-            "image_fetch_failed",
+            400,
+            "image_url_unavailable",
         ),
         (
             "unreachable url",
@@ -355,3 +355,42 @@ def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(
         running.stack.stop()
     cancels = [m for _, _, m in running.stream_messages("stream_results") if isinstance(m, ErrorEvent)]
     assert [(e.code, e.stage) for e in cancels] == [("cancelled", "api")]
+
+
+def test_refused_requests_are_recorded_and_listed(epd_stack, image_server):
+    """Issue 23.7: a request refused before any job was published (a 4xx, a 502) is recorded - its
+    ChatRequestRecord and an ErrorEvent - so `epd replay list --status error` and the
+    /debug/requests index show it; the response names its id in X-Request-Id."""
+    import nats
+
+    missing = epd_stack.chat(_image_msg(f"{image_server}/missing.png?token=SECRET123"), **GREEDY)
+    bad = epd_stack.chat([{"role": "user", "content": "hi"}], temperature=7)
+    _assert_error(missing, 400, "image_url_unavailable")
+    _assert_error(bad, 400, "invalid_request")
+    assert "/missing.png" in missing.json()["error"]["message"] and "SECRET123" not in missing.text
+    ids = [r.headers["x-request-id"] for r in (missing, bad)]
+
+    async def errors():
+        nc = await nats.connect(epd_stack.nats_url)
+        try:
+            found = await list_requests(nc, epd_stack.subjects, status="error", limit=500)
+            return {s.request_id: s for s in found}
+        finally:
+            await nc.close()
+
+    listed = asyncio.run(errors())
+    assert set(ids) <= set(listed), ids
+    assert "image_url_unavailable" in listed[ids[0]].error or "missing.png" in listed[ids[0]].error
+
+    # The index page lists them, each linking its waterfall page, which renders.
+    page = httpx.get(f"{epd_stack.url}/debug/requests", params={"status": "error", "limit": 500}, timeout=30)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert all(f'href="/debug/requests/{rid}"' in page.text for rid in ids)
+    as_json = httpx.get(
+        f"{epd_stack.url}/debug/requests", params={"format": "json", "status": "error", "limit": 500}, timeout=30
+    ).json()
+    assert set(ids) <= {r["request_id"] for r in as_json["requests"]}
+    assert all(r["status"] == "error" for r in as_json["requests"])
+    waterfall = httpx.get(f"{epd_stack.url}/debug/requests/{ids[0]}", timeout=30)
+    assert waterfall.status_code == 200 and "SECRET123" not in waterfall.text
+    assert httpx.get(f"{epd_stack.url}/debug/requests", params={"status": "nope"}, timeout=30).status_code == 400

@@ -35,6 +35,7 @@ from shared import media
 from shared.errors import (
     FetchFailed,
     FetchTimeout,
+    ImageURLUnavailable,
     InvalidImage,
     InvalidRequest,
     PayloadTooLarge,
@@ -480,14 +481,37 @@ async def test_https_only_limits_refuse_http(server: Server) -> None:
     assert backend.connects == []
 
 
-async def test_unresolvable_host_is_fetch_failed() -> None:
+async def test_unresolvable_host_is_a_400_naming_the_url() -> None:
+    # issue 23.7: a host that does not exist is the client's mistake, not worth the SDK's retries
     fetcher, backend = make_fetcher(LOOPBACK_OK, resolver=FakeResolver({}))
     async with fetcher:
+        with pytest.raises(ImageURLUnavailable) as info:
+            await fetcher.fetch("http://nowhere.example.test/x.png?sig=SECRET123")
+    assert info.value.http_status == 400
+    assert "http://nowhere.example.test/x.png" in info.value.message
+    assert "SECRET123" not in info.value.message
+    assert backend.connects == []
+
+
+async def test_a_temporary_dns_failure_stays_fetch_failed() -> None:
+    async def resolver(host: str, port: int) -> list[str]:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    fetcher, backend = make_fetcher(LOOPBACK_OK, resolver=resolver)
+    async with fetcher:
         with pytest.raises(FetchFailed) as info:
-            await fetcher.fetch("http://nowhere.example.test/x.png")
-    assert "nowhere.example.test" in info.value.message
+            await fetcher.fetch("http://flaky.example.test/x.png")
+    assert info.value.http_status == 502 and "flaky.example.test" in info.value.message
     assert not isinstance(info.value, FetchTimeout)
     assert backend.connects == []
+
+
+def test_a_private_address_names_the_allow_list_settings() -> None:
+    # issue 23.7: the 400 tells the operator which settings open a private network
+    with pytest.raises(URLNotAllowed) as info:
+        media.check_address("10.1.2.3", MediaLimits(), host="intranet.example")
+    assert "EPD_URL_ALLOW_NETWORKS" in info.value.message and "EPD_URL_ALLOW_HOSTS" in info.value.message
+    assert "10.1.2.3" not in info.value.message  # which internal address a name maps to stays in the log
 
 
 # ------------------------------------------------------------------------------------------------
@@ -536,20 +560,27 @@ async def test_huge_body_is_cut_off(server: Server) -> None:
             await fetcher.fetch(server.url("/huge-cl"))
 
 
-@pytest.mark.parametrize("path,status", [("/404", "404"), ("/500", "500")])
-async def test_http_error_status_is_fetch_failed(server: Server, path: str, status: str) -> None:
+@pytest.mark.parametrize(
+    "path,status,error,http_status",
+    [("/404", "404", ImageURLUnavailable, 400), ("/500", "500", FetchFailed, 502)],
+)
+async def test_http_error_status(server: Server, path: str, status: str, error: type, http_status: int) -> None:
+    # 4xx: the URL is wrong, a 400 naming it (issue 23.7); 5xx: upstream trouble, a 502
     fetcher, _ = make_fetcher()
     async with fetcher:
-        with pytest.raises(FetchFailed) as info:
+        with pytest.raises(error) as info:
             await fetcher.fetch(server.url(path))
     assert status in info.value.message and "127.0.0.1" in info.value.message
+    assert info.value.http_status == http_status
     assert not isinstance(info.value, FetchTimeout)
+    if error is ImageURLUnavailable:
+        assert server.url(path) in info.value.message
 
 
 async def test_error_messages_do_not_echo_the_query_string(server: Server) -> None:
     fetcher, _ = make_fetcher()
     async with fetcher:
-        with pytest.raises(FetchFailed) as info:
+        with pytest.raises(ImageURLUnavailable) as info:
             await fetcher.fetch(server.url("/404?X-Amz-Signature=SECRET123"))
     assert "SECRET123" not in info.value.message
 

@@ -1,77 +1,62 @@
-"""OpenAI-compatible HTTP API: turns chat requests into encode jobs and a generation job.
+"""OpenAI-compatible HTTP API: the HTTP mapping of chat requests onto the request protocol.
 
 Per request:
 
 1. parse and validate the body (``schemas``), authenticate (``EPD_API_KEYS``);
-2. fetch / decode each image once (SSRF-guarded, bounded), hash its pixels, store its bytes
-   content-addressed; for each distinct image whose EC object is not stored yet, publish one
-   ``EncodeJob`` whose ``Nats-Msg-Id`` is the EC key and its index generation, so concurrent
-   duplicates collapse and a re-encode after an eviction or purge does not;
-3. record the request (``ChatRequestRecord``) for replay, subscribe to its token subject, then
-   publish the ``GenerationJob``;
+2. fetch / decode each image once (SSRF-guarded, bounded);
+3. submit it (``ApiService.submit`` -> ``shared.client.RequestClient.submit``, the one
+   implementation, shared with ``epd replay run``: each distinct image stored content-addressed, one
+   ``EncodeJob`` per image whose EC object is not stored yet, the ``ChatRequestRecord``, the
+   ``GenerationJob``);
 4. forward tokens (SSE or one JSON body) until the final result, an error, or the deadline.
 
-Steps 2-4 speak the request protocol through ``shared.client.RequestClient`` (the one
-implementation, shared with ``epd replay run``). The process also runs the delivery supervisor
-(``services.api.supervisor``): in a queue group, so one API replica fails each job that exhausted
-its deliveries.
-
-Typed ``shared.errors`` are translated to OpenAI-shaped HTTP errors here and only here.
+This module is the HTTP side only: routes, request / response shapes, and typed ``shared.errors``
+translated to OpenAI-shaped HTTP errors (here and only here). What the process is made of -
+connections, stores, the request client, the EC lifecycle, the delivery supervisor, start and
+stop - is ``services.api.service``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
+import html
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import nats
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body, redact_images
-from services.api.supervisor import DeliverySupervisor
-from shared import history, metrics, protocol, timeline
-from shared.client import RequestClient, TokenStream
+from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body
+from services.api.service import ApiService
+from shared import history, metrics, timeline
+from shared.client import TokenStream
 from shared.config import ApiSettings
-from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
     EPDError,
+    InvalidRequest,
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
     error_from_code,
 )
-from shared.fingerprint import encoder_fingerprint
-from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, connect, ensure_topology, nats_unavailable, set_trace
+from shared.jetstream import TRACE_HEADERS, nats_unavailable, set_trace
 from shared.logs import REQUEST_ID
-from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import (
-    ChatRequestRecord,
-    EncodeJob,
     ErrorEvent,
     FinalResult,
-    GenerationJob,
-    ImageRef,
-    Subjects,
     TokenChunk,
-    WorkerHeartbeat,
 )
-from shared.store.ec import ECStore
-from shared.store.factory import ec_store_from_settings
-from shared.topology import TOPOLOGIES
 
 log = logging.getLogger(__name__)
 
@@ -117,218 +102,6 @@ async def _unless_interrupted(awaitable: Any, stopping: asyncio.Event, request: 
 
 def _stopping_error() -> ServiceUnavailable:
     return ServiceUnavailable("the API is shutting down before the request finished; retry it")
-
-
-@dataclass
-class WorkerView:
-    """Live workers seen through their heartbeats."""
-
-    stale_s: float
-    seen: dict[tuple[str, str], WorkerHeartbeat] = field(default_factory=dict)
-
-    def update(self, hb: WorkerHeartbeat) -> None:
-        self.seen[(hb.role, hb.worker_id)] = hb
-
-    def live(self) -> dict[str, list[WorkerHeartbeat]]:
-        now = time.time()
-        out: dict[str, list[WorkerHeartbeat]] = {}
-        for (role, _), hb in list(self.seen.items()):
-            if now - hb.sent_at <= self.stale_s:
-                out.setdefault(role, []).append(hb)
-        return out
-
-
-class ApiService:
-    """State shared by the request handlers: connections, request client, store, fetcher,
-    worker view, delivery supervisor."""
-
-    def __init__(self, settings: ApiSettings):
-        self.settings = settings
-        self.subjects = Subjects(settings.subject_prefix)
-        self.model_name = settings.served_model_name()
-        self.fingerprint = encoder_fingerprint(
-            settings.require_model_path(), dtype=settings.dtype, engine=settings.engine
-        )
-        self.limits = MediaLimits(
-            max_image_bytes=settings.max_image_bytes,
-            max_pixels=settings.max_image_pixels,
-            fetch_timeout_s=settings.fetch_timeout_s,
-            allowed_networks=tuple(settings.url_allow_networks),
-            allowed_hosts=tuple(settings.url_allow_hosts),
-        )
-        self.workers = WorkerView(settings.worker_stale_s)
-        self.nc: nats.NATS | None = None
-        self.js: nats.js.JetStreamContext | None = None
-        self.client: RequestClient | None = None
-        self.supervisor: DeliverySupervisor | None = None
-        self.store: ECStore | None = None
-        #: EC store lifecycle: use recording, the index of announced objects, the janitor
-        self.ec: ECLifecycle | None = None
-        self.fetcher: ImageFetcher | None = None
-        # One for the process: however many requests and images arrive, decoding stays bounded.
-        self.decode_budget = DecodeBudget(settings.decode_budget_pixels())
-        self._subs: list = []
-        self._background: set[asyncio.Task] = set()
-        #: Set when the process is stopping: requests still waiting end with 503.
-        self.stopping = asyncio.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
-        self.js = self.nc.jetstream()
-        await ensure_topology(self.js, self.settings, self.subjects)
-        publisher = JetStreamPublisher(self.js)
-        self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
-        self.ec = await start_api_lifecycle(
-            self.nc,
-            self.subjects,
-            self.settings,
-            self.store,
-            fingerprint=self.fingerprint,
-            model=self.model_name,
-            model_path=str(self.settings.model_path or ""),
-        )
-        self.client = RequestClient(self.nc, self.subjects, publisher, ec_index=self.ec.index)
-        self.fetcher = ImageFetcher(self.limits)
-        self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
-        self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
-        await self.supervisor.start()
-        log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
-
-    def begin_shutdown(self, grace_s: float) -> None:
-        """The server was asked to stop: requests still running after ``grace_s`` end with 503
-        (and are cancelled) instead of being cut off when the server stops waiting for them.
-        Safe to call from a signal handler."""
-        if self.loop is not None and not self.stopping.is_set():
-            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self.stopping.set)
-
-    async def stop(self) -> None:
-        self.stopping.set()
-        if self._background:  # cancellations of abandoned requests: out before the connection drains
-            await asyncio.wait(self._background, timeout=5.0)
-        if self.supervisor is not None:
-            await self.supervisor.stop()
-        if self.ec is not None:
-            await self.ec.close()
-        if self.fetcher is not None:
-            await self.fetcher.aclose()
-        if self.nc is not None:
-            await self.nc.drain()
-
-    async def nats_answers(self, timeout_s: float = 2.0) -> bool:
-        """Connected and JetStream answers a round trip now (a stalled server keeps the TCP
-        connection, so ``is_connected`` alone would say yes)."""
-        if self.nc is None or self.js is None or not self.nc.is_connected:
-            return False
-        try:
-            await asyncio.wait_for(self.js.account_info(), timeout_s)
-        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (timeout, no responders, closed)
-            log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
-            return False
-        return True
-
-    async def _on_heartbeat(self, msg) -> None:
-        try:
-            hb = protocol.decode(msg.data, WorkerHeartbeat)
-        except protocol.ProtocolError:
-            return
-        if hb.fingerprint and hb.fingerprint != self.fingerprint and (hb.role, hb.worker_id) not in self.workers.seen:
-            log.warning(
-                "%s worker %s has encoder fingerprint %s, the API expects %s (different model, dtype or engine?)",
-                hb.role,
-                hb.worker_id,
-                hb.fingerprint,
-                self.fingerprint,
-            )
-        self.workers.update(hb)
-        if self.ec is not None:  # which fingerprints are served (current) and which are retired
-            await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
-            await self.ec.fingerprint_seen(
-                self.fingerprint, model=self.model_name, model_path=str(self.settings.model_path or "")
-            )
-
-    # -- request pipeline ------------------------------------------------------------------
-    async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
-        """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
-        assert self.store is not None and self.fetcher is not None and self.client is not None
-        # Fetches run side by side; decodes wait for the process's decode budget.
-        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget)) for u in urls]
-        try:
-            loaded: list[LoadedImage] = await asyncio.gather(*loads)
-        except BaseException:
-            for load in loads:  # one bad image fails the request: stop waiting for the others
-                load.cancel()
-            raise
-        refs: list[ImageRef] = []
-        distinct: dict[str, ImageRef] = {}
-        for img in loaded:
-            if img.content_hash not in distinct:
-                media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
-                ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
-                if not TOPOLOGIES[self.settings.topology].uses_encoder:  # agg: its worker encodes in process
-                    ref = msgspec.structs.replace(ref, encode_queued=False)
-                elif (info := await asyncio.to_thread(self.store.stored, ref.item_hash)) is not None:
-                    log.info("item %s already encoded for this fingerprint: no encode job", ref.item_hash[:12])
-                    ref = msgspec.structs.replace(ref, encode_queued=False)
-                    if self.ec is not None:
-                        self.ec.recorder.note(info.key, self.fingerprint, ref.item_hash, size=info.size)
-                    # the EC store's hit ratio over time: rate(hit) / rate(hit + miss) of source "api"
-                    metrics.EC_LOOKUPS.labels("api", "hit", "").inc()
-                else:
-                    metrics.EC_LOOKUPS.labels("api", "miss", "not_found").inc()
-                    await self.client.queue_encode(
-                        EncodeJob(
-                            request_id=request_id,
-                            image=ref,
-                            fingerprint=self.fingerprint,
-                            ec_key=self.store.key(ref.item_hash),
-                            created_at=time.time(),
-                        )
-                    )
-                distinct[img.content_hash] = ref
-            refs.append(distinct[img.content_hash])
-        return refs
-
-    async def submit(
-        self, request_id: str, parsed: ParsedRequest, refs: list[ImageRef], received_at: float, deadline: float
-    ) -> TokenStream:
-        """Record the request and publish its generation job; its token stream, bounded by
-        ``deadline`` (at which the request is recorded as abandoned by the API)."""
-        assert self.client is not None
-        record = ChatRequestRecord(
-            request_id=request_id,
-            received_at=received_at,
-            model=parsed.model,
-            body=redact_images(parsed.body, [r.item_hash for r in refs]),
-            images=tuple(refs),
-        )
-        job = GenerationJob(
-            request_id=request_id,
-            model=parsed.model,
-            messages=[m.to_wire() for m in parsed.messages],
-            images=tuple(refs),
-            fingerprint=self.fingerprint,
-            sampling=parsed.sampling,
-            stream=parsed.stream,
-            deadline=deadline,
-            created_at=time.time(),
-        )
-        return await self.client.submit(
-            job, record=record, on_abandon=functools.partial(self.client.abandon, request_id)
-        )
-
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` in the background, outside the request's task: what must happen after the
-        client went away (its task is being cancelled, so awaiting there would be cancelled too)."""
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def cancel_in_background(self, events: TokenStream, error: EPDError) -> None:
-        """Give up on a request that has not ended: its workers stop (``RequestClient.abandon``)."""
-        if not events.ended:
-            self.spawn(events.cancel(error))
 
 
 def _usage(final: FinalResult) -> dict[str, int]:
@@ -397,6 +170,24 @@ def create_app(settings: ApiSettings) -> FastAPI:
             check_auth(request)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/requests")
+    async def debug_requests(
+        request: Request, format: str = "html", status: str | None = None, since_s: float = 3600.0, limit: int = 50
+    ):
+        """Recent requests, newest first, with their status, each linking its waterfall page
+        (``?format=json``: the list; ``status``: ok, error, cancelled or incomplete)."""
+        check_auth(request)
+        if status and status not in history.STATUSES:
+            raise InvalidRequest(f"unknown status {status!r}: use {', '.join(history.STATUSES)}", param="status")
+        if service.nc is None or not service.nc.is_connected:
+            raise ServiceUnavailable("not connected to NATS")
+        summaries = await history.list_requests(
+            service.nc, service.subjects, since_s=since_s, status=status or None, limit=limit
+        )
+        if format == "json":
+            return JSONResponse({"requests": [s.to_json() for s in summaries]})
+        return HTMLResponse(_requests_index_html(summaries, status=status, since_s=since_s))
+
     @app.get("/debug/requests/{request_id}")
     async def debug_request(request: Request, request_id: str, format: str = "html"):
         """The request's waterfall page (``?format=json``: its messages and timeline as JSON)."""
@@ -435,6 +226,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
         token = REQUEST_ID.set(request_id)
         trace = set_trace("api", received_at=received_at)  # headers of everything published below
         metrics.IN_FLIGHT.labels("api").inc()
+        parsed: ParsedRequest | None = None
+        submitted = False  # a generation job was published: from then on the workers record the end
+
+        async def refused(exc: EPDError) -> JSONResponse:
+            """A request refused before any job was published: a 4xx or 502 is recorded (a
+            ``ChatRequestRecord`` and its ``ErrorEvent``, best effort), so ``epd replay list
+            --status error`` and the debug pages show it; its id is in ``X-Request-Id``."""
+            if not submitted and (400 <= exc.http_status < 500 or exc.http_status == 502):
+                await service.record_refused(request_id, received_at, parsed, exc)
+            response = _finish_error(exc)
+            response.headers["X-Request-Id"] = request_id
+            return response
+
         try:
             raw = await _read_body(request, settings.max_body_bytes)
             parsed = parse_chat_request(
@@ -447,11 +251,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
             deadline = received_at + settings.request_timeout_s
             if service.nc is None or not service.nc.is_connected:
                 raise ServiceUnavailable("not connected to NATS")
-            refs = await asyncio.wait_for(
-                service.prepare_images(request_id, parsed.image_urls), timeout=max(0.0, deadline - time.time())
+            images = await asyncio.wait_for(
+                service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
-            events = await service.submit(request_id, parsed, refs, received_at, deadline)
-            log.info("accepted: %d image(s), stream=%s", len(refs), parsed.stream)
+            events = await service.submit(request_id, parsed, images, received_at, deadline)
+            submitted = True
+            log.info("accepted: %d image(s), stream=%s", len(images), parsed.stream)
             try:
                 if not parsed.stream:
                     try:
@@ -480,17 +285,50 @@ def create_app(settings: ApiSettings) -> FastAPI:
             metrics.REQUESTS.labels("499").inc()
             return error_response(Cancelled("the client disconnected"))  # nobody reads it
         except nats.errors.Error as exc:  # (its TimeoutError is an asyncio.TimeoutError: not the deadline)
-            return _finish_error(nats_unavailable("submitting the request", exc))
+            return await refused(nats_unavailable("submitting the request", exc))
         except TimeoutError:
-            return _finish_error(DeadlineExceeded("the request passed its deadline while loading images"))
+            return await refused(DeadlineExceeded("the request passed its deadline while loading images"))
         except EPDError as exc:
-            return _finish_error(exc)
+            return await refused(exc)
         finally:
             metrics.IN_FLIGHT.labels("api").dec()
             TRACE_HEADERS.reset(trace)
             REQUEST_ID.reset(token)
 
     return app
+
+
+def _requests_index_html(summaries: list[history.Summary], *, status: str | None, since_s: float) -> str:
+    """The ``/debug/requests`` page: a self-contained table (no script, no external asset)."""
+    e = html.escape
+
+    def ms(seconds: float | None) -> str:
+        return "" if seconds is None else f"{seconds * 1e3:.0f}"
+
+    rows = []
+    for s in summaries:
+        tokens = "" if s.completion_tokens is None else f"{s.prompt_tokens or 0} / {s.completion_tokens}"
+        link = f"/debug/requests/{urllib.parse.quote(s.request_id, safe='')}"
+        rows.append(
+            f'<tr class="{e(s.status)}"><td><a href="{e(link)}">{e(s.request_id)}</a></td>'
+            f"<td>{e(history.iso_time(s.received_at))}</td><td>{e(s.status)}</td><td>{s.images}</td>"
+            f"<td>{tokens}</td><td>{ms(s.ttft_s)}</td><td>{ms(s.e2e_s)}</td>"
+            f"<td>{e(s.error)}</td><td>{e(s.replay_of)}</td></tr>"
+        )
+    shown = f"status {e(status)}, " if status else ""
+    return (
+        '<!doctype html><html><head><meta charset="utf-8"><title>epd-serve: recent requests</title><style>'
+        "body{font:14px system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse}"
+        "td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
+        "tr.error td,tr.cancelled td{color:#b3261e}tr.incomplete td{color:#8a6d00}</style></head><body>"
+        f"<h1>Recent requests</h1><p>{len(summaries)} request(s), newest first ({shown}received within "
+        f'{since_s:g} s). Filter: <a href="?status=error">errors</a>, <a href="?">all</a>; '
+        "<code>?format=json</code> for the list.</p>"
+        "<table><tr><th>request</th><th>received</th><th>status</th><th>images</th>"
+        "<th>tokens (prompt / completion)</th><th>TTFT ms</th><th>E2E ms</th><th>error</th><th>replay of</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>"
+    )
 
 
 def _finish_error(exc: EPDError) -> JSONResponse:

@@ -1,6 +1,6 @@
 """What both vLLM connectors (:mod:`shared.connectors.s3_ec`, :mod:`shared.connectors.s3_kv`)
-share: their extra-config parsing, the store they build from it, the model version (fingerprint)
-of the folder vLLM loaded, and log routing in vLLM's processes.
+share: their extra-config parsing, the store they build from it, the model identity (and its
+fingerprints) of the folder vLLM loaded, and log routing in vLLM's processes.
 
 No vLLM or torch import: the vLLM engine computes the same fingerprints through this module.
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.fingerprint import encoder_fingerprint, model_fingerprint
+from shared.identity import ModelIdentity
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectStore, make_object_store
@@ -198,18 +198,25 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         raise ValueError(f"epd-serve vLLM connector: cannot find a local folder for model {model!r}: {exc}") from exc
 
 
-def vllm_encoder_fingerprint(model_config: Any) -> str:
-    """The EC key version of the encoder outputs of the model vLLM loaded
-    (``vllm_config.model_config``). vLLM's mm_hash does not know the model version; this does,
-    so a store shared by two model versions never serves one's outputs to the other."""
+def vllm_identity(model_config: Any, served_name: str | None = None) -> ModelIdentity:
+    """The identity of the model vLLM loaded (``vllm_config.model_config``): its local folder, its
+    dtype, engine ``vllm``; ``served_name`` (default: vLLM's served model name). The vLLM engine and
+    both connectors build it with this one function, so the versions agree on both sides. vLLM's
+    mm_hash does not know the model version; the fingerprints do, so a store shared by two model
+    versions never serves one's outputs to the other."""
     model_dir = resolve_model_dir(str(model_config.model), getattr(model_config, "revision", None))
-    return encoder_fingerprint(model_dir, dtype=dtype_name(model_config.dtype), engine=ENGINE_NAME)
+    name = served_name or str(getattr(model_config, "served_model_name", None) or model_config.model)
+    return ModelIdentity(model=name, model_path=model_dir, dtype=dtype_name(model_config.dtype), engine=ENGINE_NAME)
+
+
+def vllm_encoder_fingerprint(model_config: Any) -> str:
+    """The EC key version of the encoder outputs of the model vLLM loaded."""
+    return vllm_identity(model_config).fingerprint
 
 
 def vllm_model_fingerprint(model_config: Any) -> str:
     """The KV key version of the model vLLM loaded (same function the epd-serve workers use)."""
-    model_dir = resolve_model_dir(str(model_config.model), getattr(model_config, "revision", None))
-    return model_fingerprint(model_dir, dtype=dtype_name(model_config.dtype), engine=ENGINE_NAME)
+    return vllm_identity(model_config).model_fingerprint
 
 
 # -- logs -----------------------------------------------------------------------------------------

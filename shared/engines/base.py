@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     from PIL import Image
 
     from shared.connectors.params import KVHandoff
+    from shared.identity import ModelIdentity
     from shared.store.format import RawTensor
     from shared.store.kv import KVObject
     from shared.topology import Role
@@ -122,8 +123,14 @@ class Engine(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def identity(self) -> ModelIdentity:
+        """What this engine serves: model name, folder, dtype, engine kind and their fingerprints
+        (``shared.identity``), computed once."""
+
+    @property
     def encoder_fingerprint(self) -> str:
         """Version of the encoder outputs this engine produces and accepts (see shared.fingerprint)."""
+        return self.identity.fingerprint
 
     @abc.abstractmethod
     def generate(

@@ -71,7 +71,7 @@ from shared.engines.transformers_state import (
     special_token_ids_of,
 )
 from shared.errors import EngineError, InvalidImage, InvalidRequest
-from shared.fingerprint import encoder_fingerprint as _encoder_fingerprint
+from shared.identity import ModelIdentity
 from shared.topology import Role
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             # Bit identity across stages needs the same intra-op thread count everywhere.
             torch.set_num_threads(int(threads))
         self._model_id = model_id or self.model_dir.name
-        self._fingerprint: str | None = None
+        self._identity = ModelIdentity(model=self._model_id, model_path=self.model_dir, dtype=dtype, engine=self.name)
 
         t0 = time.perf_counter()
         config = AutoConfig.from_pretrained(self.model_dir)
@@ -243,10 +243,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return self._model_id
 
     @property
-    def encoder_fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = _encoder_fingerprint(self.model_dir, dtype=self.dtype_name, engine=self.name)
-        return self._fingerprint
+    def identity(self) -> ModelIdentity:
+        return self._identity
 
     @property
     def is_mrope(self) -> bool:

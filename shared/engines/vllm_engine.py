@@ -62,6 +62,7 @@ from shared.engines.base import (
 )
 from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
 from shared.errors import EngineError, InvalidRequest
+from shared.identity import ModelIdentity
 from shared.topology import Role
 
 log = logging.getLogger(__name__)
@@ -253,16 +254,16 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             raise
         self.start_seconds = time.perf_counter() - started
         self.vllm_config = self._llm.vllm_config
-        from shared.connectors.common import vllm_encoder_fingerprint
+        from shared.connectors.common import vllm_identity
 
-        # The same function the connector uses in vLLM's processes: one version for both sides.
-        self._fingerprint = vllm_encoder_fingerprint(self.vllm_config.model_config)
+        # The same identity the connectors build in vLLM's processes: one version for both sides.
+        self._identity = vllm_identity(self.vllm_config.model_config, served_name=self._model_id)
         log.info(
             "vLLM engine %s (%s) started in %.1fs; encoder fingerprint %s",
             self.model_dir,
             ec_role or "plain",
             self.start_seconds,
-            self._fingerprint,
+            self._identity.fingerprint,
         )
 
     @classmethod
@@ -313,8 +314,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         return self._model_id
 
     @property
-    def encoder_fingerprint(self) -> str:
-        return self._fingerprint
+    def identity(self) -> ModelIdentity:
+        return self._identity
 
     @property
     def max_running_requests(self) -> int:

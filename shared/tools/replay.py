@@ -34,7 +34,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import protocol
-from shared.client import RequestClient, chunk_texts
+from shared.client import RequestClient, Submission, chunk_texts
 from shared.config import CommonSettings
 from shared.ec_lifecycle.index import ECIndex
 from shared.errors import DeadlineExceeded, EPDError, StoreError
@@ -54,15 +54,12 @@ from shared.history import (
 )
 from shared.jetstream import TRACE_HEADERS, set_trace, subscribe_typed
 from shared.protocol import (
-    ChatRequestRecord,
-    EncodeJob,
     ErrorEvent,
     FinalResult,
     Subjects,
     WorkerHeartbeat,
 )
 from shared.store.ec import ECStore
-from shared.store.format import ec_key as make_ec_key
 from shared.store.format import media_key as make_media_key
 from shared.store.objects import ObjectStore
 from shared.topology import Service
@@ -282,57 +279,35 @@ async def replay_request(
             notes.append("sampled without a client seed and --new-seed: the replay samples with its own seed")
 
     replay_id = new_replay_id()
-    refs: dict[str, protocol.ImageRef] = {}
-    to_encode: list[protocol.ImageRef] = []
-    for ref in job.images:
-        if ref.item_hash in refs:
-            continue
-        # Queue an encode job like the API would: EC object missing and an encoder alive.
-        queue = bool(encoders) and stored is not None and not stored[ref.item_hash][0]
-        new_ref = msgspec.structs.replace(ref, media_key=make_media_key(namespace, ref.item_hash), encode_queued=queue)
-        refs[ref.item_hash] = new_ref
-        if queue:
-            to_encode.append(new_ref)
-    images = tuple(refs[r.item_hash] for r in job.images)
+    # The recorded images, re-keyed to this namespace's media; the client queues an encode job for
+    # each whose EC object is missing, like the API does, when an encoder of this version is alive.
+    images = [msgspec.structs.replace(ref, media_key=make_media_key(namespace, ref.item_hash)) for ref in job.images]
+    ec_store = ECStore(store, namespace=namespace, fingerprint=fingerprint, producer="epd-replay") if store else None
+    encode = bool(encoders) and stored is not None
 
     timeout = timeout_s if timeout_s else min(max(job.deadline - job.created_at, 10.0), 3600.0)
     received = time.time()
     deadline = received + timeout
     ec_index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=stream_replicas)
-    client = RequestClient(nc, subjects, ec_index=ec_index)
+    client = RequestClient(nc, subjects, ec_index=ec_index, store=ec_store, source="replay")
+    record = case.record
+    submission = Submission(
+        request_id=replay_id,
+        model=job.model,
+        messages=job.messages,
+        sampling=sampling,
+        stream=job.stream,
+        received_at=received,
+        deadline=deadline,
+        body=record.body if record else {},
+        images=images,
+        replay_of=request_id,
+        fingerprint=fingerprint,
+    )
     trace = set_trace(protocol.STAGE_REPLAY, received_at=received)
     try:
-        for ref in to_encode:
-            await client.queue_encode(
-                EncodeJob(
-                    request_id=replay_id,
-                    image=ref,
-                    fingerprint=fingerprint,
-                    ec_key=make_ec_key(namespace, fingerprint, ref.item_hash),
-                    created_at=time.time(),
-                )
-            )
-        record = case.record
-        new_record = ChatRequestRecord(
-            request_id=replay_id,
-            received_at=received,
-            model=job.model,
-            body=record.body if record else {},
-            images=images,
-            replay_of=request_id,
-        )
-        new_job = msgspec.structs.replace(
-            job,
-            request_id=replay_id,
-            images=images,
-            fingerprint=fingerprint,
-            sampling=sampling,
-            deadline=deadline,
-            created_at=time.time(),
-            reprefill=0,
-        )
-        tokens = await client.submit(new_job, record=new_record)
-        log.info("replaying %s as %s (%d image(s), %d encode job(s))", request_id, replay_id, len(refs), len(to_encode))
+        tokens = await client.submit(submission, encode=encode)
+        log.info("replaying %s as %s (%d image(s))", request_id, replay_id, len(distinct))
         chunks, result = await tokens.collect()
     except DeadlineExceeded as exc:
         raise ReplayTimeout(

@@ -16,7 +16,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
-from shared.connectors.common import ConnectorConfig, inherit_vllm_log_handlers, vllm_encoder_fingerprint
+from shared.connectors.common import ConnectorConfig, inherit_vllm_log_handlers, vllm_identity
 from shared.connectors.s3_ec.metadata import S3ECMetadata, S3ECWorkerMetadata
 from shared.connectors.s3_ec.metrics import S3ECPromMetrics, S3ECStats, StatsRecorder
 from shared.connectors.s3_ec.scheduler import ECScheduler
@@ -43,7 +43,9 @@ class S3ECConnector(ECConnectorBase):
         inherit_vllm_log_handlers()
         ec_config = vllm_config.ec_transfer_config
         self.config = ConnectorConfig.from_extra(ec_config.ec_connector_extra_config if ec_config else None)
-        self.fingerprint = vllm_encoder_fingerprint(vllm_config.model_config)
+        #: the model vLLM loaded (built once per process side); its encoder fingerprint keys the store
+        self.identity = vllm_identity(vllm_config.model_config)
+        self.fingerprint = self.identity.fingerprint
         self.store = self.config.ec_store(self.fingerprint)
         self.stats = StatsRecorder()
         self.connector_scheduler: ECScheduler | None = None

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from shared.connectors.common import ConnectorConfig, inherit_vllm_log_handlers, vllm_model_fingerprint
+from shared.connectors.common import ConnectorConfig, inherit_vllm_log_handlers, vllm_identity
 from shared.connectors.s3_kv.metadata import S3KVMetadata, S3KVWorkerMetadata
 from shared.connectors.s3_kv.scheduler import KVScheduler
 from shared.connectors.s3_kv.worker import KVWorker
@@ -46,7 +46,9 @@ class S3KVConnector(KVConnectorBase_V1):
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.fingerprint = vllm_model_fingerprint(vllm_config.model_config)
+        #: the model vLLM loaded (built once per process side); its model fingerprint keys the store
+        self.identity = vllm_identity(vllm_config.model_config)
+        self.fingerprint = self.identity.model_fingerprint
         self.store = self.config.kv_store(self.fingerprint)
         self.connector_scheduler: KVScheduler | None = None
         self.connector_worker: KVWorker | None = None

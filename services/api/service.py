@@ -1,0 +1,240 @@
+"""The API process's composition: connections, the model identity, the EC store and its
+lifecycle, the request client, the worker view, the delivery supervisor, start and stop.
+
+``services.api.app`` maps HTTP onto it; nothing here knows about HTTP. The delivery supervisor
+(``services.api.supervisor``) runs in a queue group, so one API replica fails each job that
+exhausted its deliveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+
+from services.api.schemas import ParsedRequest, redact_images
+from services.api.supervisor import DeliverySupervisor
+from shared import protocol
+from shared.client import RequestClient, Submission, TokenStream
+from shared.config import ApiSettings
+from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
+from shared.errors import EPDError
+from shared.identity import ModelIdentity
+from shared.jetstream import JetStreamPublisher, connect, ensure_topology
+from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
+from shared.protocol import ChatRequestRecord, ImageRef, Subjects, WorkerHeartbeat
+from shared.store.ec import ECStore
+from shared.store.factory import ec_store_from_settings
+from shared.topology import TOPOLOGIES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerView:
+    """Live workers seen through their heartbeats."""
+
+    stale_s: float
+    seen: dict[tuple[str, str], WorkerHeartbeat] = field(default_factory=dict)
+
+    def update(self, hb: WorkerHeartbeat) -> None:
+        self.seen[(hb.role, hb.worker_id)] = hb
+
+    def live(self) -> dict[str, list[WorkerHeartbeat]]:
+        now = time.time()
+        out: dict[str, list[WorkerHeartbeat]] = {}
+        for (role, _), hb in list(self.seen.items()):
+            if now - hb.sent_at <= self.stale_s:
+                out.setdefault(role, []).append(hb)
+        return out
+
+
+class ApiService:
+    """State shared by the request handlers: connections, request client, store, fetcher,
+    worker view, delivery supervisor."""
+
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.subjects = Subjects(settings.subject_prefix)
+        #: what this API serves and expects its workers to serve (computed once, here)
+        self.identity = ModelIdentity.from_settings(settings)
+        self.model_name = self.identity.model
+        self.fingerprint = self.identity.fingerprint
+        self.limits = MediaLimits(
+            max_image_bytes=settings.max_image_bytes,
+            max_pixels=settings.max_image_pixels,
+            fetch_timeout_s=settings.fetch_timeout_s,
+            allowed_networks=tuple(settings.url_allow_networks),
+            allowed_hosts=tuple(settings.url_allow_hosts),
+        )
+        self.workers = WorkerView(settings.worker_stale_s)
+        self.nc: nats.NATS | None = None
+        self.js: nats.js.JetStreamContext | None = None
+        self.client: RequestClient | None = None
+        self.supervisor: DeliverySupervisor | None = None
+        self.store: ECStore | None = None
+        #: EC store lifecycle: use recording, the index of announced objects, the janitor
+        self.ec: ECLifecycle | None = None
+        self.fetcher: ImageFetcher | None = None
+        # One for the process: however many requests and images arrive, decoding stays bounded.
+        self.decode_budget = DecodeBudget(settings.decode_budget_pixels())
+        self._subs: list = []
+        self._background: set[asyncio.Task] = set()
+        #: Set when the process is stopping: requests still waiting end with 503.
+        self.stopping = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
+        self.js = self.nc.jetstream()
+        await ensure_topology(self.js, self.settings, self.subjects)
+        publisher = JetStreamPublisher(self.js)
+        self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
+        self.ec = await start_api_lifecycle(
+            self.nc,
+            self.subjects,
+            self.settings,
+            self.store,
+            fingerprint=self.fingerprint,
+            model=self.model_name,
+            model_path=str(self.identity.model_path),
+        )
+        self.client = RequestClient(
+            self.nc, self.subjects, publisher, ec_index=self.ec.index, store=self.store, recorder=self.ec.recorder
+        )
+        self.fetcher = ImageFetcher(self.limits)
+        self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
+        self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
+        await self.supervisor.start()
+        log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server was asked to stop: requests still running after ``grace_s`` end with 503
+        (and are cancelled) instead of being cut off when the server stops waiting for them.
+        Safe to call from a signal handler."""
+        if self.loop is not None and not self.stopping.is_set():
+            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self.stopping.set)
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        if self._background:  # cancellations of abandoned requests: out before the connection drains
+            await asyncio.wait(self._background, timeout=5.0)
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        if self.ec is not None:
+            await self.ec.close()
+        if self.fetcher is not None:
+            await self.fetcher.aclose()
+        if self.nc is not None:
+            await self.nc.drain()
+
+    async def nats_answers(self, timeout_s: float = 2.0) -> bool:
+        """Connected and JetStream answers a round trip now (a stalled server keeps the TCP
+        connection, so ``is_connected`` alone would say yes)."""
+        if self.nc is None or self.js is None or not self.nc.is_connected:
+            return False
+        try:
+            await asyncio.wait_for(self.js.account_info(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (timeout, no responders, closed)
+            log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
+            return False
+        return True
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            hb = protocol.decode(msg.data, WorkerHeartbeat)
+        except protocol.ProtocolError:
+            return
+        if hb.fingerprint and hb.fingerprint != self.fingerprint and (hb.role, hb.worker_id) not in self.workers.seen:
+            log.warning(
+                "%s worker %s has encoder fingerprint %s, the API expects %s (different model, dtype or engine?)",
+                hb.role,
+                hb.worker_id,
+                hb.fingerprint,
+                self.fingerprint,
+            )
+        self.workers.update(hb)
+        if self.ec is not None:  # which fingerprints are served (current) and which are retired
+            await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
+            await self.ec.fingerprint_seen(
+                self.fingerprint, model=self.model_name, model_path=str(self.identity.model_path)
+            )
+
+    # -- request pipeline ------------------------------------------------------------------
+    async def load_images(self, urls: list[str]) -> list[LoadedImage]:
+        """Fetch and decode every image (side by side; decodes wait for the process's decode budget)."""
+        assert self.fetcher is not None
+        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget)) for u in urls]
+        try:
+            return list(await asyncio.gather(*loads))
+        except BaseException:
+            for load in loads:  # one bad image fails the request: stop waiting for the others
+                load.cancel()
+            raise
+
+    @property
+    def uses_encoder(self) -> bool:
+        """Whether requests get encode jobs (not in agg: its worker encodes in process)."""
+        return TOPOLOGIES[self.settings.topology].uses_encoder
+
+    async def prepare_images(self, request_id: str, urls: list[str]) -> list[ImageRef]:
+        """Load every image, store each distinct one, queue encode jobs. Returns refs in order."""
+        assert self.client is not None
+        loaded = await self.load_images(urls)
+        return await self.client.image_refs(request_id, loaded, encode=self.uses_encoder)
+
+    async def submit(
+        self, request_id: str, parsed: ParsedRequest, images: list[LoadedImage], received_at: float, deadline: float
+    ) -> TokenStream:
+        """Submit the request (``RequestClient.submit``: images, encode jobs, record, generation
+        job); its token stream, bounded by ``deadline`` (at which the request is recorded as
+        abandoned by the API)."""
+        assert self.client is not None
+        submission = Submission(
+            request_id=request_id,
+            model=parsed.model,
+            messages=[m.to_wire() for m in parsed.messages],
+            sampling=parsed.sampling,
+            stream=parsed.stream,
+            received_at=received_at,
+            deadline=deadline,
+            body=redact_images(parsed.body, [img.content_hash for img in images]),
+            images=images,
+        )
+        return await self.client.submit(
+            submission, encode=self.uses_encoder, on_abandon=functools.partial(self.client.abandon, request_id)
+        )
+
+    async def record_refused(
+        self, request_id: str, received_at: float, parsed: ParsedRequest | None, error: EPDError
+    ) -> None:
+        """Record a request refused before any job was published (``RequestClient.record_refused``):
+        its body as parsed (images as their recorded URLs; none when it did not parse)."""
+        if self.client is None or self.nc is None or not self.nc.is_connected:
+            return
+        body = redact_images(parsed.body, [""] * len(parsed.image_urls)) if parsed is not None else {}
+        record = ChatRequestRecord(
+            request_id=request_id,
+            received_at=received_at,
+            model=parsed.model if parsed is not None else self.model_name,
+            body=body,
+        )
+        await self.client.record_refused(record, error)
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background, outside the request's task: what must happen after the
+        client went away (its task is being cancelled, so awaiting there would be cancelled too)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def cancel_in_background(self, events: TokenStream, error: EPDError) -> None:
+        """Give up on a request that has not ended: its workers stop (``RequestClient.abandon``)."""
+        if not events.ended:
+            self.spawn(events.cancel(error))
