@@ -294,6 +294,34 @@ async def test_purge_by_fingerprint_removes_exactly_that_version(world):
     await sub.unsubscribe()
 
 
+async def test_purge_of_a_registered_fingerprint_is_not_refused_when_the_registry_watch_misses_it(world):
+    """The registry is read with a watch, which can miss an entry being rewritten at that moment
+    (a heartbeat every second rewrites it): a purge double-checks a fingerprint it did not see with
+    one KV get before calling it unknown."""
+    index = world["index"]
+    await index.seen(FP_B, model="m")
+    assert (await index.fingerprint(FP_B)).model == "m" and await index.fingerprint("c" * 24) is None
+
+    async def missed() -> dict:
+        return {}
+
+    index.fingerprints = missed  # the watch's miss, made certain
+    common = dict(
+        nc=world["nc"],
+        subjects=world["subjects"],
+        index=index,
+        store=world["store"],
+        namespace=world["namespace"],
+        by="test",
+    )
+    try:
+        assert (await purge(**common, fingerprint=FP_B, dry_run=True)).objects == 0
+        with pytest.raises(UnknownFingerprint):
+            await purge(**common, fingerprint="c" * 24, dry_run=True)
+    finally:
+        del index.fingerprints
+
+
 async def test_purge_retired_keeps_current_versions(world):
     for fp in (FP_A, FP_B):
         save(world, "x", fp)
