@@ -111,7 +111,7 @@ def options_without_help(parser: argparse.ArgumentParser, path: str = "epd") -> 
 
 def test_every_option_of_every_epd_command_has_help():
     assert options_without_help(build_parser()) == []
-    up = build_parser()._subparsers._group_actions[0].choices["up"].format_help()  # type: ignore[union-attr]
+    up = build_parser()._subparsers._group_actions[0].choices["up"].format_help()  # type: ignore[union-attr]  # argparse keeps its subparsers private and untyped
     for option in ("--engine", "--host", "--port", "--nats-port", "--s3-port"):
         assert option in up
 

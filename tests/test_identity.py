@@ -26,7 +26,7 @@ def test_from_settings_has_the_same_fingerprints(tiny_model_dir, monkeypatch):
     monkeypatch.setattr("shared.identity.encoder_fingerprint", lambda *a, **k: pytest.fail("recomputed"))
     assert identity.fingerprint == encoder_fingerprint(tiny_model_dir, dtype="float32", engine="transformers")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        identity.dtype = "bfloat16"  # type: ignore[misc]
+        identity.dtype = "bfloat16"  # type: ignore[misc]  # the point: a frozen dataclass refuses it
 
 
 def test_engine_and_dtype_are_part_of_the_identity(tiny_model_dir):
