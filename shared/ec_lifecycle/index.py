@@ -247,12 +247,7 @@ class ECIndex:
     async def seen(self, fingerprint: str, *, model: str = "", model_path: str = "", at: float | None = None) -> None:
         """Record that ``fingerprint`` is served now (by a worker's heartbeat or the API itself)."""
         at = time.time() if at is None else at
-        key = fingerprint_key(fingerprint)
-        try:
-            e = await self.kv.get(key)
-            old = msgspec.json.decode(e.value, type=FingerprintEntry) if e.value else None
-        except (KeyNotFoundError, msgspec.DecodeError):
-            old = None
+        old = await self.fingerprint(fingerprint)
         entry = FingerprintEntry(
             fingerprint=fingerprint,
             model=model or (old.model if old else ""),
@@ -261,7 +256,7 @@ class ECIndex:
             last_seen=max(at, old.last_seen if old else 0.0),
         )
         if entry != old:
-            await self.kv.put(key, _enc.encode(entry))
+            await self.kv.put(fingerprint_key(fingerprint), _enc.encode(entry))
 
     async def fingerprints(self) -> dict[str, FingerprintEntry]:
         """Every registered fingerprint. From a watch: an entry rewritten while the watch starts can

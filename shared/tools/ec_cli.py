@@ -179,7 +179,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
             print(json.dumps({"dry_run": args.dry_run, "removed": rows}, indent=2))
             return 0
         if args.fingerprint and result.objects:
-            reg = (await index.fingerprints()).get(args.fingerprint)
+            reg = await index.fingerprint(args.fingerprint)
             if is_current(reg, time.time(), settings.ec_retired_after_s):
                 print(
                     f"note: {args.fingerprint} is a current fingerprint (a worker served it within "
