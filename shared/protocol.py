@@ -45,7 +45,10 @@ import msgspec
 
 from shared.errors import EPDError
 
-PROTOCOL_VERSION = 1
+#: The newest message schema this code reads. Messages default to v1; the jobs that carry a
+#: ``SamplingSpec`` are v2 since its shape grew (penalties, logprobs, ...): a v1 worker refuses them
+#: with a ProtocolError instead of silently sampling without the new fields.
+PROTOCOL_VERSION = 2
 
 # Nats headers -------------------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -310,7 +313,7 @@ class Subjects:
 
 # Messages -----------------------------------------------------------------------------------
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    v: int = PROTOCOL_VERSION
+    v: int = 1
 
 
 class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -325,13 +328,39 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
     encode_queued: bool = True
 
 
+#: Schema of the jobs that carry a ``SamplingSpec`` (``GenerationJob``, ``DecodeJob``).
+SAMPLING_SCHEMA = 2
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample one completion (vLLM ``SamplingParams`` semantics; the defaults change
+    nothing). Every field is applied by every engine on every topology: a field an engine cannot
+    honour is refused at start-up or by the API, never dropped."""
+
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # -- v2 --
+    #: keep the k most likely tokens; 0 = all
+    top_k: int = 0
+    #: drop tokens whose probability is below ``min_p`` x the most likely one's; 0 = off
+    min_p: float = 0.0
+    #: OpenAI penalties over the generated tokens (-2..2; 0 = off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: vLLM / HF repetition penalty over prompt + generated tokens (> 0; 1 = off)
+    repetition_penalty: float = 1.0
+    #: (token id, bias added to its logit before sampling), sorted by token id
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: no EOS / stop token / stop string ends the completion before this many tokens
+    min_tokens: int = 0
+    #: token ids that end the completion (the token is not part of the text)
+    stop_token_ids: tuple[int, ...] = ()
+    #: None: no logprobs; k >= 0: the chosen token's logprob plus the k most likely alternatives
+    logprobs: int | None = None
 
 
 def effective_seed(request_id: str, seed: int | None) -> int:
@@ -421,6 +450,7 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     (missing, corrupt) and sent the request back (bounded by ``EPD_MAX_REPREFILLS``); it is
     also the KV object's attempt number."""
 
+    v: int = SAMPLING_SCHEMA
     request_id: str
     model: str
     messages: list[dict[str, Any]]
@@ -440,6 +470,7 @@ class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
     ``Nats-Msg-Id = <request_id>-decode-<kv_attempt>`` so a redelivered prefill adds no second
     job. ``generation`` is the original job, for a re-prefill when the KV object is unusable."""
 
+    v: int = SAMPLING_SCHEMA
     request_id: str
     kv_key: str
     kv_attempt: int
@@ -459,6 +490,19 @@ class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
     prefill_worker: str = ""
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """The log-probability (natural log, of the distribution the token was sampled from before
+    temperature / top-k / top-p / penalties: vLLM's default ``raw_logprobs``) of one generated token,
+    and the ``SamplingSpec.logprobs`` most likely tokens at its position as
+    ``(token id, token text, logprob)``, most likely first. ``token`` is the token's own text
+    (``tokenizer.decode([token_id])``)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
 class TokenChunk(_Msg, frozen=True, kw_only=True, tag="token_chunk"):
     """Tokens ``seq .. seq+len(token_ids)-1`` of the completion. A redelivered job restarts at
     ``seq == 0`` with a higher ``attempt``; the API drops what it already forwarded."""
@@ -468,6 +512,8 @@ class TokenChunk(_Msg, frozen=True, kw_only=True, tag="token_chunk"):
     seq: int
     token_ids: tuple[int, ...]
     text: str
+    #: one per token id when the job's ``SamplingSpec.logprobs`` is set, else empty
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class FinalResult(_Msg, frozen=True, kw_only=True, tag="final_result"):
