@@ -446,6 +446,8 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     """Prefill (+ decode in E|PD) one request. ``messages`` hold ``{"type": "image"}`` parts in
     the order of ``images`` (one entry per placeholder; duplicates allowed).
 
+    A completions request carries ``prompt`` instead of messages.
+
     ``reprefill`` > 0: a decode worker found the KV object of the previous prefill unusable
     (missing, corrupt) and sent the request back (bounded by ``EPD_MAX_REPREFILLS``); it is
     also the KV object's attempt number."""
@@ -461,6 +463,9 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     deadline: float
     created_at: float
     reprefill: int = 0
+    #: ``/v1/completions``: the prompt itself - text used verbatim (no chat template) or token
+    #: ids - with ``messages`` and ``images`` empty; ``None`` for a chat request
+    prompt: str | tuple[int, ...] | None = None
 
 
 class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
