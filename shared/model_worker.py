@@ -68,6 +68,15 @@ def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
         seed=seed,
         stop=tuple(spec.stop),
         ignore_eos=spec.ignore_eos,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=tuple(spec.logit_bias),
+        min_tokens=spec.min_tokens,
+        stop_token_ids=tuple(spec.stop_token_ids),
+        logprobs=spec.logprobs,
     )
 
 

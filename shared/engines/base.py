@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     import torch
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
 
     from shared.connectors.params import KVHandoff
     from shared.identity import ModelIdentity
+    from shared.protocol import TokenLogprob
     from shared.store.format import RawTensor
     from shared.store.kv import KVObject
     from shared.topology import Role
@@ -45,7 +46,8 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (OpenAI semantics). ``temperature == 0`` means greedy."""
+    """Per-request sampling settings: the fields of ``shared.protocol.SamplingSpec`` (see there
+    for their meaning; vLLM ``SamplingParams`` semantics). ``temperature == 0`` means greedy."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -53,6 +55,29 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class RawPrompt:
+    """A completions prompt, passed where a chat request passes its ``messages``: ``text`` used
+    verbatim (no chat template; the tokenizer adds its usual special tokens, as vLLM's
+    ``/v1/completions`` does) or ``token_ids`` used as they are. Exactly one is set; never images."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+#: what ``generate`` / ``prefill`` take as the prompt: chat messages or a :class:`RawPrompt`
+Prompt: TypeAlias = list[dict[str, Any]] | RawPrompt
 
 
 @dataclass
@@ -90,6 +115,8 @@ class TokenEvent:
     token_id: int
     text: str
     finish_reason: str | None = None
+    #: set when ``SamplingParams.logprobs`` is not None (``shared.protocol.TokenLogprob``)
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
