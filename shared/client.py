@@ -31,6 +31,7 @@ request (:meth:`RequestClient.abandon`: the workers stop working on it, ``shared
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -150,6 +151,72 @@ def chunk_texts(chunks: list[TokenChunk]) -> list[str]:
     return [chunk.text if i == 0 else "" for chunk in chunks for i in range(len(chunk.token_ids))]
 
 
+_END = object()
+
+
+class ChoiceStreams:
+    """The token streams of a request's choices, merged: an async iterator of ``(choice index,
+    event)`` in arrival order (each choice's own events in their order), until every choice has
+    ended (its ``FinalResult`` or ``ErrorEvent``). A :class:`DeadlineExceeded` (or any other
+    failure) of one stream is raised here. ``ended``, :meth:`cancel` and :meth:`aclose` act on
+    every choice."""
+
+    def __init__(self, streams: Sequence[TokenStream]):
+        self.streams = list(streams)
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._open = len(self.streams)
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    @property
+    def ended(self) -> bool:
+        return all(s.ended for s in self.streams)
+
+    async def _pump(self, index: int, stream: TokenStream) -> None:
+        try:
+            async for event in stream:
+                await self._queue.put((index, event))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await self._queue.put((index, exc))
+        await self._queue.put((index, _END))
+
+    def __aiter__(self) -> ChoiceStreams:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenEvent]:
+        if not self._pumps:
+            self._pumps = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)]
+        while self._open:
+            index, item = await self._queue.get()
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return index, item
+        raise StopAsyncIteration
+
+    async def cancel(self, error: EPDError) -> None:
+        """Give up on every choice that has not ended (:meth:`TokenStream.cancel`)."""
+        self._stop_pumps()
+        for stream in self.streams:
+            await stream.cancel(error)
+
+    async def aclose(self) -> None:
+        self._stop_pumps()
+        for stream in self.streams:
+            await stream.aclose()
+
+    def _stop_pumps(self) -> None:
+        for task in self._pumps:
+            if not task.done():
+                task.cancel()
+
+
 @dataclass(frozen=True)
 class Submission:
     """A request to submit (:meth:`RequestClient.submit`): what its ``GenerationJob`` and its
@@ -172,6 +239,8 @@ class Submission:
     replay_of: str = ""
     #: the encoder fingerprint the job is for (default: the client's store's)
     fingerprint: str = ""
+    #: ``/v1/completions``: the prompt (text or token ids; ``messages`` and ``images`` empty)
+    prompt: str | tuple[int, ...] | None = None
 
 
 class RequestClient:
@@ -331,8 +400,44 @@ class RequestClient:
             stream=sub.stream,
             deadline=sub.deadline,
             created_at=time.time(),
+            prompt=sub.prompt,
         )
         return job, record
+
+    async def submit_choices(
+        self,
+        request: Submission,
+        choices: Sequence[tuple[str, SamplingSpec]],
+        *,
+        encode: bool = True,
+        on_abandon: Callable[[str, EPDError], Awaitable[None]] | None = None,
+    ) -> ChoiceStreams:
+        """Submit the ``n`` choices of one request: one generation job per ``(request id,
+        sampling)`` of ``choices`` - each with its own record and token stream - over the same
+        images, stored and queued for encoding ONCE (the first choice's id is on the encode
+        jobs). ``on_abandon(request_id, error)``: see :class:`TokenStream`.
+
+        Returns the streams merged (:class:`ChoiceStreams`); when publishing one fails, the
+        choices already published are cancelled."""
+        if not choices:
+            raise ValueError("submit_choices: no choice")
+        job, record = await self._prepare(request, encode=encode)
+        streams: list[TokenStream] = []
+        try:
+            for request_id, sampling in choices:
+                streams.append(
+                    await self._publish(
+                        msgspec.structs.replace(job, request_id=request_id, sampling=sampling),
+                        record=msgspec.structs.replace(record, request_id=request_id),
+                        on_abandon=functools.partial(on_abandon, request_id) if on_abandon is not None else None,
+                    )
+                )
+        except BaseException as exc:
+            error = exc if isinstance(exc, EPDError) else EPDError(f"submitting the choices failed: {exc!r}")
+            for stream in streams:
+                await stream.cancel(error)
+            raise
+        return ChoiceStreams(streams)
 
     async def _publish(
         self,

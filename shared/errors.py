@@ -39,6 +39,20 @@ class InvalidImage(InvalidRequest):
     code = "invalid_image"
 
 
+class UnsupportedParameter(InvalidRequest):
+    """A request parameter this server knows (OpenAI's or vLLM's) but does not honour, set to a
+    value that would change the result: refused rather than silently ignored (``param`` names it)."""
+
+    code = "unsupported_parameter"
+
+
+class UnknownParameter(InvalidRequest):
+    """A request field that is in neither OpenAI's nor vLLM's schema of the endpoint (OpenAI refuses
+    those too; ``param`` names it)."""
+
+    code = "unknown_parameter"
+
+
 class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
 
@@ -58,6 +72,24 @@ class ImageURLUnavailable(InvalidRequest):
     client's URL is wrong, retrying it will not help (a 400, not a 502 the OpenAI SDK retries)."""
 
     code = "image_url_unavailable"
+
+
+class NotFound(EPDError):
+    """No such route (or resource) of the API."""
+
+    code = "not_found"
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(EPDError):
+    code = "method_not_allowed"
+    http_status = 405
+    error_type = "invalid_request_error"
 
 
 class Unauthorized(EPDError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import html
+import importlib.metadata
 import json
 import logging
 import time
@@ -32,19 +33,34 @@ from typing import Any
 
 import nats
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas import ParsedRequest, parse_chat_request, parse_json_body
+from services.api.params import Endpoint
+from services.api.responses import ChoiceResult, StreamShaper, response_body
+from services.api.schemas import (
+    ParsedRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_json_body,
+    parse_tokenize_request,
+)
 from services.api.service import ApiService
+from services.api.tokenizer import Tokenizer, max_model_len
 from shared import history, metrics, timeline
-from shared.client import TokenStream
+from shared.client import ChoiceStreams
 from shared.config import ApiSettings
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
     EPDError,
     InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
@@ -104,14 +120,6 @@ def _stopping_error() -> ServiceUnavailable:
     return ServiceUnavailable("the API is shutting down before the request finished; retry it")
 
 
-def _usage(final: FinalResult) -> dict[str, int]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-    }
-
-
 def create_app(settings: ApiSettings) -> FastAPI:
     service = ApiService(settings)
 
@@ -125,10 +133,40 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     app = FastAPI(title="epd-serve", lifespan=lifespan)
     app.state.service = service
+    #: /tokenize, /detokenize, echo of a token-id prompt (loaded on first use)
+    tokenizer = Tokenizer(service.identity.model_path)
+    context_len = max_model_len(
+        service.identity.model_path, settings.vllm_max_model_len if settings.engine == "vllm" else None
+    )
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError):
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Starlette's own answers (no such route, wrong method) in OpenAI's shape too.
+        err: EPDError
+        if exc.status_code == 404:
+            err = NotFound(f"Invalid URL ({request.method} {request.url.path})")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}")
+        else:
+            err = EPDError(str(exc.detail))
+            err.http_status, err.code = exc.status_code, f"http_{exc.status_code}"
+            err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = error_response(err)
+        for name, value in (exc.headers or {}).items():  # (405: Allow)
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        # FastAPI's parameter validation (a query parameter of the wrong type): a 400, not its 422.
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+        param = ".".join(loc) or None
+        return error_response(InvalidRequest(f"'{param}': {first.get('msg', 'invalid value')}", param=param))
 
     @app.exception_handler(nats.errors.Error)
     async def _nats_error(request: Request, exc: nats.errors.Error):
@@ -200,29 +238,80 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return JSONResponse({"case": case.to_json(), "timeline": tl.to_json()})
         return HTMLResponse(timeline.render_html(case, tl))
 
+    def model_card() -> dict[str, Any]:
+        # root / parent as vLLM answers them: its `bench serve` reads root when --model is left out.
+        return {
+            "id": service.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "epd-serve",
+            "root": service.model_name,
+            "parent": None,
+            "max_model_len": context_len,
+        }
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         check_auth(request)
-        return {
-            "object": "list",
-            # root / parent as vLLM answers them: its `bench serve` reads root when --model is left out.
-            "data": [
-                {
-                    "id": service.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "epd-serve",
-                    "root": service.model_name,
-                    "parent": None,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str):
+        check_auth(request)
+        if model_id != service.model_name:
+            raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        try:
+            return {"version": importlib.metadata.version("epd-serve")}
+        except importlib.metadata.PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (text parts) -> token ids."""
+        check_auth(request)
+        req = parse_tokenize_request(
+            parse_json_body(await _read_body(request, settings.max_body_bytes)), served_model=service.model_name
+        )
+        if req.messages is not None:
+            text = await tokenizer.render_chat(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            )
+        else:
+            assert req.prompt is not None
+            text = req.prompt
+        tokens = await tokenizer.encode_prompt(text, add_special_tokens=req.add_special_tokens)
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": context_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = await tokenizer.token_strs(tokens)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's ``/detokenize``: token ids -> ``{"prompt": text}``."""
+        check_auth(request)
+        tokens = parse_detokenize_request(
+            parse_json_body(await _read_body(request, settings.max_body_bytes)), served_model=service.model_name
+        )
+        return {"prompt": await tokenizer.decode(tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        return await generate(request, Endpoint.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, Endpoint.COMPLETIONS)
+
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
         received_at = time.time()
         check_auth(request)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if endpoint == Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         token = REQUEST_ID.set(request_id)
         trace = set_trace("api", received_at=received_at)  # headers of everything published below
         metrics.IN_FLIGHT.labels("api").inc()
@@ -240,14 +329,24 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return response
 
         try:
-            raw = await _read_body(request, settings.max_body_bytes)
-            parsed = parse_chat_request(
-                parse_json_body(raw),
-                served_model=service.model_name,
-                max_images=settings.max_images_per_request,
-                max_tokens_limit=settings.max_tokens_limit,
-                default_max_tokens=settings.default_max_tokens,
-            )
+            body = parse_json_body(await _read_body(request, settings.max_body_bytes))
+            if endpoint == Endpoint.CHAT:
+                parsed = parse_chat_request(
+                    body,
+                    served_model=service.model_name,
+                    max_images=settings.max_images_per_request,
+                    max_tokens_limit=settings.max_tokens_limit,
+                    default_max_tokens=settings.default_max_tokens,
+                )
+            else:
+                parsed = parse_completion_request(
+                    body,
+                    served_model=service.model_name,
+                    max_tokens_limit=settings.max_tokens_limit,
+                    default_max_tokens=settings.default_max_tokens,
+                )
+                if parsed.echo and isinstance(parsed.prompt, tuple):
+                    parsed.echo_text = await tokenizer.decode(parsed.prompt, param="prompt")
             deadline = received_at + settings.request_timeout_s
             if service.nc is None or not service.nc.is_connected:
                 raise ServiceUnavailable("not connected to NATS")
@@ -256,7 +355,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)
             submitted = True
-            log.info("accepted: %d image(s), stream=%s", len(images), parsed.stream)
+            log.info("accepted: %d image(s), %d choice(s), stream=%s", len(images), parsed.n, parsed.stream)
             try:
                 if not parsed.stream:
                     try:
@@ -267,8 +366,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
                         await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
                 first = await _unless_interrupted(anext(events), service.stopping, request)
-                if isinstance(first, ErrorEvent):
-                    raise _event_error(first)
+                if isinstance(first[1], ErrorEvent):
+                    raise _event_error(first[1])
             except ClientDisconnected:
                 service.cancel_in_background(events, Cancelled("the client disconnected"))
                 raise
@@ -357,75 +456,65 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _completion_body(request_id: str, parsed: ParsedRequest, final: FinalResult, created: int) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": final.text}
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": final.finish_reason, "logprobs": None}
-    if parsed.return_token_ids:
-        choice["token_ids"] = list(final.token_ids)
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": parsed.model,
-        "choices": [choice],
-        "usage": _usage(final),
-    }
-
-
-def _observe_final(final: FinalResult, received_at: float, first_token_at: float | None) -> None:
-    """E2E, time per output token (after the first) and token counts of a completed request."""
+def _observe_final(finals: list[FinalResult], received_at: float, first_token_at: float | None) -> None:
+    """E2E, time per output token (after the first; of the longest choice) and token counts of a
+    completed request (its prompt once, every choice's completion tokens)."""
     now = time.time()
     metrics.E2E.observe(now - received_at)
-    if first_token_at is not None and final.completion_tokens > 1:
-        metrics.TPOT.observe((now - first_token_at) / (final.completion_tokens - 1))
-    metrics.PROMPT_TOKENS.inc(final.prompt_tokens)
-    metrics.GENERATION_TOKENS.inc(final.completion_tokens)
+    longest = max(f.completion_tokens for f in finals)
+    if first_token_at is not None and longest > 1:
+        metrics.TPOT.observe((now - first_token_at) / (longest - 1))
+    metrics.PROMPT_TOKENS.inc(finals[0].prompt_tokens)
+    metrics.GENERATION_TOKENS.inc(sum(f.completion_tokens for f in finals))
 
 
-async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
+async def _complete(events: ChoiceStreams, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
     first_token_at = None
-    async for event in events:
-        if isinstance(event, TokenChunk) and first_token_at is None:
-            first_token_at = time.time()
-            metrics.TTFT.observe(first_token_at - received_at)
+    results = [ChoiceResult() for _ in range(len(events))]
+    async for index, event in events:
+        if isinstance(event, TokenChunk):
+            if first_token_at is None:
+                first_token_at = time.time()
+                metrics.TTFT.observe(first_token_at - received_at)
+            results[index].chunks.append(event)
         elif isinstance(event, ErrorEvent):
             raise _event_error(event)
         elif isinstance(event, FinalResult):
-            _observe_final(event, received_at, first_token_at)
-            metrics.REQUESTS.labels("200").inc()
-            log.info(
-                "completed: %d tokens, finish=%s, sources=%s",
-                event.completion_tokens,
-                event.finish_reason,
-                event.ec_sources,
-            )
-            return JSONResponse(_completion_body(request_id, parsed, event, int(received_at)))
-    raise ServiceUnavailable("token stream ended without a result")
+            results[index].final = event
+    finals = [r.final for r in results if r.final is not None]
+    if len(finals) != len(results):
+        raise ServiceUnavailable("token stream ended without a result")
+    _observe_final(finals, received_at, first_token_at)
+    metrics.REQUESTS.labels("200").inc()
+    log.info(
+        "completed: %s tokens, finish=%s, sources=%s",
+        "+".join(str(f.completion_tokens) for f in finals),
+        ",".join(f.finish_reason for f in finals),
+        finals[0].ec_sources,
+    )
+    return JSONResponse(response_body(request_id, parsed, results, int(received_at)))
 
 
 async def _sse(
-    first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float, service: ApiService
+    first: tuple[int, Any],
+    events: ChoiceStreams,
+    request_id: str,
+    parsed: ParsedRequest,
+    received_at: float,
+    service: ApiService,
 ) -> AsyncIterator[bytes]:
-    created = int(received_at)
+    shaper = StreamShaper(request_id, parsed, int(received_at))
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        choice.update(extra)
-        body = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": parsed.model,
-            "choices": [choice],
-        }
+    def data(body: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(body)}\n\n".encode()
 
     token = REQUEST_ID.set(request_id)
     metrics.IN_FLIGHT.labels("api_stream").inc()
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        first_token_seen = False
+        for body in shaper.opening():
+            yield data(body)
         first_token_at = None
+        finals: dict[int, FinalResult] = {}
 
         async def all_events():
             yield first
@@ -436,41 +525,36 @@ async def _sse(
                     return
 
         try:
-            async for event in all_events():
+            async for index, event in all_events():
                 if isinstance(event, TokenChunk):
-                    if not first_token_seen:
-                        first_token_seen = True
+                    if first_token_at is None:
                         first_token_at = time.time()
                         metrics.TTFT.observe(first_token_at - received_at)
-                    extra: dict[str, Any] = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
-                    if event.text or extra:
-                        yield chunk({"content": event.text}, **extra)
+                    out = shaper.tokens(index, event)
+                    if out is not None:
+                        yield data(out)
                 elif isinstance(event, FinalResult):
-                    yield chunk({}, event.finish_reason)
-                    if parsed.include_usage:
-                        body = {
-                            "id": request_id,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": parsed.model,
-                            "choices": [],
-                            "usage": _usage(event),
-                        }
-                        yield f"data: {json.dumps(body)}\n\n".encode()
-                    _observe_final(event, received_at, first_token_at)
-                    metrics.REQUESTS.labels("200").inc()
+                    finals[index] = event
+                    yield data(shaper.finish(index, event))
                 elif isinstance(event, ErrorEvent):
                     raise _event_error(event)
+            if len(finals) != parsed.n:
+                raise ServiceUnavailable("token stream ended without a result")
+            ordered = [finals[i] for i in range(parsed.n)]
+            if parsed.include_usage:
+                yield data(shaper.usage(ordered))
+            _observe_final(ordered, received_at, first_token_at)
+            metrics.REQUESTS.labels("200").inc()
         except EPDError as exc:
             # Headers are gone: report in-band, the way OpenAI-compatible servers do.
             log.error("stream failed: %s: %s", exc.code, exc.message)
             metrics.REQUESTS.labels(str(exc.http_status)).inc()
-            yield f"data: {json.dumps(_error_body(exc))}\n\n".encode()
+            yield data(_error_body(exc))
         except nats.errors.Error as exc:
             log.error("stream failed: NATS: %s: %s", type(exc).__name__, exc)
             err = nats_unavailable("streaming tokens", exc)
             metrics.REQUESTS.labels(str(err.http_status)).inc()
-            yield f"data: {json.dumps(_error_body(err))}\n\n".encode()
+            yield data(_error_body(err))
         yield b"data: [DONE]\n\n"
     finally:
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed

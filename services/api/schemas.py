@@ -1,22 +1,44 @@
-"""OpenAI chat-completions request parsing and validation (no I/O).
+"""OpenAI chat-completions and completions request parsing and validation (no I/O).
 
-Turns a JSON body into a :class:`ParsedRequest`: typed messages (``shared.chat.ChatMessage``, the
-one place chat messages are validated) whose image parts are ``ImagePart`` placeholders, the image
-URLs in placeholder order, and sampling settings. Every rejection is a typed ``shared.errors``
-exception naming the offending parameter.
+Turns a JSON body into a :class:`ParsedRequest`: first the parameter table
+(``services.api.params.PARAMS``: a field of neither OpenAI's nor vLLM's schema is refused, and so is a
+refused one set to anything that changes the result), then the endpoint's typed model
+(``msgspec.convert``: a wrong type is refused naming the field), then the ranges. Chat messages
+become typed messages (``shared.chat.ChatMessage``, the one place chat messages are validated)
+whose image parts are ``ImagePart`` placeholders, with the image URLs in placeholder order.
+Every rejection is a typed ``shared.errors`` exception naming the offending parameter.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from services.api.params import (
+    MODELS,
+    PARAMS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    RequestModel,
+    fields_of,
+)
 from shared.chat import ChatMessage, ImagePart, Part, TextPart, check_role
-from shared.errors import InvalidRequest, TooManyImages, UnsupportedContent
+from shared.errors import InvalidRequest, TooManyImages, UnknownParameter, UnsupportedContent, UnsupportedParameter
 from shared.protocol import SamplingSpec
 
 MAX_STOP_SEQUENCES = 4
+#: the most choices (``n``) of one request: each is a generation job
+MAX_N = 16
+#: the most alternatives per token (``logprobs`` / ``top_logprobs``), vLLM's default limit
+MAX_LOGPROBS = 20
+#: ``/v1/completions`` without ``max_tokens`` (OpenAI's and vLLM's default)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -29,6 +51,17 @@ class ParsedRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     body: dict[str, Any] = field(default_factory=dict)
+    endpoint: Endpoint = Endpoint.CHAT
+    #: ``/v1/completions``: the prompt (text, or token ids)
+    prompt: str | tuple[int, ...] | None = None
+    #: choices (``n``): one generation job each
+    n: int = 1
+    #: what ``echo`` puts before each choice's text (completions with a token-id prompt: the API
+    #: detokenizes it before answering); "" without echo
+    echo: bool = False
+    echo_text: str = ""
+    #: logprob tokens as ``token_id:<id>`` (``return_tokens_as_token_ids``)
+    tokens_as_ids: bool = False
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -51,13 +84,51 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
+#: The type errors of fields whose messages predate the typed models (kept word for word).
+_TYPE_MESSAGES = {
+    "messages": "'messages' must be a non-empty list",
+    "stream": "'stream' must be a boolean",
+    "stream_options": "'stream_options' must be an object",
+    "seed": "'seed' must be a non-negative integer",
+    "stop": f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings",
+    "temperature": "'temperature' must be a number",
+    "top_p": "'top_p' must be a number",
+}
+_PATH = re.compile(r" - at `\$\.([A-Za-z0-9_]+)")
+
+
+def typed_request(body: dict[str, Any], endpoint: Endpoint) -> RequestModel:
+    """``body`` as ``endpoint``'s typed model, after the parameter table's checks: an unknown field
+    is an :class:`UnknownParameter`, a refused one set to a value that is not a no-op an
+    :class:`UnsupportedParameter`, a wrong type an :class:`InvalidRequest` - each naming the field."""
+    known = fields_of(endpoint)
+    for name in body:
+        if name not in known:
+            raise UnknownParameter(f"Unrecognized request argument supplied: {name}", param=name)
+    for name, value in body.items():
+        param = PARAMS[name]
+        if param.status == "refused" and not param.is_noop(value, endpoint):
+            allowed = " or ".join(json.dumps(v) for v in param.noop_values(endpoint) if v is not None)
+            raise UnsupportedParameter(
+                f"'{name}' is not supported by this server"
+                + (f" ({param.why})" if param.why else "")
+                + f": leave it out{' or set it to ' + allowed if allowed else ''}",
+                param=name,
+            )
+    try:
+        return msgspec.convert(body, MODELS[endpoint], strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _PATH.search(text)
+        wrong = m.group(1) if m else None
+        message = _TYPE_MESSAGES.get(wrong or "") or (f"'{wrong}': {text}" if wrong else text)
+        raise InvalidRequest(message, param=wrong) from None
+
+
+def _number(value: float | None, name: str, default: float, lo: float, hi: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequest(f"'{name}' must be a number", param=name)
-    if not lo <= value <= hi:
+    if not math.isfinite(value) or not lo <= value <= hi:
         raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
     return float(value)
 
@@ -96,18 +167,10 @@ def _parse_content(content: Any, index: int, image_urls: list[str], max_images: 
     return parts
 
 
-def parse_chat_request(
-    body: dict[str, Any], *, served_model: str, max_images: int, max_tokens_limit: int, default_max_tokens: int
-) -> ParsedRequest:
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
-    messages = body.get("messages")
+def parse_messages(messages: Any, *, max_images: int) -> tuple[list[ChatMessage], list[str]]:
+    """OpenAI chat messages as typed messages, and their image URLs in placeholder order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    if body.get("n", 1) != 1:
-        raise InvalidRequest("only n=1 is supported", param="n")
-
     image_urls: list[str] = []
     normalized: list[ChatMessage] = []
     for i, message in enumerate(messages):
@@ -116,52 +179,309 @@ def parse_chat_request(
         role = check_role(message.get("role"), f"messages[{i}]")
         content = _parse_content(message.get("content"), i, image_urls, max_images)
         normalized.append(ChatMessage(role=role, content=content))
+    return normalized, image_urls
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+
+def _check_model(req: RequestModel, served_model: str) -> None:
+    model = served_model if req.model is None else req.model
+    if model != served_model:
+        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+
+
+def _sampling(
+    req: RequestModel, *, max_tokens: int | None, max_tokens_limit: int, default_max_tokens: int, logprobs: int | None
+) -> SamplingSpec:
+    """The ``SamplingSpec`` of a typed request (ranges checked here, with the existing messages)."""
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
+    if not 1 <= max_tokens <= max_tokens_limit:
         raise InvalidRequest(f"'max_tokens' must be an integer in [1, {max_tokens_limit}]", param="max_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > MAX_STOP_SEQUENCES or not all(stop):
         raise InvalidRequest(
             f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
         )
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+    if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequest("'seed' must be a non-negative integer", param="seed")
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise InvalidRequest("'top_p' must be greater than 0", param="top_p")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
-
-    sampling = SamplingSpec(
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k < -1:
+        raise InvalidRequest(f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}", param="top_k")
+    repetition_penalty = _number(req.repetition_penalty, "repetition_penalty", 1.0, 0.0, 2.0)
+    if repetition_penalty <= 0:
+        raise InvalidRequest("'repetition_penalty' must be greater than 0", param="repetition_penalty")
+    min_tokens = req.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest(
+            f"'min_tokens' must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens}", param="min_tokens"
+        )
+    stop_token_ids = req.stop_token_ids or []
+    if any(t < 0 for t in stop_token_ids):
+        raise InvalidRequest("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+    return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(req.temperature, "temperature", 1.0, 0.0, 2.0),
         top_p=top_p,
-        seed=seed,
+        seed=req.seed,
         stop=tuple(stop),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=bool(req.ignore_eos),
+        top_k=max(top_k, 0),
+        min_p=_number(req.min_p, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(req.presence_penalty, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(req.frequency_penalty, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+        logprobs=logprobs,
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0:
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}", param="logit_bias"
+            )
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise InvalidRequest(f"'logit_bias' values must be between -100 and 100, got {value}", param="logit_bias")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _logprobs(value: int | None, name: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}]", param=name)
+    return value
+
+
+def _common(req: RequestModel) -> tuple[int, bool, bool]:
+    """``n``, ``stream`` and ``include_usage`` (checked)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", param="n")
+    stream = bool(req.stream)
+    options = req.stream_options
+    if options is not None and options.continuous_usage_stats:
+        raise UnsupportedParameter(
+            "'stream_options.continuous_usage_stats' is not supported by this server: usage comes in the last chunk",
+            param="stream_options",
+        )
+    return n, stream, bool(options is not None and options.include_usage)
+
+
+def _echo_text(messages: list[ChatMessage]) -> str:
+    """vLLM's chat ``echo``: the last message's text when it is the assistant's (the role answering)."""
+    last = messages[-1]
+    if last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content if isinstance(p, TextPart))
+
+
+def parse_chat_request(
+    body: dict[str, Any], *, served_model: str, max_images: int, max_tokens_limit: int, default_max_tokens: int
+) -> ParsedRequest:
+    req = typed_request(body, Endpoint.CHAT)
+    assert isinstance(req, ChatCompletionRequest)
+    _check_model(req, served_model)
+    messages, image_urls = parse_messages(req.messages, max_images=max_images)
+    n, stream, include_usage = _common(req)
+    top_logprobs = _logprobs(req.top_logprobs, "top_logprobs")
+    if top_logprobs and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling = _sampling(
+        req,
+        max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=default_max_tokens,
+        logprobs=(top_logprobs or 0) if req.logprobs else None,
     )
     return ParsedRequest(
         model=served_model,
-        messages=normalized,
+        messages=messages,
         image_urls=image_urls,
         sampling=sampling,
         stream=stream,
-        include_usage=bool(stream_options.get("include_usage", False)),
-        return_token_ids=bool(body.get("return_token_ids", False)),
+        include_usage=include_usage,
+        return_token_ids=bool(req.return_token_ids),
         body=body,
+        endpoint=Endpoint.CHAT,
+        n=n,
+        echo=bool(req.echo),
+        echo_text=_echo_text(messages) if req.echo else "",
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def parse_prompt(prompt: Any) -> str | tuple[int, ...]:
+    """A completions prompt: a string or token ids (or a list of exactly one of those)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        if len(prompt) > 1:
+            raise UnsupportedParameter(
+                f"'prompt' holds {len(prompt)} prompts: one prompt per request is supported (send one request each)",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        return prompt
+    if _is_token_ids(prompt):
+        if any(t < 0 for t in prompt):
+            raise InvalidRequest("'prompt' token ids must be non-negative", param="prompt")
+        return tuple(prompt)
+    raise InvalidRequest("'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+
+
+def parse_completion_request(
+    body: dict[str, Any], *, served_model: str, max_tokens_limit: int, default_max_tokens: int
+) -> ParsedRequest:
+    """A ``/v1/completions`` body (``default_max_tokens``: what an explicit ``max_tokens: null``
+    means; absent, it is 16 as in OpenAI and vLLM)."""
+    req = typed_request(body, Endpoint.COMPLETIONS)
+    assert isinstance(req, CompletionRequest)
+    _check_model(req, served_model)
+    prompt = parse_prompt(req.prompt)
+    n, stream, include_usage = _common(req)
+    if req.best_of is not None and req.best_of != n:
+        raise UnsupportedParameter(
+            f"'best_of' ({req.best_of}) must equal 'n' ({n}) or be left out: completions are not re-ranked here",
+            param="best_of",
+        )
+    logprobs = _logprobs(req.logprobs, "logprobs")
+    if req.echo and logprobs is not None:
+        raise UnsupportedParameter(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not compute", param="echo"
+        )
+    max_tokens = req.max_tokens if "max_tokens" in body else min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
+    sampling = _sampling(
+        req,
+        max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=default_max_tokens,
+        logprobs=logprobs,
+    )
+    return ParsedRequest(
+        model=served_model,
+        messages=[],
+        image_urls=[],
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=bool(req.return_token_ids),
+        body=body,
+        endpoint=Endpoint.COMPLETIONS,
+        prompt=prompt,
+        n=n,
+        echo=bool(req.echo),
+        echo_text=prompt if req.echo and isinstance(prompt, str) else "",
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+    )
+
+
+@dataclass
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest``)."""
+
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    continue_final_message: bool
+    return_token_strs: bool
+
+
+#: ``/tokenize`` fields: honoured ones -> their type; refused ones (vLLM's chat-template knobs) are
+#: accepted only as their no-op defaults
+_TOKENIZE_FIELDS: dict[str, Any] = {
+    "model": (str, type(None)),
+    "prompt": (str,),
+    "messages": (list,),
+    "add_special_tokens": (bool, type(None)),
+    "add_generation_prompt": (bool, type(None)),
+    "continue_final_message": (bool, type(None)),
+    "return_token_strs": (bool, type(None)),
+}
+_TOKENIZE_REFUSED: dict[str, tuple[Any, ...]] = {
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "tools": (None, []),
+}
+
+
+def _check_fields(body: dict[str, Any], fields: dict[str, Any], refused_fields: dict[str, tuple[Any, ...]]) -> None:
+    for name, value in body.items():
+        if name in refused_fields:
+            if value not in refused_fields[name]:
+                raise UnsupportedParameter(f"'{name}' is not supported by this server", param=name)
+        elif name not in fields:
+            raise UnknownParameter(f"Unrecognized request argument supplied: {name}", param=name)
+        elif type(value) not in fields[name]:
+            raise InvalidRequest(f"'{name}' has the wrong type ({type(value).__name__})", param=name)
+
+
+def parse_tokenize_request(body: dict[str, Any], *, served_model: str) -> TokenizeRequest:
+    """A ``/tokenize`` body: ``prompt`` (text; special tokens added unless ``add_special_tokens``
+    is false) or ``messages`` (the chat template; text parts only: an image's token count depends
+    on the image, which is not fetched here)."""
+    _check_fields(body, _TOKENIZE_FIELDS, _TOKENIZE_REFUSED)
+    model = body.get("model") or served_model
+    if model != served_model:
+        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
+    chat = "messages" in body
+    messages = None
+    if chat:
+        parsed, urls = parse_messages(body["messages"], max_images=1 << 30)
+        if urls:
+            raise UnsupportedContent(
+                "image parts cannot be tokenized here (their token count depends on the image)", param="messages"
+            )
+        messages = [m.to_wire() for m in parsed]
+    add_generation_prompt = body.get("add_generation_prompt")
+    continue_final = bool(body.get("continue_final_message"))
+    if add_generation_prompt and continue_final:
+        raise InvalidRequest(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message"
+        )
+    add_special = body.get("add_special_tokens")
+    return TokenizeRequest(
+        prompt=body.get("prompt"),
+        messages=messages,
+        add_special_tokens=(not chat) if add_special is None else add_special,
+        add_generation_prompt=(not continue_final) if add_generation_prompt is None else add_generation_prompt,
+        continue_final_message=continue_final,
+        return_token_strs=bool(body.get("return_token_strs")),
+    )
+
+
+def parse_detokenize_request(body: dict[str, Any], *, served_model: str) -> list[int]:
+    """A ``/detokenize`` body: ``{"tokens": [...]}`` (+ ``model``)."""
+    _check_fields(body, {"model": (str, type(None)), "tokens": (list,)}, {})
+    model = body.get("model") or served_model
+    if model != served_model:
+        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise InvalidRequest("'tokens' must be a list of token ids (non-negative integers)", param="tokens")
+    return tokens
 
 
 def recorded_url(url: str) -> str:
@@ -182,6 +502,8 @@ def redact_images(body: dict[str, Any], item_hashes: list[str]) -> dict[str, Any
     a fetched image, its :func:`recorded_url`)."""
     hashes = iter(item_hashes)
     out = dict(body)
+    if "messages" not in body:  # (a completions request: no images)
+        return out
     messages = []
     for message in body.get("messages", []):
         message = dict(message)

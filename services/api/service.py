@@ -9,25 +9,25 @@ exhausted its deliveries.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats
 
 from services.api.schemas import ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import protocol
-from shared.client import RequestClient, Submission, TokenStream
+from shared.client import ChoiceStreams, RequestClient, Submission
 from shared.config import ApiSettings
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
-from shared.protocol import ChatRequestRecord, ImageRef, Subjects, WorkerHeartbeat
+from shared.protocol import ChatRequestRecord, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.store.ec import ECStore
 from shared.store.factory import ec_store_from_settings
 from shared.topology import TOPOLOGIES
@@ -52,6 +52,21 @@ class WorkerView:
             if now - hb.sent_at <= self.stale_s:
                 out.setdefault(role, []).append(hb)
         return out
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The generation job ids of a request's ``n`` choices: the request's own id for the first,
+    ``<id>-<i>`` for choice i > 0 (each has its own record, token stream and debug page)."""
+    return [request_id] + [f"{request_id}-{i}" for i in range(1, n)]
+
+
+def choice_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
+    """Choice ``index``'s sampling: a client seed s becomes s + index (as vLLM seeds the children of
+    an ``n`` > 1 request), so choices differ and each is reproducible; without one each choice's
+    worker derives its seed from the choice's own id (``protocol.effective_seed``)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % 2**63)
 
 
 class ApiService:
@@ -191,9 +206,10 @@ class ApiService:
 
     async def submit(
         self, request_id: str, parsed: ParsedRequest, images: list[LoadedImage], received_at: float, deadline: float
-    ) -> TokenStream:
-        """Submit the request (``RequestClient.submit``: images, encode jobs, record, generation
-        job); its token stream, bounded by ``deadline`` (at which the request is recorded as
+    ) -> ChoiceStreams:
+        """Submit the request (``RequestClient.submit_choices``: images and encode jobs once, then
+        a record and a generation job per choice - :func:`choice_ids`, :func:`choice_sampling`);
+        the choices' token streams, bounded by ``deadline`` (at which the request is recorded as
         abandoned by the API)."""
         assert self.client is not None
         submission = Submission(
@@ -206,9 +222,11 @@ class ApiService:
             deadline=deadline,
             body=redact_images(parsed.body, [img.content_hash for img in images]),
             images=images,
+            prompt=parsed.prompt,
         )
-        return await self.client.submit(
-            submission, encode=self.uses_encoder, on_abandon=functools.partial(self.client.abandon, request_id)
+        choices = [(rid, choice_sampling(parsed.sampling, i)) for i, rid in enumerate(choice_ids(request_id, parsed.n))]
+        return await self.client.submit_choices(
+            submission, choices, encode=self.uses_encoder, on_abandon=self.client.abandon
         )
 
     async def record_refused(
@@ -234,7 +252,7 @@ class ApiService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def cancel_in_background(self, events: TokenStream, error: EPDError) -> None:
+    def cancel_in_background(self, events: ChoiceStreams, error: EPDError) -> None:
         """Give up on a request that has not ended: its workers stop (``RequestClient.abandon``)."""
         if not events.ended:
             self.spawn(events.cancel(error))

@@ -303,6 +303,7 @@ async def replay_request(
         images=images,
         replay_of=request_id,
         fingerprint=fingerprint,
+        prompt=job.prompt,
     )
     trace = set_trace(protocol.STAGE_REPLAY, received_at=received)
     try:
