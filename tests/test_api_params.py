@@ -17,7 +17,7 @@ from services.api.params import MODELS, PARAMS, Endpoint, fields_of
 from services.api.responses import ChoiceResult, StreamShaper, chat_logprobs, completion_logprobs, response_body
 from services.api.schemas import parse_chat_request, parse_completion_request
 from shared.errors import InvalidRequest, UnknownParameter, UnsupportedParameter
-from shared.protocol import EncodeJob, FinalResult, GenerationJob, SamplingSpec, TokenChunk, TokenLogprob
+from shared.protocol import ECWanted, EncodeJob, FinalResult, GenerationJob, SamplingSpec, TokenChunk, TokenLogprob
 from tests.stackutil import data_url, noise_image, parse_sse, user_message
 
 CHAT_KW = dict(served_model="m", max_images=2, max_tokens_limit=64, default_max_tokens=8)
@@ -376,6 +376,8 @@ def test_n_choices_share_one_encode_job(epd_stack):
         if isinstance(m, EncodeJob) and m.request_id.startswith(rid)
     ]
     assert len(encodes) == 1, encodes
+    # ...and the second choice did not ask for it again (a re-queued job, dropped as a duplicate, says ECWanted)
+    assert epd_stack.messages_of("stream_control", ECWanted, f"{rid}-1") == []
 
     # streaming: every chunk names its choice; each choice finishes once; usage covers both
     with httpx.stream(
@@ -459,3 +461,17 @@ def test_logprobs_end_to_end(epd_stack):
     assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
     # greedy: the chosen token is the most likely one
     assert all(e["top_logprobs"][0]["token"] == e["token"] for e in content)
+
+
+def test_the_docs_table_is_the_table():
+    """docs/api.md has one row per PARAMS field, with its status for each endpoint."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("| `")}
+    for name, param in PARAMS.items():
+        assert name in rows, f"{name} is not in docs/api.md's parameter table"
+        cells = [c.strip() for c in rows[name].split("|")[2:4]]
+        for endpoint, cell in zip(Endpoint, cells, strict=True):
+            want = param.status if endpoint in param.endpoints else "—"
+            assert cell.startswith(want), (name, endpoint, cell)
