@@ -77,6 +77,7 @@ def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
         min_tokens=spec.min_tokens,
         stop_token_ids=tuple(spec.stop_token_ids),
         logprobs=spec.logprobs,
+        structured=spec.structured,
     )
 
 

@@ -332,6 +332,42 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
 SAMPLING_SCHEMA = 2
 
 
+class StructuredKind(enum.StrEnum):
+    """What a :class:`StructuredOutput` constrains the completion to (``shared.engines.grammar``)."""
+
+    #: any JSON object (OpenAI ``response_format: {"type": "json_object"}``; vLLM ``json_object``)
+    JSON_OBJECT = "json_object"
+    #: a JSON document valid under ``StructuredOutput.schema`` (``json_schema`` / a named tool's
+    #: parameters; vLLM ``json``)
+    JSON_SCHEMA = "json_schema"
+
+
+#: The most bytes of a ``StructuredOutput.schema`` (its UTF-8 JSON text).
+MAX_STRUCTURED_SCHEMA_BYTES = 64 * 1024
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """A grammar the completion must follow (grammar-constrained decoding, xgrammar on both
+    engines). ``kind`` is typed as the enum, not ``str``: a worker that does not know a kind
+    refuses the job (``ProtocolError``) instead of generating without the constraint.
+    ``schema`` is the JSON schema as compact JSON text (``shared.engines.grammar.structured_output``
+    writes it; key order is kept: the grammar emits object properties in the schema's order), empty
+    for ``json_object``."""
+
+    kind: StructuredKind
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        # Checked on construction and on decoding (msgspec turns the error into a ValidationError).
+        if self.kind == StructuredKind.JSON_SCHEMA:
+            if not self.schema:
+                raise ValueError("a json_schema StructuredOutput needs a schema")
+            if len(self.schema.encode()) > MAX_STRUCTURED_SCHEMA_BYTES:
+                raise ValueError(f"StructuredOutput schema exceeds {MAX_STRUCTURED_SCHEMA_BYTES} bytes")
+        elif self.schema:
+            raise ValueError(f"a {self.kind} StructuredOutput takes no schema")
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one completion (vLLM ``SamplingParams`` semantics; the defaults change
     nothing). Every field is applied by every engine on every topology: a field an engine cannot
@@ -361,6 +397,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     #: None: no logprobs; k >= 0: the chosen token's logprob plus the k most likely alternatives
     logprobs: int | None = None
+    #: the grammar the completion must follow (``response_format`` json_object / json_schema, a
+    #: named ``tool_choice``); None: free text
+    structured: StructuredOutput | None = None
 
 
 def effective_seed(request_id: str, seed: int | None) -> int:

@@ -24,6 +24,7 @@ from shared.protocol import (
     GenerationJob,
     SamplingSpec,
     StageName,
+    StructuredKind,
     Timing,
     WorkQueue,
 )
@@ -45,6 +46,7 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "decode_batch_rows_max",
     },
     WorkQueue: {"encode", "generate", "decode"},
+    StructuredKind: {"json_object", "json_schema"},
     # the Epd-Stage header, ErrorEvent.stage and a timeline stage's service (with "replay")
     Service: {"api", "encoder", "prefill", "decode"},
     EvictionReason: {"bytes", "objects", "ttl", "retired", "purge", "gone"},

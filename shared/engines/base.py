@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
 
     from shared.connectors.params import KVHandoff
     from shared.identity import ModelIdentity
-    from shared.protocol import TokenLogprob
+    from shared.protocol import StructuredOutput, TokenLogprob
     from shared.store.format import RawTensor
     from shared.store.kv import KVObject
     from shared.topology import Role
@@ -64,6 +64,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    #: the grammar the completion must follow (``shared.engines.grammar``); None: free text
+    structured: StructuredOutput | None = None
 
 
 @dataclass(frozen=True)
