@@ -125,6 +125,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     app = FastAPI(title="epd-serve", lifespan=lifespan)
     app.state.service = service
+    # epd:* and vllm:* request metrics (shared.metrics.ApiRequestMetrics), one tracker per request
+    request_metrics = metrics.ApiRequestMetrics(
+        service.model_name,
+        max_model_len=metrics.model_max_len(service.identity.model_path, settings.vllm_max_model_len),
+    )
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError):
@@ -256,27 +261,31 @@ def create_app(settings: ApiSettings) -> FastAPI:
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)
             submitted = True
+            tracked = request_metrics.submitted(received_at, max_tokens=parsed.sampling.max_tokens)
             log.info("accepted: %d image(s), stream=%s", len(images), parsed.stream)
             try:
                 if not parsed.stream:
                     try:
                         return await _unless_interrupted(
-                            _complete(events, request_id, parsed, received_at), service.stopping, request
+                            _complete(events, request_id, parsed, received_at, tracked), service.stopping, request
                         )
                     finally:
+                        tracked.close()
                         await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
                 first = await _unless_interrupted(anext(events), service.stopping, request)
                 if isinstance(first, ErrorEvent):
                     raise _event_error(first)
             except ClientDisconnected:
+                tracked.close()
                 service.cancel_in_background(events, Cancelled("the client disconnected"))
                 raise
             except BaseException as exc:  # the request's end was not delivered: its work is wasted
+                tracked.close()
                 service.cancel_in_background(events, Cancelled(f"the API gave up: {type(exc).__name__}"))
                 raise
             return StreamingResponse(
-                _sse(first, events, request_id, parsed, received_at, service),
+                _sse(first, events, request_id, parsed, received_at, service, tracked),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
@@ -372,26 +381,21 @@ def _completion_body(request_id: str, parsed: ParsedRequest, final: FinalResult,
     }
 
 
-def _observe_final(final: FinalResult, received_at: float, first_token_at: float | None) -> None:
-    """E2E, time per output token (after the first) and token counts of a completed request."""
-    now = time.time()
-    metrics.E2E.observe(now - received_at)
-    if first_token_at is not None and final.completion_tokens > 1:
-        metrics.TPOT.observe((now - first_token_at) / (final.completion_tokens - 1))
-    metrics.PROMPT_TOKENS.inc(final.prompt_tokens)
-    metrics.GENERATION_TOKENS.inc(final.completion_tokens)
+def _observe_final(tracked: metrics.RequestMetrics, final: FinalResult) -> None:
+    """E2E, time per output token, token counts and the finish reason of a completed request."""
+    tracked.finished(final.finish_reason, final.prompt_tokens, final.completion_tokens)
 
 
-async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
-    first_token_at = None
+async def _complete(
+    events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float, tracked: metrics.RequestMetrics
+) -> JSONResponse:
     async for event in events:
-        if isinstance(event, TokenChunk) and first_token_at is None:
-            first_token_at = time.time()
-            metrics.TTFT.observe(first_token_at - received_at)
+        if isinstance(event, TokenChunk):
+            tracked.tokens(len(event.token_ids))  # TTFT, inter-token latency
         elif isinstance(event, ErrorEvent):
             raise _event_error(event)
         elif isinstance(event, FinalResult):
-            _observe_final(event, received_at, first_token_at)
+            _observe_final(tracked, event)
             metrics.REQUESTS.labels("200").inc()
             log.info(
                 "completed: %d tokens, finish=%s, sources=%s",
@@ -404,7 +408,13 @@ async def _complete(events: TokenStream, request_id: str, parsed: ParsedRequest,
 
 
 async def _sse(
-    first, events: TokenStream, request_id: str, parsed: ParsedRequest, received_at: float, service: ApiService
+    first,
+    events: TokenStream,
+    request_id: str,
+    parsed: ParsedRequest,
+    received_at: float,
+    service: ApiService,
+    tracked: metrics.RequestMetrics,
 ) -> AsyncIterator[bytes]:
     created = int(received_at)
 
@@ -424,8 +434,6 @@ async def _sse(
     metrics.IN_FLIGHT.labels("api_stream").inc()
     try:
         yield chunk({"role": "assistant", "content": ""})
-        first_token_seen = False
-        first_token_at = None
 
         async def all_events():
             yield first
@@ -438,10 +446,7 @@ async def _sse(
         try:
             async for event in all_events():
                 if isinstance(event, TokenChunk):
-                    if not first_token_seen:
-                        first_token_seen = True
-                        first_token_at = time.time()
-                        metrics.TTFT.observe(first_token_at - received_at)
+                    tracked.tokens(len(event.token_ids))  # TTFT, inter-token latency
                     extra: dict[str, Any] = {"token_ids": list(event.token_ids)} if parsed.return_token_ids else {}
                     if event.text or extra:
                         yield chunk({"content": event.text}, **extra)
@@ -457,7 +462,7 @@ async def _sse(
                             "usage": _usage(event),
                         }
                         yield f"data: {json.dumps(body)}\n\n".encode()
-                    _observe_final(event, received_at, first_token_at)
+                    _observe_final(tracked, event)
                     metrics.REQUESTS.labels("200").inc()
                 elif isinstance(event, ErrorEvent):
                     raise _event_error(event)
@@ -473,6 +478,7 @@ async def _sse(
             yield f"data: {json.dumps(_error_body(err))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
+        tracked.close()
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed
             log.info("stream closed before the request ended: request cancelled")
         why = "the API stopped" if service.stopping.is_set() else "the client disconnected mid-stream"
