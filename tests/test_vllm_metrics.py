@@ -172,6 +172,12 @@ def test_a_request_moves_every_series_once():
     req.tokens(1)
     assert sample("vllm:request_success_total", model, finished_reason="stop") == 0
     assert sample("vllm:inter_token_latency_seconds_count", model) == 2
+    # Another request, ended by a stop string: its own finish reason.
+    api.submitted(t0).finished("stop", prompt_tokens=10, completion_tokens=1)
+    success = {r: sample("vllm:request_success_total", model, finished_reason=r) for r in metrics.VLLM_FINISH_REASONS}
+    assert success == {"stop": 1, "length": 1, "abort": 0, "error": 0, "repetition": 0}
+    assert sample("vllm:request_time_per_output_token_seconds_count", model) == 2
+    assert sample("vllm:request_time_per_output_token_seconds_sum", model) == pytest.approx(0.05)  # 0 for 1 token
 
 
 def test_a_request_without_a_result_counts_no_success_and_leaves_the_gauges():
