@@ -7,6 +7,11 @@ Every process exposes the default registry on ``/metrics`` (the API on its own p
 from __future__ import annotations
 
 import enum
+import json
+import threading
+import time
+import weakref
+from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -150,3 +155,246 @@ EC_INVALIDATIONS = Counter(
     "Local copies of EC objects dropped after an invalidation event, by holder.",
     ["holder"],
 )
+
+
+# -- vLLM-compatible metrics (vllm:*) of the whole disaggregated system, measured at the API ------
+#
+# Names, help texts, label names and bucket boundaries are vLLM 0.32's
+# (vllm/v1/metrics/loggers.py, vllm/v1/metrics/buckets.py), so dashboards and autoscalers built for
+# vLLM read them unchanged. vLLM labels per engine (``model_name``, ``engine``); the API is one
+# front end for every worker, so these carry ``model_name`` only. Registered on first use by
+# :class:`ApiRequestMetrics` (the API process only): worker processes running vLLM register
+# vLLM's own per-engine ``vllm:*`` metrics under the same names.
+
+VLLM_TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+#: vLLM's ``FinishReason`` strings: every ``vllm:request_success_total`` series exists from the start
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+#: ``vllm:request_prompt_tokens`` etc. when the model's context length is unknown
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def vllm_request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def model_max_len(model_dir: Path, override: int | None = None) -> int:
+    """The context length the token-count histograms are bucketed up to: ``override``
+    (``EPD_VLLM_MAX_MODEL_LEN``), else the model's ``max_position_embeddings`` (its
+    ``text_config``'s for a VLM), else :data:`DEFAULT_MAX_MODEL_LEN`."""
+    if override:
+        return override
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_MODEL_LEN
+    for section in (config.get("text_config") or {}, config):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_MAX_MODEL_LEN
+
+
+class _Vllm:
+    """The vllm:* collectors (one set per process, in the default registry)."""
+
+    def __init__(self, max_model_len: int):
+        labels = ["model_name"]
+        tokens = vllm_request_tokens_buckets(max_model_len)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels)
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"]
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, buckets=tokens
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", labels, buckets=tokens
+        )
+        self.request_params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", labels, buckets=tokens
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=VLLM_TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        # vLLM's name for the same observations before 0.11 (removed in 0.13): dashboards still use it.
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            labels,
+            buckets=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            labels,
+            buckets=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.models: set[str] = set()
+
+    def add_model(self, model: str) -> None:
+        """Create ``model``'s series (so they read 0 before its first request) and point its
+        running / waiting gauges at the live requests."""
+        if model in self.models:
+            return
+        self.models.add(model)
+        self.running.labels(model).set_function(lambda: _live_count(model, _RequestState.RUNNING))
+        self.waiting.labels(model).set_function(lambda: _live_count(model, _RequestState.WAITING))
+        for metric in (self.prompt_tokens, self.generation_tokens):
+            metric.labels(model)
+        for reason in VLLM_FINISH_REASONS:
+            self.request_success.labels(model, reason)
+        for hist in (
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.request_params_max_tokens,
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.request_tpot,
+            self.e2e,
+        ):
+            hist.labels(model)
+
+
+_VLLM: _Vllm | None = None
+_VLLM_LOCK = threading.Lock()
+
+
+class _RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+#: the requests the API is tracking; a tracker dropped without ``close`` (a response generator
+#: that never ran) leaves with its last reference
+_LIVE: weakref.WeakSet[RequestMetrics] = weakref.WeakSet()
+
+
+def _live_count(model: str, state: _RequestState) -> int:
+    return sum(1 for r in list(_LIVE) if r.model_name == model and r.state is state)
+
+
+class ApiRequestMetrics:
+    """The API's request metrics: ``epd:*`` latencies and tokens, and the ``vllm:*`` ones of the
+    whole system under the served model's name. One per API; :meth:`submitted` starts tracking a
+    request once its generation job is published."""
+
+    def __init__(self, model_name: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
+        global _VLLM
+        with _VLLM_LOCK:
+            if _VLLM is None:
+                _VLLM = _Vllm(max_model_len)
+            _VLLM.add_model(model_name)
+        self.vllm = _VLLM
+        self.model_name = model_name
+
+    def submitted(self, received_at: float, *, max_tokens: int | None = None) -> RequestMetrics:
+        """A request whose generation job was published (``received_at``: when the API got it)."""
+        return RequestMetrics(self, received_at, max_tokens)
+
+
+class RequestMetrics:
+    """One request at the API, from its generation job's publication to its end.
+
+    * waiting (``vllm:num_requests_waiting``): published, no token yet - its images being encoded,
+      its job queued for a prefill worker, or being prefilled (the API cannot tell these apart);
+    * running (``vllm:num_requests_running``): its first token arrived, its end not yet;
+    * done: it ended (:meth:`finished` with its result, or :meth:`close` without one).
+    """
+
+    def __init__(self, owner: ApiRequestMetrics, received_at: float, max_tokens: int | None):
+        self.owner = owner
+        self.model_name = owner.model_name
+        self.received_at = received_at
+        self.max_tokens = max_tokens
+        self.state = _RequestState.WAITING
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        _LIVE.add(self)
+
+    def tokens(self, count: int, now: float | None = None) -> None:
+        """A chunk of ``count`` new tokens arrived: the first one's time to first token (epd and
+        vllm), a later one's inter-token latency (one observation per chunk, as vLLM makes one
+        per engine step)."""
+        if self.state is _RequestState.DONE or count <= 0:
+            return
+        now = time.time() if now is None else now
+        vllm, model = self.owner.vllm, self.model_name
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.state = _RequestState.RUNNING
+            TTFT.observe(now - self.received_at)
+            vllm.ttft.labels(model).observe(now - self.received_at)
+        else:
+            gap = now - (self.last_token_at or now)
+            vllm.itl.labels(model).observe(gap)
+            vllm.tpot.labels(model).observe(gap)
+        self.last_token_at = now
+
+    def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request completed with a result (its usage): E2E, time per output token, tokens,
+        and ``vllm:request_success_total{finished_reason}``."""
+        if self.state is _RequestState.DONE:
+            return
+        now = time.time()
+        vllm, model = self.owner.vllm, self.model_name
+        E2E.observe(now - self.received_at)
+        if self.first_token_at is not None and completion_tokens > 1:
+            TPOT.observe((now - self.first_token_at) / (completion_tokens - 1))
+        PROMPT_TOKENS.inc(prompt_tokens)
+        GENERATION_TOKENS.inc(completion_tokens)
+
+        vllm.e2e.labels(model).observe(now - self.received_at)
+        vllm.request_success.labels(model, finish_reason).inc()
+        vllm.prompt_tokens.labels(model).inc(prompt_tokens)
+        vllm.generation_tokens.labels(model).inc(completion_tokens)
+        vllm.request_prompt_tokens.labels(model).observe(prompt_tokens)
+        vllm.request_generation_tokens.labels(model).observe(completion_tokens)
+        # vLLM: decode time (first to last token) / tokens after the first; 0 for one token.
+        decode_s = (self.last_token_at or now) - (self.first_token_at or now)
+        vllm.request_tpot.labels(model).observe(decode_s / (completion_tokens - 1) if completion_tokens > 1 else 0.0)
+        if self.max_tokens:
+            vllm.request_params_max_tokens.labels(model).observe(self.max_tokens)
+        self.close()
+
+    def close(self) -> None:
+        """The request ended (with or without a result): it leaves the running / waiting gauges."""
+        self.state = _RequestState.DONE
+        _LIVE.discard(self)

@@ -47,6 +47,8 @@ APPS = {
     "decode-gpu": dc.AppSpec("services.decode", "decode", "gpu", gpu_device=True),
 }
 INFRA = {"nats", "minio", "minio-init"}
+#: profile `observability` (added to a topology profile): Prometheus and Grafana (tests/test_observability.py)
+OBSERVABILITY = {"prometheus", "grafana"}
 PROFILES = {
     "e-pd": {"api", "encoder", "prefill"},
     "e-p-d": {"api", "encoder", "prefill-only", "decode"},
@@ -189,7 +191,8 @@ def test_no_profile_starts_infrastructure_only_and_env_example_picks_e_pd(compos
 
 def test_every_app_service_is_in_a_profile(compose):
     in_profiles = set().union(*PROFILES.values())
-    assert set(compose["services"]) == INFRA | in_profiles == INFRA | set(APPS)
+    assert set(compose["services"]) == INFRA | in_profiles | OBSERVABILITY == INFRA | set(APPS) | OBSERVABILITY
+    assert set(dc.active_services(compose, ["observability"])) == INFRA | OBSERVABILITY
     known = set(PROFILES)
     for name in APPS:
         assert set(compose["services"][name]["profiles"]) <= known, name

@@ -49,7 +49,7 @@ from services.api.schemas import (
     parse_tokenize_request,
 )
 from services.api.service import ApiService
-from services.api.tokenizer import Tokenizer, max_model_len
+from services.api.tokenizer import Tokenizer
 from shared import history, metrics, timeline
 from shared.client import ChoiceStreams
 from shared.config import ApiSettings
@@ -135,9 +135,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.service = service
     #: /tokenize, /detokenize, echo of a token-id prompt (loaded on first use)
     tokenizer = Tokenizer(service.identity.model_path)
-    context_len = max_model_len(
+    context_len = metrics.model_max_len(
         service.identity.model_path, settings.vllm_max_model_len if settings.engine == "vllm" else None
     )
+    # epd:* and vllm:* request metrics (shared.metrics.ApiRequestMetrics), one tracker per choice
+    # (vLLM counts each of a request's n choices as a request of its own)
+    request_metrics = metrics.ApiRequestMetrics(service.model_name, max_model_len=context_len)
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError):
@@ -355,27 +358,33 @@ def create_app(settings: ApiSettings) -> FastAPI:
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)
             submitted = True
+            tracked = [
+                request_metrics.submitted(received_at, max_tokens=parsed.sampling.max_tokens) for _ in range(parsed.n)
+            ]
             log.info("accepted: %d image(s), %d choice(s), stream=%s", len(images), parsed.n, parsed.stream)
             try:
                 if not parsed.stream:
                     try:
                         return await _unless_interrupted(
-                            _complete(events, request_id, parsed, received_at), service.stopping, request
+                            _complete(events, request_id, parsed, received_at, tracked), service.stopping, request
                         )
                     finally:
+                        _close_all(tracked)
                         await events.aclose()
                 # Wait for the first event so an early failure still gets a real HTTP status.
                 first = await _unless_interrupted(anext(events), service.stopping, request)
                 if isinstance(first[1], ErrorEvent):
                     raise _event_error(first[1])
             except ClientDisconnected:
+                _close_all(tracked)
                 service.cancel_in_background(events, Cancelled("the client disconnected"))
                 raise
             except BaseException as exc:  # the request's end was not delivered: its work is wasted
+                _close_all(tracked)
                 service.cancel_in_background(events, Cancelled(f"the API gave up: {type(exc).__name__}"))
                 raise
             return StreamingResponse(
-                _sse(first, events, request_id, parsed, received_at, service),
+                _sse(first, events, request_id, parsed, received_at, service, tracked),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
@@ -456,35 +465,36 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _observe_final(finals: list[FinalResult], received_at: float, first_token_at: float | None) -> None:
-    """E2E, time per output token (after the first; of the longest choice) and token counts of a
-    completed request (its prompt once, every choice's completion tokens)."""
-    now = time.time()
-    metrics.E2E.observe(now - received_at)
-    longest = max(f.completion_tokens for f in finals)
-    if first_token_at is not None and longest > 1:
-        metrics.TPOT.observe((now - first_token_at) / (longest - 1))
-    metrics.PROMPT_TOKENS.inc(finals[0].prompt_tokens)
-    metrics.GENERATION_TOKENS.inc(sum(f.completion_tokens for f in finals))
+def _close_all(tracked: list[metrics.RequestMetrics]) -> None:
+    for t in tracked:
+        t.close()
 
 
-async def _complete(events: ChoiceStreams, request_id: str, parsed: ParsedRequest, received_at: float) -> JSONResponse:
-    first_token_at = None
+def _observe_final(tracked: metrics.RequestMetrics, final: FinalResult) -> None:
+    """E2E, time per output token, token counts and the finish reason of a completed choice."""
+    tracked.finished(final.finish_reason, final.prompt_tokens, final.completion_tokens)
+
+
+async def _complete(
+    events: ChoiceStreams,
+    request_id: str,
+    parsed: ParsedRequest,
+    received_at: float,
+    tracked: list[metrics.RequestMetrics],
+) -> JSONResponse:
     results = [ChoiceResult() for _ in range(len(events))]
     async for index, event in events:
         if isinstance(event, TokenChunk):
-            if first_token_at is None:
-                first_token_at = time.time()
-                metrics.TTFT.observe(first_token_at - received_at)
+            tracked[index].tokens(len(event.token_ids))  # TTFT, inter-token latency
             results[index].chunks.append(event)
         elif isinstance(event, ErrorEvent):
             raise _event_error(event)
         elif isinstance(event, FinalResult):
             results[index].final = event
+            _observe_final(tracked[index], event)
     finals = [r.final for r in results if r.final is not None]
     if len(finals) != len(results):
         raise ServiceUnavailable("token stream ended without a result")
-    _observe_final(finals, received_at, first_token_at)
     metrics.REQUESTS.labels("200").inc()
     log.info(
         "completed: %s tokens, finish=%s, sources=%s",
@@ -502,6 +512,7 @@ async def _sse(
     parsed: ParsedRequest,
     received_at: float,
     service: ApiService,
+    tracked: list[metrics.RequestMetrics],
 ) -> AsyncIterator[bytes]:
     shaper = StreamShaper(request_id, parsed, int(received_at))
 
@@ -513,7 +524,6 @@ async def _sse(
     try:
         for body in shaper.opening():
             yield data(body)
-        first_token_at = None
         finals: dict[int, FinalResult] = {}
 
         async def all_events():
@@ -527,14 +537,13 @@ async def _sse(
         try:
             async for index, event in all_events():
                 if isinstance(event, TokenChunk):
-                    if first_token_at is None:
-                        first_token_at = time.time()
-                        metrics.TTFT.observe(first_token_at - received_at)
+                    tracked[index].tokens(len(event.token_ids))  # TTFT, inter-token latency
                     out = shaper.tokens(index, event)
                     if out is not None:
                         yield data(out)
                 elif isinstance(event, FinalResult):
                     finals[index] = event
+                    _observe_final(tracked[index], event)
                     yield data(shaper.finish(index, event))
                 elif isinstance(event, ErrorEvent):
                     raise _event_error(event)
@@ -543,7 +552,6 @@ async def _sse(
             ordered = [finals[i] for i in range(parsed.n)]
             if parsed.include_usage:
                 yield data(shaper.usage(ordered))
-            _observe_final(ordered, received_at, first_token_at)
             metrics.REQUESTS.labels("200").inc()
         except EPDError as exc:
             # Headers are gone: report in-band, the way OpenAI-compatible servers do.
@@ -557,6 +565,7 @@ async def _sse(
             yield data(_error_body(err))
         yield b"data: [DONE]\n\n"
     finally:
+        _close_all(tracked)
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed
             log.info("stream closed before the request ended: request cancelled")
         why = "the API stopped" if service.stopping.is_set() else "the client disconnected mid-stream"

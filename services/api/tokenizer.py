@@ -9,7 +9,6 @@ template, the same template the engines render (``shared.engines.prompts.render_
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,19 +17,6 @@ from shared.engines.prompts import normalize_messages
 from shared.errors import EngineError, InvalidRequest
 
 log = logging.getLogger(__name__)
-
-
-def max_model_len(model_dir: Path, override: int | None = None) -> int:
-    """The model's context length: ``override`` (``EPD_VLLM_MAX_MODEL_LEN`` with the vLLM engine),
-    else the text model's ``max_position_embeddings`` from ``config.json`` (what the engines use)."""
-    if override:
-        return int(override)
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    text = config.get("text_config") or {}
-    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 0)
 
 
 class Tokenizer:
