@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from shared.config import CommonSettings
 from shared.engines import check_role, engine_class, load_engine
-from shared.engines.base import Engine, MediaImage, SamplingParams
+from shared.engines.base import Engine, MediaImage, Prompt, RawPrompt, SamplingParams
 from shared.errors import EngineError, InvalidImage, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.topology import Role, service_of
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from shared.identity import ModelIdentity
-    from shared.protocol import ImageRef, SamplingSpec
+    from shared.protocol import GenerationJob, ImageRef, SamplingSpec
     from shared.store.ec import ECStore
     from shared.store.kv import KVStore
 
@@ -79,6 +79,16 @@ def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
         logprobs=spec.logprobs,
         structured=spec.structured,
     )
+
+
+def job_prompt(job: GenerationJob) -> Prompt:
+    """What the engine takes as a job's prompt: its chat ``messages``, or for a completions
+    request (``job.prompt`` set) a :class:`RawPrompt` - text used verbatim, or token ids."""
+    if job.prompt is None:
+        return job.messages
+    if isinstance(job.prompt, str):
+        return RawPrompt(text=job.prompt)
+    return RawPrompt(token_ids=tuple(job.prompt))
 
 
 class ModelHandler(Handler):

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 class TokenOutput:
     """Publishes a request's token events as ``TokenChunk`` s (seq = token index, starting at
-    ``first_seq``: the tokens an earlier stage already sent) and keeps what went out, for the
-    FinalResult or the DecodeJob."""
+    ``first_seq``: the tokens an earlier stage already sent; each with the token's
+    ``TokenLogprob`` when the engine gave one) and keeps what went out, for the FinalResult or
+    the DecodeJob."""
 
     def __init__(self, ctx: WorkerContext, request_id: str, attempt: int, *, first_seq: int = 0):
         self.ctx = ctx
@@ -50,6 +51,7 @@ class TokenOutput:
             seq=self.first_seq + len(self.token_ids),
             token_ids=(event.token_id,),
             text=event.text,
+            logprobs=(event.logprob,) if event.logprob is not None else (),
         )
         self.token_ids.append(event.token_id)
         self.text_parts.append(event.text)

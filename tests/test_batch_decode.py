@@ -381,3 +381,65 @@ async def test_concurrent_generate_calls_share_decode_steps_cheapest_prefill_fir
     arrival = [len(engine.build_prompt_ids(m, i)) for m, i in requests_]
     assert ran[0] == arrival[0] and ran[1:] == sorted(arrival[1:])
     assert sorted(arrival[1:]) != arrival[1:]  # control: arrival order would fail the line above
+
+
+# -- sampling parity params per row (vLLM semantics; tests/test_sampling_parity.py) --------------
+def _v2_params(engine) -> list[SamplingParams]:
+    """Every sampling parameter somewhere, different per row."""
+    eos = min(engine.eos_token_ids)
+    return [
+        _greedy(repetition_penalty=1.4, logprobs=3),
+        SamplingParams(max_tokens=N, temperature=0.9, seed=7, top_k=5, min_p=0.05, presence_penalty=0.8, logprobs=0),
+        _greedy(frequency_penalty=1.0, presence_penalty=-0.5, logit_bias=((5, 2.0), (9, -1.0))),
+        SamplingParams(max_tokens=N, temperature=0.0, min_tokens=4, logit_bias=((eos, 100.0),)),  # EOS after 4
+        _greedy(stop_token_ids=(7,), min_tokens=2, logit_bias=((7, 3.0),)),
+        SamplingParams(max_tokens=N, temperature=1.0, seed=3, ignore_eos=True, top_k=2, repetition_penalty=0.8),
+    ]
+
+
+def _same_events(got, want, what):
+    """Same tokens, text and finish; logprobs equal up to batched-vs-alone float rounding."""
+    assert [(e.token_id, e.text, e.finish_reason) for e in got] == [
+        (e.token_id, e.text, e.finish_reason) for e in want
+    ], what
+    for a, b in zip(got, want):
+        assert (a.logprob is None) == (b.logprob is None), what
+        if a.logprob is not None:
+            assert a.logprob.token_id == b.logprob.token_id and a.logprob.token == b.logprob.token
+            assert a.logprob.logprob == pytest.approx(b.logprob.logprob, abs=LOGIT_TOLERANCE)
+            assert [t for t, _, _ in a.logprob.top] == [t for t, _, _ in b.logprob.top], what
+            assert [v for _, _, v in a.logprob.top] == pytest.approx(
+                [v for _, _, v in b.logprob.top], abs=LOGIT_TOLERANCE
+            )
+
+
+async def test_mixed_sampling_parameters_per_row_equal_alone(engine, requests_):
+    """Penalties, logit bias, min_tokens, stop token ids, top-k / min-p and logprobs are applied
+    per row: each request of a batch gives exactly its events alone."""
+    params = _v2_params(engine)
+    _, _, events, dec = await on_engine(engine, _run_batch, engine, requests_, lambda i: params[i], [0, 0, 1, 1, 2, 2])
+    assert dec.max_rows_seen >= 4
+    for i, (messages, images) in enumerate(requests_):
+        _same_events(events[i], await _drain(engine.generate(messages, images, params[i])), f"request {i}")
+    eos = min(engine.eos_token_ids)
+    assert [e.token_id for e in events[3]][4:] == [eos] and events[3][-1].finish_reason == "stop"
+    assert events[4][-1].token_id == 7 and len(events[4]) >= 3 and events[4][-1].finish_reason == "stop"
+    assert all(e.logprob is not None and len(e.logprob.top) == 3 for e in events[0])
+    # Negative control: the rows' params swapped give other events.
+    _, _, swapped, _ = await on_engine(
+        engine, _run_batch, engine, requests_, lambda i: params[(i + 1) % 6], [0, 0, 1, 1, 2, 2]
+    )
+    assert [[e.token_id for e in swapped[i]] for i in range(6)] != [[e.token_id for e in events[i]] for i in range(6)]
+
+
+async def test_handed_off_requests_with_every_parameter_decode_as_generate(engine, requests_):
+    """E|P|D inside one engine: prefill + export, then concurrent decodes of the KV objects in the
+    batched loop - the state carries prompt ids (repetition penalty), output ids (presence /
+    frequency, min_tokens) and the RNG, so each equals generate()."""
+    params = _v2_params(engine)
+    handed = [await _handed_off(engine, *req, params[i]) for i, req in enumerate(requests_)]
+    got = await asyncio.gather(
+        *(_decode_all(engine, first, obj, params[i], None) for i, (first, obj) in enumerate(handed))
+    )
+    for i, (messages, images) in enumerate(requests_):
+        _same_events(got[i], await _drain(engine.generate(messages, images, params[i])), f"request {i}")

@@ -50,7 +50,7 @@ from shared.engines import base
 from shared.engines.base import Engine, GenerationStats, KVStateMismatch
 from shared.errors import DeadlineExceeded, EPDError, KVUnavailable, ModelMismatch
 from shared.metrics import JobOutcome
-from shared.model_worker import ModelHandler, sampling_params
+from shared.model_worker import ModelHandler, job_prompt, sampling_params
 from shared.protocol import DecodeJob, ECSource, FinalResult, SamplingSpec, Timing, recomputed
 from shared.store.ec import ECStore
 from shared.store.format import MissReason, ObjectValidationError
@@ -156,7 +156,7 @@ class KVConnectorDecode(DecodeStrategy):
         stats = GenerationStats()
         t0 = time.perf_counter()
         await out.stream(
-            engine.generate_from_handoff(gen.messages, list(images), params, handoff, stats),
+            engine.generate_from_handoff(job_prompt(gen), list(images), params, handoff, stats),
             deadline=job.deadline,
             what="decoding",
         )

@@ -44,7 +44,7 @@ from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.metrics import JobOutcome
-from shared.model_worker import ModelHandler, sampling_params
+from shared.model_worker import ModelHandler, job_prompt, sampling_params
 from shared.protocol import FinalResult, GenerationJob, Timing
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
@@ -155,9 +155,11 @@ class PrefillHandler(ModelHandler):
         by_hash = dict(zip(distinct, resolved))
         images = [by_hash[ref.item_hash][0] for ref in job.images]
         t_features = time.perf_counter()
-        async with self.admission.slot(prompt_cost(job.messages, [_image_tokens(item) for item in images])):
+        prompt = job_prompt(job)
+        async with self.admission.slot(prompt_cost(prompt, [_image_tokens(item) for item in images])):
             gen = Generation(
                 job=job,
+                prompt=prompt,
                 images=images,
                 params=sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed)),
                 out=TokenOutput(self.ctx, job.request_id, attempt),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from shared import metrics, protocol
 from shared.engines import base
-from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, SamplingParams
+from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, Prompt, SamplingParams
 from shared.errors import EngineError, StoreError
 from shared.metrics import KVHandoffOutcome
 from shared.protocol import DecodeJob, GenerationJob, Timing
@@ -45,6 +45,8 @@ class Generation:
     """One generation job in a worker: its inputs, what it streamed and when things happened."""
 
     job: GenerationJob
+    #: the job's chat messages, or its completions prompt (``shared.model_worker.job_prompt``)
+    prompt: Prompt
     images: Sequence[EncodedImage | MediaImage]
     params: SamplingParams
     out: TokenOutput
@@ -74,7 +76,7 @@ class HandOff(abc.ABC):
         worker finished it (the caller then publishes the FinalResult)."""
 
     async def generate_here(self, gen: Generation) -> None:
-        await gen.stream(self.engine.generate(gen.job.messages, gen.images, gen.params, gen.stats))
+        await gen.stream(self.engine.generate(gen.prompt, gen.images, gen.params, gen.stats))
 
 
 class NoHandOff(HandOff):
@@ -129,7 +131,7 @@ class KVObjectHandOff(KVHandOff):
     async def run(self, gen: Generation) -> bool:
         job = gen.job
         prefilled = await self.engine.prefill(
-            job.messages,
+            gen.prompt,
             gen.images,  # type: ignore[arg-type]  # encoded: this engine's features come through the worker
             gen.params,
             gen.stats,
@@ -202,7 +204,7 @@ class KVConnectorHandOff(KVHandOff):
         expected_key = self.kv_store.key(job.request_id, job.reprefill)
         try:
             handoff = await self.engine.prefill_for_handoff(
-                job.messages,
+                gen.prompt,
                 gen.images,  # type: ignore[arg-type]  # media images: the connector engine encodes or loads them
                 gen.params,
                 request_name=job.request_id,

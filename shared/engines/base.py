@@ -164,14 +164,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage | MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Prefill + decode one request (an async generator). ``messages`` use OpenAI roles;
         content is a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
-        parts, one image item per image part, in order (:class:`EncodedImage` for
+        parts, one image item per image part, in order - or a :class:`RawPrompt` (a completions
+        request: no chat template, no images) - (:class:`EncodedImage` for
         :class:`FeaturesThroughWorker` engines, :class:`MediaImage` for
         :class:`FeaturesThroughConnector` engines). Fills ``stats`` if given (connector engines
         put ``extra["ec_sources"]``: item hash -> where its features came from). Closing the
@@ -244,7 +245,7 @@ class KVStateHandoff(abc.ABC):
     @abc.abstractmethod
     async def prefill(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
@@ -269,7 +270,7 @@ class KVConnectorHandoff(abc.ABC):
     @abc.abstractmethod
     async def prefill_for_handoff(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         *,
@@ -283,7 +284,7 @@ class KVConnectorHandoff(abc.ABC):
     @abc.abstractmethod
     def generate_from_handoff(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         handoff: KVHandoff,

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from shared.chat import ROLES
-from shared.engines.base import SamplingParams
+from shared.engines.base import Prompt, RawPrompt, SamplingParams
 from shared.errors import InvalidRequest, UnsupportedContent
 
 #: Content part types that stand for one image (in order) in a message.
@@ -102,9 +102,14 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _PIXELS_PER_IMAGE_TOKEN = 28 * 28
 
 
-def prompt_cost(messages: list[dict[str, Any]], image_tokens: Sequence[int]) -> int:
+def prompt_cost(messages: Prompt, image_tokens: Sequence[int]) -> int:
     """A cheap estimate of a request's prompt tokens, for ordering prefills (``shared.admission``):
-    ~4 characters a text token plus each image's tokens. Not a validation: odd messages cost 0."""
+    ~4 characters a text token plus each image's tokens (a :class:`RawPrompt`: its token ids, or
+    its text's characters / 4). Not a validation: odd messages cost 0."""
+    if isinstance(messages, RawPrompt):
+        if messages.token_ids is not None:
+            return len(messages.token_ids)
+        return len(messages.text or "") // 4
     chars = 0
     for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -134,8 +139,49 @@ def render_chat_prompt(processor: Any, chat_template: str | None, messages: list
         raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
 
 
-def validate_params(params: SamplingParams) -> None:
-    """Raise :class:`InvalidRequest` for sampling settings no engine accepts."""
+def check_raw_prompt(prompt: RawPrompt, n_images: int) -> None:
+    """Raise :class:`InvalidRequest` (``param="prompt"``) unless ``prompt`` has exactly one of
+    ``text`` / ``token_ids``, non-empty, and no images come with it (a completions prompt has none)."""
+    if not isinstance(prompt, RawPrompt):
+        raise InvalidRequest("prompt must be a RawPrompt", param="prompt")
+    if (prompt.text is None) == (prompt.token_ids is None):
+        raise InvalidRequest("prompt must be either text or token ids", param="prompt")
+    if prompt.text is not None and (not isinstance(prompt.text, str) or not prompt.text):
+        raise InvalidRequest("prompt text must be a non-empty string", param="prompt")
+    if prompt.token_ids is not None:
+        ids = prompt.token_ids
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InvalidRequest("prompt token ids must be a non-empty list of non-negative integers", param="prompt")
+    if n_images:
+        raise InvalidRequest("a completions prompt takes no images", param="prompt")
+
+
+#: Most alternatives ``logprobs`` may ask for per token (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+#: Penalty ranges (vLLM ``SamplingParams``; OpenAI's for presence / frequency).
+_PENALTY_RANGE = (-2.0, 2.0)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_token_ids(ids: Any, vocab_size: int | None, param: str) -> None:
+    for t in ids:
+        if not _is_int(t) or t < 0:
+            raise InvalidRequest(f"{param} must hold non-negative integer token ids, got {t!r}", param=param)
+        if vocab_size is not None and t >= vocab_size:
+            raise InvalidRequest(f"token id {t} in {param} is out of the vocabulary (size {vocab_size})", param=param)
+
+
+def validate_params(params: SamplingParams, *, vocab_size: int | None = None) -> None:
+    """Raise :class:`InvalidRequest` (naming the parameter) for sampling settings no engine accepts
+    (vLLM's ``SamplingParams`` ranges). ``vocab_size``: the model's logits width, when known -
+    token ids in ``logit_bias`` / ``stop_token_ids`` must be below it."""
     if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
         raise InvalidRequest("max_tokens must be a positive integer", param="max_tokens")
     if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature)):
@@ -148,3 +194,31 @@ def validate_params(params: SamplingParams) -> None:
         raise InvalidRequest("seed must be an integer in [0, 2**63)", param="seed")
     if not all(isinstance(s, str) for s in params.stop):
         raise InvalidRequest("stop must be a list of strings", param="stop")
+    if not _is_int(params.top_k) or params.top_k < -1:
+        raise InvalidRequest("top_k must be 0 (all tokens) or a positive integer", param="top_k")
+    if not (_is_number(params.min_p) and 0 <= params.min_p <= 1):
+        raise InvalidRequest("min_p must be in [0, 1]", param="min_p")
+    lo, hi = _PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not (_is_number(value) and lo <= value <= hi):
+            raise InvalidRequest(f"{name} must be in [{lo:g}, {hi:g}]", param=name)
+    if not (_is_number(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise InvalidRequest("repetition_penalty must be a finite number > 0", param="repetition_penalty")
+    seen: set[int] = set()
+    for entry in params.logit_bias:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and _is_number(entry[1])):
+            raise InvalidRequest("logit_bias must map token ids to finite numbers", param="logit_bias")
+        _check_token_ids((entry[0],), vocab_size, "logit_bias")
+        if entry[0] in seen:
+            raise InvalidRequest(f"logit_bias has token id {entry[0]} twice", param="logit_bias")
+        seen.add(entry[0])
+    if not _is_int(params.min_tokens) or params.min_tokens < 0:
+        raise InvalidRequest("min_tokens must be a non-negative integer", param="min_tokens")
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
+        )
+    _check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    if params.logprobs is not None and not (_is_int(params.logprobs) and 0 <= params.logprobs <= MAX_LOGPROBS):
+        raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")

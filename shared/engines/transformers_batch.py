@@ -9,7 +9,8 @@ positions are its last ``past_len`` columns, the columns before them are zero pa
 * explicit per-row ``position_ids`` (``past_len``, and for Qwen2-VL M-RoPE ``past_len +
   rope_delta`` on the t/h/w rows), so padding never shifts a position,
 
-then samples each row with its own :class:`SamplingParams` and generator and turns the token
+then samples each row with its own :class:`SamplingParams`, generator, prompt and output tokens
+(penalties, ``min_tokens``, logit bias, logprobs: ``DecodeStream.sample``) and turns the token
 into a :class:`TokenEvent` through the same :class:`DecodeStream` the single-request loop uses.
 
 Members join (:meth:`add`) and leave (:meth:`remove`, or by finishing) between steps only. A
@@ -50,7 +51,7 @@ import torch
 
 from shared import metrics
 from shared.engines.base import KVStateMismatch, SamplingParams, TokenEvent
-from shared.engines.transformers_state import DecodeState, DecodeStream, Vocabulary, sample_next
+from shared.engines.transformers_state import DecodeState, DecodeStream, Vocabulary
 from shared.errors import EngineError, InvalidRequest
 from shared.logs import REQUEST_ID
 
@@ -232,7 +233,7 @@ class BatchDecoder:
         for key, member, row_logits in zip(self._rows, members, logits):
             if self.record_logits:
                 self.last_logits[key] = row_logits.detach().clone()
-            member.state.advance(sample_next(row_logits, member.params, member.state.generator))
+            member.state.advance(member.stream.sample(row_logits))
 
     def _batch_inputs(self, members: list[_Member]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padding mask including the new column, and per-row position ids."""

@@ -51,23 +51,28 @@ from shared.engines.base import (
     GenerationStats,
     KVStateHandoff,
     KVStateMismatch,
+    Prompt,
+    RawPrompt,
     SamplingParams,
     TokenEvent,
 )
 from shared.engines.prompts import (
     check_image_count,
     check_placeholder_tokens,
+    check_raw_prompt,
     prompt_cost,
     render_chat_prompt,
     validate_params,
 )
 from shared.engines.transformers_state import (
+    GREEDY_TEMPERATURE,
     DecodeState,
     DecodeStream,
     byte_fallback_token_ids,
     decode_state_to_raw,
     kv_object_to_state,
-    sample_next,
+    min_tokens_stop_ids,
+    sample_into,
     special_token_ids_of,
 )
 from shared.errors import EngineError, InvalidImage, InvalidRequest
@@ -196,6 +201,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self.hidden_size: int = int(self.text_config.hidden_size)
         self.image_token_id: int = int(self.config.image_token_id)
         self.max_positions: int = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
+        #: the logits' width (vLLM's ``get_vocab_size``): token ids in sampling params stay below it
+        self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids: frozenset[int] = self._stop_token_ids()
         self.byte_token_ids: frozenset[int] = byte_fallback_token_ids(self.tokenizer)
         self.special_token_ids: frozenset[int] = special_token_ids_of(self.tokenizer)
@@ -278,12 +285,13 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     async def generate(  # type: ignore[override]  # encoded images only: its features come through the worker
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """Prefill + decode (see the module docstring). Input errors (:class:`InvalidRequest`)
+        """Prefill + decode (see the module docstring). ``messages``: chat messages, or a
+        :class:`RawPrompt` (no chat template, no images). Input errors (:class:`InvalidRequest`)
         are raised by the first ``__anext__``, before any event."""
         request = await self.prefill(messages, images, params, stats)
         try:
@@ -296,7 +304,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     async def prefill(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
@@ -317,7 +325,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         ``stats``: ``completion_tokens`` counts every output token (prefill's too),
         ``decode_s`` is the time from joining to the last event, ``extra
         ["decode_batch_rows_max"]`` the most rows of a step this request was part of."""
-        validate_params(params)
+        validate_params(params, vocab_size=self.vocab_size)
         state = await self._call(self._state_from_object, obj)
         if stats is not None:
             stats.prompt_tokens = state.prompt_tokens
@@ -434,10 +442,33 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             if expected is not None and expected != f.shape[0]:
                 raise InvalidRequest(f"images[{i}] has {f.shape[0]} feature rows, expected {expected}")
 
-    def build_prompt_ids(self, messages: list[dict[str, Any]], images: Sequence[EncodedImage]) -> list[int]:
+    def raw_prompt_ids(self, prompt: RawPrompt, images: Sequence[EncodedImage]) -> list[int]:
+        """A completions prompt's token ids: its text tokenized with the tokenizer's usual special
+        tokens (as vLLM's ``/v1/completions``), or its token ids as they are. No images; an image
+        placeholder token in it is refused (there are no features to put there)."""
+        check_raw_prompt(prompt, len(images))
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token id {bad[0]} is out of the vocabulary (size {self.vocab_size})", param="prompt"
+                )
+        else:
+            ids = list(self.tokenizer(prompt.text)["input_ids"])
+            if not ids:
+                raise InvalidRequest("prompt text gives no tokens", param="prompt")
+        if self.image_token_id in ids:
+            raise InvalidRequest("a completions prompt cannot contain image placeholder tokens", param="prompt")
+        return ids
+
+    def build_prompt_ids(self, messages: Prompt, images: Sequence[EncodedImage]) -> list[int]:
         """Prompt token ids with each image placeholder expanded to its ``n_tokens`` copies,
         exactly as the HF processor does (it repeats the placeholder string, then tokenizes;
-        special tokens split the text, so repeating at the id level is identical)."""
+        special tokens split the text, so repeating at the id level is identical). A
+        :class:`RawPrompt`: :meth:`raw_prompt_ids`."""
+        if isinstance(messages, RawPrompt):
+            return self.raw_prompt_ids(messages, images)
         check_image_count(messages, len(images))
         self._check_images(images)
         text = self.render_prompt(messages)
@@ -533,7 +564,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     def _prefill_first(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None,
@@ -548,7 +579,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     def _prefill(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[EncodedImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
@@ -556,7 +587,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         """Run the prompt through the LM and sample the first token (not emitted yet)."""
         from transformers import DynamicCache
 
-        validate_params(params)
+        validate_params(params, vocab_size=self.vocab_size)
         t0 = time.perf_counter()
         ids = self.build_prompt_ids(messages, images)
         n_prompt = len(ids)
@@ -588,21 +619,24 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
         generator = None
         seed = params.seed
-        if params.temperature > 0:
+        if params.temperature >= GREEDY_TEMPERATURE:
             if seed is None:
                 seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
             generator = torch.Generator(device="cpu").manual_seed(seed)
-        first = sample_next(out.logits[0, -1], params, generator)
         state = DecodeState(
             cache=out.past_key_values,
             past_len=n_prompt,
-            last_token=first,
+            last_token=-1,
             rope_delta=rope_delta,
             prompt_tokens=n_prompt,
-            output_ids=[first],
+            output_ids=[],
             generator=generator,
             seed=seed,
+            prompt_ids=ids,
         )
+        first = sample_into(state, out.logits[0, -1], params, min_tokens_stop_ids(self.eos_token_ids, params))
+        state.output_ids.append(first)
+        state.last_token = first
         if stats is not None:
             stats.prompt_tokens = n_prompt
             stats.prefill_s = time.perf_counter() - t0

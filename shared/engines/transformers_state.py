@@ -2,7 +2,8 @@
 (:mod:`shared.engines.transformers_engine`) and its batched decode
 (:mod:`shared.engines.transformers_batch`): the decode state and its KV-object form (the E|P|D
 hand-off), incremental detokenization, stop strings, the token -> event bookkeeping of one request
-(:class:`DecodeStream`) and sampling. Imports torch; nothing here imports the engine itself.
+(:class:`DecodeStream`) and sampling (:func:`sample_next`, vLLM's sampler semantics). Imports
+torch; nothing here imports the engine itself.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import torch
 from shared.engines.base import SamplingParams, TokenEvent
 from shared.engines.prompts import validate_params
 from shared.errors import EngineError
+from shared.protocol import TokenLogprob
 from shared.store.format import RawTensor
 from shared.store.tensors import raw_to_tensor, tensor_to_raw
 
 if TYPE_CHECKING:
     from shared.store.kv import KVObject
 
-DECODE_STATE_SCHEMA = "epd-decode-state-v1"
+#: v2: the prompt's token ids travel too (``prompt_ids``: the repetition penalty counts them)
+DECODE_STATE_SCHEMA = "epd-decode-state-v2"
 
 
 # -- decode state -------------------------------------------------------------------------------
@@ -37,7 +40,12 @@ class DecodeState:
     ``last_token`` (= ``output_ids[-1]``) was sampled from the last logits and is NOT yet in the
     cache. Decode positions are ``past_len + rope_delta`` (``rope_delta`` is 0 for 1-D RoPE).
     ``generator`` is the per-request sampling RNG (``None`` for greedy). ``emitted`` counts
-    the ``output_ids`` already turned into events (0 after prefill).
+    the ``output_ids`` already turned into events (0 after prefill). ``prompt_ids`` are the
+    prompt's token ids (image placeholders expanded): the repetition penalty counts them, and
+    the output ids so far carry the presence / frequency penalties and ``min_tokens`` progress,
+    so a handed-off state samples on exactly as the aggregated run would. ``logprobs``: output
+    index -> :class:`RawLogprob` of a sampled token not emitted yet (never exported: a state is
+    exported after every sampled token was emitted).
 
     :meth:`to_tensors` / :meth:`from_tensors` convert to and from plain tensors + a JSON-able
     metadata dict (for safetensors; no pickle).
@@ -53,6 +61,18 @@ class DecodeState:
     seed: int | None = None
     emitted: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    logprobs: dict[int, RawLogprob] = field(default_factory=dict)
+    #: cached ``prompt_ids`` as a vocabulary mask (``prompt_mask``)
+    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def prompt_mask(self, vocab_size: int) -> torch.Tensor:
+        """``[vocab_size]`` bool: the token ids that occur in the prompt."""
+        mask = self._prompt_mask
+        if mask is None or mask.shape[0] != vocab_size:
+            mask = token_mask(self.prompt_ids, vocab_size)
+            self._prompt_mask = mask
+        return mask
 
     def advance(self, token: int) -> None:
         """Record ``token`` sampled from the logits of ``last_token`` (which is now in the cache)."""
@@ -70,12 +90,16 @@ class DecodeState:
         return out
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """``(tensors, metadata)``: ``kv.{i}.k`` / ``kv.{i}.v`` / ``generator_state`` and string
-        metadata, ready for ``safetensors.torch.save(tensors, metadata=metadata)``."""
+        """``(tensors, metadata)``: ``kv.{i}.k`` / ``kv.{i}.v`` / ``prompt_ids`` /
+        ``generator_state`` and string metadata, ready for
+        ``safetensors.torch.save(tensors, metadata=metadata)``."""
+        if self.emitted < len(self.output_ids):
+            raise EngineError("cannot export a decode state with sampled tokens not emitted yet")
         tensors: dict[str, torch.Tensor] = {}
         for i, (k, v) in enumerate(self.kv_tensors()):
             tensors[f"kv.{i}.k"] = k.contiguous()
             tensors[f"kv.{i}.v"] = v.contiguous()
+        tensors["prompt_ids"] = torch.tensor(self.prompt_ids, dtype=torch.int64)
         if self.generator is not None:
             tensors["generator_state"] = self.generator.get_state()
         meta = {
@@ -107,8 +131,15 @@ class DecodeState:
             st = json.loads(metadata["state"])
             n_layers = int(st["n_layers"])
             kv = [(tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(n_layers)]
+            prompt_ids_t = tensors["prompt_ids"]
         except (KeyError, ValueError, TypeError) as exc:
             raise EngineError(f"malformed decode state: {exc}") from exc
+        vocab_size = int(config.get_text_config(decoder=True).vocab_size)
+        if prompt_ids_t.dtype != torch.int64 or prompt_ids_t.ndim != 1:
+            raise EngineError(f"decode state prompt_ids must be a 1-D int64 tensor, got {prompt_ids_t.dtype}")
+        prompt_ids = [int(t) for t in prompt_ids_t.tolist()]
+        if len(prompt_ids) != int(st.get("prompt_tokens", -1)) or any(t < 0 or t >= vocab_size for t in prompt_ids):
+            raise EngineError("decode state prompt_ids do not match its prompt (length or vocabulary)")
         text_cfg = config.get_text_config(decoder=True)
         if n_layers != text_cfg.num_hidden_layers:
             raise EngineError(f"decode state has {n_layers} KV layers, model has {text_cfg.num_hidden_layers}")
@@ -135,6 +166,7 @@ class DecodeState:
             generator=generator,
             seed=st["seed"],
             emitted=int(st["emitted"]),
+            prompt_ids=prompt_ids,
         )
 
 
@@ -234,13 +266,36 @@ class StopStringMatcher:
 
     :meth:`feed` returns the text that can be emitted now: everything before the first stop
     string (and ``True`` once one is found), otherwise all text except a tail that could still
-    turn into a stop string.
+    turn into a stop string. The stop string that completes first wins (ties: the first in
+    ``stops``), as in vLLM.
+
+    ``min_end`` (``min_tokens``): only a stop string that ends after this text offset counts;
+    ``None`` - none counts yet. The owner sets it once the ``min_tokens``-th token's text is in.
     """
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
         self._text = ""
         self._emitted = 0
+        self.min_end: int | None = 0
+
+    @property
+    def text_length(self) -> int:
+        """Characters fed so far."""
+        return len(self._text)
+
+    def _first_stop(self) -> int | None:
+        """Start of the stop string that completes first (past ``min_end``), if any."""
+        if self.min_end is None:
+            return None
+        best: tuple[int, int] | None = None  # (end, start)
+        for s in self.stops:
+            # It cannot start inside already emitted text (that text was only emitted once no
+            # stop string could begin there) and must end after min_end.
+            i = self._text.find(s, max(self._emitted, self.min_end - len(s) + 1))
+            if i >= 0 and (best is None or i + len(s) < best[0]):
+                best = (i + len(s), i)
+        return None if best is None else best[1]
 
     def feed(self, delta: str) -> tuple[str, bool]:
         self._text += delta
@@ -248,11 +303,8 @@ class StopStringMatcher:
             out = self._text[self._emitted :]
             self._emitted = len(self._text)
             return out, False
-        # A stop string cannot start inside already emitted text (that text was only emitted
-        # once no stop string could begin there), so search from the emission point.
-        hits = [i for i in (self._text.find(s, self._emitted) for s in self.stops) if i >= 0]
-        if hits:
-            end = min(hits)
+        end = self._first_stop()
+        if end is not None:
             out = self._text[self._emitted : end]
             self._emitted = end
             return out, True
@@ -291,26 +343,39 @@ class Vocabulary(Protocol):
 
 
 class DecodeStream:
-    """Per-request decode bookkeeping around a :class:`DecodeState`: incremental
-    detokenization, stop strings, EOS and ``max_tokens``. Model compute is not done here, so
-    the single-request loop (``generate`` / ``continue_here``) and the batched one
-    (``decode``, ``shared.engines.transformers_batch``) share the exact same token -> event logic.
+    """Per-request decode bookkeeping around a :class:`DecodeState`: sampling (:meth:`sample`),
+    incremental detokenization, stop strings, stop tokens, EOS, ``min_tokens``, ``max_tokens``
+    and logprobs. Model compute is not done here, so the single-request loop (``generate`` /
+    ``continue_here``) and the batched one (``decode``, ``shared.engines.transformers_batch``)
+    share the exact same token -> event logic.
 
     Tokens ``output_ids[:emitted]`` were already emitted by an earlier owner of the state
     (prefill in E|P|D, or a worker that died): they are replayed silently through the
     detokenizer and stop matcher so the text continues exactly where that owner stopped.
+
+    Stop tokens (vLLM semantics): a token of ``stop_token_ids`` - or an EOS token unless
+    ``ignore_eos`` - ends the completion with finish reason "stop"; it is in the token ids but
+    not in the text. Until ``min_tokens`` tokens were generated, EOS and ``stop_token_ids``
+    cannot be sampled (their logits are masked, whatever ``ignore_eos``) and no stop string
+    ends the completion: only a stop string ending after the ``min_tokens``-th token's text counts.
     """
 
     def __init__(self, engine: Vocabulary, state: DecodeState, params: SamplingParams):
         validate_params(params)
         self.state = state
         self.params = params
+        self._tokenizer = engine.tokenizer
         self._eos = engine.eos_token_ids
+        self._stop_ids = frozenset(params.stop_token_ids)
+        #: what min_tokens masks (vLLM's ``all_stop_token_ids``: EOS even when it is ignored)
+        self.min_tokens_stop_ids = min_tokens_stop_ids(engine.eos_token_ids, params)
         self._detok = IncrementalDetokenizer(engine.tokenizer, engine.byte_token_ids, engine.special_token_ids)
         self._stopper = StopStringMatcher(params.stop)
+        if params.min_tokens > 0:
+            self._stopper.min_end = None
         self.finish_reason: str | None = None
-        for tok in state.output_ids[: state.emitted]:
-            self._stopper.feed(self._detok.add(tok))
+        for i, tok in enumerate(state.output_ids[: state.emitted]):
+            self._feed(tok, i + 1)
 
     @property
     def finished(self) -> bool:
@@ -321,6 +386,21 @@ class DecodeStream:
         """True when every sampled token was emitted: the next event needs a decode step."""
         return not self.finished and self.state.emitted >= len(self.state.output_ids)
 
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from its logits ``[vocab]`` (not appended to the state; its logprob,
+        when asked for, is kept for its event)."""
+        return sample_into(self.state, logits, self.params, self.min_tokens_stop_ids)
+
+    def _is_stop_token(self, tok: int) -> bool:
+        return tok in self._stop_ids or (tok in self._eos and not self.params.ignore_eos)
+
+    def _feed(self, tok: int, n_out: int) -> tuple[str, bool]:
+        """Token number ``n_out`` (1-based) through the detokenizer and the stop matcher."""
+        out = self._stopper.feed(self._detok.add(tok))
+        if n_out == self.params.min_tokens:
+            self._stopper.min_end = self._stopper.text_length
+        return out
+
     def emit(self) -> TokenEvent:
         """The event of the next not-yet-emitted token of ``state.output_ids``."""
         if self.finished:
@@ -329,14 +409,16 @@ class DecodeStream:
         idx = state.emitted
         tok = state.output_ids[idx]
         state.emitted = n_out = idx + 1
-        text, hit_stop = self._stopper.feed(self._detok.add(tok))
         finish: str | None = None
-        if hit_stop:
+        if self._is_stop_token(tok):  # in the token ids, not in the text
+            text, hit_stop = "", False
             finish = "stop"
-        elif tok in self._eos and not params.ignore_eos:
-            finish = "stop"
-        elif n_out >= params.max_tokens:
-            finish = "length"
+        else:
+            text, hit_stop = self._feed(tok, n_out)
+            if hit_stop:
+                finish = "stop"
+            elif n_out >= params.max_tokens:
+                finish = "length"
         if finish is not None and not hit_stop:
             # Release held-back text: the stream ends here without a stop string; a stop
             # string may still complete inside the flushed tail.
@@ -347,19 +429,124 @@ class DecodeStream:
             else:
                 finish = "stop"
         self.finish_reason = finish
-        return TokenEvent(token_id=tok, text=text, finish_reason=finish)
+        raw = state.logprobs.pop(idx, None)
+        logprob = self._token_logprob(tok, raw) if raw is not None else None
+        return TokenEvent(token_id=tok, text=text, finish_reason=finish, logprob=logprob)
+
+    def _token_logprob(self, tok: int, raw: RawLogprob) -> TokenLogprob:
+        decode = self._tokenizer.decode
+        return TokenLogprob(
+            token_id=tok,
+            token=decode([tok]),
+            logprob=raw.logprob,
+            top=tuple((i, decode([i]), lp) for i, lp in raw.top),
+        )
 
 
 # -- sampling -----------------------------------------------------------------------------------
 
+#: temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)
+GREEDY_TEMPERATURE = 1e-5
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token from ``logits`` ``[vocab]``: greedy argmax for temperature 0, else temperature +
-    top-p (nucleus) sampling with ``generator``."""
+
+@dataclass(frozen=True)
+class RawLogprob:
+    """A sampled token's log-probability under the raw model logits (``log_softmax``, before
+    penalties, bias, temperature, top-k / top-p / min-p: vLLM's default ``raw_logprobs``) and the
+    ``k`` most likely tokens' ``(id, logprob)``, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def raw_logprob(logits: torch.Tensor, token: int, k: int) -> RawLogprob:
+    """:class:`RawLogprob` of ``token`` under ``logits`` ``[vocab]``."""
+    lp = torch.log_softmax(logits.to(dtype=torch.float32), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+    return RawLogprob(logprob=float(lp[token]), top=top)
+
+
+def token_mask(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]`` bool, True at every id of ``ids``."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    if ids:
+        mask[torch.tensor(list(ids), dtype=torch.long)] = True
+    return mask
+
+
+def min_tokens_stop_ids(eos_token_ids: frozenset[int], params: SamplingParams) -> frozenset[int]:
+    """The tokens ``min_tokens`` keeps from being sampled: EOS (even with ``ignore_eos``, as
+    vLLM) and ``stop_token_ids``."""
+    return frozenset(eos_token_ids) | frozenset(params.stop_token_ids)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    prompt_mask: torch.Tensor | None,
+    output_ids: Sequence[int],
+    stop_ids: frozenset[int] = frozenset(),
+) -> torch.Tensor:
+    """What changes the distribution before the greedy / random choice, in vLLM's order:
+    ``min_tokens`` (stop tokens masked while fewer tokens were generated), ``logit_bias``
+    (added), then the penalties - repetition (over prompt + output tokens: positive logits
+    divided, negative multiplied), frequency (minus penalty x count in the output), presence
+    (minus penalty once per token in the output). ``logits`` ``[vocab]`` float32; a new tensor
+    when anything applies."""
+    vocab = logits.shape[-1]
+    if params.min_tokens and len(output_ids) < params.min_tokens and stop_ids:
+        logits = logits.clone()
+        logits[torch.tensor(sorted(t for t in stop_ids if t < vocab), dtype=torch.long)] = float("-inf")
+    if params.logit_bias:
+        logits = logits.clone()
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+    if _has_penalties(params):
+        logits = logits.clone()
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        out_mask = counts > 0
+        seen = out_mask if prompt_mask is None else (out_mask | prompt_mask)
+        penalty = torch.tensor(params.repetition_penalty, dtype=torch.float32)
+        penalties = torch.where(seen, penalty, torch.tensor(1.0, dtype=torch.float32))
+        logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
+        logits -= torch.tensor(params.frequency_penalty, dtype=torch.float32) * counts
+        logits -= torch.tensor(params.presence_penalty, dtype=torch.float32) * out_mask
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    *,
+    prompt_mask: torch.Tensor | None = None,
+    output_ids: Sequence[int] = (),
+    stop_ids: frozenset[int] = frozenset(),
+) -> int:
+    """Next token from ``logits`` ``[vocab]`` with vLLM's sampler steps: :func:`process_logits`
+    (min_tokens, logit_bias, penalties); greedy argmax for a temperature below
+    :data:`GREEDY_TEMPERATURE`; else temperature, min-p, top-k, top-p (nucleus), then a draw with
+    ``generator``. ``prompt_mask`` / ``output_ids``: the prompt's tokens (as a vocabulary mask)
+    and the tokens generated so far, for the penalties and ``min_tokens``."""
     logits = logits.to(dtype=torch.float32)
-    if params.temperature == 0:
+    logits = process_logits(logits, params, prompt_mask=prompt_mask, output_ids=output_ids, stop_ids=stop_ids)
+    if params.temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(logits, dim=-1))
     scores = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < probs.max() * params.min_p, float("-inf"))
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, sorted_idx = torch.sort(scores, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
@@ -371,3 +558,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         scores = torch.full_like(scores, float("-inf")).scatter(-1, sorted_idx, sorted_scores)
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_into(state: DecodeState, logits: torch.Tensor, params: SamplingParams, stop_ids: frozenset[int]) -> int:
+    """:func:`sample_next` for ``state`` (its prompt, its outputs so far, its generator); when
+    ``params.logprobs`` is set, the token's :class:`RawLogprob` is kept in ``state.logprobs``
+    under its output index. The token is not appended."""
+    vocab = logits.shape[-1]
+    mask = state.prompt_mask(vocab) if params.repetition_penalty != 1.0 else None
+    tok = sample_next(logits, params, state.generator, prompt_mask=mask, output_ids=state.output_ids, stop_ids=stop_ids)
+    if params.logprobs is not None:
+        state.logprobs[len(state.output_ids)] = raw_logprob(logits, tok, params.logprobs)
+    return tok

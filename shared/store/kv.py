@@ -9,6 +9,7 @@ fingerprint         the MODEL fingerprint (all weights + config + tokenizer + dt
                     engine, see ``shared.fingerprint.model_fingerprint``)
 request_id          the request it belongs to; ``attempt`` the prefill attempt
 tensors             ``kv.<layer>.k`` / ``kv.<layer>.v`` ``[1, kv_heads, past_len, head_dim]``
+                    ``prompt_ids`` (I64, the prompt's token ids: repetition penalty)
                     and ``generator_state`` (U8, the sampling RNG; absent for greedy)
 decode_state_schema ``DecodeState`` layout version
 state               JSON: past_len, last_token, rope_delta (Qwen2-VL M-RoPE offset),
