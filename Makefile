@@ -45,12 +45,14 @@ check-docs: install
 
 # `docker compose up` for real (tests/compose/, docs/deployment.md; root, not part of `make test`):
 # installs docker.io and the Compose v2 plugin when missing and starts dockerd, builds the images
-# without an image registry (local Debian base), then runs the compose checks against them.
+# without an image registry (local Debian base), then runs the compose checks against them, and the
+# observability profile's (docker compose config; a real Prometheus, Debian's, on a running stack).
 .PHONY: test-compose
 test-compose: install
 	bash tests/compose/ensure-docker.sh
 	bash tests/compose/build-images.sh
-	$(VENV)/bin/python -m pytest -p no:cacheprovider --durations=0 tests/compose/check_compose_up.py $(PYTEST_ARGS)
+	PROMETHEUS_BIN=$$(bash tests/compose/ensure-prometheus.sh) $(VENV)/bin/python -m pytest -p no:cacheprovider --durations=0 \
+		tests/compose/check_compose_up.py tests/compose/check_observability.py $(PYTEST_ARGS)
 
 # Re-resolve the pinned tree after changing pyproject.toml dependencies. Resolved for Python 3.11.2, the
 # container image's interpreter (Debian bookworm), so the same lock installs there and here.
