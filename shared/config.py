@@ -271,7 +271,7 @@ def group_type(field: FieldInfo) -> type[SettingsGroup] | None:
 
 class _OwnFieldsEnv(EnvSettingsSource):
     """The environment source of a service's own fields; its groups read their variables themselves
-    (a group attribute such as ``engine`` is no variable: ``EPD_ENGINE`` belongs to ModelSettings)."""
+    (a group's attribute is no variable: ``EPD_MODEL`` is not JSON for ``model``)."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         if group_type(field) is not None:
