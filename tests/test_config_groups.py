@@ -130,7 +130,7 @@ def test_every_variable_name_is_the_one_it_was():
     assert _variables_read() == VARIABLES_BEFORE_THE_GROUPS - COMPOSE_ONLY
     # Each group's variables are read by every service that holds the group.
     for cls in config.SERVICE_SETTINGS.values():
-        for attr, group in cls.groups().items():
+        for group in cls.groups().values():
             assert {config.env_var(n) for n in group.model_fields} <= {r.var for r in cls.env_fields().values()}
 
 
