@@ -254,7 +254,7 @@ def test_unknown_ids_expired_messages_and_unreachable_nats_are_clear_errors(epd_
 
     async def record_then_expire(nc):
         js = nc.jetstream()
-        await ensure_topology(js, settings, subjects)
+        await ensure_topology(js, settings.nats, subjects)
         rec = ChatRequestRecord(request_id="chatcmpl-old", received_at=time.time(), model="m", body={})
         from shared.jetstream import JetStreamPublisher
 

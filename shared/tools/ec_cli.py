@@ -71,7 +71,7 @@ async def _open(nc: Any, subjects: Any, settings: ToolSettings):
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         import asyncio
 
         from shared.ec_lifecycle.index import entry_key
@@ -139,7 +139,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         print("epd ec purge: give --fingerprint, --retired or --older-than", file=sys.stderr)
         return EXIT_ERROR
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         from shared.ec_lifecycle.janitor import UnknownFingerprint, is_current, purge
 
         index, store = await _open(nc, subjects, settings)

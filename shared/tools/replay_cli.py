@@ -232,7 +232,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from shared.tools import replay
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         out = await replay.replay_request(
             nc,
             subjects,
@@ -288,7 +288,7 @@ def _print_outcome(out, *, compare: bool) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from shared.tools import replay
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         doc = await replay.export_cases(
             nc,
             subjects,
@@ -332,7 +332,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     doc: dict[str, Any] = {}
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         report = await replay.import_cases(nc, subjects, settings, doc, store=_store(settings))
         if args.json:
             _print_json(report.__dict__)
