@@ -182,7 +182,9 @@ def test_connector_extra_config_is_the_store_groups_dump(monkeypatch, tmp_path):
     fs = ConnectorConfig.from_extra({"store_backend": "fs", "store_fs_root": str(tmp_path)})
     assert fs.ec_store("f" * 16).store.root == tmp_path  # one factory: shared.store.factory.open_stores
     # Each connector bounds its objects by its own setting of the dumped group.
-    decode = DecodeSettings(store_backend="fs", store_fs_root=tmp_path, max_ec_object_bytes=111, max_kv_object_bytes=222)
+    decode = DecodeSettings(
+        store_backend="fs", store_fs_root=tmp_path, max_ec_object_bytes=111, max_kv_object_bytes=222
+    )
     kv = ConnectorConfig.from_extra(connector_extra_config(decode), "kv_connector_extra_config").kv_store("k" * 16)
     ec = ConnectorConfig.from_extra(connector_extra_config(decode)).ec_store("e" * 16)
     assert (kv.max_object_bytes, ec.max_object_bytes, kv.store.root) == (222, 111, tmp_path)
