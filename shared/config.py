@@ -1,20 +1,38 @@
-"""Typed settings, one class per service, read from ``EPD_*`` environment variables.
+"""Typed settings read from ``EPD_*`` environment variables: per-concern groups, composed per service.
 
-Each service builds its settings once in ``main()`` and passes them down; nothing below reads
-the environment. Secrets are ``SecretStr`` so they never show up in reprs or logs.
+A group is one concern (NATS, the object store, the model, the engine, media limits, the EC janitor)
+and reads its own variables; each service's settings class holds only the groups it needs
+(the API has no vLLM knobs, a worker no janitor knobs) plus its own fields. The variable
+names are flat and stable: every field reads ``EPD_<FIELD NAME>`` (``NatsSettings.nats_url`` reads
+``EPD_NATS_URL``), whichever group it is in.
+
+Each service builds its settings once in ``main()`` and passes them (or the group a function needs)
+down; nothing below reads the environment. Secrets are ``SecretStr`` so they never show up in reprs
+or logs. ``ApiSettings(nats_url=...)`` (flat keyword arguments, as tests and tools write them) hands
+each argument to the group that owns it; the rest comes from the environment.
 """
 
 from __future__ import annotations
 
 import socket
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, NamedTuple
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.topology import PREFILL_SERVICE_ROLES, Role, Topology
+
+#: every setting reads the variable ENV_PREFIX + its field name in upper case
+ENV_PREFIX = "EPD_"
+
+
+def env_var(field: str) -> str:
+    """The environment variable of the setting ``field`` (``s3_access_key`` -> ``EPD_S3_ACCESS_KEY``)."""
+    return ENV_PREFIX + field.upper()
 
 
 def _split_csv(value: object) -> object:
@@ -31,20 +49,34 @@ def _shown(value: object) -> object:
     return str(value) if isinstance(value, str) else value
 
 
+def no_separators(v: str) -> str:
+    """A subject prefix or key namespace: non-empty, none of NATS' or the store's separators."""
+    if not v or any(c in v for c in "/.*> "):
+        raise ValueError("must be non-empty and contain no '/', '.', '*', '>' or spaces")
+    return v
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
 
-class CommonSettings(BaseSettings):
-    """Settings every service shares: where NATS and the store are, which model, stream limits."""
+# env_ignore_empty: an empty variable means "use the default", so docker-compose.yml can pass
+# every setting through as ${EPD_X:-} and the defaults stay defined here only.
+_ENV_CONFIG = SettingsConfigDict(
+    env_prefix=ENV_PREFIX, extra="ignore", frozen=True, env_ignore_empty=True, use_attribute_docstrings=True
+)
 
-    # env_ignore_empty: an empty variable means "use the default", so docker-compose.yml can pass
-    # every setting through as ${EPD_X:-} and the defaults stay defined here only.
-    model_config = SettingsConfigDict(
-        env_prefix="EPD_", extra="ignore", frozen=True, env_ignore_empty=True, use_attribute_docstrings=True
-    )
 
-    # NATS / JetStream
+class SettingsGroup(BaseSettings):
+    """One concern's settings, read from ``EPD_<FIELD>`` variables (constructing one reads the environment)."""
+
+    model_config = _ENV_CONFIG
+
+
+# -- groups -----------------------------------------------------------------------------------------
+class NatsSettings(SettingsGroup):
+    """Where NATS is and the JetStream limits of the deployment's streams and consumers."""
+
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server URL; a comma-separated list seeds a cluster (any member works)."""
     nats_user: str | None = None
@@ -62,7 +94,18 @@ class CommonSettings(BaseSettings):
     """Deliveries of a job before it ends with an error (502 `worker_failed`)."""
     stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)")
 
-    # Object store (MinIO / any S3)
+    _check_prefix = field_validator("subject_prefix")(no_separators)
+
+
+class StoreSettings(SettingsGroup):
+    """The object store (MinIO / any S3, or a local folder) of EC objects, KV objects and images.
+
+    Its dump without the credentials (:meth:`connector_dump`) is the vLLM connectors' extra
+    config; the connectors validate it back with this model (:meth:`from_dump`)."""
+
+    #: the credential fields: never in a dump; a vLLM process reads them from the environment
+    SECRET_FIELDS: ClassVar[tuple[str, str]] = ("s3_access_key", "s3_secret_key")
+
     store_backend: str = "s3"
     """`s3` (MinIO or any S3 server) or `fs` (a local folder, `EPD_STORE_FS_ROOT`)."""
     s3_endpoint: str = "127.0.0.1:9000"
@@ -84,10 +127,45 @@ class CommonSettings(BaseSettings):
     max_ec_object_bytes: int = Field(512 * 1024**2, gt=0)
     """Largest EC object a worker reads."""
     max_kv_object_bytes: int = Field(1024**3, gt=0, description="largest KV object written or read (E|P|D)")
-    max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
-    max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
 
-    # Model / engine
+    _check_namespace = field_validator("namespace")(no_separators)
+
+    def connector_dump(self) -> dict[str, Any]:
+        """This group as JSON values, credentials left out and the `fs` root made absolute (another
+        process may resolve relative paths elsewhere): a vLLM connector's extra config."""
+        resolved = self.model_copy(update={"store_fs_root": self.store_fs_root.resolve()})
+        return resolved.model_dump(mode="json", exclude=set(self.SECRET_FIELDS))
+
+    @classmethod
+    def from_dump(cls, values: Mapping[str, Any]) -> StoreSettings:
+        """Validate ``values`` (e.g. :meth:`connector_dump`) without reading the environment:
+        what is not given is the default."""
+        return _StoreFromValues(**values)
+
+
+class _StoreFromValues(StoreSettings):
+    """:class:`StoreSettings` from given values only (no environment)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+#: the variables of the S3 credentials (spelled here only: derived from the fields)
+S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV = (env_var(name) for name in StoreSettings.SECRET_FIELDS)
+
+
+class ModelSettings(SettingsGroup):
+    """Which model is served and how it is computed: what the encoder fingerprint is made of (every
+    service must agree)."""
+
     model_path: Path | None = None
     """Local model folder in Hugging Face layout; nothing is downloaded (`epd up`: the tiny test model under `var/`)."""
     model_name: str | None = None
@@ -96,6 +174,33 @@ class CommonSettings(BaseSettings):
     """Model engine: `transformers` or `vllm` (part of the encoder fingerprint: every service must agree)."""
     dtype: str = "float32"
     """Compute dtype (part of the encoder fingerprint)."""
+
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model_path is not None:
+            return Path(self.model_path).name
+        return "epd-model"
+
+    def require_model_path(self) -> Path:
+        if self.model_path is None:
+            raise ValueError(f"{env_var('model_path')} is not set (a local model folder)")
+        path = Path(self.model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{env_var('model_path')}={path} is not a model folder (no config.json)")
+        return path
+
+
+class MediaSettings(SettingsGroup):
+    """Limits on the images a process decodes or stores."""
+
+    max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
+
+
+class EngineSettings(SettingsGroup):
+    """How a worker runs its engine: threads, CPUs and the vLLM engine's knobs (workers only)."""
+
     torch_threads: int = Field(
         1, ge=1, description="torch threads per process; keep the same value in every stage for bit-identical output"
     )
@@ -126,25 +231,11 @@ class CommonSettings(BaseSettings):
         default_factory=dict, description='more vLLM engine args (JSON), e.g. {"gpu_memory_utilization": 0.85}'
     )
 
-    worker_id: str = Field(default_factory=default_worker_id)
-    """Worker identity in EC object metadata and heartbeats (unset: host name + random suffix)."""
-    log_level: str = "INFO"
-    """Log level; every line carries the request id."""
-    log_format: str = Field("text", pattern="^(text|json)$")
-    """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
-    metrics_port: int | None = None
-    """Workers: serve Prometheus `/metrics` on this port (unset: none; the API serves it on its own port)."""
-    health_file: Path | None = None
-    """Workers: heartbeat file for `epd healthcheck`, refreshed every 2 s after a JetStream round trip to the
-    worker's consumer and removed when one fails (unset: none)."""
-    unreachable_exit_s: float = Field(
-        60,
-        gt=0,
-        description="a worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it",
-    )
 
-    # EC store lifecycle (shared.ec_lifecycle.index, shared.ec_lifecycle.janitor). The janitor runs in the API
-    # processes (one at a time: a lease) when a bound or a TTL is set; every process records uses.
+class JanitorSettings(SettingsGroup):
+    """The EC store's lifecycle policy (shared.ec_lifecycle.janitor). The janitor runs in the API
+    processes (one at a time: a lease) when a bound or a TTL is set; `epd ec` reads it too."""
+
     ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
     ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
     ec_ttl_s: float | None = Field(
@@ -166,37 +257,128 @@ class CommonSettings(BaseSettings):
     ec_reconcile_interval_s: float = Field(
         300, gt=0, description="the janitor lists the store this often to index objects nobody announced"
     )
-    ec_use_flush_s: float = Field(
-        2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
-    )
     ec_lifecycle_rule: bool = Field(
         True, description="with EPD_EC_TTL_S, also set an S3 lifecycle expiration rule on the namespace (a backstop)"
     )
 
-    @field_validator("namespace", "subject_prefix")
+
+# -- services ---------------------------------------------------------------------------------------
+def group_type(field: FieldInfo) -> type[SettingsGroup] | None:
+    """The group class of a settings field that holds a group (None: a plain setting)."""
+    annotation = field.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, SettingsGroup) else None
+
+
+class _OwnFieldsEnv(EnvSettingsSource):
+    """The environment source of a service's own fields; its groups read their variables themselves
+    (a group's attribute is no variable: ``EPD_MODEL`` is not JSON for ``model``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if group_type(field) is not None:
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+
+class EnvField(NamedTuple):
+    """One setting of a service: its variable, the group attribute holding it (None: the service's
+    own field), its field name and definition, and the class that declares it."""
+
+    var: str
+    group: str | None
+    name: str
+    field: FieldInfo
+    owner: type[BaseSettings]
+
+
+class ServiceSettings(BaseSettings):
+    """What every process has: NATS, the store, its identity and logging. Subclasses add the groups
+    they need (fields typed with a :class:`SettingsGroup`) and their own settings."""
+
+    model_config = _ENV_CONFIG
+
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    """NATS and JetStream."""
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    """The object store."""
+
+    worker_id: str = Field(default_factory=default_worker_id)
+    """Worker identity in EC object metadata and heartbeats (unset: host name + random suffix)."""
+    log_level: str = "INFO"
+    """Log level; every line carries the request id."""
+    log_format: str = Field("text", pattern="^(text|json)$")
+    """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
+    ec_use_flush_s: float = Field(
+        2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
+    )
+
     @classmethod
-    def _no_separators(cls, v: str) -> str:
-        if not v or any(c in v for c in "/.*> "):
-            raise ValueError("must be non-empty and contain no '/', '.', '*', '>' or spaces")
-        return v
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, _OwnFieldsEnv(settings_cls), dotenv_settings, file_secret_settings)
 
-    def served_model_name(self) -> str:
-        if self.model_name:
-            return self.model_name
-        if self.model_path is not None:
-            return Path(self.model_path).name
-        return "epd-model"
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_arguments_to_groups(cls, data: Any) -> Any:
+        """``ApiSettings(nats_url=...)``: each flat argument goes to the group that owns it; every
+        group is built here, so whatever is not given comes from its variables."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for attr, group in cls.groups().items():
+            given = data.pop(attr, None)
+            flat = {name: data.pop(name) for name in list(data) if name in group.model_fields}
+            if isinstance(given, group) and not flat:
+                data[attr] = given
+                continue
+            if isinstance(given, SettingsGroup):
+                given = {name: getattr(given, name) for name in type(given).model_fields}
+            data[attr] = group(**{**(given or {}), **flat})
+        return data
 
-    def require_model_path(self) -> Path:
-        if self.model_path is None:
-            raise ValueError("EPD_MODEL_PATH is not set (a local model folder)")
-        path = Path(self.model_path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"EPD_MODEL_PATH={path} is not a model folder (no config.json)")
-        return path
+    @classmethod
+    def groups(cls) -> dict[str, type[SettingsGroup]]:
+        """The groups of this service: attribute -> group class."""
+        return {attr: g for attr, f in cls.model_fields.items() if (g := group_type(f)) is not None}
+
+    @classmethod
+    def env_fields(cls) -> dict[str, EnvField]:
+        """Every setting of this service by field name, groups' fields included."""
+        out: dict[str, EnvField] = {}
+        for attr, field in cls.model_fields.items():
+            group = group_type(field)
+            rows = (
+                [EnvField(env_var(n), attr, n, f, group) for n, f in group.model_fields.items()]
+                if group is not None
+                else [EnvField(env_var(attr), None, attr, field, cls)]
+            )
+            for row in rows:
+                if row.name in out:
+                    raise TypeError(f"{cls.__name__}: setting {row.name} is in two groups")
+                out[row.name] = row
+        return out
+
+    def setting(self, name: str) -> Any:
+        """The value of the setting ``name`` (a field of this service or of one of its groups)."""
+        row = type(self).env_fields()[name]
+        return getattr(getattr(self, row.group) if row.group else self, name)
 
 
-class ApiSettings(CommonSettings):
+class ApiSettings(ServiceSettings):
+    """The API: HTTP, admission, image intake; the model it serves (no engine) and the EC janitor."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """The served model."""
+    media: MediaSettings = Field(default_factory=MediaSettings)
+    """Image limits."""
+    janitor: JanitorSettings = Field(default_factory=JanitorSettings)
+    """The EC store's lifecycle."""
+
     host: str = "127.0.0.1"
     """Listen address."""
     port: int = 8000
@@ -244,10 +426,33 @@ class ApiSettings(CommonSettings):
 
     def decode_budget_pixels(self) -> int:
         """The decode budget in effect: ``decode_pixel_budget``, or two images of the largest size."""
-        return self.decode_pixel_budget or 2 * self.max_image_pixels
+        return self.decode_pixel_budget or 2 * self.media.max_image_pixels
 
 
-class EncoderSettings(CommonSettings):
+class WorkerSettings(ServiceSettings):
+    """What every model worker (encoder, prefill, decode) has: the model, its engine's knobs, image
+    limits, and its process's health and metrics."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """The served model."""
+    media: MediaSettings = Field(default_factory=MediaSettings)
+    """Image limits."""
+    runtime: EngineSettings = Field(default_factory=EngineSettings)
+    """How the engine runs."""
+
+    metrics_port: int | None = None
+    """Workers: serve Prometheus `/metrics` on this port (unset: none; the API serves it on its own port)."""
+    health_file: Path | None = None
+    """Workers: heartbeat file for `epd healthcheck`, refreshed every 2 s after a JetStream round trip to the
+    worker's consumer and removed when one fails (unset: none)."""
+    unreachable_exit_s: float = Field(
+        60,
+        gt=0,
+        description="a worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it",
+    )
+
+
+class EncoderSettings(WorkerSettings):
     batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
     encode_jobs_in_flight: int | None = Field(
         None,
@@ -261,7 +466,7 @@ class EncoderSettings(CommonSettings):
     )
 
 
-class PrefillSettings(CommonSettings):
+class PrefillSettings(WorkerSettings):
     role: Role = Role.PD
     """`pd`: prefill and decode in one worker (E|PD); `prefill`: prefill, then hand off to decode workers (E|P|D);
     `agg`: encode, prefill and decode in process (the baseline)."""
@@ -287,7 +492,7 @@ class PrefillSettings(CommonSettings):
         return v
 
 
-class DecodeSettings(CommonSettings):
+class DecodeSettings(WorkerSettings):
     """Decode workers (E|P|D): pull decode jobs, load KV objects, batch decode steps."""
 
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
@@ -296,3 +501,20 @@ class DecodeSettings(CommonSettings):
         3600, gt=0, description="KV objects older than this are swept (keep it above EPD_REQUEST_TIMEOUT_S)"
     )
     kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")
+
+
+class ToolSettings(ServiceSettings):
+    """The `epd` tools that talk to a running deployment (`epd replay`, `epd ec`, `epd plan --from-streams`):
+    its NATS and store, and the EC lifecycle policy `epd ec` reports against."""
+
+    janitor: JanitorSettings = Field(default_factory=JanitorSettings)
+    """The EC store's lifecycle."""
+
+
+#: the settings class of each service (``python -m services.<name>``)
+SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {
+    "api": ApiSettings,
+    "encoder": EncoderSettings,
+    "prefill": PrefillSettings,
+    "decode": DecodeSettings,
+}

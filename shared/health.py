@@ -165,9 +165,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         path = args.file
         if path is None:
-            from shared.config import CommonSettings
+            from shared.config import WorkerSettings
 
-            path = CommonSettings().health_file
+            path = WorkerSettings().health_file
         if path is None:
             ok, reason = False, "no heartbeat file configured (set EPD_HEALTH_FILE for the worker and the check)"
         else:

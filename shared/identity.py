@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from shared.fingerprint import encoder_fingerprint, model_fingerprint
 
 if TYPE_CHECKING:
-    from shared.config import CommonSettings
+    from shared.config import ModelSettings
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ModelIdentity:
     engine: str
 
     @classmethod
-    def from_settings(cls, settings: CommonSettings) -> ModelIdentity:
+    def from_settings(cls, settings: ModelSettings) -> ModelIdentity:
         """The identity a process configured by ``settings`` serves (raises ValueError without
         ``EPD_MODEL_PATH``)."""
         return cls(

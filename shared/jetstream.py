@@ -26,7 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from nats.js.errors import BadRequestError
 
 from shared import metrics, protocol
-from shared.config import CommonSettings
+from shared.config import NatsSettings
 from shared.errors import ServiceUnavailable
 from shared.protocol import Message, Subjects
 
@@ -103,7 +103,7 @@ class _ConnectionLog:
         log.info("reconnected to NATS (%s) after %.1fs", self.url, down)
 
 
-async def connect(settings: CommonSettings, *, name: str, connect_timeout: float = 5.0, **options: Any) -> NATS:
+async def connect(settings: NatsSettings, *, name: str, connect_timeout: float = 5.0, **options: Any) -> NATS:
     """Connect to NATS; raises ServiceUnavailable with the URL (never the password) on failure.
 
     Services reconnect forever (the default). ``options`` override the client's options, e.g.
@@ -139,7 +139,7 @@ def nats_unavailable(doing: str, exc: BaseException) -> ServiceUnavailable:
     return ServiceUnavailable(f"NATS unavailable ({doing}: {type(exc).__name__}: {exc}); retry shortly")
 
 
-def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamConfig]:
+def stream_configs(settings: NatsSettings, subjects: Subjects) -> list[StreamConfig]:
     # JetStream requires duplicate_window <= max_age.
     dup_window = min(settings.dup_window_s, settings.stream_max_age_s)
     return [
@@ -157,7 +157,7 @@ def stream_configs(settings: CommonSettings, subjects: Subjects) -> list[StreamC
     ]
 
 
-def consumer_configs(settings: CommonSettings, subjects: Subjects) -> dict[str, ConsumerConfig]:
+def consumer_configs(settings: NatsSettings, subjects: Subjects) -> dict[str, ConsumerConfig]:
     """Durable pull consumers, by stream."""
 
     def durable(name: str, subject: str) -> ConsumerConfig:
@@ -178,7 +178,7 @@ def consumer_configs(settings: CommonSettings, subjects: Subjects) -> dict[str, 
     }
 
 
-async def ensure_topology(js: JetStreamContext, settings: CommonSettings, subjects: Subjects) -> None:
+async def ensure_topology(js: JetStreamContext, settings: NatsSettings, subjects: Subjects) -> None:
     """Create (or update) every stream and durable consumer. Safe to call from every service."""
     for cfg in stream_configs(settings, subjects):
         try:

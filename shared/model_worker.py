@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from shared.config import CommonSettings
+from shared.config import EngineSettings, MediaSettings, ModelSettings, WorkerSettings
 from shared.engines import check_role, engine_class, load_engine
 from shared.engines.base import Engine, MediaImage, Prompt, RawPrompt, SamplingParams
 from shared.errors import EngineError, InvalidImage, MediaMissing
@@ -27,27 +27,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def exit_unless_engine_fits(settings: CommonSettings, role: Role) -> None:
-    """Start-up, before anything is loaded: exit with a clear message when ``settings.engine``
+def exit_unless_engine_fits(model: ModelSettings, role: Role) -> None:
+    """Start-up, before anything is loaded: exit with a clear message when ``model.engine``
     cannot play ``role`` (``shared.engines.check_role``)."""
     try:
-        check_role(engine_class(settings.engine), role)
+        check_role(engine_class(model.engine), role)
     except EngineError as exc:
         raise SystemExit(f"{service_of(role)} worker: {exc}") from None
 
 
-def bind_cpus_or_exit(settings: CommonSettings) -> None:
+def bind_cpus_or_exit(runtime: EngineSettings) -> None:
     """Start-up, before anything is loaded: bind the process to ``EPD_CPU_CORES`` (``shared.cpus``)."""
     from shared.cpus import bind_process
 
     try:
-        bind_process(settings.cpu_cores)
+        bind_process(runtime.cpu_cores)
     except ValueError as exc:
         raise SystemExit(f"worker: {exc}") from None
 
 
-def media_limits(settings: CommonSettings) -> MediaLimits:
-    return MediaLimits(max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
+def media_limits(media: MediaSettings) -> MediaLimits:
+    return MediaLimits(max_image_bytes=media.max_image_bytes, max_pixels=media.max_image_pixels)
 
 
 def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> Image.Image:
@@ -100,11 +100,11 @@ class ModelHandler(Handler):
     ``setup`` and pick their strategies from the engine's capabilities in their own ``setup``:
     the engine has what the role needs (``shared.engines.check_role``)."""
 
-    def __init__(self, settings: CommonSettings, engine: Engine | None = None, store: ECStore | None = None):
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None, store: ECStore | None = None):
         self.settings = settings
         self.engine = engine
         self.store = store
-        self.limits = media_limits(settings)
+        self.limits = media_limits(settings.media)
         self.ctx: WorkerContext | None = None
         self._owned_engine: Engine | None = None
 
@@ -126,14 +126,17 @@ class ModelHandler(Handler):
     async def model_kv_store(self) -> KVStore:
         """The KV store of this worker's model fingerprint (E|P|D prefill and decode workers: both
         sides must compute the same fingerprint, so both build it here)."""
-        from shared.store.factory import kv_store_from_settings
+        from shared.store.factory import open_stores
 
-        identity = self.identity
+        identity, settings = self.identity, self.settings
         fp = await asyncio.to_thread(lambda: identity.model_fingerprint)  # reads every weight once
-        return await asyncio.to_thread(kv_store_from_settings, self.settings, fp)
+        stores = await asyncio.to_thread(
+            lambda: open_stores(settings.store, producer=settings.worker_id, kv_fingerprint=fp, ensure_bucket=True)
+        )
+        return stores.kv_store()
 
     async def setup(self, ctx: WorkerContext) -> None:
-        from shared.store.factory import ec_store_from_settings
+        from shared.store.factory import open_stores
 
         self.ctx = ctx
         if self.engine is None:
@@ -142,7 +145,17 @@ class ModelHandler(Handler):
         else:  # (load_engine checks before loading)
             check_role(type(self.engine), self.role)
         if self.store is None:
-            self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.identity.fingerprint)
+            settings, fingerprint = self.settings, self.identity.fingerprint
+            stores = await asyncio.to_thread(
+                lambda: open_stores(
+                    settings.store,
+                    producer=settings.worker_id,
+                    ec_fingerprint=fingerprint,
+                    max_media_bytes=settings.media.max_image_bytes,
+                    ensure_bucket=True,
+                )
+            )
+            self.store = stores.ec_store()
 
     async def media_bytes(self, ref: ImageRef) -> bytes:
         """A request's stored image bytes. Raises MediaMissing when they are gone."""

@@ -62,7 +62,7 @@ from nats.aio.client import Client as NATS
 from shared import metrics, protocol
 from shared.admission import Admission
 from shared.cancellation import CancelRecords, cancelled_request_id
-from shared.config import CommonSettings
+from shared.config import WorkerSettings
 from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
 from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
@@ -179,7 +179,7 @@ class JobCancel:
 class WorkerContext:
     """What the runner hands a handler at set-up."""
 
-    settings: CommonSettings
+    settings: WorkerSettings
     subjects: Subjects
     publisher: Publisher
     nc: NATS | None = None
@@ -235,13 +235,13 @@ class Handler(abc.ABC):
     async def close(self) -> None:
         """Release what ``setup`` built."""
 
-    def heartbeat(self, settings: CommonSettings) -> WorkerHeartbeat:
+    def heartbeat(self, settings: WorkerSettings) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             role=self.service.value,
             worker_id=settings.worker_id,
             fingerprint=getattr(self, "fingerprint", ""),
-            model=settings.served_model_name(),
-            engine=settings.engine,
+            model=settings.model.served_model_name(),
+            engine=settings.model.engine,
             in_flight=self.in_flight,
             sent_at=time.time(),
         )
@@ -326,7 +326,7 @@ class WorkerRunner:
     def __init__(
         self,
         handler: Handler,
-        settings: CommonSettings,
+        settings: WorkerSettings,
         *,
         batch_size: int = 1,
         concurrency: int = 1,
@@ -334,7 +334,7 @@ class WorkerRunner:
     ):
         self.handler = handler
         self.settings = settings
-        self.subjects = Subjects(settings.subject_prefix)
+        self.subjects = Subjects(settings.nats.subject_prefix)
         self.batch_size = batch_size
         self.concurrency = concurrency
         self.drain_timeout_s = drain_timeout_s
@@ -358,10 +358,10 @@ class WorkerRunner:
             self.stopping.set()
 
     async def run(self) -> None:
-        nc = await connect(self.settings, name=f"epd-{self.name}-{self.settings.worker_id}")
+        nc = await connect(self.settings.nats, name=f"epd-{self.name}-{self.settings.worker_id}")
         js = nc.jetstream()
         try:
-            await ensure_topology(js, self.settings, self.subjects)
+            await ensure_topology(js, self.settings.nats, self.subjects)
             ctx = WorkerContext(self.settings, self.subjects, JetStreamPublisher(js), nc)
             await self.handler.setup(ctx)
             stream = self.subjects.work_stream(self.handler.queue)
@@ -443,7 +443,7 @@ class WorkerRunner:
             subject=msg.subject,
             headers=dict(msg.headers or {}),
             num_delivered=meta.num_delivered,
-            max_deliver=self.settings.max_deliver,
+            max_deliver=self.settings.nats.max_deliver,
             published_at=meta.timestamp.timestamp() if meta.timestamp else None,
         )
         task = asyncio.current_task()
@@ -500,7 +500,7 @@ class WorkerRunner:
             job.request()
 
     async def _keep_alive(self, msg: Any) -> None:
-        interval = max(0.5, self.settings.ack_wait_s / 3)
+        interval = max(0.5, self.settings.nats.ack_wait_s / 3)
         while True:
             await asyncio.sleep(interval)
             try:
@@ -584,7 +584,7 @@ async def _close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
         await nc.close()
 
 
-def run_worker(handler: Handler, settings: CommonSettings, **runner_kwargs: Any) -> None:
+def run_worker(handler: Handler, settings: WorkerSettings, **runner_kwargs: Any) -> None:
     """Process entry point: run until SIGTERM/SIGINT, then drain. Exits non-zero when the worker
     stopped because it lost its consumer (``EXIT_UNREACHABLE``)."""
     if settings.metrics_port:

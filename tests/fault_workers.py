@@ -70,10 +70,10 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m tests.fault_workers encoder|prefill|decode")
     service = argv[0]
-    from shared.config import CommonSettings
+    from shared.config import ModelSettings
     from shared.engines import engine_class
 
-    engine_cls = engine_class(CommonSettings().engine)
+    engine_cls = engine_class(ModelSettings().engine)
     if service == "encoder" and _delay(ENCODE_DELAY_ENV):
         slow_encoder(engine_cls, _delay(ENCODE_DELAY_ENV))
     if service == "decode" and _delay(DECODE_STEP_DELAY_ENV):

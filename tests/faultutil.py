@@ -87,11 +87,11 @@ def worker_main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m tests.faultutil encoder|prefill|decode")
     service = argv[0]
-    from shared.config import CommonSettings
+    from shared.config import ModelSettings
     from shared.engines import engine_class
     from shared.engines.base import FeaturesThroughConnector, FeaturesThroughWorker, KVStateHandoff
 
-    engine_cls = engine_class(CommonSettings().engine)
+    engine_cls = engine_class(ModelSettings().engine)
     if service == "encoder":
         for mixin, method in ((FeaturesThroughWorker, "encode"), (FeaturesThroughConnector, "produce")):
             if issubclass(engine_cls, mixin):

@@ -13,7 +13,7 @@ import pytest
 
 from shared import protocol
 from shared.client import RequestClient, chunk_texts
-from shared.config import CommonSettings
+from shared.config import NatsSettings
 from shared.ec_lifecycle.index import ECIndex, Use, entry_key
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
 from shared.jetstream import JetStreamPublisher, ensure_topology, subscribe_typed
@@ -71,7 +71,7 @@ def _final(rid: str, tokens: tuple[int, ...]) -> FinalResult:
 def deployment(nats_server):
     """A fresh subject prefix with its streams on the session's NATS."""
     prefix = f"cl{uuid.uuid4().hex[:8]}"
-    settings = CommonSettings(nats_url=nats_server.url, subject_prefix=prefix)
+    settings = NatsSettings(nats_url=nats_server.url, subject_prefix=prefix)
     subjects = Subjects(prefix)
 
     async def setup():

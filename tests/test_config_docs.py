@@ -41,10 +41,10 @@ def test_a_stale_copy_is_named(tmp_path, capsys):
 def test_every_setting_is_documented_with_a_description():
     doc = (ROOT / config_docs.CONFIG_DOC).read_text()
     env = (ROOT / config_docs.ENV_EXAMPLE).read_text()
-    for cls, _, _ in config_docs.SECTIONS:
-        for name, field in cls.model_fields.items():
+    for section in config_docs.SECTIONS:
+        for name, field in section.fields.items():
             var = config_docs.env_name(name)
-            assert field.description, f"{cls.__name__}.{name} has no description"
+            assert field.description, f"{section.cls.__name__}.{name} has no description"
             assert f"| `{var}` |" in doc, var
             assert f"{var}=" in env, var
     for var in ("EPD_STORE_FS_ROOT", "EPD_TOPOLOGY"):

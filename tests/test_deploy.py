@@ -76,7 +76,6 @@ NOT_FROM_COMPOSE = {
     "store_fs_root": "compose uses the S3 store",
     "topology": "one api serves e-pd and e-p-d, which it treats alike (agg is for `epd up`)",
 }
-API_UNUSED = {"metrics_port": "the API serves /metrics itself", "health_file": "the API is probed over HTTP"}
 # Compose defaults that differ from shared/config.py on purpose (container network, mount point).
 COMPOSE_DEFAULTS = {
     "EPD_NATS_URL": "nats://nats:4222",
@@ -132,7 +131,7 @@ def parsed_from_env(cls: type, name: str, value: str, monkeypatch) -> object:
         for key in [k for k in os.environ if k.startswith("EPD_")]:
             m.delenv(key)
         m.setenv(field_env(name), value)
-        return getattr(cls(), name)
+        return cls().setting(name)
 
 
 def resolved_service(compose: dict, name: str, env: dict[str, str]) -> dict:
@@ -261,7 +260,7 @@ def test_profiles_run_what_epd_up_runs(compose):
         for name in services:
             cls, env = settings_class(APPS[name].module), dc.environment(compose["services"][name])
             for key, value in topology_env(topology).items():
-                if key[4:].lower() not in cls.model_fields:
+                if key[4:].lower() not in cls.env_fields():
                     continue  # not read by this service
                 if key == "EPD_TOPOLOGY":
                     continue  # one api serves e-pd and e-p-d: see the tripwire below
@@ -292,7 +291,7 @@ def kv_handoff_problems(compose: dict) -> list[str]:
             role = Role.PREFILL
         else:
             continue
-        engine = env.get("EPD_ENGINE") or config.CommonSettings.model_fields["engine"].default
+        engine = env.get("EPD_ENGINE") or config.ModelSettings.model_fields["engine"].default
         try:
             check_role(engine_class(engine), role)
         except EngineError as exc:
@@ -317,11 +316,11 @@ def test_e_p_d_services_use_an_engine_that_hands_off_kv(compose):
 @pytest.mark.parametrize("name", sorted(APPS))
 def test_env_vars_are_fields_of_the_service_settings(compose, name):
     cls = settings_class(APPS[name].module)
-    fields = set(cls.model_fields)
+    fields = set(cls.env_fields())
     env = dc.environment(compose["services"][name])
     unknown = sorted(k for k in env if not (k.startswith("EPD_") and k[4:].lower() in fields))
     assert unknown == [], f"{name} sets variables {cls.__name__} does not read: {unknown}"
-    exempt = set(NOT_FROM_COMPOSE) | (set(API_UNUSED) if APPS[name].health_role == "api" else set())
+    exempt = set(NOT_FROM_COMPOSE) & fields
     missing = sorted(field_env(f) for f in fields - exempt if field_env(f) not in env)
     assert missing == [], f"{name}: settings of {cls.__name__} compose does not pass through: {missing}"
 
@@ -335,23 +334,23 @@ def test_resolved_env_is_valid_settings(compose, name, monkeypatch):
     for key, value in dc.environment(svc).items():
         monkeypatch.setenv(key, value)
     settings = settings_class(APPS[name].module)()
-    assert str(settings.model_path) == MODEL_PATH
-    assert settings.nats_password.get_secret_value() == TEST_SECRETS["EPD_NATS_PASSWORD"]
-    assert settings.s3_secret_key.get_secret_value() == TEST_SECRETS["EPD_S3_SECRET_KEY"]
-    assert settings.engine == ("vllm" if APPS[name].target == "gpu" else "transformers")
+    assert str(settings.model.model_path) == MODEL_PATH
+    assert settings.nats.nats_password.get_secret_value() == TEST_SECRETS["EPD_NATS_PASSWORD"]
+    assert settings.store.s3_secret_key.get_secret_value() == TEST_SECRETS["EPD_S3_SECRET_KEY"]
+    assert settings.model.engine == ("vllm" if APPS[name].target == "gpu" else "transformers")
     if APPS[name].role:
         assert settings.role == APPS[name].role
 
 
 def test_compose_defaults_match_the_settings(compose, monkeypatch):
-    fields = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.model_fields}
+    fields = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.env_fields()}
     for var, refs in dc.compose_variables(compose).items():
         for ref in refs:
             if var in COMPOSE_DEFAULTS:
                 assert ref.op == ":-" and ref.arg == COMPOSE_DEFAULTS[var], (var, ref)
             elif var in fields and ref.op == ":-" and ref.arg:
                 cls, name = fields[var]
-                default = cls.model_fields[name].get_default(call_default_factory=True)
+                default = cls.env_fields()[name].field.get_default(call_default_factory=True)
                 assert parsed_from_env(cls, name, ref.arg, monkeypatch) == default, (var, ref.arg, default)
 
 
@@ -376,19 +375,19 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
     active, commented = dc.parse_env_file()
     documented = set(active) | set(commented)
     used = set(dc.compose_variables(compose))
-    fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
+    fields = {field_env(n) for cls in all_settings_classes() for n in cls.env_fields()}
     assert used - fields == COMPOSE_ONLY_VARS
     # Every variable compose reads, and every setting (those compose does not read are listed for
     # services run by hand, e.g. EPD_STORE_FS_ROOT, EPD_TOPOLOGY), nothing else.
     assert documented - {"COMPOSE_PROFILES"} == used | fields
     # commented-out defaults are the real defaults
-    by_var = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.model_fields}
+    by_var = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.env_fields()}
     for var, value in commented.items():
         if var in COMPOSE_ONLY_VARS:  # e.g. the infrastructure images: compose's own default
             assert {(r.op, r.arg) for r in dc.compose_variables(compose)[var]} == {(":-", value)}, var
             continue
         cls, name = by_var[var]
-        default = cls.model_fields[name].get_default(call_default_factory=True)
+        default = cls.env_fields()[name].field.get_default(call_default_factory=True)
         if var == "EPD_WORKER_ID":  # computed per process (host name + random suffix): left empty
             assert value == "", (var, value)
         elif var in COMPOSE_DEFAULTS:
@@ -504,12 +503,12 @@ def test_minio_init_refuses_the_root_account_for_services(compose, tmp_path):
 
 def test_nats_url_may_list_a_cluster(nats_server):
     """Multi-node: EPD_NATS_URL seeds several members; EPD_STREAM_REPLICAS replicates the streams."""
-    from shared.config import CommonSettings
+    from shared.config import NatsSettings
     from shared.jetstream import connect, stream_configs
     from shared.protocol import Subjects
     from shared.tools.infra import free_port
 
-    settings = CommonSettings(nats_url=f"nats://127.0.0.1:{free_port()}, {nats_server.url}")
+    settings = NatsSettings(nats_url=f"nats://127.0.0.1:{free_port()}, {nats_server.url}")
 
     async def go():
         nc = await connect(settings, name="cluster-seed-test")
@@ -519,8 +518,8 @@ def test_nats_url_may_list_a_cluster(nats_server):
             await nc.close()
 
     asyncio.run(go())
-    assert {c.num_replicas for c in stream_configs(CommonSettings(), Subjects("x"))} == {1}
-    assert {c.num_replicas for c in stream_configs(CommonSettings(stream_replicas=3), Subjects("x"))} == {3}
+    assert {c.num_replicas for c in stream_configs(NatsSettings(), Subjects("x"))} == {1}
+    assert {c.num_replicas for c in stream_configs(NatsSettings(stream_replicas=3), Subjects("x"))} == {3}
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------
@@ -642,7 +641,7 @@ def docs_settings_problems(pages: dict[str, str]) -> list[str]:
     table_vars = {
         v for line in config_page.splitlines() if line.startswith("|") for v in re.findall(r"EPD_[A-Z0-9_]+", line)
     }
-    fields = {field_env(n) for cls in all_settings_classes() for n in cls.model_fields}
+    fields = {field_env(n) for cls in all_settings_classes() for n in cls.env_fields()}
     problems = [f"{v} is not in the configuration reference's tables" for v in sorted(fields - table_vars)]
     # JetStream stream and bucket names (EPD_ENCODE, EPD_EC_INDEX, ...), not variables
     streams = {v for v in vars(Subjects("epd")).values() if isinstance(v, str) and v.startswith("EPD_")}

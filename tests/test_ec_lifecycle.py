@@ -400,12 +400,12 @@ async def test_vllm_connector_side_drops_invalidated_items_and_records_uses(worl
 def test_vllm_connector_takes_its_nats_settings_from_its_extra_config(monkeypatch, tmp_path):
     """The connector's lifecycle thread is configured like the rest of the connector (its extra
     config, which epd-serve's vLLM engine fills in from its settings), never from ``EPD_NATS_URL``."""
-    from shared.config import CommonSettings
+    from shared.config import PrefillSettings
     from shared.connectors.common import ConnectorConfig
     from shared.ec_lifecycle.invalidation import ConnectorLifecycle
     from shared.engines.vllm_engine import connector_extra_config
 
-    settings = CommonSettings(nats_url="nats://n1:4222,nats://n2:4222", subject_prefix="tenant7")
+    settings = PrefillSettings(nats_url="nats://n1:4222,nats://n2:4222", subject_prefix="tenant7")
     extra = connector_extra_config(settings)
     assert (extra["nats_url"], extra["subject_prefix"]) == ("nats://n1:4222,nats://n2:4222", "tenant7")
     config = ConnectorConfig.from_extra(extra)

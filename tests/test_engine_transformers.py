@@ -489,17 +489,21 @@ def test_identity_and_fingerprint(engine, model_dirs):
 
 
 async def test_options_and_aclose(model_dirs):
-    from types import SimpleNamespace
-
+    from shared.config import DecodeSettings, EncoderSettings, PrefillSettings
     from shared.topology import Role
 
-    settings = SimpleNamespace(max_batch_size=3, encode_batch_invariant=False)
+    settings = DecodeSettings(max_batch_size=3, encode_batch_invariant=False)
     assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {
         "max_batch": 3,
         "encode_batch_invariant": False,
     }
-    for role in (Role.ENCODER, Role.PD, Role.PREFILL, Role.AGG):
+    for role, cls in ((Role.ENCODER, EncoderSettings), (Role.PD, PrefillSettings), (Role.PREFILL, PrefillSettings)):
+        settings = cls(encode_batch_invariant=False)
         assert TransformersEngine.options_from_settings(settings, role=role) == {"encode_batch_invariant": False}
+    assert TransformersEngine.options_from_settings(PrefillSettings(max_concurrent_jobs=5), role=Role.AGG) == {
+        "max_batch": 5,
+        "encode_batch_invariant": True,
+    }
     engine = TransformersEngine(model_dirs["llava"], threads=1, max_batch=3)
     assert engine._decode_loop.decoder.max_batch == 3
     assert len(await engine.encode([IMAGES["wide"]])) == 1

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.config import CommonSettings
+from shared.config import ToolSettings
 from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
@@ -286,13 +286,13 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
 
         # What the topology means on the wire: agg encodes in the worker (then keeps the features in
         # its cache) and queues no encode job; e-pd queues one for the image's first request.
-        defaults = CommonSettings.model_fields
+        defaults = ToolSettings.env_fields()
         running = RunningStack(
             Stack(env={}, log_dir=tmp_path, topology=expected, api_port=api_port),
             f"nats://127.0.0.1:{nats_port}",
-            defaults["subject_prefix"].default,
-            defaults["namespace"].default,
-            defaults["s3_bucket"].default,
+            defaults["subject_prefix"].field.default,
+            defaults["namespace"].field.default,
+            defaults["s3_bucket"].field.default,
             {},
         )
         item = content_hash_of(images[0])
@@ -568,13 +568,13 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
     up = EpdUp(tmp_path, "--model", str(model))
     try:
         up.wait_ready()
-        defaults = CommonSettings.model_fields
+        defaults = ToolSettings.env_fields()
         running = RunningStack(
             Stack(env={}, log_dir=tmp_path, topology="e-pd", api_port=up.api_port),
             f"nats://127.0.0.1:{up.nats_port}",
-            defaults["subject_prefix"].default,
-            defaults["namespace"].default,
-            defaults["s3_bucket"].default,
+            defaults["subject_prefix"].field.default,
+            defaults["namespace"].field.default,
+            defaults["s3_bucket"].field.default,
             {},
         )
         api_log = up.data_dir / "logs" / "api-0.log"

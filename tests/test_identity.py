@@ -13,7 +13,7 @@ from shared.identity import ModelIdentity
 
 def test_from_settings_has_the_same_fingerprints(tiny_model_dir, monkeypatch):
     settings = ApiSettings(model_path=tiny_model_dir, dtype="float32", engine="transformers", model_name="tiny")
-    identity = ModelIdentity.from_settings(settings)
+    identity = ModelIdentity.from_settings(settings.model)
     assert (identity.model, identity.model_path, identity.dtype, identity.engine) == (
         "tiny",
         tiny_model_dir,
@@ -38,4 +38,4 @@ def test_engine_and_dtype_are_part_of_the_identity(tiny_model_dir):
 
 def test_no_model_path_is_a_clear_error():
     with pytest.raises(ValueError, match="EPD_MODEL_PATH"):
-        ModelIdentity.from_settings(ApiSettings(model_path=None))
+        ModelIdentity.from_settings(ApiSettings(model_path=None).model)

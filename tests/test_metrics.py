@@ -223,7 +223,7 @@ def test_consumer_lag_gauges_follow_a_backlog(nats_server):
         nc = await nats.connect(nats_server.url)
         try:
             js = nc.jetstream()
-            await ensure_topology(js, settings, subjects)
+            await ensure_topology(js, settings.nats, subjects)
             empty = await poll_once(nc, js)
             for i in range(3):
                 await js.publish(subjects.generate_jobs, f"job {i}".encode())

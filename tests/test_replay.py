@@ -22,7 +22,7 @@ import nats
 import pytest
 
 from shared import history, protocol
-from shared.config import CommonSettings
+from shared.config import ToolSettings
 from shared.engines.base import SamplingParams
 from shared.jetstream import ensure_topology
 from shared.media import content_hash_of
@@ -249,12 +249,12 @@ def test_unknown_ids_expired_messages_and_unreachable_nats_are_clear_errors(epd_
 
     # Messages that aged out of their stream: the error says how long the stream keeps them.
     prefix = f"exp{uuid.uuid4().hex[:8]}"
-    settings = CommonSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_age_s=1, dup_window_s=1)
+    settings = ToolSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_age_s=1, dup_window_s=1)
     subjects = Subjects(prefix)
 
     async def record_then_expire(nc):
         js = nc.jetstream()
-        await ensure_topology(js, settings, subjects)
+        await ensure_topology(js, settings.nats, subjects)
         rec = ChatRequestRecord(request_id="chatcmpl-old", received_at=time.time(), model="m", body={})
         from shared.jetstream import JetStreamPublisher
 

@@ -158,7 +158,7 @@ def test_api_queues_encode_jobs_except_in_agg(env, topology, queued):
     assert ref.encode_queued is queued
     jobs = [
         m
-        for _, _, m in read_stream(settings.nats_url, Subjects(settings.subject_prefix).stream_encode)
+        for _, _, m in read_stream(settings.nats.nats_url, Subjects(settings.nats.subject_prefix).stream_encode)
         if isinstance(m, EncodeJob)
     ]
     assert len(jobs) == int(queued)
@@ -168,14 +168,14 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
     from services.prefill.handler import PrefillHandler
     from shared.jetstream import JetStreamPublisher, connect, ensure_topology
     from shared.media import content_hash_of
-    from shared.store.factory import ec_store_from_settings
+    from shared.store.factory import open_stores
     from shared.worker import Delivery, WorkerContext, settle
 
     settings = PrefillSettings(**env, role="agg")
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.nats.subject_prefix)
     image = noise_image(92, (64, 48))
     item = content_hash_of(image)
-    ec = ec_store_from_settings(settings, reference_engine.encoder_fingerprint)
+    ec = open_stores(settings.store, ec_fingerprint=reference_engine.encoder_fingerprint, ensure_bucket=True).ec_store()
     media_key = ec.put_media(item, png_bytes(image))
     rid = f"agg-{uuid.uuid4().hex[:8]}"
     job = GenerationJob(
@@ -191,9 +191,9 @@ def test_agg_worker_encodes_in_process(env, reference_engine):
     )
 
     async def main():
-        nc = await connect(settings, name="test-agg")
+        nc = await connect(settings.nats, name="test-agg")
         js = nc.jetstream()
-        await ensure_topology(js, settings, subjects)
+        await ensure_topology(js, settings.nats, subjects)
         handler = PrefillHandler(settings, engine=reference_engine)
         await handler.setup(WorkerContext(settings, subjects, JetStreamPublisher(js), nc))
         sub = await nc.subscribe(subjects.tokens(rid))

@@ -424,7 +424,10 @@ def test_config_is_validated(tiny_model_dir, s3_env, bucket, monkeypatch):
         ConnectorConfig.from_extra({"namespace": "a/b"})
     with pytest.raises(ValueError, match="fetch_timeout_s"):
         ConnectorConfig.from_extra({"fetch_timeout_s": "soon"})
-    assert ConnectorConfig.from_extra({"secure": "true", "exists_ttl_s": "1.5"}).secure is True
+    with pytest.raises(ValueError, match="unknown ec_connector_extra_config"):
+        ConnectorConfig.from_extra({"s3_endpoint": "x:1", "s3_secret_key": "inline secrets are refused"})
+    assert ConnectorConfig.from_extra({"secure": "true", "exists_ttl_s": "1.5"}).store.s3_secure is True
+    assert ConnectorConfig.from_extra({"s3_secure": "true"}).store.s3_secure is True
     monkeypatch.delenv(SK_ENV)
     with pytest.raises(ValueError, match=SK_ENV):
         make_connector(tiny_model_dir, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))

@@ -29,7 +29,7 @@ from shared.jetstream import JetStreamPublisher, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import ChatRequestRecord, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.store.ec import ECStore
-from shared.store.factory import ec_store_from_settings
+from shared.store.factory import open_stores
 from shared.topology import TOPOLOGIES
 
 log = logging.getLogger(__name__)
@@ -75,14 +75,14 @@ class ApiService:
 
     def __init__(self, settings: ApiSettings):
         self.settings = settings
-        self.subjects = Subjects(settings.subject_prefix)
+        self.subjects = Subjects(settings.nats.subject_prefix)
         #: what this API serves and expects its workers to serve (computed once, here)
-        self.identity = ModelIdentity.from_settings(settings)
+        self.identity = ModelIdentity.from_settings(settings.model)
         self.model_name = self.identity.model
         self.fingerprint = self.identity.fingerprint
         self.limits = MediaLimits(
-            max_image_bytes=settings.max_image_bytes,
-            max_pixels=settings.max_image_pixels,
+            max_image_bytes=settings.media.max_image_bytes,
+            max_pixels=settings.media.max_image_pixels,
             fetch_timeout_s=settings.fetch_timeout_s,
             allowed_networks=tuple(settings.url_allow_networks),
             allowed_hosts=tuple(settings.url_allow_hosts),
@@ -106,11 +106,21 @@ class ApiService:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.nc = await connect(self.settings, name=f"epd-api-{self.settings.worker_id}")
+        self.nc = await connect(self.settings.nats, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
-        await ensure_topology(self.js, self.settings, self.subjects)
+        await ensure_topology(self.js, self.settings.nats, self.subjects)
         publisher = JetStreamPublisher(self.js)
-        self.store = await asyncio.to_thread(ec_store_from_settings, self.settings, self.fingerprint)
+        settings = self.settings
+        stores = await asyncio.to_thread(
+            lambda: open_stores(
+                settings.store,
+                producer=settings.worker_id,
+                ec_fingerprint=self.fingerprint,
+                max_media_bytes=settings.media.max_image_bytes,
+                ensure_bucket=True,
+            )
+        )
+        self.store = stores.ec_store()
         self.ec = await start_api_lifecycle(
             self.nc,
             self.subjects,
@@ -125,7 +135,9 @@ class ApiService:
         )
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
-        self.supervisor = DeliverySupervisor(self.nc, self.subjects, publisher, max_deliver=self.settings.max_deliver)
+        self.supervisor = DeliverySupervisor(
+            self.nc, self.subjects, publisher, max_deliver=self.settings.nats.max_deliver
+        )
         await self.supervisor.start()
         log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
 

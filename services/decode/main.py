@@ -13,8 +13,8 @@ def main() -> None:
     setup_logging(settings.log_level, service=Service.DECODE, fmt=settings.log_format)
     from shared.model_worker import bind_cpus_or_exit, exit_unless_engine_fits
 
-    exit_unless_engine_fits(settings, Role.DECODE)  # refuse before loading anything
-    bind_cpus_or_exit(settings)
+    exit_unless_engine_fits(settings.model, Role.DECODE)  # refuse before loading anything
+    bind_cpus_or_exit(settings.runtime)
     from services.decode.handler import DecodeHandler
 
     # One fetch can take a whole batch; every job in flight is one row of the engine's batch.

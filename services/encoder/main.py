@@ -13,8 +13,8 @@ def main() -> None:
     setup_logging(settings.log_level, service=Service.ENCODER, fmt=settings.log_format)
     from shared.model_worker import bind_cpus_or_exit, exit_unless_engine_fits
 
-    exit_unless_engine_fits(settings, Role.ENCODER)  # refuse before loading anything
-    bind_cpus_or_exit(settings)
+    exit_unless_engine_fits(settings.model, Role.ENCODER)  # refuse before loading anything
+    bind_cpus_or_exit(settings.runtime)
     from services.encoder.handler import EncoderHandler
 
     # How many jobs it holds comes from the handler's admission (the engine's batch, or EPD_ENCODE_JOBS_IN_FLIGHT).

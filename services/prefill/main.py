@@ -13,8 +13,8 @@ def main() -> None:
     setup_logging(settings.log_level, service=f"prefill-{role}", fmt=settings.log_format)
     from shared.model_worker import bind_cpus_or_exit, exit_unless_engine_fits
 
-    exit_unless_engine_fits(settings, role)  # refuse before loading anything
-    bind_cpus_or_exit(settings)
+    exit_unless_engine_fits(settings.model, role)  # refuse before loading anything
+    bind_cpus_or_exit(settings.runtime)
     from services.prefill.handler import PrefillHandler
 
     # How many jobs it holds comes from the handler's admission (engine slots + jobs waiting for features).

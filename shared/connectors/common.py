@@ -7,7 +7,6 @@ No vLLM or torch import: the vLLM engine computes the same fingerprints through 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -15,111 +14,93 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, StoreSettings, env_var, no_separators
 from shared.identity import ModelIdentity
 from shared.store.ec import ECStore
+from shared.store.factory import open_stores
 from shared.store.kv import KVStore
-from shared.store.objects import ObjectStore, make_object_store
 
 #: the ``engine`` part of every fingerprint the connectors compute
 ENGINE_NAME = "vllm"
 
 
 # -- configuration --------------------------------------------------------------------------------
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "0", "false", "no"):
-        return value.strip().lower() in ("1", "true", "yes")
-    raise ValueError(f"{name} must be a boolean, got {value!r}")
+#: keys of hand-written extra configs from before the store settings group (docs/vllm.md then):
+#: each names a :class:`StoreSettings` field (``max_object_bytes``: both object bounds)
+LEGACY_STORE_KEYS = {
+    "endpoint": ("s3_endpoint",),
+    "bucket": ("s3_bucket",),
+    "secure": ("s3_secure",),
+    "region": ("s3_region",),
+    "backend": ("store_backend",),
+    "fs_root": ("store_fs_root",),
+    "max_object_bytes": ("max_ec_object_bytes", "max_kv_object_bytes"),
+}
+#: the store settings an extra config may carry: the group's fields but its credentials
+STORE_KEYS = tuple(name for name in StoreSettings.model_fields if name not in StoreSettings.SECRET_FIELDS)
 
 
-def _as_number(name: str, value: Any, kind: type, minimum: float) -> Any:
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return number
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(BaseModel):
     """``ec_connector_extra_config`` of :class:`~shared.connectors.s3_ec.S3ECConnector` and
-    ``kv_connector_extra_config`` of :class:`~shared.connectors.s3_kv.S3KVConnector` (same store,
-    same keys).
+    ``kv_connector_extra_config`` of :class:`~shared.connectors.s3_kv.S3KVConnector` (same keys):
+    the store settings group's dump (:meth:`StoreSettings.connector_dump`, validated back with
+    :class:`StoreSettings`) plus the connector's own keys below.
 
     Credentials are never in the config: ``access_key_env`` / ``secret_key_env`` name the
     environment variables that hold them (read once, in each vLLM process, never logged).
     """
 
-    endpoint: str = "127.0.0.1:9000"
-    bucket: str = "epd"
-    namespace: str = "epd"
-    secure: bool = False
-    region: str | None = None
-    access_key_env: str = "EPD_S3_ACCESS_KEY"
-    secret_key_env: str = "EPD_S3_SECRET_KEY"
-    #: "s3" (MinIO / any S3) or "fs" (a local folder ``fs_root``, for single-host set-ups).
-    backend: str = "s3"
-    fs_root: str = ""
-    #: largest object a connector writes or reads
-    max_object_bytes: int = 512 * 1024**2
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: where the store is and the object bounds (the EC connector reads ``max_ec_object_bytes``,
+    #: the KV connector ``max_kv_object_bytes``); what the extra config does not set is the default
+    store: StoreSettings = Field(default_factory=lambda: StoreSettings.from_dump({}))
+    access_key_env: str = S3_ACCESS_KEY_ENV
+    secret_key_env: str = S3_SECRET_KEY_ENV
     #: how long an existence-check answer (HEAD) is reused
-    exists_ttl_s: float = 2.0
+    exists_ttl_s: float = Field(2.0, ge=0)
     #: a prefetch still running after this long is given up: the item (prompt) is computed locally
-    fetch_timeout_s: float = 30.0
-    fetch_threads: int = 4
+    fetch_timeout_s: float = Field(30.0, ge=0)
+    fetch_threads: int = Field(4, ge=1)
     #: validated objects kept in the scheduler process after use (LRU), so a repeated item is
     #: not fetched again; objects waiting for their request are held regardless
-    local_cache_bytes: int = 256 * 1024**2
+    local_cache_bytes: int = Field(256 * 1024**2, ge=0)
     #: written into each object's metadata (default: vllm-<host>-<pid>)
     producer_id: str = ""
     #: the deployment's NATS (EC connector: invalidations, use records; "": none) and subject prefix;
     #: ``nats_user_env`` / ``nats_password_env`` name the variables with its credentials (unset: none)
     nats_url: str = ""
     subject_prefix: str = "epd"
-    nats_user_env: str = "EPD_NATS_USER"
-    nats_password_env: str = "EPD_NATS_PASSWORD"
+    nats_user_env: str = env_var("nats_user")
+    nats_password_env: str = env_var("nats_password")
+
+    _check_prefix = field_validator("subject_prefix")(no_separators)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, section: str = "ec_connector_extra_config") -> ConnectorConfig:
         """Parse and check a connector's extra config (``section`` names it in error messages)."""
-        extra = dict(extra or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(fields))
+        values = dict(extra or {})
+        store: dict[str, Any] = {}
+        for key in list(values):
+            for name in LEGACY_STORE_KEYS.get(key, (key,)):
+                if name in STORE_KEYS:
+                    store.setdefault(name, values[key])
+            if key in LEGACY_STORE_KEYS or key in STORE_KEYS:
+                del values[key]
+        own = set(cls.model_fields) - {"store"}
+        unknown = sorted(set(values) - own)
         if unknown:
-            raise ValueError(f"unknown {section} key(s) {unknown}; known: {sorted(fields)}")
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            default = fields[name].default
-            if isinstance(default, bool):
-                values[name] = _as_bool(f"{section}.{name}", value)
-            elif isinstance(default, int):
-                values[name] = _as_number(f"{section}.{name}", value, int, 0 if name == "local_cache_bytes" else 1)
-            elif isinstance(default, float):
-                values[name] = _as_number(f"{section}.{name}", value, float, 0.0)
-            elif value is None and name == "region":
-                values[name] = None
-            elif not isinstance(value, str):
-                raise ValueError(f"{section}.{name} must be a string, got {value!r}")
-            else:
-                values[name] = value
-        config = cls(**values)
-        if not config.namespace or any(c in config.namespace for c in "/.*> "):
-            raise ValueError(
-                f"{section}.namespace {config.namespace!r} must be non-empty "
-                "and contain no '/', '.', '*', '>' or spaces"
-            )
-        if not config.subject_prefix or any(c in config.subject_prefix for c in "/.*> "):
-            raise ValueError(
-                f"{section}.subject_prefix {config.subject_prefix!r} must be non-empty "
-                "and contain no '/', '.', '*', '>' or spaces"
-            )
-        if config.backend not in ("s3", "fs"):
-            raise ValueError(f"{section}.backend must be 's3' or 'fs', got {config.backend!r}")
-        if config.backend == "fs" and not config.fs_root:
-            raise ValueError(f"{section}.fs_root is required with backend 'fs'")
+            raise ValueError(f"unknown {section} key(s) {unknown}; known: {sorted(own | set(STORE_KEYS))}")
+        try:
+            config = cls(store=StoreSettings.from_dump(store), **values)
+        except ValidationError as exc:
+            raise ValueError(f"invalid {section}: {exc}") from None
+        if config.store.store_backend not in ("s3", "fs"):
+            raise ValueError(f"{section}.store_backend must be 's3' or 'fs', got {config.store.store_backend!r}")
+        if config.store.store_backend == "fs" and "store_fs_root" not in store:
+            raise ValueError(f"{section}.store_fs_root is required with store_backend 'fs'")
         return config
 
     @property
@@ -129,12 +110,15 @@ class ConnectorConfig:
     @property
     def location(self) -> str:
         """Where the store is, for logs."""
-        return f"{self.endpoint} bucket {self.bucket}" if self.backend == "s3" else self.fs_root
+        store = self.store
+        return (
+            f"{store.s3_endpoint} bucket {store.s3_bucket}" if store.store_backend == "s3" else str(store.store_fs_root)
+        )
 
-    def object_store(self) -> ObjectStore:
-        """The object store this config points at (credentials read from the named env vars)."""
-        if self.backend == "fs":
-            return make_object_store("fs", root=Path(self.fs_root))
+    def store_with_credentials(self) -> StoreSettings:
+        """The store group with the S3 credentials read from the named env vars (``fs``: none needed)."""
+        if self.store.store_backend == "fs":
+            return self.store
         access_key = os.environ.get(self.access_key_env, "")
         secret_key = os.environ.get(self.secret_key_env, "")
         if not access_key or not secret_key:
@@ -143,14 +127,8 @@ class ConnectorConfig:
                 f"${self.secret_key_env} (names from the connector's extra config access_key_env / "
                 "secret_key_env)"
             )
-        return make_object_store(
-            "s3",
-            endpoint=self.endpoint,
-            access_key=access_key,
-            secret_key=secret_key,
-            bucket=self.bucket,
-            secure=self.secure,
-            region=self.region,
+        return self.store.model_copy(
+            update={"s3_access_key": SecretStr(access_key), "s3_secret_key": SecretStr(secret_key)}
         )
 
     def nats_credentials(self) -> tuple[str | None, str | None]:
@@ -159,23 +137,11 @@ class ConnectorConfig:
 
     def ec_store(self, fingerprint: str) -> ECStore:
         """The EC store of an encoder fingerprint."""
-        return ECStore(
-            self.object_store(),
-            namespace=self.namespace,
-            fingerprint=fingerprint,
-            producer=self.producer,
-            max_object_bytes=self.max_object_bytes,
-        )
+        return open_stores(self.store_with_credentials(), producer=self.producer, ec_fingerprint=fingerprint).ec_store()
 
     def kv_store(self, fingerprint: str) -> KVStore:
         """The KV store of a model fingerprint."""
-        return KVStore(
-            self.object_store(),
-            namespace=self.namespace,
-            fingerprint=fingerprint,
-            producer=self.producer,
-            max_object_bytes=self.max_object_bytes,
-        )
+        return open_stores(self.store_with_credentials(), producer=self.producer, kv_fingerprint=fingerprint).kv_store()
 
 
 # -- model version --------------------------------------------------------------------------------

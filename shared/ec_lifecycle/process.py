@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared import protocol
 from shared.ec_lifecycle.index import ECIndex
 from shared.ec_lifecycle.janitor import Janitor, Policy, expiration_days, set_expiration_rule
 from shared.ec_lifecycle.uses import UseRecorder
 from shared.protocol import Subjects
+
+if TYPE_CHECKING:
+    from shared.config import ApiSettings, JanitorSettings
 
 log = logging.getLogger(__name__)
 
@@ -82,44 +85,46 @@ class ECLifecycle:
         await self.recorder.close()
 
 
-def policy_from_settings(settings: Any) -> Policy:
+def policy_from_settings(janitor: JanitorSettings) -> Policy:
     return Policy(
-        max_bytes=settings.ec_max_bytes,
-        max_objects=settings.ec_max_objects,
-        ttl_s=settings.ec_ttl_s,
-        purge_retired_after_s=settings.ec_purge_retired_after_s,
-        retired_after_s=settings.ec_retired_after_s,
-        grace_s=settings.ec_evict_grace_s,
+        max_bytes=janitor.ec_max_bytes,
+        max_objects=janitor.ec_max_objects,
+        ttl_s=janitor.ec_ttl_s,
+        purge_retired_after_s=janitor.ec_purge_retired_after_s,
+        retired_after_s=janitor.ec_retired_after_s,
+        grace_s=janitor.ec_evict_grace_s,
     )
 
 
 async def start_api_lifecycle(
-    nc: Any, subjects: Subjects, settings: Any, store: Any, *, fingerprint: str, model: str, model_path: str
+    nc: Any, subjects: Subjects, settings: ApiSettings, store: Any, *, fingerprint: str, model: str, model_path: str
 ) -> ECLifecycle:
     """The API process's lifecycle: recorder, announcement index, fingerprint registry, and the
     janitor when ``EPD_EC_MAX_BYTES`` / ``EPD_EC_MAX_OBJECTS`` / ``EPD_EC_TTL_S`` /
     ``EPD_EC_PURGE_RETIRED_AFTER_S`` is set (plus the S3 lifecycle backstop with a TTL)."""
-    lifecycle = await ECLifecycle.open(nc, subjects, flush_s=settings.ec_use_flush_s, replicas=settings.stream_replicas)
+    lifecycle = await ECLifecycle.open(
+        nc, subjects, flush_s=settings.ec_use_flush_s, replicas=settings.nats.stream_replicas
+    )
     await lifecycle.index_announcements()
     await lifecycle.fingerprint_seen(fingerprint, model=model, model_path=model_path)
-    policy = policy_from_settings(settings)
+    policy = policy_from_settings(settings.janitor)
     if policy.active:
         lifecycle.janitor = Janitor(
             nc=nc,
             subjects=subjects,
             index=lifecycle.index,
             store=store.store,
-            namespace=settings.namespace,
+            namespace=settings.store.namespace,
             holder=f"api-{settings.worker_id}",
             policy=policy,
-            interval_s=settings.ec_janitor_interval_s,
-            reconcile_interval_s=settings.ec_reconcile_interval_s,
+            interval_s=settings.janitor.ec_janitor_interval_s,
+            reconcile_interval_s=settings.janitor.ec_reconcile_interval_s,
             flush_s=settings.ec_use_flush_s,
-            tombstone_keep_s=max(600.0, 2 * settings.dup_window_s),
+            tombstone_keep_s=max(600.0, 2 * settings.nats.dup_window_s),
         )
-        if policy.ttl_s is not None and settings.ec_lifecycle_rule:
+        if policy.ttl_s is not None and settings.janitor.ec_lifecycle_rule:
             await asyncio.to_thread(
-                set_expiration_rule, store.store, f"{settings.namespace}/", expiration_days(policy.ttl_s)
+                set_expiration_rule, store.store, f"{settings.store.namespace}/", expiration_days(policy.ttl_s)
             )
         lifecycle.janitor.start()
         log.info(

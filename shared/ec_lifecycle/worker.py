@@ -61,7 +61,7 @@ class WorkerLifecycle:
                     self.ctx.nc,
                     self.ctx.subjects,
                     flush_s=self.ctx.settings.ec_use_flush_s,
-                    replicas=self.ctx.settings.stream_replicas,
+                    replicas=self.ctx.settings.nats.stream_replicas,
                 )
                 self._sub = await subscribe_invalidations(self.ctx.nc, self.ctx.subjects, self.invalidated)
             except Exception as exc:  # noqa: BLE001 - lifecycle is best effort; requests go on

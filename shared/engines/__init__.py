@@ -17,6 +17,7 @@ from shared.errors import EngineError
 from shared.topology import Role
 
 if TYPE_CHECKING:
+    from shared.config import WorkerSettings
     from shared.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -71,22 +72,23 @@ def make_engine(name: str, model_dir: Any, **kwargs: Any) -> Engine:
     return engine_class(name)(model_dir, **kwargs)
 
 
-def load_engine(settings: Any, role: Role) -> Engine:
-    """The engine of ``settings.engine`` for ``role`` (blocking: call it off the event loop)."""
-    cls = engine_class(settings.engine)
+def load_engine(settings: WorkerSettings, role: Role) -> Engine:
+    """The engine of ``settings.model.engine`` for ``role`` (blocking: call it off the event loop)."""
+    model = settings.model
+    cls = engine_class(model.engine)
     check_role(cls, role)
-    model_dir = settings.require_model_path()
+    model_dir = model.require_model_path()
     started = time.perf_counter()
     engine = cls(
         model_dir,
-        dtype=settings.dtype,
-        threads=settings.torch_threads,
-        model_id=settings.served_model_name(),
+        dtype=model.dtype,
+        threads=settings.runtime.torch_threads,
+        model_id=model.served_model_name(),
         **cls.options_from_settings(settings, role=role),
     )
     log.info(
         "engine %s loaded %s for role %s in %.2fs (encoder fingerprint %s)",
-        settings.engine,
+        model.engine,
         model_dir,
         role.value,
         time.perf_counter() - started,

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     import torch
     from PIL import Image
 
+    from shared.config import WorkerSettings
     from shared.connectors.params import KVHandoff
     from shared.identity import ModelIdentity
     from shared.protocol import StructuredOutput, TokenLogprob
@@ -140,7 +141,7 @@ class Engine(abc.ABC):
         def __init__(self, model_dir: Any, **options: Any) -> None: ...
 
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
+    def options_from_settings(cls, settings: WorkerSettings, *, role: Role) -> dict[str, Any]:
         """Engine-specific constructor options from the worker's settings and role. The default
         engine needs none."""
         return {}

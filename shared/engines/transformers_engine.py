@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from shared import metrics
+from shared.config import DecodeSettings, WorkerSettings
 from shared.engines.base import (
     EncodedImage,
     Engine,
@@ -233,12 +234,13 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         )
 
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
+    def options_from_settings(cls, settings: WorkerSettings, *, role: Role) -> dict[str, Any]:
         """The decode batch: a decode worker's ``max_batch_size``; a generating worker's
         ``max_concurrent_jobs`` when set (its admission slots are the batch's rows). Every role that
         encodes: ``EPD_ENCODE_BATCH_INVARIANT``."""
-        invariant = {"encode_batch_invariant": settings.encode_batch_invariant}
+        invariant = {"encode_batch_invariant": settings.runtime.encode_batch_invariant}
         if role is Role.DECODE:
+            assert isinstance(settings, DecodeSettings), "the decode role is the decode service's"
             return {"max_batch": settings.max_batch_size, **invariant}
         slots = getattr(settings, "max_concurrent_jobs", None)
         return {"max_batch": slots, **invariant} if slots else invariant

@@ -43,6 +43,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, 
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, WorkerSettings
 from shared.connectors.params import (
     KVHandoff,
     KVHandoffRequest,
@@ -117,25 +118,16 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
     return applied
 
 
-def connector_extra_config(settings: Any, *, kv: bool = False) -> dict[str, Any]:
-    """``ec_connector_extra_config`` (``kv=True``: ``kv_connector_extra_config``) for a worker's
-    store and NATS settings (credentials stay in the env). Objects are bounded by ``EPD_MAX_EC_OBJECT_BYTES``
-    (``EPD_MAX_KV_OBJECT_BYTES``)."""
+def connector_extra_config(settings: WorkerSettings) -> dict[str, Any]:
+    """``ec_connector_extra_config`` and ``kv_connector_extra_config`` for a worker: its store
+    settings group's dump (credentials stay in the env; the EC connector's objects are bounded by
+    ``EPD_MAX_EC_OBJECT_BYTES``, the KV connector's by ``EPD_MAX_KV_OBJECT_BYTES``), its worker id,
+    and its NATS for the EC connector's part in the EC lifecycle (invalidations, use records)."""
     return {
-        "backend": settings.store_backend,
-        "endpoint": settings.s3_endpoint,
-        "bucket": settings.s3_bucket,
-        "namespace": settings.namespace,
-        "secure": settings.s3_secure,
-        "region": settings.s3_region,
-        "fs_root": str(Path(settings.store_fs_root).resolve()) if settings.store_backend == "fs" else "",
-        "access_key_env": "EPD_S3_ACCESS_KEY",
-        "secret_key_env": "EPD_S3_SECRET_KEY",
-        "max_object_bytes": settings.max_kv_object_bytes if kv else settings.max_ec_object_bytes,
+        **settings.store.connector_dump(),
         "producer_id": settings.worker_id,
-        # the EC connector's part in the EC lifecycle (invalidations, use records); credentials stay in the env
-        "nats_url": settings.nats_url,
-        "subject_prefix": settings.subject_prefix,
+        "nats_url": settings.nats.nats_url,
+        "subject_prefix": settings.nats.subject_prefix,
     }
 
 
@@ -185,7 +177,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         if (ec_role or kv_role) and s3_credentials is not None:
             extra = ec_extra_config or kv_extra_config or {}
             for env_name, secret in zip(
-                (extra.get("access_key_env", "EPD_S3_ACCESS_KEY"), extra.get("secret_key_env", "EPD_S3_SECRET_KEY")),
+                (extra.get("access_key_env", S3_ACCESS_KEY_ENV), extra.get("secret_key_env", S3_SECRET_KEY_ENV)),
                 s3_credentials,
             ):
                 value = secret.get_secret_value() if hasattr(secret, "get_secret_value") else str(secret)
@@ -267,21 +259,22 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         )
 
     @classmethod
-    def options_from_settings(cls, settings: Any, *, role: Role) -> dict[str, Any]:
+    def options_from_settings(cls, settings: WorkerSettings, *, role: Role) -> dict[str, Any]:
         ec_role = EC_ROLES.get(role)
         kv_role = KV_ROLES.get(role)
+        store, runtime = settings.store, settings.runtime
         return dict(
             ec_role=ec_role,
             kv_role=kv_role,
             ec_extra_config=connector_extra_config(settings) if ec_role else None,
-            kv_extra_config=connector_extra_config(settings, kv=True) if kv_role else None,
-            s3_credentials=(settings.s3_access_key, settings.s3_secret_key) if (ec_role or kv_role) else None,
-            work_dir=settings.vllm_dir,
-            enforce_eager=settings.vllm_enforce_eager,
-            max_model_len=settings.vllm_max_model_len,
-            kv_cache_gib=settings.vllm_kv_cache_gib,
-            max_num_seqs=settings.vllm_max_num_seqs,
-            engine_args=dict(settings.vllm_engine_args),
+            kv_extra_config=connector_extra_config(settings) if kv_role else None,
+            s3_credentials=(store.s3_access_key, store.s3_secret_key) if (ec_role or kv_role) else None,
+            work_dir=runtime.vllm_dir,
+            enforce_eager=runtime.vllm_enforce_eager,
+            max_model_len=runtime.vllm_max_model_len,
+            kv_cache_gib=runtime.vllm_kv_cache_gib,
+            max_num_seqs=runtime.vllm_max_num_seqs,
+            engine_args=dict(runtime.vllm_engine_args),
         )
 
     # -- loop plumbing ----------------------------------------------------------------------

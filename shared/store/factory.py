@@ -1,49 +1,84 @@
-"""Build the object store, EC store and KV store from settings (the only place that reads store settings)."""
+"""Open the object store, the EC store and the KV store of a store settings group: the only place
+that turns :class:`~shared.config.StoreSettings` into stores (services, tools and the vLLM
+connectors alike)."""
 
 from __future__ import annotations
 
-from shared.config import CommonSettings
+from dataclasses import dataclass
+
+from shared.config import StoreSettings
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectStore, make_object_store
 
 
-def object_store_from_settings(settings: CommonSettings) -> ObjectStore:
-    if settings.store_backend == "s3":
+@dataclass(frozen=True)
+class Stores:
+    """What :func:`open_stores` opened: the object store, and the EC / KV store asked for."""
+
+    objects: ObjectStore
+    ec: ECStore | None = None
+    kv: KVStore | None = None
+
+    def ec_store(self) -> ECStore:
+        assert self.ec is not None, "open_stores(ec_fingerprint=...) opens the EC store"
+        return self.ec
+
+    def kv_store(self) -> KVStore:
+        assert self.kv is not None, "open_stores(kv_fingerprint=...) opens the KV store"
+        return self.kv
+
+
+def _object_store(store: StoreSettings) -> ObjectStore:
+    if store.store_backend == "s3":
         return make_object_store(
             "s3",
-            endpoint=settings.s3_endpoint,
-            access_key=settings.s3_access_key.get_secret_value(),
-            secret_key=settings.s3_secret_key.get_secret_value(),
-            bucket=settings.s3_bucket,
-            secure=settings.s3_secure,
-            region=settings.s3_region,
+            endpoint=store.s3_endpoint,
+            access_key=store.s3_access_key.get_secret_value(),
+            secret_key=store.s3_secret_key.get_secret_value(),
+            bucket=store.s3_bucket,
+            secure=store.s3_secure,
+            region=store.s3_region,
         )
-    if settings.store_backend == "fs":
-        return make_object_store("fs", root=settings.store_fs_root)
-    return make_object_store(settings.store_backend)  # raises with the list of known kinds
+    if store.store_backend == "fs":
+        return make_object_store("fs", root=store.store_fs_root)
+    return make_object_store(store.store_backend)  # raises with the list of known kinds
 
 
-def ec_store_from_settings(settings: CommonSettings, fingerprint: str) -> ECStore:
-    store = object_store_from_settings(settings)
-    store.ensure_bucket()
-    return ECStore(
-        store,
-        namespace=settings.namespace,
-        fingerprint=fingerprint,
-        producer=settings.worker_id,
-        max_object_bytes=settings.max_ec_object_bytes,
-        max_media_bytes=settings.max_image_bytes,
-    )
-
-
-def kv_store_from_settings(settings: CommonSettings, model_fingerprint: str) -> KVStore:
-    store = object_store_from_settings(settings)
-    store.ensure_bucket()
-    return KVStore(
-        store,
-        namespace=settings.namespace,
-        fingerprint=model_fingerprint,
-        producer=settings.worker_id,
-        max_object_bytes=settings.max_kv_object_bytes,
-    )
+def open_stores(
+    store: StoreSettings,
+    *,
+    producer: str = "",
+    ec_fingerprint: str | None = None,
+    kv_fingerprint: str | None = None,
+    max_media_bytes: int | None = None,
+    ensure_bucket: bool = False,
+) -> Stores:
+    """The object store ``store`` points at, plus the EC store of ``ec_fingerprint`` (bounded by
+    ``max_ec_object_bytes``; stored images by ``max_media_bytes``) and the KV store of
+    ``kv_fingerprint`` (bounded by ``max_kv_object_bytes``) when given; their objects name
+    ``producer``. ``ensure_bucket``: create the bucket when missing (blocking: call it off the
+    event loop)."""
+    objects = _object_store(store)
+    if ensure_bucket:
+        objects.ensure_bucket()
+    ec = kv = None
+    if ec_fingerprint is not None:
+        media = {} if max_media_bytes is None else {"max_media_bytes": max_media_bytes}
+        ec = ECStore(
+            objects,
+            namespace=store.namespace,
+            fingerprint=ec_fingerprint,
+            producer=producer,
+            max_object_bytes=store.max_ec_object_bytes,
+            **media,
+        )
+    if kv_fingerprint is not None:
+        kv = KVStore(
+            objects,
+            namespace=store.namespace,
+            fingerprint=kv_fingerprint,
+            producer=producer,
+            max_object_bytes=store.max_kv_object_bytes,
+        )
+    return Stores(objects, ec, kv)

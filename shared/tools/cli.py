@@ -63,28 +63,29 @@ def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key
     ``epd up`` started. The S3 keys are printed only when they are the embedded dev defaults;
     other keys came from the environment (EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY) and are never
     printed."""
-    from shared.config import CommonSettings
+    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, StoreSettings, env_var
 
-    fields = CommonSettings.model_fields
-    dev = (fields["s3_access_key"].default.get_secret_value(), fields["s3_secret_key"].default.get_secret_value())
-    exports = f"export EPD_NATS_URL={nats_url} EPD_S3_ENDPOINT={s3_endpoint}"
+    fields = StoreSettings.model_fields
+    dev = tuple(fields[name].default.get_secret_value() for name in StoreSettings.SECRET_FIELDS)
+    exports = f"export {env_var('nats_url')}={nats_url} {env_var('s3_endpoint')}={s3_endpoint}"
     if (access_key, secret_key) == dev:
-        return f"  {exports} EPD_S3_ACCESS_KEY={access_key} EPD_S3_SECRET_KEY={secret_key}\n"
+        return f"  {exports} {S3_ACCESS_KEY_ENV}={access_key} {S3_SECRET_KEY_ENV}={secret_key}\n"
     return (
         f"  {exports}\n"
-        "  (and EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY as in the environment epd up was started with: not printed)\n"
+        f"  (and {S3_ACCESS_KEY_ENV} / {S3_SECRET_KEY_ENV} as in the environment epd up was started with: "
+        "not printed)\n"
     )
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from shared.config import CommonSettings
+    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
     from shared.tools.launcher import Stack, StackError, Supervisor
 
     started = time.perf_counter()
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    common = CommonSettings()
-    model_path = Path(args.model) if args.model else common.model_path
+    model, store = ModelSettings(), StoreSettings()
+    model_path = Path(args.model) if args.model else model.model_path
     if model_path is None:
         model_path = default_model_dir(data_dir)
         if not tiny_model_is_current(model_path):
@@ -94,8 +95,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)
     model_path = model_path.resolve()
 
-    access_key = common.s3_access_key.get_secret_value()
-    secret_key = common.s3_secret_key.get_secret_value()
+    access_key = store.s3_access_key.get_secret_value()
+    secret_key = store.s3_secret_key.get_secret_value()
     nats = EmbeddedNats(data_dir / "nats", port=args.nats_port)
     s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
     stack: Stack | None = None
@@ -112,8 +113,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         env = {
             "EPD_NATS_URL": nats.url,
             "EPD_S3_ENDPOINT": s3.endpoint,
-            "EPD_S3_ACCESS_KEY": access_key,
-            "EPD_S3_SECRET_KEY": secret_key,
+            S3_ACCESS_KEY_ENV: access_key,
+            S3_SECRET_KEY_ENV: secret_key,
             "EPD_MODEL_PATH": str(model_path),
             "EPD_ENGINE": args.engine,
             "EPD_HOST": args.host,
@@ -144,7 +145,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
         url = f"http://{args.host}:{args.port}"
-        model_name = model_path.name if not common.model_name else common.model_name
+        model_name = model_path.name if not model.model_name else model.model_name
         print(
             f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
             f"topology {args.topology})\n"

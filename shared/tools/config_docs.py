@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
 
 from shared import config
 from shared.topology import PREFILL_SERVICE_ROLES
@@ -28,45 +29,54 @@ CONFIG_DOC = Path("docs/configuration.md")
 ENV_EXAMPLE = Path(".env.example")
 COMPOSE_FILE = Path("docker-compose.yml")
 
-# (settings class, the services that read it). A subclass's table lists only its own fields.
-SECTIONS: tuple[tuple[type[config.CommonSettings], str, str], ...] = (
-    (
-        config.CommonSettings,
-        "Every service",
-        ("api, encoder, prefill, decode; the `epd` CLI (`epd replay`, `epd ec`, `epd plan --from-streams`)"),
-    ),
-    (config.ApiSettings, "API", "api"),
-    (config.EncoderSettings, "Encoder", "encoder"),
-    (config.PrefillSettings, "Prefill", "prefill (roles `pd`, `prefill`, `agg`)"),
-    (config.DecodeSettings, "Decode (E|P|D)", "decode"),
-)
+CLI = "the `epd` CLI (`epd replay`, `epd ec`, `epd plan --from-streams`)"
 
-# Settings of CommonSettings that only some processes read (checked against the code by hand; the rest: all).
-WORKERS = "encoder, prefill, decode"
-JANITOR = "api (the EC janitor)"
-READ_BY = {
-    "torch_threads": WORKERS,
-    "encode_batch_invariant": WORKERS,
-    "cpu_cores": WORKERS,
-    "metrics_port": WORKERS,
-    "health_file": WORKERS,
-    "unreachable_exit_s": WORKERS,
-    "vllm_dir": WORKERS,
-    "vllm_enforce_eager": WORKERS,
-    "vllm_max_model_len": WORKERS,
-    "vllm_kv_cache_gib": WORKERS,
-    "vllm_max_num_seqs": WORKERS,
-    "vllm_engine_args": WORKERS,
-    "ec_max_bytes": JANITOR,
-    "ec_max_objects": JANITOR,
-    "ec_ttl_s": JANITOR,
-    "ec_purge_retired_after_s": JANITOR,
-    "ec_retired_after_s": JANITOR + ", epd ec",
-    "ec_janitor_interval_s": JANITOR,
-    "ec_evict_grace_s": JANITOR,
-    "ec_reconcile_interval_s": JANITOR,
-    "ec_lifecycle_rule": JANITOR,
-}
+
+class Section(typing.NamedTuple):
+    """One table of the reference: a settings group, or the fields a service class declares itself."""
+
+    cls: type[BaseSettings]
+    title: str
+    #: who reads it (derived from the service classes that hold the group or inherit the class)
+    readers: str
+    fields: dict[str, FieldInfo]
+
+
+def _readers(has: typing.Callable[[type[config.ServiceSettings]], bool]) -> str:
+    services = [name for name, cls in config.SERVICE_SETTINGS.items() if has(cls)]
+    tools = [CLI] if has(config.ToolSettings) else []
+    return "; ".join(part for part in (", ".join(services), *tools) if part)
+
+
+def _group(cls: type[config.SettingsGroup], title: str, note: str = "") -> Section:
+    readers = _readers(lambda svc: cls in svc.groups().values()) + note
+    return Section(cls, title, readers, dict(cls.model_fields))
+
+
+def _own(cls: type[config.ServiceSettings], title: str, note: str = "") -> Section:
+    """The plain settings ``cls`` declares (not its groups, not those it inherits)."""
+    inherited = {name for base in cls.__mro__[1:] for name in getattr(base, "model_fields", {})}
+    fields = {n: f for n, f in cls.model_fields.items() if n not in inherited and config.group_type(f) is None}
+    readers = _readers(lambda svc: issubclass(svc, cls)) + note
+    return Section(cls, title, readers, fields)
+
+
+# The reference's tables, in order: the groups (each read by the services that hold it), then each
+# service class's own settings.
+SECTIONS: tuple[Section, ...] = (
+    _own(config.ServiceSettings, "Every process"),
+    _group(config.NatsSettings, "NATS and JetStream"),
+    _group(config.StoreSettings, "Object store", " (and the vLLM connectors, through their extra config)"),
+    _group(config.ModelSettings, "Model"),
+    _group(config.MediaSettings, "Image limits"),
+    _own(config.ApiSettings, "API"),
+    _group(config.JanitorSettings, "EC janitor"),
+    _group(config.EngineSettings, "Engine runtime"),
+    _own(config.WorkerSettings, "Every worker"),
+    _own(config.EncoderSettings, "Encoder"),
+    _own(config.PrefillSettings, "Prefill", " (roles `pd`, `prefill`, `agg`)"),
+    _own(config.DecodeSettings, "Decode (E|P|D)"),
+)
 # Values a validator narrows further than the annotation says.
 CHOICES = {"role": [r.value for r in PREFILL_SERVICE_ROLES]}
 
@@ -111,12 +121,7 @@ COMPOSE_ONLY = (
 
 
 def env_name(field: str) -> str:
-    return f"EPD_{field.upper()}"
-
-
-def own_fields(cls: type[config.CommonSettings]) -> dict[str, FieldInfo]:
-    base = config.CommonSettings.model_fields if cls is not config.CommonSettings else {}
-    return {name: f for name, f in cls.model_fields.items() if name not in base}
+    return config.env_var(field)
 
 
 def description(field: FieldInfo) -> str:
@@ -200,7 +205,10 @@ def configuration_md() -> str:
         "<!-- Generated from shared/config.py by `epd config docs`; do not edit by hand. -->",
         "",
         "Every service reads `EPD_*` environment variables into one settings class per service",
-        "(`shared/config.py`); nothing else reads the environment. An empty variable means the default.",
+        "(`shared/config.py`), made of the settings groups it needs (NATS, the object store, the model, ...)",
+        "and its own settings: each section below is one group or one class, and says who reads it. Every",
+        "setting reads `EPD_` + its name, whichever group holds it; nothing else reads the environment. An",
+        "empty variable means the default.",
         "Secrets (`EPD_NATS_PASSWORD`, `EPD_S3_ACCESS_KEY`, `EPD_S3_SECRET_KEY`, `EPD_API_KEYS`) are never",
         "logged. This page and `.env.example` are generated from the settings classes: after changing a",
         "setting run `.venv/bin/epd config docs` (the tests fail while either file is stale;",
@@ -213,25 +221,18 @@ def configuration_md() -> str:
         "`--nats-url` and `--prefix` override the first and the last.",
         "",
     ]
-    for cls, title, readers in SECTIONS:
+    for section in SECTIONS:
         out += [
-            f"## {title}",
+            f"## {section.title}",
             "",
-            f"`{cls.__name__}`, read by: {readers}.",
+            f"`{section.cls.__name__}`, read by: {section.readers}.",
             "",
-            "| variable | type | default | description | read by |",
-            "|---|---|---|---|---|",
+            "| variable | type | default | description |",
+            "|---|---|---|---|",
         ]
-        for name, field in own_fields(cls).items():
-            read_by = READ_BY.get(name, "all" if cls is config.CommonSettings else readers.split(" (")[0])
+        for name, field in section.fields.items():
             kind = " \\| ".join(f"`{c}`" for c in CHOICES[name]) if name in CHOICES else type_name(field.annotation)
-            row = (
-                f"`{env_name(name)}`",
-                kind,
-                doc_default(name, field),
-                description(field),
-                read_by,
-            )
+            row = (f"`{env_name(name)}`", kind, doc_default(name, field), description(field))
             out.append(
                 "| " + " | ".join(cell.replace("|", "\\|") if i != 1 else cell for i, cell in enumerate(row)) + " |"
             )
@@ -331,9 +332,9 @@ def env_example(root: Path = ROOT) -> str:
     read_by_compose = compose_variables(root)
     out = [ENV_HEADER.rstrip("\n")]
     not_read: list[tuple[str, FieldInfo]] = []
-    for cls, title, readers in SECTIONS:
+    for section in SECTIONS:
         rows = []
-        for name, field in own_fields(cls).items():
+        for name, field in section.fields.items():
             var = env_name(name)
             if var in WRITTEN_IN_HEADER:
                 continue
@@ -343,7 +344,7 @@ def env_example(root: Path = ROOT) -> str:
             rows.append((var, field))
         if not rows:
             continue
-        out += ["", _rule(title.lower()), f"# (read by: {readers.replace('`', '')})"]
+        out += ["", _rule(section.title.lower()), f"# (read by: {section.readers.replace('`', '')})"]
         for var, field in rows:
             value = COMPOSE_DEFAULTS.get(var, "" if var in SECRET_VARS else env_value(field))
             out += _wrap(description(field) + (" " + COMPOSE_NOTES[var] if var in COMPOSE_NOTES else ""))

@@ -23,9 +23,12 @@ import json
 import sys
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.tools.replay_cli import EXIT_ERROR, _run, deployment_options, parse_duration
+
+if TYPE_CHECKING:
+    from shared.config import ToolSettings
 
 
 def add_parser(sub: Any) -> None:
@@ -56,26 +59,26 @@ def add_parser(sub: Any) -> None:
     purge.set_defaults(func=_cmd_purge)
 
 
-async def _open(nc: Any, subjects: Any, settings: Any):
+async def _open(nc: Any, subjects: Any, settings: ToolSettings):
     import asyncio
 
     from shared.ec_lifecycle.index import ECIndex
-    from shared.store.factory import object_store_from_settings
+    from shared.store.factory import open_stores
 
-    index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=settings.stream_replicas)
-    store = await asyncio.to_thread(object_store_from_settings, settings)
+    index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=settings.nats.stream_replicas)
+    store = (await asyncio.to_thread(open_stores, settings.store)).objects
     return index, store
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         import asyncio
 
         from shared.ec_lifecycle.index import entry_key
         from shared.ec_lifecycle.janitor import is_current, list_objects
 
         index, store = await _open(nc, subjects, settings)
-        listed = await asyncio.to_thread(list_objects, store, settings.namespace)
+        listed = await asyncio.to_thread(list_objects, store, settings.store.namespace)
         snap = await index.snapshot("ec.>")
         fps = await index.fingerprints()
         now = time.time()
@@ -98,7 +101,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     "model": reg.model if reg else "",
                     "model_path": reg.model_path if reg else "",
                     # (no heartbeat named it: KV objects' model fingerprints, plain vLLM servers' versions)
-                    "status": ("current" if is_current(reg, now, settings.ec_retired_after_s) else "retired")
+                    "status": ("current" if is_current(reg, now, settings.janitor.ec_retired_after_s) else "retired")
                     if reg is not None
                     else "unknown",
                 }
@@ -106,13 +109,18 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         if args.json:
             print(
                 json.dumps(
-                    {"namespace": settings.namespace, "max_bytes": settings.ec_max_bytes, "fingerprints": out}, indent=2
+                    {
+                        "namespace": settings.store.namespace,
+                        "max_bytes": settings.janitor.ec_max_bytes,
+                        "fingerprints": out,
+                    },
+                    indent=2,
                 )
             )
             return 0
         total = sum(r["bytes"] for r in out if r["kind"] == "ec")
-        bound = f" (bound {settings.ec_max_bytes})" if settings.ec_max_bytes else ""
-        print(f"namespace {settings.namespace}: {total} bytes of EC objects{bound}")
+        bound = f" (bound {settings.janitor.ec_max_bytes})" if settings.janitor.ec_max_bytes else ""
+        print(f"namespace {settings.store.namespace}: {total} bytes of EC objects{bound}")
         print(f"{'kind':4} {'fingerprint':26} {'objects':>8} {'bytes':>12} {'last use':>10}  {'status':8} model")
         for r in out:
             ago = _ago(now - r["last_use"]) if r["last_use"] else "-"
@@ -131,7 +139,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         print("epd ec purge: give --fingerprint, --retired or --older-than", file=sys.stderr)
         return EXIT_ERROR
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         from shared.ec_lifecycle.janitor import UnknownFingerprint, is_current, purge
 
         index, store = await _open(nc, subjects, settings)
@@ -142,12 +150,12 @@ def _cmd_purge(args: argparse.Namespace) -> int:
                 subjects=subjects,
                 index=index,
                 store=store,
-                namespace=settings.namespace,
+                namespace=settings.store.namespace,
                 by=f"epd-ec-purge-{settings.worker_id}",
                 fingerprint=args.fingerprint,
                 retired=args.retired,
                 older_than_s=args.older_than,
-                retired_after_s=settings.ec_retired_after_s,
+                retired_after_s=settings.janitor.ec_retired_after_s,
                 kinds=kinds,
                 dry_run=args.dry_run,
                 allow_unknown=args.allow_unknown_fingerprint,
@@ -156,7 +164,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
             now = time.time()
             known = (
                 "; ".join(
-                    f"{fp} ({'current' if is_current(reg, now, settings.ec_retired_after_s) else 'retired'}"
+                    f"{fp} ({'current' if is_current(reg, now, settings.janitor.ec_retired_after_s) else 'retired'}"
                     f"{', model ' + reg.model if reg.model else ''})"
                     if reg is not None
                     else f"{fp} (unknown model)"
@@ -165,7 +173,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
                 or "none"
             )
             print(
-                f"epd ec purge: unknown fingerprint {exc.fingerprint!r} in namespace {settings.namespace}: no "
+                f"epd ec purge: unknown fingerprint {exc.fingerprint!r} in namespace {settings.store.namespace}: no "
                 f"stored object and no worker heartbeat has it; nothing removed. Known: {known}. "
                 "(--allow-unknown-fingerprint purges it anyway)",
                 file=sys.stderr,
@@ -180,11 +188,11 @@ def _cmd_purge(args: argparse.Namespace) -> int:
             return 0
         if args.fingerprint and result.objects:
             reg = await index.fingerprint(args.fingerprint)
-            if is_current(reg, time.time(), settings.ec_retired_after_s):
+            if is_current(reg, time.time(), settings.janitor.ec_retired_after_s):
                 print(
                     f"note: {args.fingerprint} is a current fingerprint (a worker served it within "
-                    f"{settings.ec_retired_after_s:.0f} s): purging it makes the encoders encode its images again on "
-                    "their next use"
+                    f"{settings.janitor.ec_retired_after_s:.0f} s): purging it makes the encoders encode its images "
+                    "again on their next use"
                 )
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {result.objects} object(s), {result.nbytes} bytes")

@@ -35,7 +35,7 @@ from nats.js.errors import BadRequestError
 
 from shared import protocol
 from shared.client import RequestClient, Submission, chunk_texts
-from shared.config import CommonSettings
+from shared.config import NatsSettings, ToolSettings
 from shared.ec_lifecycle.index import ECIndex
 from shared.errors import DeadlineExceeded, EPDError, StoreError
 from shared.history import (
@@ -500,7 +500,7 @@ class ImportReport:
     notes: list[str] = field(default_factory=list)
 
 
-async def ensure_imported_stream(nc: NATS, settings: CommonSettings, subjects: Subjects) -> None:
+async def ensure_imported_stream(nc: NATS, settings: NatsSettings, subjects: Subjects) -> None:
     js = nc.jetstream()
     cfg = StreamConfig(
         name=subjects.stream_imported,
@@ -520,20 +520,22 @@ async def ensure_imported_stream(nc: NATS, settings: CommonSettings, subjects: S
 async def import_cases(
     nc: NATS,
     subjects: Subjects,
-    settings: CommonSettings,
+    settings: ToolSettings,
     doc: dict[str, Any],
     *,
     store: ObjectStore | None = None,
 ) -> ImportReport:
     """Publish the cases of ``doc`` into ``<P>_IMPORTED`` of this NATS (and their images into this
-    store under ``settings.namespace``), so ``show`` and ``run`` find them here. A case whose
+    store under ``settings.store.namespace``), so ``show`` and ``run`` find them here. A case whose
     request id is already imported here is skipped."""
     doc = validate_case_doc(doc)
-    await ensure_imported_stream(nc, settings, subjects)
+    await ensure_imported_stream(nc, settings.nats, subjects)
     js = nc.jetstream()
     reader = StreamReader(nc)
     report = ImportReport()
-    ec_store = ECStore(store, namespace=settings.namespace, fingerprint="-", producer="epd-replay") if store else None
+    ec_store = (
+        ECStore(store, namespace=settings.store.namespace, fingerprint="-", producer="epd-replay") if store else None
+    )
     for case in doc["cases"]:
         rid = case["request_id"]
         if await reader.first(subjects.stream_imported, subjects.imported(rid)) is not None:

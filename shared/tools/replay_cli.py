@@ -14,7 +14,11 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.config import ToolSettings
+    from shared.store.objects import ObjectStore
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
@@ -101,28 +105,28 @@ def add_parser(sub: Any) -> None:
 
 
 # -- plumbing ---------------------------------------------------------------------------------
-def _settings(args: argparse.Namespace):
-    from shared.config import CommonSettings
+def _settings(args: argparse.Namespace) -> ToolSettings:
+    from shared.config import ToolSettings
 
     overrides = {}
     if args.nats_url:
         overrides["nats_url"] = args.nats_url
     if args.prefix:
         overrides["subject_prefix"] = args.prefix
-    return CommonSettings(**overrides)
+    return ToolSettings(**overrides)
 
 
 async def _quiet(_exc: Exception) -> None:
     """nats-py prints every failed connect attempt; the one error we raise says it all."""
 
 
-async def _connect(settings):
+async def _connect(settings: ToolSettings):
     from shared.jetstream import connect
 
     # Fail fast: one attempt per server, no reconnect loop (services reconnect forever; a CLI must not hang).
     return await asyncio.wait_for(
         connect(
-            settings,
+            settings.nats,
             name="epd-replay",
             connect_timeout=CONNECT_TIMEOUT_S,
             allow_reconnect=False,
@@ -134,10 +138,10 @@ async def _connect(settings):
     )
 
 
-def _store(settings):
-    from shared.store.factory import object_store_from_settings
+def _store(settings: ToolSettings) -> ObjectStore:
+    from shared.store.factory import open_stores
 
-    return object_store_from_settings(settings)
+    return open_stores(settings.store).objects
 
 
 def _run(args: argparse.Namespace, body, *, prog: str = "epd replay") -> int:
@@ -152,9 +156,11 @@ def _run(args: argparse.Namespace, body, *, prog: str = "epd replay") -> int:
         try:
             nc = await _connect(settings)
         except TimeoutError as exc:
-            raise ServiceUnavailable(f"cannot connect to NATS at {redact_url(settings.nats_url)}: timed out") from exc
+            raise ServiceUnavailable(
+                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: timed out"
+            ) from exc
         try:
-            return await body(nc, Subjects(settings.subject_prefix), settings)
+            return await body(nc, Subjects(settings.nats.subject_prefix), settings)
         finally:
             await nc.close()
 
@@ -226,17 +232,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from shared.tools import replay
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         out = await replay.replay_request(
             nc,
             subjects,
             args.request_id,
-            namespace=settings.namespace,
+            namespace=settings.store.namespace,
             store=_store(settings),
             keep_seed=not args.new_seed,
             timeout_s=args.timeout,
             worker_wait_s=args.wait_workers,
-            stream_replicas=settings.stream_replicas,
+            stream_replicas=settings.nats.stream_replicas,
         )
         if args.json:
             _print_json(out.to_json())
@@ -282,7 +288,7 @@ def _print_outcome(out, *, compare: bool) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from shared.tools import replay
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         doc = await replay.export_cases(
             nc,
             subjects,
@@ -326,7 +332,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     doc: dict[str, Any] = {}
 
-    async def body(nc, subjects, settings) -> int:
+    async def body(nc, subjects, settings: ToolSettings) -> int:
         report = await replay.import_cases(nc, subjects, settings, doc, store=_store(settings))
         if args.json:
             _print_json(report.__dict__)

@@ -5,7 +5,7 @@ Any vLLM 0.32 server can use it, with no epd-serve service running::
     --ec-transfer-config '{"ec_connector": "S3ECConnector",
                            "ec_connector_module_path": "shared.connectors.s3_ec",
                            "ec_role": "ec_producer",            # or "ec_consumer"
-                           "ec_connector_extra_config": {"endpoint": "minio:9000", "bucket": "epd"}}'
+                           "ec_connector_extra_config": {"s3_endpoint": "minio:9000", "s3_bucket": "epd"}}'
 
 Objects are written and read through :class:`shared.store.ec.ECStore`: the same key scheme
 (``<namespace>/<encoder fingerprint>/<identifier>``), object format and validation as every other

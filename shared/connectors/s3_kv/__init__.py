@@ -7,7 +7,7 @@ Any vLLM 0.32 server can use it::
     --kv-transfer-config '{"kv_connector": "S3KVConnector",
                            "kv_connector_module_path": "shared.connectors.s3_kv",
                            "kv_role": "kv_producer",              # prefill; "kv_consumer": decode
-                           "kv_connector_extra_config": {"endpoint": "minio:9000", "bucket": "epd"}}'
+                           "kv_connector_extra_config": {"s3_endpoint": "minio:9000", "s3_bucket": "epd"}}'
 
 The hand-off goes through vLLM's ``kv_transfer_params`` (the same fields vLLM's P/D proxies pass
 between instances):

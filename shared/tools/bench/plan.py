@@ -259,14 +259,14 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
     """:func:`records_from_streams` on the deployment the ``EPD_*`` settings (or the flags) name."""
     import asyncio
 
-    from shared.config import CommonSettings
+    from shared.config import ToolSettings
     from shared.errors import EPDError
     from shared.jetstream import connect, redact_url
     from shared.protocol import Subjects
 
     overrides: dict[str, Any] = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
     try:
-        settings = CommonSettings(**overrides)
+        settings = ToolSettings(**overrides)
     except ValueError as exc:  # settings validation (e.g. a bad --prefix)
         raise PlanError(f"invalid settings: {exc}") from exc
 
@@ -274,14 +274,16 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
         try:
             nc = await asyncio.wait_for(
                 connect(
-                    settings, name="epd-plan", connect_timeout=5.0, allow_reconnect=False, max_reconnect_attempts=1
+                    settings.nats, name="epd-plan", connect_timeout=5.0, allow_reconnect=False, max_reconnect_attempts=1
                 ),
                 timeout=15.0,
             )
         except (TimeoutError, OSError) as exc:
-            raise PlanError(f"cannot connect to NATS at {redact_url(settings.nats_url)}: {exc or 'timed out'}") from exc
+            raise PlanError(
+                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: {exc or 'timed out'}"
+            ) from exc
         try:
-            return await records_from_streams(nc, Subjects(settings.subject_prefix), since_s=since_s, limit=limit)
+            return await records_from_streams(nc, Subjects(settings.nats.subject_prefix), since_s=since_s, limit=limit)
         finally:
             await nc.close()
 
@@ -688,7 +690,7 @@ def validate(
     import asyncio
     import os
 
-    from shared.config import CommonSettings
+    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
     from shared.tools.bench import runner
     from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port
     from shared.tools.launcher import Stack
@@ -700,15 +702,15 @@ def validate(
     spec = validation_spec(spec, rate, requests)
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    common = CommonSettings()
-    model_path = Path(model) if model else common.model_path
+    store = StoreSettings()
+    model_path = Path(model) if model else ModelSettings().model_path
     if model_path is None:
         model_path = default_model_dir(data_dir)
         if not tiny_model_is_current(model_path):
             from shared.tools.models.tiny import build_tiny_model
 
             build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)
-    access, secret = common.s3_access_key.get_secret_value(), common.s3_secret_key.get_secret_value()
+    access, secret = store.s3_access_key.get_secret_value(), store.s3_secret_key.get_secret_value()
     nats = EmbeddedNats(data_dir / "nats")
     s3 = EmbeddedS3(data_dir / "s3", access_key=access or None, secret_key=secret or None)
     stack: Stack | None = None
@@ -729,8 +731,8 @@ def validate(
         env = {
             "EPD_NATS_URL": nats.url,
             "EPD_S3_ENDPOINT": s3.endpoint,
-            "EPD_S3_ACCESS_KEY": s3.access_key,
-            "EPD_S3_SECRET_KEY": s3.secret_key,
+            S3_ACCESS_KEY_ENV: s3.access_key,
+            S3_SECRET_KEY_ENV: s3.secret_key,
             "EPD_MODEL_PATH": str(model_path.resolve()),
             "EPD_ENGINE": engine,
             "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
