@@ -135,9 +135,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.service = service
     #: /tokenize, /detokenize, echo of a token-id prompt (loaded on first use)
     tokenizer = Tokenizer(service.identity.model_path)
-    context_len = metrics.model_max_len(
-        service.identity.model_path, settings.vllm_max_model_len if settings.engine == "vllm" else None
-    )
+    # (the model's own context length: the API holds no engine settings, so a vLLM worker's lower
+    # EPD_VLLM_MAX_MODEL_LEN is not seen here; the worker refuses a prompt over it)
+    context_len = metrics.model_max_len(service.identity.model_path)
     # epd:* and vllm:* request metrics (shared.metrics.ApiRequestMetrics), one tracker per choice
     # (vLLM counts each of a request's n choices as a request of its own)
     request_metrics = metrics.ApiRequestMetrics(service.model_name, max_model_len=context_len)
