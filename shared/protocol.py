@@ -602,6 +602,9 @@ class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):
     message: str
     stage: str
     http_status: int = 500
+    #: the request parameter a 4xx is about (``EPDError.param``: e.g. a schema the worker's grammar
+    #: engine cannot compile is about ``response_format``); "" when none
+    param: str = ""
 
     def __post_init__(self) -> None:
         # Checked on construction too (msgspec checks types only when decoding): an event that
@@ -620,6 +623,7 @@ def error_event(request_id: str, stage: str, error: EPDError, *, message: str | 
         stage=stage,
         http_status=error.http_status,
         message=error.message if message is None else message,
+        param=error.param or "",
     )
 
 

@@ -426,6 +426,10 @@ def test_a_named_tool_call_through_the_stack_streamed_and_not(epd_stack, no_whit
     assert call["type"] == "function" and call["function"]["name"] == "get_weather"
     arguments = call["function"]["arguments"]
     jsonschema.validate(_loads(arguments), WEATHER["function"]["parameters"])
+    # the tools reached the worker with the job, for its chat template
+    (job,) = epd_stack.messages_of("stream_generate", GenerationJob, out.json()["id"])
+    assert [json.loads(t)["function"]["name"] for t in job.tools] == ["get_weather", "ping"]
+    assert job.sampling.structured == structured_output("json_schema", WEATHER["function"]["parameters"])
 
     # streamed: the deltas reassemble to the same arguments (greedy)
     with httpx.stream(
