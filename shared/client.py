@@ -241,6 +241,8 @@ class Submission:
     fingerprint: str = ""
     #: ``/v1/completions``: the prompt (text or token ids; ``messages`` and ``images`` empty)
     prompt: str | tuple[int, ...] | None = None
+    #: a chat request's tools for the chat template (``GenerationJob.tools``)
+    tools: tuple[str, ...] = ()
 
 
 class RequestClient:
@@ -401,6 +403,7 @@ class RequestClient:
             deadline=sub.deadline,
             created_at=time.time(),
             prompt=sub.prompt,
+            tools=sub.tools,
         )
         return job, record
 

@@ -5,12 +5,13 @@ helpers they all need (stored images checked against their item hash, sampling s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING
 
 from shared.config import EngineSettings, MediaSettings, ModelSettings, WorkerSettings
 from shared.engines import check_role, engine_class, load_engine
-from shared.engines.base import Engine, MediaImage, Prompt, RawPrompt, SamplingParams
+from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPrompt, SamplingParams
 from shared.errors import EngineError, InvalidImage, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.topology import Role, service_of
@@ -82,9 +83,12 @@ def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
 
 
 def job_prompt(job: GenerationJob) -> Prompt:
-    """What the engine takes as a job's prompt: its chat ``messages``, or for a completions
+    """What the engine takes as a job's prompt: its chat ``messages`` (a :class:`ChatPrompt`
+    when the request gave ``tools``: the chat template renders them), or for a completions
     request (``job.prompt`` set) a :class:`RawPrompt` - text used verbatim, or token ids."""
     if job.prompt is None:
+        if job.tools:
+            return ChatPrompt(messages=job.messages, tools=tuple(json.loads(t) for t in job.tools))
         return job.messages
     if isinstance(job.prompt, str):
         return RawPrompt(text=job.prompt)

@@ -345,6 +345,10 @@ class StructuredKind(enum.StrEnum):
 #: The most bytes of a ``StructuredOutput.schema`` (its UTF-8 JSON text).
 MAX_STRUCTURED_SCHEMA_BYTES = 64 * 1024
 
+#: The most tools of a chat request (``GenerationJob.tools``), and their JSON text's bytes together.
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 * 1024
+
 
 class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     """A grammar the completion must follow (grammar-constrained decoding, xgrammar on both
@@ -505,6 +509,18 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     #: ``/v1/completions``: the prompt itself - text used verbatim (no chat template) or token
     #: ids - with ``messages`` and ``images`` empty; ``None`` for a chat request
     prompt: str | tuple[int, ...] | None = None
+    #: a chat request's ``tools``, each a function definition as compact JSON text
+    #: (``{"type": "function", "function": {"name", "description", "parameters"[, "strict"]}}``,
+    #: as vLLM hands them to the chat template); the engines render them with the chat template.
+    #: At most ``MAX_TOOLS`` of at most ``MAX_TOOLS_BYTES`` together.
+    tools: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Checked on construction and on decoding (msgspec turns the error into a ValidationError).
+        if len(self.tools) > MAX_TOOLS:
+            raise ValueError(f"a GenerationJob carries at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        if sum(len(t.encode()) for t in self.tools) > MAX_TOOLS_BYTES:
+            raise ValueError(f"a GenerationJob's tools exceed {MAX_TOOLS_BYTES} bytes")
 
 
 class DecodeJob(_Msg, frozen=True, kw_only=True, tag="decode_job"):
@@ -586,6 +602,9 @@ class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):
     message: str
     stage: str
     http_status: int = 500
+    #: the request parameter a 4xx is about (``EPDError.param``: e.g. a schema the worker's grammar
+    #: engine cannot compile is about ``response_format``); "" when none
+    param: str = ""
 
     def __post_init__(self) -> None:
         # Checked on construction too (msgspec checks types only when decoding): an event that
@@ -604,6 +623,7 @@ def error_event(request_id: str, stage: str, error: EPDError, *, message: str | 
         stage=stage,
         http_status=error.http_status,
         message=error.message if message is None else message,
+        param=error.param or "",
     )
 
 

@@ -318,9 +318,13 @@ def test_refusals_over_http_and_the_openai_client(epd_stack):
         (
             "/v1/chat/completions",
             {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            "tool_choice",  # (tools without tool_choice: "auto", which needs a tool parser)
         ),
-        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"messages": MESSAGES, "guided_json": {}}, "guided_json"),
         ("/v1/chat/completions", {"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
         ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
@@ -338,7 +342,7 @@ def test_refusals_over_http_and_the_openai_client(epd_stack):
     assert chat.usage.completion_tokens == 3 and chat.choices[0].message.role == "assistant"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model="qwen2-vl-tiny", messages=MESSAGES, response_format={"type": "json_object"}
+            model="qwen2-vl-tiny", messages=MESSAGES, response_format={"type": "structural_tag"}
         )
     assert err.value.status_code == 400 and err.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as err:

@@ -449,6 +449,7 @@ def _finish_error(exc: EPDError) -> JSONResponse:
 def _event_error(event: ErrorEvent) -> EPDError:
     err = error_from_code(event.code, event.message)
     err.http_status = event.http_status
+    err.param = event.param or None
     return err
 
 

@@ -78,8 +78,8 @@ def refused(
     return Param("refused", endpoints, notes, noop=noop, source=source, why=why)
 
 
-_NO_STRUCTURED = "structured output is not implemented"
-_NO_TOOLS = "tool calling is not implemented"
+_NO_STRUCTURED = "structured output is requested with `response_format` here"
+_NO_TOOLS = "the deprecated function-calling fields are not implemented: use `tools` / `tool_choice`"
 _NO_BEAM = "beam search is not implemented"
 
 #: Every request field of both endpoints, by name (the order of ``docs/api.md``).
@@ -162,10 +162,15 @@ PARAMS: dict[str, Param] = {
     "metadata": ignored(CHAT, "stored-completion tags: metadata, not used", source=("openai",)),
     "safety_identifier": ignored(CHAT, "an end-user id: metadata, not used", source=("openai",)),
     "prompt_cache_key": ignored(CHAT, "a prompt-cache routing hint: not used", source=("openai",)),
-    "parallel_tool_calls": ignored(CHAT, "no effect: `tools` are refused"),
+    "parallel_tool_calls": ignored(CHAT, "no effect: a named `tool_choice` makes one call"),
     # -- refused unless set to what changes nothing ----------------------------------------------------
-    "response_format": refused(
-        BOTH, 'only `{"type": "text"}`', noop=(None, {"type": "text"}), source=("openai", "vllm"), why=_NO_STRUCTURED
+    "response_format": honoured(
+        BOTH,
+        '`{"type": "text"}`; `{"type": "json_object"}` (any JSON object); `{"type": "json_schema", "json_schema": '
+        '{"name", "schema", "strict", "description"}}` (a document valid under `schema`, always strict). '
+        "Grammar-constrained decoding with xgrammar (vLLM's default backend) on both engines; a schema the grammar "
+        "engine cannot enforce is a 400; not with `min_tokens` > 0 or a named `tool_choice`",
+        engine=True,
     ),
     "structured_outputs": refused(BOTH, "", why=_NO_STRUCTURED),
     "guided_json": refused(BOTH, "older vLLM", why=_NO_STRUCTURED),
@@ -175,8 +180,20 @@ PARAMS: dict[str, Param] = {
     "guided_decoding_backend": refused(BOTH, "older vLLM", why=_NO_STRUCTURED),
     "guided_whitespace_pattern": refused(BOTH, "older vLLM", why=_NO_STRUCTURED),
     "logits_processors": refused(BOTH, "older vLLM", why="custom logits processors are not supported"),
-    "tools": refused(CHAT, "", noop=(None, []), source=("openai", "vllm"), why=_NO_TOOLS),
-    "tool_choice": refused(CHAT, '`"none"` only', noop=(None, "none"), source=("openai", "vllm"), why=_NO_TOOLS),
+    "tools": honoured(
+        CHAT,
+        'up to 128 `{"type": "function", "function": {"name", "description", "parameters", "strict"}}`, given to '
+        'the chat template (as vLLM does); without `tool_choice` it defaults to `"auto"` (a 400, see there)',
+        engine=True,
+    ),
+    "tool_choice": honoured(
+        CHAT,
+        '`"none"` (tools in the prompt, free text); a named function `{"type": "function", "function": {"name": '
+        "...}}`: its arguments are generated under its `parameters` schema and answered as `tool_calls` "
+        '(finish_reason `stop`, streamed as `delta.tool_calls`); `"auto"` / `"required"` are a 400 (they need the '
+        "model family's tool parser)",
+        engine=True,
+    ),
     "functions": refused(CHAT, "deprecated OpenAI field", noop=(None, []), source=("openai",), why=_NO_TOOLS),
     "function_call": refused(CHAT, "deprecated OpenAI field", noop=(None, "none"), source=("openai",), why=_NO_TOOLS),
     "prompt_logprobs": refused(BOTH, "", why="prompt logprobs are not computed"),
@@ -278,8 +295,9 @@ class RequestModel(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     user: Any = None
     session_id: Any = None
-    # refused unless no-op
+    #: checked in ``services.api.schemas`` (its messages name the offending part)
     response_format: Any = None
+    # refused unless no-op
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -328,8 +346,10 @@ class ChatCompletionRequest(RequestModel, kw_only=True):
     safety_identifier: Any = None
     prompt_cache_key: Any = None
     parallel_tool_calls: Any = None
+    #: checked in ``services.api.schemas``
     tools: Any = None
     tool_choice: Any = None
+    # refused unless no-op
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None

@@ -10,6 +10,7 @@ their logprobs with them, so logprobs stay aligned with the token ids that survi
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,22 @@ def completion_logprobs(items: Sequence[TokenLogprob], *, offset: int = 0, as_id
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def tool_call_id() -> str:
+    """A tool call's id, as vLLM makes them (``make_tool_call_id``)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def tool_message(content: str, name: str, arguments: str) -> dict[str, Any]:
+    """The assistant message of a named ``tool_choice`` (vLLM with a tool parser): ``content``
+    (the echo, else ""), and one call of ``name`` whose ``arguments`` are the completion's text -
+    none when that text is blank. The finish reason stays the completion's (``stop`` for a
+    complete call), as OpenAI and vLLM answer a named choice."""
+    calls = []
+    if arguments.strip():
+        calls.append({"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
 def usage(finals: Sequence[FinalResult]) -> dict[str, int]:
     """The request's usage: its prompt once, the completion tokens of every choice."""
     prompt = finals[0].prompt_tokens if finals else 0
@@ -95,9 +112,13 @@ def response_body(
         if parsed.endpoint == Endpoint.CHAT:
             if parsed.sampling.logprobs is not None:
                 logprobs = chat_logprobs(result.logprobs, as_ids=parsed.tokens_as_ids)
+            if parsed.tool_name is not None:
+                message = tool_message(parsed.echo_text, parsed.tool_name, final.text)
+            else:
+                message = {"role": "assistant", "content": text}
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": final.finish_reason,
             }
@@ -133,6 +154,8 @@ class StreamShaper:
         self.chat = parsed.endpoint == Endpoint.CHAT
         #: completions: where each choice's next token text starts (``text_offset``)
         self.offsets = [len(parsed.echo_text)] * parsed.n
+        #: a named tool choice: each choice's call id, once its first arguments delta was sent
+        self.call_ids: list[str | None] = [None] * parsed.n
 
     def _body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -145,10 +168,18 @@ class StreamShaper:
         }
 
     def _choice(
-        self, index: int, text: str | None, finish_reason: str | None = None, logprobs: Any = None, **extra: Any
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None = None,
+        logprobs: Any = None,
+        *,
+        delta: dict[str, Any] | None = None,
+        **extra: Any,
     ) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {} if text is None else {"content": text}
+            if delta is None:
+                delta = {} if text is None else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -191,7 +222,19 @@ class StreamShaper:
             self.offsets[index] += sum(len(lp.token) for lp in chunk.logprobs) if chunk.logprobs else len(chunk.text)
         if not (chunk.text or extra or logprobs):
             return None
+        if self.chat and self.parsed.tool_name is not None:
+            return self._choice(index, None, logprobs=logprobs, delta=self._tool_delta(index, chunk.text), **extra)
         return self._choice(index, chunk.text, logprobs=logprobs, **extra)
+
+    def _tool_delta(self, index: int, arguments: str) -> dict[str, Any]:
+        """A named tool choice's delta, as vLLM streams it: the first carries the call's ``id``,
+        ``type`` and function ``name``; every delta carries the next piece of ``arguments``."""
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if self.call_ids[index] is None:
+            self.call_ids[index] = call_id = tool_call_id()
+            name = self.parsed.tool_name
+            call = {"id": call_id, "type": "function", "index": 0, "function": {"name": name, "arguments": arguments}}
+        return {"tool_calls": [call]}
 
     def finish(self, index: int, final: FinalResult) -> dict[str, Any]:
         return self._choice(index, None if self.chat else "", final.finish_reason)

@@ -29,8 +29,9 @@ from services.api.params import (
     fields_of,
 )
 from shared.chat import ChatMessage, ImagePart, Part, TextPart, check_role
+from shared.engines.grammar import structured_output
 from shared.errors import InvalidRequest, TooManyImages, UnknownParameter, UnsupportedContent, UnsupportedParameter
-from shared.protocol import SamplingSpec
+from shared.protocol import MAX_TOOLS, MAX_TOOLS_BYTES, SamplingSpec, StructuredOutput
 
 MAX_STOP_SEQUENCES = 4
 #: the most choices (``n``) of one request: each is a generation job
@@ -62,6 +63,11 @@ class ParsedRequest:
     echo_text: str = ""
     #: logprob tokens as ``token_id:<id>`` (``return_tokens_as_token_ids``)
     tokens_as_ids: bool = False
+    #: the chat template's ``tools``: function definitions as compact JSON text (:func:`parse_tools`)
+    tools: tuple[str, ...] = ()
+    #: a named ``tool_choice``: the function whose arguments the completion is (answered as
+    #: ``tool_calls``); None otherwise
+    tool_name: str | None = None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -287,6 +293,156 @@ def _echo_text(messages: list[ChatMessage]) -> str:
     return "\n".join(p.text for p in last.content if isinstance(p, TextPart))
 
 
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def parse_response_format(value: Any) -> StructuredOutput | None:
+    """``response_format`` as the job's constraint: ``text`` (or absent) -> None, ``json_object``
+    -> any JSON object, ``json_schema`` -> a document valid under ``json_schema.schema`` (vLLM's
+    ``JsonSchemaResponseFormat``: ``name``, ``schema``, ``description``, ``strict``; the grammar is
+    always strict). Raises InvalidRequest (``param="response_format"``)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        raise InvalidRequest("'response_format' must be an object with a 'type'", param="response_format")
+    if kind not in _RESPONSE_FORMATS:
+        raise InvalidRequest(
+            f"'response_format' type {kind!r} is not supported; supported: {', '.join(_RESPONSE_FORMATS)}",
+            param="response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return structured_output("json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest(
+            "'response_format' of type json_schema needs a 'json_schema' object", param="response_format"
+        )
+    if not isinstance(spec.get("name"), str):
+        raise InvalidRequest("'response_format.json_schema.name' must be a string", param="response_format")
+    for key, types in (("description", (str,)), ("strict", (bool,))):
+        if spec.get(key) is not None and not isinstance(spec[key], types):
+            raise InvalidRequest(
+                f"'response_format.json_schema.{key}' must be a {types[0].__name__}", param="response_format"
+            )
+    if spec.get("schema") is None:
+        raise InvalidRequest("'response_format.json_schema.schema' is required", param="response_format")
+    return structured_output("json_schema", spec["schema"])
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    """One ``tools`` entry as vLLM gives it to the chat template (``ChatCompletionToolsParam
+    .model_dump()``: ``type``, and the function's ``name``, ``description`` and ``parameters``
+    - null when not given - plus ``strict`` when given)."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise InvalidRequest(f"{where} must be an object", param="tools")
+    if tool.get("type", "function") != "function":
+        raise InvalidRequest(f"{where}.type must be 'function', got {tool.get('type')!r}", param="tools")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise InvalidRequest(f"{where}.function must be an object", param="tools")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{where}.function.name must be a non-empty string", param="tools")
+    for key, types in (("description", (str,)), ("parameters", (dict,)), ("strict", (bool,))):
+        if fn.get(key) is not None and not isinstance(fn[key], types):
+            raise InvalidRequest(f"{where}.function.{key} must be a {types[0].__name__}", param="tools")
+    out: dict[str, Any] = {"name": name, "description": fn.get("description"), "parameters": fn.get("parameters")}
+    if fn.get("strict") is not None:
+        out["strict"] = fn["strict"]
+    return {"type": "function", "function": out}
+
+
+def parse_tools(value: Any) -> list[dict[str, Any]]:
+    """``tools`` as the chat template gets them (:func:`_tool`); [] when absent. An empty list is
+    refused, as vLLM and OpenAI do."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest("'tools' must be a list of tools", param="tools")
+    if not value:
+        raise InvalidRequest(
+            "'tools' must not be an empty array: give at least one tool or leave it out", param="tools"
+        )
+    if len(value) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' holds {len(value)} tools; at most {MAX_TOOLS}", param="tools")
+    return [_tool(tool, i) for i, tool in enumerate(value)]
+
+
+def _tools_text(tools: list[dict[str, Any]]) -> tuple[str, ...]:
+    text = tuple(json.dumps(t, ensure_ascii=False, separators=(",", ":"), allow_nan=False) for t in tools)
+    if sum(len(t.encode()) for t in text) > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"'tools' are larger than {MAX_TOOLS_BYTES} bytes as compact JSON", param="tools")
+    return text
+
+
+_NEEDS_PARSER = (
+    "needs the model family's tool parser, which this server does not run; name the function "
+    '(`{"type": "function", "function": {"name": ...}}`) or set "none"'
+)
+
+
+def parse_tool_choice(value: Any, tools: list[dict[str, Any]], *, given: bool) -> str | None:
+    """The function a named ``tool_choice`` forces (None for ``"none"``). ``given``: whether the
+    body has the field (vLLM: tools without ``tool_choice`` mean ``"auto"``). ``"auto"`` and
+    ``"required"`` are refused (they need a tool parser); a name outside ``tools`` too."""
+    if not given or value is None:
+        value = "auto" if tools else "none"
+    if value == "none":
+        return None
+    if not tools:
+        raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+    if value in ("auto", "required"):
+        default = "" if given else " (the default when 'tools' are given)"
+        raise UnsupportedParameter(f"'tool_choice' {value!r}{default} {_NEEDS_PARSER}", param="tool_choice")
+    usage = '; use {"type": "function", "function": {"name": "my_function"}}'
+    if not isinstance(value, dict) or value.get("type", "function") != "function":
+        raise InvalidRequest(
+            f'\'tool_choice\' must be "none", "auto", "required" or a named function{usage}', param="tool_choice"
+        )
+    fn = value.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"'tool_choice.function.name' must be a non-empty string{usage}", param="tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequest(f"'tool_choice' names {name!r}, which is not one of the 'tools'", param="tool_choice")
+    return name
+
+
+def _tool_schema(tools: list[dict[str, Any]], name: str) -> StructuredOutput:
+    """The constraint of a named tool's arguments: its ``parameters``, or any object (vLLM's
+    ``_params_or_empty_object``)."""
+    params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+    return structured_output("json_schema", params or {"type": "object", "properties": {}}, param="tools")
+
+
+def _constrain(
+    sampling: SamplingSpec, response_format: Any, tools: list[dict[str, Any]], tool_name: str | None
+) -> SamplingSpec:
+    """``sampling`` with the request's constraint (response_format, or a named tool's arguments)."""
+    structured = parse_response_format(response_format)
+    if tool_name is not None:
+        if structured is not None:
+            raise InvalidRequest(
+                "'response_format' cannot be combined with a named 'tool_choice' (the tool's parameters constrain "
+                "the output)",
+                param="response_format",
+            )
+        structured = _tool_schema(tools, tool_name)
+    if structured is None:
+        return sampling
+    if sampling.min_tokens > 0:
+        raise InvalidRequest(
+            "'min_tokens' cannot be combined with structured output (response_format / a named tool_choice): "
+            "the grammar may allow only the end of the completion",
+            param="min_tokens",
+        )
+    return msgspec.structs.replace(sampling, structured=structured)
+
+
 def parse_chat_request(
     body: dict[str, Any], *, served_model: str, max_images: int, max_tokens_limit: int, default_max_tokens: int
 ) -> ParsedRequest:
@@ -306,6 +462,9 @@ def parse_chat_request(
         default_max_tokens=default_max_tokens,
         logprobs=(top_logprobs or 0) if req.logprobs else None,
     )
+    tools = parse_tools(req.tools)
+    tool_name = parse_tool_choice(req.tool_choice, tools, given="tool_choice" in body)
+    sampling = _constrain(sampling, req.response_format, tools, tool_name)
     return ParsedRequest(
         model=served_model,
         messages=messages,
@@ -320,6 +479,8 @@ def parse_chat_request(
         echo=bool(req.echo),
         echo_text=_echo_text(messages) if req.echo else "",
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        tools=_tools_text(tools),
+        tool_name=tool_name,
     )
 
 
@@ -375,6 +536,7 @@ def parse_completion_request(
         default_max_tokens=default_max_tokens,
         logprobs=logprobs,
     )
+    sampling = _constrain(sampling, req.response_format, [], None)
     return ParsedRequest(
         model=served_model,
         messages=[],

@@ -235,6 +235,7 @@ class ApiService:
             body=redact_images(parsed.body, [img.content_hash for img in images]),
             images=images,
             prompt=parsed.prompt,
+            tools=parsed.tools,
         )
         choices = [(rid, choice_sampling(parsed.sampling, i)) for i, rid in enumerate(choice_ids(request_id, parsed.n))]
         return await self.client.submit_choices(

@@ -79,8 +79,21 @@ class RawPrompt:
     token_ids: tuple[int, ...] | None = None
 
 
-#: what ``generate`` / ``prefill`` take as the prompt: chat messages or a :class:`RawPrompt`
-Prompt: TypeAlias = list[dict[str, Any]] | RawPrompt
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the ``tools`` a request gives its chat template (vLLM passes a chat
+    request's tools to ``apply_chat_template``: a template that supports tools describes them in
+    the prompt). ``tools``: function definitions as vLLM hands them to the template
+    (``{"type": "function", "function": {"name", "description", "parameters"[, "strict"]}}``).
+    Plain ``messages`` (a list) stand for a chat prompt without tools."""
+
+    messages: list[dict[str, Any]]
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+#: what ``generate`` / ``prefill`` take as the prompt: chat messages (a list, or a
+#: :class:`ChatPrompt` with tools) or a :class:`RawPrompt`
+Prompt: TypeAlias = list[dict[str, Any]] | ChatPrompt | RawPrompt
 
 
 @dataclass

@@ -7,12 +7,13 @@ import it without pulling in a model library.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from shared.chat import ROLES
-from shared.engines.base import Prompt, RawPrompt, SamplingParams
+from shared.engines.base import ChatPrompt, Prompt, RawPrompt, SamplingParams
 from shared.errors import InvalidRequest, UnsupportedContent
 
 #: Content part types that stand for one image (in order) in a message.
@@ -111,6 +112,9 @@ def prompt_cost(messages: Prompt, image_tokens: Sequence[int]) -> int:
             return len(messages.token_ids)
         return len(messages.text or "") // 4
     chars = 0
+    if isinstance(messages, ChatPrompt):
+        chars += sum(len(json.dumps(tool)) for tool in messages.tools)
+        messages = messages.messages
     for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
@@ -127,13 +131,28 @@ def image_token_estimate(width: int, height: int) -> int:
     return max(1, (width * height) // _PIXELS_PER_IMAGE_TOKEN)
 
 
-def render_chat_prompt(processor: Any, chat_template: str | None, messages: list[dict[str, Any]]) -> str:
+def chat_parts(prompt: list[dict[str, Any]] | ChatPrompt) -> tuple[list[dict[str, Any]], tuple[dict[str, Any], ...]]:
+    """The messages and tools of a chat prompt (plain messages have no tools)."""
+    if isinstance(prompt, ChatPrompt):
+        return prompt.messages, prompt.tools
+    return prompt, ()
+
+
+def render_chat_prompt(
+    processor: Any,
+    chat_template: str | None,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+) -> str:
     """``chat_template`` applied to ``messages`` (one raw placeholder per image part) with
-    ``add_generation_prompt=True``; template errors become :class:`InvalidRequest`."""
+    ``add_generation_prompt=True`` and, when there are any, ``tools`` (as vLLM renders a chat
+    request with tools: the template sees them as ``tools``; one that does not use them renders
+    the same prompt as without); template errors become :class:`InvalidRequest`."""
     norm = normalize_messages(messages)
+    extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
     try:
         return processor.apply_chat_template(
-            norm, chat_template=chat_template, add_generation_prompt=True, tokenize=False
+            norm, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **extra
         )
     except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
         raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
@@ -220,5 +239,11 @@ def validate_params(params: SamplingParams, *, vocab_size: int | None = None) ->
             f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
         )
     _check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    if params.structured is not None and params.min_tokens > 0:
+        # the grammar may allow only a stop token while min_tokens masks it (vLLM has the same conflict)
+        raise InvalidRequest(
+            "min_tokens cannot be combined with structured output (response_format / a named tool_choice)",
+            param="min_tokens",
+        )
     if params.logprobs is not None and not (_is_int(params.logprobs) and 0 <= params.logprobs <= MAX_LOGPROBS):
         raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")

@@ -57,7 +57,9 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from shared.engines.grammar import GrammarCompiler, GrammarConstraint, compiler_for
 from shared.engines.prompts import (
+    chat_parts,
     check_image_count,
     check_placeholder_tokens,
     check_raw_prompt,
@@ -212,6 +214,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         )
         if not self.chat_template:
             raise EngineError(f"model folder {self.model_dir} has no chat template")
+        #: structured output (``shared.engines.grammar``): xgrammar over this tokenizer and the logits width
+        self.grammar: GrammarCompiler = compiler_for(self.tokenizer, self.vocab_size)
 
         # The one compute thread: torch work stays off the event loop and is never concurrent.
         self._executor = ThreadPoolExecutor(
@@ -328,7 +332,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         ``decode_s`` is the time from joining to the last event, ``extra
         ["decode_batch_rows_max"]`` the most rows of a step this request was part of."""
         validate_params(params, vocab_size=self.vocab_size)
-        state = await self._call(self._state_from_object, obj)
+        state = await self._call(self._handed_off_state, obj, params)
         if stats is not None:
             stats.prompt_tokens = state.prompt_tokens
         async for event in self._decode_batched(state, params, stats):
@@ -394,9 +398,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     # -- compute thread: prompt ----------------------------------------------------------------
 
-    def render_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to ``messages`` with ``add_generation_prompt=True``."""
-        return render_chat_prompt(self.processor, self.chat_template, messages)
+    def render_prompt(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> str:
+        """The chat template applied to ``messages`` (and ``tools``) with ``add_generation_prompt=True``."""
+        return render_chat_prompt(self.processor, self.chat_template, messages, tools)
 
     def expected_image_tokens(self, item: EncodedImage) -> int | None:
         """Token count the processor would give this image, or ``None`` if it cannot be known."""
@@ -471,9 +475,10 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         :class:`RawPrompt`: :meth:`raw_prompt_ids`."""
         if isinstance(messages, RawPrompt):
             return self.raw_prompt_ids(messages, images)
+        messages, tools = chat_parts(messages)
         check_image_count(messages, len(images))
         self._check_images(images)
-        text = self.render_prompt(messages)
+        text = self.render_prompt(messages, tools)
         bos = getattr(self.tokenizer, "bos_token", None)
         # The processor tokenizes with add_special_tokens=True; a template that already
         # renders BOS would get it twice, so skip the automatic one then.
@@ -590,6 +595,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         from transformers import DynamicCache
 
         validate_params(params, vocab_size=self.vocab_size)
+        constraint = self._constraint(params)
         t0 = time.perf_counter()
         ids = self.build_prompt_ids(messages, images)
         n_prompt = len(ids)
@@ -635,6 +641,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             generator=generator,
             seed=seed,
             prompt_ids=ids,
+            grammar=constraint,
         )
         first = sample_into(state, out.logits[0, -1], params, min_tokens_stop_ids(self.eos_token_ids, params))
         state.output_ids.append(first)
@@ -684,6 +691,23 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             )
         state.cache = out.past_key_values
         return out.logits[0, -1]
+
+    def _constraint(self, params: SamplingParams) -> GrammarConstraint | None:
+        """A fresh grammar constraint of ``params.structured`` (None without one); its stop tokens
+        are vLLM's ``all_stop_token_ids``: the EOS ids (also with ``ignore_eos``) and the request's
+        ``stop_token_ids``. A schema xgrammar refuses is an InvalidRequest."""
+        if params.structured is None:
+            return None
+        return self.grammar.constraint(params.structured, min_tokens_stop_ids(self.eos_token_ids, params))
+
+    def _handed_off_state(self, obj: KVObject, params: SamplingParams) -> DecodeState:
+        """The decode state of a KV object with its grammar constraint rebuilt: replayed over the
+        tokens the prefill side sampled (the constraint itself does not travel)."""
+        state = self._state_from_object(obj)
+        constraint = self._constraint(params)
+        if constraint is not None:
+            state.grammar = constraint.replay(state.output_ids)
+        return state
 
     def _state_from_object(self, obj: KVObject) -> DecodeState:
         """The decode state of a validated KV object; KVStateMismatch when it does not fit."""

@@ -23,6 +23,7 @@ from shared.store.format import RawTensor
 from shared.store.tensors import raw_to_tensor, tensor_to_raw
 
 if TYPE_CHECKING:
+    from shared.engines.grammar import GrammarConstraint
     from shared.store.kv import KVObject
 
 #: v2: the prompt's token ids travel too (``prompt_ids``: the repetition penalty counts them)
@@ -63,6 +64,9 @@ class DecodeState:
     extra: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] = field(default_factory=list)
     logprobs: dict[int, RawLogprob] = field(default_factory=dict)
+    #: the request's grammar (structured output), following ``output_ids``; never exported: the
+    #: decode side rebuilds it from the request's constraint and replays ``output_ids``
+    grammar: GrammarConstraint | None = field(default=None, repr=False)
     #: cached ``prompt_ids`` as a vocabulary mask (``prompt_mask``)
     _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
 
@@ -563,10 +567,19 @@ def sample_next(
 def sample_into(state: DecodeState, logits: torch.Tensor, params: SamplingParams, stop_ids: frozenset[int]) -> int:
     """:func:`sample_next` for ``state`` (its prompt, its outputs so far, its generator); when
     ``params.logprobs`` is set, the token's :class:`RawLogprob` is kept in ``state.logprobs``
-    under its output index. The token is not appended."""
+    under its output index. The token is not appended.
+
+    With a grammar (``state.grammar``) the raw logits are masked first - before logit bias,
+    penalties, temperature and the logprobs, as vLLM applies the grammar bitmask to the model's
+    logits before its sampler - and the grammar accepts the sampled token."""
+    grammar = state.grammar
+    if grammar is not None:
+        logits = grammar.mask(logits.to(dtype=torch.float32, copy=True))
     vocab = logits.shape[-1]
     mask = state.prompt_mask(vocab) if params.repetition_penalty != 1.0 else None
     tok = sample_next(logits, params, state.generator, prompt_mask=mask, output_ids=state.output_ids, stop_ids=stop_ids)
     if params.logprobs is not None:
         state.logprobs[len(state.output_ids)] = raw_logprob(logits, tok, params.logprobs)
+    if grammar is not None:
+        grammar.accept(tok)
     return tok

@@ -304,6 +304,7 @@ async def replay_request(
         replay_of=request_id,
         fingerprint=fingerprint,
         prompt=job.prompt,
+        tools=job.tools,
     )
     trace = set_trace(protocol.STAGE_REPLAY, received_at=received)
     try:
