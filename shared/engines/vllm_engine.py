@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -58,12 +59,15 @@ from shared.engines.base import (
     GenerationStats,
     KVConnectorHandoff,
     MediaImage,
+    Prompt,
+    RawPrompt,
     SamplingParams,
     TokenEvent,
 )
 from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
 from shared.errors import EngineError, InvalidRequest
 from shared.identity import ModelIdentity
+from shared.protocol import TokenLogprob
 from shared.topology import Role
 
 log = logging.getLogger(__name__)
@@ -129,6 +133,52 @@ def connector_extra_config(settings: WorkerSettings) -> dict[str, Any]:
         "nats_url": settings.nats.nats_url,
         "subject_prefix": settings.nats.subject_prefix,
     }
+
+
+def check_sampling(params: SamplingParams, *, vocab_size: int, max_logprobs: int) -> None:
+    """Raise :class:`InvalidRequest` (naming the parameter) for the settings vLLM would refuse,
+    before a request reaches it: vLLM's own refusal surfaces only once the request runs, without a
+    parameter name (``validate_params`` covers the fields every engine checks). ``vocab_size`` is
+    the model's logits width (vLLM's bound for token ids); ``max_logprobs`` vLLM's
+    ``max_logprobs`` (-1: the vocabulary)."""
+
+    def number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value > hi or value < lo or (lo_open and value == lo):
+            span = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise InvalidRequest(f"{name} must be a number in {span}", param=name)
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def token_ids(name: str, ids: Sequence[Any]) -> None:
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"{name} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}", param=name
+            )
+
+    number("temperature", params.temperature, 0.0, 2.0)
+    if not is_int(params.top_k) or params.top_k < 0:
+        raise InvalidRequest("top_k must be an integer >= 0 (0: all tokens)", param="top_k")
+    number("min_p", params.min_p, 0.0, 1.0)
+    number("presence_penalty", params.presence_penalty, -2.0, 2.0)
+    number("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    number("repetition_penalty", params.repetition_penalty, 0.0, math.inf, lo_open=True)
+    token_ids("logit_bias", [tid for tid, _ in params.logit_bias])
+    for _, bias in params.logit_bias:
+        number("logit_bias", bias, -100.0, 100.0)
+    if not is_int(params.min_tokens) or params.min_tokens < 0:
+        raise InvalidRequest("min_tokens must be an integer >= 0", param="min_tokens")
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})", param="min_tokens"
+        )
+    token_ids("stop_token_ids", params.stop_token_ids)
+    if params.logprobs is not None:
+        limit = vocab_size if max_logprobs < 0 else max_logprobs
+        if not is_int(params.logprobs) or not 0 <= params.logprobs <= limit:
+            raise InvalidRequest(f"logprobs must be an integer in [0, {limit}]", param="logprobs")
 
 
 class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
@@ -330,9 +380,13 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
         return render_chat_prompt(self.processor, self.chat_template, messages)
 
-    def build_prompt(self, messages: list[dict[str, Any]], images: Sequence[MediaImage]) -> dict[str, Any]:
-        """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids.
+    def build_prompt(self, messages: Prompt, images: Sequence[MediaImage]) -> dict[str, Any]:
+        """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids;
+        for a :class:`RawPrompt` (``/v1/completions``) its text as it is (vLLM's ``TextPrompt``: no
+        chat template) or its token ids (a ``TokensPrompt``), never images.
         (A template render and a tokenizer call on the prompt text: cheap enough for the event loop.)"""
+        if isinstance(messages, RawPrompt):
+            return self._raw_prompt(messages, images)
         check_image_count(messages, len(images))
         for i, item in enumerate(images):
             if not isinstance(item, MediaImage):
@@ -347,23 +401,73 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             prompt["multi_modal_uuids"] = {"image": [item.item_hash for item in images]}
         return prompt
 
-    @staticmethod
+    def _raw_prompt(self, raw: RawPrompt, images: Sequence[MediaImage]) -> dict[str, Any]:
+        """A completions prompt for vLLM. Refused (``param="prompt"``): images, neither or both of
+        text and token ids, an empty prompt, token ids outside the vocabulary, an image placeholder
+        token (no image can fill it)."""
+        if images:
+            raise InvalidRequest("a completions prompt takes no images", param="prompt")
+        if (raw.text is None) == (raw.token_ids is None):
+            raise InvalidRequest("a completions prompt is either text or token ids", param="prompt")
+        if raw.text is not None:
+            if not isinstance(raw.text, str) or not raw.text:
+                raise InvalidRequest("prompt must be a non-empty string", param="prompt")
+            ids = list(self.tokenizer(raw.text)["input_ids"])  # what vLLM will feed the model (special tokens added)
+            prompt: dict[str, Any] = {"prompt": raw.text}
+        else:
+            ids = list(raw.token_ids or ())
+            if not ids:
+                raise InvalidRequest("prompt must hold at least one token id", param="prompt")
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}", param="prompt"
+                )
+            prompt = {"prompt_token_ids": ids}
+        if self.image_token_id in ids:
+            raise InvalidRequest("a completions prompt must not contain image placeholder tokens", param="prompt")
+        return prompt
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's logits width: vLLM's bound for token ids (prompt, logit_bias, stop_token_ids)."""
+        return int(self.vllm_config.model_config.get_vocab_size())
+
     def sampling_params(
+        self,
         params: SamplingParams,
         *,
         max_tokens: int | None = None,
         final_only: bool = False,
         kv_transfer_params: dict[str, Any] | None = None,
     ):
+        """vLLM's ``SamplingParams`` for ``params``, every field mapped (refused with
+        :class:`InvalidRequest` first when vLLM would refuse it). ``max_tokens`` overrides the
+        request's (a hand-off prefill samples one token it does not use: its ``min_tokens`` is capped
+        to fit and it asks for no logprobs). Greedy (``temperature == 0``) runs unseeded; vLLM then
+        ignores ``top_k`` / ``top_p`` / ``min_p`` too, while penalties, ``logit_bias`` and
+        ``min_tokens`` still shape the logits the argmax takes."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         validate_params(params)
+        check_sampling(params, vocab_size=self.vocab_size, max_logprobs=int(self.vllm_config.model_config.max_logprobs))
+        handoff_prefill = max_tokens is not None
+        n_tokens = max_tokens if max_tokens is not None else params.max_tokens
         return VllmSamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            max_tokens=max_tokens if max_tokens is not None else params.max_tokens,
+            top_k=params.top_k,  # 0 is vLLM's "off" too
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None,
+            min_tokens=min(params.min_tokens, n_tokens),
+            stop_token_ids=list(params.stop_token_ids) or None,
+            logprobs=None if handoff_prefill else params.logprobs,
+            max_tokens=n_tokens,
             seed=params.seed if params.temperature > 0 else None,
             stop=list(params.stop) or None,
             ignore_eos=params.ignore_eos,
@@ -371,6 +475,27 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
             # vLLM hands these to its KV connector (how its own P/D proxies pass them)
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
+        )
+
+    def token_logprob(self, token_id: int, position: Any, k: int) -> TokenLogprob:
+        """One position of vLLM's sample logprobs (token id -> ``Logprob(logprob, rank,
+        decoded_token)``: the sampled token and the ``k`` most likely) as a :class:`TokenLogprob`:
+        the sampled token's logprob and the top ``k``, most likely first. Token text is vLLM's
+        ``decoded_token`` (what its OpenAI server returns), ``tokenizer.decode([id])`` without one."""
+        if not position or token_id not in position:
+            raise EngineError(f"vLLM returned no logprob for the sampled token {token_id}")
+
+        def text(tid: int, lp: Any) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
+
+        chosen = position[token_id]
+        # the sampled token comes first, then the top k (one entry when it is among them)
+        ranked = sorted(position.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0, kv[0]))[:k]
+        return TokenLogprob(
+            token_id=int(token_id),
+            token=text(token_id, chosen),
+            logprob=float(chosen.logprob),
+            top=tuple((int(tid), text(tid, lp), float(lp.logprob)) for tid, lp in ranked),
         )
 
     async def _pump(self, prompt: dict[str, Any], sp: Any, request_id: str, post: Callable[[Any], None]) -> None:
@@ -433,21 +558,23 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
     async def generate(  # type: ignore[override]  # media images only: vLLM encodes them (or its connector loads their features)
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Prefill + decode in vLLM; ``images`` are :class:`MediaImage` items (the connector
-        loads their stored encoder outputs or vLLM encodes them). Fills ``stats.extra
-        ["ec_sources"]`` with where each item's features came from (connector's report)."""
+        loads their stored encoder outputs or vLLM encodes them); ``messages`` may be a
+        :class:`RawPrompt` (no images). Fills ``stats.extra["ec_sources"]`` with where each item's
+        features came from (connector's report). With ``params.logprobs`` set each event carries
+        its :class:`TokenLogprob`."""
         async with contextlib.aclosing(self._token_events(messages, images, params, stats, None)) as events:
             async for event in events:
                 yield event
 
     async def generate_from_handoff(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         handoff: KVHandoff,
@@ -465,7 +592,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
     async def _token_events(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         stats: GenerationStats | None,
@@ -515,12 +642,21 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                 n_out += len(new_ids)
                 if stats is not None:
                     stats.completion_tokens = n_out
+                positions = completion.logprobs  # delta output: one position per new token, in order
+                if params.logprobs is not None and (positions is None or len(positions) != len(new_ids)):
+                    raise EngineError(
+                        f"vLLM returned {0 if positions is None else len(positions)} logprob positions "
+                        f"for {len(new_ids)} tokens"
+                    )
                 for i, token_id in enumerate(new_ids):
                     last = i == len(new_ids) - 1
                     text = carry + (completion.text or "") if last else ""
                     if last:
                         carry = ""
-                    yield TokenEvent(int(token_id), text, finish_reason=reason if last else None)
+                    logprob = None
+                    if params.logprobs is not None:
+                        logprob = self.token_logprob(int(token_id), positions[i], params.logprobs)
+                    yield TokenEvent(int(token_id), text, finish_reason=reason if last else None, logprob=logprob)
                 if output.finished:
                     return
         raise EngineError("vLLM ended the request without a final output")
@@ -535,7 +671,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
     async def prefill_for_handoff(
         self,
-        messages: list[dict[str, Any]],
+        messages: Prompt,
         images: Sequence[MediaImage],
         params: SamplingParams,
         *,
@@ -548,7 +684,9 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         is, for a decode engine's :meth:`generate_from_handoff`. vLLM samples one token to finish
         the request; it is not used: the decode engine computes the last prompt token again and
         samples every output token itself, so seeded sampling draws exactly as in an aggregated
-        run."""
+        run, and the penalties, ``logit_bias``, ``min_tokens`` and ``stop_token_ids`` count the
+        completion's tokens from its first one, as there (the decode engine has the whole prompt for
+        the repetition penalty)."""
         if self.kv_role != "kv_producer":
             raise EngineError(f"prefill_for_handoff() needs a KV producer engine (role {self.kv_role!r})")
         prompt = self.build_prompt(messages, images)
@@ -621,7 +759,7 @@ def _translate(exc: BaseException) -> BaseException:
     if isinstance(exc, (InvalidRequest, EngineError)):
         return exc
     if isinstance(exc, (VLLMValidationError, ValueError)):
-        return InvalidRequest(f"vLLM rejected the request: {exc}")
+        return InvalidRequest(f"vLLM rejected the request: {exc}", param=getattr(exc, "parameter", None))
     if isinstance(exc, asyncio.CancelledError):
         return EngineError("vLLM request was cancelled")
     return EngineError(f"vLLM failed: {type(exc).__name__}: {exc}")
