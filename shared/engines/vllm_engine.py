@@ -64,7 +64,14 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from shared.engines.prompts import check_image_count, check_placeholder_tokens, render_chat_prompt, validate_params
+from shared.engines.grammar import vllm_structured_outputs
+from shared.engines.prompts import (
+    chat_parts,
+    check_image_count,
+    check_placeholder_tokens,
+    render_chat_prompt,
+    validate_params,
+)
 from shared.errors import EngineError, InvalidRequest
 from shared.identity import ModelIdentity
 from shared.protocol import TokenLogprob
@@ -235,7 +242,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
 
         from transformers import AutoConfig, AutoProcessor
         from vllm import AsyncEngineArgs
-        from vllm.config import ECTransferConfig, KVTransferConfig
+        from vllm.config import ECTransferConfig, KVTransferConfig, StructuredOutputsConfig
 
         config = AutoConfig.from_pretrained(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
@@ -276,6 +283,9 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             ec_transfer_config=ec_transfer_config,
             kv_transfer_config=kv_transfer_config,
             disable_log_stats=False,  # connector counters reach this process with the stats
+            # xgrammar, as the transformers engine: a schema it refuses is refused (vLLM's "auto"
+            # would fall back to another library and constrain differently)
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
         )
         if kv_role:
             from vllm.platforms import current_platform
@@ -376,9 +386,10 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             "kv_cache_tokens": blocks * cache.block_size if blocks else None,
         }
 
-    def render_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to ``messages`` (one raw placeholder per image; vLLM expands it)."""
-        return render_chat_prompt(self.processor, self.chat_template, messages)
+    def render_prompt(self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> str:
+        """The chat template applied to ``messages`` and ``tools`` (one raw placeholder per image;
+        vLLM expands it)."""
+        return render_chat_prompt(self.processor, self.chat_template, messages, tools)
 
     def build_prompt(self, messages: Prompt, images: Sequence[MediaImage]) -> dict[str, Any]:
         """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids;
@@ -387,11 +398,12 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         (A template render and a tokenizer call on the prompt text: cheap enough for the event loop.)"""
         if isinstance(messages, RawPrompt):
             return self._raw_prompt(messages, images)
+        messages, tools = chat_parts(messages)
         check_image_count(messages, len(images))
         for i, item in enumerate(images):
             if not isinstance(item, MediaImage):
                 raise InvalidRequest(f"images[{i}] is not a MediaImage ({type(item).__name__})")
-        text = self.render_prompt(messages)
+        text = self.render_prompt(messages, tools)
         check_placeholder_tokens(
             self.tokenizer(text, add_special_tokens=False)["input_ids"], self.image_token_id, len(images)
         )
@@ -475,6 +487,11 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
             # vLLM hands these to its KV connector (how its own P/D proxies pass them)
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
+            # (not on a hand-off prefill: its one token is thrown away and the decode engine, which
+            # samples every output token, starts the grammar from the beginning)
+            structured_outputs=(
+                vllm_structured_outputs(params.structured) if params.structured and not handoff_prefill else None
+            ),
         )
 
     def token_logprob(self, token_id: int, position: Any, k: int) -> TokenLogprob:
