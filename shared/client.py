@@ -303,9 +303,9 @@ class RequestClient:
             if self.recorder is not None:
                 self.recorder.note(info.key, self.store.fingerprint, ref.item_hash, size=info.size)
             # the EC store's hit ratio over time: rate(hit) / rate(hit + miss) of source "api"
-            metrics.EC_LOOKUPS.labels(self.source, "hit", "").inc()
+            metrics.EC_LOOKUPS.labels(self.source, metrics.LookupOutcome.HIT, "").inc()
             return msgspec.structs.replace(ref, encode_queued=False)
-        metrics.EC_LOOKUPS.labels(self.source, "miss", "not_found").inc()
+        metrics.EC_LOOKUPS.labels(self.source, metrics.LookupOutcome.MISS, "not_found").inc()
         ref = msgspec.structs.replace(ref, encode_queued=True)
         await self.queue_encode(
             EncodeJob(

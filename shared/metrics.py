@@ -17,6 +17,24 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+
+class LookupOutcome(enum.StrEnum):
+    """What a lookup of one request item's encoder output came to: the ``outcome`` label of
+    ``epd:ec_lookups_total`` (workers reading the store, the API's store check, the vLLM EC
+    connector)."""
+
+    #: validated bytes loaded from the store
+    HIT = "hit"
+    #: not stored (or not storable: a bad identifier): encoded locally
+    MISS = "miss"
+    #: stored but unusable (corrupt, other shape, too slow, ...): encoded locally
+    FALLBACK = "fallback"
+    #: unobtainable and the request carries no local input for it: vLLM fails the request
+    UNAVAILABLE = "unavailable"
+    #: vLLM still held the item (encoder or prefix cache): the connector was not asked
+    ENGINE_CACHE = "engine_cache"
+
+
 EC_LOOKUPS = Counter(
     "epd:ec_lookups_total",
     "Encoder-output lookups by where the features came from and why a source missed.",

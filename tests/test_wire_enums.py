@@ -13,9 +13,8 @@ import pytest
 
 from shared import metrics, protocol
 from shared.connectors.params import Source
-from shared.connectors.s3_ec.state import LookupOutcome
 from shared.history import STATUSES, RequestStatus
-from shared.metrics import JobOutcome, KVHandoffOutcome
+from shared.metrics import JobOutcome, KVHandoffOutcome, LookupOutcome
 from shared.protocol import (
     DecodeJob,
     ECSource,

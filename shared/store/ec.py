@@ -48,7 +48,7 @@ class ECCodec(TensorCodec[ECObject, str]):
     def transferred(self, direction: str) -> Any:
         return metrics.EC_BYTES.labels(direction)
 
-    def lookup(self, outcome: str, reason: str) -> Any:
+    def lookup(self, outcome: metrics.LookupOutcome, reason: str) -> Any:
         return metrics.EC_LOOKUPS.labels("store", outcome, reason)
 
 

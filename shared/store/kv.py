@@ -198,7 +198,7 @@ class KVCodec(TensorCodec[KVObject, KVRef]):
     def transferred(self, direction: str) -> Any:
         return metrics.KV_BYTES.labels(direction)
 
-    def lookup(self, outcome: str, reason: str) -> Any:
+    def lookup(self, outcome: metrics.LookupOutcome, reason: str) -> Any:
         return metrics.KV_LOOKUPS.labels(outcome, reason)
 
 

@@ -24,6 +24,7 @@ import time
 from typing import Any, Generic, TypeVar
 
 from shared.errors import EPDError, StoreError
+from shared.metrics import LookupOutcome
 from shared.store.format import MissReason, ObjectValidationError
 from shared.store.objects import ObjectInfo, ObjectStore, ObjectTooLarge
 
@@ -68,8 +69,8 @@ class TensorCodec(abc.ABC, Generic[T, Id]):
         """Counter (child) of object bytes moved in ``direction`` (``get``, ``put``)."""
 
     @abc.abstractmethod
-    def lookup(self, outcome: str, reason: str) -> Any:
-        """Counter (child) of loads by ``outcome`` (``hit``, ``miss``) and miss reason."""
+    def lookup(self, outcome: LookupOutcome, reason: str) -> Any:
+        """Counter (child) of loads by ``outcome`` (hit, miss) and miss reason."""
 
 
 class TensorObjectStore(Generic[T, Id]):
@@ -162,7 +163,7 @@ class TensorObjectStore(Generic[T, Id]):
         except ObjectValidationError as exc:
             raise self._miss(request_id, expected, exc.reason, exc.detail) from exc
         self.codec.transferred("get").inc(len(blob))
-        self.codec.lookup("hit", "").inc()
+        self.codec.lookup(LookupOutcome.HIT, "").inc()
         log.debug(
             "request_id=%s %s hit key=%s bytes=%d in %.1f ms",
             request_id,
@@ -193,7 +194,7 @@ class TensorObjectStore(Generic[T, Id]):
         return removed
 
     def _miss(self, request_id: str, key: str, reason: MissReason, detail: str) -> ObjectValidationError:
-        self.codec.lookup("miss", reason.value).inc()
+        self.codec.lookup(LookupOutcome.MISS, reason.value).inc()
         level = self.codec.not_found_level if reason is MissReason.NOT_FOUND else logging.WARNING
         log.log(
             level,

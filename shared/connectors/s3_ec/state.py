@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import re
 
 from shared.connectors.params import Source
+from shared.metrics import LookupOutcome
 from shared.store.format import ECObject, MissReason
 
 # An identifier becomes one key segment: no '/', no leading dot, bounded.
@@ -18,21 +18,6 @@ _IDENTIFIER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:=+-]{0,254}$")
 def valid_identifier(identifier: str) -> bool:
     """Whether vLLM's item identifier (mm_hash) can name an EC object."""
     return isinstance(identifier, str) and bool(_IDENTIFIER.match(identifier)) and ".." not in identifier
-
-
-class LookupOutcome(str, enum.Enum):
-    """What a consumer's lookup of one request item came to (the ``outcome`` metric label)."""
-
-    #: validated bytes loaded from the store
-    HIT = "hit"
-    #: not stored (or not storable: a bad identifier): encoded locally
-    MISS = "miss"
-    #: stored but unusable (corrupt, other shape, too slow, ...): encoded locally
-    FALLBACK = "fallback"
-    #: unobtainable and the request carries no local input for it: vLLM fails the request
-    UNAVAILABLE = "unavailable"
-    #: vLLM still held the item (encoder or prefix cache): the connector was not asked
-    ENGINE_CACHE = "engine_cache"
 
 
 @dataclasses.dataclass
