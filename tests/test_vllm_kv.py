@@ -166,3 +166,99 @@ async def test_engines_refuse_the_wrong_kv_role(engines):
         await decoder.prefill_for_handoff(engine_messages("Hi", 0), [], GREEDY, request_name="x", attempt=0)
     with pytest.raises(EngineError, match="KV consumer"):
         [e async for e in prefill.generate_from_handoff(engine_messages("Hi", 0), [], GREEDY, KVHandoff("k", "x"))]
+
+
+def _outcome(events) -> list[tuple[int, tuple[int, ...] | None]]:
+    """Token ids with the ids of their top logprobs (None without logprobs)."""
+    return [(e.token_id, None if e.logprob is None else tuple(t[0] for t in e.logprob.top)) for e in events]
+
+
+async def test_every_sampling_setting_survives_the_handoff(engines, vllm_reference, kv_store):
+    """E|P|D with every sampling setting set (seeded sampling, top-k/p, min-p, penalties,
+    logit_bias, min_tokens, stop_token_ids, logprobs): the decode engine samples every token
+    itself, from the first, and equals the aggregated engine token for token, logprobs included -
+    also when the KV object is unusable and it prefills again. Negative control: the same hand-off
+    with any one setting dropped on the decode side only gives other tokens (or logprobs). The
+    values are ones where each setting changes this request's tokens (frequency_penalty does not,
+    with no token repeated: it gets a greedy request of its own)."""
+    import math
+    from dataclasses import replace
+
+    from shared.engines.base import SamplingParams
+
+    prefill, decoder = engines
+    text, specs = CASES[0][1], CASES[0][2]
+    items = [media(seed, size) for seed, size in specs]
+    messages = engine_messages(text, len(items))
+
+    async def aggregated(params):
+        return [e async for e in vllm_reference.generate(messages, items, params)]
+
+    async def epd(prefill_params, decode_params, *, spoil: bool = False):
+        stats = GenerationStats()
+        name = f"kv-{uuid.uuid4().hex[:12]}"
+        stored = await prefill.prefill_for_handoff(
+            messages, items, prefill_params, request_name=name, attempt=0, stats=stats
+        )
+        if spoil:
+            kv_store.delete(stored.key)
+        events = [e async for e in decoder.generate_from_handoff(messages, items, decode_params, stored, stats)]
+        return events, stats.extra.get("kv_source")
+
+    base = SamplingParams(
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.9,
+        seed=1234,
+        ignore_eos=True,
+        top_k=8,
+        min_p=0.3,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        repetition_penalty=1.2,
+        logprobs=3,
+    )
+    free = await aggregated(base)
+    base = replace(base, logit_bias=((free[0].token_id, -100.0),))  # bans the first token it drew
+    banned = [e.token_id for e in await aggregated(base)]
+    stop = next(t for i, t in enumerate(banned) if i >= 2 and t not in banned[:i])
+    at = banned.index(stop)
+    params = replace(base, stop_token_ids=(stop,), min_tokens=at + 3)
+    want = await aggregated(params)
+    assert len(want) >= at + 3 and stop not in [e.token_id for e in want][: at + 3]  # min_tokens held it back
+
+    for spoil in (False, True):
+        got, source = await epd(params, params, spoil=spoil)
+        assert source == ("recomputed:not_found" if spoil else "store")
+        assert _outcome(got) == _outcome(want)
+        assert [e.finish_reason for e in got] == [e.finish_reason for e in want]
+        for g, w in zip(got, want):
+            assert g.logprob is not None and w.logprob is not None
+            assert math.isclose(g.logprob.logprob, w.logprob.logprob, abs_tol=1e-5)
+            assert all(math.isclose(a[2], b[2], abs_tol=1e-5) for a, b in zip(g.logprob.top, w.logprob.top))
+
+    defaults = SamplingParams()
+    for field in (
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "stop_token_ids",
+        "logprobs",
+    ):
+        got, source = await epd(params, replace(params, **{field: getattr(defaults, field)}))
+        assert source == "store"
+        assert _outcome(got) != _outcome(want), f"dropping {field} on the decode side changed nothing"
+    got, _ = await epd(params, replace(params, seed=4321))
+    assert _outcome(got) != _outcome(want), "another seed on the decode side changed nothing"
+
+    # a negative penalty: this prompt's greedy tokens do not repeat, so only a reward for repeats shows
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=-2.0, logprobs=2)
+    want = await aggregated(greedy)
+    got, source = await epd(greedy, greedy)
+    assert source == "store" and _outcome(got) == _outcome(want)
+    got, _ = await epd(greedy, replace(greedy, frequency_penalty=0.0))
+    assert _outcome(got) != _outcome(want), "dropping frequency_penalty on the decode side changed nothing"

@@ -259,7 +259,9 @@ async def test_settings_vllm_refuses_are_refused_before_it_runs(vllm_reference):
     """InvalidRequest naming the parameter, raised by the engine's own checks (vLLM's refusal would
     say "vLLM rejected" and often name no parameter), on every path that takes settings."""
     engine = vllm_reference
-    for param, change in BAD_SETTINGS:
+    vocab = engine.vocab_size  # the first id past the vocabulary (vLLM refuses it too)
+    at_vocab = [("logit_bias", {"logit_bias": ((vocab, 1.0),)}), ("stop_token_ids", {"stop_token_ids": (vocab,)})]
+    for param, change in BAD_SETTINGS + at_vocab:
         params = replace(GREEDY, **change)
         with pytest.raises(InvalidRequest) as err:
             [e async for e in engine.generate(PROMPT, [], params)]
@@ -267,6 +269,9 @@ async def test_settings_vllm_refuses_are_refused_before_it_runs(vllm_reference):
         with pytest.raises(InvalidRequest) as err:
             engine.sampling_params(params, max_tokens=1, final_only=True)  # the hand-off prefill's
         assert err.value.param == param
+    with pytest.raises(InvalidRequest) as err:
+        [e async for e in engine.generate(RawPrompt(token_ids=(1, vocab)), [], GREEDY)]
+    assert (err.value.param, "vLLM rejected" in str(err.value)) == ("prompt", False)
     assert await engine.num_unfinished_requests() == 0
     # the limits themselves are accepted (min_tokens == max_tokens, 20 logprobs, the last token id)
     edge = replace(
