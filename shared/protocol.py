@@ -555,7 +555,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
     temperature / top-k / top-p / penalties: vLLM's default ``raw_logprobs``) of one generated token,
     and the ``SamplingSpec.logprobs`` most likely tokens at its position as
     ``(token id, token text, logprob)``, most likely first. ``token`` is the token's own text
-    (``tokenizer.decode([token_id])``)."""
+    (the transformers engine: ``tokenizer.decode([token_id])``; vLLM: its ``decoded_token``, which can
+    differ for a byte-fallback or SentencePiece-space token)."""
 
     token_id: int
     token: str
