@@ -86,10 +86,10 @@ class Workers:
         from shared.worker import WorkerContext
 
         settings = PrefillSettings(**self.env, role=self.role)
-        self.subjects = Subjects(settings.subject_prefix)
-        self.nc = await connect(settings, name="test-sampling")
+        self.subjects = Subjects(settings.nats.subject_prefix)
+        self.nc = await connect(settings.nats, name="test-sampling")
         js = self.nc.jetstream()
-        await ensure_topology(js, settings, self.subjects)
+        await ensure_topology(js, settings.nats, self.subjects)
         ctx = WorkerContext(settings, self.subjects, JetStreamPublisher(js), self.nc)
         self.prefill = PrefillHandler(settings, engine=self.engine)
         await self.prefill.setup(ctx)
