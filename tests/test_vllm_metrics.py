@@ -97,6 +97,20 @@ def families() -> dict[str, tuple[str, str, set[str]]]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def only_our_vllm_collectors():
+    """The unit tests read the API's vllm:* collectors from the default registry. An in-process
+    vLLM engine (earlier tests of the session load some) unregisters every ``vllm:*`` collector
+    there when its stat logger starts - ours included - and registers its own; the API process never
+    runs vLLM, so each test here starts from a fresh set of ours alone (seen failing in the full
+    suite without this: ours unregistered, every sample 0)."""
+    for collector, names in list(REGISTRY._collector_to_names.items()):  # (private: no public listing)
+        if any(n.startswith("vllm:") for n in names):
+            REGISTRY.unregister(collector)
+    metrics._VLLM = None
+    yield
+
+
 def sample(name: str, model: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, {"model_name": model, **labels}) or 0.0
 
