@@ -9,6 +9,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from shared.config import EngineSettings, MediaSettings, ModelSettings, WorkerSettings
 from shared.engines import check_role, engine_class, load_engine
 from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPrompt, SamplingParams
@@ -60,26 +62,17 @@ def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> Image.
 
 
 def sampling_params(spec: SamplingSpec, *, seed: int | None) -> SamplingParams:
-    """The engine's sampling settings for a job's wire ``SamplingSpec``; ``seed`` is the one the
-    job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
-    return SamplingParams(
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
+    """The engine's sampling settings for a job's wire ``SamplingSpec``: every field carried over by
+    name (a field ``SamplingParams`` lacks is a TypeError here, never dropped), with ``seed`` the one
+    the job runs with (``protocol.effective_seed``, or the seed a handed-off decode state carries)."""
+    fields = msgspec.structs.asdict(spec)
+    fields.update(
         seed=seed,
         stop=tuple(spec.stop),
-        ignore_eos=spec.ignore_eos,
-        top_k=spec.top_k,
-        min_p=spec.min_p,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
         logit_bias=tuple(spec.logit_bias),
-        min_tokens=spec.min_tokens,
         stop_token_ids=tuple(spec.stop_token_ids),
-        logprobs=spec.logprobs,
-        structured=spec.structured,
     )
+    return SamplingParams(**fields)
 
 
 def job_prompt(job: GenerationJob) -> Prompt:

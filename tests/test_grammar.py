@@ -407,3 +407,33 @@ def test_masks_equal_vllms_xgrammar_backend(lm, tok, vocab, stops, whitespace_id
             assert torch.equal(bitmask, masks[k]), (so.kind, k)
             assert theirs.accept_tokens("r", [token])
         assert theirs.is_terminated()
+
+
+def test_every_sampling_spec_field_reaches_the_engine():
+    """``sampling_params`` carries each wire field over by name: a spec with every field off its
+    default gives engine params with those values (a field dropped on the way fails here)."""
+    from shared.model_worker import sampling_params
+
+    spec = SamplingSpec(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop=("x",),
+        ignore_eos=True,
+        top_k=4,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias=((5, 1.0),),
+        min_tokens=2,
+        stop_token_ids=(9,),
+        logprobs=2,
+        structured=structured_output("json_object"),
+    )
+    defaults = SamplingSpec()
+    fields = msgspec.structs.asdict(spec)
+    assert all(v != getattr(defaults, k) for k, v in fields.items())  # every field set off its default
+    params = sampling_params(spec, seed=11)
+    assert {k: getattr(params, k) for k in fields} == {**fields, "seed": 11}
