@@ -166,6 +166,59 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen2.5-Instruct's tool-calling chat template (the Hermes format: the tools in the system turn,
+# calls as ``<tool_call>`` JSON, tool results as ``<tool_response>`` in a user turn), verbatim but
+# for two things: message content goes through Qwen2-VL's part rendering (images as
+# ``<|vision_start|><|image_pad|><|vision_end|>``; a string as it is) and the default system
+# prompt is Qwen2-VL's. Not what the tiny model is built with: tests copy the folder and write
+# this template into it (:func:`write_chat_template`) to serve a model whose template renders tools.
+QWEN2_VL_TOOLS_CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif 'text' in part -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- render_content(messages[0]['content']) }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
+    'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
+    "{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + render_content(messages[0]['content']) + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    '{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}'
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>' + '\\n' }}"
+    '{%- elif message.role == "assistant" %}'
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + render_content(message.content) }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    '{%- elif message.role == "tool" %}'
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}"
+    "{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- render_content(message.content) }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 # LLaVA-1.5 style ("USER: <image>\n... ASSISTANT:"), accepting string or list content and
 # rendering images where they appear in the content list.
 LLAVA_CHAT_TEMPLATE = (
@@ -491,6 +544,21 @@ def _canonicalize_json_files(folder: Path) -> None:
             continue
         data = json.loads(path.read_text(encoding="utf-8"))
         path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_chat_template(folder: str | Path, template: str) -> None:
+    """Make ``template`` the chat template of a model folder (``chat_template.jinja``, which the
+    processor and the tokenizer both load; a ``chat_template`` in the JSON configs is removed so it
+    cannot win)."""
+    folder = Path(folder)
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json", "processor_config.json"):
+        path = folder / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.pop("chat_template", None) is not None:
+                path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    (folder / "chat_template.json").unlink(missing_ok=True)
 
 
 def default_model_dir(data_dir: Path) -> Path:
