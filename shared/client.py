@@ -59,6 +59,7 @@ from shared.protocol import (
     SamplingSpec,
     Subjects,
     TokenChunk,
+    generation_schema,
 )
 from shared.store.ec import ECStore
 
@@ -393,6 +394,7 @@ class RequestClient:
             replay_of=sub.replay_of,
         )
         job = GenerationJob(
+            v=generation_schema(sub.messages),
             request_id=sub.request_id,
             model=sub.model,
             messages=sub.messages,

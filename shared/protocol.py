@@ -47,8 +47,9 @@ from shared.errors import EPDError
 
 #: The newest message schema this code reads. Messages default to v1; the jobs that carry a
 #: ``SamplingSpec`` are v2 since its shape grew (penalties, logprobs, ...): a v1 worker refuses them
-#: with a ProtocolError instead of silently sampling without the new fields.
-PROTOCOL_VERSION = 2
+#: with a ProtocolError instead of silently sampling without the new fields. A ``GenerationJob``
+#: whose messages hold a tool conversation is v3 (:data:`TOOL_MESSAGES_SCHEMA`).
+PROTOCOL_VERSION = 3
 
 # Nats headers -------------------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -330,6 +331,18 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
 
 #: Schema of the jobs that carry a ``SamplingSpec`` (``GenerationJob``, ``DecodeJob``).
 SAMPLING_SCHEMA = 2
+#: Schema of a ``GenerationJob`` whose messages hold ``tool`` messages or an assistant's
+#: ``tool_calls`` (:func:`generation_schema`): a v2 worker drops those keys when it renders the chat
+#: template, so it must refuse the job (ProtocolError) rather than answer another conversation.
+#: Jobs without them stay v2, readable by v2 workers.
+TOOL_MESSAGES_SCHEMA = 3
+
+
+def generation_schema(messages: list[dict[str, Any]]) -> int:
+    """The ``v`` of a ``GenerationJob`` with ``messages`` (:data:`TOOL_MESSAGES_SCHEMA` for a tool
+    conversation, else :data:`SAMPLING_SCHEMA`)."""
+    tools = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages if isinstance(m, dict))
+    return TOOL_MESSAGES_SCHEMA if tools else SAMPLING_SCHEMA
 
 
 class StructuredKind(enum.StrEnum):
@@ -489,7 +502,9 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     """Prefill (+ decode in E|PD) one request. ``messages`` hold ``{"type": "image"}`` parts in
     the order of ``images`` (one entry per placeholder; duplicates allowed).
 
-    A completions request carries ``prompt`` instead of messages.
+    A completions request carries ``prompt`` instead of messages. A tool conversation's messages
+    also hold ``tool_calls`` (assistant) and ``tool_call_id`` (tool) - ``shared.chat.ChatMessage``'s
+    wire form; such a job is v3 (:func:`generation_schema`).
 
     ``reprefill`` > 0: a decode worker found the KV object of the previous prefill unusable
     (missing, corrupt) and sent the request back (bounded by ``EPD_MAX_REPREFILLS``); it is

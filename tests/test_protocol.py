@@ -185,8 +185,8 @@ def test_chat_messages_are_validated_once_into_one_struct_with_one_role_set():
     )
     assert protocol.decode(protocol.encode(job), GenerationJob).messages == wire
     # One role set: what the API accepts is what the engines accept; anything else is refused.
-    assert set(ROLES) == {"system", "user", "assistant", "developer"}
-    for role in ("tool", "function", None):
+    assert set(ROLES) == {"system", "user", "assistant", "developer", "tool"}
+    for role in ("function", None):
         with pytest.raises(InvalidRequest, match=r"messages\[0\]\.role must be one of"):
             parse_chat_request(
                 {"messages": [{"role": role, "content": "x"}]},

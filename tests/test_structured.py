@@ -147,7 +147,7 @@ def test_tools_reach_the_template_as_vllm_dumps_them():
         ({"tools": [WEATHER] * 129, "tool_choice": "none"}, "tools", "at most"),
         ({"tools": [WEATHER]}, "tool_choice", "default"),  # tools alone: "auto"
         ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "tool parser"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "tool parser"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "'required' is not supported"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", "x"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "name"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "named function"),

@@ -50,6 +50,7 @@ from services.api.schemas import (
 )
 from services.api.service import ApiService
 from services.api.tokenizer import Tokenizer
+from services.api.tool_parsers import parser_for_model
 from shared import history, metrics, timeline
 from shared.client import ChoiceStreams
 from shared.config import ApiSettings
@@ -141,6 +142,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
     # epd:* and vllm:* request metrics (shared.metrics.ApiRequestMetrics), one tracker per choice
     # (vLLM counts each of a request's n choices as a request of its own)
     request_metrics = metrics.ApiRequestMetrics(service.model_name, max_model_len=context_len)
+    # tool_choice "auto" and tool conversations: decided once, from the chat template the workers
+    # render (a template that renders tools and asks for a call format parsed here)
+    tool_parser = parser_for_model(service.identity.model_path)
+    log.info(
+        "tool calling (tool_choice auto): %s",
+        f"the {tool_parser.name} parser" if tool_parser else "off (the chat template renders no tool calls)",
+    )
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError):
@@ -277,13 +285,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
         """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (text parts) -> token ids."""
         check_auth(request)
         req = parse_tokenize_request(
-            parse_json_body(await _read_body(request, settings.max_body_bytes)), served_model=service.model_name
+            parse_json_body(await _read_body(request, settings.max_body_bytes)),
+            served_model=service.model_name,
+            tool_parser=tool_parser,
         )
         if req.messages is not None:
             text = await tokenizer.render_chat(
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
+                tools=req.tools,
             )
         else:
             assert req.prompt is not None
@@ -340,6 +351,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                     max_images=settings.max_images_per_request,
                     max_tokens_limit=settings.max_tokens_limit,
                     default_max_tokens=settings.default_max_tokens,
+                    tool_parser=tool_parser,
                 )
             else:
                 parsed = parse_completion_request(

@@ -6,17 +6,23 @@ their logprobs with them, so logprobs stay aligned with the token ids that survi
 
 * chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``;
 * completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``.
+
+Tool calls: a named ``tool_choice`` answers the completion's text as one call's arguments;
+``tool_choice: "auto"`` reads the text with the model's tool parser (``services.api.tool_parsers``)
+into ``content`` and ``tool_calls`` - streamed as ``delta.content`` then ``delta.tool_calls``
+pieces - and its finish reason is ``tool_calls`` when calls were made and the completion stopped
+(OpenAI's and vLLM's answer; ``length`` stays ``length``).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.api.params import Endpoint
 from services.api.schemas import ParsedRequest
+from services.api.tool_parsers import ToolStream, make_tool_call_id
 from shared.protocol import FinalResult, TokenChunk, TokenLogprob
 
 #: JSON has no -inf: a logprob below this is sent as this (vLLM does the same)
@@ -76,7 +82,7 @@ def completion_logprobs(items: Sequence[TokenLogprob], *, offset: int = 0, as_id
 
 def tool_call_id() -> str:
     """A tool call's id, as vLLM makes them (``make_tool_call_id``)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return make_tool_call_id()
 
 
 def tool_message(content: str, name: str, arguments: str) -> dict[str, Any]:
@@ -88,6 +94,21 @@ def tool_message(content: str, name: str, arguments: str) -> dict[str, Any]:
     if arguments.strip():
         calls.append({"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
     return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+def auto_tool_message(parsed: ParsedRequest, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of ``tool_choice: "auto"`` and its finish reason: the parser's
+    ``content`` (after the echo; null when empty and calls were made) and ``tool_calls`` (only the
+    first with ``parallel_tool_calls: false``, as vLLM), ``tool_calls`` as the finish reason when
+    there are calls and the completion stopped. Text without calls is the content, as always."""
+    assert parsed.tool_parser is not None
+    out = parsed.tool_parser.extract(text)
+    calls = list(out.calls if parsed.parallel_tool_calls else out.calls[:1])
+    if not calls:
+        return {"role": "assistant", "content": parsed.echo_text + text}, finish_reason
+    content = parsed.echo_text + (out.content or "")
+    message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def usage(finals: Sequence[FinalResult]) -> dict[str, int]:
@@ -112,15 +133,18 @@ def response_body(
         if parsed.endpoint == Endpoint.CHAT:
             if parsed.sampling.logprobs is not None:
                 logprobs = chat_logprobs(result.logprobs, as_ids=parsed.tokens_as_ids)
+            finish_reason = final.finish_reason
             if parsed.tool_name is not None:
                 message = tool_message(parsed.echo_text, parsed.tool_name, final.text)
+            elif parsed.tool_parser is not None:
+                message, finish_reason = auto_tool_message(parsed, final.text, final.finish_reason)
             else:
                 message = {"role": "assistant", "content": text}
             choice = {
                 "index": index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": final.finish_reason,
+                "finish_reason": finish_reason,
             }
         else:
             if parsed.sampling.logprobs is not None:
@@ -156,6 +180,12 @@ class StreamShaper:
         self.offsets = [len(parsed.echo_text)] * parsed.n
         #: a named tool choice: each choice's call id, once its first arguments delta was sent
         self.call_ids: list[str | None] = [None] * parsed.n
+        #: ``tool_choice: "auto"``: each choice's tool-call parser state
+        self.tool_streams: list[ToolStream] | None = (
+            [parsed.tool_parser.streamer() for _ in range(parsed.n)]
+            if self.chat and parsed.tool_parser is not None
+            else None
+        )
 
     def _body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -220,6 +250,11 @@ class StreamShaper:
                 )
         if not self.chat:
             self.offsets[index] += sum(len(lp.token) for lp in chunk.logprobs) if chunk.logprobs else len(chunk.text)
+        if self.tool_streams is not None:
+            delta = self._auto_delta(self.tool_streams[index].feed(chunk.text))
+            if not (delta or extra or logprobs):
+                return None
+            return self._choice(index, None, logprobs=logprobs, delta=delta, **extra)
         if not (chunk.text or extra or logprobs):
             return None
         if self.chat and self.parsed.tool_name is not None:
@@ -236,7 +271,23 @@ class StreamShaper:
             call = {"id": call_id, "type": "function", "index": 0, "function": {"name": name, "arguments": arguments}}
         return {"tool_calls": [call]}
 
+    def _auto_delta(self, piece: Any) -> dict[str, Any]:
+        """``tool_choice: "auto"``: the parser's content and ``tool_calls`` entries as a delta
+        (only call 0's with ``parallel_tool_calls: false``)."""
+        delta: dict[str, Any] = {}
+        if piece.content:
+            delta["content"] = piece.content
+        calls = [c for c in piece.tool_calls if self.parsed.parallel_tool_calls or c["index"] == 0]
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     def finish(self, index: int, final: FinalResult) -> dict[str, Any]:
+        if self.tool_streams is not None:
+            stream = self.tool_streams[index]
+            delta = self._auto_delta(stream.finish())  # held-back text, when no call was made
+            reason = "tool_calls" if stream.called and final.finish_reason == "stop" else final.finish_reason
+            return self._choice(index, None, reason, delta=delta)
         return self._choice(index, None if self.chat else "", final.finish_reason)
 
     def usage(self, finals: Sequence[FinalResult]) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from services.api.params import (
     RequestModel,
     fields_of,
 )
-from shared.chat import ChatMessage, ImagePart, Part, TextPart, check_role
+from services.api.tool_parsers import ToolParser
+from shared.chat import ChatMessage, FunctionCall, ImagePart, Part, TextPart, ToolCall, check_role
 from shared.engines.grammar import structured_output
 from shared.errors import InvalidRequest, TooManyImages, UnknownParameter, UnsupportedContent, UnsupportedParameter
 from shared.protocol import MAX_TOOLS, MAX_TOOLS_BYTES, SamplingSpec, StructuredOutput
@@ -68,6 +69,11 @@ class ParsedRequest:
     #: a named ``tool_choice``: the function whose arguments the completion is (answered as
     #: ``tool_calls``); None otherwise
     tool_name: str | None = None
+    #: ``tool_choice: "auto"``: the parser that reads the completion's calls
+    #: (``services.api.tool_parsers``); None otherwise
+    tool_parser: ToolParser | None = None
+    #: ``parallel_tool_calls: false``: at most one call is answered (vLLM keeps the first)
+    parallel_tool_calls: bool = True
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -173,8 +179,65 @@ def _parse_content(content: Any, index: int, image_urls: list[str], max_images: 
     return parts
 
 
-def parse_messages(messages: Any, *, max_images: int) -> tuple[list[ChatMessage], list[str]]:
-    """OpenAI chat messages as typed messages, and their image URLs in placeholder order."""
+#: Why a tool conversation or ``tool_choice: "auto"`` is refused for a model without a tool parser.
+NO_TOOL_TEMPLATE = (
+    "this model's chat template renders no tool calls this server can parse (supported: the Hermes / "
+    "Qwen2.5 `<tool_call>` format, chosen when the template renders `tools` and asks for `<tool_call>`)"
+)
+
+
+def _tool_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape; ``arguments`` JSON text, or an object
+    as vLLM also takes); null or [] -> none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list", param="messages")
+    calls = []
+    for j, call in enumerate(value):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise InvalidRequest(f"{where} must be an object", param="messages")
+        if call.get("type", "function") != "function":
+            raise InvalidRequest(f"{where}.type must be 'function'", param="messages")
+        if not isinstance(call.get("id"), str):
+            raise InvalidRequest(f"{where}.id must be a string", param="messages")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"{where}.function.name must be a non-empty string", param="messages")
+        arguments = fn.get("arguments")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        elif arguments is None:
+            arguments = ""
+        elif not isinstance(arguments, str):
+            raise InvalidRequest(f"{where}.function.arguments must be a JSON string", param="messages")
+        calls.append(ToolCall(id=call["id"], function=FunctionCall(name=fn["name"], arguments=arguments)))
+    return tuple(calls)
+
+
+def _tool_fields(message: dict[str, Any], role: str, i: int, tools_ok: bool) -> dict[str, Any]:
+    """A message's ``tool_calls`` (assistant) / ``tool_call_id`` (tool), checked: a tool
+    conversation needs a chat template that renders one (``tools_ok``)."""
+    calls = _tool_calls(message.get("tool_calls"), i)
+    call_id = message.get("tool_call_id")
+    if calls and role != "assistant":
+        raise InvalidRequest(f"messages[{i}].tool_calls is for assistant messages only", param="messages")
+    if role == "tool":
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequest(f"messages[{i}].tool_call_id must be a non-empty string", param="messages")
+    elif call_id is not None:
+        raise InvalidRequest(f"messages[{i}].tool_call_id is for tool messages only", param="messages")
+    if (calls or role == "tool") and not tools_ok:
+        what = "role 'tool'" if role == "tool" else "tool_calls"
+        raise UnsupportedContent(f"messages[{i}]: {what} cannot be rendered: {NO_TOOL_TEMPLATE}", param="messages")
+    return {"tool_calls": calls, "tool_call_id": call_id if role == "tool" else None}
+
+
+def parse_messages(messages: Any, *, max_images: int, tools_ok: bool = False) -> tuple[list[ChatMessage], list[str]]:
+    """OpenAI chat messages as typed messages, and their image URLs in placeholder order.
+    ``tools_ok``: the model's chat template renders tool conversations (``tool`` messages and an
+    assistant's ``tool_calls``); without it they are refused."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     image_urls: list[str] = []
@@ -183,8 +246,11 @@ def parse_messages(messages: Any, *, max_images: int) -> tuple[list[ChatMessage]
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
         role = check_role(message.get("role"), f"messages[{i}]")
-        content = _parse_content(message.get("content"), i, image_urls, max_images)
-        normalized.append(ChatMessage(role=role, content=content))
+        tool_fields = _tool_fields(message, role, i, tools_ok)
+        content = _parse_content(message.get("content"), i, image_urls if role != "tool" else [], max_images)
+        if role == "tool" and not isinstance(content, str) and any(isinstance(p, ImagePart) for p in content):
+            raise UnsupportedContent(f"messages[{i}]: a tool message holds text only", param="messages")
+        normalized.append(ChatMessage(role=role, content=content, **tool_fields))
     return normalized, image_urls
 
 
@@ -379,25 +445,39 @@ def _tools_text(tools: list[dict[str, Any]]) -> tuple[str, ...]:
     return text
 
 
-_NEEDS_PARSER = (
-    "needs the model family's tool parser, which this server does not run; name the function "
-    '(`{"type": "function", "function": {"name": ...}}`) or set "none"'
-)
+_NAME_IT = 'name the function (`{"type": "function", "function": {"name": ...}}`) or set "none"'
 
 
-def parse_tool_choice(value: Any, tools: list[dict[str, Any]], *, given: bool) -> str | None:
-    """The function a named ``tool_choice`` forces (None for ``"none"``). ``given``: whether the
-    body has the field (vLLM: tools without ``tool_choice`` mean ``"auto"``). ``"auto"`` and
-    ``"required"`` are refused (they need a tool parser); a name outside ``tools`` too."""
+def parse_tool_choice(
+    value: Any, tools: list[dict[str, Any]], *, given: bool, parser: ToolParser | None = None
+) -> tuple[str | None, bool]:
+    """``(name, auto)``: the function a named ``tool_choice`` forces (None otherwise), and whether
+    the choice is ``"auto"`` - the model decides, ``parser`` reads its calls. ``given``: whether the
+    body has the field (vLLM: tools without ``tool_choice`` mean ``"auto"``). ``"auto"`` without a
+    parser (the model's chat template renders no tool-call format parsed here) and ``"required"``
+    are refused, naming ``tool_choice``; a name outside ``tools`` too."""
     if not given or value is None:
         value = "auto" if tools else "none"
     if value == "none":
-        return None
+        return None, False
     if not tools:
         raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-    if value in ("auto", "required"):
-        default = "" if given else " (the default when 'tools' are given)"
-        raise UnsupportedParameter(f"'tool_choice' {value!r}{default} {_NEEDS_PARSER}", param="tool_choice")
+    default = "" if given else " (the default when 'tools' are given)"
+    if value == "auto":
+        if parser is None:
+            raise UnsupportedParameter(
+                f"'tool_choice' 'auto'{default} needs a tool parser for the model's output: {NO_TOOL_TEMPLATE}; "
+                + _NAME_IT,
+                param="tool_choice",
+            )
+        return None, True
+    if value == "required":
+        raise UnsupportedParameter(
+            "'tool_choice' 'required' is not supported by this server (a call is not forced); "
+            + ('use "auto" or ' if parser is not None else "")
+            + _NAME_IT,
+            param="tool_choice",
+        )
     usage = '; use {"type": "function", "function": {"name": "my_function"}}'
     if not isinstance(value, dict) or value.get("type", "function") != "function":
         raise InvalidRequest(
@@ -409,7 +489,7 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]], *, given: bool) -
         raise InvalidRequest(f"'tool_choice.function.name' must be a non-empty string{usage}", param="tool_choice")
     if name not in {t["function"]["name"] for t in tools}:
         raise InvalidRequest(f"'tool_choice' names {name!r}, which is not one of the 'tools'", param="tool_choice")
-    return name
+    return name, False
 
 
 def _tool_schema(tools: list[dict[str, Any]], name: str) -> StructuredOutput:
@@ -444,12 +524,21 @@ def _constrain(
 
 
 def parse_chat_request(
-    body: dict[str, Any], *, served_model: str, max_images: int, max_tokens_limit: int, default_max_tokens: int
+    body: dict[str, Any],
+    *,
+    served_model: str,
+    max_images: int,
+    max_tokens_limit: int,
+    default_max_tokens: int,
+    tool_parser: ToolParser | None = None,
 ) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body. ``tool_parser``: the served model's
+    (``services.api.tool_parsers.parser_for_model``; None: its chat template renders no tool calls
+    parsed here - ``tool_choice: "auto"`` and tool conversations are refused)."""
     req = typed_request(body, Endpoint.CHAT)
     assert isinstance(req, ChatCompletionRequest)
     _check_model(req, served_model)
-    messages, image_urls = parse_messages(req.messages, max_images=max_images)
+    messages, image_urls = parse_messages(req.messages, max_images=max_images, tools_ok=tool_parser is not None)
     n, stream, include_usage = _common(req)
     top_logprobs = _logprobs(req.top_logprobs, "top_logprobs")
     if top_logprobs and not req.logprobs:
@@ -463,7 +552,7 @@ def parse_chat_request(
         logprobs=(top_logprobs or 0) if req.logprobs else None,
     )
     tools = parse_tools(req.tools)
-    tool_name = parse_tool_choice(req.tool_choice, tools, given="tool_choice" in body)
+    tool_name, auto = parse_tool_choice(req.tool_choice, tools, given="tool_choice" in body, parser=tool_parser)
     sampling = _constrain(sampling, req.response_format, tools, tool_name)
     return ParsedRequest(
         model=served_model,
@@ -481,6 +570,8 @@ def parse_chat_request(
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
         tools=_tools_text(tools),
         tool_name=tool_name,
+        tool_parser=tool_parser if auto else None,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )
 
 
@@ -565,6 +656,8 @@ class TokenizeRequest:
     add_generation_prompt: bool
     continue_final_message: bool
     return_token_strs: bool
+    #: ``tools`` for the chat template (:func:`parse_tools`)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 #: ``/tokenize`` fields: honoured ones -> their type; refused ones (vLLM's chat-template knobs) are
@@ -577,13 +670,13 @@ _TOKENIZE_FIELDS: dict[str, Any] = {
     "add_generation_prompt": (bool, type(None)),
     "continue_final_message": (bool, type(None)),
     "return_token_strs": (bool, type(None)),
+    "tools": (list, type(None)),
 }
 _TOKENIZE_REFUSED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
-    "tools": (None, []),
 }
 
 
@@ -598,10 +691,13 @@ def _check_fields(body: dict[str, Any], fields: dict[str, Any], refused_fields: 
             raise InvalidRequest(f"'{name}' has the wrong type ({type(value).__name__})", param=name)
 
 
-def parse_tokenize_request(body: dict[str, Any], *, served_model: str) -> TokenizeRequest:
+def parse_tokenize_request(
+    body: dict[str, Any], *, served_model: str, tool_parser: ToolParser | None = None
+) -> TokenizeRequest:
     """A ``/tokenize`` body: ``prompt`` (text; special tokens added unless ``add_special_tokens``
-    is false) or ``messages`` (the chat template; text parts only: an image's token count depends
-    on the image, which is not fetched here)."""
+    is false) or ``messages`` (the chat template, with ``tools`` when given - as a chat request
+    renders them; text parts only: an image's token count depends on the image, which is not
+    fetched here). Tool conversations need a model with a tool parser, as in a chat request."""
     _check_fields(body, _TOKENIZE_FIELDS, _TOKENIZE_REFUSED)
     model = body.get("model") or served_model
     if model != served_model:
@@ -611,12 +707,15 @@ def parse_tokenize_request(body: dict[str, Any], *, served_model: str) -> Tokeni
     chat = "messages" in body
     messages = None
     if chat:
-        parsed, urls = parse_messages(body["messages"], max_images=1 << 30)
+        parsed, urls = parse_messages(body["messages"], max_images=1 << 30, tools_ok=tool_parser is not None)
         if urls:
             raise UnsupportedContent(
                 "image parts cannot be tokenized here (their token count depends on the image)", param="messages"
             )
         messages = [m.to_wire() for m in parsed]
+    elif body.get("tools"):
+        raise InvalidRequest("'tools' are for 'messages' (the chat template)", param="tools")
+    tools = parse_tools(body.get("tools") or None)
     add_generation_prompt = body.get("add_generation_prompt")
     continue_final = bool(body.get("continue_final_message"))
     if add_generation_prompt and continue_final:
@@ -631,6 +730,7 @@ def parse_tokenize_request(body: dict[str, Any], *, served_model: str) -> Tokeni
         add_generation_prompt=(not continue_final) if add_generation_prompt is None else add_generation_prompt,
         continue_final_message=continue_final,
         return_token_strs=bool(body.get("return_token_strs")),
+        tools=tools,
     )
 
 

@@ -52,10 +52,17 @@ class Tokenizer:
         return await asyncio.to_thread(lambda: list(tok(text, add_special_tokens=add_special_tokens)["input_ids"]))
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat template applied to ``messages`` (wire form, text parts only)."""
+        """The chat template applied to ``messages`` (wire form, text parts only) and ``tools``
+        (given to the template as the engines give them: ``render_chat_prompt``)."""
         tok = await self.get()
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
 
         def render() -> str:
             try:
@@ -64,6 +71,7 @@ class Tokenizer:
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     tokenize=False,
+                    **extra,
                 )
             except Exception as exc:  # jinja2 errors (e.g. a template's raise_exception) land here
                 raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc

@@ -77,24 +77,73 @@ def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: 
         )
 
 
+def _template_arguments(arguments: Any) -> dict[str, Any]:
+    """A call's ``arguments`` as chat templates take them: an object (vLLM's
+    ``_postprocess_messages``: JSON text is parsed; text that is not a JSON object becomes ``{}``,
+    so a conversation holding a broken call can go on)."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str) and arguments:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def _tool_calls(msg: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` for the template (checked; arguments as objects)."""
+    calls = msg.get("tool_calls")
+    if not isinstance(calls, list) or msg["role"] != "assistant":
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list on an assistant message", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"messages[{i}].tool_calls[{j}] must hold a function with a name", param="messages")
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": _template_arguments(fn.get("arguments"))},
+            }
+        )
+    return out
+
+
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Canonical form for chat templates: string content, or ``{"type": "text", "text"}`` /
     ``{"type": "image"}`` parts only (URLs and payloads dropped so no template or processor
-    ever tries to fetch anything)."""
+    ever tries to fetch anything). A tool conversation keeps an assistant's ``tool_calls`` (their
+    ``arguments`` as objects, as vLLM hands them to the template) and a tool message's
+    ``tool_call_id``; a tool message's text parts are joined into one string (vLLM)."""
     list(_iter_parts(messages))  # validate
     out: list[dict[str, Any]] = []
-    for msg in messages:
+    for i, msg in enumerate(messages):
         content = msg["content"]
+        norm: dict[str, Any]
         if isinstance(content, str):
-            out.append({"role": msg["role"], "content": content})
-            continue
-        parts: list[dict[str, Any]] = []
-        for part in content:
-            if part["type"] in IMAGE_PART_TYPES:
-                parts.append({"type": "image"})
-            else:
-                parts.append({"type": "text", "text": part["text"]})
-        out.append({"role": msg["role"], "content": parts})
+            norm = {"role": msg["role"], "content": content}
+        elif msg["role"] == "tool":
+            if any(part["type"] in IMAGE_PART_TYPES for part in content):
+                raise UnsupportedContent(f"messages[{i}]: a tool message holds text only", param="messages")
+            norm = {"role": "tool", "content": "\n".join(part["text"] for part in content)}
+        else:
+            parts: list[dict[str, Any]] = []
+            for part in content:
+                if part["type"] in IMAGE_PART_TYPES:
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            norm = {"role": msg["role"], "content": parts}
+        if msg.get("tool_calls"):
+            norm["tool_calls"] = _tool_calls(msg, i)
+        if msg.get("tool_call_id") is not None:
+            if msg["role"] != "tool" or not isinstance(msg["tool_call_id"], str):
+                raise InvalidRequest(f"messages[{i}].tool_call_id must be a string on a tool message", param="messages")
+            norm["tool_call_id"] = msg["tool_call_id"]
+        out.append(norm)
     return out
 
 
