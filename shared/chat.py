@@ -72,7 +72,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
         ``tool_calls`` / ``tool_call_id`` when set."""
         out: dict[str, Any] = {"role": self.role, "content": msgspec.to_builtins(self.content)}
         if self.tool_calls:
-            out["tool_calls"] = msgspec.to_builtins(self.tool_calls)
+            out["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
