@@ -87,7 +87,10 @@ PARAMS: dict[str, Param] = {
     # -- what to complete --------------------------------------------------------------------------
     "model": honoured(BOTH, "optional; the served model's id (`EPD_MODEL_NAME`), any other id is a 400"),
     "messages": honoured(
-        CHAT, "roles `system`, `user`, `assistant`, `developer` (= `system`); text and `image_url` parts"
+        CHAT,
+        "roles `system`, `user`, `assistant`, `developer` (= `system`); text and `image_url` parts. Where the "
+        "model's chat template renders tools: an assistant's `tool_calls` and `tool` messages (`tool_call_id`, "
+        "text) - a conversation continuing after a call; elsewhere they are a 400",
     ),
     "prompt": honoured(
         COMPLETIONS,
@@ -162,7 +165,9 @@ PARAMS: dict[str, Param] = {
     "metadata": ignored(CHAT, "stored-completion tags: metadata, not used", source=("openai",)),
     "safety_identifier": ignored(CHAT, "an end-user id: metadata, not used", source=("openai",)),
     "prompt_cache_key": ignored(CHAT, "a prompt-cache routing hint: not used", source=("openai",)),
-    "parallel_tool_calls": ignored(CHAT, "no effect: a named `tool_choice` makes one call"),
+    "parallel_tool_calls": honoured(
+        CHAT, '`false`: `tool_choice` `"auto"` answers the first call only (vLLM); a named choice makes one call'
+    ),
     # -- refused unless set to what changes nothing ----------------------------------------------------
     "response_format": honoured(
         BOTH,
@@ -183,15 +188,16 @@ PARAMS: dict[str, Param] = {
     "tools": honoured(
         CHAT,
         'up to 128 `{"type": "function", "function": {"name", "description", "parameters", "strict"}}`, given to '
-        'the chat template (as vLLM does); without `tool_choice` it defaults to `"auto"` (a 400, see there)',
+        'the chat template (as vLLM does); without `tool_choice` it defaults to `"auto"` (see there)',
         engine=True,
     ),
     "tool_choice": honoured(
         CHAT,
-        '`"none"` (tools in the prompt, free text); a named function `{"type": "function", "function": {"name": '
-        "...}}`: its arguments are generated under its `parameters` schema and answered as `tool_calls` "
-        '(finish_reason `stop`, streamed as `delta.tool_calls`); `"auto"` / `"required"` are a 400 (they need the '
-        "model family's tool parser)",
+        '`"none"` (tools in the prompt, free text); `"auto"`: the model decides, its calls are read by the tool '
+        "parser of its chat template's format (Hermes / Qwen2.5 `<tool_call>`) into `tool_calls` (finish_reason "
+        "`tool_calls`, streamed as `delta.tool_calls`) - a 400 where the chat template renders no tools; a named "
+        'function `{"type": "function", "function": {"name": ...}}`: its arguments are generated under its '
+        '`parameters` schema and answered as `tool_calls` (finish_reason `stop`); `"required"` is a 400',
         engine=True,
     ),
     "functions": refused(CHAT, "deprecated OpenAI field", noop=(None, []), source=("openai",), why=_NO_TOOLS),
@@ -345,7 +351,7 @@ class ChatCompletionRequest(RequestModel, kw_only=True):
     metadata: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     #: checked in ``services.api.schemas``
     tools: Any = None
     tool_choice: Any = None
