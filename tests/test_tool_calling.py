@@ -123,6 +123,16 @@ def test_a_tool_conversation_is_parsed_into_typed_messages_and_their_wire_form()
             InvalidRequest,
             "JSON",
         ),
+        (  # not rendered as {} (vLLM's fallback): the client's broken call is its error
+            [ASK, {**CALLED, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1, 2]"}}]}],
+            InvalidRequest,
+            "JSON object",
+        ),
+        (
+            [ASK, {**CALLED, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{nope"}}]}],
+            InvalidRequest,
+            "JSON object",
+        ),
         (
             [ASK, {**ANSWER, "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}],
             UnsupportedContent,

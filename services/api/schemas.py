@@ -212,6 +212,15 @@ def _tool_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
             arguments = ""
         elif not isinstance(arguments, str):
             raise InvalidRequest(f"{where}.function.arguments must be a JSON string", param="messages")
+        elif arguments:
+            # The template gets the arguments as an object: text that is not one is refused here
+            # rather than rendered as {} (vLLM's silent fallback).
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise InvalidRequest(f"{where}.function.arguments must be a JSON object as text", param="messages")
         calls.append(ToolCall(id=call["id"], function=FunctionCall(name=fn["name"], arguments=arguments)))
     return tuple(calls)
 

@@ -79,8 +79,8 @@ def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: 
 
 def _template_arguments(arguments: Any) -> dict[str, Any]:
     """A call's ``arguments`` as chat templates take them: an object (vLLM's
-    ``_postprocess_messages``: JSON text is parsed; text that is not a JSON object becomes ``{}``,
-    so a conversation holding a broken call can go on)."""
+    ``_postprocess_messages``: JSON text is parsed). The API refuses arguments that are not a
+    JSON object (``services.api.schemas``); a job that holds one anyway renders ``{}``."""
     if isinstance(arguments, dict):
         return arguments
     if isinstance(arguments, str) and arguments:
