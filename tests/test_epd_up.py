@@ -5,13 +5,15 @@ started and frees every port they listened on.
 
 ``epd up`` takes every port (``--port``, ``--nats-port``, ``--s3-port``, ``--metrics-port``) and
 its data folder (``--data-dir``) as options, so it runs here on free ports in a temporary folder;
-nothing else differs from ``make run``. The default topology builds the tiny model itself (as
-``make run`` does on a fresh checkout); ``agg`` is pointed at the session's copy with ``--model``.
+nothing else differs from ``make run``. The default run serves the shipped demo model (as ``make run``
+does on a fresh checkout) and its printed request gets the right answer; ``agg`` is pointed at the
+session's tiny model with ``--model``.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
@@ -32,9 +34,11 @@ from shared.config import ToolSettings
 from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
-from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.tools.cli import DEFAULT_DATA_DIR, build_parser
 from shared.tools.infra import free_port, port_available
 from shared.tools.launcher import Stack
+from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
+from shared.tools.models.shapes import EXAMPLE
 from shared.topology import Topology
 from tests.epdup import EPD, READY, REPO, EpdUp, Proc, descendants, distinct_free_ports
 from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
@@ -177,9 +181,17 @@ def generate(engine, messages, images) -> list[int]:
     return engine_tokens(engine, messages, engine_encode(engine, images), REF_PARAMS)
 
 
+@pytest.fixture(scope="module")
+def demo_engine():
+    """The aggregated reference on the shipped demo model (what a default ``epd up`` serves)."""
+    from shared.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(SHIPPED_DIR, dtype="float32", threads=1, model_id=MODEL_NAME)
+
+
 @pytest.mark.parametrize("topology", [None, "agg"], ids=["default", "agg"])
 def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
-    topology, tiny_model_dir, reference_engine, tmp_path
+    topology, tiny_model_dir, reference_engine, demo_engine, tmp_path
 ):
     expected = topology or build_parser().parse_args(["up"]).topology
     workers = [s for s in SERVICES[expected] if s != "api"]
@@ -237,10 +249,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         # While it waited it said what was ready (the last line: every worker, nothing starting).
         progress = re.findall(r"^\s+[\d.]+s  (api ready; workers .*|waiting for the API)$", output(), re.M)
         assert progress and progress[-1] == "api ready; workers " + ", ".join(f"{w} 1/1" for w in workers), progress
-        assert (m["model"], m["engine"]) == ("qwen2-vl-tiny", "transformers")
-        if topology is None:  # it built the tiny model itself: the very model of the reference
-            built = default_model_dir(data_dir)
-            assert (built / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+        assert (m["model"], m["engine"]) == (MODEL_NAME if topology is None else "qwen2-vl-tiny", "transformers")
+        reference = demo_engine if topology is None else reference_engine
 
         # Real processes: the topology's services (and nothing else of ours), NATS and S3.
         children = descendants(proc.pid)
@@ -274,15 +284,23 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         assert resp.status_code == 200, resp.text
         assert 1 <= resp.json()["usage"]["completion_tokens"] <= body["max_tokens"]
         first_rid = resp.json()["id"]
+        if topology is None:  # the demo model answers the printed question, and says so
+            assert EXAMPLE.correct(resp.json()["choices"][0]["message"]["content"]), resp.json()
+            assert f"(the answer is {EXAMPLE.answer!r}" in output()
         # ... and greedily, with the aggregated reference's tokens (same messages, same image).
         resp = httpx.post(f"{m['url']}/v1/chat/completions", json={**body, **GREEDY}, timeout=300)
         assert resp.status_code == 200, resp.text
         got, rid = resp.json()["choices"][0]["token_ids"], resp.json()["id"]
         messages, images = engine_form(body["messages"])
         assert len(images) == 1
-        assert got == generate(reference_engine, messages, images)
-        # Negative control: another image gives other tokens, so the equality above can fail.
-        assert generate(reference_engine, messages, [noise_image(7, images[0].size)]) != got
+        assert got == generate(reference, messages, images)
+        # Negative control: another image gives other tokens, so the equality above can fail (for
+        # the demo model: the same scene with a circle, so the answer is another word).
+        other = noise_image(7, images[0].size)
+        if topology is None:
+            item = dataclasses.replace(EXAMPLE.scenes[0].items[0], shape="circle")
+            other = dataclasses.replace(EXAMPLE.scenes[0], items=(item,)).render()
+        assert generate(reference, messages, [other]) != got
 
         # What the topology means on the wire: agg encodes in the worker (then keeps the features in
         # its cache) and queues no encode job; e-pd queues one for the image's first request.

@@ -3,6 +3,7 @@
 epd up [--topology agg|e-pd|e-p-d]   embedded NATS + S3 + the services, serving on :8000; restarts a
                                      service that exits, stops on Ctrl-C or when NATS or S3 dies
 epd model build-tiny DIR   write a deterministic random-weight model folder
+epd model train-demo DIR   train the demo model (shapes questions) on CPU; the trained one ships in the repo
 epd api | encoder | prefill | decode    run one service (settings from EPD_* env vars)
 epd healthcheck --role ROLE    exit 0 if this container's service is healthy (compose healthchecks)
 epd replay list|show|run|export|import   recorded requests: timelines, re-runs, cases (shared.tools.replay_cli)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import os
 import signal
 import sys
@@ -23,7 +25,8 @@ import time
 from pathlib import Path
 
 from shared.tools.infra import DEFAULT_NATS_PORT, DEFAULT_S3_PORT, EmbeddedNats, EmbeddedS3, InfraError
-from shared.tools.models.tiny import default_model_dir, tiny_model_is_current
+from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
+from shared.tools.models.tiny import default_model_dir
 from shared.topology import Service, Topology
 
 DEFAULT_DATA_DIR = Path("var")
@@ -48,14 +51,37 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _example_image_data_url() -> str:
-    from PIL import Image
+def _cmd_train_demo(args: argparse.Namespace) -> int:
+    import logging
 
-    img = Image.new("RGB", (56, 56))
-    img.putdata([((x * 37) % 256, (y * 53) % 256, ((x + y) * 11) % 256) for y in range(56) for x in range(56)])
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    from shared.tools.models.demo import train_demo_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    started = time.perf_counter()
+    path = train_demo_model(Path(args.out), seed=args.seed, steps=args.steps)
+    took = time.perf_counter() - started
+    print(f"trained the demo model (seed {args.seed}, {args.steps} steps) into {path} in {took:.0f}s")
+    return 0
+
+
+def _example_request(model_name: str, demo: bool) -> str:
+    """The body of the curl ``epd up`` prints: for the demo model a question it answers (about a
+    generated image, inline), else any image with a generic question."""
+    from shared.tools.models.shapes import EXAMPLE
+
+    if demo:
+        content = EXAMPLE.content()
+    else:
+        from PIL import Image
+
+        img = Image.new("RGB", (56, 56))
+        img.putdata([((x * 37) % 256, (y * 53) % 256, ((x + y) * 11) % 256) for y in range(56) for x in range(56)])
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        content = [{"type": "text", "text": "Describe this image."}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": model_name, "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
+    return json.dumps(body, separators=(", ", ": "))
 
 
 def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key: str) -> str:
@@ -77,6 +103,12 @@ def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key
     )
 
 
+def _example_answer() -> str:
+    from shared.tools.models.shapes import EXAMPLE, describe
+
+    return f"{EXAMPLE.answer!r}: the image is {describe(EXAMPLE.scenes[0])}"
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
     from shared.tools.launcher import Stack, StackError, Supervisor
@@ -86,14 +118,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     model, store = ModelSettings(), StoreSettings()
     model_path = Path(args.model) if args.model else model.model_path
-    if model_path is None:
-        model_path = default_model_dir(data_dir)
-        if not tiny_model_is_current(model_path):
-            from shared.tools.models.tiny import build_tiny_model
-
-            print(f"no model configured (EPD_MODEL_PATH): building the tiny test model in {model_path}")
-            build_tiny_model(model_path, arch="qwen2_vl", size="tiny", seed=0)
+    if model_path is None:  # the demo model, trained here and shipped in the repo
+        model_path = SHIPPED_DIR
     model_path = model_path.resolve()
+    demo = model_path == SHIPPED_DIR.resolve()
 
     access_key = store.s3_access_key.get_secret_value()
     secret_key = store.s3_secret_key.get_secret_value()
@@ -160,10 +188,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             + "\n"
             "Try it:\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
-            f'{{"model": "{model_name}", "max_tokens": 16, "messages": [{{"role": "user", "content": ['
-            f'{{"type": "text", "text": "Describe this image."}}, '
-            f'{{"type": "image_url", "image_url": {{"url": "{_example_image_data_url()}"}}}}]}}]}}\'\n\n'
-            "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
+            f"{_example_request(model_name, demo)}'\n"
+            + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
+            + "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
             flush=True,
         )
         # Like compose's `restart: unless-stopped`: a dead service is started again (its jobs are
@@ -323,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="tiny: tests; bench: benchmarks")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     tiny.set_defaults(func=_cmd_build_tiny)
+    train = model_sub.add_parser("train-demo", help="train the demo model (questions about shapes) on CPU")
+    train.add_argument(
+        "out",
+        nargs="?",
+        default=str(DEFAULT_DATA_DIR / "models" / "qwen2-vl-shapes"),
+        help="folder to write (default %(default)s)",
+    )
+    train.add_argument("--seed", type=int, default=0, help="training seed (default %(default)s)")
+    train.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
+    train.set_defaults(func=_cmd_train_demo)
 
     for service in Service:
         sub.add_parser(service.value, help=f"run the {service} service (EPD_* env settings)").set_defaults(

@@ -271,8 +271,9 @@ def _learn_bpe(words: list[str], num_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def _build_qwen2_tokenizer():
-    """Byte-level BPE with Qwen2's normalizer / pre-tokenizer / decoder and its special tokens."""
+def _build_qwen2_tokenizer(corpus: str = _CORPUS, num_merges: int = _NUM_MERGES):
+    """Byte-level BPE with Qwen2's normalizer / pre-tokenizer / decoder and its special tokens,
+    its merges learned on ``corpus``."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -284,8 +285,8 @@ def _build_qwen2_tokenizer():
         ]
     )
     normalizer = normalizers.NFC()
-    words = [w for w, _span in pre.pre_tokenize_str(normalizer.normalize_str(_CORPUS))]
-    merges = _learn_bpe(words, _NUM_MERGES)
+    words = [w for w, _span in pre.pre_tokenize_str(normalizer.normalize_str(corpus))]
+    merges = _learn_bpe(words, num_merges)
 
     byte_chars = bytes_to_unicode()
     vocab: dict[str, int] = {byte_chars[b]: b for b in range(256)}

@@ -1,0 +1,254 @@
+"""The shipped demo model answers questions about shapes correctly through the API, on every
+topology and both engines (issue 25), and the answers stay right where the fabric could break
+them: images swapped, an encoder output purged, an encoder killed while it holds the job.
+
+Token equality tests (test_e2e_epd.py and friends) prove disaggregated == aggregated; these prove
+the features that arrive are the right ones in a way a reader can check: the answer is the shape's
+colour. A smaller held-out sample than the docs' figure (``bench/demo_accuracy.py``: 200 per
+template) keeps ``make test`` short.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
+from shared.tools.models.shapes import ANSWERS, COLOURS, QUESTIONS, Case, Template, make_case, swapped
+from tests import fault_workers
+from tests.stackutil import epd_cli, final_result, start_stack, wait_for
+
+#: held-out cases per template here (seeds 0..SAMPLE-1; training uses seeds >= 1e6)
+SAMPLE = 20
+ACCURACY = 0.95
+
+COMBOS = [
+    pytest.param(("transformers", "agg"), id="transformers-agg"),
+    pytest.param(("transformers", "e-pd"), id="transformers-e-pd"),
+    pytest.param(("transformers", "e-p-d"), id="transformers-e-p-d"),
+    pytest.param(("vllm", "agg"), id="vllm-agg", marks=pytest.mark.vllm),
+    pytest.param(("vllm", "e-pd"), id="vllm-e-pd", marks=pytest.mark.vllm),
+    pytest.param(("vllm", "e-p-d"), id="vllm-e-p-d", marks=pytest.mark.vllm),
+]
+
+
+# -- the generator and the shipped folder (no stack) ----------------------------------------------
+
+
+def test_cases_are_deterministic_and_follow_the_spec():
+    for template in Template:
+        for seed in range(40):
+            case = make_case(template, seed)
+            assert case == make_case(template, seed)  # same seed, same case
+            assert case.correct(case.answer) and case.correct(f" {case.answer.capitalize()}.")
+            assert not case.correct(f"{case.answer} {case.answer}")
+            for scene in case.scenes:
+                assert 64 <= scene.width <= 448 and 64 <= scene.height <= 448
+                assert 1 <= len(scene.items) <= 3
+                for a, b in itertools.combinations(scene.items, 2):  # bounding circles apart
+                    assert math.hypot(a.cx - b.cx, a.cy - b.cy) > a.r + b.r
+                for item in scene.items:  # inside the image
+                    assert item.r <= item.cx <= scene.width - item.r and item.r <= item.cy <= scene.height - item.r
+            texts = [p["text"] for p in case.content() if p["type"] == "text"]
+            assert texts == [case.question] and case.question in QUESTIONS[template]
+            if template is Template.WHICH_RED:
+                reds = [sum(i.colour == "red" for i in s.items) for s in case.scenes]
+                assert reds == ([1, 0] if case.answer == "first" else [0, 1])
+                assert swapped(case).answer != case.answer and swapped(case).scenes == case.scenes[::-1]
+            elif template is Template.COUNT:
+                assert case.answer == ["one", "two", "three"][len(case.scenes[0].items) - 1]
+            else:
+                assert len(case.scenes[0].items) == 1
+    cases = [make_case(t, s) for t in Template for s in range(100)]
+    # both orders of question and image, both spellings, every answer occur
+    assert {c.text_last for c in cases} == {True, False}
+    assert {c.question for c in cases} == {q for qs in QUESTIONS.values() for q in qs}
+    assert {c.answer for c in cases} == set(ANSWERS)
+    assert len({(s.width, s.height) for c in cases for s in c.scenes}) > 100  # not only squares
+    assert make_case(Template.COLOUR, 1) != make_case(Template.COLOUR, 2)
+
+
+def test_a_rendered_scene_has_its_shapes_colours_where_they_are():
+    case = make_case(Template.COUNT, 5)
+    scene = case.scenes[0]
+    image = scene.render()
+    for item in scene.items:
+        pixel = image.getpixel((int(item.cx), int(item.cy + item.r / 2)))  # inside every shape kind
+        assert max(abs(p - c) for p, c in zip(pixel, COLOURS[item.colour], strict=True)) <= 12, (item, pixel)
+    assert image.getpixel((0, 0)) == scene.background  # shapes keep off the edges
+
+
+def test_the_shipped_folder_is_the_demo_architecture_of_the_tiny_models_kind(tiny_model_dir):
+    """Same architecture as the tiny test model (so both engines and the vLLM connectors load it
+    unchanged): the same model type and the same checkpoint tensor names (Hub layout), the
+    sizes of :data:`demo.SPEC`; its tokenizer is the one the training code builds."""
+    from safetensors import safe_open
+
+    from shared.tools.models import demo
+
+    config = json.loads((SHIPPED_DIR / "config.json").read_text())
+    tiny = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["model_type"] == tiny["model_type"] == "qwen2_vl"
+    assert config["architectures"] == tiny["architectures"]
+    text = config["text_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], config["vision_config"]["depth"]) == (
+        demo.SPEC.lm_dim,
+        demo.SPEC.lm_layers,
+        demo.SPEC.vision_layers,
+    )
+    names = {}
+    for folder in (SHIPPED_DIR, tiny_model_dir):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+            # the layer counts differ: compare the names of one layer's tensors
+            names[folder] = {re.sub(r"\.(layers|blocks)\.\d+\.", ".N.", k) for k in fh.keys()}
+    assert names[SHIPPED_DIR] == names[tiny_model_dir] and any(".N." in n for n in names[SHIPPED_DIR])
+    assert (SHIPPED_DIR / "model.safetensors").stat().st_size <= 20 * 1024**2
+    tok = demo._build_qwen2_tokenizer(demo._CORPUS, demo._NUM_MERGES)
+    shipped = json.loads((SHIPPED_DIR / "tokenizer.json").read_text())["model"]
+    built = json.loads(tok.backend_tokenizer.to_str())["model"]
+    assert (shipped["vocab"], shipped["merges"]) == (built["vocab"], built["merges"])
+
+
+def ask(stack, case: Case, **extra) -> tuple[str, dict]:
+    """The model's greedy reply to ``case`` through the API, and the response body."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": case.content()}],
+        "temperature": 0,
+        "max_tokens": 4,
+        **extra,
+    }
+    resp = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    return data["choices"][0]["message"]["content"], data
+
+
+def demo_stack_env(engine: str, work) -> dict[str, str]:
+    env = {
+        "EPD_ENGINE": engine,
+        "EPD_MODEL_NAME": MODEL_NAME,
+        "EPD_MAX_IMAGES_PER_REQUEST": "2",
+        "EPD_MAX_IMAGE_BYTES": str(1024 * 1024),
+    }
+    if engine == "vllm":
+        env["EPD_VLLM_DIR"] = str(work / "vllm")
+    return env
+
+
+@pytest.fixture(scope="module", params=COMBOS)
+def demo_stack(request, nats_server, s3_server, tmp_path_factory):
+    engine, topology = request.param
+    work = tmp_path_factory.mktemp(f"demo-{engine}-{topology}")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        SHIPPED_DIR,
+        work / "logs",
+        topology=topology,
+        ready_timeout=900,
+        **demo_stack_env(engine, work),
+    )
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def test_the_demo_model_answers_every_template(demo_stack):
+    """>= 95% of SAMPLE held-out cases per template, greedy, through the API (a few at once, so
+    batched decoding is in play)."""
+    cases = [make_case(t, seed) for t in Template for seed in range(SAMPLE)]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda c: ask(demo_stack, c)[0], cases))
+    wrong: dict[Template, list[str]] = {t: [] for t in Template}
+    for case, reply in zip(cases, replies, strict=True):
+        if not case.correct(reply):
+            wrong[case.template].append(f"{case.answer!r} -> {reply!r}")
+    allowed = math.floor(SAMPLE * (1 - ACCURACY))
+    assert all(len(w) <= allowed for w in wrong.values()), {t.value: w for t, w in wrong.items() if w}
+
+
+def test_swapping_the_two_images_flips_the_answer(demo_stack):
+    """Image order survives the fabric: the same two images in the other order give the other
+    answer (a worker that paired features with the wrong placeholder would answer the same)."""
+    flipped = 0
+    for seed in range(4):
+        case = make_case(Template.WHICH_RED, seed)
+        reply, _ = ask(demo_stack, case)
+        reply_swapped, _ = ask(demo_stack, swapped(case))
+        assert case.correct(reply) and swapped(case).correct(reply_swapped), (seed, reply, reply_swapped)
+        flipped += reply.strip(". ") != reply_swapped.strip(". ")
+    assert flipped == 4
+
+
+# -- the fabric under faults: E|PD on the transformers engine, encoders run through the fault module
+
+
+@pytest.fixture(scope="module")
+def faulty_stack(nats_server, s3_server, tmp_path_factory):
+    work = tmp_path_factory.mktemp("demo-faults")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        SHIPPED_DIR,
+        work / "logs",
+        topology="e-pd",
+        service_modules={"encoder": fault_workers.MODULE},
+        EPD_ACK_WAIT_S="10",
+        **demo_stack_env("transformers", work),
+    )
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def _ec_fingerprints(stack) -> list[str]:
+    out = epd_cli(stack.env, "ec", "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    return [r["fingerprint"] for r in json.loads(out.stdout)["fingerprints"] if r["kind"] == "ec"]
+
+
+def test_a_purged_encoder_output_is_recomputed_and_the_answer_stays_right(faulty_stack):
+    case = make_case(Template.COLOUR, 3)
+    reply, body = ask(faulty_stack, case)
+    assert case.correct(reply), reply
+    (fingerprint,) = _ec_fingerprints(faulty_stack)
+    out = epd_cli(faulty_stack.env, "ec", "purge", "--fingerprint", fingerprint, "--json")
+    assert out.returncode == 0, out.stderr
+    assert [r["kind"] for r in json.loads(out.stdout)["removed"]] == ["ec"]
+    # The worker drops its local copy on the purge event; then the same image is encoded again.
+    wait_for(
+        lambda: set(final_result(faulty_stack, ask(faulty_stack, case)[1]["id"]).ec_sources.values()) == {"store"},
+        120,
+        "the purged image to be encoded again and loaded from the store",
+    )
+    reply, _ = ask(faulty_stack, case)
+    assert case.correct(reply), reply
+
+
+def test_an_encoder_killed_holding_the_job_is_replaced_and_the_answer_stays_right(faulty_stack):
+    stack = faulty_stack.stack
+    for proc in [p for p in stack.processes if p.name == "encoder" and p.alive()]:
+        proc.stop(signal.SIGTERM)
+    slow = stack.add("encoder", index=10, extra_env={fault_workers.ENCODE_DELAY_ENV: "600"})
+    case = make_case(Template.SHAPE, 7)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(reply=ask(faulty_stack, case)[0]), daemon=True)
+    thread.start()
+    wait_for(lambda: "fault injection" in slow.log_path.read_text(), 120, "the slow encoder to hold the job")
+    assert thread.is_alive()  # the request is waiting on the encode the killed worker holds
+    slow.stop(signal.SIGKILL)
+    stack.add("encoder", index=11)
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "the request did not complete after the encoder was replaced"
+    assert case.correct(result["reply"]), result
