@@ -1,6 +1,10 @@
 # make run  : create .venv, install what is missing, start everything (epd up) on http://127.0.0.1:8000
 #             (options of epd up in ARGS: make run ARGS="--port 8001 --nats-port 14222")
-# make test : create .venv, install what is missing, run the test suite
+# make test : create .venv, install what is missing, run the test suite but the vLLM engine tier
+#             (pytest -m "not vllm"; keeps a vLLM smoke, tests marked vllm_smoke); pytest options in
+#             PYTEST_ARGS: make test PYTEST_ARGS="-x tests/test_api_params.py"
+# make test-vllm: the vLLM engine tier (pytest -m vllm: tests that start vLLM engines or stacks
+#             with EPD_ENGINE=vllm, ~1 min of start-up per engine here); .ci/run runs it after make test
 # make check: the static checks .ci/run makes before the suite (layers, lint, types, docs site)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -10,7 +14,7 @@ STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: install run test check check-layers check-lint check-types check-docs clean-data lock lock-gpu
+.PHONY: install run test test-vllm check check-layers check-lint check-types check-docs clean-data lock lock-gpu
 
 $(STAMP): requirements.lock requirements-overrides.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +29,10 @@ run: install
 	$(VENV)/bin/epd up$(if $(strip $(ARGS)), $(ARGS))
 
 test: install
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+test-vllm: install
+	$(VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 
 # Static checks (configured in pyproject.toml and mkdocs.yml); .ci/run runs them all.
 check: check-layers check-lint check-types check-docs

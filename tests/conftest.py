@@ -14,7 +14,23 @@ import pytest
 
 from shared.store.objects import S3ObjectStore
 from shared.tools.infra import EmbeddedNats, EmbeddedS3
-from tests.stackutil import start_stack
+from tests.stackutil import VLLM_TIERS, require_vllm_tier, set_running_test_markers, start_stack
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Keep the tiers honest: a test that starts vLLM must be marked ``vllm`` (``make test-vllm``)
+    or ``vllm_smoke`` (kept in ``make test``). Checked before the test's fixtures are set up, by the
+    fixtures it needs (a fixture that starts vLLM is named ``vllm_*`` or needs one, and
+    ``item.fixturenames`` lists them all), and then by the helpers that start vLLM
+    (``require_vllm_tier``, from the markers recorded here), which also catch a test starting it
+    without such a fixture."""
+    markers = {m.name for m in item.iter_markers()}
+    set_running_test_markers(markers)
+    if not markers & VLLM_TIERS:
+        used = sorted(name for name in item.fixturenames if name.startswith("vllm_"))
+        if used:
+            pytest.fail(f"uses {', '.join(used)} (vLLM) but is marked neither `vllm` nor `vllm_smoke`", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +94,7 @@ def vllm_reference(tiny_model_dir, vllm_work_dir):
     """The aggregated vLLM reference: a plain vLLM engine (no EC connector) in this process."""
     from shared.engines.vllm_engine import VllmEngine
 
+    require_vllm_tier("vllm_reference")
     engine = VllmEngine(tiny_model_dir, dtype="float32", model_id="qwen2-vl-tiny", work_dir=vllm_work_dir)
     try:
         yield engine

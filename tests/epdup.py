@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.tools.infra import free_port
-from tests.stackutil import wait_for
+from tests.stackutil import require_vllm_tier, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,10 @@ class EpdUp:
     def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
         """``args``: more ``epd up`` options; ``env``: ``EPD_*`` settings for every service (nothing
         else of this process's ``EPD_*`` leaks in)."""
+        if (env or {}).get("EPD_ENGINE") == "vllm" or any(
+            a == "--engine=vllm" or (a == "--engine" and b == "vllm") for a, b in zip(args, args[1:])
+        ):
+            require_vllm_tier("epd up with the vLLM engine")
         self.data_dir = tmp_path / "var"
         self.api_port, self.nats_port, self.s3_port = distinct_free_ports(3)
         argv = [

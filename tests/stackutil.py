@@ -31,6 +31,30 @@ from shared.tools.launcher import Stack
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
 
 
+# -- test tiers -----------------------------------------------------------------------------------
+#: The markers that put a test starting vLLM in a tier (pyproject.toml): ``vllm`` runs in
+#: ``make test-vllm`` only, ``vllm_smoke`` in ``make test`` (the few vLLM tests it keeps).
+VLLM_TIERS = frozenset({"vllm", "vllm_smoke"})
+#: The running test's marker names, set by ``tests/conftest.py`` before its fixtures are set up.
+_running_markers: set[str] = set()
+
+
+def set_running_test_markers(names: Iterable[str]) -> None:
+    _running_markers.clear()
+    _running_markers.update(names)
+
+
+def require_vllm_tier(what: str) -> None:
+    """Refuse to start vLLM (an engine, or services with ``EPD_ENGINE=vllm``) for a test marked
+    neither ``vllm`` nor ``vllm_smoke``: such a test would land in ``make test`` unnoticed, and
+    each vLLM engine costs it ~1 min of start-up on 2 cores."""
+    if not _running_markers & VLLM_TIERS:
+        raise RuntimeError(
+            f"{what}: starts vLLM, but the test is marked neither `vllm` (make test-vllm) nor `vllm_smoke` "
+            "(the few make test keeps): mark it (pytest.mark.vllm, module-level pytestmark or pytest.param marks)"
+        )
+
+
 def noise_image(seed: int, size: tuple[int, int]) -> Image.Image:
     """A deterministic RGB noise image of ``size`` (width, height)."""
     rng = np.random.default_rng(seed)
@@ -148,6 +172,8 @@ def start_stack(
     from shared.tools.infra import free_port
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
+    if "vllm" in {env.get("EPD_ENGINE"), *(e.get("EPD_ENGINE") for e in (service_env or {}).values())}:
+        require_vllm_tier("a stack with EPD_ENGINE=vllm")
     stack = Stack(
         env=env,
         log_dir=log_dir,

@@ -43,7 +43,7 @@ from tests.stackutil import (
 )
 from tests.vllmutil import CASES, generate, media
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from shared.store.objects import S3ObjectStore
 from tests.stackutil import engine_messages
 from tests.vllmutil import CASES, GREEDY, generate, media, s3_connector_config, started_engines
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 AK_ENV, SK_ENV = "EPD_TEST_VLLM_KV_AK", "EPD_TEST_VLLM_KV_SK"
 

@@ -21,7 +21,7 @@ from shared.errors import InvalidRequest
 from tests.stackutil import engine_messages
 from tests.vllmutil import media
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 PROMPT = RawPrompt(text=TEXT)

@@ -4,6 +4,10 @@ worker runs vLLM as an EC consumer, encoder outputs move through S3ECConnector a
 
 The reference for every equality check is a plain vLLM engine run aggregated in this process
 (no connector, no NATS, no store), on the same prompts and images.
+
+The two-image equality case is ``make test``'s vLLM smoke (marked ``vllm_smoke``: the production
+engine starts in the services, encoder outputs move through our EC connector, tokens equal the
+aggregated run); the rest is ``make test-vllm``'s (marked ``vllm``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from tests.stackutil import (
 from tests.vllmutil import CASES, generate, media
 
 pytestmark = pytest.mark.slow
+#: The equality case make test keeps (two non-square images: two EC objects through the connector).
+SMOKE_CASE = "two-images"
 
 SAMPLED = dict(temperature=0.9, max_tokens=12, ignore_eos=True, return_token_ids=True)
 
@@ -68,7 +74,13 @@ def _ec_ready(stack, item: str) -> list[ECReady]:
     return [m for _, _, m in stack.stream_messages("stream_events") if isinstance(m, ECReady) and m.item_hash == item]
 
 
-@pytest.mark.parametrize("name,text,specs", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "name,text,specs",
+    [
+        pytest.param(*c, id=c[0], marks=pytest.mark.vllm_smoke if c[0] == SMOKE_CASE else pytest.mark.vllm)
+        for c in CASES
+    ],
+)
 def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, text, specs):
     images = [noise_image(seed, size) for seed, size in specs]
     got, body = api_tokens(vllm_stack, text, images)
@@ -88,6 +100,7 @@ def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, tex
         assert ready.n_tokens > 0 and ready.nbytes > 0
 
 
+@pytest.mark.vllm
 def test_text_only_and_streaming(vllm_stack, vllm_reference):
     resp = vllm_stack.chat([{"role": "user", "content": "Hello there, how are you?"}], **GREEDY)
     assert resp.status_code == 200, resp.text
@@ -99,6 +112,7 @@ def test_text_only_and_streaming(vllm_stack, vllm_reference):
     assert out.token_ids == run_sync(generate(vllm_reference, "Describe it.", [media(61, (56, 56))]))[0]
 
 
+@pytest.mark.vllm
 def test_one_image_in_concurrent_requests_is_encoded_once(vllm_stack, vllm_reference):
     """Four requests at once with the same (new) image: the API queues one encode job for the
     item (the others collapse on its Nats-Msg-Id), the encoder's vLLM produces one output, and
@@ -135,6 +149,7 @@ def _lookups(stack, outcome: str) -> float:
     )
 
 
+@pytest.mark.vllm
 def test_connector_counts_this_requests_store_hit(vllm_stack):
     """The connector's counters on the prefill worker's /metrics: this request's one new image
     adds exactly one lookup with outcome "hit" (taken from the store), none "engine_cache" (vLLM
@@ -152,6 +167,7 @@ def test_connector_counts_this_requests_store_hit(vllm_stack):
     assert metric_value(text, "epd:ec_connector_seconds_count", op="fetch") >= 1
 
 
+@pytest.mark.vllm
 def test_replay_of_a_sampled_request_on_vllm_reproduces_it(vllm_stack):
     """``epd replay run`` of a request the vLLM stack sampled with its derived seed (no client
     seed): the replay draws the same tokens (``--compare`` exits 0); with ``--new-seed`` it draws
@@ -171,6 +187,7 @@ def test_replay_of_a_sampled_request_on_vllm_reproduces_it(vllm_stack):
     assert out["identical"] is False and out["result"]["token_ids"] != got
 
 
+@pytest.mark.vllm
 def test_vllm_files_stay_in_the_project_folder(vllm_stack):
     """vLLM's own files land under EPD_VLLM_DIR (the env variables the engine sets route them):
     its model-info cache (``VLLM_CACHE_ROOT``) and its live IPC sockets (``VLLM_RPC_BASE_PATH``).

@@ -13,7 +13,7 @@ from pathlib import Path
 from shared.engines.base import GenerationStats, MediaImage, SamplingParams
 from shared.media import content_hash_of
 from shared.store.objects import S3ObjectStore
-from tests.stackutil import engine_messages, noise_image
+from tests.stackutil import engine_messages, noise_image, require_vllm_tier
 
 #: Where tests leave fault instructions for tests.vllm_faults.FaultInjectingECConnector.
 FAULT_DIR_ENV = "EPD_TEST_EC_FAULT_DIR"
@@ -68,6 +68,7 @@ def started_engines(model_dir: Path, *options: dict) -> Iterator[tuple]:
     others are still waited for and closed before the error is raised: no engine is left behind."""
     from shared.engines.vllm_engine import VllmEngine
 
+    require_vllm_tier("started_engines")
     started, error = [], None
     with ThreadPoolExecutor(len(options)) as pool:
         for future in [pool.submit(VllmEngine, model_dir, **kw) for kw in options]:
