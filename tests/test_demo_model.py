@@ -203,7 +203,8 @@ def faulty_stack(nats_server, s3_server, tmp_path_factory):
         work / "logs",
         topology="e-pd",
         service_modules={"encoder": fault_workers.MODULE},
-        EPD_ACK_WAIT_S="10",
+        EPD_ACK_WAIT_S="10",  # the killed encoder's job is redelivered within it
+        EPD_EC_WAIT_S="120",  # ... well before the worker would encode the image itself
         **demo_stack_env("transformers", work),
     )
     try:
@@ -243,12 +244,32 @@ def test_an_encoder_killed_holding_the_job_is_replaced_and_the_answer_stays_righ
     slow = stack.add("encoder", index=10, extra_env={fault_workers.ENCODE_DELAY_ENV: "600"})
     case = make_case(Template.SHAPE, 7)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(reply=ask(faulty_stack, case)[0]), daemon=True)
+
+    def request() -> None:
+        result["reply"], result["body"] = ask(faulty_stack, case)
+
+    thread = threading.Thread(target=request, daemon=True)
     thread.start()
     wait_for(lambda: "fault injection" in slow.log_path.read_text(), 120, "the slow encoder to hold the job")
     assert thread.is_alive()  # the request is waiting on the encode the killed worker holds
     slow.stop(signal.SIGKILL)
-    stack.add("encoder", index=11)
+    fresh = stack.add("encoder", index=11)
     thread.join(timeout=300)
     assert not thread.is_alive(), "the request did not complete after the encoder was replaced"
     assert case.correct(result["reply"]), result
+    # Redelivered: the new encoder encoded the image and the worker loaded it from the store (not
+    # encoded locally after EPD_EC_WAIT_S, the fallback that would also answer right).
+    assert set(final_result(faulty_stack, result["body"]["id"]).ec_sources.values()) == {"store"}
+    assert re.search(r"encoded \w+: .*\(attempt [2-9]\)", fresh.log_path.read_text()), fresh.log_tail(20)
+
+
+def test_the_readme_asks_what_epd_up_prints():
+    """The README's first request is the example ``epd up`` prints (whose answer the epd up test
+    checks on the running system), so its promised answer holds too."""
+    from pathlib import Path
+
+    from shared.tools.models.shapes import EXAMPLE
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert EXAMPLE.scenes[0].data_url() in readme and f'"text": "{EXAMPLE.question}"' in readme
+    assert f'The answer is `"{EXAMPLE.answer}"`' in readme
