@@ -22,7 +22,7 @@ from typing import Any
 
 from services.api.params import Endpoint
 from services.api.schemas import ParsedRequest
-from services.api.tool_parsers import ToolStream, make_tool_call_id
+from services.api.tool_parsers import ToolCall, ToolStream, make_tool_call_id
 from shared.protocol import FinalResult, TokenChunk, TokenLogprob
 
 #: JSON has no -inf: a logprob below this is sent as this (vLLM does the same)
@@ -80,11 +80,6 @@ def completion_logprobs(items: Sequence[TokenLogprob], *, offset: int = 0, as_id
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def tool_call_id() -> str:
-    """A tool call's id, as vLLM makes them (``make_tool_call_id``)."""
-    return make_tool_call_id()
-
-
 def tool_message(content: str, name: str, arguments: str) -> dict[str, Any]:
     """The assistant message of a named ``tool_choice`` (vLLM with a tool parser): ``content``
     (the echo, else ""), and one call of ``name`` whose ``arguments`` are the completion's text -
@@ -92,7 +87,7 @@ def tool_message(content: str, name: str, arguments: str) -> dict[str, Any]:
     complete call), as OpenAI and vLLM answer a named choice."""
     calls = []
     if arguments.strip():
-        calls.append({"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
+        calls.append(ToolCall(name, arguments).to_openai())
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
@@ -266,7 +261,7 @@ class StreamShaper:
         ``type`` and function ``name``; every delta carries the next piece of ``arguments``."""
         call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
         if self.call_ids[index] is None:
-            self.call_ids[index] = call_id = tool_call_id()
+            self.call_ids[index] = call_id = make_tool_call_id()
             name = self.parsed.tool_name
             call = {"id": call_id, "type": "function", "index": 0, "function": {"name": name, "arguments": arguments}}
         return {"tool_calls": [call]}
