@@ -67,9 +67,9 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
 def _example_request(model_name: str, demo: bool) -> str:
     """The body of the curl ``epd up`` prints: for the demo model a question it answers (about a
     generated image, inline), else any image with a generic question."""
-    from shared.tools.models.shapes import EXAMPLE
-
     if demo:
+        from shared.tools.models.shapes import EXAMPLE
+
         content = EXAMPLE.content()
     else:
         from PIL import Image
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start embedded NATS + S3 and all services")
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
-    up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the tiny test model)")
+    up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the demo model shipped in the repo)")
     up.add_argument(
         "--engine",
         default=os.environ.get("EPD_ENGINE", "transformers"),
