@@ -32,13 +32,7 @@ from shared.tools.models.shapes import Case, Template, make_case
 
 
 def ask(url: str, case: Case) -> str:
-    body = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": case.content()}],
-        "temperature": 0,
-        "max_tokens": 4,
-    }
-    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    resp = httpx.post(f"{url}/v1/chat/completions", json=case.chat_request(MODEL_NAME), timeout=300)
     resp.raise_for_status()
     return resp.json()["choices"][0]["message"]["content"]
 

@@ -119,13 +119,7 @@ def test_the_shipped_folder_is_the_demo_architecture_of_the_tiny_models_kind(tin
 
 def ask(stack, case: Case, **extra) -> tuple[str, dict]:
     """The model's greedy reply to ``case`` through the API, and the response body."""
-    body = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": case.content()}],
-        "temperature": 0,
-        "max_tokens": 4,
-        **extra,
-    }
+    body = {**case.chat_request(MODEL_NAME), **extra}
     resp = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     data = resp.json()

@@ -169,8 +169,9 @@ def _answer_accuracy(model: Any, processor: Any, cases: list[shapes.Case], eos: 
     return float(ok.float().mean())
 
 
-def _new_model(seed: int) -> tuple[Any, Any, Any]:
-    """The tokenizer, processor and freshly initialised model of the demo architecture."""
+def _new_model(seed: int) -> tuple[Any, Any]:
+    """The processor (its tokenizer built here) and the freshly initialised model of the demo
+    architecture."""
     import torch
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
@@ -184,7 +185,7 @@ def _new_model(seed: int) -> tuple[Any, Any, Any]:
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
-    return tok, processor, model
+    return processor, model
 
 
 def train_demo_model(
@@ -209,7 +210,7 @@ def train_demo_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     random.seed(seed)
-    tok, processor, model = _new_model(seed)
+    processor, model = _new_model(seed)
     eos = "<|im_end|>"
     templates = list(shapes.Template)
     held_out = [shapes.make_case(t, i) for t in templates for i in range(16)]

@@ -157,6 +157,15 @@ class Case:
         text = [{"type": "text", "text": self.question}]
         return [*images, *text] if self.text_last else [*text, *images]
 
+    def chat_request(self, model: str, *, max_tokens: int = 4) -> dict[str, Any]:
+        """A greedy ``/v1/chat/completions`` body asking this case (one user turn, :meth:`content`)."""
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": self.content()}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+        }
+
     def correct(self, reply: str) -> bool:
         """Whether a model's reply is the answer: the bare word, a final period allowed."""
         return reply.strip().rstrip(".").strip().lower() == self.answer
