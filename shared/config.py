@@ -92,7 +92,18 @@ class NatsSettings(SettingsGroup):
     """Seconds before JetStream redelivers a job its worker has not acknowledged."""
     max_deliver: int = Field(3, ge=1)
     """Deliveries of a job before it ends with an error (502 `worker_failed`)."""
-    stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)")
+    stream_replicas: int = Field(1, ge=1, le=5)
+    """JetStream replicas of every stream, consumer and KV bucket (3 on a 3- or 5-server NATS
+    cluster; at most the cluster size: start-up refuses more)."""
+    nats_ping_interval_s: float = Field(1.0, gt=0)
+    """Seconds between the client's pings to its NATS server (a ping is a few bytes; the server
+    answers it itself)."""
+    nats_max_outstanding_pings: int = Field(2, ge=1)
+    """Unanswered pings after which the client leaves its server (stalled) for another seed:
+    a stall is noticed within about (this + 1) x `EPD_NATS_PING_INTERVAL_S`."""
+    publish_retry_s: float = Field(10.0, ge=0)
+    """How long a worker retries a deduplicated publish (a job, a final result) while JetStream
+    has no leader (an election); the API retries a request's job until the request's deadline."""
 
     _check_prefix = field_validator("subject_prefix")(no_separators)
 
@@ -227,6 +238,12 @@ class EngineSettings(SettingsGroup):
     """vLLM maximum sequence length (unset: the model's)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
     vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
+    vllm_max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens a vLLM engine computes per step (longer prompts are chunked); unset: 256 on "
+        "CPUs for engines without a KV hand-off (a burst's first tokens come sooner), else vLLM's default",
+    )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description='more vLLM engine args (JSON), e.g. {"gpu_memory_utilization": 0.85}'
     )
@@ -411,6 +428,28 @@ class ApiSettings(ServiceSettings):
         "decodes alone",
     )
     worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
+    routing: str = Field(
+        "shared",
+        pattern="^(affinity|shared)$",
+        description="`affinity`: send a request with images to the generating worker that holds them "
+        "(weighed against load; docs/architecture.md, cache-aware routing); `shared`: every job on the shared "
+        "queue, whichever worker is free takes it",
+    )
+    routing_affinity_weight: float = Field(
+        1.0, ge=0, description="affinity routing: score of a worker per fraction of the request's images it holds"
+    )
+    routing_load_weight: float = Field(
+        1.0, ge=0, description="affinity routing: score taken off a worker per fraction of its engine slots in use"
+    )
+    routing_affinity_timeout_s: float = Field(
+        2.0, gt=0, description="a routed job no worker claimed within this long goes to the shared queue"
+    )
+    routing_takeover_s: float = Field(
+        6.0,
+        gt=0,
+        description="a routed worker whose heartbeat is this old is gone: its job (claimed or not) "
+        "goes to the shared queue",
+    )
     topology: Topology = Topology.E_PD
     """Deployment shape: `agg`, `e-pd` or `e-p-d`. The API reads only whether it has encoder workers: with `agg`
     it queues no encode jobs; `e-pd` and `e-p-d` differ in the workers only."""
@@ -483,6 +522,13 @@ class PrefillSettings(WorkerSettings):
     )
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
     """In-memory encoder-output cache per worker (0: off)."""
+    routing_advertised_items: int = Field(
+        64,
+        ge=0,
+        le=4096,
+        description="item hashes of its caches a worker advertises in each heartbeat for affinity "
+        "routing (the most recently used; 17 bytes each)",
+    )
 
     @field_validator("role", mode="before")
     @classmethod

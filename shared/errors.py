@@ -167,6 +167,13 @@ class KVUnavailable(EPDError):
     http_status = 502
 
 
+class ConfigError(EPDError):
+    """The deployment's configuration cannot work (a setting the infrastructure cannot honour):
+    a process refuses to start with it, naming the setting."""
+
+    code = "config_error"
+
+
 class WorkerFailed(EPDError):
     """A job exhausted its deliveries: its workers kept crashing or timing out."""
 

@@ -11,23 +11,25 @@ an encoder's ``ECReady`` / ``ECFailed``, ``epd replay`` for heartbeats) does it 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import re
 import time
 import types
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import APIError, BadRequestError, NoStreamResponseError
+from nats.js.errors import ServiceUnavailableError as JSServiceUnavailableError
 
 from shared import metrics, protocol
 from shared.config import NatsSettings
-from shared.errors import ServiceUnavailable
+from shared.errors import ConfigError, ServiceUnavailable
 from shared.protocol import Message, Subjects
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,26 @@ log = logging.getLogger(__name__)
 # JetStream error code for "stream name already in use with a different configuration".
 _ERR_STREAM_EXISTS_DIFFERENT = 10058
 _ERR_CONSUMER_EXISTS_DIFFERENT = 10148
+# ... "no suitable peers for placement" (more replicas than servers that can hold one) and
+# "replicas > 1 not supported in non-clustered mode".
+_ERR_NO_PEERS = 10005
+_ERR_INSUFFICIENT_RESOURCES = 10023
+_ERR_REPLICAS_NOT_CLUSTERED = 10074
+_REPLICA_ERRORS = (_ERR_NO_PEERS, _ERR_INSUFFICIENT_RESOURCES, _ERR_REPLICAS_NOT_CLUSTERED)
+# "duplicate message id is in process": a repeat of a publish whose earlier try the stream is still
+# storing (a retry right after a leader change); the next try gets its ack or a duplicate ack.
+_ERR_MSG_ID_IN_PROCESS = 10158
+#: Publish failures that say JetStream has no leader for the stream right now (an election, a
+#: reconnect to another seed) rather than anything about the message: a publish that carries a
+#: ``Nats-Msg-Id`` is retried through them (the duplicate window makes a repeat harmless).
+RETRYABLE_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
+    NoStreamResponseError,  # what nats-py makes of "no responders" on a JetStream publish
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    JSServiceUnavailableError,
+)
 
 #: Trace headers added to every message published from this context (``Epd-Stage``,
 #: ``Epd-Received-At``, ``Epd-Started-At``): the API sets them per request, the worker runner per
@@ -62,7 +84,9 @@ def redact_url(url: str) -> str:
 class Publisher(Protocol):
     """What handlers need to emit messages; a broker-free fake can record them in tests."""
 
-    async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool: ...
+    async def publish(
+        self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None, deadline: float | None = None
+    ) -> bool: ...
 
 
 class _ConnectionLog:
@@ -113,6 +137,10 @@ async def connect(settings: NatsSettings, *, name: str, connect_timeout: float =
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
+        # a stalled server (SIGSTOP, a cut link) keeps the TCP connection: only unanswered pings
+        # make the client leave it for another seed (nats-py's default waits 2 x 2 minutes)
+        "ping_interval": settings.nats_ping_interval_s,
+        "max_outstanding_pings": settings.nats_max_outstanding_pings,
         **connection_log.callbacks(),
     }
     if settings.nats_user:
@@ -169,6 +197,7 @@ def consumer_configs(settings: NatsSettings, subjects: Subjects) -> dict[str, Co
             filter_subject=subject,
             deliver_policy=DeliverPolicy.NEW,
             max_ack_pending=1024,
+            num_replicas=settings.stream_replicas,
         )
 
     return {
@@ -178,16 +207,61 @@ def consumer_configs(settings: NatsSettings, subjects: Subjects) -> dict[str, Co
     }
 
 
-async def ensure_topology(js: JetStreamContext, settings: NatsSettings, subjects: Subjects) -> None:
-    """Create (or update) every stream and durable consumer. Safe to call from every service."""
+def cluster_size(nc: NATS) -> int:
+    """Servers of the NATS cluster ``nc`` is connected to, as the server announces them now (its
+    ``connect_urls``: the members currently routed; 1 for a server without a cluster)."""
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(set(info.get("connect_urls") or ())))
+
+
+def check_replicas(nc: NATS, replicas: int) -> None:
+    """Refuse ``EPD_STREAM_REPLICAS`` > 1 on a server without a cluster before creating anything."""
+    if replicas > 1 and cluster_size(nc) == 1:
+        raise ConfigError(
+            f"EPD_STREAM_REPLICAS={replicas} needs a NATS cluster of at least {replicas} servers, but the NATS "
+            f"server at {redact_url(str(nc.connected_url.geturl() if nc.connected_url else '?'))} is not "
+            f"clustered (cluster size 1): set EPD_STREAM_REPLICAS=1 or point EPD_NATS_URL at a cluster"
+        )
+
+
+def replicas_error(exc: BaseException, nc: NATS | None, replicas: int, what: str) -> ConfigError | None:
+    """The :class:`ConfigError` for a JetStream refusal to place ``replicas`` replicas of ``what``
+    (None when ``exc`` is something else)."""
+    if not isinstance(exc, APIError) or exc.err_code not in _REPLICA_ERRORS or replicas <= 1:
+        return None
+    size = cluster_size(nc) if nc is not None else "?"
+    return ConfigError(
+        f"EPD_STREAM_REPLICAS={replicas}: JetStream cannot place {replicas} replicas of {what} "
+        f"({exc.description}); the NATS cluster has {size} server(s) up now. Set EPD_STREAM_REPLICAS to at "
+        f"most the cluster size (3 servers with R3 survive one lost server) and start every server of the cluster"
+    )
+
+
+async def ensure_topology(
+    js: JetStreamContext, settings: NatsSettings, subjects: Subjects, *, nc: NATS | None = None
+) -> None:
+    """Create (or update) every stream and durable consumer, with ``EPD_STREAM_REPLICAS``
+    replicas. Safe to call from every service. Raises :class:`~shared.errors.ConfigError` when
+    the server cannot hold that many replicas (``nc``: the connection, to name the cluster size
+    and to refuse replicas > 1 on a server without a cluster before creating anything)."""
+    if nc is not None:
+        check_replicas(nc, settings.stream_replicas)
     for cfg in stream_configs(settings, subjects):
         try:
-            await js.add_stream(cfg)
-        except BadRequestError as exc:
-            if exc.err_code != _ERR_STREAM_EXISTS_DIFFERENT:
-                raise
-            log.info("updating stream %s to the configured limits", cfg.name)
-            await js.update_stream(cfg)
+            try:
+                await js.add_stream(cfg)
+            except BadRequestError as exc:
+                if exc.err_code != _ERR_STREAM_EXISTS_DIFFERENT:
+                    raise
+                log.info("updating stream %s to the configured limits", cfg.name)
+                await js.update_stream(cfg)
+        except APIError as exc:
+            error = replicas_error(exc, nc, settings.stream_replicas, f"stream {cfg.name}")
+            if error is not None:
+                raise error from exc
+            raise
     for stream, ccfg in consumer_configs(settings, subjects).items():
         try:
             await js.add_consumer(stream, ccfg)
@@ -198,31 +272,127 @@ async def ensure_topology(js: JetStreamContext, settings: NatsSettings, subjects
             assert ccfg.durable_name is not None  # consumer_configs() names every consumer
             info = await js.consumer_info(stream, ccfg.durable_name)
             await js.add_consumer(stream, ccfg.evolve(deliver_policy=info.config.deliver_policy))
+    if settings.stream_replicas > 1:
+        await _wait_for_consumer_leaders(js, consumer_configs(settings, subjects))
+
+
+async def _wait_for_consumer_leaders(
+    js: JetStreamContext, consumers: Mapping[str, ConsumerConfig], timeout_s: float = 30.0
+) -> None:
+    """Wait until each replicated durable consumer has elected a leader before consuming or
+    publishing to it. Seen on a 3-node cluster: a worker that started right after creating new R3
+    consumers, whose info still showed no leader, got no jobs for 60 s (not reproduced in
+    isolation since). Bounded: a warning, not a failure, when it takes longer."""
+    deadline = time.monotonic() + timeout_s
+    for stream, ccfg in consumers.items():
+        assert ccfg.durable_name is not None
+        while True:
+            try:
+                info = await js.consumer_info(stream, ccfg.durable_name)
+                if info.cluster is None or info.cluster.leader:
+                    break
+            except Exception as exc:  # noqa: BLE001 - no leader to answer yet
+                log.debug("consumer %s/%s: %s", stream, ccfg.durable_name, exc)
+            if time.monotonic() >= deadline:
+                log.warning("consumer %s/%s has no leader after %.0fs", stream, ccfg.durable_name, timeout_s)
+                return
+            await asyncio.sleep(0.1)
+
+
+#: First and largest pause between two tries of :func:`through_elections`.
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+
+T = TypeVar("T")
+#: ... and a plain TimeoutError: an ``op`` bounded by its own ``asyncio.wait_for``.
+_RETRYABLE: tuple[type[BaseException], ...] = (*RETRYABLE_PUBLISH_ERRORS, TimeoutError)
+_RETRYABLE_OR_API: tuple[type[BaseException], ...] = (*_RETRYABLE, APIError)  # (APIError: by its code)
+
+
+async def through_elections(
+    op: Callable[[float], Awaitable[T]], *, doing: str, until: float | None, timeout: float = 5.0
+) -> T:
+    """Run ``op(timeout_s)`` - one JetStream operation that is safe to repeat (a read, or a publish
+    with a ``Nats-Msg-Id``) - again with a short backoff while it fails with
+    ``RETRYABLE_PUBLISH_ERRORS`` (no stream leader: an election after a NATS node failed, a
+    reconnect to another seed), until ``until`` (``time.time()``; None: one try). Raises
+    :class:`~shared.errors.ServiceUnavailable` naming ``doing`` when it still fails then, or at
+    once on any other NATS error; counts the repeats in ``epd:publish_retries_total``."""
+    pause, tries = RETRY_FIRST_S, 0
+    while True:
+        tries += 1
+        left = timeout if until is None else min(timeout, until - time.time())
+        try:
+            result = await op(max(0.05, left))
+            break
+        except _RETRYABLE_OR_API as exc:
+            if not isinstance(exc, _RETRYABLE) and getattr(exc, "err_code", None) != _ERR_MSG_ID_IN_PROCESS:
+                raise nats_unavailable(doing, exc) from exc
+            if until is None or time.time() + pause >= until:
+                raise nats_unavailable(f"{doing}, {tries} tries" if tries > 1 else doing, exc) from exc
+            if tries == 1:
+                log.info("%s: %s: retrying while JetStream elects a leader", doing, type(exc).__name__)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
+        except nats.errors.Error as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError: not a deadline
+            raise nats_unavailable(doing, exc) from exc
+    if tries > 1:
+        log.info("%s: done after %d tries", doing, tries)
+        metrics.PUBLISH_RETRIES.inc(tries - 1)
+    return result
 
 
 class JetStreamPublisher:
-    """Publishes protocol messages into their streams with request_id headers."""
+    """Publishes protocol messages into their streams with request_id headers.
 
-    def __init__(self, js: JetStreamContext, *, timeout: float = 5.0):
+    A publish that carries a ``Nats-Msg-Id`` is retried while JetStream has no leader for its
+    stream (``RETRYABLE_PUBLISH_ERRORS``: an election after a NATS node failed, a reconnect to
+    another seed), with a short backoff, until ``deadline`` (``time.time()``; default: now +
+    ``retry_s``): the duplicate window drops a copy that got through after all. A publish without
+    one is tried once (a repeat could duplicate it)."""
+
+    def __init__(self, js: JetStreamContext, *, timeout: float = 5.0, retry_s: float = 10.0):
         self.js = js
         self.timeout = timeout
+        self.retry_s = retry_s
 
-    async def publish(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> bool:
+    async def publish(
+        self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None, deadline: float | None = None
+    ) -> bool:
         """Returns False when JetStream dropped it as a duplicate of ``msg_id``. Raises
         :class:`~shared.errors.ServiceUnavailable` when JetStream does not acknowledge it in time
-        (NATS down, stalled or reconnecting), never a bare ``nats`` error."""
+        (NATS down, stalled, reconnecting, or without a stream leader past the retry window),
+        never a bare ``nats`` error."""
         data = protocol.encode(msg)
-        try:
-            ack = await self.js.publish(
-                subject,
-                data,
-                timeout=self.timeout,
-                headers=protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get()),
-            )
-        except nats.errors.Error as exc:  # nats.errors.TimeoutError is an asyncio.TimeoutError: not a deadline
-            raise nats_unavailable(f"publishing {type(msg).__name__}", exc) from exc
+        headers = protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get())
+        retry_until = None
+        if msg_id is not None:
+            retry_until = deadline if deadline is not None else time.time() + self.retry_s
+        ack = await through_elections(
+            lambda left: self.js.publish(subject, data, timeout=left, headers=headers),
+            doing=f"publishing {type(msg).__name__}",
+            until=retry_until,
+            timeout=self.timeout,
+        )
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return not ack.duplicate
+
+
+async def close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
+    """Drain (acks and publishes still buffered go out) when the server answers; close at once
+    when it does not (a stalled server never finishes a drain: SIGTERM must still stop a
+    process within a bounded time)."""
+    if nc.is_closed:
+        return
+    if not nc.is_connected or not await server_answers(nc, timeout=min(1.0, timeout_s)):
+        log.warning("NATS does not answer: closing the connection without draining")
+        await nc.close()
+        return
+    try:
+        await asyncio.wait_for(nc.drain(), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - NATS unreachable: nothing more can be delivered anyway
+        log.warning("could not drain the NATS connection (%s: %s): closing it", type(exc).__name__, exc)
+        await nc.close()
 
 
 M = TypeVar("M")
@@ -284,8 +454,12 @@ async def subscribe_typed(
     types (any protocol message when none is given). Subscribe before publishing whatever
     causes the awaited message, or it may be missed: core NATS keeps no history.
 
-    ``confirm``: return only once the server has the subscription (a JetStream round trip on the
-    same connection: the server handles a connection's commands in order). Needed when the event
+    ``confirm``: return only once the server has the subscription: a round trip the connected
+    server answers itself (a message to a fresh inbox this connection subscribed to, after the
+    subscription: the server handles a connection's commands in order). Not a JetStream API call,
+    which only the meta leader answers (every confirm waited out its timeout while a NATS cluster
+    re-elected it), and not ``flush()`` (one that times out during a stall kills nats-py's read
+    loop). Needed when the event
     may be caused by someone else right after a check made next (the prefill worker subscribes to
     an item's ``ECReady``, then looks in the store: without it, an encoder finishing in between
     announces to nobody, and the worker waits ``EPD_EC_WAIT_S`` for nothing). Fails open.
@@ -297,8 +471,42 @@ async def subscribe_typed(
     """
     sub = await nc.subscribe(subject, queue=queue)
     if confirm:
-        try:  # (not nc.flush(): a flush that times out kills nats-py's read loop when the PONG comes)
-            await nc.jetstream().account_info()
-        except Exception as exc:  # noqa: BLE001 - fails open: the subscription exists either way
-            log.warning("could not confirm the subscription to %s: %s: %s", subject, type(exc).__name__, exc)
+        await confirm_subscriptions(nc, what=subject)
     return TypedSubscription(sub, subject, expect)
+
+
+#: How long :func:`confirm_subscriptions` waits for its echo.
+CONFIRM_TIMEOUT_S = 2.0
+
+
+async def server_answers(nc: NATS, *, timeout: float = CONFIRM_TIMEOUT_S) -> bool:
+    """A round trip the connected server answers itself (not the JetStream meta leader): subscribe
+    to a fresh inbox, publish to it, await the echo. Since the server handles a connection's
+    commands in order, a True also means it has processed every earlier subscription."""
+    inbox = nc.new_inbox()
+    probe = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        await nc.publish(inbox, b"")
+        await probe.next_msg(timeout=timeout)
+        return True
+    except (TimeoutError, nats.errors.Error):
+        return False
+    finally:
+        try:
+            await probe.unsubscribe()
+        except Exception as exc:  # noqa: BLE001 - auto-unsubscribed after its one message already
+            log.debug("unsubscribe from the probe inbox: %s", exc)
+
+
+async def confirm_subscriptions(nc: NATS, *, what: str = "", timeout: float = CONFIRM_TIMEOUT_S) -> bool:
+    """Return once the connected server has processed this connection's earlier subscriptions
+    (:func:`server_answers`; see :func:`subscribe_typed`). False (and a warning) when no echo
+    came within ``timeout``: fails open."""
+    try:
+        if await server_answers(nc, timeout=timeout):
+            return True
+        reason = f"no echo within {timeout:.1f}s"
+    except Exception as exc:  # noqa: BLE001 - fails open: the subscription exists either way
+        reason = f"{type(exc).__name__}: {exc}"
+    log.warning("could not confirm the subscription to %s: %s", what or "?", reason)
+    return False

@@ -64,14 +64,38 @@ class JobOutcome(enum.StrEnum):
     RETRIED = "retried"
     #: its request was cancelled (dropped before it ran, or stopped)
     CANCELLED = "cancelled"
+    #: a redelivered job whose request had already ended (its result published): acked, not run
+    ALREADY_DONE = "already_done"
     #: ended its request with an error (``Reject``'s default)
     FAILED = "failed"
     #: the request's deadline passed before a worker took the job
     EXPIRED = "expired"
     #: the job itself is invalid (e.g. a model the worker does not serve)
     REJECTED = "rejected"
+    #: a routed job another worker took over (``shared.routing``): dropped before its result
+    SUPERSEDED = "superseded"
 
 
+ROUTING_DECISIONS = Counter(
+    "epd:routing_decisions_total",
+    "Where the API sent generation jobs (EPD_ROUTING=affinity): a worker holding the images "
+    "(affinity), the least loaded one (load), the shared queue after the routed worker did not take "
+    "it (fallback), the shared queue from the start (no_affinity).",
+    ["reason"],
+)
+PREFIX_CACHE_TOKENS = Counter(
+    "epd:prefix_cache_tokens_total",
+    "Prompt tokens of generation jobs (kind=query) and those the engine's prefix cache already held "
+    "(kind=hit; vLLM's automatic prefix caching, reported per request): hit / query is the prefix-cache "
+    "hit ratio that cache-aware routing raises.",
+    ["kind"],
+)
+ROUTING_CLAIMS = Counter(
+    "epd:routing_claims_total",
+    "Routed generation jobs a worker took: claimed (won), already claimed by itself (redelivered), "
+    "claimed elsewhere and dropped (lost), or not checkable (error, retried).",
+    ["outcome"],
+)
 ENCODE_JOBS = Counter("epd:encode_jobs_total", "Encode jobs handled by outcome.", ["outcome"])
 GENERATION_JOBS = Counter("epd:generation_jobs_total", "Generation jobs handled by outcome.", ["outcome"])
 QUEUE_SECONDS = Histogram(
@@ -129,6 +153,11 @@ PROMPT_TOKENS = Counter("epd:prompt_tokens_total", "Prompt tokens of completed r
 GENERATION_TOKENS = Counter("epd:generation_tokens_total", "Completion tokens of completed requests.")
 MEDIA_BYTES = Counter("epd:media_bytes_total", "Image bytes moved to/from the store.", ["direction"])
 MESSAGE_BYTES = Counter("epd:message_bytes_total", "Payload bytes published to JetStream, by message kind.", ["kind"])
+PUBLISH_RETRIES = Counter(
+    "epd:publish_retries_total",
+    "Publishes (and the API's EC index reads) tried again while JetStream had no stream leader "
+    "(a NATS election or reconnect).",
+)
 CONSUMER_PENDING = Gauge(
     "epd:consumer_num_pending",
     "Messages in a stream not yet delivered to its durable consumer (consumer lag), polled by the workers.",

@@ -18,6 +18,8 @@ subject                            stream               message
 <p>.ec.failed.<fp>.<item>          <P>_EVENTS           ECFailed (an encode job gave up)
 <p>.ec.invalidated.<fp>            <P>_EVENTS (core)    ECInvalidated (EC objects were evicted / purged)
 <p>.generate.jobs                  <P>_GENERATE         GenerationJob (work; consumer "prefill")
+<p>.generate.routed.<worker>       <P>_GENERATE         GenerationJob routed to one worker (consumer
+                                                        "prefill-routed-<worker>"; ``shared.routing``)
 <p>.decode.jobs                    <P>_DECODE           DecodeJob (work; consumer "decode"; E|P|D)
 <p>.tokens.<request_id>            <P>_RESULTS          TokenChunk / FinalResult / ErrorEvent
 <p>.control.cancel.<request_id>    <P>_CONTROL          RequestCancelled (the caller gave up)
@@ -31,6 +33,9 @@ Headers on every message: ``Epd-Request-Id``, ``Epd-Kind``, ``Epd-Sent-At``, and
 from workers, ``Epd-Started-At`` (when the worker took the job it publishes for).
 
 Streams use limits retention (not work-queue) so they keep what passed through them for replay.
+
+Key-value buckets: ``<P>_EC_INDEX`` (EC objects, ``shared.ec_lifecycle.index``) and ``<P>_ROUTING_CLAIMS``
+(who runs a routed generation job: the claims of ``shared.routing``).
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ STAGE_REPLAY = "replay"
 CONSUMER_ENCODER = "encoder"
 CONSUMER_PREFILL = "prefill"
 CONSUMER_DECODE = "decode"
+#: Name prefix of a generating worker's own durable consumer of the jobs routed to it
+#: (:meth:`Subjects.routed_consumer`).
+CONSUMER_ROUTED_PREFIX = "prefill-routed-"
 
 #: Queue group of the supervisors (one in every API process) that turn JetStream's
 #: MAX_DELIVERIES advisories into terminal events: NATS hands each advisory to one member, so N
@@ -206,6 +214,29 @@ class WorkQueue(enum.StrEnum):
     DECODE = "decode"
 
 
+class RouteReason(enum.StrEnum):
+    """Why the API sent a generation job where it did: the ``reason`` label of
+    ``epd:routing_decisions_total`` and ``GenerationJob.route_reason`` (``shared.routing``)."""
+
+    #: routed to the worker that holds (most of) the request's images
+    AFFINITY = "affinity"
+    #: routed to the least loaded worker: a worker holding its images was full or too loaded
+    LOAD = "load"
+    #: the routed worker did not claim it in time, or its heartbeat stopped: sent to the shared queue
+    FALLBACK = "fallback"
+    #: no images, or no live worker holds any of them: the shared queue
+    NO_AFFINITY = "no_affinity"
+
+
+def route_token(worker_id: str) -> str:
+    """A worker id as one subject token and consumer-name part: kept when it is made of
+    ``[A-Za-z0-9_-]`` only, else those characters plus a checksum of the id (two ids never share one)."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in worker_id)
+    if safe == worker_id and safe:
+        return safe
+    return f"{safe[:48]}_{zlib.crc32(worker_id.encode()):08x}"
+
+
 class ProtocolError(ValueError):
     """A message that cannot be decoded or has an unknown/newer schema."""
 
@@ -223,6 +254,8 @@ class Subjects:
         self.encode_jobs = f"{p}.encode.jobs"
         self.ec_events_all = f"{p}.ec.>"
         self.generate_jobs = f"{p}.generate.jobs"
+        #: Every generation job routed to one worker (``shared.routing``; :meth:`generate_routed`).
+        self.generate_routed_all = f"{p}.generate.routed.*"
         self.decode_jobs = f"{p}.decode.jobs"
         self.tokens_all = f"{p}.tokens.>"
         self.heartbeat_all = f"{p}.workers.heartbeat.>"
@@ -239,6 +272,10 @@ class Subjects:
         #: Every ``ECReady`` (the API indexes what encoders announce).
         self.ec_ready_all = f"{p}.ec.ready.>"
         self.ec_index_bucket = f"{P}_EC_INDEX"
+        #: Claims of routed generation jobs: which worker runs each (``shared.routing``).
+        self.routing_bucket = f"{P}_ROUTING_CLAIMS"
+        #: Every write to a routing claim (core NATS sees the bucket's puts: new ones only).
+        self.routing_claims_all = f"$KV.{self.routing_bucket}.>"
 
         self.stream_requests = f"{P}_REQUESTS"
         self.stream_encode = f"{P}_ENCODE"
@@ -259,6 +296,15 @@ class Subjects:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}.requests.{request_id}"
+
+    def generate_routed(self, worker_id: str) -> str:
+        """Where the API publishes a generation job routed to ``worker_id`` (``shared.routing``)."""
+        return f"{self.prefix}.generate.routed.{route_token(worker_id)}"
+
+    @staticmethod
+    def routed_consumer(worker_id: str) -> str:
+        """The durable consumer of ``worker_id``'s routed jobs (in ``<P>_GENERATE``)."""
+        return CONSUMER_ROUTED_PREFIX + route_token(worker_id)
 
     def ec_ready(self, fingerprint: str, item_hash: str) -> str:
         return f"{self.prefix}.ec.ready.{fingerprint}.{item_hash}"
@@ -305,7 +351,7 @@ class Subjects:
             self.stream_requests: [self.requests_all],
             self.stream_encode: [self.encode_jobs],
             self.stream_events: [self.ec_events_all],
-            self.stream_generate: [self.generate_jobs],
+            self.stream_generate: [self.generate_jobs, self.generate_routed_all],
             self.stream_decode: [self.decode_jobs],
             self.stream_results: [self.tokens_all],
             self.stream_control: [self.control_all],
@@ -460,6 +506,13 @@ def encode_job_msg_id(ec_key: str, generation: int) -> str:
     return f"{ec_key}@{generation}"
 
 
+def final_result_msg_id(request_id: str) -> str:
+    """The ``Nats-Msg-Id`` of a request's :class:`FinalResult`: one per request, so the worker
+    may retry its publish through a NATS leader election (``shared.jetstream.JetStreamPublisher``)
+    and a copy that got through after all is dropped."""
+    return f"{request_id}-final"
+
+
 class ECReady(_Msg, frozen=True, kw_only=True, tag="ec_ready"):
     request_id: str
     item_hash: str
@@ -529,6 +582,13 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     #: as vLLM hands them to the chat template); the engines render them with the chat template.
     #: At most ``MAX_TOOLS`` of at most ``MAX_TOOLS_BYTES`` together.
     tools: tuple[str, ...] = ()
+    #: ``shared.routing``: the worker the API routed the job to ("": the shared queue) and why (a
+    #: ``RouteReason`` value; "" when the API does not route). A fallback copy on the shared queue
+    #: has reason ``fallback`` and ``route_detail`` says why (not claimed in time, worker gone).
+    #: Readers that do not know these fields ignore them (no schema bump: nothing to refuse).
+    routed_to: str = ""
+    route_reason: str = ""
+    route_detail: str = ""
 
     def __post_init__(self) -> None:
         # Checked on construction and on decoding (msgspec turns the error into a ValidationError).
@@ -663,7 +723,19 @@ class ECWanted(_Msg, frozen=True, kw_only=True, tag="ec_wanted"):
     created_at: float
 
 
+#: Characters of an item hash a heartbeat advertises (``WorkerHeartbeat.items``): 64 bits, enough
+#: that two images of one fleet's caches never share a prefix in practice, a quarter of the bytes.
+ADVERTISED_HASH_CHARS = 16
+
+
 class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
+    """A worker is alive (every 2 s, core NATS). Generating workers that take routed jobs also
+    say what they hold and how busy they are (``shared.routing``): the fields after ``sent_at``,
+    added without a schema bump - an older API ignores them and an older worker's heartbeat
+    decodes with ``routable`` False, so the API never routes to a worker without a routed
+    consumer. Bounded: at most ``EPD_ROUTING_ADVERTISED_ITEMS`` hashes of
+    :data:`ADVERTISED_HASH_CHARS` characters (1 KB for 64)."""
+
     role: str
     worker_id: str
     fingerprint: str
@@ -671,6 +743,14 @@ class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     engine: str
     in_flight: int
     sent_at: float
+    #: consumes ``Subjects.generate_routed(worker_id)`` (and claims what it takes there)
+    routable: bool = False
+    #: engine slots (``shared.admission``) and how many more jobs it would take now
+    slots: int = 0
+    free_slots: int = 0
+    #: the most recently used items of its local caches, most recent first: item hash prefixes of
+    #: :data:`ADVERTISED_HASH_CHARS` characters (feature cache; a vLLM engine's recent items)
+    items: tuple[str, ...] = ()
 
 
 Message = (

@@ -13,7 +13,9 @@ Stages (names are stable: tests, the HTML page and the docs use them): ``receive
 ``image intake``, ``encode queued`` (until an encoder took the job), ``no encode job`` (EC already
 stored) / ``encode deduplicated`` (another request's job encodes the image), ``encode``,
 ``EC stored``, ``EC announced`` (already stored, not recomputed), ``encode failed``,
-``generation queued`` (until a prefill worker took the job), ``EC from local cache`` /
+``generation queued`` (until a prefill worker took the job; with ``EPD_ROUTING=affinity`` its detail
+names the worker the job was routed to and why, and a fallback to the shared queue is a second
+``generation queued``), ``EC from local cache`` /
 ``EC loaded from store`` / ``EC recomputed locally`` (with the reason) / ``EC encoded in process``
 (agg), ``waiting for an engine slot`` (ready, every slot busy: ``shared.admission``), ``prefill``,
 ``first token``, ``redelivered``, ``KV hand-off`` / ``decode queued`` (E|P|D),
@@ -58,6 +60,15 @@ SERVICE_COLORS: dict[str, str] = {
     Service.DECODE: "#b07aa1",
     STAGE_REPLAY: "#76b7b2",
 }
+
+
+def _route(job: GenerationJob) -> str:
+    """Where the API sent a generation job and why (``shared.routing``); "" when it did not route."""
+    reason = getattr(job, "route_reason", "")
+    if not reason:
+        return ""
+    where = f"routed to {job.routed_to}" if job.routed_to else "shared queue"
+    return f"; {where} ({reason}" + (f": {job.route_detail})" if job.route_detail else ")")
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,7 @@ def build_timeline(case: RequestCase) -> Timeline:
                 gm.time,
                 took,
                 f"{len(gen_job.images)} image placeholder(s), max_tokens "
-                f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}",
+                f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}" + _route(gen_job),
             )
         )
 

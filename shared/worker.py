@@ -13,9 +13,14 @@ A worker is a :class:`Handler` (``setup`` / ``handle`` / ``on_terminal`` / ``clo
   :class:`~shared.errors.StoreError` or :class:`~shared.errors.ServiceUnavailable` is retried.
 
 **Cancellation** (``shared.cancellation``): a job whose request was cancelled is dropped when
-taken (:meth:`Handler.still_wanted`), and a running one is stopped (its task is cancelled, which
-closes the engine's generation) when the cancellation arrives; both are acked, counted in
-``epd:requests_cancelled_total{stage}`` and cleaned up by :meth:`Handler.on_cancelled`.
+taken (:meth:`Handler.ended`; a first delivery by the cancellations the runner heard, without
+a JetStream read when it heard them all since the job was published), and a running one is
+stopped (its task is cancelled, which closes the engine's generation) when the cancellation
+arrives; both are acked, counted in ``epd:requests_cancelled_total{stage}`` and cleaned up by
+:meth:`Handler.on_cancelled`. A job
+taken after its request already ended (its final result or error is published: the ack of the
+delivery that finished it was lost, e.g. in a NATS failover) is acked without running too,
+counted as ``already_done`` and cleaned up the same way.
 
 A retry at the last delivery (``num_delivered >= max_deliver``) ends the request too. Ending a
 request is one place, :func:`settle`: it calls the handler's :meth:`Handler.on_terminal` once
@@ -43,6 +48,14 @@ The runner:
   ``epd:requests_in_flight{service=...}`` gauge, and consumer lag (``epd:consumer_num_pending``)
   from the liveness round trip;
 * SIGTERM / SIGINT: stop fetching, finish what is in flight (up to ``drain_timeout_s``), close.
+
+**Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
+runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room
+(a routed job may be taken while a pull on the shared queue is outstanding: at most one batch over,
+which waits for an engine slot in the admission queue). It claims each routed job before running
+it; a job claimed elsewhere (the API sent it to the shared queue meanwhile) is acked and dropped,
+and the claim is marked done once the job is settled. A handler that finds its claim taken over
+before it sends its result raises :class:`Superseded` (acked, nothing sent).
 """
 
 from __future__ import annotations
@@ -61,14 +74,24 @@ from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
 from shared.admission import Admission
-from shared.cancellation import CancelRecords, cancelled_request_id
+from shared.cancellation import Ended, RequestRecords, cancelled_request_id
 from shared.config import WorkerSettings
 from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
-from shared.jetstream import TRACE_HEADERS, JetStreamPublisher, Publisher, connect, ensure_topology, set_trace
+from shared.jetstream import (
+    TRACE_HEADERS,
+    JetStreamPublisher,
+    Publisher,
+    close_connection,
+    confirm_subscriptions,
+    connect,
+    ensure_topology,
+    set_trace,
+)
 from shared.logs import REQUEST_ID
 from shared.metrics import JobOutcome
 from shared.protocol import Subjects, WorkerHeartbeat, WorkQueue
+from shared.routing import RouteClaim, RoutingClaims, ensure_routed_consumer
 from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
@@ -105,6 +128,11 @@ class Reject(Exception):
         self.outcome = outcome
 
 
+class Superseded(Exception):
+    """Another worker runs this routed job now (its claim was taken over, ``shared.routing``):
+    drop it without sending anything (ack)."""
+
+
 class Action(enum.Enum):
     ACK = "ack"
     NAK = "nak"
@@ -132,6 +160,8 @@ class Delivery:
     published_at: float | None = None
     #: Set by the runner when the job's request is cancelled while the job runs.
     cancel: JobCancel = field(default_factory=lambda: JobCancel())
+    #: A routed job's claim, won by this worker (``shared.routing``); None for the shared queue's jobs.
+    claim: RouteClaim | None = None
 
     @property
     def is_last_attempt(self) -> bool:
@@ -205,6 +235,10 @@ class Handler(abc.ABC):
     #: Whether a running job is stopped when its request is cancelled (the encoder's jobs are
     #: shared by every request with the same image, and short: they run to the end).
     stops_when_cancelled: ClassVar[bool] = True
+    #: Whether the API may route jobs to this worker (``shared.routing``): the runner then also
+    #: consumes the worker's routed subject and sets ``routed`` once it does.
+    routable: ClassVar[bool] = False
+    routed: bool = False
 
     in_flight: int = 0
     #: Set in ``setup`` by a handler that sizes its work from its engine (``shared.admission``;
@@ -225,12 +259,14 @@ class Handler(abc.ABC):
         """The job's request ends with ``error`` (``message`` is the text to send): tell whoever
         waits. Called once per ended job, by :func:`settle`."""
 
-    async def still_wanted(self, job: Any, cancels: CancelRecords) -> bool:
-        """Whether the job is worth running when taken: by default, unless its request was cancelled."""
-        return not await cancels.is_cancelled(job.request_id)
+    async def ended(self, job: Any, records: RequestRecords) -> Ended | None:
+        """Whether the job's request is over when the job is taken (None: run it): by default,
+        when it was cancelled or its final result / error event is already published."""
+        return await records.ended(job.request_id)
 
     async def on_cancelled(self, job: Any) -> None:
-        """The job was dropped or stopped because its request was cancelled: release what it holds."""
+        """The job was dropped or stopped because its request was cancelled or had already
+        ended: release what it holds."""
 
     async def close(self) -> None:
         """Release what ``setup`` built."""
@@ -264,11 +300,34 @@ async def _cancelled(handler: Handler, job: Any, how: str) -> Settlement:
     return Settlement(Action.ACK, reason="cancelled")
 
 
-async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | None = None) -> Settlement:
+async def _already_done(handler: Handler, job: Any, ended: Ended, delivery: Delivery) -> Settlement:
+    """A job redelivered after its request ended: ack it without running (its ack was lost)."""
+    log.info("job dropped: its request already ended (%s), delivery %d", ended, delivery.num_delivered)
+    _count(handler, JobOutcome.ALREADY_DONE)
+    try:
+        await handler.on_cancelled(job)
+    except Exception:
+        log.exception("clean-up of the dropped job failed")
+    return Settlement(Action.ACK, reason=f"already {ended}")
+
+
+async def _ended(handler: Handler, job: Any, delivery: Delivery, records: RequestRecords) -> Ended | None:
+    """Whether the job's request is over. A first delivery that the runner can stop has not run
+    anywhere, so only a cancellation can have ended its request: when the runner heard every
+    cancellation since before the job was published, that answers it without a JetStream read
+    (a cancellation arriving later stops the running job). Otherwise :meth:`Handler.ended`."""
+    if delivery.num_delivered == 1 and handler.stops_when_cancelled:
+        heard = records.heard_cancelled(job.request_id, delivery.published_at)
+        if heard is not None:
+            return Ended.CANCELLED if heard else None
+    return await handler.ended(job, records)
+
+
+async def settle(handler: Handler, delivery: Delivery, records: RequestRecords | None = None) -> Settlement:
     """Decode the job, run the handler and turn its outcome into ack / nak / term, calling
-    :meth:`Handler.on_terminal` once when the job's request ends in an error. With ``cancels``,
-    a job whose request was cancelled is dropped before it runs; a job the runner cancels while
-    it runs (``delivery.cancel``) is acked as cancelled."""
+    :meth:`Handler.on_terminal` once when the job's request ends in an error. With ``records``,
+    a job whose request was cancelled or already ended is dropped before it runs; a job the
+    runner cancels while it runs (``delivery.cancel``) is acked as cancelled."""
     try:
         job = protocol.decode(delivery.data, handler.job_type)
     except protocol.ProtocolError as exc:
@@ -278,8 +337,11 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
         metrics.QUEUE_SECONDS.labels(handler.queue).observe(max(0.0, time.time() - delivery.published_at))
     attempts = f"{delivery.num_delivered}/{delivery.max_deliver}"
     try:
-        if cancels is not None and not await handler.still_wanted(job, cancels):
+        ended = await _ended(handler, job, delivery, records) if records is not None else None
+        if ended is Ended.CANCELLED:
             return await _cancelled(handler, job, "job dropped")
+        if ended is not None:
+            return await _already_done(handler, job, ended, delivery)
         await handler.handle(job, delivery)
         return Settlement(Action.ACK)
     except asyncio.CancelledError:
@@ -290,6 +352,10 @@ async def settle(handler: Handler, delivery: Delivery, cancels: CancelRecords | 
         while task is not None and task.cancelling():  # (one per repeated cancel)
             task.uncancel()
         return await _cancelled(handler, job, "job stopped")
+    except Superseded as exc:
+        log.info("routed job taken over by another worker: dropped (%s)", exc)
+        _count(handler, JobOutcome.SUPERSEDED)
+        return Settlement(Action.ACK, reason="superseded")
     except Reject as exc:
         reject = exc
     except Retry as exc:
@@ -344,7 +410,9 @@ class WorkerRunner:
         self._tasks: set[asyncio.Task] = set()
         # Running jobs by request id (what a cancellation stops).
         self._running: dict[str, set[JobCancel]] = {}
-        self._cancels: CancelRecords | None = None
+        self._records: RequestRecords | None = None
+        #: routing claims (a ``routable`` handler's worker)
+        self._claims: RoutingClaims | None = None
         # Refreshed with every heartbeat while connected and consuming (``epd healthcheck``).
         self.health = HealthFile(settings.health_file) if settings.health_file else None
 
@@ -361,17 +429,23 @@ class WorkerRunner:
         nc = await connect(self.settings.nats, name=f"epd-{self.name}-{self.settings.worker_id}")
         js = nc.jetstream()
         try:
-            await ensure_topology(js, self.settings.nats, self.subjects)
-            ctx = WorkerContext(self.settings, self.subjects, JetStreamPublisher(js), nc)
+            await ensure_topology(js, self.settings.nats, self.subjects, nc=nc)
+            publisher = JetStreamPublisher(js, retry_s=self.settings.nats.publish_retry_s)
+            ctx = WorkerContext(self.settings, self.subjects, publisher, nc)
             await self.handler.setup(ctx)
             stream = self.subjects.work_stream(self.handler.queue)
-            self._cancels = CancelRecords(js, self.subjects)
+            self._records = RequestRecords(js, self.subjects, nc)
             cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
+            # Once the server has the subscription, every cancellation is heard (unconfirmed: never
+            # trusted, every job reads its request's records).
+            if await confirm_subscriptions(nc, what="cancellations"):
+                self._records.listening()
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)
+            rsub = await self._routed_subscription(js, stream) if self.handler.routable else None
             liveness = asyncio.create_task(self._liveness(nc, js, stream))
             log.info("%s worker %s consuming %s/%s", self.name, self.settings.worker_id, stream, self.handler.durable)
             try:
-                await self._consume(psub)
+                await asyncio.gather(self._consume(psub), *([self._consume(rsub, routed=True)] if rsub else []))
             finally:
                 liveness.cancel()
                 if self.health is not None:  # not consuming any more: unhealthy while draining
@@ -379,13 +453,25 @@ class WorkerRunner:
                 await self._drain()
                 try:  # before the connection drains: a pull subscription never drains by itself
                     await psub.unsubscribe()
+                    if rsub is not None:
+                        await rsub.unsubscribe()
                     await cancel_sub.unsubscribe()
                 except Exception as exc:  # noqa: BLE001 - shutting down anyway
                     log.debug("unsubscribe: %s", exc)
         finally:
             await self.handler.close()
-            await _close_connection(nc)
+            await close_connection(nc)
             log.info("%s worker %s stopped", self.name, self.settings.worker_id)
+
+    async def _routed_subscription(self, js: Any, stream: str) -> Any:
+        """Bind this worker's routed consumer (created here) and open the routing claims."""
+        worker_id = self.settings.worker_id
+        durable = await ensure_routed_consumer(js, self.settings.nats, self.subjects, worker_id)
+        self._claims = await RoutingClaims.open(js, self.subjects, self.settings.nats)
+        rsub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+        self.handler.routed = True
+        log.info("%s worker %s consuming routed jobs %s/%s", self.name, worker_id, stream, durable)
+        return rsub
 
     def _room(self) -> int:
         """Jobs to fetch now: up to ``concurrency`` held, or what the handler's admission allows."""
@@ -394,7 +480,7 @@ class WorkerRunner:
             return admission.room_to_fetch(len(self._tasks))
         return self.concurrency - len(self._tasks)
 
-    async def _consume(self, psub: Any) -> None:
+    async def _consume(self, psub: Any, *, routed: bool = False) -> None:
         failing = ""  # the fetch error being repeated (logged once until a fetch works again)
         admission = self.handler.admission
         while not self.stopping.is_set():
@@ -425,7 +511,7 @@ class WorkerRunner:
                 log.info("fetching again")
                 failing = ""
             for msg in msgs:
-                task = asyncio.create_task(self._process(msg))
+                task = asyncio.create_task(self._process_routed(msg) if routed else self._process(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -436,7 +522,33 @@ class WorkerRunner:
             for task in pending:  # not acked: JetStream redelivers them to another worker
                 task.cancel()
 
-    async def _process(self, msg: Any) -> None:
+    async def _process_routed(self, msg: Any) -> None:
+        """A routed job: claim it, then run it like any other; drop it when claimed elsewhere."""
+        assert self._claims is not None
+        request_id = (msg.headers or {}).get(protocol.HDR_REQUEST_ID, "")
+        token = REQUEST_ID.set(request_id or "-")
+        try:
+            try:
+                won, state = await self._claims.claim(request_id, self.settings.worker_id)
+            except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types: retry the job
+                metrics.ROUTING_CLAIMS.labels("error").inc()
+                log.warning("could not claim the routed job (%s: %s): retrying", type(exc).__name__, exc)
+                await msg.nak(delay=1.0)
+                return
+            if not won or state is None:
+                metrics.ROUTING_CLAIMS.labels("lost").inc()
+                log.info("routed job claimed by %s: dropped", state.value if state else "?")
+                await msg.ack()
+                return
+            metrics.ROUTING_CLAIMS.labels("won" if msg.metadata.num_delivered <= 1 else "redelivered").inc()
+        except Exception:
+            log.exception("could not settle the routed message")
+            return
+        finally:
+            REQUEST_ID.reset(token)
+        await self._process(msg, claim=RouteClaim(self._claims, request_id, self.settings.worker_id, state.revision))
+
+    async def _process(self, msg: Any, claim: RouteClaim | None = None) -> None:
         meta = msg.metadata
         delivery = Delivery(
             data=msg.data,
@@ -445,6 +557,7 @@ class WorkerRunner:
             num_delivered=meta.num_delivered,
             max_deliver=self.settings.nats.max_deliver,
             published_at=meta.timestamp.timestamp() if meta.timestamp else None,
+            claim=claim,
         )
         task = asyncio.current_task()
         assert task is not None
@@ -461,13 +574,15 @@ class WorkerRunner:
         running.add(delivery.cancel)
         try:
             try:
-                settlement = await settle(self.handler, delivery, self._cancels)
+                settlement = await settle(self.handler, delivery, self._records)
             finally:  # no cancellation while acking: a job cancelled now is dropped when redelivered
                 delivery.cancel.seen = True
                 running.discard(delivery.cancel)
                 if not running:
                     self._running.pop(delivery.request_id, None)
             ticker.cancel()
+            if claim is not None and settlement.action is not Action.NAK:
+                await claim.finish()
             if settlement.action is Action.ACK:
                 await msg.ack()
             elif settlement.action is Action.NAK:
@@ -488,6 +603,8 @@ class WorkerRunner:
     async def _on_cancel(self, msg: Any) -> None:
         """A request was cancelled: stop this worker's running jobs of it (``settle`` acks them)."""
         request_id = cancelled_request_id(msg.subject)
+        if self._records is not None:
+            self._records.heard(request_id)
         jobs = self._running.get(request_id)
         if not jobs or not self.handler.stops_when_cancelled:
             return
@@ -573,15 +690,6 @@ class WorkerRunner:
                     except OSError as exc:  # e.g. a full disk: unhealthy, not dead
                         log.warning("cannot write the health file %s: %s", self.health.path, exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-
-
-async def _close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
-    """Drain (acks and publishes still buffered go out) or, when NATS does not answer, close."""
-    try:
-        await asyncio.wait_for(nc.drain(), timeout_s)
-    except Exception as exc:  # noqa: BLE001 - NATS unreachable: nothing more can be delivered anyway
-        log.warning("could not drain the NATS connection (%s: %s): closing it", type(exc).__name__, exc)
-        await nc.close()
 
 
 def run_worker(handler: Handler, settings: WorkerSettings, **runner_kwargs: Any) -> None:

@@ -288,8 +288,22 @@ def _healthcheck_args(service: Mapping) -> list[str] | None:
     return None
 
 
+#: What every epd-serve service waits for in docker-compose.yml: (service, condition).
+SINGLE_NODE_DEPS = (
+    ("nats", "service_healthy"),
+    ("minio", "service_healthy"),
+    ("minio-init", "service_completed_successfully"),
+)
+
+
 def compose_problems(
-    compose: Mapping, apps: Mapping[str, AppSpec], *, dockerfile_targets: set[str], image_version: str, model_path: str
+    compose: Mapping,
+    apps: Mapping[str, AppSpec],
+    *,
+    dockerfile_targets: set[str],
+    image_version: str,
+    model_path: str,
+    infra_deps: Iterable[tuple[str, str]] = SINGLE_NODE_DEPS,
 ) -> list[str]:
     """Structural problems of a compose model: entry points, healthchecks, ports, dependencies,
     images, GPU reservations and hardening. Settings-level checks live in the tests."""
@@ -364,11 +378,7 @@ def compose_problems(
         if env.get("EPD_MODEL_PATH") != model_path:
             problems.append(f"{name}: EPD_MODEL_PATH={env.get('EPD_MODEL_PATH')!r} is not the mount {model_path}")
         deps = svc.get("depends_on") or {}
-        for dep, cond in (
-            ("nats", "service_healthy"),
-            ("minio", "service_healthy"),
-            ("minio-init", "service_completed_successfully"),
-        ):
+        for dep, cond in infra_deps:
             if (deps.get(dep) or {}).get("condition") != cond:
                 problems.append(f"{name}: does not wait for {dep} ({cond})")
     return problems
@@ -384,3 +394,509 @@ def broken(compose: Mapping, service: str, **changes: Any) -> dict:
         else:
             svc[key] = value
     return out
+
+
+# -- several compose files (docker compose -f A -f B ...) -------------------------------------------
+CLUSTER_COMPOSE_PATH = ROOT / "docker-compose.cluster.yml"
+TEST_OVERLAY_PATH = ROOT / "tests" / "compose" / "compose.test.yml"
+CLUSTER_TEST_OVERLAY_PATH = ROOT / "tests" / "compose" / "compose.cluster.test.yml"
+
+
+@dataclass(frozen=True)
+class Override:
+    """A value tagged ``!override``: it replaces what the files before said."""
+
+    value: Any
+
+
+class Reset:
+    """A value tagged ``!reset``: the key is removed."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_override(loader: yaml.SafeLoader, node: yaml.Node) -> Override:
+    if isinstance(node, yaml.MappingNode):
+        return Override(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Override(loader.construct_sequence(node, deep=True))
+    return Override(loader.construct_scalar(node))
+
+
+ComposeLoader.add_constructor("!override", _construct_override)
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+# Lists Compose replaces when a later file sets them (compose-go's merge rules); any other list
+# must be tagged !override in an overlay, so that what the files mean does not hang on Compose's
+# rule for that key (appended, merged by target, ...).
+_REPLACED_LISTS = {("command",), ("entrypoint",), ("healthcheck", "test")}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every tag resolved (an overlay's new keys)."""
+    if isinstance(value, Override):
+        return _plain(value.value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items() if not isinstance(v, Reset)}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def merge_compose(base: Any, over: Any, path: tuple[str, ...]) -> Any:
+    if isinstance(over, Override):
+        return _plain(over.value)
+    if isinstance(base, Mapping) and isinstance(over, Mapping):
+        out = dict(base)
+        for key, value in over.items():
+            if isinstance(value, Reset):
+                out.pop(key, None)
+            elif key in out:
+                out[key] = merge_compose(out[key], value, (*path, str(key)))
+            else:
+                out[key] = _plain(value)
+        return out
+    if isinstance(base, list) or isinstance(over, list):
+        if len(path) >= 3 and path[0] == "services" and path[2:] in _REPLACED_LISTS:
+            return _plain(over)
+        raise ValueError(f"{'.'.join(path)}: a list set again without !override (say what Compose should do)")
+    return _plain(over)
+
+
+def load_compose_files(*paths: Path) -> dict:
+    """The model ``docker compose -f P1 -f P2 ...`` reads: each file merged over the ones before
+    (mappings key by key, ``!override`` replaces, ``!reset`` removes)."""
+    model: dict = {}
+    for path in paths:
+        model = merge_compose(model, yaml.load(path.read_text(), Loader=ComposeLoader) or {}, ())
+    return model
+
+
+def cluster_compose(*, test: bool = False) -> dict:
+    """docker-compose.yml + docker-compose.cluster.yml (+ the test overlays, as `make test-compose` runs it)."""
+    paths = [COMPOSE_PATH, CLUSTER_COMPOSE_PATH]
+    if test:
+        paths += [TEST_OVERLAY_PATH, CLUSTER_TEST_OVERLAY_PATH]
+    return load_compose_files(*paths)
+
+
+# -- NATS configuration files (the subset this project's files use) --------------------------------
+_NATS_TOKEN = re.compile(r"""\s*(?:(?:#|//)[^\n]*|([{}\[\],]|[:=]|"[^"]*"|'[^']*'|[^\s{}\[\],:=#"']+))""")
+
+
+def _nats_tokens(text: str) -> list[str]:
+    tokens, pos = [], 0
+    text = text.rstrip()
+    while pos < len(text):
+        m = _NATS_TOKEN.match(text, pos)
+        if m is None or m.end() == pos:
+            raise ValueError(f"cannot read the NATS configuration at {text[pos : pos + 30]!r}")
+        if m.group(1) is not None:
+            tokens.append(m.group(1).strip("\"'"))
+        pos = m.end()
+    return tokens
+
+
+def parse_nats_conf(text: str, read_include) -> dict[str, Any]:
+    """``key: value`` / ``key { ... }`` / ``[a, b]`` of a nats-server configuration, as nested
+    dicts; ``include PATH`` is read with ``read_include(PATH)`` and merged in place."""
+    tokens = _nats_tokens(text)
+    pos = 0
+
+    def value() -> Any:
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok == "{":
+            return block("}")
+        if tok == "[":
+            items = []
+            while tokens[pos] != "]":
+                if tokens[pos] == ",":
+                    pos += 1
+                    continue
+                items.append(value())
+            pos += 1
+            return items
+        return tok
+
+    def block(end: str | None) -> dict[str, Any]:
+        nonlocal pos
+        out: dict[str, Any] = {}
+        while pos < len(tokens) and tokens[pos] != end:
+            key = tokens[pos]
+            pos += 1
+            if key == ",":
+                continue
+            if key == "include":
+                out.update(parse_nats_conf(read_include(tokens[pos]), read_include))
+                pos += 1
+                continue
+            if tokens[pos] in (":", "="):
+                pos += 1
+            out[key] = value()
+        pos += 1
+        return out
+
+    return block(None)
+
+
+# -- the cluster deployment ------------------------------------------------------------------------
+def _is_active(service: Mapping) -> bool:
+    """Started whatever the profiles (infrastructure has none)."""
+    return not service.get("profiles")
+
+
+def nats_nodes(compose: Mapping) -> list[str]:
+    """The NATS servers the deployment starts: the services on EPD_NATS_IMAGE without a profile."""
+    return [
+        name
+        for name, svc in compose["services"].items()
+        if "EPD_NATS_IMAGE" in str(svc.get("image", "")) and _is_active(svc)
+    ]
+
+
+def _flag(command: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(command):
+        if arg in names and i + 1 < len(command):
+            return command[i + 1]
+        for name in names:
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _placeholders(text: str) -> dict[str, str]:
+    """Every variable of ``text`` mapped to ``VAR.<name>``: interpolated, the result shows where
+    a variable (and not a literal) stands."""
+    return {ref.name: f"VAR.{ref.name}" for ref in var_refs(text)}
+
+
+def _url(raw: str) -> tuple[str | None, str | None, str, int | None]:
+    """(user, password, host, port) of a URL whose variables stand as ``VAR.<name>``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(interpolate(raw, _placeholders(raw)))
+    return parts.username, parts.password, parts.hostname or "", parts.port
+
+
+@dataclass
+class NatsNode:
+    name: str
+    server_name: str | None
+    cluster_name: str | None
+    jetstream: bool
+    store_dir: str | None
+    client_port: int | None
+    cluster_port: int | None
+    cluster_credentials: tuple[str | None, str | None]
+    routes: list[tuple[str | None, str | None, str, int | None]]  # (user, password, host, port)
+    raw_credentials: list[str]  # the URL texts that carry route credentials
+
+
+def _mounted_file(service: Mapping, target: str, read_file) -> str | None:
+    for vol in service.get("volumes") or []:
+        src, _, rest = str(vol).partition(":") if isinstance(vol, str) else ("", "", "")
+        if rest.split(":")[0] == target and src.startswith("./"):
+            return read_file(src[2:])
+    return None
+
+
+def nats_node(name: str, service: Mapping, read_file) -> tuple[NatsNode, list[str]]:
+    """A NATS service's settings as nats-server sees them: its configuration file (read from the
+    mount, includes too), overridden by its command line."""
+    import posixpath
+
+    problems = []
+    command = [str(a) for a in service.get("command") or []]
+    conf: dict[str, Any] = {}
+    conf_target = _flag(command, "--config", "-c")
+    if conf_target is None:
+        problems.append(f"{name}: no --config")
+    else:
+
+        def read_include(path: str) -> str:
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(conf_target), path))
+            text = _mounted_file(service, target, read_file)
+            if text is None:
+                raise FileNotFoundError(f"{name}: the configuration includes {target}, which is not mounted")
+            return text
+
+        text = _mounted_file(service, conf_target, read_file)
+        if text is None:
+            problems.append(f"{name}: its configuration {conf_target} is not a file of this repository mounted there")
+        else:
+            try:
+                conf = parse_nats_conf(text, read_include)
+            except FileNotFoundError as exc:
+                problems.append(str(exc))
+    cluster = conf.get("cluster") if isinstance(conf.get("cluster"), Mapping) else {}
+    js = conf.get("jetstream")
+    listen = _flag(command, "--cluster")
+    user, password, _, port = _url(listen) if listen else (None, None, "", None)
+    routes_arg = _flag(command, "--routes")
+    routes_raw = [r.strip() for r in (routes_arg or "").split(",") if r.strip()]
+    if routes_arg is None and isinstance(cluster.get("routes"), list):
+        routes_raw = [str(r) for r in cluster["routes"]]
+    node = NatsNode(
+        name=name,
+        server_name=_flag(command, "--server_name", "-n", "--name") or conf.get("server_name"),
+        cluster_name=_flag(command, "--cluster_name") or cluster.get("name"),
+        jetstream=isinstance(js, Mapping) or "-js" in command or "--jetstream" in command,
+        store_dir=(js.get("store_dir") if isinstance(js, Mapping) else None) or _flag(command, "-sd", "--store_dir"),
+        client_port=int(_flag(command, "-p", "--port") or conf.get("port") or 4222),
+        cluster_port=port or (int(cluster["port"]) if "port" in cluster else None),
+        cluster_credentials=(user, password),
+        routes=[_url(r) for r in routes_raw],
+        raw_credentials=([listen] if listen else []) + routes_raw,
+    )
+    return node, problems
+
+
+def read_repo_file(relative: str) -> str | None:
+    """A file of this repository (a compose file's ``./`` source), None if there is none."""
+    path = ROOT / relative
+    return path.read_text() if path.is_file() else None
+
+
+def read_repo_file_in(folder: str):
+    """``read_include`` for a configuration file in ``folder`` of this repository."""
+    return lambda path: (ROOT / folder / path).read_text()
+
+
+def nats_cluster_problems(compose: Mapping, read_file=read_repo_file) -> list[str]:
+    """The NATS nodes form one cluster: 3+ (odd) nodes, distinct server names, one cluster name,
+    JetStream on with a volume of its own per node, every node routing to every other, route
+    credentials from required variables and the same on every node, and no node waiting for
+    another (a node is healthy only once the cluster has a meta leader: that would never come)."""
+    services = compose["services"]
+    names = nats_nodes(compose)
+    problems = []
+    if len(names) < 3 or len(names) % 2 == 0:
+        problems.append(f"NATS nodes {names}: a JetStream cluster needs an odd number of 3 or more")
+    nodes = {}
+    for name in names:
+        node, node_problems = nats_node(name, services[name], read_file)
+        problems += node_problems
+        nodes[name] = node
+    server_names = [n.server_name for n in nodes.values()]
+    if None in server_names or len(set(server_names)) != len(server_names):
+        problems.append(f"server names {server_names} are not set and distinct on every node")
+    cluster_names = {n.cluster_name for n in nodes.values()}
+    if None in cluster_names or len(cluster_names) != 1:
+        problems.append(f"cluster names {sorted(map(str, cluster_names))}: every node needs the same one")
+    credentials = set()
+    for name, node in nodes.items():
+        svc = services[name]
+        if not node.jetstream:
+            problems.append(f"{name}: JetStream is off")
+        data = [
+            str(v).split(":")[0] for v in svc.get("volumes") or [] if str(v).split(":")[1:2] == [node.store_dir or ""]
+        ]
+        if len(data) != 1 or data[0] not in (compose.get("volumes") or {}):
+            problems.append(f"{name}: JetStream's store_dir {node.store_dir} is not on a named volume")
+        owners = [
+            o for o in names if data and any(str(v).startswith(f"{data[0]}:") for v in services[o].get("volumes") or [])
+        ]
+        if len(owners) > 1:
+            problems.append(f"{', '.join(owners)} share the JetStream volume {data[0]}")
+        if node.cluster_port is None:
+            problems.append(f"{name}: no cluster port (--cluster)")
+        routed = {(host, port) for _, _, host, port in node.routes}
+        for other in names:
+            if other == name:
+                continue
+            if (other, nodes[other].cluster_port) not in routed:
+                problems.append(f"{name}: its routes do not name {other}:{nodes[other].cluster_port}")
+        unknown = sorted(h for h, _ in routed if h not in names)
+        if unknown:
+            problems.append(f"{name}: routes to {unknown}, which are no NATS node of this deployment")
+        for user, password in [node.cluster_credentials, *((u, p) for u, p, _, _ in node.routes)]:
+            if not (user or "").startswith("VAR.") or not (password or "").startswith("VAR."):
+                problems.append(
+                    f"{name}: a route URL without route credentials from variables ({user!r}, {password!r})"
+                )
+            credentials.add((user, password))
+        for raw in node.raw_credentials:
+            for ref in var_refs(raw):
+                if ref.op != ":?":
+                    problems.append(
+                        f"{name}: route credential {ref.name} must be ${{{ref.name}:?...}} (required, no default)"
+                    )
+        command = [str(a) for a in svc.get("command") or []]
+        for flag, var in (("--user", "EPD_NATS_USER"), ("--pass", "EPD_NATS_PASSWORD")):
+            if not (_flag(command, flag) or "").startswith("${" + var + ":?"):
+                problems.append(f"{name}: {flag} is not ${{{var}:?...}} (the services' account)")
+        hc = _healthcheck_args(svc) or []
+        if not any("/healthz" in a for a in hc):
+            problems.append(f"{name}: the healthcheck does not ask /healthz")
+        for dep in svc.get("depends_on") or {}:
+            if dep in names:
+                problems.append(
+                    f"{name}: waits for {dep} (a node is healthy only with a quorum: they would wait forever)"
+                )
+    if len(credentials) > 1:
+        problems.append(f"route credentials differ between the nodes: {sorted(map(str, credentials))}")
+    return sorted(set(problems))
+
+
+def _seeds(url: str) -> set[tuple[str, int | None]]:
+    from urllib.parse import urlsplit
+
+    out = set()
+    for part in url.split(","):
+        if part.strip():
+            parts = urlsplit(part.strip())
+            out.add((parts.hostname or "", parts.port))
+    return out
+
+
+def cluster_app_problems(
+    compose: Mapping, apps: Iterable[str], dotenv: Mapping[str, str], *, replicas: int = 3
+) -> list[str]:
+    """Every epd-serve service knows every NATS node (EPD_NATS_URL), creates its streams with
+    ``replicas`` copies, and waits at start-up for every node, not for one of them."""
+    services = compose["services"]
+    names = nats_nodes(compose)
+    ports = {name: nats_node(name, services[name], read_repo_file)[0].client_port for name in names}
+    problems = []
+    if replicas > len(names):
+        problems.append(f"R{replicas} streams need {replicas} NATS nodes; the deployment has {len(names)}")
+    for name in apps:
+        svc = services[name]
+        env = environment(resolve(svc, dotenv))
+        seeds = _seeds(env.get("EPD_NATS_URL", ""))
+        missing = sorted(n for n in names if (n, ports[n]) not in seeds)
+        if missing:
+            problems.append(f"{name}: EPD_NATS_URL={env.get('EPD_NATS_URL')!r} misses {missing}")
+        stray = sorted(h for h, _ in seeds if h not in names)
+        if stray:
+            problems.append(f"{name}: EPD_NATS_URL names {stray}, which no NATS node of this deployment is")
+        if env.get("EPD_STREAM_REPLICAS") != str(replicas):
+            problems.append(f"{name}: EPD_STREAM_REPLICAS={env.get('EPD_STREAM_REPLICAS')!r}, expected {replicas}")
+        deps = svc.get("depends_on") or {}
+        waits = sorted(d for d in deps if d in names)
+        if waits != sorted(names):
+            problems.append(f"{name}: waits at start-up for {waits} only, not for every NATS node {sorted(names)}")
+        for dep in deps:
+            if dep in services and not _is_active(services[dep]):
+                problems.append(f"{name}: waits for {dep}, which this deployment does not start")
+        for node in waits:
+            if (deps[node] or {}).get("condition") != "service_healthy":
+                problems.append(f"{name}: waits for {node} without condition service_healthy")
+    return problems
+
+
+def expand_minio(endpoint: str) -> list[str]:
+    """MinIO's ``{1...4}`` ellipses, expanded (every combination)."""
+    m = re.search(r"\{(\d+)\.\.\.(\d+)\}", endpoint)
+    if m is None:
+        return [endpoint]
+    lo, hi = int(m.group(1)), int(m.group(2))
+    return [e for i in range(lo, hi + 1) for e in expand_minio(endpoint[: m.start()] + str(i) + endpoint[m.end() :])]
+
+
+_MINIO_VALUE_FLAGS = {"--address", "--console-address", "--certs-dir", "--ftp", "--sftp", "--config"}
+
+
+def minio_endpoints(command: list[str]) -> list[str]:
+    """The drive arguments of ``minio server ...`` (URLs or paths, ellipses unexpanded)."""
+    out, args = [], [str(a) for a in command[1:]]
+    i = 0
+    while i < len(args):
+        if args[i].startswith("-"):
+            i += 2 if args[i] in _MINIO_VALUE_FLAGS else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def aliases(service: Mapping) -> set[str]:
+    nets = service.get("networks") or {}
+    if not isinstance(nets, Mapping):
+        return set()
+    return {a for net in nets.values() for a in ((net or {}).get("aliases") or [])}
+
+
+def object_store_problems(compose: Mapping, apps: Iterable[str], dotenv: Mapping[str, str]) -> list[str]:
+    """The object store keeps more than one copy. A distributed MinIO: 4+ drives on 2+ nodes, every
+    node running the same server list, each drive on a volume of its own, the services' endpoint a
+    name every node answers to. The test stand-in: a SeaweedFS master whose default replication
+    keeps 2+ copies, with enough volume servers for them."""
+    from urllib.parse import urlsplit
+
+    services = compose["services"]
+    problems = []
+    minio = {
+        name: svc
+        for name, svc in services.items()
+        if _is_active(svc)
+        and "EPD_MINIO_IMAGE" in str(svc.get("image", ""))
+        and (svc.get("command") or [""])[0] == "server"
+    }
+    seaweed_masters = {
+        name: svc for name, svc in services.items() if _is_active(svc) and (svc.get("command") or [""])[0] == "master"
+    }
+    if minio:
+        lists = {name: minio_endpoints(svc["command"]) for name, svc in minio.items()}
+        if len({tuple(v) for v in lists.values()}) != 1:
+            problems.append(f"the MinIO nodes run different server lists: {lists}")
+        # (node, path) of each drive; a bare path is a drive of the node that runs it
+        drives = [
+            (u.hostname, u.path) if u.scheme else (name, e)
+            for name, endpoints in lists.items()
+            for raw in endpoints
+            for e in expand_minio(raw)
+            for u in [urlsplit(e)]
+        ]
+        drives = sorted(set(drives), key=str)
+        hosts = {host for host, _ in drives}
+        if len(drives) < 4 or len(hosts) < 2:
+            problems.append(
+                f"MinIO with {len(drives)} drive(s) on {len(hosts)} node(s): distributed needs 4+ drives on 2+ nodes"
+            )
+        if hosts != set(minio):
+            problems.append(
+                f"the server list names nodes {sorted(map(str, hosts))}, the deployment runs {sorted(minio)}"
+            )
+        volumes = {}
+        for name, svc in minio.items():
+            paths = {path for host, path in drives if host == name}
+            for path in paths:
+                mounted = [str(v).split(":")[0] for v in svc.get("volumes") or [] if str(v).split(":")[1:2] == [path]]
+                if len(mounted) != 1 or mounted[0] not in (compose.get("volumes") or {}):
+                    problems.append(f"{name}: drive {path} is not on a named volume")
+                elif mounted[0] in volumes:
+                    problems.append(f"{name} and {volumes[mounted[0]]} share the drive volume {mounted[0]}")
+                else:
+                    volumes[mounted[0]] = name
+            env = environment(svc)
+            for var in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"):
+                if not env.get(var, "").startswith("${" + var + ":?"):
+                    problems.append(f"{name}: {var} is not ${{{var}:?...}}")
+        for name in apps:
+            host = environment(resolve(services[name], dotenv)).get("EPD_S3_ENDPOINT", "").split(":")[0]
+            serving = sorted(n for n, svc in minio.items() if host == n or host in aliases(svc))
+            if serving != sorted(minio):
+                problems.append(f"{name}: EPD_S3_ENDPOINT host {host!r} reaches {serving}, not every MinIO node")
+    elif seaweed_masters:
+        for name, svc in seaweed_masters.items():
+            replication = _flag([str(a) for a in svc["command"]], "-defaultReplication") or "000"
+            copies = 1 + sum(int(c) for c in replication if c.isdigit())
+            volume_servers = [
+                n
+                for n, s in services.items()
+                if _is_active(s)
+                and (s.get("command") or [""])[0] == "volume"
+                and (_flag([str(a) for a in s["command"]], "-mserver") or "").split(":")[0] == name
+            ]
+            if copies < 2:
+                problems.append(f"{name}: -defaultReplication={replication} keeps one copy of each volume")
+            if len(volume_servers) < copies:
+                problems.append(f"{name}: {copies} copies need {copies} volume servers, it has {volume_servers}")
+    else:
+        problems.append("no replicated object store: neither distributed MinIO nodes nor a SeaweedFS master")
+    return problems

@@ -26,6 +26,12 @@ READY = re.compile(
     r"topology (?P<topology>\S+)\)$",
     re.M,
 )
+#: The supervisor's lines about a service (``.format(label="encoder-0")``, then ``re.M``).
+EXITED = r"^{label} \(pid (?P<pid>\d+)\) exited \((?P<how>[^)]*)\) after [\d.]+s up; restarting in (?P<delay>[\d.]+)s"
+RESTARTED = r"^{label} restarted \(pid (?P<pid>\d+), restart (?P<n>\d+)\)$"
+HEALTHY = r"^{label} healthy again \(pid (?P<pid>\d+), (?P<after>[\d.]+)s after its restart\)$"
+#: How many times :class:`EpdUp` starts ``epd up`` when a port it picked was taken meanwhile.
+PORT_RACE_LAUNCHES = 3
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,22 @@ class EpdUp:
         ):
             require_vllm_tier("epd up with the vLLM engine")
         self.data_dir = tmp_path / "var"
+        self.args = args
+        # PYTHONPATH: the tree under test (the editable install points at the main checkout).
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EPD_")},
+            **(env or {}),
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.tmp_path = tmp_path
+        self.launches = 0
+        self.seen: set[Proc] = set()
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start ``epd up`` on ports that were free a moment ago (each launch its own output file)."""
+        self.launches += 1
         self.api_port, self.nats_port, self.s3_port = distinct_free_ports(3)
         argv = [
             str(EPD),
@@ -100,27 +122,19 @@ class EpdUp:
             str(self.nats_port),
             "--s3-port",
             str(self.s3_port),
-            *args,
+            *self.args,
         ]
-        # PYTHONPATH: the tree under test (the editable install points at the main checkout).
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("EPD_")},
-            **(env or {}),
-            "PYTHONPATH": str(REPO),
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.out_path = tmp_path / "epd-up.out"
+        self.out_path = self.tmp_path / ("epd-up.out" if self.launches == 1 else f"epd-up-{self.launches}.out")
         with self.out_path.open("wb") as out:
             self.proc = subprocess.Popen(
                 argv,
                 cwd=REPO,
-                env=env,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.seen: set[Proc] = set()
 
     @property
     def url(self) -> str:
@@ -132,6 +146,13 @@ class EpdUp:
     def wait_ready(self, timeout: float = 420) -> re.Match:
         def ready():
             if self.proc.poll() is not None:
+                # One of the ports picked free was taken before epd up bound it (a busy machine):
+                # start again on others, a bounded number of times.
+                if "already in use" in self.output() and self.launches < PORT_RACE_LAUNCHES:
+                    log.warning("epd up: a port was taken, starting again: %s", self.output()[-300:])
+                    self._kill_leftovers()
+                    self._launch()
+                    return None
                 raise AssertionError(f"epd up exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             return READY.search(self.output())
 
@@ -168,6 +189,9 @@ class EpdUp:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
         self.children()
         for p in self.seen:  # only what this test started, by pid
             if p.alive():

@@ -3,7 +3,7 @@ runs ``services.<service>`` with its engine slowed down as the environment asks:
 
 * ``EPD_TEST_ENCODE_DELAY_S`` (encoder): sleep this long before each encode, logging
   ``fault injection: ...`` first (a test waits for that line to know the worker holds a job);
-* ``EPD_TEST_DECODE_STEP_DELAY_S`` (decode, transformers engine): each batched decode step
+* ``EPD_TEST_DECODE_STEP_DELAY_S`` (decode or prefill, transformers engine): each batched decode step
   sleeps this long after stepping (numerics unchanged), so a test can act while requests are
   being decoded, or let a deadline pass mid-decode.
 
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
     engine_cls = engine_class(ModelSettings().engine)
     if service == "encoder" and _delay(ENCODE_DELAY_ENV):
         slow_encoder(engine_cls, _delay(ENCODE_DELAY_ENV))
-    if service == "decode" and _delay(DECODE_STEP_DELAY_ENV):
+    if service in ("decode", "prefill") and _delay(DECODE_STEP_DELAY_ENV):
         slow_decode_steps(_delay(DECODE_STEP_DELAY_ENV))
     importlib.import_module(f"services.{service}.main").main()
 

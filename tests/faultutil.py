@@ -135,7 +135,8 @@ class Outcome:
 
 
 def post_chat(url: str, body: dict, *, what: str, timeout: float) -> Outcome:
-    """POST a (non-streaming) chat completion; never raises for the request's own failure."""
+    """POST a (non-streaming) chat completion; never raises for the request's own failure (no
+    answer within ``timeout``: ``error`` starts with ``hung:``)."""
     import httpx
 
     out = Outcome(what, time.monotonic(), 0.0)
@@ -146,6 +147,8 @@ def post_chat(url: str, body: dict, *, what: str, timeout: float) -> Outcome:
             out.body = resp.json()
         except ValueError:
             out.body = resp.text[:500]
+    except httpx.TimeoutException as exc:
+        out.error = f"hung: {type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - recorded, judged by contract_violation
         out.error = f"{type(exc).__name__}: {exc}"
     out.ended = time.monotonic()

@@ -12,10 +12,10 @@ import nats
 import pytest
 
 from shared import protocol
-from shared.client import RequestClient, chunk_texts
+from shared.client import RequestClient, TokenStream, chunk_texts
 from shared.config import NatsSettings
 from shared.ec_lifecycle.index import ECIndex, Use, entry_key
-from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge
+from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge, WorkerFailed
 from shared.jetstream import JetStreamPublisher, ensure_topology, subscribe_typed
 from shared.protocol import (
     ChatRequestRecord,
@@ -148,6 +148,52 @@ def test_first_copy_of_each_seq_wins_whatever_the_attempt_and_junk_is_skipped(de
     assert stream._sub.skipped == 2  # the undecodable message and the ECFailed
     assert protocol.decode(rec.data, ChatRequestRecord).request_id == rid
     assert job.headers[protocol.HDR_MSG_ID] == rid
+
+
+def test_events_missed_on_the_subscription_are_read_from_the_stream(deployment, monkeypatch):
+    """What a worker published while the API's connection could not hear it (the API moving to
+    another NATS server) is in ``<P>_RESULTS``: a chunk past a gap, and a quiet stream, make the
+    token stream read it there - the text has no hole, the lost final result still ends it.
+    Here the missed events are published before the subscription exists (core NATS drops them)."""
+    url, subjects = deployment
+    monkeypatch.setattr(TokenStream, "CATCH_UP_IDLE_S", 0.3)
+    gap, quiet, control = (f"chatcmpl-{uuid.uuid4().hex}" for _ in range(3))
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            pub = JetStreamPublisher(nc.jetstream())
+            # 1. seqs 0 and 1 missed, 2 and the final result heard: read 0 and 1 first.
+            for msg in (_chunk(gap, 1, 0, 10), _chunk(gap, 1, 1, 11)):
+                await pub.publish(subjects.tokens(gap), msg, request_id=gap)
+            stream = await client.submit(_job(gap, time.time() + 30))
+            for msg in (_chunk(gap, 1, 2, 12), _final(gap, (10, 11, 12))):
+                await pub.publish(subjects.tokens(gap), msg, request_id=gap)
+            gapped = await stream.collect()
+            # 2. everything missed, the final result too: the quiet stream reads it.
+            for msg in (_chunk(quiet, 1, 0, 20), _final(quiet, (20,))):
+                await pub.publish(subjects.tokens(quiet), msg, request_id=quiet)
+            started = time.time()
+            stream = await client.submit(_job(quiet, started + 30))
+            silent = await stream.collect()
+            silent_s = time.time() - started
+            # Negative control: without the stream store, a gap is an error, never a hole in the text.
+            await pub.publish(subjects.tokens(control), _chunk(control, 1, 0, 30), request_id=control)
+            blind = await client.submit(_job(control, time.time() + 30))
+            blind._stored = None
+            await pub.publish(subjects.tokens(control), _chunk(control, 1, 1, 31), request_id=control)
+            with pytest.raises(WorkerFailed, match=r"lost chunks 0\.\.0"):
+                await anext(blind)
+            return gapped, silent, silent_s
+        finally:
+            await nc.close()
+
+    (chunks, final), (quiet_chunks, quiet_final), quiet_s = asyncio.run(main())
+    assert [(c.seq, c.token_ids) for c in chunks] == [(0, (10,)), (1, (11,)), (2, (12,))]
+    assert isinstance(final, FinalResult) and final.token_ids == (10, 11, 12)
+    assert [c.token_ids for c in quiet_chunks] == [(20,)] and isinstance(quiet_final, FinalResult)
+    assert quiet_s < 10  # the idle catch-up, not the 30 s deadline
 
 
 def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(deployment):

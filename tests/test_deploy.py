@@ -377,12 +377,18 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
     used = set(dc.compose_variables(compose))
     fields = {field_env(n) for cls in all_settings_classes() for n in cls.env_fields()}
     assert used - fields == COMPOSE_ONLY_VARS
+    # The cluster file's own variables (its NATS route account) are documented too, commented out.
+    cluster_only = set(dc.compose_variables(dc.load_compose_files(dc.CLUSTER_COMPOSE_PATH))) - used - fields
+    assert cluster_only == {"NATS_ROUTE_USER", "NATS_ROUTE_PASSWORD"}
+    assert cluster_only <= set(commented)
     # Every variable compose reads, and every setting (those compose does not read are listed for
     # services run by hand, e.g. EPD_STORE_FS_ROOT, EPD_TOPOLOGY), nothing else.
-    assert documented - {"COMPOSE_PROFILES"} == used | fields
+    assert documented - {"COMPOSE_PROFILES", "COMPOSE_FILE"} == used | fields | cluster_only
     # commented-out defaults are the real defaults
     by_var = {field_env(n): (cls, n) for cls in all_settings_classes() for n in cls.env_fields()}
     for var, value in commented.items():
+        if var in cluster_only | {"COMPOSE_FILE"}:  # how to opt into the cluster file: examples, no defaults
+            continue
         if var in COMPOSE_ONLY_VARS:  # e.g. the infrastructure images: compose's own default
             assert {(r.op, r.arg) for r in dc.compose_variables(compose)[var]} == {(":-", value)}, var
             continue
@@ -520,6 +526,381 @@ def test_nats_url_may_list_a_cluster(nats_server):
     asyncio.run(go())
     assert {c.num_replicas for c in stream_configs(NatsSettings(), Subjects("x"))} == {1}
     assert {c.num_replicas for c in stream_configs(NatsSettings(stream_replicas=3), Subjects("x"))} == {3}
+
+
+# -- the cluster deployment: docker-compose.yml + docker-compose.cluster.yml ------------------------
+NATS_NODES = {"nats-1", "nats-2", "nats-3"}
+MINIO_NODES = {"minio-1", "minio-2", "minio-3", "minio-4"}
+#: the test stand-in for the distributed MinIO (tests/compose/compose.cluster.test.yml)
+SEAWEED = {"seaweed-master", "seaweed-volume-1", "seaweed-volume-2", "seaweed-s3"}
+CLUSTER_DEPS = (
+    *((node, "service_healthy") for node in sorted(NATS_NODES)),
+    ("minio-init", "service_completed_successfully"),
+)
+ROUTE_SECRETS = {"NATS_ROUTE_USER": "epd-route", "NATS_ROUTE_PASSWORD": "c0ffee" * 4}
+CLUSTER_DOTENV = {**env_example_values(), **TEST_SECRETS, **ROUTE_SECRETS}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return dc.cluster_compose()
+
+
+@pytest.fixture(scope="module")
+def cluster_test() -> dict:
+    return dc.cluster_compose(test=True)
+
+
+def with_command(compose: dict, service: str, edit) -> dict:
+    """A copy whose ``service`` runs ``edit(command)``."""
+    return dc.broken(compose, service, command=edit(list(compose["services"][service]["command"])))
+
+
+def with_flag(command: list[str], flag: str, value: str) -> list[str]:
+    i = command.index(flag)
+    return [*command[: i + 1], value, *command[i + 2 :]]
+
+
+def test_cluster_merge_reads_overrides_like_compose():
+    """The static merge of several files (checked against `docker compose config` in
+    tests/compose/check_compose_up.py) refuses what it cannot know: a list set again untagged."""
+    import yaml
+
+    merged = dc.merge_compose(
+        {"services": {"a": {"ports": ["1:1"], "command": ["x"], "environment": {"A": "1"}}}},
+        yaml.load(
+            "services: {a: {ports: !override ['2:2'], command: [y], environment: {B: '2'}, user: !reset null}}",
+            Loader=dc.ComposeLoader,
+        ),
+        (),
+    )
+    assert merged == {"services": {"a": {"ports": ["2:2"], "command": ["y"], "environment": {"A": "1", "B": "2"}}}}
+    with pytest.raises(ValueError, match="services.a.ports: a list set again without !override"):
+        dc.merge_compose({"services": {"a": {"ports": ["1:1"]}}}, {"services": {"a": {"ports": ["2:2"]}}}, ())
+
+
+def test_cluster_compose_structure(cluster, dockerfile_targets):
+    """What test_compose_structure checks, on the merged files: the services wait for the cluster."""
+    problems = dc.compose_problems(
+        cluster,
+        APPS,
+        dockerfile_targets=dockerfile_targets,
+        image_version=VERSION,
+        model_path=MODEL_PATH,
+        infra_deps=CLUSTER_DEPS,
+    )
+    assert problems == []
+    # Negative control: read as the single-node file, every service waits for the wrong nats and minio.
+    single = dc.compose_problems(
+        cluster, APPS, dockerfile_targets=dockerfile_targets, image_version=VERSION, model_path=MODEL_PATH
+    )
+    assert {p for p in single if "does not wait for" in p} == {
+        f"{name}: does not wait for {dep} (service_healthy)" for name in APPS for dep in ("nats", "minio")
+    }
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_cluster_starts_the_cluster_instead_of_the_single_nodes(cluster, cluster_test, profile):
+    assert set(dc.active_services(cluster, [profile])) == NATS_NODES | MINIO_NODES | {"minio-init"} | PROFILES[profile]
+    assert set(dc.active_services(cluster_test, [profile])) == NATS_NODES | SEAWEED | {"minio-init"} | PROFILES[profile]
+    # Negative control: the profile that switches the single nodes off brings them back.
+    assert {"nats", "minio"} <= set(dc.active_services(cluster, [profile, "single-node"]))
+
+
+def test_nats_cluster(cluster, cluster_test):
+    assert dc.nats_cluster_problems(cluster) == []
+    assert dc.nats_cluster_problems(cluster_test) == []
+    nodes = {name: dc.nats_node(name, cluster["services"][name], dc.read_repo_file)[0] for name in NATS_NODES}
+    assert {n.server_name for n in nodes.values()} == NATS_NODES
+    assert {(n.cluster_name, n.jetstream, n.store_dir, n.cluster_port) for n in nodes.values()} == {
+        ("epd", True, "/data", 6222)
+    }
+    # A cluster node has the single node's limits (deploy/nats-cluster.conf includes deploy/nats.conf).
+    conf = dc.parse_nats_conf((ROOT / "deploy" / "nats-cluster.conf").read_text(), dc.read_repo_file_in("deploy"))
+    single = dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))
+    assert conf == {**single, "cluster": {"name": "epd", "port": "6222"}}
+    assert single["max_payload"] == "8MB" and single["jetstream"] == {"store_dir": "/data"}
+
+
+def _no_jetstream(relative: str) -> str | None:
+    text = dc.read_repo_file(relative)
+    return re.sub(r"jetstream \{[^}]*\}", "", text) if relative == "deploy/nats.conf" else text
+
+
+ROUTES_1 = "nats://${NATS_ROUTE_USER:?x}:${NATS_ROUTE_PASSWORD:?x}@nats-2:6222"
+BROKEN_NATS = {
+    "a node not routing to another": (
+        lambda c: with_command(
+            c, "nats-3", lambda cmd: with_flag(cmd, "--routes", ROUTES_1.replace("nats-2", "nats-1"))
+        ),
+        "nats-3: its routes do not name nats-2:6222",
+    ),
+    "a route to a stranger": (
+        lambda c: with_command(
+            c,
+            "nats-1",
+            lambda cmd: with_flag(cmd, "--routes", cmd[cmd.index("--routes") + 1] + ",nats://u:p@nats:6222"),
+        ),
+        "nats-1: routes to ['nats'], which are no NATS node",
+    ),
+    "two nodes with one name": (
+        lambda c: with_command(c, "nats-2", lambda cmd: with_flag(cmd, "--server_name", "nats-1")),
+        "server names ['nats-1', 'nats-1', 'nats-3'] are not set and distinct",
+    ),
+    "another cluster name on one node": (
+        lambda c: with_command(c, "nats-3", lambda cmd: [*cmd, "--cluster_name", "other"]),
+        "cluster names ['epd', 'other']",
+    ),
+    "a shared JetStream volume": (
+        lambda c: dc.broken(c, "nats-2", volumes=["nats-1-data:/data", *c["services"]["nats-2"]["volumes"][1:]]),
+        "nats-1, nats-2 share the JetStream volume nats-1-data",
+    ),
+    "a hard-coded route password": (
+        lambda c: with_command(
+            c,
+            "nats-1",
+            lambda cmd: with_flag(
+                cmd, "--routes", "nats://epd-route:s3cret@nats-2:6222," + ROUTES_1[:-12] + "@nats-3:6222"
+            ),
+        ),
+        "nats-1: a route URL without route credentials from variables ('epd-route', 's3cret')",
+    ),
+    "a default route password": (
+        lambda c: with_command(
+            c,
+            "nats-2",
+            lambda cmd: [
+                a.replace("${NATS_ROUTE_PASSWORD:?set NATS_ROUTE_PASSWORD in .env}", "${NATS_ROUTE_PASSWORD:-changeme}")
+                for a in cmd
+            ],
+        ),
+        "nats-2: route credential NATS_ROUTE_PASSWORD must be ${NATS_ROUTE_PASSWORD:?...}",
+    ),
+    "other route credentials on one node": (
+        lambda c: with_command(
+            c, "nats-3", lambda cmd: [a.replace("NATS_ROUTE_PASSWORD", "NATS_ROUTE_PASSWORD_3") for a in cmd]
+        ),
+        "route credentials differ between the nodes",
+    ),
+    "a client port without the services' account": (
+        lambda c: with_command(c, "nats-1", lambda cmd: with_flag(cmd, "--pass", "epd")),
+        "nats-1: --pass is not ${EPD_NATS_PASSWORD:?...}",
+    ),
+    "a node waiting for another": (
+        lambda c: dc.broken(c, "nats-2", depends_on={"nats-1": {"condition": "service_healthy"}}),
+        "nats-2: waits for nats-1",
+    ),
+    "two nodes": (
+        lambda c: dc.broken(c, "nats-3", profiles=["off"]),
+        "NATS nodes ['nats-1', 'nats-2']: a JetStream cluster needs an odd number of 3 or more",
+    ),
+    "the included file not mounted": (
+        lambda c: dc.broken(c, "nats-1", volumes=c["services"]["nats-1"]["volumes"][:2]),
+        "nats-1: the configuration includes /etc/nats/nats.conf, which is not mounted",
+    ),
+    "no health check of the meta leader": (
+        lambda c: dc.broken(c, "nats-2", healthcheck={"test": ["CMD", "wget", "-q", "http://127.0.0.1:8222/varz"]}),
+        "nats-2: the healthcheck does not ask /healthz",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_NATS))
+def test_nats_cluster_checker_rejects_broken_copies(cluster, case):
+    mutate, expected = BROKEN_NATS[case]
+    problems = dc.nats_cluster_problems(mutate(cluster))
+    assert any(expected in p for p in problems), problems
+
+
+def test_nats_cluster_checker_rejects_jetstream_off(cluster):
+    problems = dc.nats_cluster_problems(cluster, read_file=_no_jetstream)
+    assert {f"{n}: JetStream is off" for n in NATS_NODES} <= set(problems), problems
+
+
+def cluster_apps(compose: dict) -> list[str]:
+    return [name for name in APPS if name in compose["services"]]
+
+
+def test_cluster_services_know_every_node(cluster, cluster_test):
+    assert dc.cluster_app_problems(cluster, cluster_apps(cluster), CLUSTER_DOTENV) == []
+    assert dc.cluster_app_problems(cluster_test, sorted(PROFILES["e-pd"]), CLUSTER_DOTENV) == []
+    env = dc.environment(resolved_service(cluster, "decode", CLUSTER_DOTENV))
+    assert env["EPD_NATS_URL"] == "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+    assert env["EPD_STREAM_REPLICAS"] == "3"
+    # The settings read it as three seeds and R3.
+    from shared.config import NatsSettings
+
+    settings = NatsSettings(nats_url=env["EPD_NATS_URL"], stream_replicas=int(env["EPD_STREAM_REPLICAS"]))
+    assert settings.stream_replicas == 3 and settings.nats_url.count("nats://") == 3
+
+
+BROKEN_APPS = {
+    "one seed": (
+        lambda c: dc.broken(
+            c, "api", environment={**c["services"]["api"]["environment"], "EPD_NATS_URL": "nats://nats-1:4222"}
+        ),
+        "api: EPD_NATS_URL='nats://nats-1:4222' misses ['nats-2', 'nats-3']",
+    ),
+    "R1": (
+        lambda c: dc.broken(
+            c, "encoder", environment={**c["services"]["encoder"]["environment"], "EPD_STREAM_REPLICAS": "1"}
+        ),
+        "encoder: EPD_STREAM_REPLICAS='1', expected 3",
+    ),
+    "the user's R1": (
+        lambda c: dc.broken(
+            c,
+            "decode",
+            environment={**c["services"]["decode"]["environment"], "EPD_STREAM_REPLICAS": "${EPD_STREAM_REPLICAS:-}"},
+        ),
+        "decode: EPD_STREAM_REPLICAS='', expected 3",
+    ),
+    "waiting for one node": (
+        lambda c: dc.broken(
+            c,
+            "prefill",
+            depends_on={
+                "nats-1": {"condition": "service_healthy"},
+                "minio-init": {"condition": "service_completed_successfully"},
+            },
+        ),
+        "prefill: waits at start-up for ['nats-1'] only, not for every NATS node",
+    ),
+    "waiting for the switched-off single node": (
+        lambda c: dc.broken(
+            c, "api", depends_on={**c["services"]["api"]["depends_on"], "nats": {"condition": "service_healthy"}}
+        ),
+        "api: waits for nats, which this deployment does not start",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_APPS))
+def test_cluster_services_checker_rejects_broken_copies(cluster, case):
+    mutate, expected = BROKEN_APPS[case]
+    problems = dc.cluster_app_problems(mutate(cluster), cluster_apps(cluster), CLUSTER_DOTENV)
+    assert any(expected in p for p in problems), problems
+
+
+def test_cluster_object_store_is_replicated(cluster, cluster_test):
+    assert dc.object_store_problems(cluster, cluster_apps(cluster), CLUSTER_DOTENV) == []
+    assert dc.object_store_problems(cluster_test, sorted(PROFILES["e-pd"]), CLUSTER_DOTENV) == []
+    command = cluster["services"]["minio-1"]["command"]
+    assert dc.expand_minio(command[1]) == [f"http://minio-{i}:9000/data" for i in range(1, 5)]
+    # The single-node deployment is not: one drive (the negative control of the whole check).
+    single = {**cluster, "services": {**cluster["services"]}}
+    for name in MINIO_NODES:
+        single["services"][name] = {**cluster["services"][name], "profiles": ["off"]}
+    single["services"]["minio"] = {**cluster["services"]["minio"], "profiles": []}
+    assert any("1 drive(s) on 1 node(s)" in p for p in dc.object_store_problems(single, ["api"], CLUSTER_DOTENV))
+
+
+def _minio_list(c: dict, name: str, servers: str) -> dict:
+    return with_command(c, name, lambda cmd: [servers if a.startswith("http://") else a for a in cmd])
+
+
+BROKEN_STORE = {
+    "two drives": (
+        lambda c: {
+            **c,
+            "services": {
+                **c["services"],
+                **{
+                    n: {**c["services"][n], "command": ["server", "http://minio-{1...2}:9000/data"]}
+                    for n in ("minio-1", "minio-2")
+                },
+                **{n: {**c["services"][n], "profiles": ["off"]} for n in ("minio-3", "minio-4")},
+            },
+        },
+        "MinIO with 2 drive(s) on 2 node(s): distributed needs 4+ drives on 2+ nodes",
+    ),
+    "one node's own server list": (
+        lambda c: _minio_list(c, "minio-3", "http://minio-{1...3}:9000/data"),
+        "the MinIO nodes run different server lists",
+    ),
+    "a node not in the list": (
+        lambda c: {
+            **c,
+            "services": {
+                **c["services"],
+                **{
+                    n: {**c["services"][n], "command": ["server", "http://minio-{1...3}:9000/data{1...2}"]}
+                    for n in MINIO_NODES
+                },
+            },
+        },
+        "the server list names nodes ['minio-1', 'minio-2', 'minio-3'], the deployment runs",
+    ),
+    "a shared drive volume": (
+        lambda c: dc.broken(c, "minio-2", volumes=["minio-1-data:/data"]),
+        "share the drive volume minio-1-data",
+    ),
+    "the endpoint on one node": (
+        lambda c: dc.broken(c, "minio-4", networks={"default": None}),
+        "api: EPD_S3_ENDPOINT host 'minio' reaches ['minio-1', 'minio-2', 'minio-3'], not every MinIO node",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_STORE))
+def test_object_store_checker_rejects_broken_copies(cluster, case):
+    mutate, expected = BROKEN_STORE[case]
+    problems = dc.object_store_problems(mutate(cluster), ["api"], CLUSTER_DOTENV)
+    assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (
+            lambda c: with_command(c, "seaweed-master", lambda cmd: [a for a in cmd if "defaultReplication" not in a]),
+            "seaweed-master: -defaultReplication=000 keeps one copy of each volume",
+        ),
+        (
+            lambda c: dc.broken(c, "seaweed-volume-2", profiles=["off"]),
+            "seaweed-master: 2 copies need 2 volume servers, it has ['seaweed-volume-1']",
+        ),
+    ],
+)
+def test_object_store_checker_rejects_a_stand_in_without_replicas(cluster_test, change, expected):
+    assert dc.object_store_problems(change(cluster_test), ["api"], CLUSTER_DOTENV) == [expected]
+
+
+def test_cluster_secrets_are_required_and_never_defaulted(cluster):
+    variables = dc.compose_variables(cluster)
+    for var in (*SECRETS, *ROUTE_SECRETS):
+        assert all(ref.op == ":?" for ref in variables[var]), f"{var} must be ${{{var}:?...}} everywhere"
+    # Compose refuses to start a node without the route credentials ...
+    with pytest.raises(dc.MissingVariable) as err:
+        dc.resolve(cluster["services"]["nats-2"], {**env_example_values(), **TEST_SECRETS})
+    assert err.value.name in ROUTE_SECRETS
+    # ... and resolves every service once they are set.
+    for name in cluster["services"]:
+        dc.resolve(cluster["services"][name], CLUSTER_DOTENV)
+
+
+def published_port_problems(compose: dict, profiles: list[str]) -> list[str]:
+    """Published ports of the started services: on 127.0.0.1 (the API's 8000 aside), each host port once."""
+    problems, seen = [], {}
+    for name in dc.active_services(compose, profiles):
+        for ip, host, _ in dc.port_mappings(compose["services"][name]):
+            if ip != "127.0.0.1" and host != 8000:
+                problems.append(f"{name}: publishes {host} on all interfaces")
+            if host in seen:
+                problems.append(f"{name}: host port {host} is {seen[host]}'s too")
+            seen[host] = name
+    return problems
+
+
+def test_cluster_ports(cluster):
+    assert published_port_problems(cluster, ["e-pd"]) == []
+    assert dc.port_mappings(cluster["services"]["nats-2"]) == [("127.0.0.1", 4223, 4222), ("127.0.0.1", 8223, 8222)]
+    assert published_port_problems(dc.broken(cluster, "nats-3", ports=["127.0.0.1:4222:4222"]), ["e-pd"]) == [
+        "nats-3: host port 4222 is nats-1's too"
+    ]
+    assert published_port_problems(dc.broken(cluster, "nats-3", ports=["6222:6222"]), ["e-pd"]) == [
+        "nats-3: publishes 6222 on all interfaces"
+    ]
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------
@@ -682,6 +1063,9 @@ DEPLOYMENT_NEEDLES = (
     "EPD_NATS_PASSWORD",
     "MINIO_ROOT_PASSWORD",
     "epd healthcheck",
+    "docker-compose.cluster.yml",
+    "NATS_ROUTE_PASSWORD",
+    "EPD_STREAM_REPLICAS=3",
     *PROFILES,
     *COMPOSE_ONLY_VARS,
 )

@@ -23,7 +23,7 @@ class RecordingPublisher:
     def __init__(self):
         self.sent: list[tuple[str, protocol.Message]] = []
 
-    async def publish(self, subject, msg, *, request_id, msg_id=None):
+    async def publish(self, subject, msg, *, request_id, msg_id=None, deadline=None):
         self.sent.append((subject, msg))
         return True
 

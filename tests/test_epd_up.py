@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tomllib
@@ -40,7 +41,7 @@ from shared.tools.launcher import Stack
 from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import EXAMPLE
 from shared.topology import Topology
-from tests.epdup import EPD, READY, REPO, EpdUp, Proc, descendants, distinct_free_ports
+from tests.epdup import EPD, EXITED, HEALTHY, READY, REPO, RESTARTED, EpdUp, Proc, descendants, distinct_free_ports
 from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
 from tests.test_e2e_epd import REF_PARAMS
 
@@ -117,6 +118,30 @@ def test_make_run_is_epd_up_on_port_8000():
     readme = (REPO / "README.md").read_text()
     assert "make run    # creates .venv, installs, starts NATS + S3 + all services: http://127.0.0.1:8000" in readme
     assert str(DEFAULT_DATA_DIR) == "var" and "keeps every file under `./var`" in readme
+
+
+def test_epd_up_refuses_a_taken_api_port_before_starting_anything(tmp_path):
+    """The API binds last, after the workers have loaded: a taken ``--port`` fails at once, clearly."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        nats_port, s3_port = distinct_free_ports(2)
+        data_dir = tmp_path / "var"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+        run = subprocess.run(
+            [str(EPD), "up", "--data-dir", str(data_dir), "--port", str(port)]
+            + ["--nats-port", str(nats_port), "--s3-port", str(s3_port), "--no-fork-server"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=REPO,
+        )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"the API port 127.0.0.1:{port} is already in use; pick another with --port" in run.stderr
+    assert "starting services" not in run.stdout  # refused before NATS, S3 or a service started
+    assert not (data_dir / "nats").exists() and not (data_dir / "logs").exists()
 
 
 # -- epd up, for real ------------------------------------------------------------------------------
@@ -252,14 +277,16 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         assert (m["model"], m["engine"]) == (MODEL_NAME if topology is None else "qwen2-vl-tiny", "transformers")
         reference = demo_engine if topology is None else reference_engine
 
-        # Real processes: the topology's services (and nothing else of ours), NATS and S3.
+        # Real processes: the topology's services (and nothing else of ours), NATS, S3 and the fork
+        # server the services were forked from (shared.tools.forkserver).
         children = descendants(proc.pid)
         modules = sorted(
             re.search(r"-m services\.(\w+)", p.cmdline)[1] for p in children if "-m services." in p.cmdline
         )
         assert modules == sorted(SERVICES[expected]), [p.cmdline for p in children]
         assert any("nats-server" in p.cmdline for p in children) and any(" mini " in p.cmdline for p in children)
-        assert len(children) == len(modules) + 2, [p.cmdline for p in children]
+        assert sum("-m shared.tools.forkserver" in p.cmdline for p in children) == 1, [p.cmdline for p in children]
+        assert len(children) == len(modules) + 3, [p.cmdline for p in children]
         bound = {
             re.search(r"-m services\.(\w+)", p.cmdline)[1]: os.sched_getaffinity(p.pid)
             for p in children
@@ -383,9 +410,6 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
 
 
 # -- supervision: a dead service is restarted, only NATS / S3 death or Ctrl-C stops the stack -----
-EXITED = r"^{label} \(pid (?P<pid>\d+)\) exited \((?P<how>[^)]*)\) after [\d.]+s up; restarting in (?P<delay>[\d.]+)s"
-RESTARTED = r"^{label} restarted \(pid (?P<pid>\d+), restart (?P<n>\d+)\)$"
-HEALTHY = r"^{label} healthy again \(pid (?P<pid>\d+), (?P<after>[\d.]+)s after its restart\)$"
 
 
 def test_restart_policy_backs_off_exponentially_caps_and_resets():

@@ -234,3 +234,68 @@ def test_encode_job_that_keeps_failing_is_reported_failed(crashing_stack):
     assert event.item_hash == item and event.request_id == job.request_id
     assert headers.get(protocol.HDR_MSG_ID, "").startswith(f"max-deliveries-{subjects.stream_encode}-")
     assert watch.plain == [1, 1] and sum(watch.grouped) == 1, (watch.plain, watch.grouped)  # negative control
+
+
+def test_a_job_that_runs_out_of_deliveries_after_its_request_completed_is_not_reported(crashing_stack):
+    """Acks lost in a NATS failover: the redeliveries of an answered request's job fail until
+    JetStream gives up. The request is over (its FinalResult is on record): no ErrorEvent, no
+    "failed N times" log. Control: the same without the FinalResult gets its ErrorEvent (the
+    test above)."""
+    import nats
+
+    subjects = crashing_stack.subjects
+    rid = f"test-maxdeliver-done-{int(time.time() * 1000)}"
+    job = GenerationJob(
+        request_id=rid,
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        images=(),
+        fingerprint="fp",
+        sampling=protocol.SamplingSpec(temperature=0, max_tokens=4),
+        stream=False,
+        deadline=time.time() + REQUEST_TIMEOUT_S,
+        created_at=time.time(),
+    )
+    final = protocol.FinalResult(
+        request_id=rid,
+        attempt=1,
+        token_ids=(1,),
+        text="x",
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=1,
+    )
+
+    async def main():
+        nc = await nats.connect(crashing_stack.nats_url)
+        try:
+            watch = await Watch(
+                nc,
+                subjects.tokens(rid),
+                ErrorEvent,
+                subjects.max_deliveries_advisory(subjects.stream_generate, protocol.CONSUMER_PREFILL),
+            ).start()
+            js = nc.jetstream()
+            await js.publish(subjects.generate_jobs, protocol.encode(job), headers=protocol.headers_for(job, rid))
+            await js.publish(subjects.tokens(rid), protocol.encode(final), headers=protocol.headers_for(final, rid))
+            taken, seen = await _take_and_die(
+                crashing_stack,
+                subjects.stream_generate,
+                protocol.CONSUMER_PREFILL,
+                GenerationJob,
+                deliveries=MAX_DELIVER,
+            )
+            deadline = time.monotonic() + 60  # the advisory reached a supervisor (which logs it)
+            while "ran out of deliveries after its request ended" not in _api_logs(crashing_stack) and not watch.events:
+                assert time.monotonic() < deadline, "no supervisor handled the advisory"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(SETTLE_S)
+            return taken, seen, watch
+        finally:
+            await nc.close()
+
+    taken, seen, watch = asyncio.run(main())
+    assert taken == job and seen == [1, 2] and sum(watch.grouped) == 1
+    assert watch.events == []
+    assert crashing_stack.messages_of("stream_results", ErrorEvent, rid) == []
+    assert f"generation job of {rid} failed" not in _api_logs(crashing_stack)

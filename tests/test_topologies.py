@@ -33,7 +33,7 @@ from tests.test_e2e_epd import reference_tokens
 def test_launcher_starts_each_topology_with_its_roles(monkeypatch, tmp_path, topology, services, role):
     started = []
 
-    def fake_start(name, env, log_path, cwd=None, *, module=None):
+    def fake_start(name, env, log_path, cwd=None, *, module=None, fork_server=None):
         started.append((name, env))
         return launcher.ServiceProcess(name, None, log_path)  # type: ignore[arg-type]  # a fake: no process
 

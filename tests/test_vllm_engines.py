@@ -176,3 +176,21 @@ async def test_closing_generate_early_aborts_the_request(vllm_reference):
         await task
     assert await _settled(vllm_reference) == 0
     assert (await generate(vllm_reference, "Describe the image.", [item]))[0] == want
+
+
+def test_a_cpu_engine_prefills_in_small_steps_unless_it_hands_kv_off(
+    vllm_reference, engines, tiny_model_dir, vllm_work_dir, store_config
+):
+    """``EPD_VLLM_MAX_NUM_BATCHED_TOKENS`` unset on a CPU: 256 prompt tokens a step for engines
+    without a KV hand-off (started: the reference, the EC producer and consumer), vLLM's own default
+    for a KV producer (not checked with chunked prefills); a value set is taken as it is."""
+    from shared.engines.vllm_engine import CPU_MAX_NUM_BATCHED_TOKENS, VllmEngine
+
+    for engine in (vllm_reference, *engines):
+        assert engine.vllm_config.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+    common = dict(dtype="float32", work_dir=vllm_work_dir, ec_extra_config=store_config)  # built, not started
+    producer = VllmEngine(tiny_model_dir, kv_role="kv_producer", **common)
+    assert producer.engine_args.max_num_batched_tokens != CPU_MAX_NUM_BATCHED_TOKENS  # vLLM's (2048 here)
+    assert VllmEngine(tiny_model_dir, max_num_batched_tokens=512, **common).engine_args.max_num_batched_tokens == 512
+    many = VllmEngine(tiny_model_dir, max_num_seqs=300, **common)  # vLLM wants at least one token per sequence
+    assert many.engine_args.max_num_batched_tokens == 300

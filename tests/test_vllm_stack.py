@@ -168,6 +168,38 @@ def test_connector_counts_this_requests_store_hit(vllm_stack):
 
 
 @pytest.mark.vllm
+def test_a_repeated_request_is_a_prefix_cache_hit_in_the_worker_metrics(vllm_stack):
+    """vLLM's prefix-cache hits reach ``epd:prefix_cache_tokens_total`` on the prefill worker: the
+    same image and question a second time hits more prompt tokens than the first time (a new image:
+    at most the template's opening blocks), and every prompt token is counted as queried."""
+    url = f"http://127.0.0.1:{vllm_stack.prefill_metrics_port}/metrics"
+
+    def counts() -> tuple[float, float]:
+        text = scrape(url)
+        return (
+            metric_value(text, "epd:prefix_cache_tokens_total", kind="hit"),
+            metric_value(text, "epd:prefix_cache_tokens_total", kind="query"),
+        )
+
+    # vLLM on CPU caches whole blocks of 128 tokens: a prompt of ~530 tokens (the image is a few of them).
+    image = noise_image(73, (112, 112))
+    question = "Describe the colours of this picture in detail, one by one, from left to right. " * 12
+    deltas = []
+    for _ in range(2):
+        before = counts()
+        _, body = api_tokens(vllm_stack, question, [image])
+        prompt = body["usage"]["prompt_tokens"]
+        after = wait_for(
+            lambda b=before, p=prompt: (c := counts())[1] >= b[1] + p and c, 60, "the prompt tokens to be counted"
+        )
+        assert after[1] - before[1] == prompt
+        deltas.append(after[0] - before[0])
+    first_hits, repeat_hits = deltas
+    assert repeat_hits > first_hits and repeat_hits > 0, deltas
+    assert prompt - repeat_hits < prompt / 2, (prompt, deltas)  # most of the prompt came from the cache
+
+
+@pytest.mark.vllm
 def test_replay_of_a_sampled_request_on_vllm_reproduces_it(vllm_stack):
     """``epd replay run`` of a request the vLLM stack sampled with its derived seed (no client
     seed): the replay draws the same tokens (``--compare`` exits 0); with ``--new-seed`` it draws

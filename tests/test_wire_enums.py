@@ -21,6 +21,7 @@ from shared.protocol import (
     EvictionReason,
     FinalResult,
     GenerationJob,
+    RouteReason,
     SamplingSpec,
     StageName,
     StructuredKind,
@@ -45,6 +46,7 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "decode_batch_rows_max",
     },
     WorkQueue: {"encode", "generate", "decode"},
+    RouteReason: {"affinity", "load", "fallback", "no_affinity"},
     StructuredKind: {"json_object", "json_schema"},
     # the Epd-Stage header, ErrorEvent.stage and a timeline stage's service (with "replay")
     Service: {"api", "encoder", "prefill", "decode"},
@@ -57,9 +59,11 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "bad_message",
         "retried",
         "cancelled",
+        "already_done",
         "failed",
         "expired",
         "rejected",
+        "superseded",
     },
     KVHandoffOutcome: {
         "handed_off",

@@ -4,13 +4,15 @@ return or exception becomes (ack / nak / term) and when the request's terminal e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
-from shared import protocol
+from shared import cancellation, metrics, protocol
+from shared.cancellation import CLOCK_SKEW_S, Ended, RequestRecords
 from shared.errors import EngineError, EPDError, InvalidRequest, ServiceUnavailable, StoreError, WorkerFailed
-from shared.protocol import EncodeJob, ImageRef
+from shared.protocol import EncodeJob, ImageRef, Subjects
 from shared.topology import Role, Service
 from shared.worker import Action, Delivery, Handler, Reject, Retry, settle
 
@@ -23,6 +25,10 @@ JOB = EncodeJob(
 )
 
 
+def metric_value(counter, outcome: str) -> float:
+    return counter.labels(outcome)._value.get()
+
+
 class Scripted(Handler):
     """Raises what it is given; records every terminal call."""
 
@@ -30,6 +36,7 @@ class Scripted(Handler):
     role = Role.ENCODER
     job_type = EncodeJob
     queue = protocol.WorkQueue.ENCODE
+    jobs_metric = metrics.ENCODE_JOBS
 
     def __init__(
         self, outcome: BaseException | None = None, *, terminal_fails: bool = False, block: asyncio.Event | None = None
@@ -130,13 +137,41 @@ async def test_a_terminal_event_that_cannot_be_sent_leaves_the_job_to_a_redelive
 
 
 class Cancels:
-    """The cancellation records of some request ids (``shared.cancellation.CancelRecords``' reads)."""
+    """The records of some request ids (``shared.cancellation.RequestRecords``' reads): cancelled
+    ones, and ``ended`` ones (request id -> ``Ended``: their result is published)."""
 
-    def __init__(self, *cancelled: str):
+    def __init__(self, *cancelled: str, ended: dict[str, Ended] | None = None):
         self.cancelled = set(cancelled)
+        self.results = ended or {}
 
     async def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled
+
+    async def ended(self, request_id: str) -> Ended | None:
+        return Ended.CANCELLED if request_id in self.cancelled else self.results.get(request_id)
+
+    def heard_cancelled(self, request_id: str, published_at: float | None) -> bool | None:
+        return None  # not listening: every check reads the records
+
+
+async def test_a_job_taken_after_its_request_ended_is_acked_without_running():
+    """The ack of the delivery that finished the request was lost: the redelivery must not run."""
+    before = metric_value(metrics.ENCODE_JOBS, "already_done")
+    for ended in (Ended.COMPLETED, Ended.FAILED):
+        h = Scripted(InvalidRequest("must not run"))
+        s = await settle(h, delivery(n=2), Cancels(ended={JOB.request_id: ended}))
+        assert (s.action, s.reason, h.handled, h.cancelled, h.terminal) == (
+            Action.ACK,
+            f"already {ended}",
+            0,
+            ["r1"],
+            [],
+        )
+    assert metric_value(metrics.ENCODE_JOBS, "already_done") == before + 2
+    # negative control: another request's result does not stop this one
+    h = Scripted()
+    s = await settle(h, delivery(n=2), Cancels(ended={"another": Ended.COMPLETED}))
+    assert (s.action, h.handled) == (Action.ACK, 1)
 
 
 async def test_a_cancelled_request_s_job_is_dropped_when_taken_and_others_run():
@@ -171,3 +206,83 @@ async def test_a_job_cancelled_by_shutdown_is_left_for_redelivery():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert h.cancelled == [] and h.terminal == []
+
+
+class FakeConnection:
+    """What ``RequestRecords`` asks of the NATS connection: connected, and reconnects so far."""
+
+    def __init__(self) -> None:
+        self.is_connected = True
+        self.stats = {"reconnects": 0}
+
+
+class CountsReads(Scripted):
+    """Counts the JetStream reads of ``Handler.ended`` (the records say: not ended)."""
+
+    reads = 0
+
+    async def ended(self, job, records) -> Ended | None:
+        self.reads += 1
+        return None
+
+
+class Clock:
+    """``shared.cancellation``'s ``time`` (its ``time()`` only), set by the test."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+LISTENING_AT = 1000.0
+PUBLISHED_AT = LISTENING_AT + CLOCK_SKEW_S + 1  # after the worker started listening, past the skew
+
+
+def listening_records(monkeypatch, *heard: str) -> tuple[RequestRecords, FakeConnection, Clock]:
+    clock = Clock(LISTENING_AT)
+    monkeypatch.setattr(cancellation, "time", clock)
+    nc = FakeConnection()
+    records = RequestRecords(None, Subjects("t"), nc)  # type: ignore[arg-type]  # no JetStream: ended() is faked
+    records.listening()
+    for request_id in heard:
+        records.heard(request_id)
+    clock.now = PUBLISHED_AT + 0.5  # the job is taken
+    return records, nc, clock
+
+
+def published(at: float, n: int = 1) -> Delivery:
+    return dataclasses.replace(delivery(n=n), published_at=at)
+
+
+async def test_a_first_delivery_is_checked_against_the_cancellations_heard_without_a_read(monkeypatch):
+    """Listening since before the job was published: the heard set answers, no round trip."""
+    records, _, _ = listening_records(monkeypatch, JOB.request_id)
+    h = CountsReads()
+    s = await settle(h, published(PUBLISHED_AT), records)
+    assert (s.reason, h.handled, h.cancelled, h.reads) == ("cancelled", 0, ["r1"], 0)
+    # negative control: not heard -> runs, still without a read
+    records, _, _ = listening_records(monkeypatch, "another")
+    h = CountsReads()
+    s = await settle(h, published(PUBLISHED_AT), records)
+    assert (s.reason, h.handled, h.reads) == ("", 1, 0)
+
+
+@pytest.mark.parametrize("gap", ["redelivery", "published before listening", "reconnected", "disconnected", "forgot"])
+async def test_the_records_are_read_when_the_heard_set_may_miss_the_cancellation(gap, monkeypatch):
+    records, nc, clock = listening_records(monkeypatch)
+    d = published(PUBLISHED_AT, n=2 if gap == "redelivery" else 1)
+    if gap == "published before listening":
+        d = published(LISTENING_AT + CLOCK_SKEW_S / 2)  # (within the skew counts as before)
+    elif gap == "reconnected":  # the subscription had a gap: complete only from when that is seen
+        nc.stats["reconnects"] += 1
+    elif gap == "disconnected":
+        nc.is_connected = False
+    elif gap == "forgot":
+        monkeypatch.setattr(cancellation, "HEARD_MAX", 2)
+        for rid in ("a", "b", "c"):  # "a" is forgotten: complete only from now
+            records.heard(rid)
+    h = CountsReads()
+    s = await settle(h, d, records)
+    assert (s.reason, h.handled, h.reads) == ("", 1, 1)

@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import html
 import importlib.metadata
-import json
 import logging
 import time
 import urllib.parse
@@ -31,6 +30,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import nats
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -363,8 +363,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 if parsed.echo and isinstance(parsed.prompt, tuple):
                     parsed.echo_text = await tokenizer.decode(parsed.prompt, param="prompt")
             deadline = received_at + settings.request_timeout_s
-            if service.nc is None or not service.nc.is_connected:
-                raise ServiceUnavailable("not connected to NATS")
+            await service.wait_connected(deadline)
             images = await asyncio.wait_for(
                 service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time())
             )
@@ -518,6 +517,10 @@ async def _complete(
     return JSONResponse(response_body(request_id, parsed, results, int(received_at)))
 
 
+#: SSE chunks' JSON: compact UTF-8, as vLLM's server writes them (0.3 us a chunk; json.dumps 3 us).
+_json = msgspec.json.Encoder().encode
+
+
 async def _sse(
     first: tuple[int, Any],
     events: ChoiceStreams,
@@ -528,55 +531,65 @@ async def _sse(
     tracked: list[metrics.RequestMetrics],
 ) -> AsyncIterator[bytes]:
     shaper = StreamShaper(request_id, parsed, int(received_at))
+    # What is ready goes out in one write: the chunks are collected here and sent whenever the
+    # stream would wait for the next event (and at the end), not one socket write per chunk.
+    ready: list[bytes] = []
 
-    def data(body: dict[str, Any]) -> bytes:
-        return f"data: {json.dumps(body)}\n\n".encode()
+    def data(body: dict[str, Any]) -> None:
+        ready.append(b"data: " + _json(body) + b"\n\n")
+
+    def flush() -> bytes:
+        out = b"".join(ready)
+        ready.clear()
+        return out
 
     token = REQUEST_ID.set(request_id)
     metrics.IN_FLIGHT.labels("api_stream").inc()
     try:
         for body in shaper.opening():
-            yield data(body)
+            data(body)
         finals: dict[int, FinalResult] = {}
-
-        async def all_events():
-            yield first
-            while True:
-                try:
-                    yield await _unless_interrupted(anext(events), service.stopping)
-                except StopAsyncIteration:
-                    return
-
         try:
-            async for index, event in all_events():
+            event_of: tuple[int, Any] | None = first
+            while True:
+                if event_of is None:
+                    if ready:
+                        yield flush()
+                    try:
+                        event_of = await _unless_interrupted(anext(events), service.stopping)
+                    except StopAsyncIteration:
+                        break
+                index, event = event_of
+                event_of = None
                 if isinstance(event, TokenChunk):
                     tracked[index].tokens(len(event.token_ids))  # TTFT, inter-token latency
                     out = shaper.tokens(index, event)
                     if out is not None:
-                        yield data(out)
+                        data(out)
                 elif isinstance(event, FinalResult):
                     finals[index] = event
                     _observe_final(tracked[index], event)
-                    yield data(shaper.finish(index, event))
+                    data(shaper.finish(index, event))
                 elif isinstance(event, ErrorEvent):
                     raise _event_error(event)
             if len(finals) != parsed.n:
                 raise ServiceUnavailable("token stream ended without a result")
             ordered = [finals[i] for i in range(parsed.n)]
             if parsed.include_usage:
-                yield data(shaper.usage(ordered))
+                data(shaper.usage(ordered))
             metrics.REQUESTS.labels("200").inc()
         except EPDError as exc:
             # Headers are gone: report in-band, the way OpenAI-compatible servers do.
             log.error("stream failed: %s: %s", exc.code, exc.message)
             metrics.REQUESTS.labels(str(exc.http_status)).inc()
-            yield data(_error_body(exc))
+            data(_error_body(exc))
         except nats.errors.Error as exc:
             log.error("stream failed: NATS: %s: %s", type(exc).__name__, exc)
             err = nats_unavailable("streaming tokens", exc)
             metrics.REQUESTS.labels(str(err.http_status)).inc()
-            yield data(_error_body(err))
-        yield b"data: [DONE]\n\n"
+            data(_error_body(err))
+        ready.append(b"data: [DONE]\n\n")
+        yield flush()
     finally:
         _close_all(tracked)
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed

@@ -17,15 +17,16 @@ from typing import Any
 import msgspec
 import nats
 
+from services.api.routing import Router
 from services.api.schemas import ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import protocol
 from shared.client import ChoiceStreams, RequestClient, Submission
 from shared.config import ApiSettings
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
-from shared.errors import EPDError
+from shared.errors import EPDError, ServiceUnavailable
 from shared.identity import ModelIdentity
-from shared.jetstream import JetStreamPublisher, connect, ensure_topology
+from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import ChatRequestRecord, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.store.ec import ECStore
@@ -92,6 +93,8 @@ class ApiService:
         self.js: nats.js.JetStreamContext | None = None
         self.client: RequestClient | None = None
         self.supervisor: DeliverySupervisor | None = None
+        #: ``EPD_ROUTING=affinity``: where generation jobs go (``services.api.routing``)
+        self.router: Router | None = None
         self.store: ECStore | None = None
         #: EC store lifecycle: use recording, the index of announced objects, the janitor
         self.ec: ECLifecycle | None = None
@@ -108,8 +111,8 @@ class ApiService:
         self.loop = asyncio.get_running_loop()
         self.nc = await connect(self.settings.nats, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
-        await ensure_topology(self.js, self.settings.nats, self.subjects)
-        publisher = JetStreamPublisher(self.js)
+        await ensure_topology(self.js, self.settings.nats, self.subjects, nc=self.nc)
+        publisher = JetStreamPublisher(self.js, retry_s=self.settings.nats.publish_retry_s)
         settings = self.settings
         stores = await asyncio.to_thread(
             lambda: open_stores(
@@ -130,8 +133,18 @@ class ApiService:
             model=self.model_name,
             model_path=str(self.identity.model_path),
         )
+        if settings.routing == "affinity":
+            self.router = Router(self.nc, self.subjects, publisher, settings, fingerprint=self.fingerprint)
+            await self.router.start()
         self.client = RequestClient(
-            self.nc, self.subjects, publisher, ec_index=self.ec.index, store=self.store, recorder=self.ec.recorder
+            self.nc,
+            self.subjects,
+            publisher,
+            ec_index=self.ec.index,
+            store=self.store,
+            recorder=self.ec.recorder,
+            retry_s=self.settings.nats.publish_retry_s,
+            router=self.router,
         )
         self.fetcher = ImageFetcher(self.limits)
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
@@ -139,7 +152,12 @@ class ApiService:
             self.nc, self.subjects, publisher, max_deliver=self.settings.nats.max_deliver
         )
         await self.supervisor.start()
-        log.info("api ready: model %s, encoder fingerprint %s", self.model_name, self.fingerprint)
+        log.info(
+            "api ready: model %s, encoder fingerprint %s, routing %s",
+            self.model_name,
+            self.fingerprint,
+            settings.routing,
+        )
 
     def begin_shutdown(self, grace_s: float) -> None:
         """The server was asked to stop: requests still running after ``grace_s`` end with 503
@@ -154,12 +172,14 @@ class ApiService:
             await asyncio.wait(self._background, timeout=5.0)
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.router is not None:
+            await self.router.stop()
         if self.ec is not None:
             await self.ec.close()
         if self.fetcher is not None:
             await self.fetcher.aclose()
-        if self.nc is not None:
-            await self.nc.drain()
+        if self.nc is not None:  # drained, or closed at once when the server stalls
+            await close_connection(self.nc)
 
     async def nats_answers(self, timeout_s: float = 2.0) -> bool:
         """Connected and JetStream answers a round trip now (a stalled server keeps the TCP
@@ -172,6 +192,23 @@ class ApiService:
             log.warning("NATS does not answer: %s: %s", type(exc).__name__, exc)
             return False
         return True
+
+    async def wait_connected(self, deadline: float) -> None:
+        """Return once the NATS client is connected. While it reconnects - its server died or
+        stalled and it moves to another seed of the cluster - wait for it, up to
+        ``EPD_PUBLISH_RETRY_S`` and the request's ``deadline``: a NATS node failing costs the
+        request that long, not a 503. Raises ServiceUnavailable when it is not back by then (or
+        the connection is closed for good)."""
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            raise ServiceUnavailable("not connected to NATS")
+        if nc.is_connected:
+            return
+        until = min(deadline, time.time() + self.settings.nats.publish_retry_s)
+        while not nc.is_connected:
+            if nc.is_closed or time.time() >= until:
+                raise ServiceUnavailable("not connected to NATS")
+            await asyncio.sleep(0.05)  # nats-py offers no event to await for "connected again"
 
     async def _on_heartbeat(self, msg) -> None:
         try:
@@ -187,6 +224,8 @@ class ApiService:
                 self.fingerprint,
             )
         self.workers.update(hb)
+        if self.router is not None:
+            self.router.on_heartbeat(hb)
         if self.ec is not None:  # which fingerprints are served (current) and which are retired
             await self.ec.fingerprint_seen(hb.fingerprint, model=hb.model)
             await self.ec.fingerprint_seen(

@@ -14,7 +14,9 @@ for its deadline:
 Every API process runs one, in the queue group ``protocol.QUEUE_SUPERVISOR``: NATS hands each
 advisory to one member, so N API replicas publish one event, not N. The event also carries a
 ``Nats-Msg-Id`` derived from the job's stream sequence, so a second copy (a supervisor outside the
-group, an advisory seen twice) is dropped by the stream's duplicate window.
+group, an advisory seen twice) is dropped by the stream's duplicate window. A generation / decode
+job whose request already ended (its result or a cancellation is recorded,
+``shared.cancellation.RequestRecords``) is not reported: the client has its answer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from nats.aio.client import Client as NATS
 
 from shared import protocol
+from shared.cancellation import RequestRecords
 from shared.errors import WorkerFailed
 from shared.jetstream import Publisher
 from shared.protocol import DecodeJob, ECFailed, EncodeJob, GenerationJob, Subjects
@@ -51,13 +54,15 @@ class DeliverySupervisor:
         self.publisher = publisher
         self.max_deliver = max_deliver
         self.queue = queue
+        self.records = RequestRecords(self.js, subjects)
         self._subs: list = []
 
     def advisory_subjects(self) -> list[str]:
         return [
             self.subjects.max_deliveries_advisory(stream, consumer)
             for stream, consumer in (
-                (self.subjects.stream_generate, protocol.CONSUMER_PREFILL),
+                # the shared consumer and every worker's routed one (``shared.routing``)
+                (self.subjects.stream_generate, "*"),
                 (self.subjects.stream_decode, protocol.CONSUMER_DECODE),
                 (self.subjects.stream_encode, protocol.CONSUMER_ENCODER),
             )
@@ -86,6 +91,16 @@ class DeliverySupervisor:
             return
         msg_id = f"max-deliveries-{stream}-{seq}"
         if isinstance(job, (GenerationJob, DecodeJob)):
+            # Deliveries that ran out after the request ended (acks lost in a NATS failover, the
+            # redeliveries then failed or timed out): nothing failed that anyone waits on.
+            ended = await self.records.ended(job.request_id)
+            if ended is not None:
+                log.info(
+                    "a job of %s ran out of deliveries after its request ended (%s): not reported",
+                    job.request_id,
+                    ended,
+                )
+                return
             stage, what = ("decode", "decode") if isinstance(job, DecodeJob) else ("prefill", "generation")
             event = protocol.error_event(
                 job.request_id,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from shared import metrics, protocol
 from shared.admission import Admission
-from shared.cancellation import CancelRecords
+from shared.cancellation import Ended, RequestRecords
 from shared.config import EncoderSettings
 from shared.engines import base
 from shared.engines.base import Engine
@@ -174,12 +174,15 @@ class EncoderHandler(ModelHandler):
         await self._ready(job, n_tokens, nbytes, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels(JobOutcome.ENCODED).inc()
 
-    async def still_wanted(self, job: EncodeJob, cancels: CancelRecords) -> bool:
+    async def ended(self, job: EncodeJob, records: RequestRecords) -> Ended | None:
         """Dropped only when its request was cancelled and no other live request waits on it
-        (``shared.cancellation``)."""
-        if not await cancels.is_cancelled(job.request_id):
-            return True
-        return await cancels.wanted_elsewhere(job.fingerprint, job.image.item_hash, job.request_id)
+        (``shared.cancellation``); encode jobs are shared, so a completed request does not end
+        its item's job (a redelivered one finds its EC object stored and only announces it)."""
+        if not await records.is_cancelled(job.request_id):
+            return None
+        if await records.wanted_elsewhere(job.fingerprint, job.image.item_hash, job.request_id):
+            return None
+        return Ended.CANCELLED
 
     async def on_cancelled(self, job: EncodeJob) -> None:
         # A request that wanted the image after all (it raced the check) encodes it locally now

@@ -90,6 +90,10 @@ class FeatureCache:
             _, old = self._items.popitem(last=False)
             self.nbytes -= self._size(old)
 
+    def recent(self) -> list[str]:
+        """The item hashes held, most recently used first (what a heartbeat advertises)."""
+        return list(reversed(self._items))
+
     def drop(self, keys: Iterable[str]) -> int:
         """Forget ``keys`` (an invalidation: the store no longer has them). Returns how many were held."""
         dropped = 0

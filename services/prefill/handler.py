@@ -25,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import cast
+
+import msgspec
 
 from services.prefill.features import (
     ConnectorFeatures,
@@ -38,19 +41,20 @@ from services.prefill.features import (
 from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
 from shared import metrics, protocol
 from shared.admission import Admission
-from shared.config import PrefillSettings
+from shared.config import PrefillSettings, WorkerSettings
 from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
-from shared.protocol import FinalResult, GenerationJob, Timing
+from shared.protocol import FinalResult, GenerationJob, Timing, WorkerHeartbeat
+from shared.routing import RecentItems, RouteClaim, advertised
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.token_stream import TokenOutput
 from shared.topology import Role, Service
-from shared.worker import Delivery, Reject, WorkerContext
+from shared.worker import Delivery, Reject, Superseded, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class PrefillHandler(ModelHandler):
     queue = protocol.WorkQueue.GENERATE
     durable = protocol.CONSUMER_PREFILL
     jobs_metric = metrics.GENERATION_JOBS
+    routable = True
 
     def __init__(
         self,
@@ -82,6 +87,13 @@ class PrefillHandler(ModelHandler):
         self.cache = FeatureCache(settings.local_cache_bytes)
         self.features: FeatureSource | None = None
         self.handoff: HandOff | None = None
+        #: the items this worker's jobs used, most recent first: what it advertises when its engine
+        #: keeps the features itself (vLLM's encoder and prefix caches; ``shared.routing``)
+        self.recent_items = RecentItems(settings.routing_advertised_items)
+        #: jobs taken and not yet answered (their result or hand-off not sent): the heartbeat's load.
+        #: Not the runner's ``in_flight``, which holds a job until it is acked - a heartbeat that
+        #: counted a job the API already saw end would make the worker look busy to the router.
+        self.generating = 0
 
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
@@ -127,19 +139,53 @@ class PrefillHandler(ModelHandler):
             return KVConnectorHandOff(self.engine, ctx, worker_id, self.kv_store)
         return KVObjectHandOff(self.engine, ctx, worker_id, self.kv_store)  # base.KVStateHandoff
 
+    def heartbeat(self, settings: WorkerSettings) -> WorkerHeartbeat:
+        """With what routing needs (``shared.routing``): slots, free slots, the items it holds."""
+        hb = super().heartbeat(settings)
+        if not self.routed or self.admission is None:
+            return hb
+        k = self.settings.routing_advertised_items
+        # a feature cache (transformers): what it holds; else the engine's caches: what was used last
+        held = self.cache.recent() if isinstance(self.features, LocalFeatures) else self.recent_items.recent()
+        return msgspec.structs.replace(
+            hb,
+            routable=True,
+            slots=self.admission.slots,
+            free_slots=max(0, self.admission.slots - max(0, self.generating - self.admission.waiting_jobs)),
+            items=advertised(held, k),
+        )
+
     # -- job -------------------------------------------------------------------------------
     async def handle(self, job: GenerationJob, delivery: Delivery) -> None:
         if time.time() > job.deadline:
             raise Reject(
                 DeadlineExceeded("request deadline passed before a worker took it"), outcome=JobOutcome.EXPIRED
             )
+        answered = False
+
+        def answering() -> None:  # the result goes out now: no longer load
+            nonlocal answered
+            if not answered:
+                answered = True
+                self.generating -= 1
+
+        self.generating += 1
         try:
-            await self._generate(job, delivery.num_delivered)
+            await self._generate(job, delivery.num_delivered, claim=delivery.claim, answering=answering)
         except InvalidRequest as exc:  # the client's error: its own message
             raise Reject(exc, outcome=JobOutcome.REJECTED) from exc
+        finally:
+            answering()
         metrics.GENERATION_JOBS.labels(JobOutcome.OK).inc()
 
-    async def _generate(self, job: GenerationJob, attempt: int) -> None:
+    async def _generate(
+        self,
+        job: GenerationJob,
+        attempt: int,
+        *,
+        claim: RouteClaim | None = None,
+        answering: Callable[[], None] | None = None,
+    ) -> None:
         """Features (waiting for them holds no engine slot), then an engine slot (the cheapest
         prompt first), then generate or hand off (``shared.admission``)."""
         assert self.ctx is not None and self.features is not None and self.handoff is not None
@@ -153,6 +199,8 @@ class PrefillHandler(ModelHandler):
                     *(self.features.resolve(ref, job.request_id) for ref in distinct.values())
                 )
         by_hash = dict(zip(distinct, resolved))
+        for item_hash in distinct:
+            self.recent_items.used(item_hash)
         images = [by_hash[ref.item_hash][0] for ref in job.images]
         t_features = time.perf_counter()
         prompt = job_prompt(job)
@@ -168,8 +216,16 @@ class PrefillHandler(ModelHandler):
                 t_features=t_features,
                 t_admitted=time.perf_counter(),
             )
-            if await self.handoff.run(gen):
+            handed_off = await self.handoff.run(gen)
+            if "cached_tokens" in gen.stats.extra:  # an engine with a prefix cache (vLLM) says how much it held
+                metrics.PREFIX_CACHE_TOKENS.labels("query").inc(gen.stats.prompt_tokens)
+                metrics.PREFIX_CACHE_TOKENS.labels("hit").inc(gen.stats.extra["cached_tokens"])
+            if handed_off:
                 return  # a decode worker owns the request now
+            if claim is not None and not await claim.held():
+                raise Superseded(f"{job.request_id}: another worker took the routed job over")
+            if answering is not None:
+                answering()
             await self._final(gen)
 
     async def _final(self, gen: Generation) -> None:
@@ -197,7 +253,9 @@ class PrefillHandler(ModelHandler):
             ec_sources=gen.sources,
             worker=self.settings.worker_id,
         )
-        await self.ctx.publisher.publish(out.subject, final, request_id=job.request_id)
+        await self.ctx.publisher.publish(
+            out.subject, final, request_id=job.request_id, msg_id=protocol.final_result_msg_id(job.request_id)
+        )
         log.info(
             "done: %d prompt + %d completion tokens, finish=%s, features %.3fs, total %.3fs, sources=%s",
             stats.prompt_tokens,

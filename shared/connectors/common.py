@@ -75,6 +75,12 @@ class ConnectorConfig(BaseModel):
     subject_prefix: str = "epd"
     nats_user_env: str = env_var("nats_user")
     nats_password_env: str = env_var("nats_password")
+    #: replicas of the EC index bucket, should the connector be the one creating it (the
+    #: deployment's ``EPD_STREAM_REPLICAS``), and the client's pings (``EPD_NATS_PING_INTERVAL_S``,
+    #: ``EPD_NATS_MAX_OUTSTANDING_PINGS``): a stalled server is left for another seed
+    stream_replicas: int = Field(1, ge=1, le=5)
+    nats_ping_interval_s: float = Field(2.0, gt=0)
+    nats_max_outstanding_pings: int = Field(2, ge=1)
 
     _check_prefix = field_validator("subject_prefix")(no_separators)
 

@@ -34,12 +34,15 @@ from typing import Any
 import msgspec
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import (
+    APIError,
     BadRequestError,
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
 )
+
+from shared.jetstream import replicas_error
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +133,21 @@ class ECIndex:
             return cls(await js.key_value(bucket))
         except (BucketNotFoundError, NotFoundError):
             pass
-        kv = await js.create_key_value(
-            KeyValueConfig(
-                bucket=bucket, history=1, storage=StorageType.FILE, replicas=replicas, description="epd EC store index"
+        try:
+            kv = await js.create_key_value(
+                KeyValueConfig(
+                    bucket=bucket,
+                    history=1,
+                    storage=StorageType.FILE,
+                    replicas=replicas,
+                    description="epd EC store index",
+                )
             )
-        )
+        except APIError as exc:
+            error = replicas_error(exc, getattr(js, "_nc", None), replicas, f"the EC index bucket {bucket}")
+            if error is not None:
+                raise error from exc
+            raise
         return cls(kv)
 
     # -- entries -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from shared import protocol
+from shared.jetstream import confirm_subscriptions
 from shared.protocol import ECInvalidated, Subjects
 from shared.store.ec import ECStore
 
@@ -80,10 +81,9 @@ async def subscribe_invalidations(nc: Any, subjects: Subjects, on_event: Callabl
             log.exception("invalidation handler failed")
 
     sub = await nc.subscribe(subjects.ec_invalidated_all, cb=handle)
-    try:  # the server handles a connection's commands in order: a round trip confirms the SUB
-        await nc.jetstream().account_info()
-    except Exception as exc:  # noqa: BLE001 - fails open, like subscribe_typed(confirm=True)
-        log.warning("could not confirm the invalidation subscription: %s", exc)
+    # the server handles a connection's commands in order: a round trip it answers itself confirms
+    # the SUB (fails open, like subscribe_typed(confirm=True))
+    await confirm_subscriptions(nc, what=subjects.ec_invalidated_all)
     return sub
 
 
@@ -100,10 +100,16 @@ class ConnectorLifecycle:
         flush_s: float = 2.0,
         user: str | None = None,
         password: str | None = None,
+        replicas: int = 1,
+        ping_interval_s: float = 2.0,
+        max_outstanding_pings: int = 2,
     ):
         self.nats_url = nats_url
         self.user = user
         self.password = password
+        self.replicas = replicas
+        self.ping_interval_s = ping_interval_s
+        self.max_outstanding_pings = max_outstanding_pings
         self.subjects = Subjects(prefix)
         self.store = store
         self.flush_s = flush_s
@@ -118,13 +124,32 @@ class ConnectorLifecycle:
 
     @classmethod
     def launch(
-        cls, store: ECStore, *, nats_url: str, prefix: str, user: str | None = None, password: str | None = None
+        cls,
+        store: ECStore,
+        *,
+        nats_url: str,
+        prefix: str,
+        user: str | None = None,
+        password: str | None = None,
+        replicas: int = 1,
+        ping_interval_s: float = 2.0,
+        max_outstanding_pings: int = 2,
     ) -> ConnectorLifecycle | None:
-        """Started, or None (with a log line) when no ``nats_url`` is configured."""
+        """Started, or None (with a log line) when no ``nats_url`` is configured. ``replicas``:
+        of the EC index bucket, should this connector be the one creating it."""
         if not nats_url:
             log.info("EC connector: no nats_url in its extra config: no invalidation events, uses not recorded")
             return None
-        lifecycle = cls(nats_url, prefix or "epd", store, user=user, password=password)
+        lifecycle = cls(
+            nats_url,
+            prefix or "epd",
+            store,
+            user=user,
+            password=password,
+            replicas=replicas,
+            ping_interval_s=ping_interval_s,
+            max_outstanding_pings=max_outstanding_pings,
+        )
         lifecycle.start()
         return lifecycle
 
@@ -174,12 +199,14 @@ class ConnectorLifecycle:
             name="epd-ec-connector",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
+            ping_interval=self.ping_interval_s,
+            max_outstanding_pings=self.max_outstanding_pings,
             **({"user": self.user, "password": self.password or ""} if self.user else {}),
         )
         try:
             sub = await subscribe_invalidations(nc, self.subjects, self._on_event)
             try:
-                index = await ECIndex.open(nc.jetstream(), self.subjects.ec_index_bucket)
+                index = await ECIndex.open(nc.jetstream(), self.subjects.ec_index_bucket, replicas=self.replicas)
                 self._recorder = UseRecorder(index, flush_s=self.flush_s)
                 self._recorder.start()
             except Exception as exc:  # noqa: BLE001 - invalidations still work

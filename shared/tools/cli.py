@@ -24,7 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-from shared.tools.infra import DEFAULT_NATS_PORT, DEFAULT_S3_PORT, EmbeddedNats, EmbeddedS3, InfraError
+from shared.tools.infra import (
+    DEFAULT_NATS_PORT,
+    DEFAULT_S3_PORT,
+    EmbeddedNats,
+    EmbeddedS3,
+    InfraError,
+    PortInUseError,
+    port_available,
+)
 from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
 from shared.tools.models.tiny import default_model_dir
 from shared.topology import Service, Topology
@@ -111,6 +119,7 @@ def _example_answer() -> str:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
+    from shared.tools.forkserver import default_fork_server, not_forkable
     from shared.tools.launcher import Stack, StackError, Supervisor
 
     started = time.perf_counter()
@@ -136,6 +145,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     try:
+        # Before anything starts (like NATS's and S3's ports): the API binds last, after the workers.
+        if not port_available(args.port, args.host):
+            raise PortInUseError(
+                f"the API port {args.host}:{args.port} is already in use; pick another with --port", port=args.port
+            )
+        if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
+            default_fork_server(data_dir / "logs")
         nats.start()
         s3.start()
         env = {
@@ -160,6 +176,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders},
             service_env=service_env,
             metrics_port_base=args.metrics_port,
+            fork_server=args.fork_server,
         )
         # A vLLM engine uses every CPU it may while it starts: engines that share CPUs start sooner one
         # after another; on CPUs of their own, all at once (measured: 90 s vs 100-113 s; ``--start``).
@@ -337,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="workers serve Prometheus /metrics on this port + 1, + 2, ... (the API serves it on --port)",
+    )
+    up.add_argument(
+        "--fork-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start and restart the services by forking them from one process that imported torch and "
+        "transformers once (shared.tools.forkserver; not for --engine vllm); --no-fork-server: a plain "
+        "`python -m services.<name>` each (default: on)",
     )
     up.set_defaults(func=_cmd_up)
 

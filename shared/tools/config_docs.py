@@ -108,6 +108,11 @@ COMPOSE_ONLY = (
         ("MinIO root account (used by `minio` and `minio-init` only, never by the services)"),
     ),
     (
+        "NATS_ROUTE_USER` / `NATS_ROUTE_PASSWORD",
+        "required with `docker-compose.cluster.yml`",
+        "the account the three NATS nodes of the cluster deployment use on their routes (never the services')",
+    ),
+    (
         "EPD_NATS_IMAGE",
         "`nats:2.15.0-alpine`",
         "the `nats` image (a mirror's copy when air-gapped)",
@@ -291,6 +296,12 @@ MINIO_ROOT_PASSWORD=
 # Must differ from MINIO_ROOT_USER; the secret needs at least 8 characters.
 EPD_S3_ACCESS_KEY=epd-services
 EPD_S3_SECRET_KEY=
+
+# ---- cluster deployment only (docker-compose.cluster.yml: 3 NATS nodes, distributed MinIO) ---------
+# COMPOSE_FILE=docker-compose.yml:docker-compose.cluster.yml
+# The NATS nodes' route account (required there; a secret: openssl rand -hex 24).
+# NATS_ROUTE_USER=epd-route
+# NATS_ROUTE_PASSWORD=
 
 # ---- infrastructure images (defaults: the upstream images; point them at a mirror when air-gapped) --
 # EPD_NATS_IMAGE=nats:2.15.0-alpine

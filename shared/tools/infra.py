@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import socket
@@ -41,6 +42,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,11 @@ __all__ = [
     "EmbeddedNats",
     "EmbeddedS3",
     "InfraError",
+    "NatsCluster",
     "PortInUseError",
     "find_binary",
     "free_port",
+    "free_ports",
     "port_available",
 ]
 
@@ -103,7 +107,7 @@ def port_available(port: int, host: str = HOST) -> bool:
         return True
 
 
-def _pick_free_ports(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> list[int]:
+def free_ports(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> list[int]:
     """``n`` distinct free ports (all held open together while picking, so they differ)."""
     socks: list[socket.socket] = []
     try:
@@ -216,20 +220,23 @@ _spawner: _Spawner | None = None
 _spawner_lock = threading.Lock()
 
 
-def _spawn(argv: list[str], *, log_fh: Any, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], *, log_fh: Any, cwd: Path, env: Mapping[str, str] | None = None, pipes: bool = False
+) -> subprocess.Popen[bytes]:
     """Start ``argv`` as a child that dies with this process (also used by the launcher).
 
     Own session / process group (``os.killpg(pid, ...)`` reaches its children; a terminal's
     Ctrl-C reaches only the Python parent), stdout+stderr to ``log_fh``, stdin closed,
     SIGTERM via ``PR_SET_PDEATHSIG`` when this process dies. ``env=None`` inherits ours.
+    ``pipes``: stdin and stdout are pipes to us instead (stderr still to ``log_fh``).
     """
 
     def popen() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else log_fh,
+            stderr=log_fh if pipes else subprocess.STDOUT,
             cwd=str(cwd),
             env=dict(env) if env is not None else None,
             start_new_session=True,  # own process group: killpg reaches any children, and a
@@ -312,6 +319,13 @@ class _EmbeddedServer:
     def _max_attempts(self) -> int:
         return 1
 
+    def _check_host(self) -> str:
+        """The address fixed ports are checked on."""
+        return HOST
+
+    def _launch_argv(self, binary: str, args: list[str]) -> list[str]:
+        return [binary, *args]
+
     # -- public API
     @property
     def log_path(self) -> Path:
@@ -342,15 +356,15 @@ class _EmbeddedServer:
             attempts = self._max_attempts()
             for attempt in range(1, attempts + 1):
                 for what, port in self._fixed_ports():
-                    if not port_available(port):
+                    if not port_available(port, self._check_host()):
                         raise PortInUseError(
-                            f"cannot start {self.name}: {what} port {port} on {HOST} is already "
+                            f"cannot start {self.name}: {what} port {port} on {self._check_host()} is already "
                             f"in use (another server, or an earlier `epd up` still running?); "
                             f"stop that process or choose another port",
                             port=port,
                         )
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                argv = [binary, *self._prepare()]
+                argv = self._launch_argv(binary, self._prepare())
                 t0 = time.monotonic()
                 log.info("starting %s: %s (log %s)", self.name, " ".join(argv), self.log_path)
                 log_fh = self._open_log(argv)
@@ -536,6 +550,21 @@ class EmbeddedNats(_EmbeddedServer):
     the actual ones are read back from its ports file. JetStream stores under
     ``data_dir/jetstream``, so a restart on the same ``data_dir`` keeps streams and messages.
     ``extra_config`` is appended verbatim to the config file.
+
+    One node of a cluster (see :class:`NatsCluster`, which sets all of this up):
+
+    * ``host``: the address client, monitoring and cluster ports listen on (default 127.0.0.1).
+      The caller must be able to reach it (readiness is probed over HTTP from this process).
+    * ``cluster_name`` + ``cluster_port`` (a fixed port: the other nodes' routes name it) +
+      ``routes`` (``host:port`` of the other nodes' cluster ports; the node's own may be listed,
+      the server skips it) + optional ``route_user`` / ``route_password`` (the route port then
+      requires them, and the routes carry them).
+    * ``sync_interval``: JetStream's fsync policy (``"always"``, or a duration such as ``"2m"``,
+      the server's default when None).
+    * ``wrap``: a command prefix the binary is launched through, e.g. ``["ip", "netns", "exec",
+      "h1"]``. It must exec the server (as ``ip netns exec`` does) so the pid / process group
+      signalled by :meth:`stop`, :meth:`pause` and :meth:`kill` is the server's. Fixed ports are
+      then not checked from here (they belong to another network namespace).
     """
 
     name = "nats-server"
@@ -553,20 +582,48 @@ class EmbeddedNats(_EmbeddedServer):
         server_name: str = "epd-nats",
         extra_config: str = "",
         binary: str | None = None,
+        host: str = HOST,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[str] = (),
+        route_user: str | None = None,
+        route_password: str | None = None,
+        sync_interval: str | None = None,
+        wrap: Sequence[str] = (),
     ):
         super().__init__(data_dir, binary=binary)
         if not 1 <= max_payload <= 64 * 1024 * 1024:
             raise ValueError(f"max_payload must be 1 B..64 MiB, got {max_payload}")
-        for what, p in (("port", port), ("monitor_port", monitor_port)):
+        for what, p in (("port", port), ("monitor_port", monitor_port), ("cluster_port", cluster_port)):
             if p is not None and not 1 <= p <= 65535:
                 raise ValueError(f"{what} must be 1..65535 or None, got {p}")
+        if cluster_name is not None and cluster_port is None:
+            raise ValueError("a cluster node needs a fixed cluster_port (the other nodes' routes name it)")
+        if (route_user is None) != (route_password is None):
+            raise ValueError("route_user and route_password go together")
+        if sync_interval is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", sync_interval):
+            raise ValueError(f"sync_interval must be 'always' or a duration like '2m', got {sync_interval!r}")
         self.requested_port = port
         self.requested_monitor_port = monitor_port
         self.max_payload = max_payload
         self.server_name = server_name
         self.extra_config = extra_config
+        self.host = host
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = [r.split("://", 1)[-1].rsplit("@", 1)[-1] for r in routes]
+        self.route_user = route_user
+        self.route_password = route_password
+        self.sync_interval = sync_interval
+        self.wrap = list(wrap)
         self._url: str | None = None
         self._monitor_url: str | None = None
+
+    def __repr__(self) -> str:  # never show the route password
+        return (
+            f"EmbeddedNats(data_dir={str(self.data_dir)!r}, server_name={self.server_name!r}, host={self.host!r}, "
+            f"port={self.requested_port}, cluster_port={self.cluster_port}, running={self.is_running()})"
+        )
 
     @property
     def config_path(self) -> Path:
@@ -578,14 +635,14 @@ class EmbeddedNats(_EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """Client URL, ``nats://127.0.0.1:PORT`` (only once started)."""
+        """Client URL, ``nats://HOST:PORT`` (only once started)."""
         if self._url is None:
             raise InfraError("nats-server is not running")
         return self._url
 
     @property
     def monitor_url(self) -> str:
-        """Monitoring base URL, ``http://127.0.0.1:PORT`` (only once started)."""
+        """Monitoring base URL, ``http://HOST:PORT`` (only once started)."""
         if self._monitor_url is None:
             raise InfraError("nats-server is not running")
         return self._monitor_url
@@ -606,35 +663,91 @@ class EmbeddedNats(_EmbeddedServer):
         super().__enter__()
         return self
 
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the server (a stalled server: connections stay open, nothing is answered);
+        returns once the kernel shows it stopped (a signal is delivered asynchronously)."""
+        self._signal_group(signal.SIGSTOP)
+        pid, deadline = self.pid, time.monotonic() + timeout
+        while pid is not None and time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            except OSError:  # exited
+                return
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        self._signal_group(signal.SIGCONT)
+
+    def kill(self) -> int | None:
+        """SIGKILL the server (no clean shutdown) and reap it; returns the exit code."""
+        with self._lock:
+            if self._proc is None:
+                return None
+            self._signal_group(signal.SIGCONT)  # harmless; a stopped process dies of SIGKILL anyway
+            self._signal_group(signal.SIGKILL)
+            return self.stop(grace=0.0)
+
+    def _launch_argv(self, binary: str, args: list[str]) -> list[str]:
+        return [*self.wrap, binary, *args]
+
     def _fixed_ports(self) -> list[tuple[str, int]]:
+        if self.wrap:  # another network namespace (or host): nothing to check from here
+            return []
         out = []
         if self.requested_port is not None:
             out.append(("client", self.requested_port))
         if self.requested_monitor_port is not None:
             out.append(("monitoring", self.requested_monitor_port))
+        if self.cluster_port is not None:
+            out.append(("cluster", self.cluster_port))
         return out
+
+    def _check_host(self) -> str:
+        return self.host
 
     def _prepare(self) -> list[str]:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._url = self._monitor_url = None
         client = -1 if self.requested_port is None else self.requested_port  # 0 means 4222!
         monitor = -1 if self.requested_monitor_port is None else self.requested_monitor_port
-        conf = "\n".join(
-            [
-                "# generated by epd-serve (shared/tools/infra.py); rewritten at every start",
-                f"server_name: {json.dumps(self.server_name)}",
-                f'listen: "{HOST}:{client}"',
-                f'http: "{HOST}:{monitor}"',
-                f"max_payload: {self.max_payload}",
-                f"ports_file_dir: {json.dumps(str(self.data_dir))}",
-                "jetstream {",
-                f"  store_dir: {json.dumps(str(self.store_dir))}",
-                "}",
-                self.extra_config,
-                "",
+        jetstream = [f"  store_dir: {json.dumps(str(self.store_dir))}"]
+        if self.sync_interval is not None:
+            jetstream.append(f"  sync_interval: {self.sync_interval}")
+        lines = [
+            "# generated by epd-serve (shared/tools/infra.py); rewritten at every start",
+            f"server_name: {json.dumps(self.server_name)}",
+            f'listen: "{self.host}:{client}"',
+            f'http: "{self.host}:{monitor}"',
+            f"max_payload: {self.max_payload}",
+            f"ports_file_dir: {json.dumps(str(self.data_dir))}",
+            "jetstream {",
+            *jetstream,
+            "}",
+        ]
+        if self.cluster_name is not None:
+            cred = ""
+            cluster = [
+                f"  name: {json.dumps(self.cluster_name)}",
+                f'  listen: "{self.host}:{self.cluster_port}"',
             ]
-        )
-        self.config_path.write_text(conf)
+            if self.route_user is not None:
+                assert self.route_password is not None
+                cluster += [
+                    "  authorization {",
+                    f"    user: {json.dumps(self.route_user)}",
+                    f"    password: {json.dumps(self.route_password)}",
+                    "  }",
+                ]
+                cred = f"{quote(self.route_user, safe='')}:{quote(self.route_password, safe='')}@"
+            routes = ", ".join(json.dumps(f"nats-route://{cred}{r}") for r in self.routes)
+            cluster.append(f"  routes: [{routes}]")
+            lines += ["cluster {", *cluster, "}"]
+        conf = "\n".join([*lines, self.extra_config, ""])
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold route secrets
+        with os.fdopen(fd, "w") as f:
+            f.write(conf)
         return ["-c", str(self.config_path)]
 
     def _probe(self) -> str | None:
@@ -652,8 +765,10 @@ class EmbeddedNats(_EmbeddedServer):
                 monitor = ports["monitoring"][0]
             except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 return f"ports file {ports_file.name} not readable yet ({exc!r})"
-            self._url = client.replace("0.0.0.0", HOST)
-            self._monitor_url = monitor.replace("0.0.0.0", HOST)
+            self._url = client.replace("0.0.0.0", self.host)
+            self._monitor_url = monitor.replace("0.0.0.0", self.host)
+        # A cluster node answers js-enabled-only as soon as JetStream runs; whether the cluster
+        # has a meta leader is NatsCluster's check (a lone node of three never gets one).
         url = f"{self._monitor_url}/healthz?js-enabled-only=true"
         try:
             status, body = _http_get(url, timeout=2.0)
@@ -665,6 +780,242 @@ class EmbeddedNats(_EmbeddedServer):
 
     def _on_stopped(self) -> None:
         self._url = self._monitor_url = None
+
+
+class NatsCluster:
+    """N :class:`EmbeddedNats` nodes forming one NATS cluster with JetStream (tests, benches).
+
+    Per node (lists of length ``n``, each optional): ``hosts`` (listen address, default
+    127.0.0.1 for all), ``ports`` / ``monitor_ports`` / ``cluster_ports`` (fixed ports; by default
+    free ones are picked on loopback, or 4222 / 8222 / 6222 when the node runs through a
+    ``wraps`` prefix such as ``["ip", "netns", "exec", "h1"]``), ``data_dirs`` (default
+    ``data_dir/n<i>``). Every port is fixed for the cluster's life, so a restarted node comes
+    back where its clients and routes expect it. Nodes are named ``server_names[i]`` (default
+    ``n0``, ``n1``, ...). ``route_user`` / ``route_password`` protect the routes;
+    ``sync_interval`` goes to every node's JetStream block.
+
+    ``start()`` starts every node and waits (:meth:`wait_ready`) for a JetStream meta leader that
+    every running node agrees on and a healthy ``/healthz`` on each. ``urls`` / ``seeds`` give
+    the client URLs (``seeds`` comma-joined, the form ``EPD_NATS_URL`` takes). Faults per node:
+    :meth:`kill` (SIGKILL), :meth:`stop` (SIGTERM), :meth:`start` (one node, same ports and
+    store), :meth:`pause` (SIGSTOP) / :meth:`resume`. Who leads: :meth:`meta_leader`,
+    :meth:`stream_leader` (indexes into ``nodes``).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        n: int = 3,
+        *,
+        hosts: Sequence[str] | None = None,
+        ports: Sequence[int] | None = None,
+        monitor_ports: Sequence[int] | None = None,
+        cluster_ports: Sequence[int] | None = None,
+        data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+        wraps: Sequence[Sequence[str]] | None = None,
+        server_names: Sequence[str] | None = None,
+        cluster_name: str = "epd",
+        route_user: str | None = None,
+        route_password: str | None = None,
+        sync_interval: str | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+        extra_config: str = "",
+        binary: str | None = None,
+    ):
+        if n < 1:
+            raise ValueError(f"a cluster needs at least one node, got n={n}")
+
+        def per_node(what: str, values: Sequence[Any] | None) -> list[Any] | None:
+            if values is None:
+                return None
+            if len(values) != n:
+                raise ValueError(f"{what} needs {n} entries (one per node), got {len(values)}")
+            return list(values)
+
+        base = Path(data_dir).absolute()
+        host_list = per_node("hosts", hosts) or [HOST] * n
+        wrap_list = per_node("wraps", wraps) or [()] * n
+        dirs = per_node("data_dirs", data_dirs) or [base / f"n{i}" for i in range(n)]
+        names = per_node("server_names", server_names) or [f"n{i}" for i in range(n)]
+        picked: dict[str, list[int]] = {}
+        for what, given, default in (
+            ("ports", ports, 4222),
+            ("monitor_ports", monitor_ports, 8222),
+            ("cluster_ports", cluster_ports, 6222),
+        ):
+            values = per_node(what, given)
+            if values is None:
+                values = [
+                    default
+                    if wrap_list[i]
+                    else free_ports(1, host_list[i], exclude=[p for v in picked.values() for p in v])[0]
+                    for i in range(n)
+                ]
+            picked[what] = values
+        routes = [f"{host_list[i]}:{picked['cluster_ports'][i]}" for i in range(n)]
+        self.nodes: list[EmbeddedNats] = [
+            EmbeddedNats(
+                dirs[i],
+                port=picked["ports"][i],
+                monitor_port=picked["monitor_ports"][i],
+                max_payload=max_payload,
+                server_name=names[i],
+                extra_config=extra_config,
+                binary=binary,
+                host=host_list[i],
+                cluster_name=cluster_name,
+                cluster_port=picked["cluster_ports"][i],
+                routes=[r for j, r in enumerate(routes) if j != i],
+                route_user=route_user,
+                route_password=route_password,
+                sync_interval=sync_interval,
+                wrap=wrap_list[i],
+            )
+            for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"NatsCluster({self.nodes!r})"
+
+    # -- addresses
+    def url(self, i: int) -> str:
+        """Client URL of node ``i`` (known before it starts: the ports are fixed)."""
+        node = self.nodes[i]
+        return f"nats://{node.host}:{node.requested_port}"
+
+    def monitor_url(self, i: int) -> str:
+        node = self.nodes[i]
+        return f"http://{node.host}:{node.requested_monitor_port}"
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url(i) for i in range(len(self.nodes))]
+
+    @property
+    def seeds(self) -> str:
+        """``nats://a:p,nats://b:p,...``: every node, the form ``EPD_NATS_URL`` takes."""
+        return ",".join(self.urls)
+
+    # -- lifecycle
+    def start(self, i: int | None = None, *, timeout: float = 30.0) -> NatsCluster:
+        """Start node ``i`` (None: every node not running), then :meth:`wait_ready`."""
+        indexes = range(len(self.nodes)) if i is None else [i]
+        deadline = time.monotonic() + timeout
+        try:
+            for j in indexes:
+                if not self.nodes[j].is_running():
+                    self.nodes[j].start(timeout=max(1.0, deadline - time.monotonic()))
+            self.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            if i is None:
+                self.stop()
+            raise
+        return self
+
+    def stop(self, i: int | None = None, grace: float | None = None) -> None:
+        """SIGTERM node ``i`` (None: every node), SIGKILL after ``grace``."""
+        for j in range(len(self.nodes)) if i is None else [i]:
+            node = self.nodes[j]
+            node.resume()  # a paused server cannot handle SIGTERM
+            node.stop(grace=grace)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i``: no clean shutdown, what it had not synced to disk is lost."""
+        self.nodes[i].kill()
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP node ``i``: its connections stay open and nothing is answered."""
+        self.nodes[i].pause()
+
+    def resume(self, i: int) -> None:
+        self.nodes[i].resume()
+
+    def running(self) -> list[int]:
+        return [i for i, node in enumerate(self.nodes) if node.is_running()]
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- state, from the monitoring endpoints
+    def _json(self, i: int, path: str, timeout: float = 2.0) -> dict[str, Any] | None:
+        try:
+            status, body = _http_get(self.monitor_url(i) + path, timeout=timeout)
+            return json.loads(body) if status == 200 else None
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+
+    def index_of(self, server_name: str | None) -> int | None:
+        for i, node in enumerate(self.nodes):
+            if node.server_name == server_name:
+                return i
+        return None
+
+    def meta_leader(self, among: Sequence[int] | None = None) -> int | None:
+        """The JetStream meta leader, when every node of ``among`` (default: the running ones)
+        names the same one; else None."""
+        leaders = set()
+        for i in self.running() if among is None else among:
+            jsz = self._json(i, "/jsz")
+            leaders.add(((jsz or {}).get("meta_cluster") or {}).get("leader") or None)
+        if len(leaders) != 1:
+            return None
+        return self.index_of(leaders.pop())
+
+    def stream_leader(self, stream: str, account: str = "$G") -> int | None:
+        """The node leading ``stream`` as the running nodes report it (None: no leader now)."""
+        for i in self.running():
+            jsz = self._json(i, "/jsz?streams=true")
+            for acc in (jsz or {}).get("account_details") or []:
+                if acc.get("name") != account:
+                    continue
+                for detail in acc.get("stream_detail") or []:
+                    if detail.get("name") == stream:
+                        leader = (detail.get("cluster") or {}).get("leader")
+                        if leader:
+                            return self.index_of(leader)
+        return None
+
+    def wait_stream_leader(
+        self, stream: str, timeout: float = 30.0, *, not_on: int | None = None, account: str = "$G"
+    ) -> int:
+        """Wait until ``stream`` has a leader (other than node ``not_on``); returns its index."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.stream_leader(stream, account)
+            if leader is not None and leader != not_on:
+                return leader
+            if time.monotonic() >= deadline:
+                raise InfraError(f"stream {stream} has no leader (other than node {not_on}) after {timeout:.1f}s")
+            time.sleep(0.05)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every running node answers ``/healthz`` (JetStream current with the meta
+        leader, its streams and consumers caught up) and all agree on one meta leader."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        reason = "no check yet"
+        while True:
+            running = self.running()
+            unhealthy = [i for i in running if self._json(i, "/healthz") is None]
+            if not running:
+                reason = "no node running"
+            elif unhealthy:
+                reason = f"/healthz of {[self.nodes[i].server_name for i in unhealthy]} not ok"
+            elif self.meta_leader(running) is None:
+                reason = "no meta leader all running nodes agree on"
+            else:
+                return
+            if time.monotonic() >= deadline:
+                tails = "\n".join(f"--- {self.nodes[i].server_name}:\n{self.nodes[i].log_tail(10)}" for i in running)
+                raise InfraError(f"NATS cluster not ready after {timeout:.1f}s ({reason})\n{tails}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
 
 
 # -- SeaweedFS S3 ------------------------------------------------------------------------------
@@ -771,7 +1122,7 @@ class EmbeddedS3(_EmbeddedServer):
 
     def _allocate_ports(self) -> dict[str, int]:
         fixed = [] if self.requested_port is None else [self.requested_port]
-        picked = iter(_pick_free_ports(8 if fixed else 9, exclude=fixed))
+        picked = iter(free_ports(8 if fixed else 9, exclude=fixed))
         ports: dict[str, int] = {}
         for flag in _WEED_PORT_FLAGS[:8]:
             if flag == "s3.port" and fixed:

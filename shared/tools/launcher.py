@@ -3,7 +3,9 @@
 A :class:`Stack` is NATS + an S3 store (given by URL, or embedded) + the service processes of
 one topology (``shared.topology.TOPOLOGIES``), each started with the same
 ``python -m services.<name>`` entry point and ``EPD_*`` environment that ``docker-compose.yml``
-uses. Readiness is the API's ``/health`` counting a heartbeat from every worker service.
+uses. Readiness is the API's ``/health`` counting a heartbeat from every worker service. Where they
+can be, the processes are forked from this process's fork server (``shared.tools.forkserver``:
+torch and transformers imported once, not per process); otherwise exec'd.
 
 A :class:`Supervisor` keeps a ready stack running the way compose's ``restart: unless-stopped``
 does: a service process that exits (crash, SIGKILL, OOM) is started again with the same command,
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.health import check_worker
+from shared.tools.forkserver import ForkedProcess, ForkServer, default_fork_server, not_forkable
 from shared.tools.infra import _describe_exit, _spawn
 from shared.topology import TOPOLOGIES, Service, Topology
 
@@ -50,7 +53,7 @@ class ServiceProcess:
     (:meth:`respawn`) replaces ``popen`` in place, so a stack lists each service process once."""
 
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     #: Replica number within its service.
     index: int = 0
@@ -58,6 +61,8 @@ class ServiceProcess:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict, repr=False)
     cwd: Path | None = None
+    #: Where :meth:`respawn` forks it from (None: exec'd, see ``shared.tools.forkserver``).
+    fork_server: ForkServer | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.monotonic)
     #: Times it was started again after exiting.
     restarts: int = 0
@@ -109,7 +114,7 @@ class ServiceProcess:
                 f"(restart {self.restarts + 1})\n".encode()
             )
             fh.flush()
-            self.popen = _spawn(self.argv, log_fh=fh, cwd=self.cwd or Path.cwd(), env=self.env)
+        self.popen = _start(self.argv, self.env, self.cwd or Path.cwd(), self.log_path, self.fork_server)
         self.started_at = time.monotonic()
         self.restarts += 1
 
@@ -137,17 +142,33 @@ def service_command(module_name: str, python: str = sys.executable, *, module: s
     return [python, "-m", f"services.{module_name}"]
 
 
+def _start(
+    argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, fork_server: ForkServer | None
+) -> subprocess.Popen[bytes] | ForkedProcess:
+    """Fork ``argv`` from ``fork_server`` where it can (``ForkServer.spawn``), else exec it."""
+    if fork_server is not None and (forked := fork_server.spawn(argv, env=env, cwd=cwd, log_path=log_path)):
+        return forked
+    with log_path.open("ab") as fh:
+        return _spawn(argv, log_fh=fh, cwd=cwd, env=env)
+
+
 def start_service(
-    module_name: str, env: dict[str, str], log_path: Path, cwd: Path | None = None, *, module: str | None = None
+    module_name: str,
+    env: dict[str, str],
+    log_path: Path,
+    cwd: Path | None = None,
+    *,
+    module: str | None = None,
+    fork_server: ForkServer | None = None,
 ) -> ServiceProcess:
-    """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment."""
+    """Launch ``python -m services.<module_name>`` with ``env`` added to this process's environment;
+    forked from ``fork_server`` when given and usable for it (``shared.tools.forkserver``)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     argv = service_command(module_name, module=module)
     cwd = cwd or Path.cwd()
-    with log_path.open("ab") as fh:
-        popen = _spawn(argv, log_fh=fh, cwd=cwd, env=full_env)
-    return ServiceProcess(module_name, popen, log_path, argv=argv, env=full_env, cwd=cwd)
+    popen = _start(argv, full_env, cwd, log_path, fork_server)
+    return ServiceProcess(module_name, popen, log_path, argv=argv, env=full_env, cwd=cwd, fork_server=fork_server)
 
 
 def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
@@ -175,6 +196,9 @@ class Stack:
     #: Workers serve Prometheus ``/metrics`` on base + 1, + 2, ... in start order (None: not at all).
     metrics_port_base: int | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    #: Start (and restart) the services from this process's fork server
+    #: (``shared.tools.forkserver``): their heavy imports are paid once, not per process.
+    fork_server: bool = True
     #: Set by :meth:`stop`; a supervisor restarts nothing from then on.
     stopping: bool = False
     #: Held by :meth:`stop` while it marks the processes stopped and by ``Supervisor.check``.
@@ -234,7 +258,13 @@ class Stack:
         if name != "api" and self.metrics_port_base:
             env.setdefault("EPD_METRICS_PORT", str(self.metrics_port_base + 1 + len(self.metrics_ports)))
             self.metrics_ports[f"{name}-{index}"] = int(env["EPD_METRICS_PORT"])
-        proc = start_service(name, env, self.log_dir / f"{name}-{index}.log", module=self.service_modules.get(name))
+        proc = start_service(
+            name,
+            env,
+            self.log_dir / f"{name}-{index}.log",
+            module=self.service_modules.get(name),
+            fork_server=default_fork_server(self.log_dir) if self.fork_server and not not_forkable(env) else None,
+        )
         proc.index = index
         self.processes.append(proc)
         return proc

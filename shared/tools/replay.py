@@ -511,6 +511,7 @@ async def ensure_imported_stream(nc: NATS, settings: NatsSettings, subjects: Sub
         max_age=settings.stream_max_age_s,
         max_bytes=settings.stream_max_bytes,
         duplicate_window=min(settings.dup_window_s, settings.stream_max_age_s),
+        num_replicas=settings.stream_replicas,
     )
     try:
         await js.add_stream(cfg)

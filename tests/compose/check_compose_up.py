@@ -11,6 +11,10 @@ built locally, every port on 127.0.0.1, faster health probes), as its own compos
 fresh model folder, secrets and volumes. The steps depend on each other (one stack, started once
 per profile) and run in file order; each wait is a condition wait with a hang-only bound.
 
+Last, the cluster deployment (docker-compose.cluster.yml, with compose.cluster.test.yml: the three
+NATS nodes as in production, SeaweedFS with replicated volumes standing in for the distributed
+MinIO), as a second project once the first is down: clustered, R3, and answering like `epd up`.
+
 Worker crashes are SIGKILLs of the service's process from the host, as the OOM killer would send
 them: `docker compose kill` counts as a deliberate stop for Docker's restart policy (the container
 stays down; checked below), so it cannot show the policy bringing a worker back.
@@ -18,9 +22,11 @@ stays down; checked below), so it cannot show the policy bringing a worker back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -34,6 +40,7 @@ import httpx
 import pytest
 
 from shared import protocol
+from tests import deploycheck as dc
 from tests.epdup import EpdUp, descendants
 from tests.stackutil import GREEDY, chat_body, noise_image, parse_sse, wait_for, work_consumers
 
@@ -41,6 +48,11 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDE = ROOT / "tests" / "compose" / "compose.test.yml"
+SINGLE_FILES = (ROOT / "docker-compose.yml", OVERRIDE)
+CLUSTER_FILES = (dc.COMPOSE_PATH, dc.CLUSTER_COMPOSE_PATH, dc.TEST_OVERLAY_PATH, dc.CLUSTER_TEST_OVERLAY_PATH)
+NATS_NODES = ("nats-1", "nats-2", "nats-3")
+ROUTE_USER, ROUTE_PASSWORD = "epd-route", uuid.uuid4().hex
+CLUSTER_UP_TIMEOUT_S = 420  # three NATS nodes electing a meta leader, the store, then the model loads
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 NATS_IMAGE = "epd-test/nats:2.15.1"
 S3_IMAGE = "epd-test/seaweedfs-s3:4.48"
@@ -63,15 +75,18 @@ BODIES = {
         name: chat_body(f"What is in picture {seed}?", [noise_image(seed, (448, 448))], **GREEDY)
         for seed, name in enumerate(["encoder-fault", "scale-0", "scale-1", "scale-2", "scale-3", "e-p-d"], start=100)
     },
+    "cluster-image": chat_body("What is in this picture?", [noise_image(200, (448, 448))], **GREEDY),
+    "cluster-text": chat_body("Name three colours.", [], **GREEDY),
 }
 
 
 class Compose:
-    """One compose project: docker-compose.yml + the test override, its own env file."""
+    """One compose project: docker-compose.yml + the test override (or other files), its own env file."""
 
-    def __init__(self, project: str, env_file: Path):
+    def __init__(self, project: str, env_file: Path, files: tuple[Path, ...] = SINGLE_FILES):
         self.project = project
         self.env_file = env_file
+        self.files = files
         # Only the env file speaks: no EPD_* / COMPOSE_* / MINIO_* of this process leaks in.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "COMPOSE_", "MINIO_"))}
         self.profile = "e-pd"
@@ -82,10 +97,7 @@ class Compose:
             "compose",
             "-p",
             self.project,
-            "-f",
-            str(ROOT / "docker-compose.yml"),
-            "-f",
-            str(OVERRIDE),
+            *(arg for path in self.files for arg in ("-f", str(path))),
             "--env-file",
             str(self.env_file),
             "--profile",
@@ -99,12 +111,12 @@ class Compose:
             )
         return proc
 
-    def up(self, *args: str) -> None:
+    def up(self, *args: str, limit_s: float = UP_TIMEOUT_S) -> float:
         start = time.monotonic()
-        self.run(
-            "up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--no-build", *args, timeout=UP_TIMEOUT_S + 60
-        )
-        log.info("compose up %s (%s) took %.0f s", self.profile, " ".join(args), time.monotonic() - start)
+        self.run("up", "-d", "--wait", "--wait-timeout", str(int(limit_s)), "--no-build", *args, timeout=limit_s + 60)
+        took = time.monotonic() - start
+        log.info("compose up %s (%s) took %.0f s", self.profile, " ".join(args), took)
+        return took
 
     def port(self, service: str, target: int) -> int:
         """The host port published for ``target`` (the address is checked by the ports test)."""
@@ -246,7 +258,7 @@ def remove_stale_projects() -> None:
     stale = {
         project
         for _, project in (line.split() for line in out.splitlines())
-        if project.startswith("epdtest") and project[7:].isdigit() and not Path(f"/proc/{project[7:]}").exists()
+        if (m := re.fullmatch(r"epd(?:test|cluster)(\d+)", project)) and not Path(f"/proc/{m.group(1)}").exists()
     }
     for project in sorted(stale):
         log.warning("removing the stale compose project %s", project)
@@ -262,6 +274,26 @@ def remove_stale_projects() -> None:
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
+def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
+    """What a user's .env holds: fresh secrets, the model, the stand-in images."""
+    values = {
+        "EPD_API_KEYS": API_KEY,
+        "EPD_NATS_USER": NATS_USER,
+        "EPD_NATS_PASSWORD": NATS_PASSWORD,
+        "MINIO_ROOT_USER": "epd-admin",
+        "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
+        "EPD_S3_ACCESS_KEY": "epd-services",
+        "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
+        "EPD_MODEL_DIR": str(model_dir),
+        "EPD_NATS_IMAGE": NATS_IMAGE,
+        "EPD_MINIO_IMAGE": S3_IMAGE,
+        **extra,
+    }
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir) -> Path:
     """The tiny model, readable by the containers' uid 10001 (mounted read-only)."""
@@ -294,26 +326,7 @@ def compose(model_dir, tmp_path_factory):
     )
     assert images.returncode == 0, f"images missing (run tests/compose/build-images.sh): {images.stderr}"
     remove_stale_projects()
-    env_file = tmp_path_factory.mktemp("compose") / "test.env"
-    env_file.write_text(
-        "\n".join(
-            f"{k}={v}"
-            for k, v in {
-                "EPD_API_KEYS": API_KEY,
-                "EPD_NATS_USER": NATS_USER,
-                "EPD_NATS_PASSWORD": NATS_PASSWORD,
-                "MINIO_ROOT_USER": "epd-admin",
-                "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
-                "EPD_S3_ACCESS_KEY": "epd-services",
-                "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
-                "EPD_MODEL_DIR": str(model_dir),
-                "EPD_NATS_IMAGE": NATS_IMAGE,
-                "EPD_MINIO_IMAGE": S3_IMAGE,
-            }.items()
-        )
-        + "\n"
-    )
-    env_file.chmod(0o600)
+    env_file = write_env_file(tmp_path_factory.mktemp("compose") / "test.env", model_dir)
     c = Compose(f"epdtest{os.getpid()}", env_file)
     try:
         yield c
@@ -463,3 +476,151 @@ def test_e_p_d_answers_too(compose, expected):
 def test_down_v_leaves_nothing(compose):
     compose.run("down", "-v", "--timeout", "30", timeout=300)
     assert compose.left_behind() == {"containers": [], "volumes": [], "networks": []}
+
+
+# -- the cluster deployment (docker-compose.cluster.yml), once the single-node project is down ------
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    env_file = write_env_file(
+        tmp_path_factory.mktemp("cluster") / "cluster.env",
+        model_dir,
+        NATS_ROUTE_USER=ROUTE_USER,
+        NATS_ROUTE_PASSWORD=ROUTE_PASSWORD,
+    )
+    c = Compose(f"epdcluster{os.getpid()}", env_file, files=CLUSTER_FILES)
+    try:
+        yield c
+    finally:
+        logs = c.run("logs", "--no-color", "--tail", "40", check=False, timeout=120)
+        log.info("cluster compose logs (tail):\n%s", logs.stdout[-20000:])
+        c.run("down", "-v", "--remove-orphans", "--timeout", "10", check=False, timeout=300)
+
+
+def monitor(c: Compose, node: str, endpoint: str) -> dict[str, Any]:
+    return httpx.get(f"http://127.0.0.1:{c.port(node, 8222)}/{endpoint}", timeout=10).json()
+
+
+async def nats_connects(port: int, user: str, password: str) -> bool:
+    import nats
+
+    try:
+        nc = await nats.connect(
+            f"nats://127.0.0.1:{port}", user=user, password=password, allow_reconnect=False, connect_timeout=5
+        )
+    except Exception:  # noqa: BLE001 - any failure means: refused
+        return False
+    await nc.close()
+    return True
+
+
+def test_cluster_config_is_what_the_static_checks_read(cluster):
+    """`docker compose config` of the cluster files (Compose's own merge of the four files) agrees
+    with tests/deploycheck.py's merge, which `make test` checks: the same services start, with the
+    same command lines, seeds, replicas, dependencies and aliases."""
+    out = cluster.run("config", "--format", "json")
+    real = json.loads(out.stdout)["services"]
+    dotenv = {
+        line.split("=", 1)[0]: line.split("=", 1)[1] for line in cluster.env_file.read_text().splitlines() if line
+    }
+    static = dc.cluster_compose(test=True)
+    assert set(real) == set(dc.active_services(static, [cluster.profile]))
+    for name, svc in real.items():
+        mine = dc.resolve(static["services"][name], dotenv)
+        for key in ("command", "entrypoint"):
+            if mine.get(key) is not None:
+                assert svc[key] == [a.replace("$", "$$") for a in mine[key]], (name, key)
+        assert {d: v["condition"] for d, v in (svc.get("depends_on") or {}).items()} == {
+            d: v["condition"] for d, v in (mine.get("depends_on") or {}).items()
+        }, name
+        real_aliases = {a for n in (svc.get("networks") or {}).values() for a in ((n or {}).get("aliases") or [])}
+        assert real_aliases == dc.aliases(mine), name
+        env = dc.environment(mine)
+        for var in ("EPD_NATS_URL", "EPD_STREAM_REPLICAS", "EPD_S3_ENDPOINT"):
+            if var in env:
+                assert svc["environment"][var] == env[var], (name, var)
+
+
+def test_cluster_comes_up_clustered(cluster):
+    """Every container healthy; the three NATS nodes route to each other, agree on one meta leader
+    and a cluster of three; every stream and the EC index are R3 with both followers current."""
+    cluster.run("down", "-v", "--timeout", "10", timeout=300)  # nothing of an earlier run
+    took = cluster.up(limit_s=CLUSTER_UP_TIMEOUT_S)
+    running = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2] for c in cluster.containers()}
+    assert running == {
+        **{node: ("running", "healthy") for node in NATS_NODES},
+        **{s: ("running", "healthy") for s in ("seaweed-master", "seaweed-volume-1", "seaweed-volume-2", "seaweed-s3")},
+        "minio-init": ("exited", None),
+        "api": ("running", "healthy"),
+        "encoder": ("running", "healthy"),
+        "prefill": ("running", "healthy"),
+    }, running
+    for node in NATS_NODES:
+        routes = {r["remote_name"] for r in monitor(cluster, node, "routez")["routes"]}
+        assert routes == set(NATS_NODES) - {node}, (node, routes)
+    metas = {node: monitor(cluster, node, "jsz")["meta_cluster"] for node in NATS_NODES}
+    leaders = {m.get("leader") for m in metas.values()}
+    assert len(leaders) == 1 and leaders <= set(NATS_NODES), metas
+    assert {m["cluster_size"] for m in metas.values()} == {3}, metas
+    log.info("cluster up in %.0f s; meta leader %s", took, leaders.pop())
+
+    async def streams() -> list:
+        import nats
+
+        seeds = [f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{cluster.port(n, 4222)}" for n in NATS_NODES]
+        nc = await nats.connect(seeds)
+        try:
+            return await nc.jetstream().streams_info()
+        finally:
+            await nc.close()
+
+    def all_r3() -> bool:
+        infos = asyncio.run(streams())
+        return bool(infos) and all(
+            s.config.num_replicas == 3
+            and s.cluster is not None
+            and s.cluster.leader in NATS_NODES
+            and sorted(r.name for r in s.cluster.replicas or [] if r.current)
+            == sorted(set(NATS_NODES) - {s.cluster.leader})
+            for s in infos
+        )
+
+    wait_for(all_r3, 60, "every stream R3 with a leader and two current followers", interval=0.5)
+    # The route account is no client account (and the services' account works on every node).
+    for node in NATS_NODES:
+        port = cluster.port(node, 4222)
+        assert asyncio.run(nats_connects(port, NATS_USER, NATS_PASSWORD)), node
+        assert not asyncio.run(nats_connects(port, ROUTE_USER, ROUTE_PASSWORD)), node
+    names = {s.config.name for s in asyncio.run(streams())}
+    subjects = protocol.Subjects()
+    assert {subjects.stream_encode, subjects.stream_generate} <= names, names
+    assert any(name.startswith("KV_") for name in names), names  # the EC index bucket
+
+
+def test_cluster_answers_like_epd_up(cluster, expected):
+    """One image request and one text-only request through the API on the cluster: the tokens of
+    `epd up` on this host."""
+    url = cluster.api_url
+    start = time.monotonic()
+    assert tokens_of(chat(url, BODIES["cluster-image"])) == expected["cluster-image"]
+    assert tokens_of(chat(url, BODIES["cluster-text"])) == expected["cluster-text"]
+    log.info("two requests on the cluster took %.1f s", time.monotonic() - start)
+
+
+def test_cluster_store_keeps_two_copies(cluster):
+    """What the requests wrote (the image's encoder output) is in volumes of the bucket, each on
+    both volume servers of the S3 stand-in (-defaultReplication=001)."""
+    master = f"http://127.0.0.1:{cluster.port('seaweed-master', 9333)}"
+    status = httpx.get(f"{master}/vol/status", timeout=10).json()["Volumes"]["DataCenters"]
+    where: dict[int, set[str]] = {}
+    for racks in status.values():
+        for nodes in racks.values():
+            for node, volumes in nodes.items():
+                for v in volumes or []:
+                    if v["Collection"] == "epd":
+                        where.setdefault(v["Id"], set()).add(node.split(":")[0])
+    assert where and all(servers == {"seaweed-volume-1", "seaweed-volume-2"} for servers in where.values()), where
+
+
+def test_cluster_down_v_leaves_nothing(cluster):
+    cluster.run("down", "-v", "--timeout", "30", timeout=300)
+    assert cluster.left_behind() == {"containers": [], "volumes": [], "networks": []}

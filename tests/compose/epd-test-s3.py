@@ -4,9 +4,19 @@ SeaweedFS (``weed mini``) with the same two accounts MinIO gets there.
 
   epd-test-s3 serve   the S3 server on :9000, data in /data. Accounts: MINIO_ROOT_USER (admin) and
                       EPD_S3_ACCESS_KEY, limited to EPD_S3_BUCKET (like minio-init's policy).
-  epd-test-s3 ready   exit 0 once the S3 server answers /healthz (the healthcheck)
+  epd-test-s3 ready [URL]  exit 0 once URL (default: the S3 server's /healthz) answers 200 (the healthcheck)
   epd-test-s3 init    create EPD_S3_BUCKET with the root account and check that the services'
                       account reaches it (minio-init's job); idempotent
+
+The cluster stand-in (tests/compose/compose.cluster.test.yml, in place of a distributed MinIO): the
+same S3 store split into SeaweedFS's parts, one per container, with replicated volumes. Arguments
+after the command go to ``weed`` as they are (the compose file names the addresses and the
+replication, e.g. ``master -ip=seaweed-master -defaultReplication=001``):
+
+  epd-test-s3 master ARGS    the master on :9333 (its state in /data)
+  epd-test-s3 volume ARGS    a volume server on :8080 (data in /data); ARGS name the master (-mserver=)
+  epd-test-s3 gateway ARGS   a filer (metadata in /data) with its S3 gateway on :9000 and the two
+                             accounts above; ARGS name the master (-master=)
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ def env(name: str) -> str:
     return value
 
 
-def serve() -> None:
+def write_identities() -> str:
+    """The S3 accounts (see the module docstring) in a file only this user can read; its path."""
     bucket = env("EPD_S3_BUCKET")
     identities = {
         "identities": [
@@ -63,6 +74,11 @@ def serve() -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(identities, f)
+    return path
+
+
+def serve() -> None:
+    path = write_identities()
     argv = [
         "weed",
         "-logtostderr=true",
@@ -85,9 +101,49 @@ def serve() -> None:
     os.execvp(argv[0], argv)
 
 
-def ready() -> None:
+# The cluster stand-in's processes: fixed ports inside their containers, listening on every
+# interface (other containers reach them by service name, which the ARGS give as -ip=).
+COMMON = ["-ip.bind=0.0.0.0"]
+
+
+def weed(*args: str) -> None:
+    argv = ["weed", "-logtostderr=true", "-config_dir=/tmp/epd-s3", *args]
+    os.makedirs("/tmp/epd-s3", mode=0o700, exist_ok=True)
+    os.makedirs("/data", exist_ok=True)  # the container's own disk (weed mini creates it, these do not)
+    os.execvp(argv[0], argv)
+
+
+def master(args: list[str]) -> None:
+    weed("master", *COMMON, "-port=9333", "-port.grpc=19333", "-mdir=/data", "-telemetry=false", *args)
+
+
+def volume(args: list[str]) -> None:
+    weed("volume", *COMMON, "-port=8080", "-port.grpc=18080", "-dir=/data", "-preStopSeconds=0", *args)
+
+
+def gateway(args: list[str]) -> None:
+    path = write_identities()
+    weed(
+        "filer",
+        *COMMON,
+        "-port=8888",
+        "-port.grpc=18888",
+        "-defaultStoreDir=/data",
+        "-s3",
+        f"-s3.port={S3_PORT}",
+        "-s3.port.grpc=19000",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-s3.allowDeleteBucketNotEmpty=false",
+        "-s3.autoCreateBucket=false",
+        f"-s3.config={path}",
+        *args,
+    )
+
+
+def ready(url: str = f"http://127.0.0.1:{S3_PORT}/healthz") -> None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{S3_PORT}/healthz", timeout=3) as resp:
+        with urllib.request.urlopen(url, timeout=3) as resp:
             sys.exit(0 if resp.status == 200 else 1)
     except OSError as exc:
         print(f"epd-test-s3: not ready: {exc}", file=sys.stderr)
@@ -120,4 +176,8 @@ def init() -> None:
 
 
 if __name__ == "__main__":
-    {"serve": serve, "ready": ready, "init": init}[sys.argv[1] if len(sys.argv) > 1 else "serve"]()
+    command, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("serve", [])
+    if command in ("master", "volume", "gateway"):
+        {"master": master, "volume": volume, "gateway": gateway}[command](args)
+    else:
+        {"serve": serve, "ready": ready, "init": init}[command](*args)

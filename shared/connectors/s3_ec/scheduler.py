@@ -83,7 +83,14 @@ class ECScheduler:
         """Invalidations and use records over the deployment's NATS named in the extra config."""
         user, password = config.nats_credentials()
         return ConnectorLifecycle.launch(
-            store, nats_url=config.nats_url, prefix=config.subject_prefix, user=user, password=password
+            store,
+            nats_url=config.nats_url,
+            prefix=config.subject_prefix,
+            user=user,
+            password=password,
+            replicas=config.stream_replicas,
+            ping_interval_s=config.nats_ping_interval_s,
+            max_outstanding_pings=config.nats_max_outstanding_pings,
         )
 
     def load_item(self, identifier: str) -> ECObject:

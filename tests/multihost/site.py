@@ -1,0 +1,267 @@
+"""The multi-host site: a lab of hosts (network namespaces), a 3-node NATS cluster (one node per
+host, ``NatsCluster`` with an ``ip netns exec`` wrap), SeaweedFS over three store hosts, and the
+E|PD services spread over four more hosts.
+
+Hosts (``Site.LAYOUT``): ``n1``-``n3`` a NATS node each; ``s1`` the weed master, filer + S3 gateway
+and a volume server, ``s2`` and ``s3`` a volume server each; ``a1`` / ``a2`` an API replica each;
+``w1`` / ``w2`` an encoder and a prefill (role pd) worker each. Every service gets every NATS
+seed (``EPD_NATS_URL``), ``EPD_STREAM_REPLICAS=3`` and the S3 gateway on ``s1``; it runs with
+this interpreter through ``ip netns exec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.protocol import Subjects
+from shared.tools.infra import NatsCluster
+from shared.topology import TOPOLOGIES, Topology
+from tests.faultutil import FAULT_DIR_ENV
+from tests.faultutil import MODULE as FAULT_MODULE
+from tests.multihost.lab import Host, Lab
+from tests.multihost.procs import HostProc, WeedStore, http_get
+from tests.stackutil import wait_for
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+API_PORT = 8000
+NATS_HOSTS = ("n1", "n2", "n3")
+STORE_HOSTS = ("s1", "s2", "s3")
+#: host -> the services it runs (E|PD)
+SERVICE_HOSTS: dict[str, tuple[str, ...]] = {
+    "a1": ("api",),
+    "a2": ("api",),
+    "w1": ("encoder", "prefill"),
+    "w2": ("encoder", "prefill"),
+}
+
+
+@dataclass
+class Service:
+    name: str
+    proc: HostProc
+
+    @property
+    def label(self) -> str:
+        return self.proc.label
+
+    @property
+    def host(self) -> Host:
+        return self.proc.host
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.name}-{self.host.name}"
+
+
+@dataclass
+class Site:
+    lab: Lab
+    data_dir: Path
+    model_dir: Path
+    settings: dict[str, str] = field(default_factory=dict)
+    nats: NatsCluster | None = None
+    store: WeedStore | None = None
+    services: list[Service] = field(default_factory=list)
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    env: dict[str, str] = field(default_factory=dict)
+
+    # -- start-up
+    def start(self) -> Site:
+        for name in (*NATS_HOSTS, *STORE_HOSTS, *SERVICE_HOSTS):
+            self.lab.add_host(name)
+        nats_hosts = [self.lab.hosts[n] for n in NATS_HOSTS]
+        self.nats = NatsCluster(
+            self.data_dir / "nats",
+            len(nats_hosts),
+            hosts=[h.address for h in nats_hosts],
+            wraps=[h.wrap for h in nats_hosts],
+            server_names=list(NATS_HOSTS),
+        )
+        with ThreadPoolExecutor(2) as pool:
+            nats_started = pool.submit(self.nats.start, timeout=60)
+            store_started = pool.submit(
+                lambda: WeedStore([self.lab.hosts[n] for n in STORE_HOSTS], self.data_dir / "weed").start()
+            )
+            nats_started.result()
+            self.store = store_started.result()
+        self.env = self._service_env()
+        # the APIs create the streams (R3); then every worker at once (each imports torch for ~10 s)
+        for host, names in SERVICE_HOSTS.items():
+            for name in names:
+                if name == "api":
+                    self.start_service(host, name)
+        self.wait_apis()
+        for host, names in SERVICE_HOSTS.items():
+            for name in names:
+                if name != "api":
+                    self.start_service(host, name)
+        self.wait_workers()
+        return self
+
+    def _service_env(self) -> dict[str, str]:
+        assert self.nats is not None and self.store is not None
+        prefix, namespace, bucket = f"m{self.tag}", f"ns{self.tag}", f"epd-{self.tag}"
+        topology = Topology.E_PD
+        env = {
+            "EPD_NATS_URL": self.nats.seeds,
+            "EPD_STREAM_REPLICAS": "3",
+            "EPD_S3_ENDPOINT": self.store.endpoint,
+            "EPD_S3_ACCESS_KEY": self.store.access_key,
+            "EPD_S3_SECRET_KEY": self.store.secret_key,
+            "EPD_S3_BUCKET": bucket,
+            "EPD_NAMESPACE": namespace,
+            "EPD_SUBJECT_PREFIX": prefix,
+            "EPD_MODEL_PATH": str(self.model_dir),
+            "EPD_MODEL_NAME": "qwen2-vl-tiny",
+            "EPD_TORCH_THREADS": "1",
+            "EPD_LOG_LEVEL": "INFO",
+            "EPD_STREAM_MAX_BYTES": str(64 * 1024**2),
+            "EPD_TOPOLOGY": topology.value,
+            "EPD_ROLE": TOPOLOGIES[topology].prefill_role.value,
+            "EPD_PORT": str(API_PORT),
+            **self.settings,
+        }
+        return env
+
+    def start_service(self, host: str, name: str) -> Service:
+        h = self.lab.hosts[host]
+        label = f"{name}@{host}"
+        env = {**os.environ, **self.env, "EPD_WORKER_ID": f"{name}-{host}"}
+        argv = [sys.executable, "-m", f"services.{name}"]
+        if name == "api":
+            env["EPD_HOST"] = h.address
+        else:
+            env["EPD_HEALTH_FILE"] = str(self.data_dir / "logs" / f"{label}.health")
+            # workers run through the fault suite's switches (a delay a case turns on per host)
+            env[FAULT_DIR_ENV] = str(self.fault_dir(host))
+            argv = [sys.executable, "-m", FAULT_MODULE, name]
+        existing = [s for s in self.services if s.label == label]
+        if existing:
+            existing[0].proc.start()
+            return existing[0]
+        proc = HostProc(label, h, argv, self.data_dir / "logs" / f"{label}.log", env=env, cwd=REPO).start()
+        service = Service(name, proc)
+        self.services.append(service)
+        return service
+
+    def fault_dir(self, host: str) -> Path:
+        folder = self.data_dir / "faults" / host
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def switch(self, host: str, service: str, delay: float | None) -> None:
+        """Turn a worker-side delay of ``host``'s ``service`` on (seconds) or off (None)."""
+        path = self.fault_dir(host) / f"{service}.delay"
+        if delay is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(str(delay))
+
+    # -- addresses and state
+    @property
+    def api_urls(self) -> list[str]:
+        return [f"http://{self.lab.hosts[h].address}:{API_PORT}" for h, s in SERVICE_HOSTS.items() if "api" in s]
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.env["EPD_SUBJECT_PREFIX"])
+
+    def health(self, url: str) -> dict[str, Any] | None:
+        try:
+            status, body = http_get(f"{url}/health", timeout=2)
+        except OSError:
+            return None
+        return json.loads(body) if status == 200 else None
+
+    def _check_alive(self) -> None:
+        for s in self.services:
+            if s.proc.popen is not None and not s.proc.alive():
+                raise AssertionError(f"{s.label} exited ({s.proc.popen.returncode}):\n{s.proc.log_tail()}")
+
+    def wait_apis(self, timeout: float = 120) -> None:
+        def up():
+            self._check_alive()
+            return all(self.health(u) is not None for u in self.api_urls)
+
+        wait_for(up, timeout, "both API replicas", interval=0.25)
+
+    def wait_workers(self, timeout: float = 300) -> None:
+        """Both APIs count every worker (two encoders, two prefill workers) by their heartbeats."""
+        want: dict[str, int] = {}
+        for names in SERVICE_HOSTS.values():
+            for n in names:
+                if n != "api":
+                    want[n] = want.get(n, 0) + 1
+
+        def ready():
+            self._check_alive()
+            for url in self.api_urls:
+                workers = (self.health(url) or {}).get("workers", {})
+                if any(workers.get(n, 0) < k for n, k in want.items()):
+                    return False
+            return True
+
+        wait_for(ready, timeout, f"every worker ({want}) in both APIs' health", interval=0.25)
+
+    def services_on(self, host: str) -> list[Service]:
+        return [s for s in self.services if s.host.name == host]
+
+    def nats_clients(self, skip: tuple[int, ...] = ()) -> dict[str, set[str]]:
+        """Which NATS nodes each of our services is connected to now: service label -> node names
+        (from every running node's ``/connz``; a client's name ends with its worker id)."""
+        assert self.nats is not None
+        out: dict[str, set[str]] = {}
+        for i in self.nats.running():
+            if i in skip:
+                continue
+            try:
+                status, body = http_get(f"{self.nats.monitor_url(i)}/connz?limit=1024", timeout=2)
+            except OSError:
+                continue
+            if status != 200:
+                continue
+            for conn in json.loads(body).get("connections") or []:
+                for s in self.services:
+                    if conn.get("ip") == s.host.address and (conn.get("name") or "").endswith(s.worker_id):
+                        out.setdefault(s.label, set()).add(self.nats.nodes[i].server_name)
+        return out
+
+    def client_urls(self, skip: tuple[int, ...] = ()) -> list[str]:
+        """NATS URLs the test process may use now (running nodes, less ``skip``)."""
+        assert self.nats is not None
+        return [self.nats.url(i) for i in self.nats.running() if i not in skip]
+
+    def service(self, label: str) -> Service:
+        return next(s for s in self.services if s.label == label)
+
+    def logs(self, *labels: str) -> str:
+        return "\n".join(
+            f"--- {s.label}\n{s.proc.log_tail(40)}" for s in self.services if not labels or s.label in labels
+        )
+
+    # -- teardown
+    def stop(self) -> None:
+        # every service at once: each may take seconds to drain
+        with ThreadPoolExecutor(max(1, len(self.services))) as pool:
+            list(pool.map(lambda s: s.proc.stop(timeout=10), self.services))
+        if self.store is not None:
+            self.store.stop()
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def run_async(coro):
+    """Run a coroutine to completion from synchronous test code (a thread of its own)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

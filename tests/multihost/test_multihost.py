@@ -1,0 +1,424 @@
+"""Multi-host cases (issue 26, part 3): a 3-node NATS cluster (R3 streams), SeaweedFS with three
+volume servers (replication 001), two API replicas and two worker hosts, each on its own network
+namespace (``tests/multihost/site.py``). Every case sends real requests, counts each one's fate
+(``load.FATES``) against the single-node run's tokens, checks the results stream for a request
+completed twice, records its recovery times (``results`` fixture: a JSON and a markdown file,
+printed at the end), and restores what it broke.
+
+The strict contract of every fault case: no request lost, wrong or hung, no job run again after
+its request completed (two FinalResults for one request), no 503 while a quorum of NATS nodes
+is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from tests.faultutil import post_chat
+from tests.multihost.load import (
+    GREEDY,
+    IMAGE_SIZE,
+    TEXT,
+    TEXT_ONLY,
+    Load,
+    Reference,
+    Results,
+    Sent,
+    fates,
+    finals_since,
+    largest_gap,
+    plan,
+    resume_after,
+    stream_replicas,
+    work_busy,
+)
+from tests.multihost.site import Site
+from tests.stackutil import chat_body, noise_image, wait_for
+
+log = logging.getLogger(__name__)
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
+
+#: A client call with no answer after this long hung (the services' request deadline is 60 s).
+CLIENT_TIMEOUT_S = 90
+#: "Within a few seconds": a fault of one NATS node must not keep an API from serving longer. What
+#: it is made of: the client notices a stalled or cut-off server after ~3 unanswered 1 s pings and
+#: reconnects (a try on a dead seed costs up to its 5 s connect timeout); streams the node led
+#: elect new leaders after NATS's raft election timeout (4-9 s, nats-server's defaults); jobs a
+#: worker on that node had fetched are redelivered after EPD_ACK_WAIT_S (10 s here). Measured
+#: 5.5-13.2 s; nats-py's 2-minute default pings kept services on a stalled server for the whole stall.
+FEW_S = 15.0
+#: Clients of a cut-off NATS node are connected to the majority within this long.
+RECONNECT_S = 15.0
+#: How long a stalled (SIGSTOP) / cut-off node stays so.
+STALL_S = 10.0
+CUT_S = 15.0
+#: Requests in flight at once during a case (over both API replicas).
+CONCURRENCY = 4
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def last_result_seq(site: Site) -> int:
+    return finals_since(site.client_urls(), site.subjects.stream_results, 1 << 62)[1]
+
+
+def settle(site: Site, timeout: float = 90) -> None:
+    """Wait until the work consumers hold no job: a job redelivered after its request completed
+    has then run (and its second final result is on record)."""
+    busy: dict = {}
+
+    def idle():
+        busy.clear()
+        busy.update(work_busy(site.client_urls(), site.subjects))
+        return not busy
+
+    try:
+        wait_for(idle, timeout, "the work consumers to hold no job", interval=0.3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (still held: {busy})") from None
+
+
+def judge(site: Site, results: Results, case: str, sent: list[Sent], first_seq: int, **figures) -> dict:
+    """Settle, count fates and final results per request, record the case; returns what the
+    assertions need."""
+    settle(site)
+    finals, _ = finals_since(site.client_urls(), site.subjects.stream_results, first_seq)
+    ids = {s.request_id for s in sent if s.request_id}
+    twice = {rid: f for rid, f in finals.items() if rid in ids and len(f) > 1}
+    counted = fates(sent)
+    why = Counter(s.why() for s in sent if s.fate != "completed")
+    results.record(
+        case,
+        fates=counted,
+        requests=len(sent),
+        completed_twice=len(twice),
+        completed_twice_runs=sum(len(f) - 1 for f in twice.values()),
+        max_latency_s=max((s.outcome.seconds for s in sent), default=0.0),
+        not_completed_why=dict(why.most_common()),
+        **figures,
+    )
+    return {"fates": counted, "twice": twice}
+
+
+def assert_contract(sent: list[Sent], judged: dict, origin: float, site: Site, *labels: str) -> None:
+    bad = [s.describe(origin) for s in sent if s.fate != "completed"]
+    problems = []
+    if bad:
+        head = f"{len(bad)} of {len(sent)} requests not completed with the single-node tokens:"
+        problems.append("\n".join([head, *bad]))
+    if judged["twice"]:
+        lines = [f"{rid}: (attempt, worker) {runs}" for rid, runs in judged["twice"].items()]
+        problems.append(
+            f"{len(judged['twice'])} requests completed more than once (a job run again after its request "
+            "completed):\n" + "\n".join(lines)
+        )
+    assert not problems, "\n\n".join(problems) + f"\nfates: {judged['fates']}\n{site.logs(*labels)}"
+
+
+def restore_nats(site: Site) -> float:
+    """Every NATS node running and current; returns the seconds it took."""
+    assert site.nats is not None
+    t0 = time.monotonic()
+    for i in range(len(site.nats.nodes)):
+        if not site.nats.nodes[i].is_running():
+            site.nats.start(i, timeout=60)
+    site.nats.wait_ready(timeout=60)
+    return time.monotonic() - t0
+
+
+def node_of(site: Site, labels: list[str]) -> tuple[int, dict[str, set[str]]]:
+    """The NATS node most of ``labels`` (service labels, in order of preference) are connected to."""
+    assert site.nats is not None
+    clients = site.nats_clients()
+    scores = []
+    for i, node in enumerate(site.nats.nodes):
+        on = [label for label in labels if node.server_name in clients.get(label, set())]
+        scores.append((len(on), -min((labels.index(x) for x in on), default=99), i))
+    return max(scores)[2], clients
+
+
+# -- 1. equality ------------------------------------------------------------------------------------
+def test_cluster_equals_single_node(site: Site, reference: Reference, results: Results):
+    """Image and text-only requests through either API replica give the single-node run's tokens;
+    a different image gives different ones (the comparison can fail)."""
+    image_a, image_b = noise_image(7001, IMAGE_SIZE), noise_image(7002, IMAGE_SIZE)
+    want_a, want_text = reference.tokens(TEXT, image_a), reference.tokens(TEXT_ONLY, None)
+    got: dict[str, dict[str, list[int] | None]] = {}
+    for url in site.api_urls:
+        row = {}
+        for what, body in (
+            ("image_a", chat_body(TEXT, [image_a], **GREEDY)),
+            ("image_b", chat_body(TEXT, [image_b], **GREEDY)),
+            ("text", chat_body(TEXT_ONLY, [], **GREEDY)),
+        ):
+            out = post_chat(url, body, what=what, timeout=CLIENT_TIMEOUT_S)
+            assert out.status == 200, (url, what, out.status, out.body, out.error)
+            row[what] = out.tokens
+        got[url] = row
+    replicas = stream_replicas(site.client_urls())
+    results.record("1 equality", apis=len(got), requests=3 * len(got), streams=replicas)
+    for url, row in got.items():
+        assert row["image_a"] == want_a, f"{url}: image tokens {row['image_a']} != single-node {want_a}"
+        assert row["text"] == want_text, f"{url}: text-only tokens {row['text']} != single-node {want_text}"
+        # negative control: another image's tokens differ from the first image's single-node run
+        assert row["image_b"] != want_a, f"{url}: a different image gave the same tokens {want_a}"
+        assert row["image_b"] == reference.tokens(TEXT, image_b)
+    # every stream (job queues, results, the KV buckets) is replicated on all three nodes
+    assert site.subjects.stream_generate in replicas, replicas
+    assert any(name.startswith("KV_") for name in replicas), f"no KV bucket: {replicas}"
+    not_r3 = {name: r for name, r in replicas.items() if r != (3, 3)}
+    assert not not_r3, f"streams not on 3 nodes (configured, placed): {not_r3}"
+
+
+# -- 2. SIGKILL of the job stream's leader ------------------------------------------------------------
+def test_sigkill_of_the_generate_stream_leader(site: Site, reference: Reference, results: Results):
+    assert site.nats is not None
+    stream = site.subjects.stream_generate
+    leader = site.nats.wait_stream_leader(stream, timeout=30)
+    planned = plan(reference, 24)
+    first_seq = last_result_seq(site) + 1
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load.wait_done(3, 120)
+    killed_at = time.monotonic()
+    site.nats.kill(leader)
+    new_leader = site.nats.wait_stream_leader(stream, timeout=30, not_on=leader)
+    elected_s = time.monotonic() - killed_at
+    sent = load.finish(at_least=len(planned))
+    catch_up_s = restore_nats(site)
+    judged = judge(
+        site,
+        results,
+        "2 SIGKILL generate-stream leader",
+        sent,
+        first_seq,
+        killed=site.nats.nodes[leader].server_name,
+        new_leader=site.nats.nodes[new_leader].server_name,
+        election_s=elected_s,
+        pause_s=largest_gap(sent, killed_at),
+        sent_after_kill=sum(1 for s in sent if s.outcome.started >= killed_at),
+        restart_catch_up_s=catch_up_s,
+    )
+    assert_contract(sent, judged, load.origin, site)
+
+
+# -- 3. SIGSTOP of the node an API and a worker use ------------------------------------------------------
+def test_sigstop_of_the_node_an_api_and_a_worker_use(site: Site, reference: Reference, results: Results):
+    assert site.nats is not None
+    apis = [s.label for s in site.services if s.name == "api"]
+    workers = [s.label for s in site.services if s.name != "api"]
+    api_restarts = 0
+    while True:  # clients pick a seed at random: restart an API replica until one shares a worker's node
+        node, clients = node_of(site, apis + workers)
+        name = site.nats.nodes[node].server_name
+        on_node = sorted(label for label, nodes in clients.items() if name in nodes)
+        if (set(on_node) & set(apis) and set(on_node) & set(workers)) or api_restarts >= 6:
+            break
+        api = site.service(apis[api_restarts % len(apis)])
+        api.proc.stop()
+        api.proc.start()
+        site.wait_apis()
+        site.wait_workers(timeout=60)
+        api_restarts += 1
+    planned = plan(reference, 40)
+    first_seq = last_result_seq(site) + 1
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load.wait_done(3, 120)
+    stopped_at = time.monotonic()
+    site.nats.pause(node)
+    try:
+        wait_for(lambda: time.monotonic() - stopped_at >= STALL_S, STALL_S + 5, "the stall's end", interval=0.2)
+    finally:
+        site.nats.resume(node)
+    resumed_at = time.monotonic()
+    load.wait_done(load.done_count() + 4, 120)
+    sent = load.finish()
+    per_api = {url: resume_after(sent, stopped_at, url) for url in site.api_urls}
+    judged = judge(
+        site,
+        results,
+        "3 SIGSTOP 10s of a node",
+        sent,
+        first_seq,
+        stopped=name,
+        clients_on_it=on_node,
+        api_and_worker_on_it=any(x in on_node for x in apis) and any(x in on_node for x in workers),
+        api_restarts_to_get_there=api_restarts,
+        pause_s=largest_gap(sent, stopped_at, resumed_at),
+        resume_per_api_s={url.split("//")[1]: v for url, v in per_api.items()},  # None: not within the case
+        slowest_during_stall_s=max(
+            (s.outcome.seconds for s in sent if s.outcome.ended >= stopped_at and s.outcome.started <= resumed_at),
+            default=0.0,
+        ),
+    )
+    restore_nats(site)
+    assert set(on_node) & set(apis) and set(on_node) & set(workers), f"no node with an API and a worker: {clients}"
+    assert_contract(sent, judged, load.origin, site, *on_node)
+    slow = {url: v for url, v in per_api.items() if v > FEW_S}
+    assert not slow, f"API replicas serving nothing for more than {FEW_S}s of the stall of {name}: {slow}"
+
+
+# -- 4. minority partition ------------------------------------------------------------------------------
+def test_minority_partition_of_one_nats_node(site: Site, reference: Reference, results: Results, lab):
+    assert site.nats is not None
+    labels = [s.label for s in site.services]
+    node, clients = node_of(site, labels)
+    name = site.nats.nodes[node].server_name
+    moved = sorted(label for label, nodes in clients.items() if name in nodes)
+    planned = plan(reference, 60)
+    first_seq = last_result_seq(site) + 1
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load.wait_done(3, 120)
+    cut_at = time.monotonic()
+    lab.cut(name)
+    reconnected_s = None
+    try:
+
+        def all_on_majority():
+            now = site.nats_clients(skip=(node,))
+            return all(label in now for label in labels)
+
+        try:
+            wait_for(all_on_majority, RECONNECT_S, "every service connected to the majority", interval=0.25)
+            reconnected_s = time.monotonic() - cut_at
+        except AssertionError:
+            pass
+        wait_for(lambda: time.monotonic() - cut_at >= CUT_S, CUT_S + 5, "the cut's end", interval=0.2)
+    finally:
+        lab.heal(name)
+    healed_at = time.monotonic()
+    load.wait_done(load.done_count() + 4, 120)
+    sent = load.finish()
+    rejoin_s = restore_nats(site)
+    per_api = {url: resume_after(sent, cut_at, url) for url in site.api_urls}
+    judged = judge(
+        site,
+        results,
+        "4 minority partition",
+        sent,
+        first_seq,
+        cut=name,
+        clients_on_it=moved,
+        all_clients_on_majority_s=reconnected_s,
+        pause_s=largest_gap(sent, cut_at, healed_at),
+        resume_per_api_s={url.split("//")[1]: v for url, v in per_api.items()},  # None: not within the case
+        rejoin_after_heal_s=rejoin_s,
+    )
+    assert_contract(sent, judged, load.origin, site, *moved)
+    assert reconnected_s is not None, (
+        f"clients of the cut node {name} ({moved}) not on the majority within {RECONNECT_S}s"
+    )
+    slow = {url: v for url, v in per_api.items() if v > FEW_S}
+    assert not slow, f"API replicas serving nothing for more than {FEW_S}s after {name} was cut off: {slow}"
+
+
+# -- 5. a worker host lost -------------------------------------------------------------------------------
+_HELD = re.compile(r"\[request_id=(chatcmpl-[0-9a-f]+)\] fault injection")
+
+
+def test_a_whole_worker_host_lost(site: Site, reference: Reference, results: Results, lab):
+    host = "w1"
+    encoder = site.service(f"encoder@{host}")
+    log_start = encoder.proc.log_path.stat().st_size
+    planned = plan(reference, 24, text_every=0)  # images: every request has an encode job
+
+    def held() -> set[str]:
+        with encoder.proc.log_path.open("rb") as fh:
+            fh.seek(log_start)
+            return set(_HELD.findall(fh.read().decode(errors="replace")))
+
+    first_seq = last_result_seq(site) + 1
+    site.switch(host, "encoder", 3.0)  # w1's encoder holds each job 3 s: it has jobs when it dies
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    try:
+        wait_for(held, 60, f"an encode job held on {host}", interval=0.1)
+        killed_at = time.monotonic()
+        pids = lab.kill_host(host)
+        held_ids = held()
+        sent = load.finish(at_least=len(planned))
+    finally:
+        site.switch(host, "encoder", None)
+    by_id = {s.request_id: s for s in sent if s.request_id}
+    held_latency = [by_id[r].outcome.ended - killed_at for r in held_ids if r in by_id]
+    restart_at = time.monotonic()
+    for s in site.services_on(host):
+        s.proc.start()
+    site.wait_workers(timeout=300)
+    judged = judge(
+        site,
+        results,
+        "5 worker host lost",
+        sent,
+        first_seq,
+        host=host,
+        processes_killed=len(pids),
+        jobs_held_by_it=len(held_ids),
+        held_completed=sum(1 for r in held_ids if r in by_id and by_id[r].fate == "completed"),
+        held_done_after_kill_s=max(held_latency, default=None),
+        pause_s=largest_gap(sent, killed_at),
+        host_back_s=time.monotonic() - restart_at,
+    )
+    assert held_ids, f"no job was held on {host} when it died: the case did not test redelivery"
+    missing = held_ids - set(by_id)
+    assert not missing, f"requests whose encode job died with {host} got no 200 with an id: {missing}"
+    assert_contract(sent, judged, load.origin, site)
+
+
+# -- 6. a store volume server lost ------------------------------------------------------------------------
+def test_a_store_volume_server_lost(site: Site, reference: Reference, results: Results):
+    assert site.store is not None
+    victim = site.store.volumes[1]
+    planned = plan(reference, 24, text_every=0)  # fresh images: EC written and read
+    first_seq = last_result_seq(site) + 1
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load.wait_done(3, 120)
+    killed_at = time.monotonic()
+    victim.stop(signal.SIGKILL)
+    sent = load.finish(at_least=len(planned))
+    restart_at = time.monotonic()
+    victim.start()
+    wait_for(lambda: site.store.data_nodes() >= len(site.store.volumes), 60, "the volume server back")
+    judged = judge(
+        site,
+        results,
+        "6 store volume server lost",
+        sent,
+        first_seq,
+        killed=f"{victim.label}@{victim.host.name}",
+        pause_s=largest_gap(sent, killed_at),
+        volume_back_s=time.monotonic() - restart_at,
+    )
+    assert_contract(sent, judged, load.origin, site)
+
+
+# -- 7. rolling restart ----------------------------------------------------------------------------------
+def test_rolling_restart_of_the_nats_nodes(site: Site, reference: Reference, results: Results):
+    assert site.nats is not None
+    planned = plan(reference, 80)
+    first_seq = last_result_seq(site) + 1
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load.wait_done(3, 120)
+    began = time.monotonic()
+    per_node = {}
+    for i, node in enumerate(site.nats.nodes):
+        t0 = time.monotonic()
+        site.nats.stop(i)
+        site.nats.start(i, timeout=60)
+        per_node[node.server_name] = round(time.monotonic() - t0, 2)
+        load.wait_done(load.done_count() + 2, 120)  # some requests served between two restarts
+    sent = load.finish()
+    judged = judge(
+        site,
+        results,
+        "7 rolling restart",
+        sent,
+        first_seq,
+        restart_and_current_s=per_node,
+        pause_s=largest_gap(sent, began),
+    )
+    assert_contract(sent, judged, load.origin, site)
