@@ -26,6 +26,7 @@ from shared.tools.infra import (
     InfraError,
     NatsCluster,
     PortInUseError,
+    PortReservation,
     find_binary,
     free_port,
     free_ports,
@@ -149,6 +150,23 @@ def test_nats_fixed_port_taken_gives_clear_error(tmp_path: Path, listening_socke
     assert str(port) in msg and "already in use" in msg and "nats-server" in msg
     assert excinfo.value.port == port
     assert server.pid is None  # nothing was launched
+
+
+def test_a_reserved_port_is_refused_to_servers_until_released(tmp_path: Path) -> None:
+    """``epd up`` holds its API port while NATS and S3 start (their own port picks must not take
+    it): a server asking for a held port is refused, SO_REUSEADDR or not; released, it binds."""
+    port = free_port()
+    held = PortReservation([port])
+    try:
+        assert not port_available(port)  # (binds with SO_REUSEADDR, as the Go servers do)
+        with pytest.raises(PortInUseError):
+            EmbeddedNats(tmp_path / "a", port=port).start()
+        with pytest.raises(PortInUseError):  # a taken port: nothing is held
+            PortReservation([free_port(), port])
+    finally:
+        held.release()
+    with EmbeddedNats(tmp_path / "b", port=port) as server:
+        assert server.url == f"nats://127.0.0.1:{port}"
 
 
 def test_nats_fixed_port_is_used(tmp_path: Path) -> None:

@@ -31,11 +31,11 @@ from shared.tools.infra import (
     EmbeddedS3,
     InfraError,
     PortInUseError,
-    port_available,
+    PortReservation,
 )
 from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
 from shared.tools.models.tiny import default_model_dir
-from shared.topology import Service, Topology
+from shared.topology import TOPOLOGIES, Service, Topology
 
 DEFAULT_DATA_DIR = Path("var")
 
@@ -137,6 +137,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     nats = EmbeddedNats(data_dir / "nats", port=args.nats_port)
     s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
     stack: Stack | None = None
+    replicas = {Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders}
+    held: list[PortReservation] = []
 
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
@@ -145,11 +147,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     try:
-        # Before anything starts (like NATS's and S3's ports): the API binds last, after the workers.
-        if not port_available(args.port, args.host):
+        # Before anything starts: a taken API port fails now, not after every worker loaded the
+        # model; and held, with the workers' /metrics ports, until the services start, so NATS's and
+        # S3's own port picks cannot take them.
+        try:
+            held.append(PortReservation([args.port], args.host))
+        except PortInUseError as exc:
             raise PortInUseError(
                 f"the API port {args.host}:{args.port} is already in use; pick another with --port", port=args.port
-            )
+            ) from exc
+        if args.metrics_port:  # the Stack gives workers base + 1, base + 2, ...
+            workers = sum(replicas[s] for s in TOPOLOGIES[Topology(args.topology)].worker_services)
+            try:
+                held.append(PortReservation([args.metrics_port + 1 + i for i in range(workers)], args.host))
+            except PortInUseError as exc:
+                raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
             default_fork_server(data_dir / "logs")
         nats.start()
@@ -173,7 +185,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             log_dir=data_dir / "logs",
             topology=args.topology,
             api_port=args.port,
-            replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders},
+            replicas=replicas,
             service_env=service_env,
             metrics_port_base=args.metrics_port,
             fork_server=args.fork_server,
@@ -186,6 +198,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
         print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
         progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
+        for ports in held:  # the API and the workers bind them now
+            ports.release()
         stack.start(staggered=staggered, timeout=timeout, progress=progress)
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
@@ -230,6 +244,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"epd up failed: {exc}", file=sys.stderr)
         return 1
     finally:
+        for ports in held:
+            ports.release()
         if stack is not None:
             stack.stop()
         s3.stop()

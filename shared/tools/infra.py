@@ -54,6 +54,7 @@ __all__ = [
     "InfraError",
     "NatsCluster",
     "PortInUseError",
+    "PortReservation",
     "find_binary",
     "free_port",
     "free_ports",
@@ -105,6 +106,34 @@ def port_available(port: int, host: str = HOST) -> bool:
         except OSError:
             return False
         return True
+
+
+class PortReservation:
+    """Ports held bound (not listening, without ``SO_REUSEADDR``) until :meth:`release`: while
+    held, no other process can bind them - neither a server asked for them nor the OS picking a
+    free port for someone else (``nats-server -m -1``, SeaweedFS's internal ports) - so a port that
+    a process started later will listen on (``epd up``'s API) is still free when it binds."""
+
+    def __init__(self, ports: Sequence[int], host: str = HOST):
+        """Raises :class:`PortInUseError` for the first port that is taken (nothing held then)."""
+        self._socks: list[socket.socket] = []
+        try:
+            for port in ports:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._socks.append(s)
+                try:
+                    s.bind((host, port))
+                except OSError as exc:
+                    raise PortInUseError(f"{host}:{port} is already in use", port=port) from exc
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Free the ports (idempotent): their process is about to bind them."""
+        for s in self._socks:
+            s.close()
+        self._socks.clear()
 
 
 def free_ports(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> list[int]:
