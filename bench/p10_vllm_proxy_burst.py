@@ -431,6 +431,12 @@ def main() -> int:
     parser.add_argument(
         "--vllm-proxy", type=Path, default=None, help="vLLM's disagg_epd_proxy.py from a checkout, run instead of ours"
     )
+    parser.add_argument(
+        "--encode-steals", type=int, default=0, help="ours: EPD_ENCODE_STEALS (the PD worker steals queued encodes)"
+    )
+    parser.add_argument(
+        "--encode-pixel-budget", type=int, default=None, help="ours: EPD_ENCODE_PIXEL_BUDGET of the encoder worker"
+    )
     args = parser.parse_args()
     model = h.model_dir(args.model_size)
     our_env, their_cores = CORES[args.cores]
@@ -443,7 +449,10 @@ def main() -> int:
                 "EPD_ENGINE": "vllm",
                 "EPD_VLLM_MAX_NUM_SEQS": str(args.max_num_seqs),
                 "EPD_VLLM_KV_CACHE_GIB": str(args.kv_cache_gib),
+                "EPD_ENCODE_STEALS": str(args.encode_steals),
             }
+            if args.encode_pixel_budget:
+                overrides["EPD_ENCODE_PIXEL_BUDGET"] = str(args.encode_pixel_budget)
             stacks = bench.start({"ours": ("e-pd", overrides)}, model, timeout=1200.0, service_env={"ours": our_env})
             t = time.perf_counter()
             asyncio.run(theirs.wait_ready(1200.0))

@@ -510,6 +510,20 @@ class PrefillSettings(WorkerSettings):
     """`pd`: prefill and decode in one worker (E|PD); `prefill`: prefill, then hand off to decode workers (E|P|D);
     `agg`: encode, prefill and decode in process (the baseline)."""
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
+    encode_steals: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="queued encode jobs this worker may steal at once: after `EPD_ENCODE_STEAL_AFTER_S` "
+        "without an encoder starting an item, the worker's own engine encodes it, stores it and "
+        "announces it (0: off; roles pd and prefill; docs/architecture.md, encode stealing)",
+    )
+    encode_steal_after_s: float = Field(
+        0.2,
+        ge=0,
+        description="how long a job waits for an encoder to start its item before this worker "
+        "steals it (`EPD_ENCODE_STEALS`)",
+    )
     max_concurrent_jobs: int | None = Field(
         None,
         ge=1,

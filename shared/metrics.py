@@ -58,6 +58,9 @@ class JobOutcome(enum.StrEnum):
     ENCODED = "encoded"
     #: an encode job found its EC object already stored (announced again)
     ALREADY_STORED = "already_stored"
+    #: an encode job whose item a generating worker had stolen (``shared.ec_lifecycle.claims``):
+    #: acked without encoding, the stealer announces it
+    STOLEN = "stolen"
     #: the message did not decode as the handler's job type
     BAD_MESSAGE = "bad_message"
     #: failed, redelivered later
@@ -97,6 +100,12 @@ ROUTING_CLAIMS = Counter(
     ["outcome"],
 )
 ENCODE_JOBS = Counter("epd:encode_jobs_total", "Encode jobs handled by outcome.", ["outcome"])
+EC_STEALS = Counter(
+    "epd:ec_steals_total",
+    "Items of queued encode jobs a generating worker took for its own engine (EPD_ENCODE_STEALS), by outcome: "
+    "stolen, then announced (stored) or failed.",
+    ["outcome"],
+)
 GENERATION_JOBS = Counter("epd:generation_jobs_total", "Generation jobs handled by outcome.", ["outcome"])
 QUEUE_SECONDS = Histogram(
     "epd:queue_time_seconds",

@@ -34,8 +34,9 @@ from workers, ``Epd-Started-At`` (when the worker took the job it publishes for)
 
 Streams use limits retention (not work-queue) so they keep what passed through them for replay.
 
-Key-value buckets: ``<P>_EC_INDEX`` (EC objects, ``shared.ec_lifecycle.index``) and ``<P>_ROUTING_CLAIMS``
-(who runs a routed generation job: the claims of ``shared.routing``).
+Key-value buckets: ``<P>_EC_INDEX`` (EC objects, ``shared.ec_lifecycle.index``), ``<P>_ROUTING_CLAIMS``
+(who runs a routed generation job: the claims of ``shared.routing``) and ``<P>_EC_CLAIMS`` (who encodes
+an item: an encoder or a generating worker stealing its job, ``shared.ec_lifecycle.claims``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class ECSource(enum.StrEnum):
     CONNECTOR = "connector"
     #: vLLM still held the item (encoder or prefix cache); the connector was not asked
     ENGINE_CACHE = "engine_cache"
+    #: encoded by the generating worker in place of its queued encode job, then stored and
+    #: announced (``EPD_ENCODE_STEALS``; ``shared.ec_lifecycle.claims``)
+    STOLEN = "stolen"
 
 
 def recomputed(reason: str) -> str:
@@ -274,6 +278,9 @@ class Subjects:
         self.ec_index_bucket = f"{P}_EC_INDEX"
         #: Claims of routed generation jobs: which worker runs each (``shared.routing``).
         self.routing_bucket = f"{P}_ROUTING_CLAIMS"
+        #: Who computes an item's encoder output: an encoder or a stealing generating worker
+        #: (``shared.ec_lifecycle.claims``).
+        self.ec_claims_bucket = f"{P}_EC_CLAIMS"
         #: Every write to a routing claim (core NATS sees the bucket's puts: new ones only).
         self.routing_claims_all = f"$KV.{self.routing_bucket}.>"
 

@@ -485,6 +485,14 @@ def final_result(stack: RunningStack, request_id: str, *, timeout: float = 120) 
     return found[0]
 
 
+def worker_id_of(proc, service: str) -> str:
+    """A worker process's id, from its runner's ``<service> worker <id> consuming ...`` log line."""
+    for line in proc.log_path.read_text(errors="replace").splitlines():
+        if f"{service} worker " in line and " consuming " in line:
+            return line.split(f"{service} worker ", 1)[1].split(" ", 1)[0]
+    raise AssertionError(f"no worker id in {proc.log_path}")
+
+
 def wait_for(predicate, timeout: float, what: str, *, interval: float = 0.1):
     """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout`` passes.
     Use generous timeouts: they bound a failure, they are not a speed requirement."""

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from shared.media import content_hash_of
-from shared.protocol import ECReady, EncodeJob
+from shared.protocol import ECReady, EncodeJob, FinalResult
 from shared.tools.infra import free_port
 from tests.stackutil import (
     GREEDY,
@@ -36,6 +36,7 @@ from tests.stackutil import (
     stream_chat,
     user_message,
     wait_for,
+    worker_id_of,
 )
 from tests.vllmutil import CASES, generate, media
 
@@ -229,3 +230,46 @@ def test_vllm_files_stay_in_the_project_folder(vllm_stack):
     assert all("hash" in json.loads(p.read_text()) for p in infos)
     sockets = [p for p in (vllm_stack.vllm_dir / "rpc").iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
     assert sockets, "no vLLM IPC socket under VLLM_RPC_BASE_PATH while the engines run"
+
+
+@pytest.mark.vllm
+def test_a_vllm_pd_worker_steals_encodes_no_encoder_took(
+    nats_server, s3_server, tiny_model_dir, vllm_reference, tmp_path
+):
+    """E|PD on vLLM with ``EPD_ENCODE_STEALS`` and no encoder worker at all: the PD worker steals
+    each queued encode, its vLLM (an EC producer too) encodes and stores the item, the worker
+    announces it; the output equals the aggregated engine's. The next request finds the item in
+    the store (a valid object: the connector loads it) and equals the reference too."""
+    work = tmp_path
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        work / "logs",
+        services=["api", "prefill"],
+        roles={"prefill": 1},
+        ready_timeout=900,
+        EPD_ENGINE="vllm",
+        EPD_VLLM_DIR=str(work / "vllm"),
+        EPD_ENCODE_STEALS="1",
+        EPD_EC_WAIT_S="300",
+    )
+    try:
+        image = noise_image(91, (64, 48))
+        item = content_hash_of(image)
+        want, _ = run_sync(generate(vllm_reference, "Describe the image.", [media(91, (64, 48))]))
+        got, body = api_tokens(running, "Describe the image.", [image], timeout=240)
+        assert got == want
+        # (not final_result(): it waits for every job to be acked, and no encoder takes the encode job)
+        (final,) = running.messages_of("stream_results", FinalResult, body["id"])
+        assert final.ec_sources == {item: "stolen"}
+        (ready,) = _ec_ready(running, item)
+        pd = next(p for p in running.stack.processes if p.name == "prefill")
+        assert ready.n_tokens > 0 and ready.nbytes > 0 and ready.producer == worker_id_of(pd, "prefill")
+
+        again, body = api_tokens(running, "What is in it?", [image], timeout=240)
+        assert again == run_sync(generate(vllm_reference, "What is in it?", [media(91, (64, 48))]))[0]
+        (final,) = running.messages_of("stream_results", FinalResult, body["id"])
+        assert final.ec_sources[item] in {"store", "engine_cache"}
+    finally:
+        running.stack.stop()

@@ -33,7 +33,7 @@ from shared.topology import Service
 
 # enum -> the exact strings the code spelled before it existed
 EXPECTED: dict[type[enum.Enum], set[str]] = {
-    ECSource: {"local_cache", "local", "store", "recomputed", "connector", "engine_cache"},
+    ECSource: {"local_cache", "local", "store", "recomputed", "connector", "engine_cache", "stolen"},
     Timing: {
         "features_s",
         "admission_s",
@@ -56,6 +56,7 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "ok",
         "encoded",
         "already_stored",
+        "stolen",
         "bad_message",
         "retried",
         "cancelled",

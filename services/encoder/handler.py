@@ -14,6 +14,10 @@ the request. Transient failures (store down, engine failure) are retried with a 
 ``max_deliver``; the last attempt publishes ``ECFailed`` (``Handler.on_terminal``). A job of a
 cancelled request is dropped when no other request waits on it (``ECFailed`` ``cancelled``);
 once started it runs to the end.
+
+Encode stealing (``shared.ec_lifecycle.claims``): right before encoding, the worker claims the
+item; when a generating worker stole it first (its engine encodes it, it announces the object),
+the job is acked without encoding (outcome ``stolen``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from shared import metrics, protocol
 from shared.admission import Admission
 from shared.cancellation import Ended, RequestRecords
 from shared.config import EncoderSettings
+from shared.ec_lifecycle.claims import EncodeClaims
 from shared.engines import base
 from shared.engines.base import Engine
 from shared.errors import EngineError, EPDError, StoreError
@@ -109,6 +114,7 @@ class EncoderHandler(ModelHandler):
         self.settings: EncoderSettings = settings
         self.producer: FeatureProducer | None = None
         self.pixel_budget = DecodeBudget(settings.encode_pixel_budget)
+        self.claims: EncodeClaims | None = None
 
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
@@ -121,6 +127,11 @@ class EncoderHandler(ModelHandler):
         # working (an encode job waits for nothing), within the pixel budget whatever the count.
         jobs = self.settings.encode_jobs_in_flight or self.engine.max_running_requests
         self.admission = Admission(jobs, max_waiting=0)
+        if ctx.nc is not None:
+            try:
+                self.claims = await EncodeClaims.open(ctx.nc.jetstream(), ctx.subjects, self.settings.nats)
+            except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; without claims it encodes every job
+                log.warning("encode claims unavailable (%s: %s): every job is encoded here", type(exc).__name__, exc)
         log.info(
             "encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); engine: %s",
             jobs,
@@ -151,6 +162,10 @@ class EncoderHandler(ModelHandler):
         # Decoded images held at once are bounded by pixels, however many jobs are in flight.
         claim = await self.pixel_budget.acquire(job.image.width * job.image.height)
         try:
+            if (stealer := await self._claim(job)) is not None:
+                log.info("item %s stolen by %s: not encoding", item[:12], stealer)
+                metrics.ENCODE_JOBS.labels(JobOutcome.STOLEN).inc()
+                return
             image = await self.image(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
             started_at = time.time()
             started = time.perf_counter()
@@ -173,6 +188,20 @@ class EncoderHandler(ModelHandler):
         )
         await self._ready(job, n_tokens, nbytes, encode_s, started_at=started_at)
         metrics.ENCODE_JOBS.labels(JobOutcome.ENCODED).inc()
+        if self.claims is not None:
+            await self.claims.release(job.fingerprint, item)
+
+    async def _claim(self, job: EncodeJob) -> str | None:
+        """Claim the item before encoding it: the stealer's worker id when a generating worker
+        took it first, else None (encode; also when the claims cannot be reached)."""
+        if self.claims is None:
+            return None
+        try:
+            held = await self.claims.for_encoder(job.fingerprint, job.image.item_hash, self.settings.worker_id)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types: encode (a duplicate at worst)
+            log.warning("could not claim %s (%s: %s): encoding", job.image.item_hash[:12], type(exc).__name__, exc)
+            return None
+        return held.owner if held is not None else None
 
     async def ended(self, job: EncodeJob, records: RequestRecords) -> Ended | None:
         """Dropped only when its request was cancelled and no other live request waits on it

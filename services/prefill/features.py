@@ -22,7 +22,15 @@ in ``setup`` from the role and the engine's capability.
   ["ec_sources"]``: ``store`` / ``recomputed:<reason>``).
 
 Each returns the image item the engine takes and where it came from (``local_cache``, ``local``,
-``store``, ``recomputed:<reason>``, ``connector``).
+``store``, ``recomputed:<reason>``, ``connector``, ``stolen``).
+
+Encode stealing (``EPD_ENCODE_STEALS``, :class:`Stealer`, ``shared.ec_lifecycle.claims``): while
+waiting for the encoder (step 3), a job whose item no encoder has started after
+``EPD_ENCODE_STEAL_AFTER_S`` claims it, and this worker's engine encodes it: :class:`StoredFeatures`
+encodes, stores and announces it in ``resolve``; :class:`ConnectorFeatures` hands the image over and
+the engine (an EC producer too: it stores what it encodes) does it in its step; the handler announces
+the stored object after the generation (:meth:`FeatureSource.settle`). At most ``EPD_ENCODE_STEALS``
+steals run at once per worker; the other jobs keep waiting, and steal when a steal ends.
 
 EC store lifecycle (``shared.ec_lifecycle.worker``): :class:`StoredFeatures` and
 :class:`ConnectorFeatures` note every use of a stored object (cache hit, store hit, write-back,
@@ -35,6 +43,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -42,6 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from shared import metrics
+from shared.ec_lifecycle.claims import EncodeClaims
 from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
@@ -126,15 +136,153 @@ class EncoderWait:
         ) as sub:
             yield sub
 
-    async def wait(self, sub: TypedSubscription, ref: ImageRef) -> MissReason | None:
-        """None when the encoder announced the object; else why we stopped waiting."""
-        event = await sub.next(deadline=time.time() + self.wait_s)
-        if event is None:
-            return MissReason.TIMEOUT
+    async def wait(
+        self, sub: TypedSubscription, ref: ImageRef, stealer: Stealer | None = None, request_id: str = ""
+    ) -> MissReason | Steal | None:
+        """None when the encoder announced the object; a :class:`Steal` (for ``request_id``) when
+        ``stealer`` took the item for this worker's engine; else why we stopped waiting."""
+        deadline = time.time() + self.wait_s
+        next_try = deadline if stealer is None else time.time() + stealer.after_s
+        while (event := await sub.next(deadline=min(deadline, next_try))) is None:
+            if stealer is None or time.time() >= deadline:
+                return MissReason.TIMEOUT
+            taken = await stealer.try_steal(ref, request_id)
+            if isinstance(taken, Steal):
+                return taken
+            if taken is StealRefused.STORED:
+                return None  # an encoder announced it as we claimed
+            # a free steal slot later (BUSY), or never: an encoder started it (CLAIMED)
+            next_try = time.time() + STEAL_RETRY_S if taken is StealRefused.BUSY else deadline
         if isinstance(event, ECFailed):
             log.warning("encoder gave up on %s: %s: %s", ref.item_hash[:12], event.code, event.message)
             return MissReason.ENCODER_FAILED
         return None
+
+
+#: How often a job waiting for its encoder looks for a free steal slot (``Stealer``).
+STEAL_RETRY_S = 0.1
+
+
+class StealRefused(enum.Enum):
+    """Why :meth:`Stealer.try_steal` did not take an item."""
+
+    #: every steal slot of this worker is in use: try again later
+    BUSY = "busy"
+    #: someone claimed the item (an encoder started it), or the claims cannot be reached: wait
+    CLAIMED = "claimed"
+    #: the store has it (an encoder announced it as the steal was claimed): load it
+    STORED = "stored"
+
+
+class Steal:
+    """An item this worker took from the encoders: it announces the stored object (or that it
+    failed) exactly once, which also frees the steal slot."""
+
+    def __init__(self, stealer: Stealer, ref: ImageRef, request_id: str):
+        self.stealer = stealer
+        self.ref = ref
+        self.request_id = request_id
+        self.started_at = time.time()
+        self._done = False
+
+    async def announce(self, n_tokens: int, nbytes: int, encode_s: float) -> None:
+        """The object is stored: tell the waiters (the API indexes it too)."""
+        if self._done:
+            return
+        self._done = True
+        s, ctx = self.stealer, self.stealer.ctx
+        try:
+            event = ECReady(
+                request_id=self.request_id,
+                item_hash=self.ref.item_hash,
+                fingerprint=s.fingerprint,
+                ec_key=s.store.key(self.ref.item_hash),
+                n_tokens=n_tokens,
+                nbytes=nbytes,
+                producer=s.worker_id,
+                encode_s=encode_s,
+                created_at=time.time(),
+                encode_started_at=self.started_at,
+            )
+            await ctx.publisher.publish(
+                ctx.subjects.ec_ready(s.fingerprint, self.ref.item_hash), event, request_id=self.request_id
+            )
+            metrics.EC_STEALS.labels("announced").inc()
+        finally:
+            await s.ended(self)
+
+    async def fail(self, message: str) -> None:
+        """Nothing stored: the waiters stop waiting and encode themselves."""
+        if self._done:
+            return
+        self._done = True
+        s, ctx = self.stealer, self.stealer.ctx
+        try:
+            event = ECFailed(
+                request_id=self.request_id,
+                item_hash=self.ref.item_hash,
+                fingerprint=s.fingerprint,
+                code="steal_failed",
+                message=message,
+                created_at=time.time(),
+            )
+            await ctx.publisher.publish(
+                ctx.subjects.ec_failed(s.fingerprint, self.ref.item_hash), event, request_id=self.request_id
+            )
+            metrics.EC_STEALS.labels("failed").inc()
+        finally:
+            await s.ended(self)
+
+
+class Stealer:
+    """This worker's encode steals (the module docstring): ``slots`` at once, after ``after_s``."""
+
+    def __init__(self, ctx: WorkerContext, store: ECStore, fingerprint: str, slots: int, after_s: float):
+        self.ctx = ctx
+        self.store = store
+        self.fingerprint = fingerprint
+        self.worker_id = ctx.settings.worker_id
+        self.slots = slots
+        self.after_s = after_s
+        self.running = 0
+        self._claims: EncodeClaims | None = None
+
+    async def _open(self) -> EncodeClaims:
+        if self._claims is None:
+            assert self.ctx.nc is not None  # (an EncoderWait subscription exists: so does NATS)
+            self._claims = await EncodeClaims.open(self.ctx.nc.jetstream(), self.ctx.subjects, self.ctx.settings.nats)
+        return self._claims
+
+    async def try_steal(self, ref: ImageRef, request_id: str) -> Steal | StealRefused:
+        if self.running >= self.slots:
+            return StealRefused.BUSY
+        self.running += 1  # held across the awaits below: two jobs never take one slot
+        won = False
+        try:
+            claims = await self._open()
+            won = await claims.steal(self.fingerprint, ref.item_hash, self.worker_id)
+            if not won:
+                return StealRefused.CLAIMED
+            if await asyncio.to_thread(self.store.exists, ref.item_hash):
+                won = False
+                await claims.release(self.fingerprint, ref.item_hash)
+                return StealRefused.STORED
+        except Exception as exc:  # noqa: BLE001 - nats and the store raise several unrelated types: wait as before
+            log.warning(
+                "could not steal %s (%s: %s): waiting for the encoder", ref.item_hash[:12], type(exc).__name__, exc
+            )
+            return StealRefused.CLAIMED
+        finally:
+            if not won:
+                self.running -= 1
+        log.info("stealing the encode of %s", ref.item_hash[:12])
+        metrics.EC_STEALS.labels("stolen").inc()
+        return Steal(self, ref, request_id)
+
+    async def ended(self, steal: Steal) -> None:
+        self.running -= 1
+        if self._claims is not None:
+            await self._claims.release(self.fingerprint, steal.ref.item_hash)
 
 
 class FeatureSource(abc.ABC):
@@ -144,6 +292,11 @@ class FeatureSource(abc.ABC):
     @abc.abstractmethod
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | MediaImage, str]:
         """The engine's item for one image and where it came from."""
+
+    async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
+        """After a request's generation (``stats``; None when it failed): announce the items its
+        engine encoded in place of the encoders (:class:`ConnectorFeatures`; the others announce in
+        ``resolve``)."""
 
     async def close(self) -> None:
         """At shutdown: write the uses not written yet, stop listening for invalidations."""
@@ -190,10 +343,12 @@ class StoredFeatures(LocalFeatures):
         image: ImageLoader,
         store: ECStore,
         encoder: EncoderWait,
+        stealer: Stealer | None = None,
     ):
         super().__init__(engine, cache, image)
         self.store = store
         self.encoder = encoder
+        self.stealer = stealer
         #: records uses in the EC index, drops invalidated items from ``cache``
         self.lifecycle: WorkerLifecycle = WorkerLifecycle(encoder.ctx, store, cache)
 
@@ -209,7 +364,9 @@ class StoredFeatures(LocalFeatures):
             except ObjectValidationError as exc:
                 reason = exc.reason
             if reason is MissReason.NOT_FOUND and sub is not None:
-                waited = await self.encoder.wait(sub, ref)
+                waited = await self.encoder.wait(sub, ref, self.stealer, request_id)
+                if isinstance(waited, Steal):
+                    return await self._steal(ref, waited), ECSource.STOLEN
                 if waited is not None:
                     reason = waited
                 else:
@@ -224,6 +381,23 @@ class StoredFeatures(LocalFeatures):
         metrics.EC_LOOKUPS.labels(ECSource.RECOMPUTED, "hit", reason.value).inc()
         return item, recomputed(reason.value)
 
+    async def _steal(self, ref: ImageRef, steal: Steal) -> EncodedImage:
+        """Encode a stolen item here, store it, announce it."""
+        try:
+            started = time.perf_counter()
+            item = await self.encode(ref)
+            encode_s = time.perf_counter() - started
+            nbytes = await self._write_back(ref, item)
+        except BaseException as exc:
+            await steal.fail(f"the stealing worker failed: {type(exc).__name__}: {exc}")
+            raise
+        if nbytes is None:
+            await steal.fail("the stealing worker could not store it")
+        else:
+            await steal.announce(item.n_tokens, nbytes, encode_s)
+        metrics.EC_LOOKUPS.labels(ECSource.STOLEN, "hit", "").inc()
+        return item
+
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
         from shared.engines.ec_objects import ec_object_to_encoded
 
@@ -233,8 +407,9 @@ class StoredFeatures(LocalFeatures):
         self.cache.put(ref.item_hash, item)
         return item
 
-    async def _write_back(self, ref: ImageRef, item: EncodedImage) -> None:
-        """Repairs a corrupt / missing object for the next request."""
+    async def _write_back(self, ref: ImageRef, item: EncodedImage) -> int | None:
+        """Repairs a corrupt / missing object for the next request. Returns its size (None: not
+        stored)."""
         from shared.engines.ec_objects import encoded_to_extra
         from shared.store.tensors import tensor_to_raw
 
@@ -246,6 +421,8 @@ class StoredFeatures(LocalFeatures):
             self.lifecycle.used(ref.item_hash, size=nbytes, created=True)
         except StoreError as exc:
             log.warning("could not write back %s: %s", ref.item_hash[:12], exc)
+            return None
+        return nbytes
 
 
 class ConnectorFeatures(FeatureSource):
@@ -254,10 +431,14 @@ class ConnectorFeatures(FeatureSource):
     encodes the image when it cannot. The source is provisional: the engine reports the real one
     after generating. ``encoder`` None (agg): no waiting."""
 
-    def __init__(self, image: ImageLoader, store: ECStore, encoder: EncoderWait | None):
+    def __init__(self, image: ImageLoader, store: ECStore, encoder: EncoderWait | None, stealer: Stealer | None = None):
         self.image = image
         self.store = store
         self.encoder = encoder
+        #: steals: only with an engine that stores what it encodes (``FeaturesThroughConnector.stores_encodes``)
+        self.stealer = stealer
+        #: request id -> the items it stole, announced in ``settle``
+        self.steals: dict[str, list[Steal]] = {}
         #: records uses in the EC index (the engine's connector drops invalidated bytes itself)
         self.lifecycle = WorkerLifecycle(encoder.ctx, store, None) if encoder is not None else None
 
@@ -277,7 +458,27 @@ class ConnectorFeatures(FeatureSource):
                 if stored:
                     self.lifecycle.used(ref.item_hash)
                 else:
-                    reason = await self.encoder.wait(sub, ref)
+                    reason = await self.encoder.wait(sub, ref, self.stealer, request_id)
+                    if isinstance(reason, Steal):  # (settled by the handler, whatever happens next)
+                        self.steals.setdefault(request_id, []).append(reason)
+                        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.STOLEN
                     if reason is not None:
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
         return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.CONNECTOR
+
+    async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
+        """The engine stored what it encoded in its step (an EC producer as well): announce each
+        stolen item that is in the store now; the rest failed (their waiters encode themselves)."""
+        for steal in self.steals.pop(request_id, ()):
+            item = steal.ref.item_hash
+            try:
+                info = await asyncio.to_thread(self.store.stored, item)
+            except StoreError as exc:
+                info = None
+                log.warning("could not check the stolen item %s: %s", item[:12], exc)
+            if info is None:
+                await steal.fail("the stealing worker's engine did not store it")
+                continue
+            n_tokens = (stats.extra.get("ec_items") or {}).get(item, 0) if stats is not None else 0
+            await steal.announce(n_tokens, info.size, 0.0)
+            metrics.EC_LOOKUPS.labels(ECSource.STOLEN, "hit", "").inc()

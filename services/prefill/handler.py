@@ -36,6 +36,7 @@ from services.prefill.features import (
     FeatureCache,
     FeatureSource,
     LocalFeatures,
+    Stealer,
     StoredFeatures,
 )
 from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
@@ -48,7 +49,7 @@ from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
-from shared.protocol import FinalResult, GenerationJob, Timing, WorkerHeartbeat
+from shared.protocol import ECSource, FinalResult, GenerationJob, Timing, WorkerHeartbeat
 from shared.routing import RecentItems, RouteClaim, advertised
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
@@ -119,13 +120,21 @@ class PrefillHandler(ModelHandler):
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
         encoder = None if self.role is Role.AGG else EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s)
+        assert self.store is not None  # setup() checked
+        stealer = None
+        if encoder is not None and self.settings.encode_steals:
+            stealer = Stealer(
+                ctx, self.store, self.fingerprint, self.settings.encode_steals, self.settings.encode_steal_after_s
+            )
         if isinstance(self.engine, base.FeaturesThroughConnector):
-            return ConnectorFeatures(self.image, self.store, encoder)
+            if stealer is not None and not self.engine.stores_encodes:
+                log.warning("EPD_ENCODE_STEALS ignored: this engine does not store what it encodes")
+                stealer = None
+            return ConnectorFeatures(self.image, self.store, encoder, stealer)
         engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)
         if encoder is None:
             return LocalFeatures(engine, self.cache, self.image)
-        assert self.store is not None  # setup() checked
-        return StoredFeatures(engine, self.cache, self.image, self.store, encoder)
+        return StoredFeatures(engine, self.cache, self.image, self.store, encoder, stealer)
 
     async def _handoff(self, ctx: WorkerContext) -> HandOff:
         worker_id = self.settings.worker_id
@@ -176,6 +185,8 @@ class PrefillHandler(ModelHandler):
             raise Reject(exc, outcome=JobOutcome.REJECTED) from exc
         finally:
             answering()
+            if self.features is not None:  # items it stole and did not announce (it failed or stopped first)
+                await self.features.settle(job.request_id, None)
         metrics.GENERATION_JOBS.labels(JobOutcome.OK).inc()
 
     async def _generate(
@@ -217,6 +228,7 @@ class PrefillHandler(ModelHandler):
                 t_admitted=time.perf_counter(),
             )
             handed_off = await self.handoff.run(gen)
+            await self.features.settle(job.request_id, gen.stats)  # as soon as the engine stored them
             if "cached_tokens" in gen.stats.extra:  # an engine with a prefix cache (vLLM) says how much it held
                 metrics.PREFIX_CACHE_TOKENS.labels("query").inc(gen.stats.prompt_tokens)
                 metrics.PREFIX_CACHE_TOKENS.labels("hit").inc(gen.stats.extra["cached_tokens"])
@@ -232,7 +244,10 @@ class PrefillHandler(ModelHandler):
         assert self.ctx is not None
         job, out, stats = gen.job, gen.out, gen.stats
         if stats.extra.get("ec_sources"):  # connector engines report where each item's features came from
-            gen.sources.update(stats.extra["ec_sources"])
+            # (a stolen item stays "stolen": the engine saw a miss in the store, by design)
+            gen.sources.update(
+                {h: src for h, src in stats.extra["ec_sources"].items() if gen.sources.get(h) != ECSource.STOLEN}
+            )
         t_end = time.perf_counter()
         final = FinalResult(
             request_id=job.request_id,

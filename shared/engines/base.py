@@ -223,6 +223,10 @@ class FeaturesThroughConnector(abc.ABC):
     takes :class:`MediaImage` items (the connector loads each stored output, or the engine
     encodes it when it cannot)."""
 
+    #: Whether ``generate`` also stores the outputs the engine encodes itself (an EC producer as
+    #: well as a consumer): what encode stealing needs (``services.prefill.features.Stealer``).
+    stores_encodes: bool = False
+
     @abc.abstractmethod
     async def produce(self, images: Sequence[MediaImage]) -> list[int]:
         """Encoder-only: encode each image and have the EC connector store the output under its

@@ -44,7 +44,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, 
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, WorkerSettings
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, PrefillSettings, WorkerSettings
 from shared.connectors.params import (
     KVHandoff,
     KVHandoffRequest,
@@ -235,6 +235,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             raise EngineError(f"unknown vLLM KV role {kv_role!r}")
         self.dtype_name = dtype
         self.ec_role = ec_role
+        #: an EC producer and consumer (``ec_both``): the connector stores what this engine encodes
+        self.stores_encodes = ec_role == "ec_both"
         self.kv_role = kv_role
         self._model_id = model_id or self.model_dir.name
         self.env = configure_vllm_environment(Path(work_dir))
@@ -335,6 +337,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     @classmethod
     def options_from_settings(cls, settings: WorkerSettings, *, role: Role) -> dict[str, Any]:
         ec_role = EC_ROLES.get(role)
+        if role in (Role.PD, Role.PREFILL) and isinstance(settings, PrefillSettings) and settings.encode_steals:
+            ec_role = "ec_both"  # it encodes what it steals: its connector stores that too
         kv_role = KV_ROLES.get(role)
         store, runtime = settings.store, settings.runtime
         return dict(
@@ -660,6 +664,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                         sources = ec_sources_of(output.ec_transfer_params)
                         if sources:
                             stats.extra["ec_sources"] = sources
+                        if items := ec_items_of(output.ec_transfer_params):  # (an EC producer too: ec_both)
+                            stats.extra["ec_items"] = {h: int(v.get("n_tokens", 0)) for h, v in items.items()}
                         if handoff is not None:
                             stats.extra["kv_source"] = kv_source_of(output.kv_transfer_params)
                         if output.num_cached_tokens is not None:  # prompt tokens its prefix cache had
@@ -744,6 +750,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             sources = ec_sources_of(final.ec_transfer_params)
             if sources:
                 stats.extra["ec_sources"] = sources
+            if items := ec_items_of(final.ec_transfer_params):  # (an EC producer too: ec_both)
+                stats.extra["ec_items"] = {h: int(v.get("n_tokens", 0)) for h, v in items.items()}
             if final.num_cached_tokens is not None:  # prompt tokens its prefix cache had
                 stats.extra["cached_tokens"] = int(final.num_cached_tokens)
         return handoff

@@ -1,0 +1,136 @@
+"""Encode claims: who computes an item's encoder output, an encoder worker or a generating worker
+that steals the queued encode job (``EPD_ENCODE_STEALS``; docs/architecture.md, "Encode stealing").
+
+**Why.** In a burst the encoders' queue is long while the generating workers' engines wait for
+features (measured: a PD engine idle 43-59% of its jobs' slot time at 448x448). A generating
+worker that has waited ``EPD_ENCODE_STEAL_AFTER_S`` for an item whose encode job no encoder has
+started encodes it itself (its engine has the vision tower), stores it and announces it with the
+``ECReady`` the encoder would have sent, so the encoders' backlog shrinks by what idle generators
+take.
+
+**The claim.** One create-only key per item (``<fingerprint>.<item hash>``) in the
+``<P>_EC_CLAIMS`` key-value bucket, written right before the encoder runs:
+
+* an encoder writes ``enc:<worker>`` when it starts encoding; a claim already there is either an
+  encoder's (a redelivery after a crash, or an item encoded before and evicted since: it encodes
+  anyway) or a stealer's ``steal:<worker>``: it acks the job without encoding (outcome
+  ``stolen``), the stealer announces the item;
+* a generating worker steals only by creating the key: any claim already there (an encoder that
+  started) means it waits for the ``ECReady`` as before.
+
+Whoever announced the item deletes its claim (best effort), so a later encode of the same item (after
+an eviction) can be stolen again; a stealer that wins a claim checks the store once more (the
+encoder may have just announced and released it).
+
+Claims never decide correctness: every path stays idempotent (the store's object is overwritten
+by an equal one, ``ECReady`` is announced again), a worker that cannot reach the bucket encodes
+(encoders) or does not steal (generators), and a stealer that dies leaves its waiters to
+``EPD_EC_WAIT_S`` and their own local encode, as an encoder that dies does. Keys left behind expire
+after :func:`claim_ttl_s` (longer than any delivery of the encode job can wait).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from shared.config import NatsSettings
+from shared.protocol import Subjects
+
+log = logging.getLogger(__name__)
+
+ENCODER_PREFIX = "enc:"
+STEAL_PREFIX = "steal:"
+
+
+def claim_ttl_s(settings: NatsSettings) -> float:
+    """How long a claim lives: past every delivery of its encode job (``ack_wait`` x
+    ``max_deliver``), at least a minute."""
+    return max(60.0, settings.ack_wait_s * settings.max_deliver * 2)
+
+
+def claim_key(fingerprint: str, item_hash: str) -> str:
+    return f"{fingerprint}.{item_hash}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who claimed an item: ``stealer`` True for a generating worker's steal."""
+
+    owner: str
+    stealer: bool
+
+    @classmethod
+    def parse(cls, value: str) -> Claim:
+        if value.startswith(STEAL_PREFIX):
+            return cls(value[len(STEAL_PREFIX) :], True)
+        return cls(value.removeprefix(ENCODER_PREFIX), False)
+
+
+class EncodeClaims:
+    """The ``<P>_EC_CLAIMS`` bucket (module docstring). Raises what nats-py raises when NATS does
+    not answer: callers fail open (see the module docstring)."""
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, js: Any, subjects: Subjects, settings: NatsSettings) -> EncodeClaims:
+        """Open the bucket, creating it when missing (safe from several processes at once)."""
+        try:
+            return cls(await js.key_value(subjects.ec_claims_bucket))
+        except (BucketNotFoundError, NotFoundError):
+            pass
+        kv = await js.create_key_value(
+            KeyValueConfig(
+                bucket=subjects.ec_claims_bucket,
+                history=1,
+                ttl=claim_ttl_s(settings),
+                storage=StorageType.FILE,
+                replicas=settings.stream_replicas,
+                description="epd encode claims: which worker computes an item's encoder output",
+            )
+        )
+        return cls(kv)
+
+    async def get(self, fingerprint: str, item_hash: str) -> Claim | None:
+        try:
+            entry = await self.kv.get(claim_key(fingerprint, item_hash))
+        except KeyNotFoundError:
+            return None
+        return Claim.parse(entry.value.decode()) if entry.value is not None else None
+
+    async def for_encoder(self, fingerprint: str, item_hash: str, worker_id: str) -> Claim | None:
+        """An encoder is about to encode the item: None when it should (its claim is written),
+        else the stealer that took it."""
+        key = claim_key(fingerprint, item_hash)
+        value = (ENCODER_PREFIX + worker_id).encode()
+        try:
+            await self.kv.create(key, value)
+            return None
+        except KeyWrongLastSequenceError:
+            pass
+        held = await self.get(fingerprint, item_hash)
+        if held is not None and held.stealer:
+            return held
+        await self.kv.put(key, value)  # an earlier encoder's claim (a redelivery, a re-encode): ours now
+        return None
+
+    async def steal(self, fingerprint: str, item_hash: str, worker_id: str) -> bool:
+        """A generating worker takes the item: True when no one had claimed it."""
+        try:
+            await self.kv.create(claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def release(self, fingerprint: str, item_hash: str) -> None:
+        """The item is announced: forget the claim (best effort; it expires anyway)."""
+        try:
+            await self.kv.delete(claim_key(fingerprint, item_hash))
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; the key expires
+            log.debug("could not release the encode claim of %s: %s: %s", item_hash[:12], type(exc).__name__, exc)

@@ -1,0 +1,159 @@
+"""Encode stealing (``EPD_ENCODE_STEALS``, ``shared.ec_lifecycle.claims``): a generating worker
+encodes an item whose encode job no encoder has started, stores and announces it; the encoder
+then skips that job; an item an encoder started is never stolen. Real NATS and S3."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import nats
+import pytest
+
+from shared import metrics
+from shared.config import NatsSettings
+from shared.ec_lifecycle.claims import EncodeClaims
+from shared.media import content_hash_of
+from shared.protocol import ECReady, Subjects
+from shared.tools.infra import free_port
+from shared.worker import Action, settle
+from tests.fault_workers import ENCODE_DELAY_ENV
+from tests.fault_workers import MODULE as FAULT_WORKERS
+from tests.stackutil import (
+    api_tokens,
+    final_result,
+    metric_value,
+    noise_image,
+    scrape,
+    start_stack,
+    wait_for,
+    worker_id_of,
+)
+from tests.test_e2e_epd import reference_tokens
+from tests.test_encoder_failure import _wait_for_log
+from tests.test_encoder_handler import _delivery, _handler, _job
+
+TEXT = "Describe the image."
+
+
+@pytest.fixture
+def claims_env(nats_server):
+    prefix = f"s{uuid.uuid4().hex[:8]}"
+    # (JetStream reserves each stream's max bytes up front: many tests share one server)
+    settings = NatsSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_bytes=8 * 1024**2)
+    return nats_server.url, Subjects(prefix), settings
+
+
+def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(claims_env) -> None:
+    url, subjects, settings = claims_env
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            claims = await EncodeClaims.open(nc.jetstream(), subjects, settings)
+            # an encoder started item a: no steal; another encoder (a redelivery) still encodes it
+            assert await claims.for_encoder("fp", "a", "enc-1") is None
+            assert not await claims.steal("fp", "a", "pd-1")
+            assert await claims.for_encoder("fp", "a", "enc-2") is None
+            # item b stolen first: the encoder yields to the stealer, and only one stealer wins
+            assert await claims.steal("fp", "b", "pd-1")
+            assert not await claims.steal("fp", "b", "pd-2")
+            held = await claims.for_encoder("fp", "b", "enc-1")
+            assert held is not None and (held.owner, held.stealer) == ("pd-1", True)
+            # released (announced): stealable again, e.g. after an eviction
+            await claims.release("fp", "b")
+            assert await claims.steal("fp", "b", "pd-2")
+            # claims are per model version
+            assert await claims.steal("other-fp", "a", "pd-1")
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+async def test_an_encoder_acks_a_stolen_item_s_job_without_encoding(
+    claims_env, tmp_path, tiny_model_dir, reference_engine
+):
+    url, subjects, settings = claims_env
+    nc = await nats.connect(url)
+    h = await _handler(tmp_path, tiny_model_dir, reference_engine)
+    try:
+        h.claims = await EncodeClaims.open(nc.jetstream(), subjects, settings)
+        stolen, started = noise_image(11, (56, 56)), noise_image(12, (56, 56))
+        job = _job(h, stolen)
+        assert await h.claims.steal(job.fingerprint, job.image.item_hash, "pd-9")
+        before = metrics.ENCODE_JOBS.labels("stolen")._value.get()
+        verdict = await settle(h, _delivery(job))
+        assert verdict.action is Action.ACK
+        assert h.publisher.sent == []  # the stealer announces it, not this encoder
+        assert not h.store.exists(job.image.item_hash)
+        assert metrics.ENCODE_JOBS.labels("stolen")._value.get() == before + 1
+        # negative control: an item no one stole is encoded, announced, and its claim released
+        other = _job(h, started)
+        verdict = await settle(h, _delivery(other))
+        assert verdict.action is Action.ACK
+        ((_, ready),) = h.publisher.sent
+        assert isinstance(ready, ECReady) and h.store.exists(other.image.item_hash)
+        assert await h.claims.get(other.fingerprint, other.image.item_hash) is None
+    finally:
+        await h.close()
+        await nc.close()
+
+
+@pytest.mark.slow
+def test_a_pd_worker_steals_a_queued_encode_but_not_a_started_one(
+    nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path
+):
+    """The one encoder (one job at a time) sleeps inside the encode of image A, so image B's
+    encode job stays queued: the PD worker steals B, and B's request completes with B's right
+    tokens while A's still waits (A was started: never stolen). The encoder, killed and replaced,
+    then encodes A; B's job is not encoded again."""
+    metrics_port = free_port()
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path / "logs",
+        service_env={"encoder": {ENCODE_DELAY_ENV: "600"}, "prefill": {"EPD_METRICS_PORT": str(metrics_port)}},
+        service_modules={"encoder": FAULT_WORKERS},
+        EPD_ENCODE_JOBS_IN_FLIGHT="1",
+        EPD_ENCODE_STEALS="1",
+        EPD_ENCODE_STEAL_AFTER_S="0.2",
+        EPD_ACK_WAIT_S="3",
+        EPD_MAX_DELIVER="10",
+        EPD_EC_WAIT_S="300",
+    )
+    stack = running.stack
+    prefill_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        slow = next(p for p in stack.processes if p.name == "encoder")
+        pd = next(p for p in stack.processes if p.name == "prefill")
+        a, b = noise_image(81, (64, 48)), noise_image(82, (64, 48))
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(api_tokens, running, TEXT, [a], timeout=600)
+            _wait_for_log(slow, "fault injection", timeout=120)  # the encoder started A, and holds it
+            tokens_b, body_b = pool.submit(api_tokens, running, TEXT, [b], timeout=120).result(timeout=180)
+            assert tokens_b == reference_tokens(reference_engine, TEXT, [b])
+            assert not first.done()  # A waits for its encoder: it was not stolen
+            ready_b = [m for m in running.messages_of("stream_events", ECReady, body_b["id"])]
+            assert [m.producer for m in ready_b] == [worker_id_of(pd, "prefill")], ready_b
+
+            slow.stop(sig=signal.SIGKILL)
+            fast = stack.add("encoder", index=1, extra_env={ENCODE_DELAY_ENV: "0"})
+            tokens_a, body_a = first.result(timeout=600)
+        assert tokens_a == reference_tokens(reference_engine, TEXT, [a])
+        assert final_result(running, body_a["id"]).ec_sources[content_hash_of(a)] == "store"
+        assert final_result(running, body_b["id"]).ec_sources[content_hash_of(b)] == "stolen"
+        # B's queued job reaches the new encoder: found stored, announced, not encoded again
+        _wait_for_log(fast, f"item {content_hash_of(b)[:12]} already stored", timeout=120)
+        steals = wait_for(
+            lambda: metric_value(scrape(prefill_metrics), "epd:ec_steals_total", outcome="announced"),
+            30,
+            "the steal to be counted",
+        )
+        assert steals == 1
+        assert metric_value(scrape(prefill_metrics), "epd:ec_steals_total", outcome="stolen") == 1
+    finally:
+        stack.stop()
