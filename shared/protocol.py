@@ -525,6 +525,8 @@ class ECReady(_Msg, frozen=True, kw_only=True, tag="ec_ready"):
     item_hash: str
     fingerprint: str
     ec_key: str
+    #: feature rows (0: not known to the announcer - a vLLM worker that stole the encode announces
+    #: at its request's first token, before its engine reports them)
     n_tokens: int
     nbytes: int
     producer: str

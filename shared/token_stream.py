@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from shared.errors import DeadlineExceeded
@@ -27,8 +27,18 @@ class TokenOutput:
     ``TokenLogprob`` when the engine gave one) and keeps what went out, for the FinalResult or
     the DecodeJob."""
 
-    def __init__(self, ctx: WorkerContext, request_id: str, attempt: int, *, first_seq: int = 0):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        request_id: str,
+        attempt: int,
+        *,
+        first_seq: int = 0,
+        on_first_token: Callable[[], Awaitable[None]] | None = None,
+    ):
+        """``on_first_token``: awaited once the first token is out (the prompt was prefilled)."""
         self.ctx = ctx
+        self.on_first_token = on_first_token
         self.request_id = request_id
         self.attempt = attempt
         self.first_seq = first_seq
@@ -58,6 +68,8 @@ class TokenOutput:
         if event.finish_reason:
             self.finish_reason = event.finish_reason
         await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id)
+        if self.on_first_token is not None and len(self.token_ids) == 1:
+            await self.on_first_token()
 
     async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float, what: str = "generation") -> None:
         """Publish every event of ``events`` as it comes. At ``deadline`` (epoch seconds) stop

@@ -265,7 +265,8 @@ def test_a_vllm_pd_worker_steals_encodes_no_encoder_took(
         assert final.ec_sources == {item: "stolen"}
         (ready,) = _ec_ready(running, item)
         pd = next(p for p in running.stack.processes if p.name == "prefill")
-        assert ready.n_tokens > 0 and ready.nbytes > 0 and ready.producer == worker_id_of(pd, "prefill")
+        # announced at the request's first token: stored by then, its rows not reported yet (n_tokens 0)
+        assert ready.nbytes > 0 and ready.producer == worker_id_of(pd, "prefill")
 
         again, body = api_tokens(running, "What is in it?", [image], timeout=240)
         assert again == run_sync(generate(vllm_reference, "What is in it?", [media(91, (64, 48))]))[0]

@@ -23,9 +23,10 @@ the API forwards only what it has not sent yet. A request this worker finishes e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import msgspec
@@ -215,20 +216,25 @@ class PrefillHandler(ModelHandler):
         images = [by_hash[ref.item_hash][0] for ref in job.images]
         t_features = time.perf_counter()
         prompt = job_prompt(job)
+        announce_steals: Callable[[], Awaitable[None]] | None = None
+        if any(src == ECSource.STOLEN for _, src in resolved):
+            # the engine encoded (and its connector stored) the stolen items before the first token
+            announce_steals = functools.partial(self.features.settle, job.request_id, None)
+
         async with self.admission.slot(prompt_cost(prompt, [_image_tokens(item) for item in images])):
             gen = Generation(
                 job=job,
                 prompt=prompt,
                 images=images,
                 params=sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed)),
-                out=TokenOutput(self.ctx, job.request_id, attempt),
+                out=TokenOutput(self.ctx, job.request_id, attempt, on_first_token=announce_steals),
                 sources={h: src for h, (_, src) in by_hash.items()},
                 t0=t0,
                 t_features=t_features,
                 t_admitted=time.perf_counter(),
             )
             handed_off = await self.handoff.run(gen)
-            await self.features.settle(job.request_id, gen.stats)  # as soon as the engine stored them
+            await self.features.settle(job.request_id, gen.stats)  # (no first token: announced now)
             if "cached_tokens" in gen.stats.extra:  # an engine with a prefix cache (vLLM) says how much it held
                 metrics.PREFIX_CACHE_TOKENS.labels("query").inc(gen.stats.prompt_tokens)
                 metrics.PREFIX_CACHE_TOKENS.labels("hit").inc(gen.stats.extra["cached_tokens"])
