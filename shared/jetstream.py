@@ -23,8 +23,16 @@ from typing import Any, Generic, Protocol, TypeVar
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NoStreamResponseError
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NoStreamResponseError, NotFoundError
 from nats.js.errors import ServiceUnavailableError as JSServiceUnavailableError
 
 from shared import metrics, protocol
@@ -237,6 +245,25 @@ def replicas_error(exc: BaseException, nc: NATS | None, replicas: int, what: str
         f"({exc.description}); the NATS cluster has {size} server(s) up now. Set EPD_STREAM_REPLICAS to at "
         f"most the cluster size (3 servers with R3 survive one lost server) and start every server of the cluster"
     )
+
+
+async def open_bucket(js: Any, bucket: str, *, replicas: int, description: str, ttl: float | None = None) -> Any:
+    """A key-value bucket of one revision per key, on disk, created when missing (safe from several
+    processes at once). More ``replicas`` than the cluster has: a ``ConfigError`` that says so."""
+    try:
+        return await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        pass
+    config = KeyValueConfig(
+        bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE, replicas=replicas, description=description
+    )
+    try:
+        return await js.create_key_value(config)
+    except APIError as exc:
+        error = replicas_error(exc, getattr(js, "_nc", None), replicas, f"the key-value bucket {bucket}")
+        if error is not None:
+            raise error from exc
+        raise
 
 
 async def ensure_topology(

@@ -50,16 +50,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import (
     BadRequestError,
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NotFoundError,
 )
 
 from shared.config import NatsSettings
+from shared.jetstream import open_bucket
 from shared.protocol import ADVERTISED_HASH_CHARS, FinalResult, GenerationJob, RouteReason, Subjects
 
 log = logging.getLogger(__name__)
@@ -230,22 +229,17 @@ class RoutingClaims:
 
     @classmethod
     async def open(cls, js: Any, subjects: Subjects, settings: NatsSettings) -> RoutingClaims:
-        """Open the bucket, creating it when missing (safe from several processes at once)."""
-        try:
-            return cls(await js.key_value(subjects.routing_bucket))
-        except (BucketNotFoundError, NotFoundError):
-            pass
-        kv = await js.create_key_value(
-            KeyValueConfig(
-                bucket=subjects.routing_bucket,
-                history=1,
-                ttl=settings.stream_max_age_s,
-                storage=StorageType.FILE,
+        """Open the bucket, creating it when missing."""
+        description = "epd routing claims: which worker runs a routed generation job"
+        return cls(
+            await open_bucket(
+                js,
+                subjects.routing_bucket,
                 replicas=settings.stream_replicas,
-                description="epd routing claims: which worker runs a routed generation job",
+                ttl=settings.stream_max_age_s,
+                description=description,
             )
         )
-        return cls(kv)
 
     async def get(self, request_id: str) -> ClaimState | None:
         try:

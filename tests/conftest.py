@@ -60,6 +60,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
 
 
 @pytest.fixture
+def claims_env(nats_server):
+    """(NATS URL, Subjects, NatsSettings) under a prefix of this test's own: key-value buckets and
+    streams that no other test sees."""
+    from shared.config import NatsSettings
+    from shared.protocol import Subjects
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    # (JetStream reserves each stream's max bytes up front: many tests share one server)
+    settings = NatsSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_bytes=8 * 1024**2)
+    return nats_server.url, Subjects(prefix), settings
+
+
+@pytest.fixture
 def s3_store(s3_server: EmbeddedS3) -> Iterator[S3ObjectStore]:
     """An :class:`S3ObjectStore` on a fresh, empty bucket of ``s3_server``."""
     bucket = f"epd-test-{uuid.uuid4().hex[:16]}"

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import nats
 import pytest
 
 from shared import metrics
-from shared.config import NatsSettings
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.media import content_hash_of
-from shared.protocol import ECReady, Subjects
+from shared.protocol import ECReady
 from shared.tools.infra import free_port
 from shared.worker import Action, settle
 from tests.fault_workers import ENCODE_DELAY_ENV
@@ -36,14 +34,6 @@ from tests.test_encoder_failure import _wait_for_log
 from tests.test_encoder_handler import _delivery, _handler, _job
 
 TEXT = "Describe the image."
-
-
-@pytest.fixture
-def claims_env(nats_server):
-    prefix = f"s{uuid.uuid4().hex[:8]}"
-    # (JetStream reserves each stream's max bytes up front: many tests share one server)
-    settings = NatsSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_bytes=8 * 1024**2)
-    return nats_server.url, Subjects(prefix), settings
 
 
 def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(claims_env) -> None:

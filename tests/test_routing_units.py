@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import nats
 import pytest
 
 from services.api.routing import Router
 from shared import protocol
-from shared.config import ApiSettings, NatsSettings
+from shared.config import ApiSettings
 from shared.jetstream import JetStreamPublisher, ensure_topology
 from shared.protocol import GenerationJob, ImageRef, RouteReason, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.routing import (
@@ -157,14 +156,6 @@ def test_subjects_and_consumer_names_of_odd_worker_ids() -> None:
 
 
 # -- claims on a real bucket --------------------------------------------------------------------
-@pytest.fixture
-def claims_env(nats_server):
-    prefix = f"r{uuid.uuid4().hex[:8]}"
-    # (JetStream reserves each stream's max bytes up front: many tests share one server)
-    settings = NatsSettings(nats_url=nats_server.url, subject_prefix=prefix, stream_max_bytes=8 * 1024**2)
-    return nats_server.url, Subjects(prefix), settings
-
-
 def test_exactly_one_of_many_concurrent_claimers_wins(claims_env) -> None:
     url, subjects, settings = claims_env
 

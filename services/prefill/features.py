@@ -187,51 +187,43 @@ class Steal:
 
     async def announce(self, n_tokens: int, nbytes: int, encode_s: float) -> None:
         """The object is stored: tell the waiters (the API indexes it too)."""
-        if self._done:
-            return
-        self._done = True
-        s, ctx = self.stealer, self.stealer.ctx
-        try:
-            event = ECReady(
-                request_id=self.request_id,
-                item_hash=self.ref.item_hash,
-                fingerprint=s.fingerprint,
-                ec_key=s.store.key(self.ref.item_hash),
-                n_tokens=n_tokens,
-                nbytes=nbytes,
-                producer=s.worker_id,
-                encode_s=encode_s,
-                created_at=time.time(),
-                encode_started_at=self.started_at,
-            )
-            await ctx.publisher.publish(
-                ctx.subjects.ec_ready(s.fingerprint, self.ref.item_hash), event, request_id=self.request_id
-            )
-            metrics.EC_STEALS.labels("announced").inc()
-        finally:
-            await s.ended(self)
+        s = self.stealer
+        ready = ECReady(
+            request_id=self.request_id,
+            item_hash=self.ref.item_hash,
+            fingerprint=s.fingerprint,
+            ec_key=s.store.key(self.ref.item_hash),
+            n_tokens=n_tokens,
+            nbytes=nbytes,
+            producer=s.worker_id,
+            encode_s=encode_s,
+            created_at=time.time(),
+            encode_started_at=self.started_at,
+        )
+        await self._end(s.ctx.subjects.ec_ready(s.fingerprint, self.ref.item_hash), ready, "announced")
 
     async def fail(self, message: str) -> None:
         """Nothing stored: the waiters stop waiting and encode themselves."""
+        s = self.stealer
+        failed = ECFailed(
+            request_id=self.request_id,
+            item_hash=self.ref.item_hash,
+            fingerprint=s.fingerprint,
+            code="steal_failed",
+            message=message,
+            created_at=time.time(),
+        )
+        await self._end(s.ctx.subjects.ec_failed(s.fingerprint, self.ref.item_hash), failed, "failed")
+
+    async def _end(self, subject: str, event: ECReady | ECFailed, outcome: str) -> None:
         if self._done:
             return
         self._done = True
-        s, ctx = self.stealer, self.stealer.ctx
         try:
-            event = ECFailed(
-                request_id=self.request_id,
-                item_hash=self.ref.item_hash,
-                fingerprint=s.fingerprint,
-                code="steal_failed",
-                message=message,
-                created_at=time.time(),
-            )
-            await ctx.publisher.publish(
-                ctx.subjects.ec_failed(s.fingerprint, self.ref.item_hash), event, request_id=self.request_id
-            )
-            metrics.EC_STEALS.labels("failed").inc()
+            await self.stealer.ctx.publisher.publish(subject, event, request_id=self.request_id)
+            metrics.EC_STEALS.labels(outcome).inc()
         finally:
-            await s.ended(self)
+            await self.stealer.ended(self)
 
 
 class Stealer:

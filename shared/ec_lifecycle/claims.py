@@ -35,10 +35,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.config import NatsSettings
+from shared.jetstream import open_bucket
 from shared.protocol import Subjects
 
 log = logging.getLogger(__name__)
@@ -80,22 +80,17 @@ class EncodeClaims:
 
     @classmethod
     async def open(cls, js: Any, subjects: Subjects, settings: NatsSettings) -> EncodeClaims:
-        """Open the bucket, creating it when missing (safe from several processes at once)."""
-        try:
-            return cls(await js.key_value(subjects.ec_claims_bucket))
-        except (BucketNotFoundError, NotFoundError):
-            pass
-        kv = await js.create_key_value(
-            KeyValueConfig(
-                bucket=subjects.ec_claims_bucket,
-                history=1,
-                ttl=claim_ttl_s(settings),
-                storage=StorageType.FILE,
+        """Open the bucket, creating it when missing."""
+        description = "epd encode claims: which worker computes an item's encoder output"
+        return cls(
+            await open_bucket(
+                js,
+                subjects.ec_claims_bucket,
                 replicas=settings.stream_replicas,
-                description="epd encode claims: which worker computes an item's encoder output",
+                ttl=claim_ttl_s(settings),
+                description=description,
             )
         )
-        return cls(kv)
 
     async def get(self, fingerprint: str, item_hash: str) -> Claim | None:
         try:

@@ -32,17 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import (
-    APIError,
     BadRequestError,
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NotFoundError,
 )
 
-from shared.jetstream import replicas_error
+from shared.jetstream import open_bucket
 
 log = logging.getLogger(__name__)
 
@@ -129,26 +125,7 @@ class ECIndex:
     @classmethod
     async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> ECIndex:
         """Open the bucket, creating it when missing (safe from several processes at once)."""
-        try:
-            return cls(await js.key_value(bucket))
-        except (BucketNotFoundError, NotFoundError):
-            pass
-        try:
-            kv = await js.create_key_value(
-                KeyValueConfig(
-                    bucket=bucket,
-                    history=1,
-                    storage=StorageType.FILE,
-                    replicas=replicas,
-                    description="epd EC store index",
-                )
-            )
-        except APIError as exc:
-            error = replicas_error(exc, getattr(js, "_nc", None), replicas, f"the EC index bucket {bucket}")
-            if error is not None:
-                raise error from exc
-            raise
-        return cls(kv)
+        return cls(await open_bucket(js, bucket, replicas=replicas, description="epd EC store index"))
 
     # -- entries -------------------------------------------------------------------------------
     async def get(self, key: str) -> tuple[IndexEntry, int] | None:
