@@ -247,9 +247,12 @@ def replicas_error(exc: BaseException, nc: NATS | None, replicas: int, what: str
     )
 
 
-async def open_bucket(js: Any, bucket: str, *, replicas: int, description: str, ttl: float | None = None) -> Any:
+async def open_bucket(
+    js: Any, bucket: str, *, replicas: int, what: str, description: str, ttl: float | None = None
+) -> Any:
     """A key-value bucket of one revision per key, on disk, created when missing (safe from several
-    processes at once). More ``replicas`` than the cluster has: a ``ConfigError`` that says so."""
+    processes at once). More ``replicas`` than the cluster has: a ``ConfigError`` that says so,
+    naming ``what`` (e.g. "the EC index")."""
     try:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
@@ -260,7 +263,7 @@ async def open_bucket(js: Any, bucket: str, *, replicas: int, description: str, 
     try:
         return await js.create_key_value(config)
     except APIError as exc:
-        error = replicas_error(exc, getattr(js, "_nc", None), replicas, f"the key-value bucket {bucket}")
+        error = replicas_error(exc, getattr(js, "_nc", None), replicas, f"{what} bucket {bucket}")
         if error is not None:
             raise error from exc
         raise

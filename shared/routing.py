@@ -236,6 +236,7 @@ class RoutingClaims:
                 js,
                 subjects.routing_bucket,
                 replicas=settings.stream_replicas,
+                what="the routing claims",
                 ttl=settings.stream_max_age_s,
                 description=description,
             )

@@ -87,6 +87,7 @@ class EncodeClaims:
                 js,
                 subjects.ec_claims_bucket,
                 replicas=settings.stream_replicas,
+                what="the encode claims",
                 ttl=claim_ttl_s(settings),
                 description=description,
             )

@@ -125,7 +125,9 @@ class ECIndex:
     @classmethod
     async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> ECIndex:
         """Open the bucket, creating it when missing (safe from several processes at once)."""
-        return cls(await open_bucket(js, bucket, replicas=replicas, description="epd EC store index"))
+        return cls(
+            await open_bucket(js, bucket, replicas=replicas, what="the EC index", description="epd EC store index")
+        )
 
     # -- entries -------------------------------------------------------------------------------
     async def get(self, key: str) -> tuple[IndexEntry, int] | None:
