@@ -226,8 +226,13 @@ async def test_nats_cluster_replicates_and_survives_a_killed_leader(tmp_path: Pa
         try:
             js = nc.jetstream(timeout=10)
             await js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3)
-            await js.publish("r3.a", b"one")
+            # a new R3 stream elects its leader first: until then a publish has no responders
             leader = await asyncio.to_thread(cluster.wait_stream_leader, "R3", 30)
+            await through_elections(
+                lambda left: js.publish("r3.a", b"one", timeout=left, headers={"Nats-Msg-Id": "r3-a"}),
+                doing="publishing r3.a",
+                until=time.time() + 30,
+            )
             assert (await js.stream_info("R3")).cluster.leader == cluster.nodes[leader].server_name
             cluster.kill(leader)
             assert not cluster.nodes[leader].is_running()

@@ -29,7 +29,8 @@ waiting for the encoder (step 3), a job whose item no encoder has started after
 ``EPD_ENCODE_STEAL_AFTER_S`` claims it, and this worker's engine encodes it: :class:`StoredFeatures`
 encodes, stores and announces it in ``resolve``; :class:`ConnectorFeatures` hands the image over and
 the engine (an EC producer too: it stores what it encodes) does it in its step; the handler announces
-the stored object after the generation (:meth:`FeatureSource.settle`). At most ``EPD_ENCODE_STEALS``
+the stored object at the request's first token, or after the generation when none streamed
+(:meth:`FeatureSource.settle`). At most ``EPD_ENCODE_STEALS``
 steals run at once per worker; the other jobs keep waiting, and steal when a steal ends.
 
 EC store lifecycle (``shared.ec_lifecycle.worker``): :class:`StoredFeatures` and
