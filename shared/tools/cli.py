@@ -120,7 +120,7 @@ def _example_answer() -> str:
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
     from shared.tools.forkserver import default_fork_server, not_forkable
-    from shared.tools.launcher import Stack, StackError, Supervisor
+    from shared.tools.launcher import Stack, StackError, Supervisor, worker_metrics_port
 
     started = time.perf_counter()
     data_dir = Path(args.data_dir).resolve()
@@ -156,10 +156,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
             raise PortInUseError(
                 f"the API port {args.host}:{args.port} is already in use; pick another with --port", port=args.port
             ) from exc
-        if args.metrics_port:  # the Stack gives workers base + 1, base + 2, ...
+        if args.metrics_port:
             workers = sum(replicas[s] for s in TOPOLOGIES[Topology(args.topology)].worker_services)
             try:
-                held.append(PortReservation([args.metrics_port + 1 + i for i in range(workers)], args.host))
+                metrics_ports = [worker_metrics_port(args.metrics_port, i) for i in range(workers)]
+                held.append(PortReservation(metrics_ports, args.host))
             except PortInUseError as exc:
                 raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start

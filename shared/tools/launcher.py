@@ -179,6 +179,12 @@ def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
         return exc.code, {}
 
 
+def worker_metrics_port(base: int, nth: int) -> int:
+    """The ``/metrics`` port of the ``nth`` worker a :class:`Stack` starts (0-based) from ``base``
+    (``epd up --metrics-port``; the API gets none of these)."""
+    return base + 1 + nth
+
+
 @dataclass
 class Stack:
     """The service processes of one deployment, sharing one environment."""
@@ -256,7 +262,8 @@ class Stack:
         if name != "api":  # the heartbeat file `epd healthcheck` reads, as in docker-compose.yml
             env.setdefault("EPD_HEALTH_FILE", str(self.log_dir / f"{name}-{index}.health"))
         if name != "api" and self.metrics_port_base:
-            env.setdefault("EPD_METRICS_PORT", str(self.metrics_port_base + 1 + len(self.metrics_ports)))
+            port = worker_metrics_port(self.metrics_port_base, len(self.metrics_ports))
+            env.setdefault("EPD_METRICS_PORT", str(port))
             self.metrics_ports[f"{name}-{index}"] = int(env["EPD_METRICS_PORT"])
         proc = start_service(
             name,
