@@ -17,6 +17,7 @@ import logging
 import re
 import time
 import types
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -267,6 +268,58 @@ async def open_bucket(
         if error is not None:
             raise error from exc
         raise
+
+
+async def kv_latest(js: Any, bucket: str, keys: str = ">", *, timeout: float = 30.0) -> list[tuple[str, bytes, int]]:
+    """The live entries of key-value ``bucket`` under the key pattern ``keys``, as of the call:
+    ``(key, value, revision)`` in revision order; deleted and purged keys left out.
+
+    Not nats-py's ``KeyValue.watch``: its end-of-initial-values marker compares the consumer's info
+    with what the client has parsed so far, and the info can overtake the values the consumer
+    already pushed - the marker then comes first, and a snapshot read up to it misses entries (an
+    EC janitor pass saw none of the objects, about once in a few hundred passes under load). A pull
+    consumer delivers nothing until asked, so the count its creation reports is exactly what there
+    is, and the first that many messages are the snapshot (later writes come after them)."""
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    name = f"snap_{uuid.uuid4().hex}"
+    info = await js.add_consumer(
+        stream,
+        config=ConsumerConfig(
+            name=name,
+            filter_subject=prefix + keys,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            # (a read of a moment: no raft group of its own; gone soon if the delete below is lost)
+            num_replicas=1,
+            mem_storage=True,
+            inactive_threshold=5.0,
+        ),
+    )
+    out: list[tuple[str, bytes, int]] = []
+    left = info.num_pending
+    if not left:
+        await _delete_consumer(js, stream, name)
+        return out
+    sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
+    try:
+        while left > 0:
+            for msg in await sub.fetch(min(left, 256), timeout=timeout):
+                left = 0 if msg.metadata.num_pending == 0 else left - 1
+                headers = msg.headers or {}
+                if "KV-Operation" in headers or "Nats-Marker-Reason" in headers:
+                    continue  # a delete or purge marker (or a future kind of marker): not a live value
+                out.append((msg.subject[len(prefix) :], msg.data, msg.metadata.sequence.stream))
+    finally:
+        await sub.unsubscribe()
+        await _delete_consumer(js, stream, name)
+    return out
+
+
+async def _delete_consumer(js: Any, stream: str, name: str) -> None:
+    try:
+        await js.delete_consumer(stream, name)
+    except Exception as exc:  # noqa: BLE001 - its inactivity threshold removes it anyway
+        log.debug("deleting consumer %s of %s: %s", name, stream, exc)
 
 
 async def ensure_topology(

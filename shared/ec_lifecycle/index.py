@@ -38,7 +38,7 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
 )
 
-from shared.jetstream import open_bucket
+from shared.jetstream import kv_latest, open_bucket
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +119,16 @@ class Use:
 class ECIndex:
     """The EC index bucket (see the module docstring). Every method is one or a few KV round trips."""
 
-    def __init__(self, kv: Any):
+    def __init__(self, kv: Any, *, js: Any, bucket: str):
         self.kv = kv
+        self._js = js
+        self._bucket = bucket
 
     @classmethod
     async def open(cls, js: Any, bucket: str, *, replicas: int = 1) -> ECIndex:
         """Open the bucket, creating it when missing (safe from several processes at once)."""
-        return cls(
-            await open_bucket(js, bucket, replicas=replicas, what="the EC index", description="epd EC store index")
-        )
+        kv = await open_bucket(js, bucket, replicas=replicas, what="the EC index", description="epd EC store index")
+        return cls(kv, js=js, bucket=bucket)
 
     # -- entries -------------------------------------------------------------------------------
     async def get(self, key: str) -> tuple[IndexEntry, int] | None:
@@ -210,29 +211,17 @@ class ECIndex:
             raise
 
     async def snapshot(self, prefix: str = "ec.>") -> dict[str, tuple[Any, int]]:
-        """Every live entry under ``prefix`` (a KV key pattern): key -> (decoded value, revision)."""
+        """Every live entry under ``prefix`` (a KV key pattern) as of the call: key -> (decoded
+        value, revision)."""
         out: dict[str, tuple[Any, int]] = {}
-        # (the watcher's ephemeral consumer outlives the unsubscribe by its inactivity threshold:
-        # short, or a janitor's passes pile up consumers)
-        watcher = await self.kv.watch(prefix, ignore_deletes=True, inactive_threshold=5.0)
-        try:
-            while True:
-                e = await watcher.updates(timeout=60)
-                if e is None:
-                    break
-                if e.value is None or e.operation is not None:
-                    continue
-                kind = IndexEntry if e.key.startswith("ec.") else FingerprintEntry if e.key.startswith("fp.") else None
-                if kind is None:
-                    continue
-                try:
-                    out[e.key] = (msgspec.json.decode(e.value, type=kind), e.revision)
-                except msgspec.DecodeError:
-                    log.warning("unreadable EC index entry %s: ignored", e.key)
-                if e.delta == 0:
-                    break
-        finally:
-            await watcher.stop()
+        for key, value, revision in await kv_latest(self._js, self._bucket, prefix):
+            kind = IndexEntry if key.startswith("ec.") else FingerprintEntry if key.startswith("fp.") else None
+            if kind is None:
+                continue
+            try:
+                out[key] = (msgspec.json.decode(value, type=kind), revision)
+            except msgspec.DecodeError:
+                log.warning("unreadable EC index entry %s: ignored", key)
         return out
 
     # -- fingerprints --------------------------------------------------------------------------
@@ -251,9 +240,7 @@ class ECIndex:
             await self.kv.put(fingerprint_key(fingerprint), _enc.encode(entry))
 
     async def fingerprints(self) -> dict[str, FingerprintEntry]:
-        """Every registered fingerprint. From a watch: an entry rewritten while the watch starts can
-        be missed (seen about 1 in 300 with a writer every 5 ms); :meth:`fingerprint` reads one
-        entry for sure."""
+        """Every registered fingerprint (one read of the bucket, :meth:`snapshot`)."""
         return {v.fingerprint: v for v, _ in (await self.snapshot("fp.>")).values()}
 
     async def fingerprint(self, fingerprint: str) -> FingerprintEntry | None:

@@ -507,8 +507,7 @@ async def purge(
     if fingerprint is not None and not allow_unknown:
         known: dict[str, FingerprintEntry | None] = {obj.fingerprint: None for obj in listed}
         known.update(fps)
-        # (the registry's watch can miss an entry being rewritten: ask for this one directly)
-        if fingerprint not in known and await index.fingerprint(fingerprint) is None:
+        if fingerprint not in known:
             raise UnknownFingerprint(fingerprint, known)
     result = PurgeResult(dry_run=dry_run)
     gone: dict[str, list[str]] = defaultdict(list)
