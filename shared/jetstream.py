@@ -280,7 +280,7 @@ async def kv_latest(js: Any, bucket: str, keys: str = ">", *, timeout: float = 3
     EC janitor pass saw none of the objects, about once in a few hundred passes under load). A pull
     consumer delivers nothing until asked, so the count its creation reports is exactly what there
     is, and the first that many messages are the snapshot (later writes come after them)."""
-    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    stream, prefix = protocol.kv_stream(bucket), protocol.kv_key_subject_prefix(bucket)
     name = f"snap_{uuid.uuid4().hex}"
     info = await js.add_consumer(
         stream,

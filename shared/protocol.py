@@ -245,6 +245,16 @@ class ProtocolError(ValueError):
     """A message that cannot be decoded or has an unknown/newer schema."""
 
 
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds key-value bucket ``bucket``."""
+    return f"KV_{bucket}"
+
+
+def kv_key_subject_prefix(bucket: str) -> str:
+    """The subject prefix of bucket ``bucket``'s keys (the key follows it)."""
+    return f"$KV.{bucket}."
+
+
 class Subjects:
     """Subject and stream names for one deployment prefix."""
 
@@ -282,7 +292,7 @@ class Subjects:
         #: (``shared.ec_lifecycle.claims``).
         self.ec_claims_bucket = f"{P}_EC_CLAIMS"
         #: Every write to a routing claim (core NATS sees the bucket's puts: new ones only).
-        self.routing_claims_all = f"$KV.{self.routing_bucket}.>"
+        self.routing_claims_all = kv_key_subject_prefix(self.routing_bucket) + ">"
 
         self.stream_requests = f"{P}_REQUESTS"
         self.stream_encode = f"{P}_ENCODE"
