@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from shared.engines.vllm_engine import vllm_rpc_dir
 from shared.media import content_hash_of
 from shared.protocol import ECReady, EncodeJob, FinalResult
 from shared.tools.infra import free_port
@@ -228,7 +229,7 @@ def test_vllm_files_stay_in_the_project_folder(vllm_stack):
     infos = list((vllm_stack.vllm_dir / "cache" / "modelinfos").glob("*.json"))
     assert infos, "vLLM wrote no model info under VLLM_CACHE_ROOT"
     assert all("hash" in json.loads(p.read_text()) for p in infos)
-    sockets = [p for p in (vllm_stack.vllm_dir / "rpc").iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    sockets = [p for p in vllm_rpc_dir(vllm_stack.vllm_dir).iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
     assert sockets, "no vLLM IPC socket under VLLM_RPC_BASE_PATH while the engines run"
 
 

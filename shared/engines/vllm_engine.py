@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import os
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -100,6 +103,34 @@ CPU_KV_CONNECTOR_BLOCK_SIZE = 32
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 _EVENT_TIMEOUT_S = 600.0
 _END = object()
+#: vLLM binds its engine's IPC sockets at ``<VLLM_RPC_BASE_PATH>/<uuid4>``, and a Unix socket's path
+#: holds at most 107 bytes (``sockaddr_un.sun_path``): the folder may take what a slash and a
+#: 36-character uuid leave (a deeper one failed vLLM's start: "ipc path ... is longer than 107").
+MAX_RPC_DIR_BYTES = 107 - 1 - 36
+
+
+def vllm_rpc_dir(work_dir: Path) -> Path:
+    """The folder for vLLM's IPC sockets: ``<work_dir>/rpc`` when its sockets' paths fit a Unix
+    socket address, else a folder of this user's in the temporary directory named after
+    ``work_dir`` (the same one for every process of one work dir). Pure: creates nothing."""
+    preferred = Path(work_dir).resolve() / "rpc"
+    if len(os.fsencode(preferred)) <= MAX_RPC_DIR_BYTES:
+        return preferred
+    digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"epd-vllm-rpc-{os.getuid()}-{digest}"
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700) or accept it when it is already a folder of this user's that
+    no one else can write: a shared temporary directory must not let another user plant the
+    sockets' folder (or a link in its place)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise EngineError(
+            f"{path} (vLLM's IPC socket folder) is not a folder of this user's that only it can write; "
+            "remove it, or set EPD_VLLM_DIR to a shorter path so the sockets live under it"
+        )
 
 
 def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
@@ -107,19 +138,25 @@ def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
     (``EPD_VLLM_DIR``). Environment variables are vLLM's and torch's only interface for these and
     vLLM's child processes inherit them, so they are set here, overriding inherited values (torch
     itself fills in ``TORCHINDUCTOR_CACHE_DIR`` with /tmp/torchinductor_<user> the first time
-    anything asks). Call before vLLM is imported."""
+    anything asks). The sockets go to :func:`vllm_rpc_dir` (outside ``work_dir`` only when it is too
+    deep for a socket address). Call before vLLM is imported."""
     work_dir = Path(work_dir).resolve()
+    rpc_dir = vllm_rpc_dir(work_dir)
     wanted = {
         "VLLM_CACHE_ROOT": work_dir / "cache",
         "VLLM_CONFIG_ROOT": work_dir / "config",
         "VLLM_ASSETS_CACHE": work_dir / "assets",
-        "VLLM_RPC_BASE_PATH": work_dir / "rpc",
+        "VLLM_RPC_BASE_PATH": rpc_dir,
         "TORCHINDUCTOR_CACHE_DIR": work_dir / "inductor",
         "TRITON_CACHE_DIR": work_dir / "triton",
     }
     applied: dict[str, str] = {}
     for name, path in wanted.items():
-        path.mkdir(parents=True, exist_ok=True)
+        if path.is_relative_to(work_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            _make_private_dir(path)
+            log.info("vLLM's IPC sockets go to %s: %s is too deep for a socket address", path, work_dir)
         os.environ[name] = applied[name] = str(path)
     # No phoning home, no hub: models are local folders.
     for name, value in (
