@@ -58,6 +58,7 @@ import harness as h
 import httpx
 import p7_vllm_epd_vs_agg as p7
 
+from shared.engines.vllm_engine import OFFLINE_ENV, vllm_folders
 from shared.tools.bench.schema import WorkloadSpec
 from shared.tools.bench.workload import iter_plan
 from shared.tools.infra import free_port
@@ -80,22 +81,12 @@ CORES: dict[str, tuple[dict[str, dict[str, str]], dict[str, str]]] = {
 
 # -- vLLM's own E|PD -----------------------------------------------------------------------------
 def vllm_env(work: Path) -> dict[str, str]:
-    """vLLM's caches, compile artefacts, IPC sockets and temporary files under ``work`` (the names our
-    vLLM engine sets, ``shared.engines.vllm_engine.configure_vllm_environment``, and ``TMPDIR``), no hub,
-    no usage stats."""
-    env = {}
-    for name, sub in (
-        ("VLLM_CACHE_ROOT", "cache"),
-        ("VLLM_CONFIG_ROOT", "config"),
-        ("VLLM_ASSETS_CACHE", "assets"),
-        ("VLLM_RPC_BASE_PATH", "rpc"),
-        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-        ("TRITON_CACHE_DIR", "triton"),
-        ("TMPDIR", "tmp"),  # vLLM's file:// distributed-init rendezvous (tempfile.gettempdir())
-    ):
-        (work / sub).mkdir(parents=True, exist_ok=True)
-        env[name] = str(work / sub)
-    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    """vLLM's caches, compile artefacts, IPC sockets and temporary files under ``work`` (the folders
+    our vLLM engine uses, ``shared.engines.vllm_engine.vllm_folders``, and ``TMPDIR``), no hub, no
+    usage stats."""
+    env = {**vllm_folders(work), **OFFLINE_ENV}
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(work / "tmp")  # vLLM's file:// distributed-init rendezvous (tempfile.gettempdir())
     return env
 
 

@@ -133,38 +133,41 @@ def _make_private_dir(path: Path) -> None:
         )
 
 
-def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
-    """Point vLLM's caches, compile artefacts and IPC sockets at folders under ``work_dir``
-    (``EPD_VLLM_DIR``). Environment variables are vLLM's and torch's only interface for these and
-    vLLM's child processes inherit them, so they are set here, overriding inherited values (torch
-    itself fills in ``TORCHINDUCTOR_CACHE_DIR`` with /tmp/torchinductor_<user> the first time
-    anything asks). The sockets go to :func:`vllm_rpc_dir` (outside ``work_dir`` only when it is too
-    deep for a socket address). Call before vLLM is imported."""
+#: No phoning home, no hub: models are local folders (defaults; a value already set stays).
+OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def vllm_folders(work_dir: Path) -> dict[str, str]:
+    """The environment variables that point vLLM's (and torch's) caches, compile artefacts and IPC
+    sockets at folders under ``work_dir``, the folders created. The sockets go to
+    :func:`vllm_rpc_dir` (outside ``work_dir`` only when it is too deep for a socket address)."""
     work_dir = Path(work_dir).resolve()
-    rpc_dir = vllm_rpc_dir(work_dir)
     wanted = {
         "VLLM_CACHE_ROOT": work_dir / "cache",
         "VLLM_CONFIG_ROOT": work_dir / "config",
         "VLLM_ASSETS_CACHE": work_dir / "assets",
-        "VLLM_RPC_BASE_PATH": rpc_dir,
+        "VLLM_RPC_BASE_PATH": vllm_rpc_dir(work_dir),
         "TORCHINDUCTOR_CACHE_DIR": work_dir / "inductor",
         "TRITON_CACHE_DIR": work_dir / "triton",
     }
-    applied: dict[str, str] = {}
-    for name, path in wanted.items():
+    for path in wanted.values():
         if path.is_relative_to(work_dir):
             path.mkdir(parents=True, exist_ok=True)
         else:
             _make_private_dir(path)
             log.info("vLLM's IPC sockets go to %s: %s is too deep for a socket address", path, work_dir)
-        os.environ[name] = applied[name] = str(path)
-    # No phoning home, no hub: models are local folders.
-    for name, value in (
-        ("VLLM_NO_USAGE_STATS", "1"),
-        ("DO_NOT_TRACK", "1"),
-        ("HF_HUB_OFFLINE", "1"),
-        ("TRANSFORMERS_OFFLINE", "1"),
-    ):
+    return {name: str(path) for name, path in wanted.items()}
+
+
+def configure_vllm_environment(work_dir: Path) -> dict[str, str]:
+    """Point vLLM's files at ``work_dir`` (``EPD_VLLM_DIR``; :func:`vllm_folders`) and set
+    :data:`OFFLINE_ENV`. Environment variables are vLLM's and torch's only interface for these and
+    vLLM's child processes inherit them, so they are set here, the folders overriding inherited
+    values (torch itself fills in ``TORCHINDUCTOR_CACHE_DIR`` with /tmp/torchinductor_<user> the
+    first time anything asks). Call before vLLM is imported. Returns what it applied."""
+    applied = vllm_folders(work_dir)
+    os.environ.update(applied)
+    for name, value in OFFLINE_ENV.items():
         applied[name] = os.environ.setdefault(name, value)
     return applied
 
