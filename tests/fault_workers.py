@@ -1,8 +1,9 @@
 """Test-side fault injection for worker processes: ``python -m tests.fault_workers <service>``
 runs ``services.<service>`` with its engine slowed down as the environment asks:
 
-* ``EPD_TEST_ENCODE_DELAY_S`` (encoder): sleep this long before each encode, logging
-  ``fault injection: ...`` first (a test waits for that line to know the worker holds a job);
+* ``EPD_TEST_ENCODE_DELAY_S`` (encoder; prefill, for its engine's encodes: a steal, a local
+  recompute): sleep this long before each encode, logging ``fault injection: ...`` first (a test
+  waits for that line to know the worker holds a job);
 * ``EPD_TEST_DECODE_STEP_DELAY_S`` (decode or prefill, transformers engine): each batched decode step
   sleeps this long after stepping (numerics unchanged), so a test can act while requests are
   being decoded, or let a deadline pass mid-decode.
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> None:
     from shared.engines import engine_class
 
     engine_cls = engine_class(ModelSettings().engine)
-    if service == "encoder" and _delay(ENCODE_DELAY_ENV):
+    if service in ("encoder", "prefill") and _delay(ENCODE_DELAY_ENV):
         slow_encoder(engine_cls, _delay(ENCODE_DELAY_ENV))
     if service in ("decode", "prefill") and _delay(DECODE_STEP_DELAY_ENV):
         slow_decode_steps(_delay(DECODE_STEP_DELAY_ENV))

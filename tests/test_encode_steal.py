@@ -12,9 +12,9 @@ import nats
 import pytest
 
 from shared import metrics
-from shared.ec_lifecycle.claims import EncodeClaims
+from shared.ec_lifecycle.claims import Claim, EncodeClaims
 from shared.media import content_hash_of
-from shared.protocol import ECReady
+from shared.protocol import ECReady, FinalResult
 from shared.tools.infra import free_port
 from shared.worker import Action, settle
 from tests.fault_workers import ENCODE_DELAY_ENV
@@ -45,18 +45,30 @@ def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(c
             claims = await EncodeClaims.open(nc.jetstream(), subjects, settings)
             # an encoder started item a: no steal; another encoder (a redelivery) still encodes it
             assert await claims.for_encoder("fp", "a", "enc-1") is None
-            assert not await claims.steal("fp", "a", "pd-1")
+            assert await claims.steal("fp", "a", "pd-1") is None
             assert await claims.for_encoder("fp", "a", "enc-2") is None
             # item b stolen first: the encoder yields to the stealer, and only one stealer wins
-            assert await claims.steal("fp", "b", "pd-1")
-            assert not await claims.steal("fp", "b", "pd-2")
+            assert (first := await claims.steal("fp", "b", "pd-1")) is not None
+            assert await claims.steal("fp", "b", "pd-2") is None
             held = await claims.for_encoder("fp", "b", "enc-1")
             assert held is not None and (held.owner, held.stealer) == ("pd-1", True)
-            # released (announced): stealable again, e.g. after an eviction
-            await claims.release("fp", "b")
-            assert await claims.steal("fp", "b", "pd-2")
+            # the lease: a renewal moves the revision, so a waiter that saw the old one cannot take it over
+            renewed = await claims.renew("fp", "b", "pd-1", first)
+            assert renewed is not None and renewed != first
+            assert await claims.steal("fp", "b", "pd-2", lapsed=first) is None
+            # not renewed since: of two waiters taking it over, exactly one wins
+            taken = await claims.steal("fp", "b", "pd-2", lapsed=renewed)
+            assert taken is not None and await claims.steal("fp", "b", "pd-3", lapsed=renewed) is None
+            assert (await claims.get("fp", "b")) == Claim("pd-2", True)
+            # the old stealer's renewal and release leave the new owner's claim alone
+            assert await claims.renew("fp", "b", "pd-1", renewed) is None
+            await claims.release("fp", "b", renewed)
+            assert (await claims.get("fp", "b")) == Claim("pd-2", True)
+            # released by its owner (announced): stealable again, e.g. after an eviction
+            await claims.release("fp", "b", taken)
+            assert await claims.steal("fp", "b", "pd-2") is not None
             # claims are per model version
-            assert await claims.steal("other-fp", "a", "pd-1")
+            assert await claims.steal("other-fp", "a", "pd-1") is not None
         finally:
             await nc.close()
 
@@ -73,7 +85,7 @@ async def test_an_encoder_acks_a_stolen_item_s_job_without_encoding(
         h.claims = await EncodeClaims.open(nc.jetstream(), subjects, settings)
         stolen, started = noise_image(11, (56, 56)), noise_image(12, (56, 56))
         job = _job(h, stolen)
-        assert await h.claims.steal(job.fingerprint, job.image.item_hash, "pd-9")
+        assert await h.claims.steal(job.fingerprint, job.image.item_hash, "pd-9") is not None
         before = metrics.ENCODE_JOBS.labels("stolen")._value.get()
         verdict = await settle(h, _delivery(job))
         assert verdict.action is Action.ACK
@@ -145,5 +157,54 @@ def test_a_pd_worker_steals_a_queued_encode_but_not_a_started_one(
         )
         assert steals == 1
         assert metric_value(scrape(prefill_metrics), "epd:ec_steals_total", outcome="stolen") == 1
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow
+def test_a_killed_stealer_s_item_is_taken_over_once_its_claim_lapses(
+    nats_server, s3_server, tiny_model_dir, reference_engine, tmp_path
+):
+    """No encoder at all: the one PD worker steals the image's encode and hangs inside its engine's
+    encode (fault injection), and is SIGKILLed there, mid-steal. A second PD worker gets the
+    request's generation job redelivered, finds the dead stealer's claim no longer renewed and takes
+    the item over after ``STEAL_LEASE_S``: the request completes with its right tokens, the item
+    stolen by the second worker - where without the lease it waited ``EPD_EC_WAIT_S`` (300 s here,
+    past this test's bound)."""
+    running = start_stack(
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path / "logs",
+        services=["api", "prefill"],
+        roles={"prefill": 1},
+        service_env={"prefill": {ENCODE_DELAY_ENV: "600"}},
+        service_modules={"prefill": FAULT_WORKERS},
+        EPD_ENCODE_STEALS="1",
+        EPD_ENCODE_STEAL_AFTER_S="0.2",
+        EPD_ACK_WAIT_S="3",
+        EPD_MAX_DELIVER="100",  # claims live ack_wait x max_deliver x 2: the dead stealer's claim outlives the test
+        EPD_EC_WAIT_S="300",
+    )
+    stack = running.stack
+    try:
+        stealer = next(p for p in stack.processes if p.name == "prefill")
+        image = noise_image(84, (64, 48))
+        item = content_hash_of(image)
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(api_tokens, running, TEXT, [image], timeout=200)
+            _wait_for_log(stealer, f"stealing the encode of {item[:12]}", timeout=120)
+            _wait_for_log(stealer, "fault injection", timeout=60)  # inside the stolen encode, for 600 s
+            assert not request.done()
+            stealer.stop(sig=signal.SIGKILL)
+            taker = stack.add("prefill", index=1, extra_env={ENCODE_DELAY_ENV: "0"})
+            tokens, body = request.result(timeout=150)
+        assert tokens == reference_tokens(reference_engine, TEXT, [image])
+        _wait_for_log(taker, f"took over the encode of {item[:12]}", timeout=10)
+        # (not final_result(): it waits for every job to be acked, and no encoder takes the encode job)
+        (final,) = running.messages_of("stream_results", FinalResult, body["id"])
+        assert final.ec_sources == {item: "stolen"}
+        ready = [m for m in running.messages_of("stream_events", ECReady, body["id"]) if m.item_hash == item]
+        assert [m.producer for m in ready] == [worker_id_of(taker, "prefill")]
     finally:
         stack.stop()

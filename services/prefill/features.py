@@ -31,7 +31,9 @@ encodes, stores and announces it in ``resolve``; :class:`ConnectorFeatures` hand
 the engine (an EC producer too: it stores what it encodes) does it in its step; the handler announces
 the stored object at the request's first token, or after the generation when none streamed
 (:meth:`FeatureSource.settle`). At most ``EPD_ENCODE_STEALS``
-steals run at once per worker; the other jobs keep waiting, and steal when a steal ends.
+steals run at once per worker; the other jobs keep waiting, and steal when a steal ends. A steal
+renews its claim while it runs; a job waiting on another worker's steal takes the item over when
+that claim stops being renewed (the stealer died or stalls: the lease in ``shared.ec_lifecycle.claims``).
 
 EC store lifecycle (``shared.ec_lifecycle.worker``): :class:`StoredFeatures` and
 :class:`ConnectorFeatures` note every use of a stored object (cache hit, store hit, write-back,
@@ -44,6 +46,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -52,7 +55,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from shared import metrics
-from shared.ec_lifecycle.claims import EncodeClaims
+from shared.ec_lifecycle.claims import STEAL_LEASE_S, STEAL_RENEW_S, EncodeClaims
 from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
@@ -144,12 +147,20 @@ class EncoderWait:
         ``stealer`` took the item for this worker's engine; else why we stopped waiting."""
         deadline = time.time() + self.wait_s
         next_try = deadline if stealer is None else time.time() + stealer.after_s
+        watched: tuple[int, float] | None = None  # another stealer's claim: (revision, unchanged since)
         while (event := await sub.next(deadline=min(deadline, next_try))) is None:
             if stealer is None or time.time() >= deadline:
                 return MissReason.TIMEOUT
-            taken = await stealer.try_steal(ref, request_id)
+            lapsed = watched[0] if watched is not None and time.monotonic() - watched[1] >= STEAL_LEASE_S else None
+            taken = await stealer.try_steal(ref, request_id, lapsed=lapsed)
             if isinstance(taken, Steal):
                 return taken
+            if isinstance(taken, StealerHolds):  # watch its lease
+                if watched is None or watched[0] != taken.revision:
+                    watched = (taken.revision, time.monotonic())
+                next_try = time.time() + STEAL_RENEW_S
+                continue
+            watched = None
             if taken is StealRefused.STORED:
                 return None  # an encoder announced it as we claimed
             # a free steal slot later (BUSY), or never: an encoder started it (CLAIMED)
@@ -175,16 +186,27 @@ class StealRefused(enum.Enum):
     STORED = "stored"
 
 
+@dataclasses.dataclass(frozen=True)
+class StealerHolds:
+    """Another generating worker steals the item: its claim's ``revision``, for the waiter to watch
+    (unchanged for ``STEAL_LEASE_S``: the waiter takes it over)."""
+
+    revision: int
+
+
 class Steal:
     """An item this worker took from the encoders: it announces the stored object (or that it
     failed) exactly once, which also frees the steal slot."""
 
-    def __init__(self, stealer: Stealer, ref: ImageRef, request_id: str):
+    def __init__(self, stealer: Stealer, ref: ImageRef, request_id: str, revision: int):
         self.stealer = stealer
         self.ref = ref
         self.request_id = request_id
+        #: the claim's revision, renewed while the steal runs (``Stealer._renew``)
+        self.revision = revision
         self.started_at = time.time()
         self._done = False
+        self.renewing: asyncio.Task[None] | None = None
 
     async def announce(self, n_tokens: int, nbytes: int, encode_s: float) -> None:
         """The object is stored: tell the waiters (the API indexes it too)."""
@@ -246,36 +268,71 @@ class Stealer:
             self._claims = await EncodeClaims.open(self.ctx.nc.jetstream(), self.ctx.subjects, self.ctx.settings.nats)
         return self._claims
 
-    async def try_steal(self, ref: ImageRef, request_id: str) -> Steal | StealRefused:
+    async def try_steal(
+        self, ref: ImageRef, request_id: str, *, lapsed: int | None = None
+    ) -> Steal | StealRefused | StealerHolds:
+        """Claim the item for this worker's engine. ``lapsed``: the revision of another stealer's
+        claim the caller saw unchanged for ``STEAL_LEASE_S``: take it over."""
         if self.running >= self.slots:
             return StealRefused.BUSY
         self.running += 1  # held across the awaits below: two jobs never take one slot
-        won = False
+        revision = None
         try:
             claims = await self._open()
-            won = await claims.steal(self.fingerprint, ref.item_hash, self.worker_id)
-            if not won:
-                return StealRefused.CLAIMED
+            revision = await claims.steal(self.fingerprint, ref.item_hash, self.worker_id, lapsed=lapsed)
+            if revision is None:
+                held = await claims.held(self.fingerprint, ref.item_hash)
+                if held is None:  # released as we looked: the next try creates it
+                    return StealRefused.BUSY
+                claim, other = held
+                return StealerHolds(other) if claim.stealer else StealRefused.CLAIMED
             if await asyncio.to_thread(self.store.exists, ref.item_hash):
-                won = False
-                await claims.release(self.fingerprint, ref.item_hash)
+                await claims.release(self.fingerprint, ref.item_hash, revision)
+                revision = None
                 return StealRefused.STORED
         except Exception as exc:  # noqa: BLE001 - nats and the store raise several unrelated types: wait as before
             log.warning(
                 "could not steal %s (%s: %s): waiting for the encoder", ref.item_hash[:12], type(exc).__name__, exc
             )
+            revision = None
             return StealRefused.CLAIMED
         finally:
-            if not won:
+            if revision is None:
                 self.running -= 1
+        if lapsed is not None:
+            log.warning("took over the encode of %s: its stealer stopped renewing its claim", ref.item_hash[:12])
         log.info("stealing the encode of %s", ref.item_hash[:12])
         metrics.EC_STEALS.labels("stolen").inc()
-        return Steal(self, ref, request_id)
+        steal = Steal(self, ref, request_id, revision)
+        steal.renewing = asyncio.create_task(self._renew(steal, claims), name=f"renew-claim-{ref.item_hash[:12]}")
+        return steal
+
+    async def _renew(self, steal: Steal, claims: EncodeClaims) -> None:
+        """Renew the steal's claim until it ends (cancelled by :meth:`ended`)."""
+        while True:
+            await asyncio.sleep(STEAL_RENEW_S)
+            try:
+                revision = await claims.renew(self.fingerprint, steal.ref.item_hash, self.worker_id, steal.revision)
+            except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types: try again next time
+                log.warning(
+                    "could not renew the claim of %s: %s: %s", steal.ref.item_hash[:12], type(exc).__name__, exc
+                )
+                continue
+            if revision is None:
+                log.warning(
+                    "the claim of %s was taken over (this worker looked dead): encoding anyway",
+                    steal.ref.item_hash[:12],
+                )
+                return
+            steal.revision = revision
 
     async def ended(self, steal: Steal) -> None:
         self.running -= 1
+        if steal.renewing is not None:  # stopped before the release, so the revision is final
+            steal.renewing.cancel()
+            await asyncio.gather(steal.renewing, return_exceptions=True)
         if self._claims is not None:
-            await self._claims.release(self.fingerprint, steal.ref.item_hash)
+            await self._claims.release(self.fingerprint, steal.ref.item_hash, steal.revision)
 
 
 class FeatureSource(abc.ABC):

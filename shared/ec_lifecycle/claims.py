@@ -22,11 +22,19 @@ Whoever announced the item deletes its claim (best effort), so a later encode of
 an eviction) can be stolen again; a stealer that wins a claim checks the store once more (the
 encoder may have just announced and released it).
 
+**The lease.** A stealer renews its claim every :data:`STEAL_RENEW_S` (a new revision of the
+key) while its steal runs. A job waiting for an item another worker stole watches the claim's
+revision; one unchanged for :data:`STEAL_LEASE_S` of the waiter's own clock means the stealer
+died or stalls: the waiter takes the claim over (an update expecting that revision, so of several
+waiters exactly one wins) and steals the item itself. Without it a killed stealer's waiters waited
+``EPD_EC_WAIT_S`` (the encoder had acked the job as stolen), then each encoded locally. An
+encoder's claim has no lease: a killed encoder's job is redelivered to another encoder.
+
 Claims never decide correctness: every path stays idempotent (the store's object is overwritten
-by an equal one, ``ECReady`` is announced again), a worker that cannot reach the bucket encodes
-(encoders) or does not steal (generators), and a stealer that dies leaves its waiters to
-``EPD_EC_WAIT_S`` and their own local encode, as an encoder that dies does. Keys left behind expire
-after :func:`claim_ttl_s` (longer than any delivery of the encode job can wait).
+by an equal one, ``ECReady`` is announced again; a stalled stealer that resumes after a takeover
+only duplicates the work), a worker that cannot reach the bucket encodes (encoders) or does not
+steal (generators). Keys left behind expire after :func:`claim_ttl_s` (longer than any delivery
+of the encode job can wait).
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ log = logging.getLogger(__name__)
 
 ENCODER_PREFIX = "enc:"
 STEAL_PREFIX = "steal:"
+#: How often a stealer renews its claim while its steal runs (the lease, module docstring).
+STEAL_RENEW_S = 1.0
+#: A stealer's claim unchanged this long (three renewals missed) has lapsed: a waiter takes it over.
+STEAL_LEASE_S = 3.0
 
 
 def claim_ttl_s(settings: NatsSettings) -> float:
@@ -94,11 +106,18 @@ class EncodeClaims:
         )
 
     async def get(self, fingerprint: str, item_hash: str) -> Claim | None:
+        held = await self.held(fingerprint, item_hash)
+        return held[0] if held is not None else None
+
+    async def held(self, fingerprint: str, item_hash: str) -> tuple[Claim, int] | None:
+        """The item's claim and its revision (None: unclaimed)."""
         try:
             entry = await self.kv.get(claim_key(fingerprint, item_hash))
         except KeyNotFoundError:
             return None
-        return Claim.parse(entry.value.decode()) if entry.value is not None else None
+        if entry.value is None or entry.revision is None:
+            return None
+        return Claim.parse(entry.value.decode()), entry.revision
 
     async def for_encoder(self, fingerprint: str, item_hash: str, worker_id: str) -> Claim | None:
         """An encoder is about to encode the item: None when it should (its claim is written),
@@ -116,17 +135,31 @@ class EncodeClaims:
         await self.kv.put(key, value)  # an earlier encoder's claim (a redelivery, a re-encode): ours now
         return None
 
-    async def steal(self, fingerprint: str, item_hash: str, worker_id: str) -> bool:
-        """A generating worker takes the item: True when no one had claimed it."""
+    async def steal(self, fingerprint: str, item_hash: str, worker_id: str, *, lapsed: int | None = None) -> int | None:
+        """A generating worker takes the item: its claim's revision when it won, None when someone
+        holds the item. ``lapsed``: the revision of another stealer's claim whose lease lapsed -
+        taken over only if no one renewed or took it since."""
+        key, value = claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode()
         try:
-            await self.kv.create(claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode())
+            if lapsed is None:
+                return int(await self.kv.create(key, value))
+            return int(await self.kv.update(key, value, last=lapsed))
         except KeyWrongLastSequenceError:
-            return False
-        return True
+            return None
 
-    async def release(self, fingerprint: str, item_hash: str) -> None:
-        """The item is announced: forget the claim (best effort; it expires anyway)."""
+    async def renew(self, fingerprint: str, item_hash: str, worker_id: str, revision: int) -> int | None:
+        """Keep a steal's claim (of ``revision``) alive: its new revision, or None when it is no
+        longer this worker's (taken over, or gone)."""
+        key, value = claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode()
         try:
-            await self.kv.delete(claim_key(fingerprint, item_hash))
-        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; the key expires
+            return int(await self.kv.update(key, value, last=revision))
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def release(self, fingerprint: str, item_hash: str, revision: int | None = None) -> None:
+        """The item is announced: forget the claim (best effort; it expires anyway). ``revision``:
+        only if the claim is still that one (a steal taken over belongs to its new owner)."""
+        try:
+            await self.kv.delete(claim_key(fingerprint, item_hash), last=revision)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (a revision mismatch too); the key expires
             log.debug("could not release the encode claim of %s: %s: %s", item_hash[:12], type(exc).__name__, exc)
