@@ -297,29 +297,25 @@ async def kv_latest(js: Any, bucket: str, keys: str = ">", *, timeout: float = 3
     )
     out: list[tuple[str, bytes, int]] = []
     left = info.num_pending
-    if not left:
-        await _delete_consumer(js, stream, name)
-        return out
-    sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
     try:
-        while left > 0:
-            for msg in await sub.fetch(min(left, 256), timeout=timeout):
-                left = 0 if msg.metadata.num_pending == 0 else left - 1
-                headers = msg.headers or {}
-                if "KV-Operation" in headers or "Nats-Marker-Reason" in headers:
-                    continue  # a delete or purge marker (or a future kind of marker): not a live value
-                out.append((msg.subject[len(prefix) :], msg.data, msg.metadata.sequence.stream))
+        if left:
+            sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
+            try:
+                while left > 0:
+                    for msg in await sub.fetch(min(left, 256), timeout=timeout):
+                        left = 0 if msg.metadata.num_pending == 0 else left - 1
+                        headers = msg.headers or {}
+                        if "KV-Operation" in headers or "Nats-Marker-Reason" in headers:
+                            continue  # a delete or purge marker (or a future kind of marker): not a live value
+                        out.append((msg.subject[len(prefix) :], msg.data, msg.metadata.sequence.stream))
+            finally:
+                await sub.unsubscribe()
     finally:
-        await sub.unsubscribe()
-        await _delete_consumer(js, stream, name)
+        try:
+            await js.delete_consumer(stream, name)
+        except Exception as exc:  # noqa: BLE001 - its inactivity threshold removes it anyway
+            log.debug("deleting consumer %s of %s: %s", name, stream, exc)
     return out
-
-
-async def _delete_consumer(js: Any, stream: str, name: str) -> None:
-    try:
-        await js.delete_consumer(stream, name)
-    except Exception as exc:  # noqa: BLE001 - its inactivity threshold removes it anyway
-        log.debug("deleting consumer %s of %s: %s", name, stream, exc)
 
 
 async def ensure_topology(
