@@ -15,26 +15,14 @@ import pytest
 from shared.engines.vllm_engine import MAX_RPC_DIR_BYTES, configure_vllm_environment, vllm_rpc_dir
 from shared.errors import EngineError
 
-_VLLM_ENV = (
-    "VLLM_CACHE_ROOT",
-    "VLLM_CONFIG_ROOT",
-    "VLLM_ASSETS_CACHE",
-    "VLLM_RPC_BASE_PATH",
-    "TORCHINDUCTOR_CACHE_DIR",
-    "TRITON_CACHE_DIR",
-    "VLLM_NO_USAGE_STATS",
-    "DO_NOT_TRACK",
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-)
-
 
 @pytest.fixture
-def saved_env(monkeypatch):
-    """configure_vllm_environment sets process-wide variables: restore them after the test."""
-    for name in _VLLM_ENV:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+def saved_env():
+    """configure_vllm_environment sets process-wide variables: restore the environment after the test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _bind_like_vllm(rpc_dir: Path) -> None:

@@ -149,12 +149,9 @@ class EncodeClaims:
 
     async def renew(self, fingerprint: str, item_hash: str, worker_id: str, revision: int) -> int | None:
         """Keep a steal's claim (of ``revision``) alive: its new revision, or None when it is no
-        longer this worker's (taken over, or gone)."""
-        key, value = claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode()
-        try:
-            return int(await self.kv.update(key, value, last=revision))
-        except KeyWrongLastSequenceError:
-            return None
+        longer this worker's (taken over, or gone). The same write as a takeover: an update
+        expecting the revision it holds."""
+        return await self.steal(fingerprint, item_hash, worker_id, lapsed=revision)
 
     async def release(self, fingerprint: str, item_hash: str, revision: int | None = None) -> None:
         """The item is announced: forget the claim (best effort; it expires anyway). ``revision``:
