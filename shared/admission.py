@@ -21,6 +21,12 @@ few tens of milliseconds (shortest-job-first minimises the mean wait), and agein
 
 Slots are the engine's own capacity (``Engine.max_running_requests``: vLLM's ``max_num_seqs``, the
 transformers engine's decode batch), so the engine's continuous batching does the interleaving.
+But an engine that chunks prefills (vLLM) serves the requests it runs before the ones that came
+since, so a short prompt admitted behind eight image prompts ready at once waited for all of their
+chunks. So *long* prompts - more than half the engine's step budget
+(``Engine.prefill_tokens_per_step``; ``EPD_LONG_PROMPT_TOKENS`` overrides) - go into the engine
+:data:`LONG_PROMPTS_AT_ONCE` at a time, the next once one's first token is out, and the short ones
+do not wait for them (:class:`PrioritySlots`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ from dataclasses import dataclass
 AGING_TOKENS_PER_S = 32.0
 
 
+#: Long prompts in the engine not yet prefilled (``PrioritySlots``): one prefilling and the next
+#: queued behind it, so the engine goes on with it in the next step. Measured on vLLM (one core,
+#: 8 prompts of ~600 tokens at once, text probes meanwhile; docs/performance.md, P4): with 1 the
+#: engine waited a step for the next one at each first token (the burst 8% slower), with 2 the
+#: burst takes as long as with no limit, and the slowest probe 1.3-1.6 s instead of 5.0-5.3 s.
+LONG_PROMPTS_AT_ONCE = 2
+
+
 @dataclass
 class _Ticket:
     cost: float
@@ -51,16 +65,46 @@ class _Ticket:
         return (self.cost - AGING_TOKENS_PER_S * (now - self.queued_at), self.seq)
 
 
-class PrioritySlots:
-    """``n`` slots; while all are taken, waiters get them in order of cost, aged by
-    :data:`AGING_TOKENS_PER_S` (cheapest first), ties in arrival order. Event-loop only (the
-    transformers engine gates its prefills with one slot)."""
+class Slot:
+    """A granted slot (what :meth:`PrioritySlots.slot` yields). A long prompt's slot counts among
+    the long ones in the engine until :meth:`prefilled` (or the slot's end)."""
 
-    def __init__(self, n: int):
+    def __init__(self, owner: PrioritySlots, long: bool):
+        self._owner = owner
+        self.long_prefilling = long
+
+    def prefilled(self) -> None:
+        """The prompt is prefilled (its first token is out): another long prompt may go in.
+        Idempotent."""
+        if self.long_prefilling:
+            self.long_prefilling = False
+            self._owner._long_prefilled()
+
+
+class PrioritySlots:
+    """``n`` slots; while none is free, waiters get them in order of cost, aged by
+    :data:`AGING_TOKENS_PER_S` (cheapest first), ties in arrival order. Event-loop only (the
+    transformers engine gates its prefills with one slot).
+
+    ``long_prompt`` (``None``: no such rule): a prompt costing more than that is *long*, and at
+    most :data:`LONG_PROMPTS_AT_ONCE` long prompts are let in and not yet :meth:`Slot.prefilled`,
+    while shorter ones do not wait for them. Why: an engine that chunks prefills (vLLM) serves the
+    requests it already runs before the ones that came since, so a short prompt let in behind eight
+    long ones waited for all of their chunks; now it waits for at most two. Short prompts never
+    queue behind long ones (a long one that waited seconds for its turn would otherwise have aged
+    past them).
+    """
+
+    def __init__(self, n: int, long_prompt: float | None = None):
         if n < 1:
             raise ValueError("slots must be >= 1")
+        if long_prompt is not None and long_prompt < 0:
+            raise ValueError("long_prompt must be >= 0 (None: no such rule)")
         self.n = n
+        self.long_prompt = long_prompt
         self.taken = 0
+        #: long prompts let in and not yet prefilled (at most LONG_PROMPTS_AT_ONCE)
+        self.long_prefilling = 0
         self._queue: list[_Ticket] = []
         self._seq = itertools.count()
 
@@ -68,50 +112,88 @@ class PrioritySlots:
     def queued(self) -> int:
         return len(self._queue)
 
+    def is_long(self, cost: float) -> bool:
+        return self.long_prompt is not None and cost > self.long_prompt
+
+    def _fits(self, cost: float) -> bool:
+        return self.taken < self.n and not (self.long_prefilling >= LONG_PROMPTS_AT_ONCE and self.is_long(cost))
+
     @contextlib.asynccontextmanager
-    async def slot(self, cost: float) -> AsyncIterator[None]:
-        """Hold a slot; queued by ``cost`` while all are taken. Cancelling a queued waiter gives
-        up its place (or the slot it was just granted)."""
-        if self.taken < self.n and not self._queue:
-            self.taken += 1
+    async def slot(self, cost: float) -> AsyncIterator[Slot]:
+        """Hold a slot; queued by ``cost`` while none is free (or, for a long prompt, while
+        :data:`LONG_PROMPTS_AT_ONCE` long ones are prefilling). Cancelling a queued waiter gives up
+        its place (or the slot it was just granted)."""
+        if not self._queue and self._fits(cost):
+            self._take(cost)
         else:
             ticket = _Ticket(cost, next(self._seq), time.monotonic(), asyncio.get_running_loop().create_future())
             self._queue.append(ticket)
+            self._grant()  # a short prompt does not wait for the long ones queued
             try:
-                await ticket.future  # the releaser counted us in ``taken``
+                await ticket.future  # the granter counted us in
             except asyncio.CancelledError:
                 if ticket in self._queue:
                     self._queue.remove(ticket)
                 elif ticket.future.done() and not ticket.future.cancelled():
-                    self._release()  # granted as we were cancelled: pass it on
+                    self._release(Slot(self, self.is_long(cost)))  # granted as we were cancelled: pass it on
                 raise
+        held = Slot(self, self.is_long(cost))
         try:
-            yield
+            yield held
         finally:
-            self._release()
+            self._release(held)
 
-    def _release(self) -> None:
+    def _take(self, cost: float) -> None:
+        self.taken += 1
+        self.long_prefilling += self.is_long(cost)
+
+    def _long_prefilled(self) -> None:
+        self.long_prefilling -= 1
+        self._grant()
+
+    def _release(self, held: Slot) -> None:
         self.taken -= 1
-        while self._queue and self.taken < self.n:
-            now = time.monotonic()
-            ticket = min(self._queue, key=lambda t: t.key(now))
-            self._queue.remove(ticket)
+        if held.long_prefilling:
+            held.long_prefilling = False
+            self.long_prefilling -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        """Grant the waiters that fit, in order of their aged cost (a long one that does not fit
+        holds back no short one; nor another long one: none of those fits either)."""
+        now = time.monotonic()
+        for ticket in sorted(self._queue, key=lambda t: t.key(now)):
+            if self.taken >= self.n:
+                return
             if ticket.future.done():  # cancelled while queued
+                self._queue.remove(ticket)
                 continue
+            if not self._fits(ticket.cost):
+                continue
+            self._queue.remove(ticket)
             try:
                 ticket.future.set_result(None)
             except RuntimeError:  # its event loop is closed (the waiter is gone with it)
                 continue
-            self.taken += 1
+            self._take(ticket.cost)
+
+
+def long_prompt_tokens(configured: int | None, step_tokens: int | None) -> int | None:
+    """The size of a long prompt (:class:`PrioritySlots`): ``EPD_LONG_PROMPT_TOKENS`` when set (0:
+    no such rule), else half the engine's step budget - such a prompt takes more than half a step,
+    two of them do not fit one - or no such rule for an engine without one (``None``)."""
+    if configured is not None:
+        return configured or None
+    return None if step_tokens is None else step_tokens // 2
 
 
 class Admission:
     """Slots and states of one worker's jobs (see the module docstring). Event-loop only."""
 
-    def __init__(self, slots: int, max_waiting: int):
+    def __init__(self, slots: int, max_waiting: int, long_prompt: float | None = None):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        self.engine_slots = PrioritySlots(slots)
+        self.engine_slots = PrioritySlots(slots, long_prompt)
         self.max_waiting = max_waiting
         self.waiting_jobs = 0
         self._changed = asyncio.Event()
@@ -145,6 +227,8 @@ class Admission:
         finally:
             self.waiting_jobs -= 1
 
-    def slot(self, cost: float) -> contextlib.AbstractAsyncContextManager[None]:
-        """Hold an engine slot; the cheapest ready job first while all are taken."""
+    def slot(self, cost: float) -> contextlib.AbstractAsyncContextManager[Slot]:
+        """Hold an engine slot; the cheapest ready job first while all are taken (a long prompt
+        also waits while :data:`LONG_PROMPTS_AT_ONCE` long ones prefill: call :meth:`Slot.prefilled`
+        at the first token)."""
         return self.engine_slots.slot(cost)

@@ -531,6 +531,14 @@ class PrefillSettings(WorkerSettings):
         "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
         "printed at start-up",
     )
+    long_prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a prompt of more (estimated) tokens is long: at most two long prompts are in "
+        "the engine and not yet prefilled (their first token not out), and shorter ones do not wait "
+        "for them; unset = half the engine's step budget (vLLM max_num_batched_tokens / 2; no such "
+        "rule for transformers, which prefills one prompt at a time itself), 0 = no such rule",
+    )
     max_waiting_jobs: int = Field(
         64, ge=0, description="jobs held while they wait for image features (they take no engine slot)"
     )

@@ -1,7 +1,8 @@
 """Engine admission (``shared.admission``): waiting for image features is not working.
 
-* unit: slots go to the cheapest waiter (ageing, ties in arrival order, cancellation);
-  how many jobs the runner may fetch while some wait for their inputs;
+* unit: slots go to the cheapest waiter (ageing, ties in arrival order, cancellation); long
+  prompts go in two at a time, short ones do not wait for them; how many jobs the runner may fetch
+  while some wait for their inputs;
 * end to end (real NATS, S3 and worker processes, tiny model, E|PD with the encoder not started
   yet so image jobs wait for it): a text-only request is served while image jobs of the same
   prefill worker wait for their features, with one engine slot. Negative control: with
@@ -18,7 +19,14 @@ import time
 import httpx
 import pytest
 
-from shared.admission import AGING_TOKENS_PER_S, Admission, PrioritySlots
+from shared.admission import (
+    AGING_TOKENS_PER_S,
+    LONG_PROMPTS_AT_ONCE,
+    Admission,
+    PrioritySlots,
+    Slot,
+    long_prompt_tokens,
+)
 from shared.protocol import CONSUMER_PREFILL, GenerationJob
 from tests.stackutil import GREEDY, chat_body, noise_image, start_stack, wait_for, work_consumers
 
@@ -83,6 +91,123 @@ async def test_a_cancelled_waiter_gives_up_its_place_and_no_slot_leaks():
     assert slots.taken == 0 and slots.queued == 0
     async with slots.slot(5):  # the slot is free again
         assert slots.taken == 1
+
+
+class _Holder:
+    """A task holding a slot of ``slots`` for a prompt of ``cost`` until :meth:`end`; ``slot`` is
+    set once it got it."""
+
+    def __init__(self, slots: PrioritySlots, cost: float):
+        self.slot: Slot | None = None
+        self._end = asyncio.Event()
+        self.task = asyncio.create_task(self._run(slots, cost))
+
+    async def _run(self, slots: PrioritySlots, cost: float) -> None:
+        async with slots.slot(cost) as slot:
+            self.slot = slot
+            await self._end.wait()
+
+    def end(self) -> None:
+        self._end.set()
+
+
+async def _settle() -> None:
+    for _ in range(5):  # grants resolve futures; their waiters run a few loop turns later
+        await asyncio.sleep(0)
+
+
+async def _long_ones_in(slots: PrioritySlots) -> list[_Holder]:
+    """Long prompts (300) let in until the limit: LONG_PROMPTS_AT_ONCE of them, each holding a slot."""
+    held = [_Holder(slots, 300) for _ in range(LONG_PROMPTS_AT_ONCE)]
+    await _settle()
+    assert all(h.slot is not None for h in held) and slots.long_prefilling == LONG_PROMPTS_AT_ONCE
+    return held
+
+
+async def _end(*holders: _Holder) -> None:
+    for h in holders:
+        h.end()
+    await asyncio.gather(*(h.task for h in holders))
+
+
+async def test_long_prompts_go_in_two_at_a_time_and_short_ones_do_not_wait_for_them():
+    assert LONG_PROMPTS_AT_ONCE == 2  # one prefilling, the next queued behind it in the engine
+    slots = PrioritySlots(16, long_prompt=128)
+    first, second = await _long_ones_in(slots)
+    third = _Holder(slots, 300)
+    await _settle()
+    assert third.slot is None  # waits for one of them to be prefilled
+    text = _Holder(slots, 30)
+    mid = _Holder(slots, 128)  # at the bound: not long
+    await _settle()
+    assert text.slot is not None and mid.slot is not None  # past the long one queued
+    assert first.slot is not None
+    first.slot.prefilled()
+    await _settle()
+    assert third.slot is not None  # the first one's first token is out: the third goes in
+    assert slots.taken == 5 and slots.long_prefilling == 2
+    first.slot.prefilled()  # idempotent
+    assert slots.long_prefilling == 2
+    await _end(first, second, third, text, mid)
+    assert slots.taken == 0 and slots.long_prefilling == 0 and slots.queued == 0
+
+
+async def test_control_without_the_rule_long_prompts_go_in_side_by_side():
+    slots = PrioritySlots(16)  # long_prompt None: as before
+    holders = [_Holder(slots, 300) for _ in range(LONG_PROMPTS_AT_ONCE + 2)]
+    await _settle()
+    assert all(h.slot is not None for h in holders)
+    await _end(*holders)
+
+
+async def test_a_long_prompt_ending_before_its_first_token_lets_the_next_in():
+    slots = PrioritySlots(16, long_prompt=128)
+    failing, *others = await _long_ones_in(slots)
+    nxt = _Holder(slots, 300)
+    await _settle()
+    assert nxt.slot is None
+    failing.end()  # e.g. the request failed or was cancelled in the engine: no first token
+    await _settle()
+    assert nxt.slot is not None and slots.long_prefilling == LONG_PROMPTS_AT_ONCE
+    await _end(failing, nxt, *others)
+    assert slots.long_prefilling == 0
+
+
+async def test_an_aged_long_prompt_queued_does_not_hold_a_short_one_back():
+    slots = PrioritySlots(16, long_prompt=128)
+    held = await _long_ones_in(slots)
+    waiting = _Holder(slots, 300)
+    await _settle()
+    for ticket in slots._queue:
+        ticket.queued_at -= 100.0  # aged far past any short prompt's cost: first in cost order
+    text = _Holder(slots, 30)
+    await _settle()
+    assert waiting.slot is None and text.slot is not None  # it does not fit; the short one does
+    held[0].end()
+    await _settle()
+    assert waiting.slot is not None
+    await _end(*held, waiting, text)
+
+
+async def test_a_cancelled_long_waiter_leaks_nothing():
+    slots = PrioritySlots(16, long_prompt=128)
+    held = await _long_ones_in(slots)
+    queued = _Holder(slots, 300)
+    await _settle()
+    queued.task.cancel()
+    await asyncio.gather(queued.task, return_exceptions=True)
+    assert slots.queued == 0 and slots.taken == LONG_PROMPTS_AT_ONCE
+    await _end(*held)
+    assert slots.taken == 0 and slots.long_prefilling == 0
+
+
+def test_a_long_prompt_is_more_than_half_the_engine_s_step_unless_configured():
+    assert long_prompt_tokens(None, 256) == 128  # vLLM's CPU step budget
+    assert long_prompt_tokens(None, None) is None  # transformers: it orders its prefills itself
+    assert long_prompt_tokens(300, 256) == 300  # EPD_LONG_PROMPT_TOKENS
+    assert long_prompt_tokens(0, 256) is None  # 0: no such rule
+    assert not PrioritySlots(1, 128).is_long(128) and PrioritySlots(1, 128).is_long(129)
+    assert not PrioritySlots(1).is_long(10**6)
 
 
 def test_room_to_fetch_does_not_count_waiting_jobs():

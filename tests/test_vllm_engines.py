@@ -188,9 +188,50 @@ def test_a_cpu_engine_prefills_in_small_steps_unless_it_hands_kv_off(
 
     for engine in (vllm_reference, *engines):
         assert engine.vllm_config.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+        assert engine.prefill_tokens_per_step == CPU_MAX_NUM_BATCHED_TOKENS  # what admission sizes long prompts by
     common = dict(dtype="float32", work_dir=vllm_work_dir, ec_extra_config=store_config)  # built, not started
     producer = VllmEngine(tiny_model_dir, kv_role="kv_producer", **common)
     assert producer.engine_args.max_num_batched_tokens != CPU_MAX_NUM_BATCHED_TOKENS  # vLLM's (2048 here)
     assert VllmEngine(tiny_model_dir, max_num_batched_tokens=512, **common).engine_args.max_num_batched_tokens == 512
     many = VllmEngine(tiny_model_dir, max_num_seqs=300, **common)  # vLLM wants at least one token per sequence
     assert many.engine_args.max_num_batched_tokens == 300
+
+
+async def _first_token_order(engine, long_prompt: int | None) -> list[str]:
+    """Eight long text prompts (two engine steps each), then a short one, all ready at once and let
+    into ``engine`` through the worker's admission (``PrioritySlots`` with ``long_prompt``): the
+    order of their first tokens."""
+    from shared.admission import PrioritySlots
+    from shared.engines.prompts import prompt_cost
+
+    slots = PrioritySlots(16, long_prompt)
+    order: list[str] = []
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def one(name: str, text: str) -> None:
+        messages = engine_messages(text, 0)
+        async with slots.slot(prompt_cost(messages, [])) as slot:
+            async for _ in engine.generate(messages, [], params):
+                if name not in order:
+                    order.append(name)
+                    slot.prefilled()
+
+    words = " ".join(f"w{i % 50}" for i in range(engine.prefill_tokens_per_step * 3 // 2))
+    tasks = [asyncio.create_task(one(f"long{i}", f"{i} {words}")) for i in range(8)]
+    tasks.append(asyncio.create_task(one("short", "a short question")))  # ready with them, last
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_long_prompts_go_in_two_at_a_time_so_a_short_one_is_not_behind_all_of_them(vllm_reference):
+    """``shared.admission``: prompts of more than half the engine's step go into the vLLM engine two
+    at a time (``LONG_PROMPTS_AT_ONCE``), so a short prompt ready just after eight of them gets its
+    first token after at most those two (and what the engine had scheduled with them). Negative
+    control, no such rule: vLLM serves the requests it has first, so the short one comes after all
+    eight."""
+    from shared.admission import long_prompt_tokens
+
+    ruled = await _first_token_order(vllm_reference, long_prompt_tokens(None, vllm_reference.prefill_tokens_per_step))
+    assert ruled.index("short") <= 2, ruled
+    unruled = await _first_token_order(vllm_reference, None)
+    assert unruled.index("short") >= 7, unruled

@@ -42,7 +42,7 @@ from services.prefill.features import (
 )
 from services.prefill.handoff import Generation, HandOff, KVConnectorHandOff, KVObjectHandOff, NoHandOff
 from shared import metrics, protocol
-from shared.admission import Admission
+from shared.admission import LONG_PROMPTS_AT_ONCE, Admission, long_prompt_tokens
 from shared.config import PrefillSettings, WorkerSettings
 from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, MediaImage
@@ -106,18 +106,27 @@ class PrefillHandler(ModelHandler):
         log.info("role %s: %s, %s", self.role, type(self.features).__name__, type(self.handoff).__name__)
 
     def _admission(self) -> Admission:
-        """Engine slots from the engine (``EPD_MAX_CONCURRENT_JOBS`` overrides), printed with what
-        they came from; room for ``EPD_MAX_WAITING_JOBS`` jobs waiting for their features."""
+        """Engine slots from the engine (``EPD_MAX_CONCURRENT_JOBS`` overrides) and the size of a
+        long prompt (two at a time into the engine) from its step budget (``EPD_LONG_PROMPT_TOKENS``
+        overrides), printed with what they came from; room for ``EPD_MAX_WAITING_JOBS`` jobs waiting
+        for their features."""
         assert self.engine is not None
         slots = self.settings.max_concurrent_jobs or self.engine.max_running_requests
+        configured = self.settings.long_prompt_tokens
+        long_prompt = long_prompt_tokens(configured, self.engine.prefill_tokens_per_step)
         log.info(
-            "admission: %d job(s) in the engine at once (%s; engine: %s), up to %d more waiting for image features",
+            "admission: %d job(s) in the engine at once (%s; engine: %s), %s, up to %d more waiting for image features",
             slots,
             "EPD_MAX_CONCURRENT_JOBS" if self.settings.max_concurrent_jobs else "from the engine",
             self.engine_capacity(),
+            "prompts of any length side by side"
+            if long_prompt is None
+            else f"prompts over {long_prompt} tokens {LONG_PROMPTS_AT_ONCE} at a time ("
+            + ("EPD_LONG_PROMPT_TOKENS" if configured else "half a step")
+            + ")",
             self.settings.max_waiting_jobs,
         )
-        return Admission(slots, self.settings.max_waiting_jobs)
+        return Admission(slots, self.settings.max_waiting_jobs, long_prompt)
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
         encoder = None if self.role is Role.AGG else EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s)
@@ -221,13 +230,19 @@ class PrefillHandler(ModelHandler):
             # the engine encoded (and its connector stored) the stolen items before the first token
             announce_steals = functools.partial(self.features.settle, job.request_id, None)
 
-        async with self.admission.slot(prompt_cost(prompt, [_image_tokens(item) for item in images])):
+        async with self.admission.slot(prompt_cost(prompt, [_image_tokens(item) for item in images])) as slot:
+
+            async def first_token() -> None:  # the prompt is prefilled: room for the next one's
+                slot.prefilled()
+                if announce_steals is not None:
+                    await announce_steals()
+
             gen = Generation(
                 job=job,
                 prompt=prompt,
                 images=images,
                 params=sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed)),
-                out=TokenOutput(self.ctx, job.request_id, attempt, on_first_token=announce_steals),
+                out=TokenOutput(self.ctx, job.request_id, attempt, on_first_token=first_token),
                 sources={h: src for h, (_, src) in by_hash.items()},
                 t0=t0,
                 t_features=t_features,

@@ -199,6 +199,15 @@ class Engine(abc.ABC):
         only queue inside the engine, where a short prompt cannot overtake."""
         return 1
 
+    @property
+    def prefill_tokens_per_step(self) -> int | None:
+        """Prompt tokens this engine prefills in one step when it chunks prefills and batches them
+        with the running requests (vLLM's ``max_num_batched_tokens``): a generating worker lets
+        prompts of more than half of it into the engine two at a time (``shared.admission``;
+        ``EPD_LONG_PROMPT_TOKENS`` overrides). ``None``: the engine orders its prefills itself
+        (the transformers engine prefills one prompt at a time, the cheapest first)."""
+        return None
+
     def capacity(self) -> dict[str, Any]:
         """What the engine's capacity was derived from, printed at start-up (e.g. batch size,
         KV cache tokens)."""

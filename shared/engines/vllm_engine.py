@@ -435,6 +435,12 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         and chunked prefill interleave them (past the KV cache it preempts, it does not fail)."""
         return int(self.vllm_config.scheduler_config.max_num_seqs)
 
+    @property
+    def prefill_tokens_per_step(self) -> int:
+        """vLLM's ``max_num_batched_tokens``: its scheduler gives the running requests' chunks the
+        step's budget first, the requests that came since get what is left."""
+        return int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+
     def capacity(self) -> dict[str, Any]:
         cache, sched = self.vllm_config.cache_config, self.vllm_config.scheduler_config
         blocks = getattr(cache, "num_gpu_blocks", None)
