@@ -47,10 +47,10 @@ AGING_TOKENS_PER_S = 32.0
 
 
 #: Long prompts in the engine not yet prefilled (``PrioritySlots``): one prefilling and the next
-#: queued behind it, so the engine goes on with it in the next step. Measured on vLLM (one core,
-#: 8 prompts of ~600 tokens at once, text probes meanwhile; docs/performance.md, P4): with 1 the
-#: engine waited a step for the next one at each first token (the burst 8% slower), with 2 the
-#: burst takes as long as with no limit, and the slowest probe 1.3-1.6 s instead of 5.0-5.3 s.
+#: queued behind it, so the engine goes on with it in the next step. Measured on vLLM
+#: (``bench/admission_long_prompts_vllm.py``: 8 prompts of 357 tokens ready at once, one core, text
+#: probes meanwhile), against no limit: with 2 the slowest probe 0.33x, the burst 1.06x as long;
+#: with 1 the engine waits for each first token's round trip before the next one (0.23x, 1.14x).
 LONG_PROMPTS_AT_ONCE = 2
 
 
