@@ -36,7 +36,7 @@ from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_c
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
 from shared.tools.cli import DEFAULT_DATA_DIR, build_parser
-from shared.tools.infra import free_port, port_available
+from shared.tools.infra import free_port_block, port_available
 from shared.tools.launcher import Stack
 from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import EXAMPLE
@@ -167,17 +167,6 @@ def listening_ports(pids: list[int]) -> set[int]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-def free_port_block(n: int, exclude: list[int]) -> int:
-    """A port ``p`` with p .. p + n - 1 free a moment ago and not in ``exclude`` (``--metrics-port``
-    gives the workers p+1, p+2, ...)."""
-    for _ in range(100):
-        base = free_port()
-        block = range(base, base + n)
-        if base + n < 65536 and not set(block) & set(exclude) and all(port_available(p) for p in block):
-            return base
-    raise AssertionError(f"no block of {n} free ports")
 
 
 def image_from_data_url(url: str) -> Image.Image:

@@ -40,7 +40,7 @@ import httpx
 import pytest
 
 from shared.protocol import FinalResult, TokenChunk
-from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port, port_available
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port, free_port_block
 from shared.tools.launcher import Stack, StackError
 from tests import faultutil
 from tests.epdup import EpdUp
@@ -131,15 +131,6 @@ class Reference:
 
 
 # -- the rig: own servers, an E|P|D stack, a supervisor --------------------------------------------
-def _free_port_block(n: int, exclude: set[int]) -> int:
-    for _ in range(200):
-        base = free_port()
-        block = set(range(base, base + n))
-        if base + n < 65536 and not block & exclude and all(port_available(p) for p in block):
-            return base
-    raise AssertionError(f"no block of {n} free ports")
-
-
 @dataclass
 class Rig:
     tmp: Path
@@ -180,7 +171,7 @@ class Rig:
             topology="e-p-d",
             api_port=api_port,
             service_modules={s: faultutil.MODULE for s in ("encoder", "prefill", "decode")},
-            metrics_port_base=_free_port_block(4, {api_port, self.nats.port, self.s3.port}),
+            metrics_port_base=free_port_block(4, exclude=[api_port, self.nats.port, self.s3.port]),
         )
         self.running = RunningStack(
             stack, self.nats.url, prefix, namespace, bucket, env, request_timeout_s=REQUEST_TIMEOUT_S

@@ -27,8 +27,10 @@ from shared.tools.infra import (
     NatsCluster,
     PortInUseError,
     PortReservation,
+    ephemeral_port_range,
     find_binary,
     free_port,
+    free_port_block,
     free_ports,
     port_available,
 )
@@ -64,6 +66,25 @@ def listening_socket():
     s.listen(1)
     yield s
     s.close()
+
+
+def test_a_free_port_block_is_below_the_ephemeral_range_and_free(monkeypatch) -> None:
+    """A listener meant to start later (a worker's metrics port) gets ports the OS never hands out
+    to outgoing connections: all n of them free, none excluded."""
+    low, high = ephemeral_port_range()
+    assert 1024 < low < high
+    assert low <= free_port() <= high  # control: what bind(0) gives is in the range
+    for _ in range(20):
+        base = free_port_block(4, exclude=[low - 10])
+        assert 1024 <= base and base + 4 <= low
+        assert all(port_available(p) for p in range(base, base + 4))
+    # every candidate excluded: refused, not a block with a taken port
+    monkeypatch.setattr("shared.tools.infra.ephemeral_port_range", lambda: (1030, 60999))
+    with pytest.raises(RuntimeError, match="no room"):
+        free_port_block(8)
+    monkeypatch.setattr("shared.tools.infra.ephemeral_port_range", lambda: (2050, 60999))
+    with pytest.raises(RuntimeError, match="no block"):
+        free_port_block(4, exclude=range(1024, 2050))
 
 
 # -- NATS --------------------------------------------------------------------------------------

@@ -136,6 +136,38 @@ class PortReservation:
         self._socks.clear()
 
 
+#: Linux's default ``net.ipv4.ip_local_port_range`` (read from /proc where there is one)
+_EPHEMERAL_DEFAULT = (32768, 60999)
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the OS hands out as the local ports of outgoing connections (and to ``bind(0)``)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+    return low, high
+
+
+def free_port_block(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` free a moment ago and none in ``exclude``, all below the
+    OS's ephemeral range. A port from there (:func:`free_port`) can become the local port of some
+    process's outgoing connection before the server meant for it listens - seen in CI with a worker's
+    metrics port, bound seconds later by a staggered start: "Address already in use". Below the range
+    only another listener can take it."""
+    low, _ = ephemeral_port_range()
+    top = low - n
+    if top <= 1024:
+        raise RuntimeError(f"no room for {n} ports below the ephemeral range (from {low})")
+    rng = random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(max(1024, top // 2), top)
+        block = range(base, base + n)
+        if not set(block) & set(exclude) and all(port_available(p, host) for p in block):
+            return base
+    raise RuntimeError(f"no block of {n} free ports below {low}")
+
+
 def free_ports(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> list[int]:
     """``n`` distinct free ports (all held open together while picking, so they differ)."""
     socks: list[socket.socket] = []
