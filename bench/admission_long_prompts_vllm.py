@@ -49,12 +49,9 @@ def main() -> int:
     import shared.admission as admission
     from shared.engines.base import SamplingParams
     from shared.engines.vllm_engine import VllmEngine
-    from shared.tools.models.tiny import build_tiny_model
     from tests.stackutil import engine_messages
 
     model = args.model or h.model_dir("bench")
-    if not (model / "config.json").is_file():
-        build_tiny_model(model, arch="qwen2_vl", size="bench", seed=0)
     (ROOT / "var").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="admission-bench-", dir=ROOT / "var"))
     engine = VllmEngine(model, dtype="float32", model_id=model.name, work_dir=work / "vllm")
@@ -85,9 +82,11 @@ def main() -> int:
         return first, time.perf_counter() - t
 
     async def burst(side: str, salt: str) -> tuple[list[float], float]:
-        if side != "off":
-            admission.LONG_PROMPTS_AT_ONCE = int(side)
-        slots = admission.PrioritySlots(16, None if side == "off" else long_prompt)
+        slots = (
+            admission.PrioritySlots(16)
+            if side == "off"
+            else admission.PrioritySlots(16, long_prompt, long_at_once=int(side))
+        )
         longs = [asyncio.create_task(one(slots, f"{salt} {i} {filler}", 8)) for i in range(args.burst)]
         t0 = time.perf_counter()
         probes = []

@@ -87,7 +87,7 @@ class PrioritySlots:
     transformers engine gates its prefills with one slot).
 
     ``long_prompt`` (``None``: no such rule): a prompt costing more than that is *long*, and at
-    most :data:`LONG_PROMPTS_AT_ONCE` long prompts are let in and not yet :meth:`Slot.prefilled`,
+    most ``long_at_once`` (:data:`LONG_PROMPTS_AT_ONCE`) long prompts are let in and not yet :meth:`Slot.prefilled`,
     while shorter ones do not wait for them. Why: an engine that chunks prefills (vLLM) serves the
     requests it already runs before the ones that came since, so a short prompt let in behind eight
     long ones waited for all of their chunks; now it waits for at most two. Short prompts never
@@ -95,15 +95,18 @@ class PrioritySlots:
     past them).
     """
 
-    def __init__(self, n: int, long_prompt: float | None = None):
+    def __init__(self, n: int, long_prompt: float | None = None, long_at_once: int = LONG_PROMPTS_AT_ONCE):
         if n < 1:
             raise ValueError("slots must be >= 1")
         if long_prompt is not None and long_prompt < 0:
             raise ValueError("long_prompt must be >= 0 (None: no such rule)")
+        if long_at_once < 1:
+            raise ValueError("long_at_once must be >= 1")
         self.n = n
         self.long_prompt = long_prompt
+        self.long_at_once = long_at_once
         self.taken = 0
-        #: long prompts let in and not yet prefilled (at most LONG_PROMPTS_AT_ONCE)
+        #: long prompts let in and not yet prefilled (at most ``long_at_once``)
         self.long_prefilling = 0
         self._queue: list[_Ticket] = []
         self._seq = itertools.count()
@@ -116,12 +119,12 @@ class PrioritySlots:
         return self.long_prompt is not None and cost > self.long_prompt
 
     def _fits(self, cost: float) -> bool:
-        return self.taken < self.n and not (self.long_prefilling >= LONG_PROMPTS_AT_ONCE and self.is_long(cost))
+        return self.taken < self.n and not (self.long_prefilling >= self.long_at_once and self.is_long(cost))
 
     @contextlib.asynccontextmanager
     async def slot(self, cost: float) -> AsyncIterator[Slot]:
         """Hold a slot; queued by ``cost`` while none is free (or, for a long prompt, while
-        :data:`LONG_PROMPTS_AT_ONCE` long ones are prefilling). Cancelling a queued waiter gives up
+        ``long_at_once`` long ones are prefilling). Cancelling a queued waiter gives up
         its place (or the slot it was just granted)."""
         if not self._queue and self._fits(cost):
             self._take(cost)
@@ -135,13 +138,14 @@ class PrioritySlots:
                 if ticket in self._queue:
                     self._queue.remove(ticket)
                 elif ticket.future.done() and not ticket.future.cancelled():
-                    self._release(Slot(self, self.is_long(cost)))  # granted as we were cancelled: pass it on
+                    self._release(self.is_long(cost))  # granted as we were cancelled: pass it on
                 raise
         held = Slot(self, self.is_long(cost))
         try:
             yield held
         finally:
-            self._release(held)
+            prefilling, held.long_prefilling = held.long_prefilling, False
+            self._release(prefilling)
 
     def _take(self, cost: float) -> None:
         self.taken += 1
@@ -151,11 +155,10 @@ class PrioritySlots:
         self.long_prefilling -= 1
         self._grant()
 
-    def _release(self, held: Slot) -> None:
+    def _release(self, long_prefilling: bool) -> None:
+        """A slot ends (``long_prefilling``: it still counted among the long prompts prefilling)."""
         self.taken -= 1
-        if held.long_prefilling:
-            held.long_prefilling = False
-            self.long_prefilling -= 1
+        self.long_prefilling -= long_prefilling
         self._grant()
 
     def _grant(self) -> None:

@@ -169,6 +169,9 @@ async def test_a_long_prompt_ending_before_its_first_token_lets_the_next_in():
     failing.end()  # e.g. the request failed or was cancelled in the engine: no first token
     await _settle()
     assert nxt.slot is not None and slots.long_prefilling == LONG_PROMPTS_AT_ONCE
+    assert failing.slot is not None
+    failing.slot.prefilled()  # after its end: counted once only
+    assert slots.long_prefilling == LONG_PROMPTS_AT_ONCE
     await _end(failing, nxt, *others)
     assert slots.long_prefilling == 0
 
@@ -189,7 +192,7 @@ async def test_an_aged_long_prompt_queued_does_not_hold_a_short_one_back():
     await _end(*held, waiting, text)
 
 
-async def test_a_cancelled_long_waiter_leaks_nothing():
+async def test_a_cancelled_long_waiter_and_a_cancelled_grant_leak_nothing():
     slots = PrioritySlots(16, long_prompt=128)
     held = await _long_ones_in(slots)
     queued = _Holder(slots, 300)
@@ -197,6 +200,14 @@ async def test_a_cancelled_long_waiter_leaks_nothing():
     queued.task.cancel()
     await asyncio.gather(queued.task, return_exceptions=True)
     assert slots.queued == 0 and slots.taken == LONG_PROMPTS_AT_ONCE
+    granted = _Holder(slots, 300)
+    await _settle()
+    assert held[0].slot is not None
+    held[0].slot.prefilled()  # grants the waiter at once, counted in; cancelled before it resumes:
+    assert slots.long_prefilling == LONG_PROMPTS_AT_ONCE and slots.queued == 0
+    granted.task.cancel()
+    await asyncio.gather(granted.task, return_exceptions=True)
+    assert granted.slot is None and slots.long_prefilling == LONG_PROMPTS_AT_ONCE - 1
     await _end(*held)
     assert slots.taken == 0 and slots.long_prefilling == 0
 

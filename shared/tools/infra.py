@@ -161,6 +161,7 @@ def free_port_block(n: int, host: str = HOST, exclude: Sequence[int] = ()) -> in
         raise RuntimeError(f"no room for {n} ports below the ephemeral range (from {low})")
     rng = random.SystemRandom()
     for _ in range(200):
+        # the upper half below the range: clear of the well-known ports local services listen on
         base = rng.randrange(max(1024, top // 2), top)
         block = range(base, base + n)
         if not set(block) & set(exclude) and all(port_available(p, host) for p in block):
