@@ -24,8 +24,11 @@ The token stream's one dedup rule: a ``TokenChunk`` is new iff its ``seq`` is at
 what was already forwarded, so the first copy of each seq wins, whatever its ``attempt`` (a
 redelivered job restarts at seq 0 and repeats the tokens it already streamed: the seed is derived
 from the request id, ``protocol.effective_seed``). The first ``FinalResult`` or ``ErrorEvent``
-ends it; so does the job's deadline (``DeadlineExceeded``). A caller that gives up cancels the
-request (:meth:`RequestClient.abandon`: the workers stop working on it, ``shared.cancellation``).
+ends it; so does the job's deadline (``DeadlineExceeded``). Never a gap in the text: a chunk
+past one, or a ``FinalResult`` with more tokens than were forwarded, is held back while the
+missed chunks are read from the stream store; chunks missing there too fail the request. A
+caller that gives up cancels the request (:meth:`RequestClient.abandon`: the workers stop
+working on it, ``shared.cancellation``).
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ class TokenStream:
                     await self.cancel(error)
                     raise error
                 event = received
-                if isinstance(event, TokenChunk) and event.seq > self.forwarded and self._stored is not None:
+                if self._stored is not None and self._missed_before(event):
                     # chunks before this one never arrived: read them first, then this one again
                     # (a NATS hiccup in that read is tried again for a while, within the deadline)
                     for pause in (0.0, 0.2, 0.5, 1.0, 2.0):
@@ -172,11 +175,29 @@ class TokenStream:
                     raise lost
                 self.forwarded = event.seq + len(event.token_ids)
                 return event
+            if isinstance(event, FinalResult) and self.forwarded < len(event.token_ids):
+                lost = WorkerFailed(
+                    f"token stream of {self.request_id} lost chunks {self.forwarded}..{len(event.token_ids) - 1}"
+                )
+                await self.cancel(lost)
+                raise lost
             self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
             if self.on_final is not None and isinstance(event, FinalResult):
                 self.on_final(event)
             return event
+
+    def _missed_before(self, event: TokenEvent) -> bool:
+        """Whether chunks before ``event`` did not arrive: it is a chunk past the tokens forwarded,
+        or a result with more tokens (every token of a request is streamed as a chunk)."""
+        if isinstance(event, TokenChunk):
+            return event.seq > self.forwarded
+        return isinstance(event, FinalResult) and len(event.token_ids) > self.forwarded
+
+    @property
+    def ready(self) -> bool:
+        """The next event can be read without waiting for NATS (one is queued, or the stream is over)."""
+        return self._done or bool(self._pending) or self._sub.ready
 
     async def _catch_up(self) -> bool:
         """Queue the request's events stored since the last read (in stream order; the usual
@@ -250,6 +271,13 @@ class ChoiceStreams:
     def ended(self) -> bool:
         return all(s.ended for s in self.streams)
 
+    @property
+    def ready(self) -> bool:
+        """The next event can be read without waiting for NATS (see :attr:`TokenStream.ready`)."""
+        if len(self.streams) == 1:
+            return self.streams[0].ready
+        return not self._queue.empty()
+
     async def _pump(self, index: int, stream: TokenStream) -> None:
         try:
             async for event in stream:
@@ -264,6 +292,8 @@ class ChoiceStreams:
         return self
 
     async def __anext__(self) -> tuple[int, TokenEvent]:
+        if len(self.streams) == 1:  # nothing to merge: no pump task and queue in between
+            return 0, await anext(self.streams[0])
         if not self._pumps:
             self._pumps = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)]
         while self._open:

@@ -12,6 +12,7 @@ an encoder's ``ECReady`` / ``ECFailed``, ``epd replay`` for heartbeats) does it 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import logging
 import re
@@ -96,6 +97,31 @@ class Publisher(Protocol):
     async def publish(
         self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None, deadline: float | None = None
     ) -> bool: ...
+
+    async def send(self, subject: str, msg: Message, *, request_id: str) -> PendingAck: ...
+
+
+class PendingAck:
+    """JetStream's acknowledgement of a message :meth:`JetStreamPublisher.send` queued, still to
+    come: :meth:`confirmed` waits for it (at most ``timeout_s``)."""
+
+    def __init__(self, ack: Awaitable[Any] | None, *, timeout_s: float, doing: str):
+        self._ack = ack  # None: stored already (a fake publisher's)
+        self.timeout_s = timeout_s
+        self.doing = doing
+
+    async def confirmed(self) -> None:
+        """Return once JetStream stored the message; raise :class:`~shared.errors.ServiceUnavailable`
+        when it refused it or did not answer in time."""
+        if self._ack is None:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._ack
+        except (TimeoutError, nats.errors.Error) as exc:  # (nats' TimeoutError is one too)
+            raise nats_unavailable(self.doing, exc) from exc
+        finally:
+            self._ack = None  # (confirming twice waits once)
 
 
 class _ConnectionLog:
@@ -456,6 +482,24 @@ class JetStreamPublisher:
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return not ack.duplicate
 
+    async def send(self, subject: str, msg: Message, *, request_id: str) -> PendingAck:
+        """Queue ``msg`` on the connection without waiting for JetStream's acknowledgement:
+        ``await pending.confirmed()`` later. It goes out after everything this connection queued
+        before it and before everything queued after it (a :meth:`publish` called next included),
+        so the stream stores them in that order. Tried once, like a :meth:`publish` without
+        ``msg_id``: for a stream of messages whose sender waits for one acknowledgement while the
+        next message is already on its way (``shared.token_stream``)."""
+        data = protocol.encode(msg)
+        headers = protocol.headers_for(msg, request_id, extra=TRACE_HEADERS.get())
+        doing = f"publishing {type(msg).__name__}"
+        try:
+            # (wait_stall: a stalled NATS holds the connection's quota of unacknowledged sends)
+            ack = await self.js.publish_async(subject, data, headers=headers, wait_stall=self.timeout)
+        except nats.errors.Error as exc:
+            raise nats_unavailable(doing, exc) from exc
+        metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
+        return PendingAck(ack, timeout_s=self.timeout, doing=doing)
+
 
 async def close_connection(nc: NATS, timeout_s: float = 10.0) -> None:
     """Drain (acks and publishes still buffered go out) when the server answers; close at once
@@ -478,26 +522,61 @@ M = TypeVar("M")
 
 
 class TypedSubscription(Generic[M]):
-    """A core NATS subscription that hands out decoded protocol messages of the expected types.
+    """A core NATS subscription that hands out decoded protocol messages of the expected types,
+    to one reader.
 
     Undecodable messages, messages of a newer schema and messages of other types are skipped
     and counted (``skipped``); nothing else is filtered here. Close it (``close()`` or ``async
-    with``) when done; closing twice is harmless. Build it with :func:`subscribe_typed`."""
+    with``) when done; closing twice is harmless. Build it with :func:`subscribe_typed`.
 
-    def __init__(self, sub: Any, subject: str, expect: tuple[type, ...]):
-        self._sub = sub
+    The subscription's callback queues each message here, where :meth:`next` takes it: no task
+    per message (nats-py's ``next_msg`` starts two), and a reader can tell whether one is
+    already there (:attr:`ready`). At most ``MAX_QUEUED`` wait; more are dropped and counted
+    (``dropped``): a reader that far behind has lost track anyway (the token stream reads what it
+    missed from the stream store)."""
+
+    MAX_QUEUED = 65536
+
+    def __init__(self, subject: str, expect: tuple[type, ...]):
+        self._sub: Any = None  # (set by subscribe_typed once subscribed)
         self.subject = subject
         self.expect = expect
         self.skipped = 0
+        self.dropped = 0
         self._closed = False
+        self._queued: collections.deque[Any] = collections.deque()
+        self._arrived: asyncio.Future[None] | None = None  # what next() waits on while none is queued
+
+    async def _received(self, msg: Any) -> None:
+        """The subscription's callback."""
+        if len(self._queued) >= self.MAX_QUEUED:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("over %d messages queued on %s: dropping", self.MAX_QUEUED, self.subject)
+            return
+        self._queued.append(msg)
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
+    @property
+    def ready(self) -> bool:
+        """A message is queued: :meth:`next` returns without waiting (unless it is skipped)."""
+        return bool(self._queued)
 
     async def next(self, *, deadline: float) -> M | None:
         """The next expected message, or None once ``deadline`` (``time.time()``) has passed."""
         while (left := deadline - time.time()) > 0:
-            try:
-                msg = await self._sub.next_msg(timeout=left)
-            except TimeoutError:  # nats.errors.TimeoutError subclasses it
-                return None
+            if not self._queued:
+                self._arrived = asyncio.get_running_loop().create_future()
+                try:
+                    async with asyncio.timeout(left):
+                        await self._arrived
+                except TimeoutError:
+                    return None
+                finally:
+                    self._arrived = None
+                continue  # (the deadline again)
+            msg = self._queued.popleft()
             try:
                 return protocol.decode(msg.data, self.expect or None)  # type: ignore[return-value]  # decode checked it is one of expect, the M types
             except protocol.ProtocolError as exc:
@@ -548,10 +627,11 @@ async def subscribe_typed(
         async with await subscribe_typed(nc, subjects.ec_any(fp, item), ECReady, ECFailed) as sub:
             event = await sub.next(deadline=time.time() + wait_s)  # None: nothing in time
     """
-    sub = await nc.subscribe(subject, queue=queue)
+    typed: TypedSubscription = TypedSubscription(subject, expect)
+    typed._sub = await nc.subscribe(subject, queue=queue, cb=typed._received)
     if confirm:
         await confirm_subscriptions(nc, what=subject)
-    return TypedSubscription(sub, subject, expect)
+    return typed
 
 
 #: How long :func:`confirm_subscriptions` waits for its echo.

@@ -4,6 +4,13 @@ Used by every worker that generates (prefill in E|PD / agg / when a hand-off is 
 decode in E|P|D). The engine's async iterator is consumed here directly; leaving it (the
 request's deadline passed, the job task was cancelled) closes it, which cancels the request
 inside the engine.
+
+A chunk is on its way before the previous one's JetStream acknowledgement is awaited, and the
+``FinalResult`` before the last chunk's (:meth:`TokenOutput.end`): one round trip to NATS per
+chunk less on the token path, and none between a request's last token and its end. The order
+holds (one connection queues them in order, one stream stores them in order), and nothing is
+acknowledged to the job queue before every chunk was stored: :meth:`TokenOutput.end` and
+:meth:`TokenOutput.flush` (before a hand-off) wait for the acknowledgements.
 """
 
 from __future__ import annotations
@@ -13,11 +20,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from shared import protocol
 from shared.errors import DeadlineExceeded
-from shared.protocol import TokenChunk
+from shared.protocol import FinalResult, TokenChunk
 
 if TYPE_CHECKING:
     from shared.engines.base import TokenEvent
+    from shared.jetstream import PendingAck
     from shared.worker import WorkerContext
 
 
@@ -47,6 +56,8 @@ class TokenOutput:
         self.text_parts: list[str] = []
         self.finish_reason = "length"
         self.first_token_at: float | None = None
+        #: the last chunk sent, its acknowledgement not awaited yet
+        self._unconfirmed: PendingAck | None = None
 
     @property
     def text(self) -> str:
@@ -67,9 +78,26 @@ class TokenOutput:
         self.text_parts.append(event.text)
         if event.finish_reason:
             self.finish_reason = event.finish_reason
-        await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id)
+        sent = await self.ctx.publisher.send(self.subject, chunk, request_id=self.request_id)
+        await self.flush()  # the previous chunk's acknowledgement (this one is on its way meanwhile)
+        self._unconfirmed = sent
         if self.on_first_token is not None and len(self.token_ids) == 1:
             await self.on_first_token()
+
+    async def flush(self) -> None:
+        """Wait until JetStream stored every chunk sent so far (raises ``ServiceUnavailable`` when
+        it did not): before a hand-off, whose next stage streams the next chunks."""
+        sent, self._unconfirmed = self._unconfirmed, None
+        if sent is not None:
+            await sent.confirmed()
+
+    async def end(self, final: FinalResult) -> None:
+        """Publish the request's ``final`` (after its last chunk, without waiting for that chunk's
+        acknowledgement first), then wait until the chunks are stored too: the job may be acked."""
+        await self.ctx.publisher.publish(
+            self.subject, final, request_id=self.request_id, msg_id=protocol.final_result_msg_id(self.request_id)
+        )
+        await self.flush()
 
     async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float, what: str = "generation") -> None:
         """Publish every event of ``events`` as it comes. At ``deadline`` (epoch seconds) stop

@@ -13,12 +13,14 @@ up, or a request the API gives up on, stops costing worker time (``shared.cancel
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 
 import httpx
 import pytest
 
+from services.api.app import EventStreamResponse
 from shared.protocol import DecodeJob, ECFailed, ECReady, ErrorEvent, RequestCancelled, TokenChunk
 from shared.tools.infra import free_port
 from tests.stackutil import (
@@ -263,3 +265,50 @@ def test_e_p_d_a_client_that_hangs_up_stops_the_decode_worker_and_its_kv_object_
     _ended_cancelled(e_p_d, request_id)
     (decode_job,) = e_p_d.messages_of("stream_decode", DecodeJob, request_id)
     wait_for(lambda: decode_job.kv_key not in kv_keys(store, e_p_d), 120, "the KV object to be deleted")
+
+
+def test_an_event_stream_ends_quietly_when_its_client_disconnects_and_cancels_nothing_else():
+    """``EventStreamResponse`` (the API's SSE responses), at the ASGI level: the client's
+    disconnect cancels the stream where it waits - its generator cleans up (where the API
+    cancels the request's work) - and the response returns without an error; a cancellation
+    that is not a disconnect (the server stopping) is not swallowed."""
+
+    async def main(disconnect: bool) -> tuple[list[bytes], list[str], BaseException | None]:
+        sent: list[bytes] = []
+        log: list[str] = []
+        first_sent = asyncio.Event()
+
+        async def events():
+            try:
+                yield b"data: 1\n\n"
+                await asyncio.Event().wait()  # the next event never comes
+                yield b"data: 2\n\n"
+            finally:
+                log.append("generator closed")
+
+        async def receive():
+            await first_sent.wait()
+            if disconnect:
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message["body"]:
+                sent.append(message["body"])
+                first_sent.set()
+
+        response = EventStreamResponse(events(), media_type="text/event-stream")
+        task = asyncio.ensure_future(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
+        if not disconnect:
+            await first_sent.wait()
+            task.cancel()
+        try:
+            await asyncio.wait_for(task, 10)
+            return sent, log, None
+        except asyncio.CancelledError as exc:
+            return sent, log, exc
+
+    sent, log, error = asyncio.run(main(disconnect=True))
+    assert sent == [b"data: 1\n\n"] and log == ["generator closed"] and error is None
+    sent, log, error = asyncio.run(main(disconnect=False))
+    assert sent == [b"data: 1\n\n"] and isinstance(error, asyncio.CancelledError)

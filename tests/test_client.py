@@ -1,6 +1,6 @@
 """The request client and the typed subscription on a real NATS server, with the test playing the
 workers: what a request publishes (msg ids included), the token stream's one dedup rule, junk
-skipping, and the deadline."""
+skipping, and the deadline; and a worker's side of the token stream (``shared.token_stream``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 
 from shared import protocol
 from shared.client import RequestClient, TokenStream, chunk_texts
-from shared.config import NatsSettings
+from shared.config import NatsSettings, WorkerSettings
 from shared.ec_lifecycle.index import ECIndex, Use, entry_key
-from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge, WorkerFailed
-from shared.jetstream import JetStreamPublisher, ensure_topology, subscribe_typed
+from shared.engines.base import TokenEvent
+from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge, ServiceUnavailable, WorkerFailed
+from shared.jetstream import JetStreamPublisher, PendingAck, ensure_topology, subscribe_typed
 from shared.protocol import (
     ChatRequestRecord,
     ECFailed,
@@ -32,6 +33,8 @@ from shared.protocol import (
     Subjects,
     TokenChunk,
 )
+from shared.token_stream import TokenOutput
+from shared.worker import WorkerContext
 
 ITEM = "cd" * 32
 REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)
@@ -196,6 +199,98 @@ def test_events_missed_on_the_subscription_are_read_from_the_stream(deployment, 
     assert quiet_s < 10  # the idle catch-up, not the 30 s deadline
 
 
+def test_a_result_with_more_tokens_than_were_forwarded_reads_the_missed_chunks_first(deployment):
+    """A final result arriving after a missed chunk (its tokens say there were more) is held back
+    while the chunk is read from the stream: the text has no hole at its end either. Without the
+    stream store, such a result is an error, never a silently shorter answer."""
+    url, subjects = deployment
+    missed, control = (f"chatcmpl-{uuid.uuid4().hex}" for _ in range(2))
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            pub = JetStreamPublisher(nc.jetstream())
+            await pub.publish(subjects.tokens(missed), _chunk(missed, 1, 0, 10), request_id=missed)  # (unheard)
+            stream = await client.submit(_job(missed, time.time() + 30))
+            await pub.publish(subjects.tokens(missed), _final(missed, (10,)), request_id=missed)
+            caught_up = await stream.collect()
+            blind = await client.submit(_job(control, time.time() + 30))
+            blind._stored = None
+            await pub.publish(subjects.tokens(control), _final(control, (30,)), request_id=control)
+            with pytest.raises(WorkerFailed, match=r"lost chunks 0\.\.0"):
+                await anext(blind)
+            return caught_up
+        finally:
+            await nc.close()
+
+    chunks, final = asyncio.run(main())
+    assert [(c.seq, c.token_ids) for c in chunks] == [(0, (10,))]
+    assert isinstance(final, FinalResult) and final.token_ids == (10,)
+
+
+class _OrderedPublisher(JetStreamPublisher):
+    """A real publisher that notes when it sends a chunk, when a chunk is confirmed stored and
+    when it publishes anything else."""
+
+    def __init__(self, js, notes: list[str]):
+        super().__init__(js, retry_s=0.5)
+        self.notes = notes
+
+    async def send(self, subject, msg, *, request_id) -> PendingAck:
+        pending = await super().send(subject, msg, request_id=request_id)
+        self.notes.append(f"sent {msg.seq}")
+        confirmed = pending.confirmed
+
+        async def noted() -> None:
+            await confirmed()
+            self.notes.append(f"stored {msg.seq}")
+
+        pending.confirmed = noted  # type: ignore[method-assign]  # (noting this one's confirmation)
+        return pending
+
+    async def publish(self, subject, msg, **kwargs) -> bool:
+        self.notes.append(type(msg).__name__)
+        return await super().publish(subject, msg, **kwargs)
+
+
+def test_a_worker_sends_each_chunk_before_the_last_is_stored_and_the_result_before_its_last_chunk_is(deployment):
+    """``TokenOutput``: a chunk goes out before the previous one's acknowledgement is awaited, the
+    final result before the last chunk's, and ``end`` returns only once every chunk is stored;
+    the stream stores them in the order they were sent. A chunk JetStream did not store fails
+    ``end`` / ``flush`` (the job is not acked as done)."""
+    url, subjects = deployment
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            stream = await client.submit(_job(rid, time.time() + 30))
+            notes: list[str] = []
+            ctx = WorkerContext(WorkerSettings(), subjects, _OrderedPublisher(nc.jetstream(), notes), nc)
+            out = TokenOutput(ctx, rid, 1)
+            for tok, finish in ((10, None), (11, None), (12, "length")):
+                await out.publish(TokenEvent(tok, f"<{tok}>", finish_reason=finish))
+            await out.end(_final(rid, (10, 11, 12)))
+            heard = await stream.collect()
+            stored, _ = await client.stored_events(rid, 0)
+            # a chunk on a subject no stream holds: JetStream refuses it
+            lost = TokenOutput(WorkerContext(WorkerSettings(), Subjects("nostream"), ctx.publisher, nc), rid, 1)
+            await lost.publish(TokenEvent(20, "<20>", finish_reason="length"))
+            with pytest.raises(ServiceUnavailable):
+                await lost.flush()
+            return notes, heard, stored
+        finally:
+            await nc.close()
+
+    notes, (chunks, final), stored = asyncio.run(main())
+    assert notes[:7] == ["sent 0", "sent 1", "stored 0", "sent 2", "stored 1", "FinalResult", "stored 2"]
+    assert [c.token_ids for c in chunks] == [(10,), (11,), (12,)] and final.token_ids == (10, 11, 12)
+    assert [type(m).__name__ for m in stored] == ["TokenChunk"] * 3 + ["FinalResult"]
+    assert [m.seq for m in stored[:3]] == [0, 1, 2]
+
+
 def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(deployment):
     url, subjects = deployment
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -332,6 +427,36 @@ def test_typed_subscription_waits_for_its_types_until_the_deadline(nats_server):
     got, none, waited, skipped = asyncio.run(main())
     assert got == ready and skipped == 2
     assert none is None and 0.25 <= waited < 3
+
+
+def test_a_typed_subscription_says_when_a_message_is_queued_and_drops_past_its_bound(nats_server):
+    """``ready``: a message arrived and ``next`` returns it without waiting (the API sends what it
+    has before waiting for more). Past ``MAX_QUEUED`` unread messages, new ones are dropped and
+    counted, the first ones kept in order."""
+    subject = f"typed.{uuid.uuid4().hex}"
+
+    async def arrived(sub, n: int) -> None:
+        while len(sub._queued) + sub.dropped < n:  # (the subscription's callback queues them)
+            await asyncio.sleep(0.005)
+
+    async def main():
+        nc = await nats.connect(nats_server.url)
+        try:
+            async with await subscribe_typed(nc, subject, TokenChunk) as sub:
+                sub.MAX_QUEUED = 2
+                before = sub.ready
+                for seq in range(4):
+                    await nc.publish(subject, protocol.encode(_chunk("r", 1, seq, seq)))
+                await asyncio.wait_for(arrived(sub, 4), 10)
+                after = sub.ready
+                got = [await sub.next(deadline=time.time() + 5) for _ in range(2)]
+                return before, after, got, sub.ready, sub.dropped
+        finally:
+            await nc.close()
+
+    before, after, got, drained, dropped = asyncio.run(main())
+    assert (before, after, drained) == (False, True, False)
+    assert [c.seq for c in got] == [0, 1] and dropped == 2
 
 
 def test_a_confirmed_subscription_is_on_the_server_when_it_returns(nats_server):

@@ -11,6 +11,7 @@ from services.encoder.handler import EncoderHandler
 from shared import protocol
 from shared.config import EncoderSettings
 from shared.errors import StoreError
+from shared.jetstream import PendingAck
 from shared.media import content_hash_of
 from shared.protocol import ECFailed, ECReady, EncodeJob, ImageRef, Subjects
 from shared.store.ec import ECStore
@@ -26,6 +27,10 @@ class RecordingPublisher:
     async def publish(self, subject, msg, *, request_id, msg_id=None, deadline=None):
         self.sent.append((subject, msg))
         return True
+
+    async def send(self, subject, msg, *, request_id):
+        self.sent.append((subject, msg))
+        return PendingAck(None, timeout_s=1.0, doing="recording")
 
 
 async def _handler(tmp_path, tiny_model_dir, engine, **settings) -> EncoderHandler:

@@ -262,9 +262,7 @@ class DecodeHandler(ModelHandler):
             worker=self.settings.worker_id,
             kv_source=decoded.kv_source,
         )
-        await self.ctx.publisher.publish(
-            out.subject, final, request_id=job.request_id, msg_id=protocol.final_result_msg_id(job.request_id)
-        )
+        await out.end(final)
         log.info(
             "done: %d completion tokens (%d here), finish=%s, decode %.3fs, kv=%s",
             len(decoded.token_ids),

@@ -289,9 +289,7 @@ class PrefillHandler(ModelHandler):
             ec_sources=gen.sources,
             worker=self.settings.worker_id,
         )
-        await self.ctx.publisher.publish(
-            out.subject, final, request_id=job.request_id, msg_id=protocol.final_result_msg_id(job.request_id)
-        )
+        await out.end(final)
         log.info(
             "done: %d prompt + %d completion tokens, finish=%s, features %.3fs, total %.3fs, sources=%s",
             stats.prompt_tokens,

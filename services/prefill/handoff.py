@@ -178,6 +178,7 @@ class KVObjectHandOff(KVHandOff):
                 return False
         finally:
             await prefilled.release()
+        await gen.out.flush()  # the first token is stored before the decode worker streams the next
         await self.publish(decode_job)
         log.info(
             "handed off: %d prompt tokens, KV %s (%d bytes) in %.3fs, features %.3fs, prefill %.3fs, sources=%s",
