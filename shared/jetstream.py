@@ -493,9 +493,11 @@ class JetStreamPublisher:
         headers = protocol.headers_for(msg, request_id, extra=TRACE_HEADERS.get())
         doing = f"publishing {type(msg).__name__}"
         try:
-            # (wait_stall: a stalled NATS holds the connection's quota of unacknowledged sends)
-            ack = await self.js.publish_async(subject, data, headers=headers, wait_stall=self.timeout)
-        except nats.errors.Error as exc:
+            # Bounded here, not with publish_async's wait_stall (a task per call): a stalled NATS
+            # can hold the connection's quota of unacknowledged sends.
+            async with asyncio.timeout(self.timeout):
+                ack = await self.js.publish_async(subject, data, headers=headers)
+        except (TimeoutError, nats.errors.Error) as exc:
             raise nats_unavailable(doing, exc) from exc
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return PendingAck(ack, timeout_s=self.timeout, doing=doing)
