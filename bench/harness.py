@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402 - after the sys.path setup above
 import numpy as np  # noqa: E402 - after the sys.path setup above
 
+from shared.tools.bench.lean_http import LeanClient  # noqa: E402 - after the sys.path setup above
 from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402 - after the sys.path setup above
 from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402 - after the sys.path setup above
 from shared.tools.launcher import Stack  # noqa: E402 - after the sys.path setup above
@@ -288,74 +288,29 @@ def _sse_line(probe: Probe, line: str, sent: float) -> bool:
     return False
 
 
-class LeanClient:
-    """A minimal HTTP/1.1 client on one keep-alive connection, for streaming chat completions
-    only: what P5 times requests with, so that the client's own work is not counted as the
-    fabric's. httpx, the other benches' client, spends ~1.3 ms of Python on each request here
-    (its request building and response parsing; a ``GET /v1/models`` through it takes ~0.7 ms),
-    this one ~0.1 ms: it writes the request in one write and reads the chunked SSE body as it
-    comes, nothing else (no redirects, TLS, proxies or compression)."""
+async def lean_chat(lean: LeanClient, body: dict[str, Any]) -> Probe:
+    """POST one streaming chat completion through ``lean`` (``shared.tools.bench.lean_http``: one
+    keep-alive connection, ~0.1 ms of client work a request); timed as :func:`chat` times it, to
+    ``[DONE]``."""
+    sent = time.perf_counter()
+    probe = Probe(ok=False)
 
-    def __init__(self, url: str, timeout: float = 60.0):
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
-            raise ValueError(f"LeanClient needs an http://host:port URL, got {url!r}")
-        self.host, self.port, self.timeout = parsed.hostname, parsed.port, timeout
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+    def on_line(line: str) -> None:
+        if not probe.done and _sse_line(probe, line, sent) and probe.done:
+            probe.e2e_s = time.perf_counter() - sent
 
-    async def chat(self, body: dict[str, Any]) -> Probe:
-        """POST one streaming chat completion (as :func:`chat`)."""
-        sent = time.perf_counter()
-        probe = Probe(ok=False)
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self._exchange(body, probe, sent)
-        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
-            await self.aclose()  # (the connection's state is unknown: a new one next time)
-            probe.error = probe.error or f"{type(exc).__name__}: {exc}"
-            return probe
-        probe.ok = probe.ttft_s is not None and not probe.error
+    try:
+        response = await lean.post("/v1/chat/completions", body, on_line)
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+        probe.error = probe.error or f"{type(exc).__name__}: {exc}"
         return probe
-
-    async def _exchange(self, body: dict[str, Any], probe: Probe, sent: float) -> None:
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        assert self._reader is not None
-        data = json.dumps(body).encode()
-        self._writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(data), data)
-        )
-        status = (await self._reader.readuntil(b"\r\n")).split(b" ", 2)
-        headers: dict[str, str] = {}
-        while (line := await self._reader.readuntil(b"\r\n")) != b"\r\n":
-            key, _, value = line.decode("latin-1").partition(":")
-            headers[key.strip().lower()] = value.strip()
-        probe.request_id = headers.get("x-request-id", "")
-        if "content-length" in headers:  # (an error response)
-            payload = await self._reader.readexactly(int(headers["content-length"]))
-            probe.error = f"HTTP {status[1].decode()}: {payload[:200]!r}"
-            return
-        if headers.get("transfer-encoding") != "chunked":
-            raise ValueError(f"a streamed response is chunked, got headers {headers}")
-        pending = b""
-        while size := int(await self._reader.readuntil(b"\r\n"), 16):
-            pending += (await self._reader.readexactly(size + 2))[:-2]
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if not probe.done and _sse_line(probe, line.decode().rstrip("\r"), sent) and probe.done:
-                    probe.e2e_s = time.perf_counter() - sent  # (at [DONE], as chat() times it)
-        await self._reader.readexactly(2)  # the last chunk's CRLF: the connection is ready again
-        if status[1] != b"200" and not probe.error:
-            probe.error = f"HTTP {status[1].decode()}"
-        if not probe.done and not probe.error:
-            probe.error = "the stream ended without [DONE]"
-
-    async def aclose(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = self._reader = None
+    probe.request_id = response.headers.get("x-request-id", "")
+    if response.status != 200:
+        probe.error = f"HTTP {response.status}: {response.body[:200]!r}"
+    elif not probe.done and not probe.error:
+        probe.error = "the stream ended without [DONE]"
+    probe.ok = probe.ttft_s is not None and not probe.error
+    return probe
 
 
 def client(timeout: float = 600.0) -> httpx.AsyncClient:

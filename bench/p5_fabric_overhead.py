@@ -14,8 +14,8 @@ taking the job to publishing the result) and the worker side (``total_s`` - comp
 side (the timeline's E2E, from the API receiving the request to the final result stored in its stream,
 - compute) and the HTTP side (client E2E - that). Target: p50 <= 2 ms.
 
-The client is ``harness.LeanClient`` (one keep-alive connection, the request in one write, the
-chunked SSE body read as it comes): the fabric's overhead, not the client's. The same requests
+The client is ``shared.tools.bench.lean_http.LeanClient`` (one keep-alive connection, the request
+in one write, the chunked SSE body read as it comes): the fabric's overhead, not the client's. The same requests
 through httpx (the other benches' client) are reported beside it, taking turns with them in each
 repetition: httpx's own Python work adds ~1.3 ms a request on this machine.
 
@@ -52,7 +52,7 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
     async with h.client() as http:
 
         async def lean_chat(body: dict) -> h.Probe:
-            return await lean.chat(body)
+            return await h.lean_chat(lean, body)
 
         async def httpx_chat(body: dict) -> h.Probe:
             return await h.chat(http, bs.url, body)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import math
 
 import pytest
@@ -537,3 +538,52 @@ def test_bench_records_refused_requests(epd_stack):
     assert proc.returncode == 1 and f"\n{'Failed requests:':<40}1\n" in proc.stdout, proc.stdout
     dead = epd_cli({}, "bench", "run", "--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress")
     assert dead.returncode == 2 and "cannot list the served models" in dead.stderr, dead.stderr
+
+
+def test_the_lean_client_streams_reuses_its_connection_and_refuses_what_is_not_http(epd_stack):
+    """``LeanClient`` (what P5 times requests with): a streamed chat completion arrives line by
+    line, an error response's body is returned, the one connection serves request after request;
+    a reply that is not HTTP is an error and drops the connection."""
+    from shared.tools.bench.lean_http import LeanClient
+
+    body = {
+        "model": "qwen2-vl-tiny",
+        "messages": [{"role": "user", "content": "count"}],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+    async def not_http(reader, writer):
+        await reader.read(1)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        lean = LeanClient(epd_stack.url)
+        lines: list[str] = []
+        ok = await lean.post("/v1/chat/completions", body, lines.append)
+        connection = lean._writer
+        refused = await lean.post("/v1/chat/completions", {**body, "model": "no-such-model"}, lines.append)
+        again: list[str] = []
+        await lean.post("/v1/chat/completions", body, again.append)
+        reused = lean._writer is connection
+        await lean.aclose()
+        server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+        other = LeanClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        with pytest.raises(ValueError, match="not an HTTP"):
+            await other.post("/v1/chat/completions", body, lines.append)
+        server.close()
+        return ok, lines, refused, again, reused, other._writer
+
+    ok, lines, refused, again, reused, dropped = asyncio.run(main())
+    events = [line for line in lines if line.startswith("data: ")]
+    ids = [i for e in events[:-1] for c in json.loads(e[6:]).get("choices", ()) for i in c.get("token_ids") or ()]
+    assert ok.status == 200 and ok.headers["x-request-id"].startswith("chatcmpl-") and ok.body == b""
+    assert events[-1] == "data: [DONE]" and len(ids) == 5
+    assert refused.status == 400 and "no-such-model" in json.loads(refused.body)["error"]["message"]
+    assert [line for line in again if line.startswith("data: ")][-1] == "data: [DONE]" and reused
+    assert dropped is None
