@@ -51,6 +51,9 @@ class LeanClient:
         try:
             async with asyncio.timeout(self.timeout):
                 return await self._exchange(path, json.dumps(body).encode(), on_line)
+        except asyncio.LimitOverrunError as exc:
+            await self.aclose()
+            raise ValueError(f"a line of the response is over {MAX_LINE} bytes") from exc
         except BaseException:
             await self.aclose()  # (its state is unknown: a new one next time)
             raise
@@ -76,10 +79,12 @@ class LeanClient:
         if response.headers.get("transfer-encoding") == "chunked":
             pending = b""
             while size := int(await reader.readuntil(b"\r\n"), 16):
+                if size > MAX_BODY:
+                    raise ValueError(f"a chunk of {size} bytes is over {MAX_BODY}")
                 pending += (await reader.readexactly(size + 2))[:-2]
+                *lines, pending = pending.split(b"\n")
                 if len(pending) > MAX_LINE:
                     raise ValueError(f"a line of the streamed body is over {MAX_LINE} bytes")
-                *lines, pending = pending.split(b"\n")
                 for line in lines:
                     on_line(line.decode().removesuffix("\r"))
             await reader.readuntil(b"\r\n")  # the end of the last chunk: ready for the next request
