@@ -312,3 +312,82 @@ def test_an_event_stream_ends_quietly_when_its_client_disconnects_and_cancels_no
     assert sent == [b"data: 1\n\n"] and log == ["generator closed"] and error is None
     sent, log, error = asyncio.run(main(disconnect=False))
     assert sent == [b"data: 1\n\n"] and isinstance(error, asyncio.CancelledError)
+
+
+def test_a_wait_for_a_request_ends_with_its_interruption_and_lets_other_cancellations_through():
+    """``_unless_interrupted`` (the API's waits for a request's events): the API starting to stop
+    ends the wait with a 503 error and the client's disconnect with ``ClientDisconnected``, the
+    awaited work cancelled where it waits either way; a cancellation from elsewhere is not
+    converted, even when it comes with an interruption; a result comes back with nothing left
+    listening; a wait that starts after the stop does not start its work."""
+    from starlette.requests import Request
+
+    from services.api.app import ClientDisconnected, _unless_interrupted
+    from services.api.service import StopSignal
+    from shared.errors import ServiceUnavailable
+
+    async def main(how: str) -> tuple[str, list[str], StopSignal]:
+        stopping, log, asked = StopSignal(), [], asyncio.Event()
+        gone = asyncio.Event()
+
+        async def work() -> str:
+            log.append("started")
+            asked.set()
+            try:
+                if how == "result":
+                    return "result"
+                await asyncio.Event().wait()
+                return "never"
+            except asyncio.CancelledError:
+                log.append("work cancelled")
+                raise
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        if how == "stopped before":
+            stopping.set()
+        waiting = asyncio.ensure_future(_unless_interrupted(work(), stopping, request))
+        if how != "stopped before" and how != "result":
+            await asked.wait()
+            if how in ("stop", "stop and cancel"):
+                stopping.set()
+            if how in ("cancel", "stop and cancel"):
+                waiting.cancel()
+            if how == "disconnect":
+                gone.set()
+        await asyncio.wait({waiting}, timeout=10)
+        if not waiting.done():
+            waiting.cancel()
+            return "still waiting", log, stopping
+        try:
+            outcome = repr(waiting.result())
+        except (ServiceUnavailable, ClientDisconnected, asyncio.CancelledError) as exc:
+            outcome = type(exc).__name__
+        return outcome, log, stopping
+
+    assert asyncio.run(main("stop"))[:2] == ("ServiceUnavailable", ["started", "work cancelled"])
+    assert asyncio.run(main("disconnect"))[:2] == ("ClientDisconnected", ["started", "work cancelled"])
+    assert asyncio.run(main("cancel"))[:2] == ("CancelledError", ["started", "work cancelled"])
+    assert asyncio.run(main("stop and cancel"))[:2] == ("CancelledError", ["started", "work cancelled"])
+    assert asyncio.run(main("stopped before"))[:2] == ("ServiceUnavailable", [])
+    outcome, log, stopping = asyncio.run(main("result"))
+    assert (outcome, log) == ("'result'", ["started"])
+    assert stopping._listeners == []  # (the wait stopped listening)
+
+
+def test_a_stop_signal_calls_each_listener_once_and_at_once_when_already_set():
+    from services.api.service import StopSignal
+
+    stopping, called = StopSignal(), []
+    stop_listening = stopping.listen(lambda: called.append("a"))
+    stopping.listen(lambda: called.append("b"))
+    stop_listening()
+    assert not stopping.is_set() and called == []
+    stopping.set()
+    stopping.set()
+    assert stopping.is_set() and called == ["b"]
+    stopping.listen(lambda: called.append("c"))
+    assert called == ["b", "c"]

@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import html
 import importlib.metadata
+import inspect
 import logging
 import time
 import urllib.parse
@@ -48,7 +49,7 @@ from services.api.schemas import (
     parse_json_body,
     parse_tokenize_request,
 )
-from services.api.service import ApiService
+from services.api.service import ApiService, StopSignal
 from services.api.tokenizer import Tokenizer
 from services.api.tool_parsers import parser_for_model
 from shared import history, metrics, timeline
@@ -99,25 +100,44 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_interrupted(awaitable: Awaitable[T], stopping: asyncio.Event, request: Request | None = None) -> T:
+async def _unless_interrupted(awaitable: Awaitable[T], stopping: StopSignal, request: Request | None = None) -> T:
     """Await ``awaitable``, cancelling it if first the API starts stopping
     (:class:`~shared.errors.ServiceUnavailable`) or, given ``request``, its client goes away
-    (:class:`ClientDisconnected`)."""
-    work = asyncio.ensure_future(awaitable)
-    stop = asyncio.ensure_future(stopping.wait())
-    gone = asyncio.ensure_future(_until_disconnected(request)) if request is not None else None
-    others = [t for t in (stop, gone) if t is not None]
+    (:class:`ClientDisconnected`). The awaitable runs in the caller's task, which an interruption
+    cancels (a cancellation from anywhere else propagates as it is); the stop is a callback and
+    the client's disconnect one watcher task, so a request waits here at the cost of one task."""
+    task = asyncio.current_task()
+    assert task is not None
+    if stopping.is_set():  # (not started: an interruption must come while the task waits in it)
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+        raise _stopping_error()
+    interrupted: list[Exception] = []
+
+    def interrupt(why: Exception) -> None:
+        if not interrupted:
+            interrupted.append(why)
+            task.cancel()
+
+    stop_listening = stopping.listen(lambda: interrupt(_stopping_error()))
+    watcher = None
+    if request is not None:
+
+        async def watch() -> None:
+            await _until_disconnected(request)
+            interrupt(ClientDisconnected())
+
+        watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({work, *others}, return_when=asyncio.FIRST_COMPLETED)
+        return await awaitable
+    except asyncio.CancelledError:
+        if interrupted and task.uncancel() == 0:  # (cancelled by the interruption only)
+            raise interrupted[0] from None
+        raise
     finally:
-        for task in (*others, work):
-            if not task.done():
-                task.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    if gone is not None and gone.done() and not gone.cancelled():
-        raise ClientDisconnected()
-    raise _stopping_error()
+        stop_listening()
+        if watcher is not None:
+            watcher.cancel()
 
 
 class EventStreamResponse(StreamingResponse):
@@ -398,8 +418,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
                     parsed.echo_text = await tokenizer.decode(parsed.prompt, param="prompt")
             deadline = received_at + settings.request_timeout_s
             await service.wait_connected(deadline)
-            images = await asyncio.wait_for(
-                service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time())
+            images = (
+                await asyncio.wait_for(service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time()))
+                if parsed.image_urls
+                else []
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)
             submitted = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,43 @@ def choice_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
     return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % 2**63)
 
 
+class StopSignal:
+    """Set once, when the API starts stopping. Besides ``is_set()``, a waiting request registers a
+    callback (:meth:`listen`) instead of a task awaiting an event: one fewer task per request.
+    Used on the event loop only (``begin_shutdown`` gets there with ``call_soon_threadsafe``)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._listeners: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` when the signal is set (at once if it is); returns the function that
+        stops listening."""
+        if self._set:
+            listener()
+            return lambda: None
+        self._listeners.append(listener)
+
+        def stop_listening() -> None:
+            try:
+                self._listeners.remove(listener)
+            except ValueError:  # (already called)
+                pass
+
+        return stop_listening
+
+
 class ApiService:
     """State shared by the request handlers: connections, request client, store, fetcher,
     worker view, delivery supervisor."""
@@ -104,7 +142,7 @@ class ApiService:
         self._subs: list = []
         self._background: set[asyncio.Task] = set()
         #: Set when the process is stopping: requests still waiting end with 503.
-        self.stopping = asyncio.Event()
+        self.stopping = StopSignal()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
