@@ -53,6 +53,7 @@ from shared.ec_lifecycle.uses import UseRecorder
 from shared.errors import DeadlineExceeded, EPDError, PayloadTooLarge, WorkerFailed
 from shared.jetstream import (
     JetStreamPublisher,
+    PendingAck,
     Publisher,
     TypedSubscription,
     nats_unavailable,
@@ -593,13 +594,9 @@ class RequestClient:
         payload_limit = self.nc.max_payload
         if len(protocol.encode(job)) > payload_limit:
             raise PayloadTooLarge(f"the prompt is too large (over {payload_limit} bytes encoded)")
-        recording = (
-            asyncio.ensure_future(
-                self.publisher.publish(self.subjects.request(request_id), record, request_id=request_id)
-            )
-            if record is not None
-            else None
-        )
+        # The record (for replay and the debug pages) goes out first without waiting; its
+        # acknowledgement is awaited after the job's publish.
+        recording = await self._send_record(record) if record is not None else None
         sub = await subscribe_typed(self.nc, self.subjects.tokens(request_id), TokenChunk, FinalResult, ErrorEvent)
         try:
             # retried through a NATS leader election until the request's deadline (deduplicated)
@@ -613,11 +610,8 @@ class RequestClient:
             await sub.close()
             raise
         finally:
-            if recording is not None:
-                try:
-                    await recording
-                except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
-                    log.warning("could not record request: %s", exc)
+            if record is not None:
+                await self._confirm_record(record, recording)
         return TokenStream(
             sub,
             request_id=request_id,
@@ -626,6 +620,29 @@ class RequestClient:
             stored=functools.partial(self.stored_events, request_id),
             on_final=self.router.observe if self.router is not None else None,
         )
+
+    async def _send_record(self, record: ChatRequestRecord) -> PendingAck | None:
+        try:
+            return await self.publisher.send(
+                self.subjects.request(record.request_id), record, request_id=record.request_id
+            )
+        except EPDError:
+            return None  # (published again, through elections, by _confirm_record)
+
+    async def _confirm_record(self, record: ChatRequestRecord, recording: PendingAck | None) -> None:
+        """Wait for the record's acknowledgement; when it was not stored, publish it again,
+        retried through leader elections like a job. Its loss is logged, never the request's
+        failure: the record is for debugging."""
+        try:
+            if recording is not None:
+                try:
+                    await recording.confirmed()
+                    return
+                except EPDError:
+                    pass
+            await self.publisher.publish(self.subjects.request(record.request_id), record, request_id=record.request_id)
+        except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
+            log.warning("could not record request: %s", exc)
 
     async def stored_events(self, request_id: str, after_seq: int) -> tuple[list[TokenEvent], int]:
         """The request's token events in ``<P>_RESULTS`` after stream sequence ``after_seq``, in

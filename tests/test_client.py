@@ -484,3 +484,53 @@ def test_a_confirmed_subscription_is_on_the_server_when_it_returns(nats_server):
     assert asyncio.run(main(confirm=True))
     # Negative control: without it the SUB is still in the client's buffer.
     assert not asyncio.run(main(confirm=False))
+
+
+class _RecordSendFails(JetStreamPublisher):
+    """A real publisher whose ``send`` of a request record fails the way a NATS leader election
+    fails it; everything else goes through."""
+
+    def __init__(self, js):
+        super().__init__(js, retry_s=0.5)
+        self.published: list[str] = []
+
+    async def send(self, subject, msg, *, request_id) -> PendingAck:
+        if isinstance(msg, ChatRequestRecord):
+            raise ServiceUnavailable("no JetStream leader (test)")
+        return await super().send(subject, msg, request_id=request_id)
+
+    async def publish(self, subject, msg, **kwargs) -> bool:
+        self.published.append(type(msg).__name__)
+        return await super().publish(subject, msg, **kwargs)
+
+
+def test_a_request_record_that_could_not_be_sent_is_published_again_and_the_request_goes_on(deployment):
+    """The record goes out without waiting (``send``) ahead of the job; when that fails it is
+    published again, retried like a job, after the job's publish - stored either way, the request
+    unaffected. Control: a record sent normally is published once, by ``send``."""
+    url, subjects = deployment
+
+    async def main(publisher_class) -> tuple[list[str], ChatRequestRecord, str]:
+        nc = await nats.connect(url)
+        try:
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            client = await _client(nc, subjects)
+            client.publisher = publisher = publisher_class(nc.jetstream())
+            record = ChatRequestRecord(request_id=rid, received_at=time.time(), model="m", body={"n": 1})
+            stream = await client.submit(_job(rid, time.time() + 30), record=record)
+            await stream.cancel(EPDError("done"))
+            raw = await nc.jetstream().get_last_msg(subjects.stream_requests, subjects.request(rid))
+            return publisher.published, protocol.decode(raw.data, ChatRequestRecord), rid
+        finally:
+            await nc.close()
+
+    published, stored, rid = asyncio.run(main(_RecordSendFails))
+    assert published == ["GenerationJob", "ChatRequestRecord"]
+    assert stored.request_id == rid and stored.body == {"n": 1}
+    published, stored, rid = asyncio.run(main(_NotingPublisher))
+    assert published == ["GenerationJob"] and stored.request_id == rid
+
+
+class _NotingPublisher(_RecordSendFails):
+    async def send(self, subject, msg, *, request_id) -> PendingAck:
+        return await JetStreamPublisher.send(self, subject, msg, request_id=request_id)
