@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,11 @@ from shared.tools.bench.runner import parse_timeline
 TARGET_MS = 2.0
 
 
+def engine_compute_s(timings: dict[str, float]) -> float:
+    """The engine's own compute in a request's final timings (what P5 takes off its E2E)."""
+    return timings.get(Timing.PREFILL, 0.0) + timings.get(Timing.DECODE, 0.0)
+
+
 async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
     overhead = h.Ratio(
         "P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS, unit=" ms"
@@ -48,8 +54,7 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
     e2e_fig = h.Ratio("P5 client E2E p50 (same requests)", unit=" ms")
     httpx_fig = h.Ratio("P5 fabric overhead p50 through httpx (the same requests, sent with httpx)", unit=" ms")
     parts: dict[str, list[float]] = {}
-    lean = h.LeanClient(bs.url)
-    async with h.client() as http:
+    async with h.client() as http, contextlib.aclosing(h.LeanClient(bs.url)) as lean:
 
         async def lean_chat(body: dict) -> h.Probe:
             return await h.lean_chat(lean, body)
@@ -75,13 +80,13 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
             httpx_overheads = []
             for p in through_httpx:
                 t = h.final_timings(await h.timeline(http, bs.url, p.request_id))
-                httpx_overheads.append(p.e2e_s - t.get(Timing.PREFILL, 0.0) - t.get(Timing.DECODE, 0.0))
+                httpx_overheads.append(p.e2e_s - engine_compute_s(t))
             httpx_fig.add(h.pct(httpx_overheads, 50) * 1e3)
             rows = []
             for p in probes:  # timelines after the timed part
                 doc = await h.timeline(http, bs.url, p.request_id)
                 t = h.final_timings(doc)
-                compute = t.get(Timing.PREFILL, 0.0) + t.get(Timing.DECODE, 0.0)
+                compute = engine_compute_s(t)
                 server_e2e = doc["case"]["summary"].get("e2e_s") or 0.0
                 stages, _ = parse_timeline(doc)
                 queued = stages.get(StageName.GENERATION_QUEUED, 0.0)
@@ -114,7 +119,6 @@ async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
         "  where the time goes (p50 over all requests): "
         + ", ".join(f"{k} {h.pct(v, 50) * 1e3:.1f} ms" for k, v in parts.items())
     )
-    await lean.aclose()
     return [e2e_fig, httpx_fig, overhead]
 
 

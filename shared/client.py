@@ -154,7 +154,7 @@ class TokenStream:
                     await self.cancel(error)
                     raise error
                 event = received
-                if self._stored is not None and self._missed_before(event):
+                if self._stored is not None and self._missed_before(event) is not None:
                     # chunks before this one never arrived: read them first, then this one again
                     # (a NATS hiccup in that read is tried again for a while, within the deadline)
                     for pause in (0.0, 0.2, 0.5, 1.0, 2.0):
@@ -163,37 +163,35 @@ class TokenStream:
                             break
                     self._pending.append(event)
                     continue
+            last_missing = self._missed_before(event)
+            if last_missing is not None:
+                # not in the stream store either (or no store to read): never a gap in the text
+                lost = WorkerFailed(f"token stream of {self.request_id} lost chunks {self.forwarded}..{last_missing}")
+                await self.cancel(lost)
+                raise lost
             if isinstance(event, TokenChunk):
                 if event.seq < self.forwarded:
                     self.duplicates += 1
                     continue
-                if event.seq > self.forwarded:
-                    # not in the stream store either (or no store to read): never a gap in the text
-                    lost = WorkerFailed(
-                        f"token stream of {self.request_id} lost chunks {self.forwarded}..{event.seq - 1}"
-                    )
-                    await self.cancel(lost)
-                    raise lost
                 self.forwarded = event.seq + len(event.token_ids)
                 return event
-            if isinstance(event, FinalResult) and self.forwarded < len(event.token_ids):
-                lost = WorkerFailed(
-                    f"token stream of {self.request_id} lost chunks {self.forwarded}..{len(event.token_ids) - 1}"
-                )
-                await self.cancel(lost)
-                raise lost
             self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
             if self.on_final is not None and isinstance(event, FinalResult):
                 self.on_final(event)
             return event
 
-    def _missed_before(self, event: TokenEvent) -> bool:
-        """Whether chunks before ``event`` did not arrive: it is a chunk past the tokens forwarded,
-        or a result with more tokens (every token of a request is streamed as a chunk)."""
+    def _missed_before(self, event: TokenEvent) -> int | None:
+        """The last token missing before ``event`` when chunks before it did not arrive (it is a
+        chunk past the tokens forwarded, or a result with more tokens: every token of a request
+        is streamed as a chunk), else None."""
         if isinstance(event, TokenChunk):
-            return event.seq > self.forwarded
-        return isinstance(event, FinalResult) and len(event.token_ids) > self.forwarded
+            end = event.seq
+        elif isinstance(event, FinalResult):
+            end = len(event.token_ids)
+        else:
+            return None
+        return end - 1 if end > self.forwarded else None
 
     @property
     def ready(self) -> bool:

@@ -540,7 +540,7 @@ class TypedSubscription(Generic[M]):
     MAX_QUEUED = 65536
 
     def __init__(self, subject: str, expect: tuple[type, ...]):
-        self._sub: Any = None  # (set by subscribe_typed once subscribed)
+        self._sub: Any = None  # (set by open() once subscribed)
         self.subject = subject
         self.expect = expect
         self.skipped = 0
@@ -548,6 +548,13 @@ class TypedSubscription(Generic[M]):
         self._closed = False
         self._queued: collections.deque[Any] = collections.deque()
         self._arrived: asyncio.Future[None] | None = None  # what next() waits on while none is queued
+
+    @classmethod
+    async def open(cls, nc: NATS, subject: str, expect: tuple[type, ...], *, queue: str = "") -> TypedSubscription:
+        """Subscribe (the callback exists before the subscription does)."""
+        typed = cls(subject, expect)
+        typed._sub = await nc.subscribe(subject, queue=queue, cb=typed._received)
+        return typed
 
     async def _received(self, msg: Any) -> None:
         """The subscription's callback."""
@@ -629,8 +636,7 @@ async def subscribe_typed(
         async with await subscribe_typed(nc, subjects.ec_any(fp, item), ECReady, ECFailed) as sub:
             event = await sub.next(deadline=time.time() + wait_s)  # None: nothing in time
     """
-    typed: TypedSubscription = TypedSubscription(subject, expect)
-    typed._sub = await nc.subscribe(subject, queue=queue, cb=typed._received)
+    typed: TypedSubscription = await TypedSubscription.open(nc, subject, expect, queue=queue)
     if confirm:
         await confirm_subscriptions(nc, what=subject)
     return typed
