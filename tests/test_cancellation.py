@@ -391,3 +391,44 @@ def test_a_stop_signal_calls_each_listener_once_and_at_once_when_already_set():
     assert stopping.is_set() and called == ["b"]
     stopping.listen(lambda: called.append("c"))
     assert called == ["b", "c"]
+
+
+def test_an_event_streams_last_chunk_ends_the_response_in_one_message_and_its_clean_up_still_runs():
+    """``LastChunk``: the chunk and the end of the response go out in one ASGI message (one socket
+    write); the generator's clean-up runs after it - to its end, awaits included, though the server
+    now answers ``receive`` with a disconnect (uvicorn does once a response is complete). Control:
+    a generator without a ``LastChunk`` gets the end as a message of its own."""
+    from services.api.app import LastChunk
+
+    async def main(last: bool) -> tuple[list[tuple[bytes, bool]], list[str]]:
+        sent: list[tuple[bytes, bool]] = []
+        log: list[str] = []
+        complete = asyncio.Event()
+
+        async def events():
+            try:
+                yield b"data: 1\n\n"
+                yield LastChunk(b"data: [DONE]\n\n") if last else b"data: [DONE]\n\n"
+            finally:
+                await asyncio.sleep(0)  # the listener hears "disconnect" meanwhile
+                await asyncio.sleep(0.01)
+                log.append("cleaned up")
+
+        async def receive():
+            await complete.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                sent.append((message["body"], message["more_body"]))
+                if not message["more_body"]:
+                    complete.set()
+
+        response = EventStreamResponse(events(), media_type="text/event-stream")
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send), 10)
+        return sent, log
+
+    sent, log = asyncio.run(main(last=True))
+    assert sent == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", False)] and log == ["cleaned up"]
+    sent, log = asyncio.run(main(last=False))
+    assert sent == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", True), (b"", False)] and log == ["cleaned up"]

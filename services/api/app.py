@@ -140,21 +140,30 @@ async def _unless_interrupted(awaitable: Awaitable[T], stopping: StopSignal, req
             watcher.cancel()
 
 
+class LastChunk(bytes):
+    """What an :class:`EventStreamResponse`'s generator yields last: sent with the end of the
+    response (one write; the generator's clean-up runs after it, not before the client has it)."""
+
+
 class EventStreamResponse(StreamingResponse):
     """Starlette's ``StreamingResponse`` without a task group per response. Under uvicorn's ASGI
     spec 2.3 Starlette runs the stream and a disconnect listener as two tasks of an anyio task
     group (~0.1 ms of a one-token request here); here the stream runs in the request's own task,
     and one watcher task cancels it when the client disconnects. The stream's generator sees that
-    cancellation at the await it is in, as it does under Starlette's."""
+    cancellation at the await it is in, as it does under Starlette's. A :class:`LastChunk` ends
+    the response; the generator is still run to its end (its clean-up) after it."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         streaming = asyncio.current_task()
         assert streaming is not None
         disconnected = False
+        self._complete = False
 
         async def cancel_on_disconnect() -> None:
             nonlocal disconnected
             await self.listen_for_disconnect(receive)
+            if self._complete:  # (the server says "disconnect" once the response is complete)
+                return
             disconnected = True
             streaming.cancel()  # (it is suspended in stream_response: this task only runs then)
 
@@ -169,6 +178,19 @@ class EventStreamResponse(StreamingResponse):
             watcher.cancel()
         if self.background is not None:
             await self.background()
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            if self._complete:
+                raise RuntimeError("an event stream yielded a chunk after its LastChunk")
+            last = isinstance(chunk, LastChunk)
+            self._complete = last  # (before the send: the end wakes the disconnect listener)
+            body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            await send({"type": "http.response.body", "body": body, "more_body": not last})
+        if not self._complete:
+            self._complete = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _stopping_error() -> ServiceUnavailable:
@@ -651,7 +673,7 @@ async def _sse(
             metrics.REQUESTS.labels(str(err.http_status)).inc()
             data(_error_body(err))
         ready.append(b"data: [DONE]\n\n")
-        yield flush()
+        yield LastChunk(flush())
     finally:
         _close_all(tracked)
         if not events.ended:  # the client went away mid-stream, the API is stopping, or this generator failed
