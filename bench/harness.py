@@ -444,7 +444,7 @@ class Ratio:
         return self.median < self.target if self.strict else self.median <= self.target
 
     def line(self) -> str:
-        fmt = "{:.2f}" if not self.unit else "{:.1f}"
+        fmt = "{:.2f}" if not self.unit or self.unit == " ms" else "{:.1f}"
         spread = (
             (
                 f" [{fmt.format(min(self.values))}-{fmt.format(max(self.values))}]{self.unit}, "
