@@ -154,7 +154,7 @@ class TokenStream:
                     await self.cancel(error)
                     raise error
                 event = received
-                if self._stored is not None and self._missed_before(event) is not None:
+                if self._stored is not None and self._last_missing(event) is not None:
                     # chunks before this one never arrived: read them first, then this one again
                     # (a NATS hiccup in that read is tried again for a while, within the deadline)
                     for pause in (0.0, 0.2, 0.5, 1.0, 2.0):
@@ -163,7 +163,7 @@ class TokenStream:
                             break
                     self._pending.append(event)
                     continue
-            last_missing = self._missed_before(event)
+            last_missing = self._last_missing(event)
             if last_missing is not None:
                 # not in the stream store either (or no store to read): never a gap in the text
                 lost = WorkerFailed(f"token stream of {self.request_id} lost chunks {self.forwarded}..{last_missing}")
@@ -181,7 +181,7 @@ class TokenStream:
                 self.on_final(event)
             return event
 
-    def _missed_before(self, event: TokenEvent) -> int | None:
+    def _last_missing(self, event: TokenEvent) -> int | None:
         """The last token missing before ``event`` when chunks before it did not arrive (it is a
         chunk past the tokens forwarded, or a result with more tokens: every token of a request
         is streamed as a chunk), else None."""

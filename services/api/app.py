@@ -129,7 +129,10 @@ async def _unless_interrupted(awaitable: Awaitable[T], stopping: StopSignal, req
 
         watcher = asyncio.ensure_future(watch())
     try:
-        return await awaitable
+        result = await awaitable
+        if interrupted:  # (the awaitable finished anyway: the interruption's cancel is spent)
+            task.uncancel()
+        return result
     except asyncio.CancelledError:
         if interrupted and task.uncancel() == 0:  # (cancelled by the interruption only)
             raise interrupted[0] from None
