@@ -377,6 +377,31 @@ def test_a_wait_for_a_request_ends_with_its_interruption_and_lets_other_cancella
     assert (outcome, log) == ("'result'", ["started"])
     assert stopping._listeners == []  # (the wait stopped listening)
 
+    async def finished_anyway() -> tuple[str, int]:
+        stopping, asked = StopSignal(), asyncio.Event()
+
+        async def work() -> str:
+            asked.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                pass
+            return "finished anyway"
+
+        async def waiting() -> tuple[str, int]:
+            result = await _unless_interrupted(work(), stopping)
+            task = asyncio.current_task()
+            assert task is not None
+            return result, task.cancelling()
+
+        wait = asyncio.ensure_future(waiting())
+        await asked.wait()
+        stopping.set()
+        return await asyncio.wait_for(wait, 10)
+
+    # work that finishes in spite of the interruption: its result, and no cancel request left behind
+    assert asyncio.run(finished_anyway()) == ("finished anyway", 0)
+
 
 def test_a_stop_signal_calls_each_listener_once_and_at_once_when_already_set():
     from services.api.service import StopSignal
