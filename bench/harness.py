@@ -255,9 +255,10 @@ async def chat(
             if resp.status_code != 200:
                 probe.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return probe
-            async for line in resp.aiter_lines():
-                if _sse_line(probe, line, sent):
-                    break
+            ended = False
+            async for line in resp.aiter_lines():  # to the response's end: the connection is kept
+                if not ended and _sse_line(probe, line, sent):  # (left unread, httpx would close it)
+                    ended = True
             if probe.error:
                 return probe
     except (httpx.HTTPError, ValueError) as exc:  # ValueError: an undecodable event
