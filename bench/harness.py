@@ -428,6 +428,7 @@ class Ratio:
     at_least: bool = False  # the target is a lower bound (">=", or ">" when strict)
     unit: str = ""  # "" for a ratio, e.g. " ms" / " s" for a value
     per: str = "reps"  # what each value is one of
+    decimals: int | None = None  # printed; None: 2 for a ratio, 1 for a value
 
     def add(self, value: float) -> None:
         self.values.append(value)
@@ -445,7 +446,8 @@ class Ratio:
         return self.median < self.target if self.strict else self.median <= self.target
 
     def line(self) -> str:
-        fmt = "{:.2f}" if not self.unit or self.unit == " ms" else "{:.1f}"
+        decimals = self.decimals if self.decimals is not None else (1 if self.unit else 2)
+        fmt = f"{{:.{decimals}f}}"
         spread = (
             (
                 f" [{fmt.format(min(self.values))}-{fmt.format(max(self.values))}]{self.unit}, "

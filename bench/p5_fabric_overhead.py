@@ -49,10 +49,12 @@ def engine_compute_s(timings: dict[str, float]) -> float:
 
 async def measure(args: argparse.Namespace, bs: h.BenchStack) -> list[h.Ratio]:
     overhead = h.Ratio(
-        "P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS, unit=" ms"
+        "P5 fabric overhead p50 (E2E - engine compute, text-only, 1 token)", target=TARGET_MS, unit=" ms", decimals=2
     )
-    e2e_fig = h.Ratio("P5 client E2E p50 (same requests)", unit=" ms")
-    httpx_fig = h.Ratio("P5 fabric overhead p50 through httpx (the same requests, sent with httpx)", unit=" ms")
+    e2e_fig = h.Ratio("P5 client E2E p50 (same requests)", unit=" ms", decimals=2)
+    httpx_fig = h.Ratio(
+        "P5 fabric overhead p50 through httpx (the same requests, sent with httpx)", unit=" ms", decimals=2
+    )
     parts: dict[str, list[float]] = {}
     async with h.client() as http, contextlib.aclosing(h.LeanClient(bs.url)) as lean:
 
