@@ -25,8 +25,11 @@ what was already forwarded, so the first copy of each seq wins, whatever its ``a
 redelivered job restarts at seq 0 and repeats the tokens it already streamed: the seed is derived
 from the request id, ``protocol.effective_seed``). The first ``FinalResult`` or ``ErrorEvent``
 ends it; so does the job's deadline (``DeadlineExceeded``). Never a gap in the text: a chunk
-past one, or a ``FinalResult`` with more tokens than were forwarded, is held back while the
-missed chunks are read from the stream store; chunks missing there too fail the request. A
+past one, or a ``FinalResult`` with more tokens than were forwarded, is held back until the
+missed chunks arrive - read from the stream store at once and then again, more slowly, while
+the gap lasts (a chunk heard on the subscription may not be stored yet: its stream was electing
+a leader, and the worker publishes it again; ``shared.token_stream``), or repeated by a
+redelivered job - or the deadline passes. Without a stream store a gap fails the request. A
 caller that gives up cancels the request (:meth:`RequestClient.abandon`: the workers stop
 working on it, ``shared.cancellation``).
 """
@@ -123,6 +126,11 @@ class TokenStream:
         self._stored = stored
         self._stored_seq = 0  # the last stream sequence read from the store
         self._pending: collections.deque[TokenEvent] = collections.deque()
+        #: Events past a gap (tokens before them not forwarded yet), held until it is filled.
+        self._held: list[TokenEvent] = []
+        #: While events are held: when the store is read next, and the pause after that read.
+        self._catch_up_at = 0.0
+        self._catch_up_pause = 0.0
         #: told of the request's ``FinalResult`` (the router learns where its images are now)
         self.on_final = on_final
         #: The request is over: a terminal event arrived, the deadline passed, or it was cancelled.
@@ -143,37 +151,50 @@ class TokenStream:
             event: TokenEvent
             if self._pending:
                 event = self._pending.popleft()
+            elif self._held and time.time() >= self._catch_up_at:
+                # A gap: read the store now, then again more slowly while it lasts (the worker
+                # publishes a chunk JetStream did not store again, after its stream's election).
+                await self._catch_up()
+                self._catch_up_pause = min(max(2 * self._catch_up_pause, 0.2), self.CATCH_UP_IDLE_S)
+                self._catch_up_at = time.time() + self._catch_up_pause
+                continue
             else:
-                wait = self.deadline if self._stored is None else min(self.deadline, time.time() + self.CATCH_UP_IDLE_S)
+                if self._stored is None:
+                    wait = self.deadline
+                else:
+                    wait = min(self.deadline, self._catch_up_at if self._held else time.time() + self.CATCH_UP_IDLE_S)
                 received: TokenEvent | None = await self._sub.next(deadline=wait)
                 if received is None:
-                    if time.time() < self.deadline:  # quiet for CATCH_UP_IDLE_S: anything missed?
-                        await self._catch_up()
+                    if time.time() < self.deadline:
+                        if not self._held:  # quiet for CATCH_UP_IDLE_S: anything missed?
+                            await self._catch_up()
                         continue
-                    error = DeadlineExceeded("the request passed its deadline before the model finished")
+                    error = DeadlineExceeded(f"the request passed its deadline before the model finished{self._gap()}")
                     await self.cancel(error)
                     raise error
                 event = received
-                if self._stored is not None and self._last_missing(event) is not None:
-                    # chunks before this one never arrived: read them first, then this one again
-                    # (a NATS hiccup in that read is tried again for a while, within the deadline)
-                    for pause in (0.0, 0.2, 0.5, 1.0, 2.0):
-                        await asyncio.sleep(pause)
-                        if await self._catch_up() or time.time() >= self.deadline:
-                            break
-                    self._pending.append(event)
-                    continue
             last_missing = self._last_missing(event)
             if last_missing is not None:
-                # not in the stream store either (or no store to read): never a gap in the text
-                lost = WorkerFailed(f"token stream of {self.request_id} lost chunks {self.forwarded}..{last_missing}")
-                await self.cancel(lost)
-                raise lost
+                if self._stored is None or len(self._held) >= MAX_STORED_EVENTS:
+                    # never a gap in the text: no store to read the missed chunks from (or a
+                    # stream that far past one)
+                    lost = WorkerFailed(
+                        f"token stream of {self.request_id} lost chunks {self.forwarded}..{last_missing}"
+                    )
+                    await self.cancel(lost)
+                    raise lost
+                if not self._held:
+                    self._catch_up_at, self._catch_up_pause = 0.0, 0.0  # (read the store at once)
+                self._held.append(event)
+                continue
             if isinstance(event, TokenChunk):
                 if event.seq < self.forwarded:
                     self.duplicates += 1
                     continue
                 self.forwarded = event.seq + len(event.token_ids)
+                if self._held:  # the held events may follow on now: they go next, in token order
+                    self._pending.extendleft(reversed(sorted(self._held, key=self._needs)))
+                    self._held.clear()
                 return event
             self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
@@ -181,32 +202,40 @@ class TokenStream:
                 self.on_final(event)
             return event
 
-    def _last_missing(self, event: TokenEvent) -> int | None:
-        """The last token missing before ``event`` when chunks before it did not arrive (it is a
-        chunk past the tokens forwarded, or a result with more tokens: every token of a request
-        is streamed as a chunk), else None."""
+    @staticmethod
+    def _needs(event: TokenEvent) -> int:
+        """How many tokens must be forwarded before ``event``: a chunk's ``seq``, a result's
+        token count (every token of a request is streamed as a chunk), none for an error."""
         if isinstance(event, TokenChunk):
-            end = event.seq
-        elif isinstance(event, FinalResult):
-            end = len(event.token_ids)
-        else:
-            return None
-        return end - 1 if end > self.forwarded else None
+            return event.seq
+        return len(event.token_ids) if isinstance(event, FinalResult) else 0
+
+    def _last_missing(self, event: TokenEvent) -> int | None:
+        """The last token missing before ``event`` when chunks before it did not arrive, else None."""
+        needs = self._needs(event)
+        return needs - 1 if needs > self.forwarded else None
+
+    def _gap(self) -> str:
+        """What the held events wait for, for an error message ("" when none are held)."""
+        if not self._held:
+            return ""
+        missing = min(map(self._needs, self._held)) - 1
+        return f" (waiting for tokens {self.forwarded}..{missing}: not heard, not in the stream store)"
 
     @property
     def ready(self) -> bool:
         """The next event can be read without waiting for NATS (one is queued, or the stream is over)."""
         return self._done or bool(self._pending) or self._sub.ready
 
-    async def _catch_up(self) -> bool:
+    async def _catch_up(self) -> None:
         """Queue the request's events stored since the last read (in stream order; the usual
-        dedup drops what already arrived). False when NATS did not answer (nothing queued)."""
+        dedup drops what already arrived). Nothing when NATS did not answer (read again later)."""
         assert self._stored is not None
         try:
             events, self._stored_seq = await self._stored(self._stored_seq)
-        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; the caller tries again
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; read again later
             log.debug("reading the stored events of %s: %s: %s", self.request_id, type(exc).__name__, exc)
-            return False
+            return
         if events:
             log.info(
                 "read %d event(s) of %s from the stream store (missed on the subscription?)",
@@ -214,7 +243,6 @@ class TokenStream:
                 self.request_id,
             )
         self._pending.extend(events)
-        return True
 
     async def cancel(self, error: EPDError) -> None:
         """Give up on the request: stop reading and, unless it already ended, ``on_abandon(error)``."""

@@ -284,12 +284,18 @@ class RequestCase:
         return ends[-1] if ends else None
 
     def chunks(self) -> list[StreamMessage]:
-        """Token chunks of the last attempt (a redelivered job restarts at seq 0)."""
+        """Token chunks of the last attempt (a redelivered job restarts at seq 0), in token order,
+        the first copy of each seq (a chunk a worker published again, after an election, is
+        stored after the chunks sent behind it; a copy may have been stored after all)."""
         chunks = [m for m in self.of(TokenChunk) if m.request_id == self.request_id]
         if not chunks:
             return []
         last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
-        return [m for m in chunks if m.msg.attempt == last]  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+        by_seq: dict[int, StreamMessage] = {}
+        for m in chunks:
+            if m.msg.attempt == last:  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+                by_seq.setdefault(m.msg.seq, m)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+        return [by_seq[seq] for seq in sorted(by_seq)]
 
     @property
     def received_at(self) -> float:

@@ -523,6 +523,12 @@ def encode_job_msg_id(ec_key: str, generation: int) -> str:
     return f"{ec_key}@{generation}"
 
 
+def token_chunk_msg_id(chunk: TokenChunk) -> str:
+    """The ``Nats-Msg-Id`` of a :class:`TokenChunk` published again (its first publish carries
+    none): one per request, attempt and seq, so retries through an election store one copy."""
+    return f"{chunk.request_id}-{chunk.attempt}-{chunk.seq}"
+
+
 def final_result_msg_id(request_id: str) -> str:
     """The ``Nats-Msg-Id`` of a request's :class:`FinalResult`: one per request, so the worker
     may retry its publish through a NATS leader election (``shared.jetstream.JetStreamPublisher``)

@@ -10,24 +10,30 @@ A chunk is on its way before the previous one's JetStream acknowledgement is awa
 chunk less on the token path, and none between a request's last token and its end. The order
 holds (one connection queues them in order, one stream stores them in order), and nothing is
 acknowledged to the job queue before every chunk was stored: :meth:`TokenOutput.end` and
-:meth:`TokenOutput.flush` (before a hand-off) wait for the acknowledgements.
+:meth:`TokenOutput.flush` (before a hand-off) wait for the acknowledgements. A chunk JetStream did
+not acknowledge (its stream's leader died with it, the connection moved to another NATS server) is
+published again, retried through the stream's election: it is stored after the chunks sent
+behind it, and the API, which holds what arrives past a gap, reads it from the store or hears it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from shared import protocol
-from shared.errors import DeadlineExceeded
+from shared.errors import DeadlineExceeded, ServiceUnavailable
 from shared.protocol import FinalResult, TokenChunk
 
 if TYPE_CHECKING:
     from shared.engines.base import TokenEvent
     from shared.jetstream import PendingAck
     from shared.worker import WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 class TokenOutput:
@@ -56,8 +62,8 @@ class TokenOutput:
         self.text_parts: list[str] = []
         self.finish_reason = "length"
         self.first_token_at: float | None = None
-        #: the last chunk sent, its acknowledgement not awaited yet
-        self._unconfirmed: PendingAck | None = None
+        #: the last chunk sent and its acknowledgement, not awaited yet
+        self._unconfirmed: tuple[TokenChunk, PendingAck] | None = None
 
     @property
     def text(self) -> str:
@@ -80,16 +86,24 @@ class TokenOutput:
             self.finish_reason = event.finish_reason
         sent = await self.ctx.publisher.send(self.subject, chunk, request_id=self.request_id)
         await self.flush()  # the previous chunk's acknowledgement (this one is on its way meanwhile)
-        self._unconfirmed = sent
+        self._unconfirmed = (chunk, sent)
         if self.on_first_token is not None and len(self.token_ids) == 1:
             await self.on_first_token()
 
     async def flush(self) -> None:
-        """Wait until JetStream stored every chunk sent so far (raises ``ServiceUnavailable`` when
-        it did not): before a hand-off, whose next stage streams the next chunks."""
-        sent, self._unconfirmed = self._unconfirmed, None
-        if sent is not None:
+        """Wait until JetStream stored every chunk sent so far: before a hand-off, whose next
+        stage streams the next chunks. A chunk it did not acknowledge is published again, through
+        an election; ``ServiceUnavailable`` when that failed too."""
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        if unconfirmed is None:
+            return
+        chunk, sent = unconfirmed
+        try:
             await sent.confirmed()
+        except ServiceUnavailable as exc:
+            log.info("token chunk %d not stored (%s): publishing it again", chunk.seq, exc.message)
+            msg_id = protocol.token_chunk_msg_id(chunk)
+            await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id, msg_id=msg_id)
 
     async def end(self, final: FinalResult) -> None:
         """Publish the request's ``final`` (after its last chunk, without waiting for that chunk's

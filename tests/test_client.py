@@ -229,6 +229,109 @@ def test_a_result_with_more_tokens_than_were_forwarded_reads_the_missed_chunks_f
     assert isinstance(final, FinalResult) and final.token_ids == (10,)
 
 
+async def _until(condition, *, timeout_s: float = 10.0) -> None:
+    """Wait until ``condition()`` holds (polled), at most ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def test_a_gap_the_store_cannot_fill_yet_is_held_until_its_chunk_comes_or_the_deadline(deployment):
+    """A chunk heard past a gap whose missing chunk is not in the stream store yet (its first
+    publish died with its stream's leader: the worker publishes it again after the election; or
+    a redelivered job repeats it) is held while the store is read again: the text comes whole,
+    in order. A gap nothing fills ends at the deadline, saying which tokens it waited for."""
+    url, subjects = deployment
+    held, never = (f"chatcmpl-{uuid.uuid4().hex}" for _ in range(2))
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            pub = JetStreamPublisher(nc.jetstream())
+            stream = await client.submit(_job(held, time.time() + 30))
+            reads: list[int] = []
+            read_store = stream._stored
+
+            async def counted(after_seq: int):
+                reads.append(after_seq)
+                return await read_store(after_seq)
+
+            stream._stored = counted
+            for msg in (_chunk(held, 1, 0, 10), _chunk(held, 1, 2, 12), _final(held, (10, 11, 12))):
+                await pub.publish(subjects.tokens(held), msg, request_id=held)
+            first = await anext(stream)
+            second = asyncio.create_task(anext(stream))
+            await _until(lambda: len(reads) >= 2 or second.done())  # read twice without seq 1: still held?
+            waited = not second.done()
+            await pub.publish(subjects.tokens(held), _chunk(held, 1, 1, 11), request_id=held)
+            chunks, final = await stream.collect()
+            chunks = [first, await second, *chunks]
+            started = time.time()
+            unfilled = await client.submit(_job(never, started + 1.5))
+            await pub.publish(subjects.tokens(never), _chunk(never, 1, 1, 21), request_id=never)
+            with pytest.raises(DeadlineExceeded, match=r"waiting for tokens 0\.\.0"):
+                await anext(unfilled)
+            return waited, chunks, final, time.time() - started
+        finally:
+            await nc.close()
+
+    waited, chunks, final, unfilled_s = asyncio.run(main())
+    assert waited
+    assert [(c.seq, c.token_ids) for c in chunks] == [(0, (10,)), (1, (11,)), (2, (12,))]
+    assert isinstance(final, FinalResult) and final.token_ids == (10, 11, 12)
+    assert 1.0 < unfilled_s < 10
+
+
+class _LosingPublisher(JetStreamPublisher):
+    """A real publisher whose first send of each seq in ``lose`` goes where no stream stores it
+    (as if it died with its stream's leader): JetStream never acknowledges it."""
+
+    def __init__(self, js, lose: set[int]):
+        super().__init__(js, retry_s=5.0)
+        self.lose = lose
+
+    async def send(self, subject, msg, *, request_id) -> PendingAck:
+        if msg.seq in self.lose:
+            self.lose.discard(msg.seq)
+            subject = f"lost.{subject}"
+        return await super().send(subject, msg, request_id=request_id)
+
+
+def test_a_chunk_jetstream_did_not_store_is_published_again_and_the_text_stays_whole(deployment):
+    """``TokenOutput``: a chunk whose acknowledgement fails is published again (stored after the
+    chunk sent behind it) instead of failing the job; the API's token stream, hearing that later
+    chunk first, holds it: the answer is whole and in order."""
+    url, subjects = deployment
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            stream = await client.submit(_job(rid, time.time() + 30))
+            publisher = _LosingPublisher(nc.jetstream(), {1})
+            out = TokenOutput(WorkerContext(WorkerSettings(), subjects, publisher, nc), rid, 1)
+            for tok, finish in ((10, None), (11, None), (12, "length")):
+                await out.publish(TokenEvent(tok, f"<{tok}>", finish_reason=finish))
+            await out.end(_final(rid, (10, 11, 12)))
+            heard = await stream.collect()
+            stored, _ = await client.stored_events(rid, 0)
+            return publisher.lose, heard, stored
+        finally:
+            await nc.close()
+
+    unlost, (chunks, final), stored = asyncio.run(main())
+    assert not unlost  # the fault hit: seq 1's first send went nowhere
+    assert [c.token_ids for c in chunks] == [(10,), (11,), (12,)] and final.token_ids == (10, 11, 12)
+    assert [(type(m).__name__, getattr(m, "seq", None)) for m in stored] == [
+        ("TokenChunk", 0),
+        ("TokenChunk", 2),
+        ("TokenChunk", 1),
+        ("FinalResult", None),
+    ]
+
+
 class _OrderedPublisher(JetStreamPublisher):
     """A real publisher that notes when it sends a chunk, when a chunk is confirmed stored and
     when it publishes anything else."""
@@ -257,8 +360,8 @@ class _OrderedPublisher(JetStreamPublisher):
 def test_a_worker_sends_each_chunk_before_the_last_is_stored_and_the_result_before_its_last_chunk_is(deployment):
     """``TokenOutput``: a chunk goes out before the previous one's acknowledgement is awaited, the
     final result before the last chunk's, and ``end`` returns only once every chunk is stored;
-    the stream stores them in the order they were sent. A chunk JetStream did not store fails
-    ``end`` / ``flush`` (the job is not acked as done)."""
+    the stream stores them in the order they were sent. A chunk JetStream cannot store (no stream holds
+    its subject), even published again, fails ``end`` / ``flush`` (the job is not acked as done)."""
     url, subjects = deployment
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 

@@ -194,6 +194,27 @@ def test_timeline_of_an_epd_image_request():
     assert "waiting for an engine slot" not in by_name
 
 
+def test_a_cases_chunks_are_its_last_attempts_in_token_order_one_copy_each():
+    """A chunk a worker published again after an election is stored after the chunks sent
+    behind it (and a copy may have been stored after all): the recorded text is in token order,
+    each token once; an earlier attempt's chunks are not part of it."""
+    rid = "req-1"
+    stored = [(1, 0), (2, 0), (2, 2), (2, 1), (2, 3), (2, 1)]  # (attempt, seq), in stream order
+    msgs = [
+        _sm(
+            "P_RESULTS",
+            10 + i,
+            T0 + i / 10,
+            TokenChunk(request_id=rid, attempt=a, seq=seq, token_ids=(seq,), text=f"a{a}t{seq}"),
+            stage="prefill",
+        )
+        for i, (a, seq) in enumerate(stored)
+    ]
+    case = history.RequestCase(rid, history.ordered(msgs))
+    assert [m.msg.text for m in case.chunks()] == ["a2t0", "a2t1", "a2t2", "a2t3"]
+    assert case.chunks()[1].seq == 13  # the first copy of seq 1
+
+
 def test_timeline_shows_the_wait_for_an_engine_slot_before_the_prefill():
     by_name = {s.name: s for s in timeline.build_timeline(_epd_case(admission_s=0.050)).stages}
     slot = by_name["waiting for an engine slot"]
