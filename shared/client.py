@@ -192,9 +192,11 @@ class TokenStream:
                     self.duplicates += 1
                     continue
                 self.forwarded = event.seq + len(event.token_ids)
-                if self._held:  # the held events may follow on now: they go next, in token order
-                    self._pending.extendleft(reversed(sorted(self._held, key=self._needs)))
-                    self._held.clear()
+                if self._held:  # the held events that follow on now go next, in token order
+                    follow = [e for e in self._held if self._needs(e) <= self.forwarded]
+                    if follow:
+                        self._held = [e for e in self._held if self._needs(e) > self.forwarded]
+                        self._pending.extendleft(reversed(sorted(follow, key=self._needs)))
                 return event
             self.ended = True
             await self.aclose()  # FinalResult or ErrorEvent: the end
