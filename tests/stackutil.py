@@ -505,6 +505,20 @@ def wait_for(predicate, timeout: float, what: str, *, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+async def until(predicate, timeout: float, what: str, *, interval: float = 0.05):
+    """:func:`wait_for` inside an event loop: poll ``predicate()`` (a plain function or a
+    coroutine function) until it gives something truthy (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 def kv_keys(store, stack) -> set[str]:
     """Keys of the KV objects (E|P|D hand-offs) in a RunningStack's bucket."""
     return {info.key for info in store.list(f"{stack.namespace}/kv/")}

@@ -35,6 +35,7 @@ from shared.protocol import (
 )
 from shared.token_stream import TokenOutput
 from shared.worker import WorkerContext
+from tests.stackutil import until
 
 ITEM = "cd" * 32
 REF = ImageRef(item_hash=ITEM, media_key=f"ns/media/{ITEM}", width=8, height=8)
@@ -229,13 +230,6 @@ def test_a_result_with_more_tokens_than_were_forwarded_reads_the_missed_chunks_f
     assert isinstance(final, FinalResult) and final.token_ids == (10,)
 
 
-async def _until(condition, *, timeout_s: float = 10.0) -> None:
-    """Wait until ``condition()`` holds (polled), at most ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 def test_a_gap_the_store_cannot_fill_yet_is_held_until_its_chunk_comes_or_the_deadline(deployment):
     """A chunk heard past a gap whose missing chunk is not in the stream store yet (its first
     publish died with its stream's leader: the worker publishes it again after the election; or
@@ -262,7 +256,7 @@ def test_a_gap_the_store_cannot_fill_yet_is_held_until_its_chunk_comes_or_the_de
                 await pub.publish(subjects.tokens(held), msg, request_id=held)
             first = await anext(stream)
             second = asyncio.create_task(anext(stream))
-            await _until(lambda: len(reads) >= 2 or second.done())  # read twice without seq 1: still held?
+            await until(lambda: len(reads) >= 2 or second.done(), 10, "two reads of the store")  # still held?
             waited = not second.done()
             await pub.publish(subjects.tokens(held), _chunk(held, 1, 1, 11), request_id=held)
             chunks, final = await stream.collect()

@@ -30,6 +30,7 @@ from shared.protocol import FinalResult, GenerationJob, SamplingSpec, Subjects
 from shared.tools.infra import EmbeddedNats, NatsCluster
 from shared.topology import Role, Service
 from shared.worker import Delivery, Handler, WorkerRunner
+from tests.stackutil import until
 
 ACK_WAIT_S = 2.0
 MAX_BYTES = 8 * 1024**2
@@ -91,18 +92,6 @@ def _final(rid: str) -> FinalResult:
         prompt_tokens=1,
         completion_tokens=1,
     )
-
-
-async def _until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _node_of(cluster: NatsCluster, nc) -> int:
@@ -221,7 +210,7 @@ async def _finals(js, subjects: Subjects, rid: str) -> int:
             return None
 
     n = 0
-    sub = await _until(ordered_consumer, 90, f"an ordered consumer on {rid}'s results", interval=0.2)
+    sub = await until(ordered_consumer, 90, f"an ordered consumer on {rid}'s results", interval=0.2)
     try:
         while True:
             try:
@@ -255,11 +244,11 @@ async def _run_jobs(cluster, handler_cls, *, n: int, lose: int, kill_leader: boo
     killed = None
     try:
         js = nc.jetstream(timeout=10)
-        await _until(lambda: _consumer_ready(js, subjects), 60, "the runner's topology")
+        await until(lambda: _consumer_ready(js, subjects), 60, "the runner's topology")
         publisher = JetStreamPublisher(js, retry_s=30)
         for rid in rids:
             await publisher.publish(subjects.generate_jobs, _job(rid), request_id=rid, msg_id=rid)
-        await _until(lambda: handler.started >= n, 60, "every job running")
+        await until(lambda: handler.started >= n, 60, "every job running")
         if kill_leader:  # in flight: their final results and acks go through the election
             killed = await asyncio.to_thread(cluster.wait_stream_leader, subjects.stream_generate, 30)
             await asyncio.to_thread(cluster.kill, killed)
@@ -269,7 +258,7 @@ async def _run_jobs(cluster, handler_cls, *, n: int, lose: int, kill_leader: boo
             info = await js.consumer_info(subjects.stream_generate, protocol.CONSUMER_PREFILL, timeout=2)
             return info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered >= 0
 
-        await _until(lambda: _quiet(settled), 90, "every job acked")
+        await until(lambda: _quiet(settled), 90, "every job acked")
         finals = {rid: await _finals(js, subjects, rid) for rid in rids}
     finally:
         runner.request_stop()
@@ -351,16 +340,16 @@ async def test_a_cancelled_request_s_first_delivery_is_dropped_by_the_cancellati
     before = metrics.GENERATION_JOBS.labels(JobOutcome.CANCELLED)._value.get()
     try:
         js = nc.jetstream(timeout=10)
-        await _until(lambda: _consumer_ready(js, subjects), 60, "the runner's topology")
+        await until(lambda: _consumer_ready(js, subjects), 60, "the runner's topology")
         publisher = JetStreamPublisher(js, retry_s=30)
 
         def heard(rid: str) -> bool | None:  # what the runner heard (None: not listening yet)
             records = runner._records
             return records.heard_cancelled(rid, time.time() + 7200) if records is not None else None
 
-        await _until(lambda: heard(cancelled) is not None, 60, "the runner to listen for cancellations")
+        await until(lambda: heard(cancelled) is not None, 60, "the runner to listen for cancellations")
         await publisher.publish(subjects.cancel(cancelled), cancel_record(cancelled, "test"), request_id=cancelled)
-        await _until(lambda: heard(cancelled), 60, "the runner to hear the cancellation")
+        await until(lambda: heard(cancelled), 60, "the runner to hear the cancellation")
         for rid in (cancelled, live):
             await publisher.publish(subjects.generate_jobs, _job(rid), request_id=rid, msg_id=rid)
 
@@ -368,7 +357,7 @@ async def test_a_cancelled_request_s_first_delivery_is_dropped_by_the_cancellati
             info = await js.consumer_info(subjects.stream_generate, protocol.CONSUMER_PREFILL, timeout=2)
             return info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.stream_seq >= 2
 
-        await _until(lambda: _quiet(settled), 60, "both jobs acked")
+        await until(lambda: _quiet(settled), 60, "both jobs acked")
     finally:
         runner.request_stop()
         await asyncio.wait_for(running, 60)

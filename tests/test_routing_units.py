@@ -28,6 +28,7 @@ from shared.routing import (
     short_hash,
     takeover_value,
 )
+from tests.stackutil import until
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -254,15 +255,6 @@ async def _shared_copies(js, subjects: Subjects) -> list[GenerationJob]:
     return out
 
 
-async def _until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := await predicate():
-            return result
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("case", ["unclaimed", "claimed_then_gone", "claimed_and_done", "done_unseen"])
 def test_watchdog_falls_back_only_when_the_target_does_not_run_the_job(claims_env, case) -> None:
     """Unclaimed past the affinity timeout -> one fallback copy (and the late target loses its
@@ -293,7 +285,7 @@ def test_watchdog_falls_back_only_when_the_target_does_not_run_the_job(claims_en
                 won, state = await router.claims.claim(rid, "w1")
                 await RouteClaim(router.claims, rid, "w1", state.revision).finish()
             await router.publish(_job(rid))
-            routed = await _until(lambda: _routed(js, subjects, "w1"), 5, "the routed job on w1's subject")
+            routed = await until(lambda: _routed(js, subjects, "w1"), 5, "the routed job on w1's subject")
             assert routed.route_reason == RouteReason.AFFINITY and routed.routed_to == "w1"
             claims = router.claims
             assert claims is not None
@@ -303,7 +295,7 @@ def test_watchdog_falls_back_only_when_the_target_does_not_run_the_job(claims_en
                 if case == "claimed_and_done":
                     await RouteClaim(claims, rid, "w1", state.revision).finish()
             # w1 sends no heartbeat from now on: older than routing_takeover_s after 1 s
-            await _until(lambda: _no_watchdog(router), 10, "the watchdog to end")
+            await until(lambda: _no_watchdog(router), 10, "the watchdog to end")
             copies = await _shared_copies(js, subjects)
             if case in ("claimed_and_done", "done_unseen"):
                 assert copies == []
