@@ -24,12 +24,13 @@ The token stream's one dedup rule: a ``TokenChunk`` is new iff its ``seq`` is at
 what was already forwarded, so the first copy of each seq wins, whatever its ``attempt`` (a
 redelivered job restarts at seq 0 and repeats the tokens it already streamed: the seed is derived
 from the request id, ``protocol.effective_seed``). The first ``FinalResult`` or ``ErrorEvent``
-ends it; so does the job's deadline (``DeadlineExceeded``). Never a gap in the text: a chunk
-past one, or a ``FinalResult`` with more tokens than were forwarded, is held back until the
-missed chunks arrive - read from the stream store at once and then again, more slowly, while
-the gap lasts (a chunk heard on the subscription may not be stored yet: its stream was electing
-a leader, and the worker publishes it again; ``shared.token_stream``), or repeated by a
-redelivered job - or the deadline passes. Without a stream store a gap fails the request. A
+ends it; so does the job's deadline (``DeadlineExceeded``). A ``FinalResult`` that carries the
+request's last chunk (``FinalResult.last_chunk``) is that chunk and then the result. Never a gap
+in the text: a chunk past one, or a ``FinalResult`` with more tokens than were forwarded, is held
+back until the missed chunks arrive - read from the stream store at once and then again, more
+slowly, while the gap lasts (a chunk heard on the subscription may not be stored yet: its stream
+was electing a leader, and the worker publishes it again; ``shared.token_stream``), or repeated
+by a redelivered job - or the deadline passes. Without a stream store a gap fails the request. A
 caller that gives up cancels the request (:meth:`RequestClient.abandon`: the workers stop
 working on it, ``shared.cancellation``).
 """
@@ -187,6 +188,10 @@ class TokenStream:
                     self._catch_up_at, self._catch_up_pause = 0.0, 0.0  # (read the store at once)
                 self._held.append(event)
                 continue
+            if isinstance(event, FinalResult) and event.last_chunk is not None:
+                # the request's last chunk came with its result: the chunk, then the result
+                self._pending.appendleft(event.split()[1])
+                event = event.last_chunk
             if isinstance(event, TokenChunk):
                 if event.seq < self.forwarded:
                     self.duplicates += 1
@@ -207,10 +212,13 @@ class TokenStream:
     @staticmethod
     def _needs(event: TokenEvent) -> int:
         """How many tokens must be forwarded before ``event``: a chunk's ``seq``, a result's
-        token count (every token of a request is streamed as a chunk), none for an error."""
+        token count (every token of a request is streamed as a chunk) or, when it carries the
+        last chunk, that chunk's ``seq``; none for an error."""
         if isinstance(event, TokenChunk):
             return event.seq
-        return len(event.token_ids) if isinstance(event, FinalResult) else 0
+        if isinstance(event, FinalResult):
+            return event.last_chunk.seq if event.last_chunk is not None else len(event.token_ids)
+        return 0
 
     def _last_missing(self, event: TokenEvent) -> int | None:
         """The last token missing before ``event`` when chunks before it did not arrive, else None."""

@@ -29,6 +29,7 @@ Runtime library: no torch, nothing from ``shared.tools``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import enum
 import logging
@@ -283,11 +284,25 @@ class RequestCase:
         ends = [m for m in self.of(FinalResult, ErrorEvent) if m.request_id == self.request_id]
         return ends[-1] if ends else None
 
+    def token_chunks(self) -> list[StreamMessage]:
+        """Every token chunk of the request as stored, a chunk that came with a ``FinalResult``
+        (``FinalResult.last_chunk``) included: as a message of its own, at its result's place."""
+        chunks = []
+        for m in self.of(TokenChunk, FinalResult):
+            if m.request_id != self.request_id:
+                continue
+            if isinstance(m.msg, FinalResult):
+                if m.msg.last_chunk is None:
+                    continue
+                m = dataclasses.replace(m, msg=m.msg.last_chunk)
+            chunks.append(m)
+        return chunks
+
     def chunks(self) -> list[StreamMessage]:
         """Token chunks of the last attempt (a redelivered job restarts at seq 0), in token order,
         the first copy of each seq (a chunk a worker published again, after an election, is
         stored after the chunks sent behind it; a copy may have been stored after all)."""
-        chunks = [m for m in self.of(TokenChunk) if m.request_id == self.request_id]
+        chunks = self.token_chunks()
         if not chunks:
             return []
         last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
@@ -318,8 +333,7 @@ class RequestCase:
     def summary(self) -> Summary:
         record, final, error = self.record, self.final, self.error
         received = self.received_at
-        all_chunks = [m for m in self.of(TokenChunk) if m.request_id == self.request_id]
-        first = min((m.time for m in all_chunks), default=None)
+        first = min((m.time for m in self.token_chunks()), default=None)
         end = self.terminal
         images = len(record.images) if record else (len(self.generation_job.images) if self.generation_job else 0)
         if final is not None:

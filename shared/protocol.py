@@ -54,8 +54,9 @@ from shared.errors import EPDError
 #: The newest message schema this code reads. Messages default to v1; the jobs that carry a
 #: ``SamplingSpec`` are v2 since its shape grew (penalties, logprobs, ...): a v1 worker refuses them
 #: with a ProtocolError instead of silently sampling without the new fields. A ``GenerationJob``
-#: whose messages hold a tool conversation is v3 (:data:`TOOL_MESSAGES_SCHEMA`).
-PROTOCOL_VERSION = 3
+#: whose messages hold a tool conversation is v3 (:data:`TOOL_MESSAGES_SCHEMA`), a ``FinalResult``
+#: that carries its request's last chunk v4 (:data:`LAST_CHUNK_SCHEMA`).
+PROTOCOL_VERSION = 4
 
 # Nats headers -------------------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -399,6 +400,10 @@ SAMPLING_SCHEMA = 2
 #: template, so it must refuse the job (ProtocolError) rather than answer another conversation.
 #: Jobs without them stay v2, readable by v2 workers.
 TOOL_MESSAGES_SCHEMA = 3
+#: Schema of a ``FinalResult`` with its request's last chunk (:meth:`FinalResult.with_last_chunk`):
+#: a v3 reader would take the result without that token, so it must refuse the message (upgrade
+#: the APIs before the workers). Results without one stay v1.
+LAST_CHUNK_SCHEMA = 4
 
 
 def generation_schema(messages: list[dict[str, Any]]) -> int:
@@ -693,6 +698,21 @@ class FinalResult(_Msg, frozen=True, kw_only=True, tag="final_result"):
     #: E|P|D: where the decode worker's KV state came from - "store", or "recomputed:<reason>"
     #: when a vLLM decode engine had to prefill the request again; "" outside E|P|D (``ECSource``)
     kv_source: str = ""
+    #: The request's last chunk, when it did not go out on its own: a worker sends a generation's
+    #: last token with its result, one message fewer per request (``shared.token_stream``). A
+    #: reader takes it as the chunk it is, before the result (``shared.client.TokenStream``,
+    #: ``shared.history.RequestCase.token_chunks``).
+    last_chunk: TokenChunk | None = None
+
+    def with_last_chunk(self, chunk: TokenChunk) -> FinalResult:
+        """This result carrying ``chunk`` (schema :data:`LAST_CHUNK_SCHEMA`)."""
+        return msgspec.structs.replace(self, last_chunk=chunk, v=max(self.v, LAST_CHUNK_SCHEMA))
+
+    def split(self) -> tuple[TokenChunk | None, FinalResult]:
+        """The chunk this result carries (None when it carries none) and the result without it."""
+        if self.last_chunk is None:
+            return None, self
+        return self.last_chunk, msgspec.structs.replace(self, last_chunk=None)
 
 
 class ErrorEvent(_Msg, frozen=True, kw_only=True, tag="error"):

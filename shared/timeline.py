@@ -44,7 +44,6 @@ from shared.protocol import (
     GenerationJob,
     StageName,
     Timing,
-    TokenChunk,
     recompute_reason,
 )
 from shared.topology import Service
@@ -308,7 +307,7 @@ def build_timeline(case: RequestCase) -> Timeline:
             )
 
     chunks = case.chunks()
-    all_chunks = [m for m in case.of(TokenChunk) if m.request_id == rid]
+    all_chunks = case.token_chunks()
     attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]  # chunks hold TokenChunks only
     for a in attempts[1:]:
         first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]  # chunks hold TokenChunks only

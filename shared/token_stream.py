@@ -7,7 +7,11 @@ inside the engine.
 
 A chunk is on its way before the previous one's JetStream acknowledgement is awaited, and the
 ``FinalResult`` before the last chunk's (:meth:`TokenOutput.end`): one round trip to NATS per
-chunk less on the token path, and none between a request's last token and its end. The order
+chunk less on the token path, and none between a request's last token and its end. The last
+token (the engine's event with a ``finish_reason``) goes out with the ``FinalResult``
+(``FinalResult.last_chunk``), not as a message of its own - unless a hand-off comes first
+(:meth:`TokenOutput.flush` sends it): one message fewer per request for the worker, NATS and
+the API to handle, which is most of a one-token request's messages. The order
 holds (one connection queues them in order, one stream stores them in order), and nothing is
 acknowledged to the job queue before every chunk was stored: :meth:`TokenOutput.end` and
 :meth:`TokenOutput.flush` (before a hand-off) wait for the acknowledgements. A chunk JetStream did
@@ -64,6 +68,9 @@ class TokenOutput:
         self.first_token_at: float | None = None
         #: the last chunk sent and its acknowledgement, not awaited yet
         self._unconfirmed: tuple[TokenChunk, PendingAck] | None = None
+        #: the generation's last chunk (its event had a finish reason), not sent yet: it goes
+        #: with the result (:meth:`end`), or on its own before a hand-off (:meth:`flush`)
+        self._last: TokenChunk | None = None
 
     @property
     def text(self) -> str:
@@ -82,18 +89,36 @@ class TokenOutput:
         )
         self.token_ids.append(event.token_id)
         self.text_parts.append(event.text)
+        await self._send_last()  # (an event after a finished one: the engine's to answer for; kept in order)
         if event.finish_reason:
             self.finish_reason = event.finish_reason
-        sent = await self.ctx.publisher.send(self.subject, chunk, request_id=self.request_id)
-        await self.flush()  # the previous chunk's acknowledgement (this one is on its way meanwhile)
-        self._unconfirmed = (chunk, sent)
+            self._last = chunk  # sent with the result
+        else:
+            await self._send(chunk)
         if self.on_first_token is not None and len(self.token_ids) == 1:
             await self.on_first_token()
 
+    async def _send(self, chunk: TokenChunk) -> None:
+        sent = await self.ctx.publisher.send(self.subject, chunk, request_id=self.request_id)
+        await self._confirm()  # the previous chunk's acknowledgement (this one is on its way meanwhile)
+        self._unconfirmed = (chunk, sent)
+
+    async def _send_last(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            await self._send(last)
+
     async def flush(self) -> None:
-        """Wait until JetStream stored every chunk sent so far: before a hand-off, whose next
-        stage streams the next chunks. A chunk it did not acknowledge is published again, through
-        an election; ``ServiceUnavailable`` when that failed too."""
+        """Send the last chunk if it is still held for the result, and wait until JetStream
+        stored every chunk sent so far: before a hand-off, whose next stage streams the next
+        chunks."""
+        await self._send_last()
+        await self._confirm()
+
+    async def _confirm(self) -> None:
+        """Wait for the acknowledgement of the chunk sent last. A chunk JetStream did not
+        acknowledge is published again, through an election; ``ServiceUnavailable`` when that
+        failed too."""
         unconfirmed, self._unconfirmed = self._unconfirmed, None
         if unconfirmed is None:
             return
@@ -106,12 +131,16 @@ class TokenOutput:
             await self.ctx.publisher.publish(self.subject, chunk, request_id=self.request_id, msg_id=msg_id)
 
     async def end(self, final: FinalResult) -> None:
-        """Publish the request's ``final`` (after its last chunk, without waiting for that chunk's
-        acknowledgement first), then wait until the chunks are stored too: the job may be acked."""
+        """Publish the request's ``final``, with the last chunk when it is still held (after the
+        chunks before it, without waiting for their acknowledgement first), then wait until the
+        chunks are stored too: the job may be acked."""
+        last, self._last = self._last, None
+        if last is not None:
+            final = final.with_last_chunk(last)
         await self.ctx.publisher.publish(
             self.subject, final, request_id=self.request_id, msg_id=protocol.final_result_msg_id(self.request_id)
         )
-        await self.flush()
+        await self._confirm()
 
     async def stream(self, events: AsyncIterator[TokenEvent], *, deadline: float, what: str = "generation") -> None:
         """Publish every event of ``events`` as it comes. At ``deadline`` (epoch seconds) stop

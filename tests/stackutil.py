@@ -404,7 +404,10 @@ def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent 
     redelivered job re-emits the seq numbers it already sent, and every copy of a seq must carry
     the same tokens (else the test fails: a redelivery changed the output). Each seq counts once,
     taken from ``final``'s attempt where that attempt emitted it (earlier seqs may come from the
-    prefill worker's own attempt). Seqs must run 0..n-1 without a gap."""
+    prefill worker's own attempt). The chunk ``final`` carries (``FinalResult.last_chunk``) counts
+    as one of them. Seqs must run 0..n-1 without a gap."""
+    if isinstance(final, FinalResult) and final.last_chunk is not None:
+        chunks = [*chunks, final.last_chunk]
     by_key: dict[tuple[int, int], tuple[int, ...]] = {}
     for c in chunks:
         assert by_key.setdefault((c.attempt, c.seq), c.token_ids) == c.token_ids, f"seq {c.seq} sent twice differently"

@@ -277,6 +277,59 @@ def test_a_gap_the_store_cannot_fill_yet_is_held_until_its_chunk_comes_or_the_de
     assert 1.0 < unfilled_s < 10
 
 
+def test_a_result_that_carries_the_last_chunk_is_that_chunk_then_the_result_in_token_order(deployment):
+    """``FinalResult.last_chunk``: the token stream forwards the chunk, then the result without it;
+    past a gap it is held like a chunk until the gap is filled; a copy of a seq already forwarded
+    (a redelivered attempt's) is dropped, the result kept."""
+    url, subjects = deployment
+    gap, dup = (f"chatcmpl-{uuid.uuid4().hex}" for _ in range(2))
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            client = await _client(nc, subjects)
+            pub = JetStreamPublisher(nc.jetstream())
+            out = {}
+            for rid, events in (
+                # seq 1 comes after the result that carries seq 2
+                (gap, [_chunk(gap, 1, 0, 10), _final(gap, (10, 11, 12)).with_last_chunk(_chunk(gap, 1, 2, 12))]),
+                # attempt 1 sent seqs 0 and 1; attempt 2's result carries seq 1 again, told apart by its token
+                (
+                    dup,
+                    [
+                        _chunk(dup, 1, 0, 10),
+                        _chunk(dup, 1, 1, 11),
+                        _final(dup, (10, 11)).with_last_chunk(_chunk(dup, 2, 1, 91)),
+                    ],
+                ),
+            ):
+                stream = await client.submit(_job(rid, time.time() + 30))
+                for msg in events:
+                    await pub.publish(subjects.tokens(rid), msg, request_id=rid)
+                first = await anext(stream)
+                if rid == gap:
+                    held = asyncio.create_task(anext(stream))
+                    await until(lambda s=stream: bool(s._held), 10, "the result held past the gap")
+                    assert not held.done()
+                    await pub.publish(subjects.tokens(rid), _chunk(rid, 1, 1, 11), request_id=rid)
+                    rest, final = await stream.collect()
+                    out[rid] = ([first, await held, *rest], final, stream.duplicates)
+                else:
+                    rest, final = await stream.collect()
+                    out[rid] = ([first, *rest], final, stream.duplicates)
+            return out
+        finally:
+            await nc.close()
+
+    out = asyncio.run(main())
+    chunks, final, duplicates = out[gap]
+    assert [(c.seq, c.token_ids) for c in chunks] == [(0, (10,)), (1, (11,)), (2, (12,))]
+    assert final.token_ids == (10, 11, 12) and final.last_chunk is None
+    chunks, final, duplicates = out[dup]
+    assert [(c.seq, c.token_ids) for c in chunks] == [(0, (10,)), (1, (11,))]  # not 91
+    assert final.token_ids == (10, 11) and final.last_chunk is None and duplicates == 1
+
+
 class _LosingPublisher(JetStreamPublisher):
     """A real publisher whose first send of each seq in ``lose`` goes where no stream stores it
     (as if it died with its stream's leader): JetStream never acknowledges it."""
@@ -306,9 +359,9 @@ def test_a_chunk_jetstream_did_not_store_is_published_again_and_the_text_stays_w
             stream = await client.submit(_job(rid, time.time() + 30))
             publisher = _LosingPublisher(nc.jetstream(), {1})
             out = TokenOutput(WorkerContext(WorkerSettings(), subjects, publisher, nc), rid, 1)
-            for tok, finish in ((10, None), (11, None), (12, "length")):
+            for tok, finish in ((10, None), (11, None), (12, None), (13, "length")):
                 await out.publish(TokenEvent(tok, f"<{tok}>", finish_reason=finish))
-            await out.end(_final(rid, (10, 11, 12)))
+            await out.end(_final(rid, (10, 11, 12, 13)))
             heard = await stream.collect()
             stored, _ = await client.stored_events(rid, 0)
             return publisher.lose, heard, stored
@@ -317,13 +370,9 @@ def test_a_chunk_jetstream_did_not_store_is_published_again_and_the_text_stays_w
 
     unlost, (chunks, final), stored = asyncio.run(main())
     assert not unlost  # the fault hit: seq 1's first send went nowhere
-    assert [c.token_ids for c in chunks] == [(10,), (11,), (12,)] and final.token_ids == (10, 11, 12)
-    assert [(type(m).__name__, getattr(m, "seq", None)) for m in stored] == [
-        ("TokenChunk", 0),
-        ("TokenChunk", 2),
-        ("TokenChunk", 1),
-        ("FinalResult", None),
-    ]
+    assert [c.token_ids for c in chunks] == [(10,), (11,), (12,), (13,)] and final.token_ids == (10, 11, 12, 13)
+    seqs = [(type(m).__name__, m.last_chunk.seq if isinstance(m, FinalResult) else m.seq) for m in stored]
+    assert seqs == [("TokenChunk", 0), ("TokenChunk", 2), ("TokenChunk", 1), ("FinalResult", 3)]
 
 
 class _OrderedPublisher(JetStreamPublisher):
@@ -353,9 +402,11 @@ class _OrderedPublisher(JetStreamPublisher):
 
 def test_a_worker_sends_each_chunk_before_the_last_is_stored_and_the_result_before_its_last_chunk_is(deployment):
     """``TokenOutput``: a chunk goes out before the previous one's acknowledgement is awaited, the
-    final result before the last chunk's, and ``end`` returns only once every chunk is stored;
-    the stream stores them in the order they were sent. A chunk JetStream cannot store (no stream holds
-    its subject), even published again, fails ``end`` / ``flush`` (the job is not acked as done)."""
+    final result - with the last token, which goes out with it - before the chunk before it is
+    stored, and ``end`` returns only once every chunk is stored; the stream stores them in the
+    order they were sent. A chunk JetStream cannot store (no stream holds its subject), even
+    published again, fails ``end`` / ``flush`` (the job is not acked as done); ``flush`` sends a
+    last token held for the result (before a hand-off)."""
     url, subjects = deployment
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -382,10 +433,13 @@ def test_a_worker_sends_each_chunk_before_the_last_is_stored_and_the_result_befo
             await nc.close()
 
     notes, (chunks, final), stored = asyncio.run(main())
-    assert notes[:7] == ["sent 0", "sent 1", "stored 0", "sent 2", "stored 1", "FinalResult", "stored 2"]
+    assert notes[:5] == ["sent 0", "sent 1", "stored 0", "FinalResult", "stored 1"]
+    assert notes[5] == "sent 0"  # the held last token of the second output, sent by flush
     assert [c.token_ids for c in chunks] == [(10,), (11,), (12,)] and final.token_ids == (10, 11, 12)
-    assert [type(m).__name__ for m in stored] == ["TokenChunk"] * 3 + ["FinalResult"]
-    assert [m.seq for m in stored[:3]] == [0, 1, 2]
+    assert final.last_chunk is None  # (the stream forwarded it as a chunk of its own)
+    assert [type(m).__name__ for m in stored] == ["TokenChunk"] * 2 + ["FinalResult"]
+    assert [m.seq for m in stored[:2]] == [0, 1] and stored[2].last_chunk.token_ids == (12,)
+    assert stored[2].v == protocol.LAST_CHUNK_SCHEMA
 
 
 def test_duplicate_encode_jobs_collapse_and_the_deadline_ends_a_silent_request(deployment):

@@ -61,6 +61,27 @@ def test_newer_schema_is_refused():
     assert protocol.decode(protocol.encode(ok)) == ok
 
 
+def test_a_result_with_its_last_chunk_is_refused_by_a_reader_of_the_schema_before(monkeypatch):
+    """A v3 API would take the result and drop the token it carries: it refuses the message."""
+    chunk = TokenChunk(request_id="r", attempt=1, seq=1, token_ids=(7,), text="b")
+    plain = FinalResult(
+        request_id="r",
+        attempt=1,
+        token_ids=(6, 7),
+        text="ab",
+        finish_reason="stop",
+        prompt_tokens=1,
+        completion_tokens=2,
+    )
+    folded = plain.with_last_chunk(chunk)
+    assert folded.v == protocol.LAST_CHUNK_SCHEMA and plain.v == 1
+    assert protocol.decode(protocol.encode(folded)).split() == (chunk, msgspec.structs.replace(folded, last_chunk=None))
+    monkeypatch.setattr(protocol, "PROTOCOL_VERSION", protocol.LAST_CHUNK_SCHEMA - 1)
+    with pytest.raises(ProtocolError, match="newer"):
+        protocol.decode(protocol.encode(folded))
+    assert protocol.decode(protocol.encode(plain)) == plain  # control: results without one stay readable
+
+
 def test_wrong_type_and_garbage_are_protocol_errors():
     data = protocol.encode(TokenChunk(request_id="r", attempt=1, seq=0, token_ids=(1,), text=""))
     with pytest.raises(ProtocolError, match="expected"):

@@ -119,7 +119,10 @@ def test_show_lists_every_stage_of_an_image_request(epd_stack):
     assert [m.time for m in case.messages] == sorted(m.time for m in case.messages)
     kinds = [m.kind for m in case.messages]
     assert kinds.count("chat_request") == kinds.count("encode_job") == kinds.count("ec_ready") == 1
-    assert kinds.count("generation_job") == 1 and kinds.count("token_chunk") == 8 and kinds[-1] == "final_result"
+    # 7 chunks and the result with the last one (FinalResult.last_chunk)
+    assert kinds.count("generation_job") == 1 and kinds.count("token_chunk") == 7 and kinds[-1] == "final_result"
+    assert case.final.last_chunk is not None and case.final.last_chunk.seq == 7
+    assert [m.msg.seq for m in case.chunks()] == list(range(8))
     # request_id and stage timestamps travel in the headers of every message
     for m in case.messages:
         assert m.request_id == rid
