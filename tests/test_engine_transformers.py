@@ -16,7 +16,7 @@ import torch
 from shared.engines.base import EncodedImage, GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.prompts import check_image_count, count_image_placeholders
 from shared.engines.transformers_engine import TransformersEngine
-from shared.engines.transformers_state import DecodeState, IncrementalDetokenizer, StopStringMatcher
+from shared.engines.transformers_state import DecodeState, IncrementalDetokenizer, StopStringMatcher, ids_decoder
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
 from shared.fingerprint import encoder_fingerprint
 from shared.store.format import RawTensor
@@ -543,6 +543,25 @@ def test_stop_matcher_holds_back_possible_prefixes():
     assert m.finish() == "EN"
     m = StopStringMatcher([])
     assert m.feed("anything") == ("anything", False)
+
+
+def test_ids_decoder_is_the_backends_decode_only_where_transformers_would_call_it(model_dirs):
+    """``ids_decoder``: the tokenizers backend's decode for the models' tokenizers (the same text as
+    ``tokenizer.decode``); a tokenizer class with its own ``decode`` is called as it is."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs[ARCHS[0]])
+    ids = list(range(100, 140)) + sorted(tok.all_special_ids)[:2]
+    fast = ids_decoder(tok)
+    assert fast(ids) == tok.decode(ids, skip_special_tokens=True) and fast(ids)
+    assert getattr(fast, "__closure__", None) and tok.backend_tokenizer in [c.cell_contents for c in fast.__closure__]
+
+    class Shouting(type(tok)):  # a model-specific tokenizer that post-processes its text
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    tok.__class__ = Shouting
+    assert ids_decoder(tok)(ids) == fast(ids).upper() != fast(ids)
 
 
 def test_incremental_detokenizer_matches_full_decode(model_dirs):
