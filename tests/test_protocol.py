@@ -19,6 +19,19 @@ from shared.protocol import (
 REF = ImageRef(item_hash="ab" * 32, media_key="epd/media/" + "ab" * 32, width=64, height=48)
 
 
+def _final(**kw) -> FinalResult:
+    return FinalResult(
+        request_id="r1",
+        attempt=1,
+        token_ids=(1, 2),
+        text="ab",
+        finish_reason="stop",
+        prompt_tokens=5,
+        completion_tokens=2,
+        **kw,
+    )
+
+
 def test_every_message_round_trips():
     msgs = [
         EncodeJob(request_id="r1", image=REF, fingerprint="f" * 24, ec_key="k", created_at=1.5),
@@ -34,16 +47,7 @@ def test_every_message_round_trips():
             created_at=1.0,
         ),
         TokenChunk(request_id="r1", attempt=1, seq=3, token_ids=(7,), text="a"),
-        FinalResult(
-            request_id="r1",
-            attempt=1,
-            token_ids=(1, 2),
-            text="ab",
-            finish_reason="stop",
-            prompt_tokens=5,
-            completion_tokens=2,
-            timings={"total_s": 0.1},
-        ),
+        _final(timings={"total_s": 0.1}),
         ErrorEvent(request_id="r1", code="invalid_image", message="bad", stage="prefill", http_status=400),
     ]
     for msg in msgs:
@@ -63,16 +67,8 @@ def test_newer_schema_is_refused():
 
 def test_a_result_with_its_last_chunk_is_refused_by_a_reader_of_the_schema_before(monkeypatch):
     """A v3 API would take the result and drop the token it carries: it refuses the message."""
-    chunk = TokenChunk(request_id="r", attempt=1, seq=1, token_ids=(7,), text="b")
-    plain = FinalResult(
-        request_id="r",
-        attempt=1,
-        token_ids=(6, 7),
-        text="ab",
-        finish_reason="stop",
-        prompt_tokens=1,
-        completion_tokens=2,
-    )
+    chunk = TokenChunk(request_id="r1", attempt=1, seq=1, token_ids=(2,), text="b")
+    plain = _final()
     folded = plain.with_last_chunk(chunk)
     assert folded.v == protocol.LAST_CHUNK_SCHEMA and plain.v == 1
     assert protocol.decode(protocol.encode(folded)).split() == (chunk, msgspec.structs.replace(folded, last_chunk=None))

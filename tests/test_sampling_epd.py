@@ -155,7 +155,9 @@ async def _collect(sub) -> tuple[list[TokenChunk], FinalResult]:
             if isinstance(event, TokenChunk):
                 chunks.append(event)
             elif isinstance(event, FinalResult):
-                return sorted(chunks, key=lambda c: c.seq), event
+                last, final = event.split()  # (the last token comes with the result)
+                chunks += [last] if last is not None else []
+                return sorted(chunks, key=lambda c: c.seq), final
             else:
                 raise AssertionError(f"unexpected {event!r}")
     finally:
