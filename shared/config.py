@@ -229,6 +229,14 @@ class EngineSettings(SettingsGroup):
         "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
         "and the PD worker disjoint lists on one host",
     )
+    cpu_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="CPU priority a worker lowers itself (and vLLM's engine processes) to, as nice(1): "
+        "0 keeps it; 19 yields the cores to every normal process, e.g. a spare PD worker on the "
+        "encoder's cores that generates only when the encoder leaves them idle",
+    )
     vllm_dir: Path = Path("var/vllm")
     """vLLM engine (`EPD_ENGINE=vllm`): folder of its caches, compile artefacts and IPC sockets."""
     vllm_enforce_eager: bool = Field(

@@ -70,6 +70,44 @@ def bind_process(cpu_list: str | None) -> list[int] | None:
     return usable
 
 
+def lower_priority(nice: int) -> int:
+    """Raise this process's nice value to ``nice`` (0: leave it); what it starts afterwards inherits
+    it, vLLM's engine processes included. A process can only lower its own priority, so a value
+    below the current one changes nothing. Returns the nice value the process has.
+
+    Where the kernel groups processes by session for scheduling (``sched_autogroup_enabled``, the
+    default of most distributions), a nice value only weighs against the processes of the same
+    session: a worker in a session of its own (``epd up`` starts every service in one) competes
+    with the others as its session's autogroup. So a session leader sets its autogroup's nice
+    too (``/proc/self/autogroup``), which covers the engine processes it starts."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= current:
+        return current
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    grouped = _autogroups_enabled()
+    if grouped and os.getsid(0) == os.getpid():
+        with open("/proc/self/autogroup", "w") as fh:
+            fh.write(str(nice))
+        log.info("CPU priority lowered to nice %d (the process and its session's autogroup)", nice)
+    elif grouped:
+        log.warning(
+            "CPU priority lowered to nice %d, but only against the processes of this session: the kernel "
+            "schedules sessions as groups (sched_autogroup_enabled) and this process does not lead its own",
+            nice,
+        )
+    else:
+        log.info("CPU priority lowered to nice %d", nice)
+    return nice
+
+
+def _autogroups_enabled() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as fh:
+            return fh.read().strip() == "1"
+    except OSError:  # a kernel built without it
+        return False
+
+
 def split_cpus(cpus: Sequence[int], services: Sequence[str]) -> dict[str, str]:
     """Disjoint CPU lists for ``services`` in order (``epd up --cores auto``): as even as the count
     allows, the first ones getting the remainder; with fewer CPUs than services the last CPU is

@@ -40,13 +40,15 @@ def exit_unless_engine_fits(model: ModelSettings, role: Role) -> None:
 
 
 def bind_cpus_or_exit(runtime: EngineSettings) -> None:
-    """Start-up, before anything is loaded: bind the process to ``EPD_CPU_CORES`` (``shared.cpus``)."""
-    from shared.cpus import bind_process
+    """Start-up, before anything is loaded: bind the process to ``EPD_CPU_CORES`` and lower its
+    priority by ``EPD_CPU_NICE`` (``shared.cpus``)."""
+    from shared.cpus import bind_process, lower_priority
 
     try:
         bind_process(runtime.cpu_cores)
     except ValueError as exc:
         raise SystemExit(f"worker: {exc}") from None
+    lower_priority(runtime.cpu_nice)
 
 
 def media_limits(media: MediaSettings) -> MediaLimits:

@@ -71,6 +71,30 @@ def test_cpu_lists_parse_format_and_split():
     assert split_cpus([0, 1], ["encoder", "prefill", "decode"]) == {"encoder": "0", "prefill": "1", "decode": "1"}
 
 
+def test_a_worker_lowers_its_priority_and_never_raises_it():
+    # In child processes: a process cannot take back a lower priority without privileges, and the
+    # test process must keep its own.
+    code = (
+        "import os; from shared.cpus import lower_priority as lower; "
+        "print(lower(0), lower(4), lower(2), os.getpriority(os.PRIO_PROCESS, 0), open('/proc/self/autogroup').read())"
+    )
+
+    def run(**kwargs) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, **kwargs)
+        assert out.returncode == 0, out
+        return out.stdout.split()
+
+    own_session = run(start_new_session=True)
+    assert own_session[:4] == ["0", "4", "4", "4"], own_session
+    shared_session = run()
+    assert shared_session[:4] == ["0", "4", "4", "4"], shared_session
+    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        # Sessions are scheduled as groups: a session leader lowers its group, which is what
+        # weighs against the other services; a process in someone else's session leaves it alone.
+        assert own_session[-2:] == ["nice", "4"], own_session
+        assert shared_session[-2:] == ["nice", "0"], shared_session
+
+
 def test_epd_up_per_service_settings_from_flags():
     from shared.tools.cli import _service_env
 
@@ -228,8 +252,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
     ]
     if topology is not None:
         argv += ["--topology", topology, "--model", str(tiny_model_dir)]
-    else:  # per-service CPU binding, and one worker service after another
-        argv += ["--cores", "auto", "--start", "staggered"]
+    else:  # per-service CPU binding and priority, and one worker service after another
+        argv += ["--cores", "auto", "--service-env", "encoder:EPD_CPU_NICE=3", "--start", "staggered"]
     # Nothing of this session's configuration leaks in; PYTHONPATH: the tree under test (the
     # editable install points at the main checkout; make run runs in the checkout it installed).
     env = {
@@ -281,12 +305,20 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
             for p in children
             if "-m services." in p.cmdline
         }
+        nice = {
+            re.search(r"-m services\.(\w+)", p.cmdline)[1]: os.getpriority(os.PRIO_PROCESS, p.pid)
+            for p in children
+            if "-m services." in p.cmdline
+        }
         if topology is None:  # --cores auto: each worker on its share of the CPUs, the API anywhere
             split = split_cpus(available_cpus(), workers)
             assert {w: bound[w] for w in workers} == {w: set(parse_cpu_list(c)) for w, c in split.items()}, bound
             assert "starting services one worker service at a time..." in output()
-        else:  # control: without --cores every process may run anywhere
+            # EPD_CPU_NICE for the encoder only: it lowered its own priority, nothing else's
+            assert nice == {s: 3 if s == "encoder" else 0 for s in nice}, nice
+        else:  # control: without --cores every process may run anywhere, at the priority it started with
             assert all(cores == set(available_cpus()) for cores in bound.values()), bound
+            assert set(nice.values()) == {0}, nice
         metrics = dict(re.findall(r"(\S+) :(\d+)", METRICS.search(output())["ports"]))
         assert sorted(metrics) == sorted(f"{w}-0" for w in workers)
         ports = listening_ports([p.pid for p in children])
