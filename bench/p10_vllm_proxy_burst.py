@@ -23,6 +23,9 @@ Cores (``--cores``): ``split-epd`` (default) gives each side's encoder engine co
 (ours: ``EPD_CPU_CORES``; vLLM's servers: process affinity, which their engine processes inherit, and
 ``VLLM_CPU_OMP_THREADS_BIND``); ``auto`` leaves every engine to vLLM's own binding. Our API and vLLM's proxy
 are not bound. vLLM's caches, compile artefacts and IPC sockets live under the bench folder (``var/``).
+``--spare-pd NICE`` gives both sides a second PD engine on the encoder's core(s) at that nice value (ours: a
+second prefill worker with ``EPD_CPU_NICE``, pulling from the same queue; vLLM's: a second PD server, its
+session's autogroup lowered the same way, behind the proxy, which picks a PD server at random).
 
 Each repetition sends the same ``--burst`` requests (a new ``--image-size`` image each - new images every
 repetition - or with ``--repeat-fraction`` that share of them repeating an image of the burst; a 16-word
@@ -97,7 +100,10 @@ class VllmEpd:
     def __init__(self, work: Path, model: Path, args: argparse.Namespace, cores: dict[str, str]):
         self.work, self.model, self.args, self.cores = work, model, args, cores
         self.ec_dir = work / "ec_cache"
-        self.ports = {"encoder": free_port(), "pd": free_port(), "proxy": free_port()}
+        #: ``--spare-pd``: a second PD server on the encoder's core(s), at that nice value
+        self.spare_nice: int | None = args.spare_pd
+        self.servers = ("encoder", "pd", "pd2") if self.spare_nice is not None else ("encoder", "pd")
+        self.ports = {name: free_port() for name in (*self.servers, "proxy")}
         self.procs: dict[str, ServiceProcess] = {}
 
     @property
@@ -139,10 +145,10 @@ class VllmEpd:
             argv += ["--no-enable-prefix-caching", "--max-num-batched-tokens", "4096"]
         return argv
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str], cores: str | None) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], cores: str | None, nice: int = 0) -> None:
         import subprocess
 
-        from shared.cpus import parse_cpu_list
+        from shared.cpus import lower_priority, parse_cpu_list
 
         log_path = self.work / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +157,8 @@ class VllmEpd:
         def bind() -> None:
             if cpu_set:
                 os.sched_setaffinity(0, cpu_set)
+            if nice:  # (a session leader: start_new_session) its session's autogroup too
+                lower_priority(nice)
 
         with log_path.open("ab") as fh:
             popen = subprocess.Popen(
@@ -160,18 +168,20 @@ class VllmEpd:
                 env=env,
                 cwd=str(h.ROOT),
                 start_new_session=True,  # its own process group: stop() ends its engine processes too
-                preexec_fn=bind if cpu_set else None,
+                preexec_fn=bind if cpu_set or nice else None,
             )
         self.procs[name] = ServiceProcess(name, popen, log_path)
 
     def start_servers(self) -> None:
         self.ec_dir.mkdir(parents=True, exist_ok=True)
         base = {**os.environ, **vllm_env(self.work / "vllm")}
-        for role in ("encoder", "pd"):
+        for name in self.servers:
+            role = "encoder" if name == "pd2" else name  # the spare PD server shares the encoder's cores
             env = dict(base)
             if role in self.cores:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores[role]
-            self._spawn(role, self.server_argv(role), env, self.cores.get(role))
+            nice = (self.spare_nice or 0) if name == "pd2" else 0
+            self._spawn(name, self.server_argv(name), env, self.cores.get(role), nice)
 
     async def _wait(self, name: str, url: str, deadline: float) -> None:
         async with httpx.AsyncClient(timeout=5.0) as http:
@@ -190,8 +200,8 @@ class VllmEpd:
 
     async def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for role in ("encoder", "pd"):
-            await self._wait(role, f"http://127.0.0.1:{self.ports[role]}/health", deadline)
+        for name in self.servers:
+            await self._wait(name, f"http://127.0.0.1:{self.ports[name]}/health", deadline)
         proxy = [str(self.args.vllm_proxy)] if self.args.vllm_proxy else [str(HERE / "vllm_epd_proxy.py")]
         self._spawn(
             "proxy",
@@ -207,7 +217,7 @@ class VllmEpd:
                 "--prefill-servers-urls",
                 "disable",
                 "--decode-servers-urls",
-                f"http://127.0.0.1:{self.ports['pd']}",
+                ",".join(f"http://127.0.0.1:{self.ports[name]}" for name in self.servers if name != "encoder"),
             ],
             dict(os.environ),
             None,
@@ -216,7 +226,7 @@ class VllmEpd:
 
     def core_binding(self) -> str:
         found = []
-        for name in ("encoder", "pd"):
+        for name in self.servers:
             proc = self.procs.get(name)
             if proc is None:
                 continue
@@ -229,7 +239,7 @@ class VllmEpd:
         return ", ".join(found) or "not in the logs"
 
     def close(self) -> None:
-        for name in ("proxy", "pd", "encoder"):
+        for name in ("proxy", *reversed(self.servers)):
             if name in self.procs:
                 self.procs[name].stop(timeout=30.0)
 
@@ -410,6 +420,15 @@ async def measure(args: argparse.Namespace, ours: h.BenchStack, theirs: VllmEpd)
     return list(figures.values())
 
 
+def start_spare_pd(ours: h.BenchStack, encoder_env: dict[str, str], nice: int) -> None:
+    """``--spare-pd``: one more prefill worker on the encoder's cores at ``nice`` (it pulls PD jobs
+    from the same queue as the first); returns once it beats."""
+    t = time.perf_counter()
+    ours.stack.add("prefill", index=1, extra_env={**encoder_env, "EPD_CPU_NICE": str(nice)})
+    ours.stack.wait_ready(timeout=1200.0, roles={"encoder": 1, "prefill": 2})
+    print(f"ours: a spare prefill worker (nice {nice}) ready in {time.perf_counter() - t:.1f}s", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     h.common_args(parser, reps=3, requests=None, images=True)
@@ -421,6 +440,20 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="both sides' KV cache (EPD_VLLM_KV_CACHE_GIB)")
     parser.add_argument(
         "--vllm-proxy", type=Path, default=None, help="vLLM's disagg_epd_proxy.py from a checkout, run instead of ours"
+    )
+    parser.add_argument(
+        "--spare-pd",
+        type=int,
+        default=None,
+        metavar="NICE",
+        help="both sides: a second PD engine on the encoder's core(s) at this nice value "
+        "(ours: a second prefill worker with EPD_CPU_NICE; vLLM's: a second PD server behind its proxy)",
+    )
+    parser.add_argument(
+        "--max-waiting-jobs",
+        type=int,
+        default=None,
+        help="ours: EPD_MAX_WAITING_JOBS of the PD workers (jobs held while their features are computed)",
     )
     parser.add_argument(
         "--encode-steals", type=int, default=0, help="ours: EPD_ENCODE_STEALS (the PD worker steals queued encodes)"
@@ -442,9 +475,13 @@ def main() -> int:
                 "EPD_VLLM_KV_CACHE_GIB": str(args.kv_cache_gib),
                 "EPD_ENCODE_STEALS": str(args.encode_steals),
             }
+            if args.max_waiting_jobs is not None:
+                overrides["EPD_MAX_WAITING_JOBS"] = str(args.max_waiting_jobs)
             if args.encode_pixel_budget:
                 overrides["EPD_ENCODE_PIXEL_BUDGET"] = str(args.encode_pixel_budget)
             stacks = bench.start({"ours": ("e-pd", overrides)}, model, timeout=1200.0, service_env={"ours": our_env})
+            if args.spare_pd is not None:
+                start_spare_pd(stacks["ours"], our_env.get("encoder", {}), args.spare_pd)
             t = time.perf_counter()
             asyncio.run(theirs.wait_ready(1200.0))
             print(f"vLLM's E|PD ready {time.perf_counter() - t:.1f}s later; logs under {theirs.work / 'logs'}")
