@@ -78,6 +78,7 @@ from shared.cancellation import Ended, RequestRecords, cancelled_request_id
 from shared.config import WorkerSettings
 from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
+from shared.heap import freeze_startup_heap
 from shared.jetstream import (
     TRACE_HEADERS,
     JetStreamPublisher,
@@ -397,9 +398,13 @@ class WorkerRunner:
         batch_size: int = 1,
         concurrency: int = 1,
         drain_timeout_s: float = 60.0,
+        freeze_heap: bool = False,
     ):
         self.handler = handler
         self.settings = settings
+        #: Freeze the process's heap once the handler is set up (``shared.heap``): the process's
+        #: own runner only (``run_worker``), never one in a test's process.
+        self.freeze_heap = freeze_heap
         self.subjects = Subjects(settings.nats.subject_prefix)
         self.batch_size = batch_size
         self.concurrency = concurrency
@@ -433,6 +438,8 @@ class WorkerRunner:
             publisher = JetStreamPublisher(js, retry_s=self.settings.nats.publish_retry_s)
             ctx = WorkerContext(self.settings, self.subjects, publisher, nc)
             await self.handler.setup(ctx)
+            if self.freeze_heap:  # started: the engine is loaded
+                freeze_startup_heap()
             stream = self.subjects.work_stream(self.handler.queue)
             self._records = RequestRecords(js, self.subjects, nc)
             cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
@@ -701,7 +708,7 @@ def run_worker(handler: Handler, settings: WorkerSettings, **runner_kwargs: Any)
         start_http_server(settings.metrics_port, addr="0.0.0.0")
 
     async def main() -> int:
-        runner = WorkerRunner(handler, settings, **runner_kwargs)
+        runner = WorkerRunner(handler, settings, freeze_heap=True, **runner_kwargs)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runner.request_stop)

@@ -641,6 +641,11 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
             {},
         )
         api_log = up.data_dir / "logs" / "api-0.log"
+        # Started, every service froze its start-up heap (shared.heap): out of the collector's scans.
+        for service in ("api", "encoder", "prefill"):
+            log_text = (up.data_dir / "logs" / f"{service}-0.log").read_text()
+            frozen = re.search(r"start-up heap frozen: (\d+) objects", log_text)
+            assert frozen and int(frozen[1]) > 50_000, (service, log_text[-2000:])
 
         # 1. The encoder dies holding the encode job of a request in flight. Stopped first, it
         # cannot finish the job before the kill whatever the machine's load.

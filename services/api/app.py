@@ -68,6 +68,7 @@ from shared.errors import (
     Unauthorized,
     error_from_code,
 )
+from shared.heap import freeze_startup_heap
 from shared.jetstream import TRACE_HEADERS, nats_unavailable, set_trace
 from shared.logs import REQUEST_ID
 from shared.protocol import (
@@ -253,12 +254,16 @@ def _stopping_error() -> ServiceUnavailable:
     return ServiceUnavailable("the API is shutting down before the request finished; retry it")
 
 
-def create_app(settings: ApiSettings) -> EpdApp:
+def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
+    """The API app. ``freeze_heap``: freeze the process's heap once the service has started
+    (``shared.heap``; the API process's own entry point, never an app built in a test's process)."""
     service = ApiService(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
+        if freeze_heap:
+            freeze_startup_heap()
         try:
             yield
         finally:

@@ -33,7 +33,7 @@ def main() -> None:
     setup_logging(settings.log_level, service=Service.API, fmt=settings.log_format)
     from services.api.app import create_app
 
-    app = create_app(settings)
+    app = create_app(settings, freeze_heap=True)
     config = uvicorn.Config(
         app,
         host=settings.host,
