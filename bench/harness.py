@@ -368,6 +368,28 @@ def load_average() -> str:
         return "n/a"
 
 
+def _cpu_busy_idle() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, idle
+
+
+async def wait_quiet(busy_below: float = 0.3, window_s: float = 0.5, max_s: float = 15.0) -> float:
+    """Wait until the machine's CPUs were busy less than ``busy_below`` of a ``window_s`` window
+    (the other side's engines done with the tail of their burst), at most ``max_s``; returns the
+    busy fraction of the last window. Idle baselines measured right after the other side's burst
+    otherwise catch its tail (a P4 idle probe of 660 ms against ~105 ms)."""
+    deadline = time.monotonic() + max_s
+    while True:
+        b0, i0 = _cpu_busy_idle()
+        await asyncio.sleep(window_s)  # the measuring window itself
+        b1, i1 = _cpu_busy_idle()
+        busy = (b1 - b0) / max(1, (b1 - b0) + (i1 - i0))
+        if busy < busy_below or time.monotonic() > deadline:
+            return busy
+
+
 # -- load runs ---------------------------------------------------------------------------------
 @dataclass
 class Run:

@@ -77,7 +77,14 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
 
 async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tuple[list[float], list[float], h.Run]:
     async with h.client() as http:
+        busy = await h.wait_quiet()  # not the other side's burst's tail
         idle = [(await probe(http, bs, i, args.probe_tokens)).ttft_s for i in range(args.probes)]
+        worst = max(t for t in idle if t is not None)
+        print(
+            f"  {bs.label:>3} idle probes after the CPUs were {busy:.0%} busy: the slowest "
+            f"#{idle.index(worst)} {worst * 1e3:.0f} ms",
+            flush=True,
+        )
         burst = asyncio.create_task(
             h.run_load(bs, burst_spec(args, seed), label=f"p4-{bs.label}-burst-{seed}", timelines=False)
         )
