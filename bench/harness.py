@@ -378,8 +378,8 @@ def _cpu_busy_idle() -> tuple[int, int]:
 async def wait_quiet(busy_below: float = 0.3, window_s: float = 0.5, max_s: float = 15.0) -> float:
     """Wait until the machine's CPUs were busy less than ``busy_below`` of a ``window_s`` window
     (the other side's engines done with the tail of their burst), at most ``max_s``; returns the
-    busy fraction of the last window. Idle baselines measured right after the other side's burst
-    otherwise catch its tail (a P4 idle probe of 660 ms against ~105 ms)."""
+    busy fraction of the last window: an idle baseline is not measured while the other side still
+    finishes its burst."""
     deadline = time.monotonic() + max_s
     while True:
         b0, i0 = _cpu_busy_idle()

@@ -86,9 +86,13 @@ def lower_priority(nice: int) -> int:
     os.setpriority(os.PRIO_PROCESS, 0, nice)
     grouped = _autogroups_enabled()
     if grouped and os.getsid(0) == os.getpid():
-        with open("/proc/self/autogroup", "w") as fh:
-            fh.write(str(nice))
-        log.info("CPU priority lowered to nice %d (the process and its session's autogroup)", nice)
+        try:
+            with open("/proc/self/autogroup", "w") as fh:
+                fh.write(str(nice))
+        except OSError as exc:  # e.g. a read-only /proc in a container: the process's own value stays
+            log.warning("CPU priority lowered to nice %d, but not its session's autogroup (%s)", nice, exc)
+        else:
+            log.info("CPU priority lowered to nice %d (the process and its session's autogroup)", nice)
     elif grouped:
         log.warning(
             "CPU priority lowered to nice %d, but only against the processes of this session: the kernel "

@@ -1,7 +1,7 @@
 """The start-up heap of a long-running service process, kept out of the garbage collector's way.
 
 A worker imports torch, transformers and vLLM and loads its engine; the API imports FastAPI,
-pydantic and the tokenizer: ~670k objects that live as long as the process. CPython's full
+pydantic and the tokenizer: ~460-490k objects that live as long as the process. CPython's full
 collection scans every tracked object, and it runs whenever the objects that survived into the
 oldest generation since the last one reach a quarter of it, which a burst of requests does: a
 ~200 ms pause on this kind of machine, taken by whichever request is in flight (a text-only probe
