@@ -67,6 +67,19 @@ _ENV_CONFIG = SettingsConfigDict(
 )
 
 
+#: settings that are no longer read -> why: a worker that finds one set says so when it starts
+#: (a variable left in a deployment is never silently ignored)
+RETIRED_SETTINGS: dict[str, str] = {
+    "EPD_BATCH_SIZE": "workers pull one job per pull request (a pull of several held a job that had "
+    "arrived until the pull's other jobs came or it expired, up to 1 s)",
+}
+
+
+def retired_settings_in(environ: Mapping[str, str]) -> list[str]:
+    """A line for each retired setting set (non-empty) in ``environ``: its name and why it went."""
+    return [f"{name} is no longer read: {why}" for name, why in RETIRED_SETTINGS.items() if environ.get(name)]
+
+
 class SettingsGroup(BaseSettings):
     """One concern's settings, read from ``EPD_<FIELD>`` variables (constructing one reads the environment)."""
 
@@ -500,7 +513,6 @@ class WorkerSettings(ServiceSettings):
 
 
 class EncoderSettings(WorkerSettings):
-    batch_size: int = Field(4, ge=1, description="encode jobs fetched per pull")
     encode_jobs_in_flight: int | None = Field(
         None,
         ge=1,

@@ -31,7 +31,7 @@ tests drive handlers through it.
 
 The runner:
 
-* durable pull consumer, ``fetch`` up to ``batch`` messages while there is free capacity: up to
+* durable pull consumer, ``fetch`` one message at a time while there is free capacity: up to
   ``concurrency`` jobs held, or, for a handler with an :class:`~shared.admission.Admission`
   (generating workers), while fewer jobs are working than the engine has slots (jobs that wait
   for their inputs do not count);
@@ -51,7 +51,7 @@ The runner:
 
 **Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
 runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room
-(a routed job may be taken while a pull on the shared queue is outstanding: at most one batch over,
+(a routed job may be taken while a pull on the shared queue is outstanding: at most one job over,
 which waits for an engine slot in the admission queue). It claims each routed job before running
 it; a job claimed elsewhere (the API sent it to the shared queue meanwhile) is acked and dropped,
 and the claim is marked done once the job is settled. A handler that finds its claim taken over
@@ -64,6 +64,7 @@ import abc
 import asyncio
 import enum
 import logging
+import os
 import signal
 import sys
 import time
@@ -75,7 +76,7 @@ from nats.aio.client import Client as NATS
 from shared import metrics, protocol
 from shared.admission import Admission
 from shared.cancellation import Ended, RequestRecords, cancelled_request_id
-from shared.config import WorkerSettings
+from shared.config import WorkerSettings, retired_settings_in
 from shared.errors import EPDError, ServiceUnavailable, StoreError, WorkerFailed
 from shared.health import HealthFile
 from shared.heap import freeze_startup_heap
@@ -395,10 +396,10 @@ class WorkerRunner:
         handler: Handler,
         settings: WorkerSettings,
         *,
-        batch_size: int = 1,
         concurrency: int = 1,
         drain_timeout_s: float = 60.0,
         freeze_heap: bool = False,
+        pull_timeout_s: float = 1.0,
     ):
         self.handler = handler
         self.settings = settings
@@ -406,9 +407,10 @@ class WorkerRunner:
         #: own runner only (``run_worker``), never one in a test's process.
         self.freeze_heap = freeze_heap
         self.subjects = Subjects(settings.nats.subject_prefix)
-        self.batch_size = batch_size
         self.concurrency = concurrency
         self.drain_timeout_s = drain_timeout_s
+        #: how long one pull request waits for a job (then the loop checks its room and pulls again)
+        self.pull_timeout_s = pull_timeout_s
         self.stopping = asyncio.Event()
         #: The process's exit code once ``run`` returns (``EXIT_UNREACHABLE``: lost its consumer).
         self.exit_code = 0
@@ -504,7 +506,14 @@ class WorkerRunner:
                         changed.cancel()
                 continue
             try:
-                msgs = await psub.fetch(min(free, self.batch_size), timeout=1.0)
+                # One job per pull request. nats-py's pull of several (2.16) can hand a job over
+                # only when an earlier pull request expires: a pull that timed out on the client
+                # stays open on the server, the next pull takes its expiry notice for its own,
+                # and a job the orphaned request receives waits for that request's expiry (~430
+                # ms for ~6% of the jobs sent after an idle second; tests/test_worker_pull.py).
+                # A pull of one returns the first job it receives. A burst costs a round trip
+                # per job, well under a millisecond each.
+                msgs = await psub.fetch(1, timeout=self.pull_timeout_s)
             except TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
                 msgs = []
             except Exception as exc:  # noqa: BLE001 - connection hiccup: keep the loop alive, nats reconnects
@@ -706,6 +715,9 @@ def run_worker(handler: Handler, settings: WorkerSettings, **runner_kwargs: Any)
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr="0.0.0.0")
+
+    for line in retired_settings_in(os.environ):
+        log.warning(line)
 
     async def main() -> int:
         runner = WorkerRunner(handler, settings, freeze_heap=True, **runner_kwargs)

@@ -237,7 +237,7 @@ async def _run_jobs(cluster, handler_cls, *, n: int, lose: int, kill_leader: boo
     rids = [f"{prefix}-r{i}" for i in range(n)]
     hold = asyncio.Event()
     handler = handler_cls(set(rids[:lose]), hold)
-    runner = WorkerRunner(handler, settings, concurrency=n, batch_size=n)
+    runner = WorkerRunner(handler, settings, concurrency=n)
     running = asyncio.create_task(runner.run())
     nc = await connect(settings.nats, name="test-client")
     before = metrics.GENERATION_JOBS.labels(JobOutcome.ALREADY_DONE)._value.get()
@@ -333,7 +333,7 @@ async def test_a_cancelled_request_s_first_delivery_is_dropped_by_the_cancellati
         nats_url=cluster.seeds, subject_prefix=prefix, stream_replicas=3, stream_max_bytes=MAX_BYTES, ack_wait_s=30
     )
     handler = CountsReads(set())
-    runner = WorkerRunner(handler, settings, concurrency=4, batch_size=4)
+    runner = WorkerRunner(handler, settings, concurrency=4)
     running = asyncio.create_task(runner.run())
     nc = await connect(settings.nats, name="test-client")
     cancelled, live = f"{prefix}-cancelled", f"{prefix}-live"

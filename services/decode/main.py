@@ -17,10 +17,8 @@ def main() -> None:
     bind_cpus_or_exit(settings.runtime)
     from services.decode.handler import DecodeHandler
 
-    # One fetch can take a whole batch; every job in flight is one row of the engine's batch.
-    run_worker(
-        DecodeHandler(settings), settings, batch_size=settings.max_batch_size, concurrency=settings.max_batch_size
-    )
+    # Every job in flight is one row of the engine's batch.
+    run_worker(DecodeHandler(settings), settings, concurrency=settings.max_batch_size)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def main() -> None:
     from services.encoder.handler import EncoderHandler
 
     # How many jobs it holds comes from the handler's admission (the engine's batch, or EPD_ENCODE_JOBS_IN_FLIGHT).
-    run_worker(EncoderHandler(settings), settings, batch_size=settings.batch_size)
+    run_worker(EncoderHandler(settings), settings)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def main() -> None:
     from services.prefill.handler import PrefillHandler
 
     # How many jobs it holds comes from the handler's admission (engine slots + jobs waiting for features).
-    run_worker(PrefillHandler(settings), settings, batch_size=8)
+    run_worker(PrefillHandler(settings), settings)
 
 
 if __name__ == "__main__":
