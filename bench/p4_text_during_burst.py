@@ -12,7 +12,8 @@ worker's one compute thread for its encode; on E|PD the encoder takes that, so t
 prefills. Targets (issue 14), E|PD only: on vLLM p50 <= 1.5x and p99 <= 3x idle, on transformers p50 <= 3x;
 agg is reported as context.
 
-Run: ``.venv/bin/python bench/p4_text_during_burst.py [--engine vllm] [--reps 3] [--burst 8] [--probes 8]``
+Run: ``.venv/bin/python bench/p4_text_during_burst.py [--engine vllm] [--dtype bfloat16] [--reps 3] [--burst 8]
+[--probes 8]``
 (with ``--engine vllm`` three vLLM engines start at once: 2-5 minutes on 2 cores)
 """
 
@@ -70,7 +71,8 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
     timings = h.final_timings(doc)
     worker = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(timings.items()) if isinstance(v, (int, float)))
     return (
-        f"slowest probe: client TTFT {worst.ttft_s * 1e3:.0f} ms, server received -> first token {server}; "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
+        f"slowest probe {worst.request_id}: client TTFT {worst.ttft_s * 1e3:.0f} ms, "  # type: ignore[operator]  # ttft_s is None only for a probe without a token; the bench expects none
+        f"server received -> first token {server}; "
         f"stages: {h.format_stages(stages)}; worker: {worker}"
     )
 
@@ -78,13 +80,14 @@ async def slowest(http, bs: h.BenchStack, probes: list[h.Probe]) -> str:
 async def one_side(args: argparse.Namespace, bs: h.BenchStack, seed: int) -> tuple[list[float], list[float], h.Run]:
     async with h.client() as http:
         busy = await h.wait_quiet()  # not the other side's burst's tail
-        idle = [(await probe(http, bs, i, args.probe_tokens)).ttft_s for i in range(args.probes)]
-        worst = max(t for t in idle if t is not None)
+        idle_probes = [await probe(http, bs, i, args.probe_tokens) for i in range(args.probes)]
+        worst = max(idle_probes, key=lambda p: p.ttft_s or 0.0)
         print(
-            f"  {bs.label:>3} idle probes after the CPUs were {busy:.0%} busy: the slowest "
-            f"#{idle.index(worst)} {worst * 1e3:.0f} ms",
+            f"  {bs.label:>3} idle probes after the CPUs were {busy:.0%} busy: the slowest is "
+            f"#{idle_probes.index(worst)}, {await slowest(http, bs, idle_probes)}",
             flush=True,
         )
+        idle = [p.ttft_s for p in idle_probes]
         burst = asyncio.create_task(
             h.run_load(bs, burst_spec(args, seed), label=f"p4-{bs.label}-burst-{seed}", timelines=False)
         )
@@ -151,6 +154,12 @@ def main() -> int:
     parser.add_argument("--probes", type=int, default=8, help="idle text-only probes per repetition")
     parser.add_argument("--probe-tokens", type=int, default=4, help="output tokens of a text-only probe")
     parser.add_argument("--engine", default="transformers", choices=sorted(TARGETS), help="EPD_ENGINE of every worker")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="EPD_DTYPE of both stacks (the same on both)",
+    )
     args = parser.parse_args()
     # vLLM: E|PD's encoder and PD worker on their own CPUs, as `epd up --engine vllm` binds them
     # (vLLM alone puts every engine on CPU 0 of 2); agg's one engine as vLLM binds it.
@@ -161,7 +170,7 @@ def main() -> int:
     return h.run_stacks(
         "p4",
         args,
-        {s: (TOPOLOGY[s], {"EPD_ENGINE": args.engine}) for s in SIDES},
+        {s: (TOPOLOGY[s], {"EPD_ENGINE": args.engine, "EPD_DTYPE": args.dtype}) for s in SIDES},
         measure,
         ready_timeout=1200.0 if args.engine == "vllm" else 600.0,
         service_env=service_env,
