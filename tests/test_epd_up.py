@@ -259,6 +259,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         argv += ["--topology", topology, "--model", str(tiny_model_dir)]
     else:  # per-service CPU binding and priority, and one worker service after another
         argv += ["--cores", "auto", "--service-env", "encoder:EPD_CPU_NICE=3", "--start", "staggered"]
+        # a retired setting left in a deployment: named at start-up, not silently ignored
+        argv += ["--service-env", "encoder:EPD_BATCH_SIZE=4"]
     # Nothing of this session's configuration leaks in; PYTHONPATH: the tree under test (the
     # editable install points at the main checkout; make run runs in the checkout it installed).
     env = {
@@ -321,6 +323,10 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
             assert "starting services one worker service at a time..." in output()
             # EPD_CPU_NICE for the encoder only: it lowered its own priority, nothing else's
             assert nice == {s: 3 if s == "encoder" else 0 for s in nice}, nice
+            retired = {
+                w: "EPD_BATCH_SIZE is no longer read" in (data_dir / "logs" / f"{w}-0.log").read_text() for w in workers
+            }
+            assert retired == {w: w == "encoder" for w in workers}, retired
         else:  # control: without --cores every process may run anywhere, at the priority it started with
             assert all(cores == set(available_cpus()) for cores in bound.values()), bound
             assert set(nice.values()) == {0}, nice

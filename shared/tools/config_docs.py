@@ -243,6 +243,12 @@ def configuration_md() -> str:
             )
         out.append("")
     out += [
+        "## Retired settings",
+        "",
+        "No longer read; a worker that finds one set logs a warning naming it when it starts.",
+        "",
+        *(f"* `{var}`: {why}." for var, why in config.RETIRED_SETTINGS.items()),
+        "",
         "## Docker Compose only",
         "",
         "`docker-compose.yml` also reads these from `.env` (see [Deployment](deployment.md)); no service",
