@@ -506,14 +506,14 @@ class WorkerRunner:
                         changed.cancel()
                 continue
             try:
-                # One job per pull request. nats-py's pull of several (2.16), once it has a job,
-                # waits for the rest until the server ends the pull request the job came in on.
-                # After an idle pull two requests can be open (the client gave up on one the
-                # server still held, and the next pull took that one's expiry notice for its own
-                # and sent another), and a job landing in the one no pull is waiting on then
-                # waits for its expiry (~430 ms for ~6% of the jobs sent after an idle second;
-                # tests/test_worker_pull.py). A pull of one returns the first job it receives;
-                # a burst costs a round trip per job, well under a millisecond each.
+                # One job per pull request. nats-py's pull of several (2.16; nats.py#933, #986),
+                # once it has a job, waits for the rest until the server ends the pull request
+                # the job came in on. After an idle pull two requests can be open (the client
+                # gave up on one the server still held, and the next pull took that one's expiry
+                # notice for its own and sent another), and a job landing in the one no pull is
+                # waiting on then waits for its expiry (~430 ms for ~6% of the jobs sent after an
+                # idle second; tests/test_worker_pull.py). A pull of one returns the first job it
+                # receives; a burst costs a round trip per job, well under a millisecond each.
                 msgs = await psub.fetch(1, timeout=self.pull_timeout_s)
             except TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
                 msgs = []
