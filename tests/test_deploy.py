@@ -1015,7 +1015,8 @@ def doc_pages() -> dict[str, str]:
 
 def docs_settings_problems(pages: dict[str, str]) -> list[str]:
     """Settings missing from the configuration reference's tables, and EPD_ names in any page that are no
-    setting (nor a compose variable or a JetStream stream / bucket name)."""
+    setting (nor a compose variable, a JetStream stream / bucket name or a retired setting, which the
+    reference lists as such)."""
     from shared.protocol import Subjects
 
     config_page = pages[f"docs/{CONFIG_PAGE}"]
@@ -1031,7 +1032,7 @@ def docs_settings_problems(pages: dict[str, str]) -> list[str]:
             if star:  # a family, e.g. EPD_S3_*
                 if not any(f.startswith(name + "_") for f in fields):
                     problems.append(f"{path} names {name}_*, which matches no setting")
-            elif name not in fields | COMPOSE_ONLY_VARS | streams:
+            elif name not in fields | COMPOSE_ONLY_VARS | streams | set(config.RETIRED_SETTINGS):
                 problems.append(f"{path} names {name}, which is no setting")
     return sorted(set(problems))
 
