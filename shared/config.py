@@ -70,8 +70,8 @@ _ENV_CONFIG = SettingsConfigDict(
 #: settings that are no longer read -> why: a worker that finds one set says so when it starts
 #: (a variable left in a deployment is never silently ignored)
 RETIRED_SETTINGS: dict[str, str] = {
-    "EPD_BATCH_SIZE": "workers pull one job per pull request (a pull of several held a job that had "
-    "arrived until the pull's other jobs came or it expired, up to 1 s)",
+    "EPD_BATCH_SIZE": "workers pull one job per pull request (nats-py's pull of several could hold a job "
+    "that had arrived until an earlier, orphaned pull request expired, up to 1 s)",
 }
 
 
