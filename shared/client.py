@@ -14,7 +14,8 @@ chat request, ``epd replay run`` for a re-run; nothing else publishes these):
    with the same image, a replay) collapse into one job, while asking again for an object that was
    evicted or purged meanwhile queues a new one (:meth:`RequestClient.queue_encode`);
 2. the :class:`~shared.protocol.ChatRequestRecord` on ``<p>.requests.<id>``, for replay and the
-   debug page (best effort: its loss does not fail the request);
+   debug page, with ``Nats-Msg-Id = <request id>-record`` (best effort: its loss does not fail the
+   request; a record published again is stored once);
 3. a subscription to ``<p>.tokens.<id>``, made BEFORE the job is published (core NATS keeps no
    history: a fast worker's first tokens would be lost);
 4. the :class:`~shared.protocol.GenerationJob` with ``Nats-Msg-Id = <request id>``;
@@ -660,7 +661,10 @@ class RequestClient:
     async def _send_record(self, record: ChatRequestRecord) -> PendingAck | None:
         try:
             return await self.publisher.send(
-                self.subjects.request(record.request_id), record, request_id=record.request_id
+                self.subjects.request(record.request_id),
+                record,
+                request_id=record.request_id,
+                msg_id=protocol.request_record_msg_id(record.request_id),
             )
         except EPDError:
             return None  # (published again, through elections, by _confirm_record)
@@ -676,7 +680,12 @@ class RequestClient:
                     return
                 except EPDError:
                     pass
-            await self.publisher.publish(self.subjects.request(record.request_id), record, request_id=record.request_id)
+            await self.publisher.publish(
+                self.subjects.request(record.request_id),
+                record,
+                request_id=record.request_id,
+                msg_id=protocol.request_record_msg_id(record.request_id),
+            )
         except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
             log.warning("could not record request: %s", exc)
 
@@ -684,7 +693,9 @@ class RequestClient:
         """The request's token events in ``<P>_RESULTS`` after stream sequence ``after_seq``, in
         stream order (at most ``MAX_STORED_EVENTS``), and the last sequence read (``after_seq``
         when there are none): one JetStream read per event, by subject."""
-        js = self.nc.jetstream()
+        # (each read bounded like the other reads: one sent into a stalled server must not hold
+        # the catch-up for the context's 5 s)
+        js = self.nc.jetstream(timeout=self.READ_TIMEOUT_S)
         subject = self.subjects.tokens(request_id)
         events: list[TokenEvent] = []
         seq = after_seq

@@ -117,6 +117,11 @@ class NatsSettings(SettingsGroup):
     publish_retry_s: float = Field(10.0, ge=0)
     """How long a worker retries a deduplicated publish (a job, a final result) while JetStream
     has no leader (an election); the API retries a request's job until the request's deadline."""
+    publish_try_s: float = Field(1.0, gt=0)
+    """How long one try of a publish that is safe to repeat (a job, a final result, a token chunk)
+    waits for JetStream's acknowledgement before it is sent again: a try lost to a stalled NATS
+    server or a stream leader stepping down holds its request this long once the cluster serves
+    again. A publish that is not safe to repeat waits 5 s, once."""
 
     _check_prefix = field_validator("subject_prefix")(no_separators)
 

@@ -98,7 +98,7 @@ class Publisher(Protocol):
         self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None, deadline: float | None = None
     ) -> bool: ...
 
-    async def send(self, subject: str, msg: Message, *, request_id: str) -> PendingAck: ...
+    async def send(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> PendingAck: ...
 
 
 class PendingAck:
@@ -453,13 +453,21 @@ class JetStreamPublisher:
     A publish that carries a ``Nats-Msg-Id`` is retried while JetStream has no leader for its
     stream (``RETRYABLE_PUBLISH_ERRORS``: an election after a NATS node failed, a reconnect to
     another seed), with a short backoff, until ``deadline`` (``time.time()``; default: now +
-    ``retry_s``): the duplicate window drops a copy that got through after all. A publish without
-    one is tried once (a repeat could duplicate it)."""
+    ``retry_s``): the duplicate window drops a copy that got through after all. Each of its tries
+    waits ``try_s`` for the acknowledgement, so a try lost on the way (sent into a stalled server,
+    or to a leader that stepped down) holds it that long, not ``timeout``. A publish without a
+    ``Nats-Msg-Id`` is tried once, for up to ``timeout`` (a repeat could duplicate it)."""
 
-    def __init__(self, js: JetStreamContext, *, timeout: float = 5.0, retry_s: float = 10.0):
+    def __init__(self, js: JetStreamContext, *, timeout: float = 5.0, retry_s: float = 10.0, try_s: float = 1.0):
         self.js = js
         self.timeout = timeout
         self.retry_s = retry_s
+        self.try_s = try_s
+
+    @classmethod
+    def for_settings(cls, js: JetStreamContext, settings: NatsSettings) -> JetStreamPublisher:
+        """A service's publisher: retries and tries as configured (``EPD_PUBLISH_RETRY_S``, ``EPD_PUBLISH_TRY_S``)."""
+        return cls(js, retry_s=settings.publish_retry_s, try_s=settings.publish_try_s)
 
     async def publish(
         self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None, deadline: float | None = None
@@ -470,27 +478,30 @@ class JetStreamPublisher:
         never a bare ``nats`` error."""
         data = protocol.encode(msg)
         headers = protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get())
-        retry_until = None
+        retry_until, try_s = None, self.timeout
         if msg_id is not None:
             retry_until = deadline if deadline is not None else time.time() + self.retry_s
+            try_s = self.try_s
         ack = await through_elections(
             lambda left: self.js.publish(subject, data, timeout=left, headers=headers),
             doing=f"publishing {type(msg).__name__}",
             until=retry_until,
-            timeout=self.timeout,
+            timeout=try_s,
         )
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
         return not ack.duplicate
 
-    async def send(self, subject: str, msg: Message, *, request_id: str) -> PendingAck:
+    async def send(self, subject: str, msg: Message, *, request_id: str, msg_id: str | None = None) -> PendingAck:
         """Queue ``msg`` on the connection without waiting for JetStream's acknowledgement:
         ``await pending.confirmed()`` later. It goes out after everything this connection queued
         before it and before everything queued after it (a :meth:`publish` called next included),
-        so the stream stores them in that order. Tried once, like a :meth:`publish` without
+        so the stream stores them in that order. Sent once, like a :meth:`publish` without
         ``msg_id``: for a stream of messages whose sender waits for one acknowledgement while the
-        next message is already on its way (``shared.token_stream``)."""
+        next message is already on its way (``shared.token_stream``). Its acknowledgement is
+        waited for ``try_s``: a sender that gets none publishes the message again (with the same
+        ``msg_id``, or one its readers drop as a copy)."""
         data = protocol.encode(msg)
-        headers = protocol.headers_for(msg, request_id, extra=TRACE_HEADERS.get())
+        headers = protocol.headers_for(msg, request_id, msg_id=msg_id, extra=TRACE_HEADERS.get())
         doing = f"publishing {type(msg).__name__}"
         try:
             # Bounded here, not with publish_async's wait_stall (a task per call): a stalled NATS
@@ -500,7 +511,7 @@ class JetStreamPublisher:
         except (TimeoutError, nats.errors.Error) as exc:
             raise nats_unavailable(doing, exc) from exc
         metrics.MESSAGE_BYTES.labels(type(msg).__struct_config__.tag).inc(len(data))
-        return PendingAck(ack, timeout_s=self.timeout, doing=doing)
+        return PendingAck(ack, timeout_s=self.try_s, doing=doing)
 
 
 async def close_connection(nc: NATS, timeout_s: float = 10.0) -> None:

@@ -534,6 +534,13 @@ def token_chunk_msg_id(chunk: TokenChunk) -> str:
     return f"{chunk.request_id}-{chunk.attempt}-{chunk.seq}"
 
 
+def request_record_msg_id(request_id: str) -> str:
+    """The ``Nats-Msg-Id`` of a request's :class:`ChatRequestRecord`: one per request, so a record
+    whose acknowledgement did not come in time is published again (through an election) and
+    stored once."""
+    return f"{request_id}-record"
+
+
 def final_result_msg_id(request_id: str) -> str:
     """The ``Nats-Msg-Id`` of a request's :class:`FinalResult`: one per request, so the worker
     may retry its publish through a NATS leader election (``shared.jetstream.JetStreamPublisher``)

@@ -437,7 +437,7 @@ class WorkerRunner:
         js = nc.jetstream()
         try:
             await ensure_topology(js, self.settings.nats, self.subjects, nc=nc)
-            publisher = JetStreamPublisher(js, retry_s=self.settings.nats.publish_retry_s)
+            publisher = JetStreamPublisher.for_settings(js, self.settings.nats)
             ctx = WorkerContext(self.settings, self.subjects, publisher, nc)
             await self.handler.setup(ctx)
             if self.freeze_heap:  # started: the engine is loaded

@@ -151,6 +151,7 @@ def test_first_copy_of_each_seq_wins_whatever_the_attempt_and_junk_is_skipped(de
     assert stream.duplicates == 3 and stream.forwarded == 3
     assert stream._sub.skipped == 2  # the undecodable message and the ECFailed
     assert protocol.decode(rec.data, ChatRequestRecord).request_id == rid
+    assert rec.headers[protocol.HDR_MSG_ID] == f"{rid}-record"  # (published again: stored once)
     assert job.headers[protocol.HDR_MSG_ID] == rid
 
 
@@ -646,10 +647,10 @@ class _RecordPublisher(JetStreamPublisher):
         self.send_fails = send_fails
         self.published: list[str] = []
 
-    async def send(self, subject, msg, *, request_id) -> PendingAck:
+    async def send(self, subject, msg, *, request_id, msg_id=None) -> PendingAck:
         if self.send_fails and isinstance(msg, ChatRequestRecord):
             raise ServiceUnavailable("no JetStream leader (test)")
-        return await super().send(subject, msg, request_id=request_id)
+        return await super().send(subject, msg, request_id=request_id, msg_id=msg_id)
 
     async def publish(self, subject, msg, **kwargs) -> bool:
         self.published.append(type(msg).__name__)

@@ -389,7 +389,7 @@ async def test_a_publish_during_a_leader_election_succeeds_within_its_deadline(c
         with pytest.raises(ServiceUnavailable, match="publishing GenerationJob"):
             await once.publish(subjects.generate_jobs, _job(f"{prefix}-once"), request_id=f"{prefix}-once")
         retries = metrics.PUBLISH_RETRIES._value.get()
-        publisher = JetStreamPublisher(js, timeout=0.5)
+        publisher = JetStreamPublisher(js, try_s=0.5)
         t0 = time.monotonic()
         rid = f"{prefix}-r"
         fresh = await publisher.publish(
@@ -427,7 +427,7 @@ async def test_a_client_whose_server_stalls_moves_to_another_seed(cluster):
             )
         t0 = time.monotonic()
         cluster.pause(stalled)
-        publisher = JetStreamPublisher(js, timeout=1.0)
+        publisher = JetStreamPublisher(js, try_s=1.0)
         rid = f"{prefix}-r"
         await publisher.publish(
             subjects.generate_jobs, _job(rid), request_id=rid, msg_id=rid, deadline=time.time() + 30

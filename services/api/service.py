@@ -150,7 +150,7 @@ class ApiService:
         self.nc = await connect(self.settings.nats, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.settings.nats, self.subjects, nc=self.nc)
-        publisher = JetStreamPublisher(self.js, retry_s=self.settings.nats.publish_retry_s)
+        publisher = JetStreamPublisher.for_settings(self.js, self.settings.nats)
         settings = self.settings
         stores = await asyncio.to_thread(
             lambda: open_stores(
