@@ -8,7 +8,8 @@ in ``setup`` from the role and the engine's capability.
   1. this worker's in-memory cache (``local_cache``);
   2. the EC store. The worker subscribes to the item's ``ec.ready`` / ``ec.failed`` events
      *before* looking in the store, so an encoder finishing in between cannot be missed;
-  3. if the object is not there yet, the ready event (waiting up to ``ec_wait_s``) then the store;
+  3. if the object is not there yet, the ready event (waiting up to ``ec_wait_s``; the store is
+     looked in again meanwhile, in case the event is missed: :class:`EncoderWait`) then the store;
   4. else, and on any failed load (corrupt, other fingerprint, store down, encoder gave up), the
      worker encodes the image itself from the stored image bytes and writes the result back
      (repairing a bad object). The reason is logged and counted
@@ -120,12 +121,22 @@ class FeatureCache:
 
 
 class EncoderWait:
-    """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``)."""
+    """Waiting for an encoder worker's ``ECReady`` / ``ECFailed`` of one item (up to ``wait_s``).
 
-    def __init__(self, ctx: WorkerContext, fingerprint: str, wait_s: float):
+    The events come on a core NATS subscription: one published while this worker's connection
+    moves to another NATS server (its server stalled, died or was cut off) never reaches it. So
+    the wait also looks in ``store`` every ``LOOK_S`` without an event: an object stored there is
+    what a missed ``ECReady`` would have said (a missed ``ECFailed`` costs the wait, then the
+    worker encodes the item itself)."""
+
+    #: Seconds without an event between two looks in the store.
+    LOOK_S = 2.0
+
+    def __init__(self, ctx: WorkerContext, fingerprint: str, wait_s: float, store: ECStore):
         self.ctx = ctx
         self.fingerprint = fingerprint
         self.wait_s = wait_s
+        self.store = store
 
     @contextlib.asynccontextmanager
     async def watching(self, ref: ImageRef) -> AsyncIterator[TypedSubscription | None]:
@@ -147,8 +158,19 @@ class EncoderWait:
         ``stealer`` took the item for this worker's engine; else why we stopped waiting."""
         deadline = time.time() + self.wait_s
         next_try = deadline if stealer is None else time.time() + stealer.after_s
+        next_look = time.time() + self.LOOK_S
         watched: tuple[int, float] | None = None  # another stealer's claim: (revision, unchanged since)
-        while (event := await sub.next(deadline=min(deadline, next_try))) is None:
+        while (event := await sub.next(deadline=min(deadline, next_try, next_look))) is None:
+            if time.time() >= next_look:
+                if await self._stored(ref):
+                    log.info(
+                        "%s is stored, its ready event not heard (missed in a NATS reconnect, or late)",
+                        ref.item_hash[:12],
+                    )
+                    return None
+                next_look = time.time() + self.LOOK_S
+                if time.time() < min(deadline, next_try):
+                    continue
             if stealer is None or time.time() >= deadline:
                 return MissReason.TIMEOUT
             lapsed = watched[0] if watched is not None and time.monotonic() - watched[1] >= STEAL_LEASE_S else None
@@ -169,6 +191,13 @@ class EncoderWait:
             log.warning("encoder gave up on %s: %s: %s", ref.item_hash[:12], event.code, event.message)
             return MissReason.ENCODER_FAILED
         return None
+
+    async def _stored(self, ref: ImageRef) -> bool:
+        try:
+            return await asyncio.to_thread(self.store.exists, ref.item_hash)
+        except StoreError as exc:  # (the event may still come; the next look may get through)
+            log.debug("looking for %s in the store: %s", ref.item_hash[:12], exc)
+            return False
 
 
 #: How often a job waiting for its encoder looks for a free steal slot (``Stealer``).

@@ -129,8 +129,10 @@ class PrefillHandler(ModelHandler):
         return Admission(slots, self.settings.max_waiting_jobs, long_prompt)
 
     def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
-        encoder = None if self.role is Role.AGG else EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s)
         assert self.store is not None  # setup() checked
+        encoder = None
+        if self.role is not Role.AGG:
+            encoder = EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s, self.store)
         stealer = None
         if encoder is not None and self.settings.encode_steals:
             stealer = Stealer(
