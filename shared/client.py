@@ -400,6 +400,9 @@ class RequestClient:
     #: One try of a JetStream read on the submission path (it takes milliseconds when a leader
     #: answers; a stalled server must not hold a try for the client's 5 s default).
     READ_TIMEOUT_S = 2.0
+    #: How long a request record whose first send was not acknowledged is published again (it is
+    #: best effort, and the request waits for it: not the job's retry window).
+    RECORD_RETRY_S = 2.0
 
     def __init__(
         self,
@@ -671,8 +674,8 @@ class RequestClient:
 
     async def _confirm_record(self, record: ChatRequestRecord, recording: PendingAck | None) -> None:
         """Wait for the record's acknowledgement; when it was not stored, publish it again,
-        retried through leader elections like a job. Its loss is logged, never the request's
-        failure: the record is for debugging."""
+        retried through leader elections like a job, for ``RECORD_RETRY_S``. Its loss is logged,
+        never the request's failure: the record is for debugging."""
         try:
             if recording is not None:
                 try:
@@ -685,6 +688,7 @@ class RequestClient:
                 record,
                 request_id=record.request_id,
                 msg_id=protocol.request_record_msg_id(record.request_id),
+                deadline=time.time() + self.RECORD_RETRY_S,
             )
         except Exception as exc:  # noqa: BLE001 - the record is for debugging; its loss must not fail the request
             log.warning("could not record request: %s", exc)

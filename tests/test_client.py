@@ -5,6 +5,7 @@ skipping, and the deadline; and a worker's side of the token stream (``shared.to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -89,7 +90,8 @@ def deployment(nats_server):
     async def teardown():
         nc = await nats.connect(nats_server.url)
         for stream in subjects.streams():
-            await nc.jetstream().delete_stream(stream)
+            with contextlib.suppress(nats.js.errors.NotFoundError):  # (a test may have deleted it)
+                await nc.jetstream().delete_stream(stream)
         try:
             await nc.jetstream().delete_key_value(subjects.ec_index_bucket)
         except nats.js.errors.NotFoundError:
@@ -682,3 +684,32 @@ def test_a_request_record_that_could_not_be_sent_is_published_again_and_the_requ
     assert stored.request_id == rid and stored.body == {"n": 1}
     published, stored, rid = asyncio.run(main(send_fails=False))
     assert published == ["GenerationJob"] and stored.request_id == rid
+
+
+def test_a_request_record_that_cannot_be_stored_holds_its_request_at_most_record_retry_s(deployment, caplog):
+    """A record JetStream does not take (here its stream is gone: no responders, retried like an
+    election) is published again for ``RECORD_RETRY_S`` - the request waits for it - not for the
+    publisher's retry window; then its loss is logged and the request goes on."""
+    url, subjects = deployment
+
+    async def main() -> tuple[float, str, str, list[str]]:
+        nc = await nats.connect(url)
+        try:
+            await nc.jetstream().delete_stream(subjects.stream_requests)
+            client = await _client(nc, subjects)
+            client.publisher = publisher = _RecordPublisher(nc.jetstream(), send_fails=True)
+            publisher.retry_s = 30.0  # (a worker's window is 10 s; the API's, the request's deadline)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            record = ChatRequestRecord(request_id=rid, received_at=time.time(), model="m", body={})
+            started = time.monotonic()
+            stream = await client.submit(_job(rid, time.time() + 60), record=record)
+            took = time.monotonic() - started
+            await stream.cancel(EPDError("done"))
+            return took, (await _worker_takes_job(nc, subjects)).request_id, rid, publisher.published
+        finally:
+            await nc.close()
+
+    took, job_of, rid, published = asyncio.run(main())
+    assert job_of == rid and published == ["GenerationJob", "ChatRequestRecord"]
+    assert "could not record request" in caplog.text
+    assert took < RequestClient.RECORD_RETRY_S + 2.0, took
