@@ -30,8 +30,10 @@ session's autogroup lowered the same way, behind the proxy, which picks a PD ser
 Each repetition sends the same ``--burst`` requests (a new ``--image-size`` image each - new images every
 repetition - or with ``--repeat-fraction`` that share of them repeating an image of the burst; a 16-word
 prompt; greedy, ``--max-tokens`` with ``ignore_eos``, ``return_token_ids``; streamed) at once to each side,
-the order of the sides alternating (A B, B A, ...). Both sides are measured by the same client: TTFT is the
-first chunk that carries token ids, throughput is completed requests / (first send to last response). Per
+the order of the sides alternating (A B, B A, ...), each burst once the CPUs are quiet
+(``harness.wait_quiet``: not into the tail of the other side's). Both sides are measured by the same
+client: TTFT is the first chunk that carries token ids, throughput is completed requests / (first send to
+last response). Per
 burst it prints where the time went: ours from the request timelines (P7's picture), vLLM's from its proxy's
 per-request marks (encoder round, PD first chunk). Figures (issue 28): request throughput ours / vLLM >= 1.2,
 image TTFT p50 ours / vLLM <= 0.9, p99 reported; and how many outputs were equal token for token.
@@ -359,6 +361,8 @@ async def measure(args: argparse.Namespace, ours: h.BenchStack, theirs: VllmEpd)
         got: dict[str, list[Rec]] = {}
         tput: dict[str, float] = {}
         for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+            # not into the tail of the other side's burst (or warm-up): both sides' PD engines share a core
+            quiet = await h.wait_quiet()
             load = h.load_average()
             if side == "vllm":
                 async with h.client(30.0) as http:  # clear the proxy's marks of earlier runs
@@ -374,7 +378,7 @@ async def measure(args: argparse.Namespace, ours: h.BenchStack, theirs: VllmEpd)
             ttfts[side].extend(tt)
             print(
                 f"  rep {rep} {side:>4}: {tput[side]:.2f} req/s, TTFT p50 {h.pct(tt, 50):.2f} s p99 "
-                f"{h.pct(tt, 99):.2f} s ({len(tt)} ok; load {load})",
+                f"{h.pct(tt, 99):.2f} s ({len(tt)} ok; load {load}; CPUs {quiet:.0%} busy before)",
                 flush=True,
             )
             if side == "ours":
