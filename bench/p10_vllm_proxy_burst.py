@@ -33,10 +33,10 @@ prompt; greedy, ``--max-tokens`` with ``ignore_eos``, ``return_token_ids``; stre
 the order of the sides alternating (A B, B A, ...), each burst once the CPUs are quiet
 (``harness.wait_quiet``: not into the tail of the other side's). Both sides are measured by the same
 client: TTFT is the first chunk that carries token ids, throughput is completed requests / (first send to
-last response). Per
-burst it prints where the time went: ours from the request timelines (P7's picture), vLLM's from its proxy's
-per-request marks (encoder round, PD first chunk). Figures (issue 28): request throughput ours / vLLM >= 1.2,
-image TTFT p50 ours / vLLM <= 0.9, p99 reported; and how many outputs were equal token for token.
+last response). Per burst it prints where the time went: ours from the request timelines (P7's picture),
+vLLM's from its proxy's per-request marks (encoder round, PD first chunk). Figures (issue 28): request
+throughput ours / vLLM >= 1.2, image TTFT p50 ours / vLLM <= 0.9, p99 reported; and how many outputs were
+equal token for token.
 ``--out DIR`` writes every request's record (side, repetition, TTFT, E2E, token ids) to ``DIR/p10.json``.
 
 Run: ``.venv/bin/python bench/p10_vllm_proxy_burst.py [--reps 3] [--burst 40] [--image-size 96]``,
