@@ -362,7 +362,7 @@ async def measure(args: argparse.Namespace, ours: h.BenchStack, theirs: VllmEpd)
         tput: dict[str, float] = {}
         for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
             # not into the tail of the other side's burst (or warm-up): both sides' PD engines share a core
-            quiet = await h.wait_quiet()
+            busy = await h.wait_quiet()
             load = h.load_average()
             if side == "vllm":
                 async with h.client(30.0) as http:  # clear the proxy's marks of earlier runs
@@ -378,7 +378,7 @@ async def measure(args: argparse.Namespace, ours: h.BenchStack, theirs: VllmEpd)
             ttfts[side].extend(tt)
             print(
                 f"  rep {rep} {side:>4}: {tput[side]:.2f} req/s, TTFT p50 {h.pct(tt, 50):.2f} s p99 "
-                f"{h.pct(tt, 99):.2f} s ({len(tt)} ok; load {load}; CPUs {quiet:.0%} busy before)",
+                f"{h.pct(tt, 99):.2f} s ({len(tt)} ok; load {load}; CPUs {busy:.0%} busy before)",
                 flush=True,
             )
             if side == "ours":
