@@ -460,7 +460,10 @@ def main() -> int:
         help="ours: EPD_MAX_WAITING_JOBS of the PD workers (jobs held while their features are computed)",
     )
     parser.add_argument(
-        "--encode-steals", type=int, default=0, help="ours: EPD_ENCODE_STEALS (the PD worker steals queued encodes)"
+        "--encode-steals",
+        type=int,
+        default=None,
+        help="ours: EPD_ENCODE_STEALS (the PD worker steals queued encodes; default: our default, 1)",
     )
     parser.add_argument(
         "--encode-pixel-budget", type=int, default=None, help="ours: EPD_ENCODE_PIXEL_BUDGET of the encoder worker"
@@ -477,8 +480,9 @@ def main() -> int:
                 "EPD_ENGINE": "vllm",
                 "EPD_VLLM_MAX_NUM_SEQS": str(args.max_num_seqs),
                 "EPD_VLLM_KV_CACHE_GIB": str(args.kv_cache_gib),
-                "EPD_ENCODE_STEALS": str(args.encode_steals),
             }
+            if args.encode_steals is not None:
+                overrides["EPD_ENCODE_STEALS"] = str(args.encode_steals)
             if args.max_waiting_jobs is not None:
                 overrides["EPD_MAX_WAITING_JOBS"] = str(args.max_waiting_jobs)
             if args.encode_pixel_budget:

@@ -517,6 +517,10 @@ class WorkerSettings(ServiceSettings):
     )
 
 
+#: an encoder worker's pixel budget when its engine's steps do not bound its encodes
+UNBOUNDED_ENCODE_PIXEL_BUDGET = 16_000_000
+
+
 class EncoderSettings(WorkerSettings):
     encode_jobs_in_flight: int | None = Field(
         None,
@@ -525,9 +529,22 @@ class EncoderSettings(WorkerSettings):
         "(unset: the engine's batch, 16 by default; their "
         "encodes share forwards, within the pixel budget)",
     )
-    encode_pixel_budget: int = Field(
-        16_000_000, ge=1, description="image pixels an encoder worker holds decoded at once; a larger image goes alone"
+    encode_pixel_budget: int | None = Field(
+        None,
+        ge=1,
+        description="image pixels an encoder worker holds at once (its jobs started, their images "
+        "decoded); a larger image goes alone. Unset: two of its engine's encode steps (vLLM: "
+        "2 x its encoder budget a step, `max_num_batched_tokens` image tokens - 401,408 pixels, two "
+        "448x448 images, for Qwen2-VL on a CPU), so the jobs it has not started stay in the queue for "
+        "another encoder or a stealing worker; 16,000,000 where the engine's steps do not bound it "
+        "(transformers)",
     )
+
+    def pixel_budget(self, pixels_per_step: int | None) -> int:
+        """The budget in effect for an engine that encodes ``pixels_per_step`` a step (``None``: unbounded)."""
+        if self.encode_pixel_budget is not None:
+            return self.encode_pixel_budget
+        return 2 * pixels_per_step if pixels_per_step else UNBOUNDED_ENCODE_PIXEL_BUDGET
 
 
 class PrefillSettings(WorkerSettings):
@@ -536,7 +553,7 @@ class PrefillSettings(WorkerSettings):
     `agg`: encode, prefill and decode in process (the baseline)."""
     ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
     encode_steals: int = Field(
-        0,
+        1,
         ge=0,
         le=64,
         description="queued encode jobs this worker may steal at once: after `EPD_ENCODE_STEAL_AFTER_S` "

@@ -131,6 +131,8 @@ def e_pd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         service_env={"prefill": {"EPD_METRICS_PORT": str(port)}},
         EPD_MAX_TOKENS_LIMIT=str(LONG),
         EPD_REQUEST_TIMEOUT_S="240",
+        # the shared encode job's test pauses the encoder to keep jobs queued: nobody steals them
+        EPD_ENCODE_STEALS="0",
     )
     running.prefill_metrics_port = port
     try:

@@ -213,3 +213,14 @@ def test_worker_settings_is_the_engines_view():
     assert inspect.signature(load_engine).parameters["settings"].annotation == "WorkerSettings"
     assert inspect.signature(Engine.options_from_settings).parameters["settings"].annotation == "WorkerSettings"
     assert issubclass(DecodeSettings, WorkerSettings) and not issubclass(ApiSettings, WorkerSettings)
+
+
+def test_the_encoder_pixel_budget_follows_the_engines_steps_unless_set():
+    """``EPD_ENCODE_PIXEL_BUDGET`` unset: two of the engine's encode steps (vLLM on a CPU: two
+    448x448 Qwen2-VL images), the fixed bound where the engine's steps do not bound its encodes
+    (transformers); set, it is taken as it is."""
+    step = 256 * 28 * 28
+    assert EncoderSettings().pixel_budget(step) == 2 * step == 401_408
+    assert EncoderSettings().pixel_budget(None) == config.UNBOUNDED_ENCODE_PIXEL_BUDGET
+    assert EncoderSettings(encode_pixel_budget=1000).pixel_budget(step) == 1000
+    assert EncoderSettings(encode_pixel_budget=1000).pixel_budget(None) == 1000

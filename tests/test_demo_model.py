@@ -199,6 +199,7 @@ def faulty_stack(nats_server, s3_server, tmp_path_factory):
         service_modules={"encoder": fault_workers.MODULE},
         EPD_ACK_WAIT_S="10",  # the killed encoder's job is redelivered within it
         EPD_EC_WAIT_S="120",  # ... well before the worker would encode the image itself
+        EPD_ENCODE_STEALS="0",  # ... nor steal it: the encoder's own path is under test here
         **demo_stack_env("transformers", work),
     )
     try:

@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import nats
 import pytest
 
+from services.prefill.features import EncoderFleet
 from shared import metrics
 from shared.ec_lifecycle.claims import Claim, EncodeClaims
 from shared.media import content_hash_of
-from shared.protocol import ECReady, FinalResult
+from shared.protocol import ECReady, FinalResult, WorkerHeartbeat
 from shared.tools.infra import free_port
 from shared.worker import Action, settle
 from tests.fault_workers import ENCODE_DELAY_ENV
@@ -34,6 +35,62 @@ from tests.test_encoder_failure import _wait_for_log
 from tests.test_encoder_handler import _delivery, _handler, _job
 
 TEXT = "Describe the image."
+
+
+def _beat(worker: str, slots: int, free: int, fingerprint: str = "fp") -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        role="encoder",
+        worker_id=worker,
+        fingerprint=fingerprint,
+        model="m",
+        engine="transformers",
+        in_flight=slots - free,
+        sent_at=0.0,
+        slots=slots,
+        free_slots=free,
+    )
+
+
+def test_the_encoders_are_the_bound_when_every_live_one_is_full_or_none_is_alive() -> None:
+    """What gates a steal (``EncoderFleet``): an encoder with a free slot takes the job itself."""
+    now = [100.0]
+    fleet = EncoderFleet("fp", stale_s=6.0, clock=lambda: now[0])
+    fleet.beat(_beat("e1", 16, 0))
+    assert not fleet.bound()  # not listening: never
+    fleet.listening_since = now[0]
+    assert fleet.bound()  # e1 full
+    fleet.beat(_beat("e2", 16, 3))
+    assert not fleet.bound()  # e2 has room
+    fleet.beat(_beat("e2", 16, 0))
+    assert fleet.bound()
+    fleet.beat(_beat("e3", 0, 0))  # an older encoder, its slots unknown: counts as free
+    assert not fleet.bound()
+    fleet.beat(_beat("e3", 4, 0, fingerprint="other"))  # another model version's: not counted
+    assert not fleet.bound()
+    now[0] += 7.0  # every beat stale: no encoder alive
+    assert fleet.bound()
+    fleet.beat(_beat("e1", 16, 1))  # back, with room
+    assert not fleet.bound()
+    # just started listening, nothing heard yet: "none alive" only after a stale period
+    fresh = EncoderFleet("fp", stale_s=6.0, clock=lambda: now[0])
+    fresh.listening_since = now[0]
+    assert not fresh.bound()
+    now[0] += 6.0
+    assert fresh.bound()
+
+
+def test_an_encoders_heartbeat_says_its_slots_and_how_many_are_free(tmp_path, tiny_model_dir, reference_engine):
+    async def main():
+        h = await _handler(tmp_path, tiny_model_dir, reference_engine, encode_jobs_in_flight=3)
+        try:
+            hb = h.heartbeat(h.settings)
+            assert (hb.role, hb.slots, hb.free_slots) == ("encoder", 3, 3)
+            h.in_flight = 3
+            assert h.heartbeat(h.settings).free_slots == 0
+        finally:
+            await h.close()
+
+    asyncio.run(main())
 
 
 def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(claims_env) -> None:

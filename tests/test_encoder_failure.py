@@ -33,6 +33,7 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
         EPD_ACK_WAIT_S="3",
         EPD_MAX_DELIVER="10",
         EPD_EC_WAIT_S="300",
+        EPD_ENCODE_STEALS="0",  # the encoder's redelivery under test: the prefill worker does not take its job
     )
     stack = running.stack
     try:
@@ -71,6 +72,7 @@ def test_sigterm_drains_the_job_in_flight(nats_server, s3_server, tiny_model_dir
         service_env={"encoder": {ENCODE_DELAY_ENV: "15"}},
         service_modules={"encoder": FAULT_WORKERS},
         EPD_EC_WAIT_S="300",
+        EPD_ENCODE_STEALS="0",  # the encoder's drain under test: the prefill worker does not take its job
     )
     stack = running.stack
     try:

@@ -639,7 +639,8 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
 
     model = tmp_path / "models" / tiny_model_dir.name  # (the folder's name is the served model's)
     shutil.copytree(tiny_model_dir, model)
-    up = EpdUp(tmp_path, "--model", str(model))
+    # the paused encoder must keep the request's encode job: the prefill worker steals none
+    up = EpdUp(tmp_path, "--model", str(model), env={"EPD_ENCODE_STEALS": "0"})
     try:
         up.wait_ready()
         defaults = ToolSettings.env_fields()

@@ -162,6 +162,9 @@ class Rig:
             self.model_dir,
             EPD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
             EPD_ACK_WAIT_S=str(ACK_WAIT_S),
+            # the encoder faults need the encoder to hold its jobs: the prefill worker steals none
+            # (a killed stealer is tests/test_encode_steal.py's case)
+            EPD_ENCODE_STEALS="0",
             **{faultutil.FAULT_DIR_ENV: str(self.fault_dir)},
         )
         api_port = free_port()

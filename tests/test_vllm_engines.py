@@ -189,6 +189,9 @@ def test_a_cpu_engine_prefills_in_small_steps_unless_it_hands_kv_off(
     for engine in (vllm_reference, *engines):
         assert engine.vllm_config.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
         assert engine.prefill_tokens_per_step == CPU_MAX_NUM_BATCHED_TOKENS  # what admission sizes long prompts by
+        # what an encoder worker's pixel budget follows: a step's image tokens of 28x28 pixels (patch
+        # 14, merged 2x2) - 401,408 pixels, two 448x448 images a budget
+        assert engine.encode_pixels_per_step == CPU_MAX_NUM_BATCHED_TOKENS * 28 * 28
     common = dict(dtype="float32", work_dir=vllm_work_dir, ec_extra_config=store_config)  # built, not started
     producer = VllmEngine(tiny_model_dir, kv_role="kv_producer", **common)
     assert producer.engine_args.max_num_batched_tokens != CPU_MAX_NUM_BATCHED_TOKENS  # vLLM's (2048 here)

@@ -28,10 +28,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from shared import metrics, protocol
 from shared.admission import Admission
 from shared.cancellation import Ended, RequestRecords
-from shared.config import EncoderSettings
+from shared.config import EncoderSettings, WorkerSettings
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.engines import base
 from shared.engines.base import Engine
@@ -39,7 +41,7 @@ from shared.errors import EngineError, EPDError, StoreError
 from shared.media import DecodeBudget
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler
-from shared.protocol import ECFailed, ECReady, EncodeJob
+from shared.protocol import ECFailed, ECReady, EncodeJob, WorkerHeartbeat
 from shared.store.ec import ECStore
 from shared.store.format import ObjectValidationError
 from shared.topology import Role, Service
@@ -113,7 +115,7 @@ class EncoderHandler(ModelHandler):
         super().__init__(settings, engine, store)
         self.settings: EncoderSettings = settings
         self.producer: FeatureProducer | None = None
-        self.pixel_budget = DecodeBudget(settings.encode_pixel_budget)
+        self.pixel_budget: DecodeBudget | None = None  # (setup: it may follow the engine's steps)
         self.claims: EncodeClaims | None = None
 
     async def setup(self, ctx: WorkerContext) -> None:
@@ -127,25 +129,41 @@ class EncoderHandler(ModelHandler):
         # working (an encode job waits for nothing), within the pixel budget whatever the count.
         jobs = self.settings.encode_jobs_in_flight or self.engine.max_running_requests
         self.admission = Admission(jobs, max_waiting=0)
+        step_pixels = self.engine.encode_pixels_per_step
+        self.pixel_budget = DecodeBudget(self.settings.pixel_budget(step_pixels))
         if ctx.nc is not None:
             try:
                 self.claims = await EncodeClaims.open(ctx.nc.jetstream(), ctx.subjects, self.settings.nats)
             except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types; without claims it encodes every job
                 log.warning("encode claims unavailable (%s: %s): every job is encoded here", type(exc).__name__, exc)
         log.info(
-            "encoder: up to %d jobs at once (%s), their images within %d pixels (EPD_ENCODE_PIXEL_BUDGET); engine: %s",
+            "encoder: up to %d jobs at once (%s), their images within %d pixels (%s); engine: %s",
             jobs,
             "EPD_ENCODE_JOBS_IN_FLIGHT" if self.settings.encode_jobs_in_flight else "from the engine",
-            self.settings.encode_pixel_budget,
+            self.pixel_budget.capacity,
+            "EPD_ENCODE_PIXEL_BUDGET"
+            if self.settings.encode_pixel_budget
+            else f"two engine steps of {step_pixels}"
+            if step_pixels
+            else "no engine step bound",
             self.engine_capacity(),
         )
+
+    def heartbeat(self, settings: WorkerSettings) -> WorkerHeartbeat:
+        """With its slots and how many are free: generating workers steal encodes only while every
+        encoder's are full (``services.prefill.features.EncoderFleet``)."""
+        hb = super().heartbeat(settings)
+        if self.admission is None:
+            return hb
+        slots = self.admission.slots
+        return msgspec.structs.replace(hb, slots=slots, free_slots=max(0, slots - self.in_flight))
 
     async def handle(self, job: EncodeJob, delivery: Delivery) -> None:
         if job.fingerprint != self.fingerprint:
             # This worker must not produce another model version's features. Tell the waiters
             # so they encode with their own model.
             raise Reject(FingerprintMismatch(f"worker fingerprint {self.fingerprint} != job {job.fingerprint}"))
-        assert self.store is not None and self.producer is not None
+        assert self.store is not None and self.producer is not None and self.pixel_budget is not None  # (setup)
         item = job.image.item_hash
         existing = None
         if await asyncio.to_thread(self.store.exists, item):

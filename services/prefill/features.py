@@ -27,14 +27,16 @@ Each returns the image item the engine takes and where it came from (``local_cac
 
 Encode stealing (``EPD_ENCODE_STEALS``, :class:`Stealer`, ``shared.ec_lifecycle.claims``): while
 waiting for the encoder (step 3), a job whose item no encoder has started after
-``EPD_ENCODE_STEAL_AFTER_S`` claims it, and this worker's engine encodes it: :class:`StoredFeatures`
-encodes, stores and announces it in ``resolve``; :class:`ConnectorFeatures` hands the image over and
-the engine (an EC producer too: it stores what it encodes) does it in its step; the handler announces
-the stored object at the request's first token, or after the generation when none streamed
-(:meth:`FeatureSource.settle`). At most ``EPD_ENCODE_STEALS``
-steals run at once per worker; the other jobs keep waiting, and steal when a steal ends. A steal
-renews its claim while it runs; a job waiting on another worker's steal takes the item over when
-that claim stops being renewed (the stealer died or stalls: the lease in ``shared.ec_lifecycle.claims``).
+``EPD_ENCODE_STEAL_AFTER_S`` - while the encoders are the bound (:class:`EncoderFleet`: every live
+encoder holds as many jobs as it takes, or none is alive) - claims it, and this worker's engine
+encodes it: :class:`StoredFeatures` encodes, stores and announces it in ``resolve``;
+:class:`ConnectorFeatures` hands the image over and the engine (an EC producer too: it stores what
+it encodes) does it in its step; the handler announces the stored object at the request's first
+token, or after the generation when none streamed (:meth:`FeatureSource.settle`). At most
+``EPD_ENCODE_STEALS`` steals run at once per worker; the other jobs keep waiting, and steal when a
+steal ends. A steal renews its claim while it runs; a job waiting on another worker's steal takes
+the item over when that claim stops being renewed (the stealer died or stalls: the lease in
+``shared.ec_lifecycle.claims``).
 
 EC store lifecycle (``shared.ec_lifecycle.worker``): :class:`StoredFeatures` and
 :class:`ConnectorFeatures` note every use of a stored object (cache hit, store hit, write-back,
@@ -55,18 +57,21 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from shared import metrics
+from shared import metrics, protocol
 from shared.ec_lifecycle.claims import STEAL_LEASE_S, STEAL_RENEW_S, EncodeClaims
 from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
 from shared.engines.base import EncodedImage, MediaImage
 from shared.errors import StoreError
 from shared.jetstream import TypedSubscription, subscribe_typed
-from shared.protocol import ECFailed, ECReady, ECSource, ImageRef, recomputed
+from shared.protocol import ECFailed, ECReady, ECSource, ImageRef, WorkerHeartbeat, recomputed
 from shared.store.ec import ECStore
 from shared.store.format import MissReason, ObjectValidationError
+from shared.topology import Service
+from shared.worker import HEARTBEAT_INTERVAL_S
 
 if TYPE_CHECKING:
+    from nats.aio.msg import Msg
     from PIL import Image
 
     from shared.worker import WorkerContext
@@ -185,8 +190,10 @@ class EncoderWait:
             watched = None
             if taken is StealRefused.STORED:
                 return None  # an encoder announced it as we claimed
-            # a free steal slot later (BUSY), or never: an encoder started it (CLAIMED)
-            next_try = time.time() + STEAL_RETRY_S if taken is StealRefused.BUSY else deadline
+            # a free steal slot soon (BUSY), the encoders the bound later (ENCODERS_FREE), or
+            # never: an encoder started it (CLAIMED)
+            retry = {StealRefused.BUSY: STEAL_RETRY_S, StealRefused.ENCODERS_FREE: FLEET_RETRY_S}.get(taken)
+            next_try = deadline if retry is None else time.time() + retry
         if isinstance(event, ECFailed):
             log.warning("encoder gave up on %s: %s: %s", ref.item_hash[:12], event.code, event.message)
             return MissReason.ENCODER_FAILED
@@ -200,15 +207,70 @@ class EncoderWait:
             return False
 
 
-#: How often a job waiting for its encoder looks for a free steal slot (``Stealer``).
+#: How often a job waiting for its encoder looks for a free steal slot, or for the encoders to
+#: become the bound (``Stealer``).
 STEAL_RETRY_S = 0.1
+#: How often a job waiting for its encoder looks again while the encoders are not the bound
+#: (``StealRefused.ENCODERS_FREE``; each look reads the item's claim, for a stealer to watch).
+FLEET_RETRY_S = 0.5
+#: An encoder is gone after this long without a heartbeat (three missed): :class:`EncoderFleet`.
+ENCODER_STALE_S = 3 * HEARTBEAT_INTERVAL_S
+
+
+class EncoderFleet:
+    """The encoder workers of this worker's model version, as their heartbeats (core NATS, every
+    ``HEARTBEAT_INTERVAL_S``) say: whether they are the bound. A steal only pays then: an encoder
+    with a free slot starts a queued job within moments, and taking it would move the encode onto
+    this worker's engine, which E|PD keeps for prefill and decode.
+
+    Bound: every live encoder (a beat within ``stale_s``) holds as many jobs as it takes
+    (``free_slots`` 0), or none is alive - once this worker has listened for ``stale_s`` (until
+    then it cannot tell "none" from "not heard yet"). An encoder that says nothing of its slots
+    (an older version) counts as free."""
+
+    def __init__(self, fingerprint: str, stale_s: float, clock: Callable[[], float] = time.monotonic):
+        self.fingerprint = fingerprint
+        self.stale_s = stale_s
+        self.clock = clock
+        #: when :meth:`listen` subscribed to the heartbeats (None: not listening, never bound)
+        self.listening_since: float | None = None
+        #: worker id -> (full, when its beat came)
+        self._beats: dict[str, tuple[bool, float]] = {}
+
+    async def listen(self, ctx: WorkerContext) -> None:
+        if ctx.nc is None:
+            return
+        await ctx.nc.subscribe(ctx.subjects.heartbeat(Service.ENCODER.value), cb=self._on_beat)
+        self.listening_since = self.clock()
+
+    async def _on_beat(self, msg: Msg) -> None:
+        try:
+            self.beat(protocol.decode(msg.data, WorkerHeartbeat))
+        except protocol.ProtocolError:
+            return
+
+    def beat(self, hb: WorkerHeartbeat) -> None:
+        if hb.fingerprint == self.fingerprint:
+            self._beats[hb.worker_id] = (hb.slots > 0 and hb.free_slots <= 0, self.clock())
+
+    def bound(self) -> bool:
+        """Whether the encoders are the bound now (the class docstring)."""
+        if self.listening_since is None:
+            return False
+        now = self.clock()
+        live = [full for full, at in self._beats.values() if now - at < self.stale_s]
+        if not live:
+            return now - self.listening_since >= self.stale_s
+        return all(live)
 
 
 class StealRefused(enum.Enum):
     """Why :meth:`Stealer.try_steal` did not take an item."""
 
-    #: every steal slot of this worker is in use: try again later
+    #: every steal slot of this worker is in use: try again soon
     BUSY = "busy"
+    #: an encoder has a free slot (:class:`EncoderFleet`): it takes the job; look again later
+    ENCODERS_FREE = "encoders_free"
     #: someone claimed the item (an encoder started it), or the claims cannot be reached: wait
     CLAIMED = "claimed"
     #: the store has it (an encoder announced it as the steal was claimed): load it
@@ -279,15 +341,19 @@ class Steal:
 
 
 class Stealer:
-    """This worker's encode steals (the module docstring): ``slots`` at once, after ``after_s``."""
+    """This worker's encode steals (the module docstring): ``slots`` at once, after ``after_s``,
+    while ``fleet`` says the encoders are the bound."""
 
-    def __init__(self, ctx: WorkerContext, store: ECStore, fingerprint: str, slots: int, after_s: float):
+    def __init__(
+        self, ctx: WorkerContext, store: ECStore, fingerprint: str, slots: int, after_s: float, fleet: EncoderFleet
+    ):
         self.ctx = ctx
         self.store = store
         self.fingerprint = fingerprint
         self.worker_id = ctx.settings.worker_id
         self.slots = slots
         self.after_s = after_s
+        self.fleet = fleet
         self.running = 0
         self._claims: EncodeClaims | None = None
 
@@ -304,6 +370,8 @@ class Stealer:
         claim the caller saw unchanged for ``STEAL_LEASE_S``: take it over."""
         if self.running >= self.slots:
             return StealRefused.BUSY
+        if lapsed is None and not self.fleet.bound():
+            return await self._stealer_of(ref)
         self.running += 1  # held across the awaits below: two jobs never take one slot
         revision = None
         try:
@@ -335,6 +403,19 @@ class Stealer:
         steal = Steal(self, ref, request_id, revision)
         steal.renewing = asyncio.create_task(self._renew(steal, claims), name=f"renew-claim-{ref.item_hash[:12]}")
         return steal
+
+    async def _stealer_of(self, ref: ImageRef) -> StealerHolds | StealRefused:
+        """The encoders take their jobs (not the bound): no steal. Another worker's steal of the
+        item is still watched - one whose stealer dies is taken over whatever the encoders do:
+        they skip a stolen item's job."""
+        try:
+            held = await (await self._open()).held(self.fingerprint, ref.item_hash)
+        except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types: wait as before
+            log.debug("looking at the claim of %s: %s: %s", ref.item_hash[:12], type(exc).__name__, exc)
+            held = None
+        if held is not None and held[0].stealer:
+            return StealerHolds(held[1])
+        return StealRefused.ENCODERS_FREE
 
     async def _renew(self, steal: Steal, claims: EncodeClaims) -> None:
         """Renew the steal's claim until it ends (cancelled by :meth:`ended`)."""

@@ -32,7 +32,9 @@ from typing import cast
 import msgspec
 
 from services.prefill.features import (
+    ENCODER_STALE_S,
     ConnectorFeatures,
+    EncoderFleet,
     EncoderWait,
     FeatureCache,
     FeatureSource,
@@ -100,7 +102,7 @@ class PrefillHandler(ModelHandler):
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
         assert self.engine is not None and self.store is not None
-        self.features = self._feature_source(ctx)
+        self.features = self._feature_source(ctx, await self._stealer(ctx))
         self.handoff = await self._handoff(ctx)
         self.admission = self._admission()
         log.info("role %s: %s, %s", self.role, type(self.features).__name__, type(self.handoff).__name__)
@@ -128,20 +130,26 @@ class PrefillHandler(ModelHandler):
         )
         return Admission(slots, self.settings.max_waiting_jobs, long_prompt)
 
-    def _feature_source(self, ctx: WorkerContext) -> FeatureSource:
+    async def _stealer(self, ctx: WorkerContext) -> Stealer | None:
+        """Encode stealing (``EPD_ENCODE_STEALS``; roles pd and prefill), listening to the encoders'
+        heartbeats from now on, or None."""
+        assert self.store is not None  # setup() checked
+        if self.role is Role.AGG or not self.settings.encode_steals:
+            return None
+        if isinstance(self.engine, base.FeaturesThroughConnector) and not self.engine.stores_encodes:
+            log.warning("EPD_ENCODE_STEALS ignored: this engine does not store what it encodes")
+            return None
+        fleet = EncoderFleet(self.fingerprint, ENCODER_STALE_S)
+        await fleet.listen(ctx)
+        s = self.settings
+        return Stealer(ctx, self.store, self.fingerprint, s.encode_steals, s.encode_steal_after_s, fleet)
+
+    def _feature_source(self, ctx: WorkerContext, stealer: Stealer | None) -> FeatureSource:
         assert self.store is not None  # setup() checked
         encoder = None
         if self.role is not Role.AGG:
             encoder = EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s, self.store)
-        stealer = None
-        if encoder is not None and self.settings.encode_steals:
-            stealer = Stealer(
-                ctx, self.store, self.fingerprint, self.settings.encode_steals, self.settings.encode_steal_after_s
-            )
         if isinstance(self.engine, base.FeaturesThroughConnector):
-            if stealer is not None and not self.engine.stores_encodes:
-                log.warning("EPD_ENCODE_STEALS ignored: this engine does not store what it encodes")
-                stealer = None
             return ConnectorFeatures(self.image, self.store, encoder, stealer)
         engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)
         if encoder is None:

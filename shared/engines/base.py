@@ -208,6 +208,17 @@ class Engine(abc.ABC):
         (the transformers engine prefills one prompt at a time, the cheapest first)."""
         return None
 
+    @property
+    def encode_pixels_per_step(self) -> int | None:
+        """Image pixels this engine's vision encoder computes in one step, where its steps bound
+        them (vLLM: ``max_num_batched_tokens`` image tokens a step, each of
+        ``(patch_size * spatial_merge_size) ** 2`` pixels in the Qwen2-VL family). An encoder worker
+        holds two steps' worth of images at once unless ``EPD_ENCODE_PIXEL_BUDGET`` says otherwise:
+        more would only wait inside the engine, while in the queue they stay free for another
+        encoder or a stealing worker. ``None``: no step bound known (the transformers engine
+        encodes its batch in one forward)."""
+        return None
+
     def capacity(self) -> dict[str, Any]:
         """What the engine's capacity was derived from, printed at start-up (e.g. batch size,
         KV cache tokens)."""

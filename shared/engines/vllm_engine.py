@@ -441,6 +441,20 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         step's budget first, the requests that came since get what is left."""
         return int(self.vllm_config.scheduler_config.max_num_batched_tokens)
 
+    @property
+    def encode_pixels_per_step(self) -> int | None:
+        """vLLM's encoder compute budget a step (``max_num_encoder_input_tokens``, by default its
+        ``max_num_batched_tokens``) in image tokens of ``(patch_size * spatial_merge_size) ** 2``
+        pixels each; ``None`` for a vision config without both (its images are not sized in
+        patches: LLaVA resizes every image)."""
+        vision = getattr(self.vllm_config.model_config.hf_config, "vision_config", None)
+        patch, merge = getattr(vision, "patch_size", None), getattr(vision, "spatial_merge_size", None)
+        if not isinstance(patch, int) or not isinstance(merge, int):
+            return None
+        sched = self.vllm_config.scheduler_config
+        tokens = getattr(sched, "max_num_encoder_input_tokens", None) or sched.max_num_batched_tokens
+        return int(tokens) * (patch * merge) ** 2
+
     def capacity(self) -> dict[str, Any]:
         cache, sched = self.vllm_config.cache_config, self.vllm_config.scheduler_config
         blocks = getattr(cache, "num_gpu_blocks", None)
