@@ -557,8 +557,9 @@ class PrefillSettings(WorkerSettings):
         ge=0,
         le=64,
         description="queued encode jobs this worker may steal at once: after `EPD_ENCODE_STEAL_AFTER_S` "
-        "without an encoder starting an item, the worker's own engine encodes it, stores it and "
-        "announces it (0: off; roles pd and prefill; docs/architecture.md, encode stealing)",
+        "without an encoder starting an item, while every live encoder is full (or none is alive), "
+        "the worker's own engine encodes it, stores it and announces it (0: off; roles pd and "
+        "prefill; docs/architecture.md, encode stealing)",
     )
     encode_steal_after_s: float = Field(
         0.2,
