@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from shared.tools import cli
 from shared.tools.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
+EPD = Path(sys.executable).parent / "epd"  # the console script
 
 
 # -- epd up's ready banner ------------------------------------------------------------------------
@@ -67,6 +69,8 @@ def epd_up_output(monkeypatch, capsys, tmp_path: Path, env: dict[str, str]) -> s
     monkeypatch.setattr(launcher, "Stack", FakeStack)
     monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m" / "config.json").write_text("{}")  # a model folder, as far as epd up checks
     argv = ["up", "--data-dir", str(tmp_path / "var"), "--model", str(tmp_path / "m"), "--nats-port", "14222"]
     assert main([*argv, "--s3-port", "19000"]) == 0
     return capsys.readouterr().out
@@ -172,3 +176,180 @@ def fake_history(monkeypatch):
 def test_replay_show_prints_summary_and_timeline_first_messages_on_request(fake_history, capsys, flags, expected):
     assert main(["replay", "show", "chatcmpl-x", *flags]) == 0
     assert [ln for ln in capsys.readouterr().out.splitlines() if ln] == expected
+
+
+# -- the first hour (issue 41 items 5, 6) ---------------------------------------------------------
+def test_epd_up_with_api_keys_prints_a_curl_that_sends_one_and_never_the_key(monkeypatch, capsys, tmp_path):
+    """Keys on (EPD_API_KEYS or --api-key): the printed curl carries an Authorization header that
+    reads $OPENAI_API_KEY, the output says so, and no key is printed; without keys: no header."""
+    out = epd_up_output(monkeypatch, capsys, tmp_path, {"EPD_API_KEYS": "sk-not-to-be-printed,sk-other"})
+    assert "sk-not-to-be-printed" not in out and "sk-other" not in out
+    [curl] = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("curl ")]
+    assert curl.startswith(
+        'curl -s http://127.0.0.1:8000/v1/chat/completions -H "Authorization: Bearer $OPENAI_API_KEY" '
+        "-H 'Content-Type: application/json' -d '"
+    ), curl
+    assert "export OPENAI_API_KEY=<one of the keys>" in out
+    out = epd_up_output(monkeypatch, capsys, tmp_path, {})
+    [curl] = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("curl ")]
+    assert "Authorization" not in curl and "OPENAI_API_KEY" not in out
+
+
+class RecordingStack(FakeStack):
+    """A FakeStack that keeps the environment ``epd up`` gave its services."""
+
+    envs: list[dict[str, str]] = []
+
+    def __init__(self, **kwargs: object):
+        super().__init__(**kwargs)
+        RecordingStack.envs.append(dict(self.env))
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        ((), {}, {}),
+        (("--api-key", "sk-a", "--api-key", "sk-b"), {}, {"EPD_API_KEYS": "sk-a,sk-b"}),
+        (("--api-key", "sk-flag"), {"EPD_API_KEYS": "sk-env"}, {"EPD_API_KEYS": "sk-flag"}),
+        (("--allow-local-urls",), {}, {"EPD_URL_ALLOW_NETWORKS": "127.0.0.0/8,::1/128"}),
+        (
+            ("--allow-local-urls",),
+            {"EPD_URL_ALLOW_NETWORKS": "10.1.0.0/16"},
+            {"EPD_URL_ALLOW_NETWORKS": "10.1.0.0/16,127.0.0.0/8,::1/128"},
+        ),
+    ],
+)
+def test_epd_up_flags_set_the_api_settings(monkeypatch, capsys, tmp_path, flags, env, expected):
+    from shared.tools import launcher
+
+    for name in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    RecordingStack.envs = []
+    monkeypatch.setattr(cli, "EmbeddedNats", lambda data_dir, port: FakeServer("nats", data_dir, port))
+    monkeypatch.setattr(cli, "EmbeddedS3", lambda data_dir, port, **kw: FakeServer("s3", data_dir, port))
+    monkeypatch.setattr(launcher, "Stack", RecordingStack)
+    monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    argv = ["up", "--data-dir", str(tmp_path / "var"), "--nats-port", "14222", "--s3-port", "19000", *flags]
+    assert main(argv) == 0
+    [stack_env] = RecordingStack.envs
+    assert {k: stack_env[k] for k in ("EPD_API_KEYS", "EPD_URL_ALLOW_NETWORKS") if k in stack_env} == expected
+    out = capsys.readouterr().out
+    assert "sk-" not in out  # keys reach the services, never the output
+    assert ("--allow-local-urls: image URLs on this host are fetched" in out) == ("--allow-local-urls" in flags)
+
+
+@pytest.mark.parametrize(
+    ("make", "argv", "env", "named"),
+    [
+        (None, ["--model", "{tmp}/nonexistent"], {}, "--model {tmp}/nonexistent: no such folder"),
+        ("file", ["--model", "{tmp}/m"], {}, "--model {tmp}/m: not a folder"),
+        ("dir", ["--model", "{tmp}/m"], {}, "--model {tmp}/m: no config.json in it"),
+        (None, [], {"EPD_MODEL_PATH": "{tmp}/nonexistent"}, "EPD_MODEL_PATH {tmp}/nonexistent: no such folder"),
+    ],
+)
+def test_epd_up_refuses_a_model_that_is_no_model_folder_before_starting_anything(
+    monkeypatch, capsys, tmp_path, make, argv, env, named
+):
+    for name in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    if make == "file":
+        (tmp_path / "m").write_text("")
+    elif make == "dir":
+        (tmp_path / "m").mkdir()
+
+    def nothing_starts(*a, **kw):
+        raise AssertionError("epd up started something")
+
+    monkeypatch.setattr(cli, "EmbeddedNats", nothing_starts)
+    data_dir = tmp_path / "var"
+    assert main(["up", "--data-dir", str(data_dir), *(a.format(tmp=tmp_path) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"epd up: {named.format(tmp=tmp_path)}" + (
+        " (a model folder in Hugging Face layout, with config.json)"
+        if "no such" in named or "not a folder" in named
+        else ": not a model folder in Hugging Face layout"
+    )
+    assert not data_dir.exists()
+
+
+def test_epd_version_and_help_without_a_command():
+    import importlib.metadata
+
+    run = lambda *a: subprocess.run([str(EPD), *a], capture_output=True, text=True, timeout=60)  # noqa: E731 - a one-line helper
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout == f"epd-serve {importlib.metadata.version('epd-serve')}\n"
+    bare = run()
+    assert bare.returncode == 2 and bare.stdout.startswith("usage: epd ") and "positional arguments" in bare.stdout
+    assert "required" not in bare.stdout + bare.stderr
+    for group in (["replay"], ["ec"], ["bench"], ["config"], ["model"]):
+        out = run(*group)
+        assert out.returncode == 2 and out.stdout.startswith(f"usage: epd {group[0]} "), (group, out)
+        assert "required" not in out.stdout + out.stderr, group
+
+
+def test_a_tool_that_cannot_reach_nats_says_where_its_url_comes_from(capsys):
+    """Real: a port nothing listens on. The one line names the flag, the variable and epd up's
+    export line."""
+    from shared.tools.infra import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"
+    for argv in (["replay", "list"], ["ec", "ls"]):
+        assert main([*argv, "--nats-url", url]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot connect to NATS at {url}" in err, err
+        assert "--nats-url or EPD_NATS_URL" in err and "export EPD_NATS_URL=" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_config_show_prints_the_effective_settings_with_secrets_masked(monkeypatch, capsys):
+    import json
+
+    for name in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    secrets = {
+        "EPD_API_KEYS": "sk-hidden-1,sk-hidden-2",
+        "EPD_S3_SECRET_KEY": "hidden-s3",
+        "EPD_NATS_PASSWORD": "hidden-nats",
+        "EPD_NATS_URL": "nats://user:hidden-url@nats.example:4222",
+    }
+    for name, value in {**secrets, "EPD_MAX_IMAGES_PER_REQUEST": "3"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["config", "show"]) == 0
+    text = capsys.readouterr().out
+    assert "hidden" not in text
+    rows = {ln.split()[0]: ln.split()[1:] for ln in text.splitlines() if ln.startswith("EPD_")}
+    assert rows["EPD_MAX_IMAGES_PER_REQUEST"] == ["3", "env", "api"]
+    assert rows["EPD_API_KEYS"][:2] == ["****", "env"]
+    assert rows["EPD_S3_SECRET_KEY"][:2] == ["****", "env"]
+    assert rows["EPD_NATS_URL"][:2] == ["nats://***@nats.example:4222", "env"]
+    assert rows["EPD_PORT"][:2] == ["8000", "default"]
+    assert main(["config", "show", "--json", "--service", "api", "--env-only"]) == 0
+    shown = {r["name"]: r["value"] for r in json.loads(capsys.readouterr().out)["settings"]}
+    assert set(shown) == set(secrets) | {"EPD_MAX_IMAGES_PER_REQUEST"}
+    assert "hidden" not in json.dumps(shown)
+    monkeypatch.setenv("EPD_MAX_IMAGES_PER_REQUEST", "-1")
+    assert main(["config", "show"]) == 2
+    assert "max_images_per_request" in capsys.readouterr().err
+
+
+def test_bench_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
+    from shared.tools.bench.runner import PlainProgress, progress_bar
+
+    bar = progress_bar(20, "concurrency 1", enabled=True)  # pytest's stderr is no terminal
+    assert isinstance(bar, PlainProgress)
+    for _ in range(20):
+        bar.update()
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert lines[0] == "concurrency 1: 2/20 req" and lines[-1] == "concurrency 1: 20/20 req" and len(lines) == 10
+    off = progress_bar(20, "x", enabled=False)
+    off.update()
+    off.close()
+    assert capsys.readouterr().err == ""

@@ -92,6 +92,20 @@ def _example_request(model_name: str, demo: bool) -> str:
     return json.dumps(body, separators=(", ", ": "))
 
 
+#: the variable the curl ``epd up`` prints reads its API key from when keys are on: the openai
+#: client's (and ``epd bench run``'s) - the key itself is never printed
+CLIENT_API_KEY_ENV = "OPENAI_API_KEY"
+#: what ``epd up --allow-local-urls`` sets EPD_URL_ALLOW_NETWORKS to: the loopback networks
+LOCAL_URL_NETWORKS = "127.0.0.0/8,::1/128"
+
+
+def example_curl(url: str, body: str, *, api_keys: bool) -> str:
+    """The ``curl`` line ``epd up`` prints; with API keys on, its ``Authorization`` header reads
+    the key from :data:`CLIENT_API_KEY_ENV` (the shell expands it; nothing secret is printed)."""
+    auth = f'-H "Authorization: Bearer ${CLIENT_API_KEY_ENV}" ' if api_keys else ""
+    return f"curl -s {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'"
+
+
 def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key: str) -> str:
     """The banner's lines that point ``epd ec`` / ``epd replay`` (and other shells) at a stack
     ``epd up`` started. The S3 keys are printed only when they are the embedded dev defaults;
@@ -118,19 +132,25 @@ def _example_answer() -> str:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ModelSettings, StoreSettings
+    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ApiSettings, ModelSettings, StoreSettings, env_var
     from shared.tools.forkserver import default_fork_server, not_forkable
-    from shared.tools.launcher import Stack, StackError, Supervisor, worker_metrics_port
+    from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
 
     started = time.perf_counter()
-    data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
     model, store = ModelSettings(), StoreSettings()
     model_path = Path(args.model) if args.model else model.model_path
     if model_path is None:  # the demo model, trained here and shipped in the repo
         model_path = SHIPPED_DIR
     model_path = model_path.resolve()
     demo = model_path == SHIPPED_DIR.resolve()
+    if (problem := model_folder_problem(model_path)) is not None:
+        source = "--model" if args.model else env_var("model_path")
+        print(f"epd up: {source} {model_path}: {problem}", file=sys.stderr)
+        return 2
+    # The API's keys: --api-key, else EPD_API_KEYS from the environment (the API reads it there).
+    api_keys = tuple(args.api_key or ()) or ApiSettings().api_keys
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
 
     access_key = store.s3_access_key.get_secret_value()
     secret_key = store.s3_secret_key.get_secret_value()
@@ -174,10 +194,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
             S3_SECRET_KEY_ENV: secret_key,
             "EPD_MODEL_PATH": str(model_path),
             "EPD_ENGINE": args.engine,
+            # (--served-model-name / --max-model-len: every service, so the API and both engines agree)
+            **({"EPD_MODEL_NAME": args.served_model_name} if args.served_model_name else {}),
+            **({"EPD_MAX_MODEL_LEN": str(args.max_model_len)} if args.max_model_len else {}),
             "EPD_HOST": args.host,
             # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
             "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
         }
+        env.update(_flag_env(args, api_keys))
+        if args.allow_local_urls:
+            print(
+                f"--allow-local-urls: image URLs on this host are fetched "
+                f"({env_var('url_allow_networks')}={env[env_var('url_allow_networks')]}; a development set-up)"
+            )
         service_env = _service_env(args, Topology(args.topology))
         for name, values in service_env.items():
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
@@ -205,7 +234,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
         url = f"http://{args.host}:{args.port}"
-        model_name = model_path.name if not model.model_name else model.model_name
+        model_name = args.served_model_name or model.model_name or model_path.name
         print(
             f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
             f"topology {args.topology})\n"
@@ -219,8 +248,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             + connect_exports(nats.url, s3.endpoint, access_key, secret_key)
             + "\n"
             "Try it:\n"
-            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '"
-            f"{_example_request(model_name, demo)}'\n"
+            + (
+                f"  (API keys are on: export {CLIENT_API_KEY_ENV}=<one of the keys> first; epd up never prints them)\n"
+                if api_keys
+                else ""
+            )
+            + f"  {example_curl(url, _example_request(model_name, demo), api_keys=bool(api_keys))}\n"
             + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
             + "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
             flush=True,
@@ -247,10 +280,33 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         for ports in held:
             ports.release()
-        if stack is not None:
-            stack.stop()
-        s3.stop()
-        nats.stop()
+        shut_down(stack, (nats, s3))  # services together, then NATS, S3 and the fork server together
+
+
+def model_folder_problem(path: Path) -> str | None:
+    """Why ``path`` is no model folder (None: it looks like one: a folder with a config.json, as in
+    Hugging Face's layout) - said before anything starts, not in a worker's traceback."""
+    if not path.exists():
+        return "no such folder (a model folder in Hugging Face layout, with config.json)"
+    if not path.is_dir():
+        return "not a folder (a model folder in Hugging Face layout, with config.json)"
+    if not (path / "config.json").is_file():
+        return "no config.json in it: not a model folder in Hugging Face layout"
+    return None
+
+
+def _flag_env(args: argparse.Namespace, api_keys: tuple[str, ...]) -> dict[str, str]:
+    """The ``EPD_*`` settings ``epd up``'s flags give every service (only the API reads these).
+    Secrets go here, never into the per-service settings epd up prints."""
+    from shared.config import env_var
+
+    env: dict[str, str] = {}
+    if api_keys:
+        env[env_var("api_keys")] = ",".join(api_keys)
+    if args.allow_local_urls:
+        given = os.environ.get(env_var("url_allow_networks"), "")
+        env[env_var("url_allow_networks")] = ",".join(n for n in (given, LOCAL_URL_NETWORKS) if n)
+    return env
 
 
 def _own_cpus(service_env: dict[str, dict[str, str]], topology: Topology) -> bool:
@@ -305,13 +361,36 @@ def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict
     return out
 
 
+def _max_model_len(value: str) -> int:
+    """``--max-model-len``: an integer of at least 16 (``EPD_MAX_MODEL_LEN``'s bound)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n < 16:
+        raise argparse.ArgumentTypeError(f"{n} is below 16 tokens")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve: disaggregated EPD serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"epd-serve {_version()}", help="print the version")
+    sub = parser.add_subparsers(dest="command")
 
     up = sub.add_parser("up", help="start embedded NATS + S3 and all services")
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the demo model shipped in the repo)")
+    up.add_argument(
+        "--served-model-name",
+        help="model id served in /v1/models and expected in requests, as vLLM's flag "
+        "(default: EPD_MODEL_NAME, else the folder's name)",
+    )
+    up.add_argument(
+        "--max-model-len",
+        type=_max_model_len,
+        help="context length served: prompt + max_tokens of a request, in the API and both engines, as vLLM's "
+        "flag (default: EPD_MAX_MODEL_LEN, else the model's max_position_embeddings; only lowers it)",
+    )
     up.add_argument(
         "--engine",
         default=os.environ.get("EPD_ENGINE", "transformers"),
@@ -380,6 +459,21 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers once (shared.tools.forkserver; not for --engine vllm); --no-fork-server: a plain "
         "`python -m services.<name>` each (default: on)",
     )
+    up.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="a Bearer key the API asks for (repeatable; sets EPD_API_KEYS, which it replaces; "
+        "EPD_API_KEYS in the environment keeps keys off the command line). The printed curl reads the "
+        f"key from ${CLIENT_API_KEY_ENV}",
+    )
+    up.add_argument(
+        "--allow-local-urls",
+        action="store_true",
+        help="development set-up: image URLs on this host (http://127.0.0.1:..., http://localhost:...) "
+        f"are fetched (adds {LOCAL_URL_NETWORKS} to EPD_URL_ALLOW_NETWORKS); by default a URL that "
+        "resolves to a loopback or private address is refused (400 url_not_allowed)",
+    )
     up.set_defaults(func=_cmd_up)
 
     model = sub.add_parser("model", help="model utilities")
@@ -429,7 +523,41 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.tools import config_docs
 
     config_docs.add_parser(sub)  # epd config docs [--check]
+    from shared.tools import config_show
+
+    [config_sub] = [a for a in sub.choices["config"]._actions if isinstance(a, argparse._SubParsersAction)]
+    config_show.add_parser(config_sub)  # epd config show
+    help_without_command(parser)
     return parser
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("epd-serve")
+    except importlib.metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def help_without_command(parser: argparse.ArgumentParser) -> None:
+    """A command that has subcommands, run without one (``epd``, ``epd replay``), prints its help
+    and exits 2 - not argparse's bare "the following arguments are required". For ``parser`` and
+    every parser below it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            action.required = False
+            parser.set_defaults(func=_print_help(parser))  # a subcommand's own func replaces it
+            for child in action.choices.values():
+                help_without_command(child)
+
+
+def _print_help(parser: argparse.ArgumentParser):
+    def run(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

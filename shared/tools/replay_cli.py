@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
 CONNECT_TIMEOUT_S = 5.0
+#: added to "cannot connect to NATS": where a tool's NATS URL comes from
+NATS_HINT = (
+    "point the tool at the deployment with --nats-url or EPD_NATS_URL "
+    "(`epd up` prints an `export EPD_NATS_URL=...` line to paste)"
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -157,8 +162,10 @@ def _run(args: argparse.Namespace, body, *, prog: str = "epd replay") -> int:
             nc = await _connect(settings)
         except TimeoutError as exc:
             raise ServiceUnavailable(
-                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: timed out"
+                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: timed out; {NATS_HINT}"
             ) from exc
+        except ServiceUnavailable as exc:
+            raise ServiceUnavailable(f"{exc.message}; {NATS_HINT}") from exc
         try:
             return await body(nc, Subjects(settings.nats.subject_prefix), settings)
         finally:

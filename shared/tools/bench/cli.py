@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -32,7 +33,11 @@ def add_parser(sub: Any) -> None:
         description="Flags override the --workload file; without --requests, --duration runs for that long.",
     )
     run.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    run.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    run.add_argument(
+        "--api-key",
+        help="sent as 'Authorization: Bearer KEY' (default: OPENAI_API_KEY from the environment, as the openai "
+        "client; never printed)",
+    )
     run.add_argument("--workload", metavar="FILE.yaml", help="WorkloadSpec fields (shared/tools/bench/schema.py)")
     run.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     run.add_argument("--requests", type=int, help="requests per run (default 50)")
@@ -73,7 +78,11 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="epd-serve: skip reading each request's timeline (no stage breakdown)",
     )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress report (a bar on a terminal, else a plain line every tenth of the run)",
+    )
     run.set_defaults(func=cmd_run)
 
     for name in SUBCOMMANDS:
@@ -171,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             runner.run(
                 args.url,
                 spec,
-                api_key=args.api_key,
+                api_key=args.api_key or os.environ.get(runner.API_KEY_ENV) or None,
                 label=args.label,
                 progress=not args.no_progress,
                 slo_ms=args.slo,

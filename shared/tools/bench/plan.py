@@ -263,6 +263,7 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
     from shared.errors import EPDError
     from shared.jetstream import connect, redact_url
     from shared.protocol import Subjects
+    from shared.tools.replay_cli import NATS_HINT
 
     overrides: dict[str, Any] = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
     try:
@@ -280,8 +281,10 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
             )
         except (TimeoutError, OSError) as exc:
             raise PlanError(
-                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: {exc or 'timed out'}"
+                f"cannot connect to NATS at {redact_url(settings.nats.nats_url)}: {exc or 'timed out'}; {NATS_HINT}"
             ) from exc
+        except EPDError as exc:  # connect's own "cannot connect" (ServiceUnavailable)
+            raise PlanError(f"{exc.message}; {NATS_HINT}") from exc
         try:
             return await records_from_streams(nc, Subjects(settings.nats.subject_prefix), since_s=since_s, limit=limit)
         finally:

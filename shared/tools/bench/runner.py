@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 #: Bound on one request, from sending to the stream's end (the API's own deadline is 300 s).
 REQUEST_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 30.0
+#: where ``epd bench run`` takes its API key from without ``--api-key`` (the openai client's variable)
+API_KEY_ENV = "OPENAI_API_KEY"
+#: a progress line at most this often when the output is not a terminal
+PLAIN_PROGRESS_EVERY_S = 10.0
 #: Bound on reading one timeline, and how many are read at once after a run.
 TIMELINE_TIMEOUT_S = 60.0
 TIMELINE_CONCURRENCY = 4
@@ -275,11 +279,9 @@ async def read_timeline(
 async def add_timelines(
     client: httpx.AsyncClient, records: list[RequestRecord], *, progress: bool
 ) -> list[RequestRecord]:
-    from tqdm import tqdm
-
     limit = asyncio.Semaphore(TIMELINE_CONCURRENCY)
     todo = [r for r in records if r.ok and r.request_id]
-    bar = tqdm(total=len(todo), desc="timelines", unit="req", file=sys.stderr, disable=not progress, leave=False)
+    bar = progress_bar(len(todo), "timelines", enabled=progress, leave=False)
 
     async def one(record: RequestRecord) -> RequestRecord:
         async with limit:
@@ -292,6 +294,44 @@ async def add_timelines(
     finally:
         bar.close()
     return [done.get(r.index, r) for r in records]
+
+
+class PlainProgress:
+    """A progress report as plain lines (``desc: 10/50 req``), for output that is not a terminal
+    (a log file, CI): a line when a tenth more is done or every :data:`PLAIN_PROGRESS_EVERY_S`,
+    and one at the end - no carriage returns, no redrawn bar."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, file: Any) -> None:
+        self.total, self.desc, self.unit, self.file = total, desc, unit, file
+        self.n = 0
+        self._said_n = 0
+        self._said_at = time.monotonic()
+        self._closed = False
+
+    def _say(self) -> None:
+        of = f"/{self.total}" if self.total is not None else ""
+        print(f"{self.desc}: {self.n}{of} {self.unit}", file=self.file, flush=True)
+        self._said_n, self._said_at = self.n, time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        step = max(1, (self.total or 0) // 10)
+        if self.n - self._said_n >= step or time.monotonic() - self._said_at >= PLAIN_PROGRESS_EVERY_S:
+            self._say()
+
+    def close(self) -> None:
+        if not self._closed and self.n != self._said_n:
+            self._say()
+        self._closed = True
+
+
+def progress_bar(total: int | None, desc: str, *, enabled: bool, unit: str = "req", leave: bool = True) -> Any:
+    """tqdm's bar on a terminal (stderr); plain lines (:class:`PlainProgress`) otherwise."""
+    from tqdm import tqdm
+
+    if enabled and not sys.stderr.isatty():
+        return PlainProgress(total, desc, unit, sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled, leave=leave)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -308,12 +348,22 @@ async def detect_epd(client: httpx.AsyncClient) -> bool:
 async def served_model(client: httpx.AsyncClient) -> str:
     try:
         resp = await client.get("/v1/models", timeout=CONNECT_TIMEOUT_S)
+        if resp.status_code in (401, 403):
+            sent = "Authorization" in client.headers
+            raise BenchError(
+                f"{client.base_url}/v1/models answered {resp.status_code}: "
+                + (
+                    f"the server refused the API key given (--api-key, else {API_KEY_ENV})"
+                    if sent
+                    else f"the server asks for an API key: pass --api-key or set {API_KEY_ENV}"
+                )
+            )
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchError(
             f"cannot list the served models at {client.base_url}/v1/models "
-            f"({type(exc).__name__}: {exc}); pass the model name"
+            f"({type(exc).__name__}: {exc}); pass the model name with --model"
         ) from None
 
 
@@ -329,10 +379,9 @@ async def _run_point(
     timeout_s: float,
 ) -> tuple[list[RequestRecord], float]:
     import PIL.Image  # noqa: F401 - drawing the first image should not pay for the import
-    from tqdm import tqdm
 
     desc = f"rate {rate:g}/s" if rate else f"concurrency {spec.concurrency}"
-    bar = tqdm(total=spec.requests, desc=desc, unit="req", file=sys.stderr, disable=not progress)
+    bar = progress_bar(spec.requests, desc, enabled=progress)
     records: list[RequestRecord] = []
     plan = iter_plan(spec, rate=rate, run_index=run_index)
     t0 = time.perf_counter()
