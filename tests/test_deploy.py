@@ -24,8 +24,9 @@ import pytest
 
 from shared import config
 from shared.health import run as health_run
-from shared.tools.cli import DEFAULT_DATA_DIR, build_parser, default_model_dir
+from shared.tools.cli import build_parser
 from shared.tools.launcher import service_command
+from shared.tools.models.demo import SHIPPED_DIR
 from tests import deploycheck as dc
 
 ROOT = dc.ROOT
@@ -80,7 +81,7 @@ NOT_FROM_COMPOSE = {
 COMPOSE_DEFAULTS = {
     "EPD_NATS_URL": "nats://nats:4222",
     "EPD_S3_ENDPOINT": "minio:9000",
-    "EPD_MODEL_NAME": "qwen2-vl-tiny",
+    "EPD_MODEL_NAME": "qwen2-vl-shapes",
 }
 COMPOSE_ONLY_VARS = {"EPD_MODEL_DIR", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "EPD_NATS_IMAGE", "EPD_MINIO_IMAGE"}
 TEST_SECRETS = {
@@ -404,9 +405,10 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
             assert parsed_from_env(cls, name, value, monkeypatch) == default, (var, value, default)
 
 
-def test_model_mount_defaults_to_the_tiny_model(compose):
+def test_model_mount_defaults_to_the_demo_model(compose):
+    """Compose serves the demo model shipped in the repository, as `make run` does."""
     refs = dc.compose_variables(compose)["EPD_MODEL_DIR"]
-    default_dir = "./" + str(default_model_dir(DEFAULT_DATA_DIR))
+    default_dir = "./" + str(SHIPPED_DIR.relative_to(dc.ROOT))
     assert {(r.op, r.arg) for r in refs} == {(":-", default_dir)}
     assert env_example_values()["EPD_MODEL_DIR"] == default_dir
     assert COMPOSE_DEFAULTS["EPD_MODEL_NAME"] == Path(default_dir).name == env_example_values()["EPD_MODEL_NAME"]
@@ -1238,7 +1240,7 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
 
         # API keys as compose requires them.
         body = {
-            "model": "qwen2-vl-tiny",
+            "model": dotenv["EPD_MODEL_NAME"],
             "max_tokens": 4,
             "temperature": 0,
             "messages": [user_message("Describe.", [data_url(noise_image(5, (56, 56)))])],

@@ -88,7 +88,7 @@ ACCOUNT_NAMES = {"EPD_NATS_USER": "epd", "EPD_S3_ACCESS_KEY": "epd-services"}
 COMPOSE_DEFAULTS = {
     "EPD_NATS_URL": "nats://nats:4222",
     "EPD_S3_ENDPOINT": "minio:9000",
-    "EPD_MODEL_NAME": "qwen2-vl-tiny",
+    "EPD_MODEL_NAME": "qwen2-vl-shapes",
 }
 # Variables docker-compose.yml reads that are no setting of the services.
 COMPOSE_ONLY = (
@@ -99,8 +99,8 @@ COMPOSE_ONLY = (
     ),
     (
         "EPD_MODEL_DIR",
-        "`./var/models/qwen2-vl-tiny`",
-        "host model folder, mounted read-only at `/models/model`",
+        "`./shared/tools/models/qwen2-vl-shapes`",
+        "host model folder, mounted read-only at `/models/model` (default: the demo model shipped in the repository)",
     ),
     (
         "MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD",
@@ -259,7 +259,7 @@ def configuration_md() -> str:
         *(f"| `{var}` | {default} | {text} |" for var, default, text in COMPOSE_ONLY),
         "",
         "Compose sets per container: `EPD_NATS_URL` (default `nats://nats:4222`), `EPD_S3_ENDPOINT` (default",
-        "`minio:9000`), `EPD_MODEL_NAME` (default `qwen2-vl-tiny`), `EPD_MODEL_PATH=/models/model`,",
+        "`minio:9000`), `EPD_MODEL_NAME` (default `qwen2-vl-shapes`), `EPD_MODEL_PATH=/models/model`,",
         "`EPD_STORE_BACKEND=s3`, `EPD_HOST=0.0.0.0` / `EPD_PORT=8000` (api), `EPD_ROLE` (per prefill service),",
         "`EPD_ENGINE=vllm` (GPU services), `EPD_METRICS_PORT=9100` and `EPD_HEALTH_FILE=/tmp/epd-health.json`",
         "(workers). `EPD_WORKER_ID` stays the container's host name plus a random suffix, so replicas differ.",
@@ -284,10 +284,11 @@ ENV_HEADER = """\
 COMPOSE_PROFILES=e-pd
 
 # Host folder of the model (Hugging Face layout), mounted read-only at /models/model; readable by
-# uid 10001. Make the tiny test model with:  .venv/bin/epd model build-tiny var/models/qwen2-vl-tiny
-EPD_MODEL_DIR=./var/models/qwen2-vl-tiny
+# uid 10001. The default: the demo model shipped in the repository (questions about shapes; see
+# docs/getting-started.md). A real model: its folder here and its name below.
+EPD_MODEL_DIR=./shared/tools/models/qwen2-vl-shapes
 # Model id served in /v1/models and expected in requests (the mount point hides the folder name).
-EPD_MODEL_NAME=qwen2-vl-tiny
+EPD_MODEL_NAME=qwen2-vl-shapes
 
 # ---- secrets (required: compose refuses to start while one is empty) ------------------------------
 # Bearer keys clients must send (comma-separated): Authorization: Bearer <key>
@@ -422,7 +423,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Add ``config docs`` to the ``epd`` parser."""
-    cfg = sub.add_parser("config", help="settings: the generated configuration reference")
+    cfg = sub.add_parser("config", help="settings: the ones in effect here, the generated configuration reference")
     csub = cfg.add_subparsers(dest="config_command", required=True)
     docs = csub.add_parser(
         "docs",
