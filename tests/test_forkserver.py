@@ -114,3 +114,21 @@ def test_a_child_that_fails_to_set_up_exits_127_and_the_server_goes_on(server, t
     assert "FileNotFoundError" in server.log_path.read_text()
     good = server.spawn([*PROBE, "exit", "0"], env=dict(os.environ), cwd=REPO, log_path=tmp_path / "ok.log")
     assert good is not None and good.wait(60) == 0
+
+
+def test_the_server_exits_at_once_when_closed(tmp_path):
+    """``epd up``'s Ctrl-C closes the fork server once the services stopped: it exits as soon as
+    it reads the end of its input, without the interpreter's teardown of torch and transformers
+    (~3 s: the last part of a stop before)."""
+    import time
+
+    fs = ForkServer(tmp_path / "forkserver.log", cwd=REPO)
+    try:
+        probe = fs.spawn([*PROBE, "exit", "0"], env=dict(os.environ), cwd=REPO, log_path=tmp_path / "probe.log")
+        assert probe is not None and probe.wait(120) == 0  # preloaded: torch and transformers imported
+    finally:
+        t0 = time.monotonic()
+        fs.close()
+        took = time.monotonic() - t0
+    assert fs._popen.returncode == 0
+    assert took < 1.5, f"closing the fork server took {took:.2f}s"

@@ -33,6 +33,7 @@ from shared.tools.infra import (
     free_port_block,
     free_ports,
     port_available,
+    stop_servers,
 )
 from tests.stackutil import wait_for
 
@@ -188,6 +189,39 @@ def test_a_reserved_port_is_refused_to_servers_until_released(tmp_path: Path) ->
         held.release()
     with EmbeddedNats(tmp_path / "b", port=port) as server:
         assert server.url == f"nats://127.0.0.1:{port}"
+
+
+def _time_wait_on(port: int) -> bool:
+    """Whether a TCP connection on local port ``port`` is in TIME_WAIT (/proc/net/tcp, state 06)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "06" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            return True
+    return False
+
+
+def test_a_port_left_in_time_wait_can_be_reserved_and_stays_exclusive() -> None:
+    """`epd up` started again at once on the API port it just used: the port's connections closed
+    by the server sit in TIME_WAIT for a minute; they must not refuse the reservation (the server's
+    own bind, SO_REUSEADDR, does not mind them), and the reservation still keeps every other bind out."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            conn, _ = server.accept()
+            conn.close()  # the server closes first: its side of the connection goes to TIME_WAIT
+            assert client.recv(1) == b""
+    wait_for(lambda: _time_wait_on(port), 10, f"a TIME_WAIT connection on port {port}")
+    held = PortReservation([port])  # (refused before: "the API port ... is already in use")
+    try:
+        assert not port_available(port)  # a SO_REUSEADDR bind, as the Go servers and uvicorn do
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+    finally:
+        held.release()
+    assert port_available(port)
 
 
 def test_nats_fixed_port_is_used(tmp_path: Path) -> None:
@@ -436,3 +470,53 @@ def test_s3_stop_closes_ports_and_restart_keeps_data(tmp_path: Path) -> None:
         finally:
             resp.close()
             resp.release_conn()
+
+
+def test_s3_killed_right_after_its_writes_keeps_them(tmp_path: Path) -> None:
+    """Why the S3 server's stop grace can be short (``EmbeddedS3.default_stop_grace``, 2 s, against
+    the 10 s ``weed mini`` may wait for an admin session before it stops its filer and volume
+    servers): an S3 write is answered once its data is in the volume and filer files. Killed with
+    no grace at all right after writes and a delete, restarted on its folder, it serves what it
+    acknowledged, byte for byte, lists what it should, and takes new writes."""
+    import hashlib
+    import io
+
+    keys = {"access_key": "killkey", "secret_key": "kill-secret-12345678"}
+    a = EmbeddedS3(tmp_path, **keys).start()
+    c = Minio(a.endpoint, a.access_key, a.secret_key, secure=False)
+    c.make_bucket("keep")
+    objects = {f"o{i}": os.urandom(size) for i, size in enumerate([1, 1000, 300_000, 3_000_000, 9_000_000])}
+    for key, data in objects.items():
+        c.put_object("keep", key, io.BytesIO(data), len(data))
+    c.remove_object("keep", "o1")
+    del objects["o1"]
+    assert a.stop(grace=0) == -9  # SIGKILL at once (it had no time to act on the SIGTERM)
+    with EmbeddedS3(tmp_path, **keys) as b:
+        c = Minio(b.endpoint, b.access_key, b.secret_key, secure=False)
+        for key, data in objects.items():
+            resp = c.get_object("keep", key)
+            try:
+                assert hashlib.sha256(resp.read()).digest() == hashlib.sha256(data).digest(), key
+            finally:
+                resp.close()
+                resp.release_conn()
+        assert sorted(o.object_name for o in c.list_objects("keep")) == sorted(objects)
+        c.put_object("keep", "after", io.BytesIO(b"x"), 1)
+
+
+def test_servers_are_stopped_together_and_s3_within_its_short_grace(tmp_path: Path) -> None:
+    """``epd up``'s Ctrl-C stops NATS and the S3 server together (``stop_servers``): both got their
+    SIGTERM before either had exited, and the S3 server takes at most its grace (+ the SIGKILL)."""
+    nats_server = EmbeddedNats(tmp_path / "nats").start()
+    s3 = EmbeddedS3(tmp_path / "s3").start()
+    try:
+        Minio(s3.endpoint, s3.access_key, s3.secret_key, secure=False).make_bucket("grow")  # a volume grows
+    finally:
+        stop_servers([s3, nats_server])
+    assert not nats_server.is_running() and not s3.is_running()
+    assert nats_server.stop_requested_at is not None and s3.stop_requested_at is not None
+    assert nats_server.stop_seconds is not None and s3.stop_seconds is not None
+    exits = [nats_server.stop_requested_at + nats_server.stop_seconds, s3.stop_requested_at + s3.stop_seconds]
+    assert max(nats_server.stop_requested_at, s3.stop_requested_at) < min(exits), "stopped one after the other"
+    assert EmbeddedS3.default_stop_grace <= 3.0
+    assert s3.stop_seconds < EmbeddedS3.default_stop_grace + 2.0, s3.log_tail()
