@@ -298,7 +298,7 @@ def test_a_tool_that_cannot_reach_nats_says_where_its_url_comes_from(capsys):
     from shared.tools.infra import free_port
 
     url = f"nats://127.0.0.1:{free_port()}"
-    for argv in (["replay", "list"], ["ec", "ls"]):
+    for argv in (["replay", "list"], ["ec", "ls"], ["plan", "--from-streams", "1h", "--rate", "1"]):
         assert main([*argv, "--nats-url", url]) == 2
         err = capsys.readouterr().err
         assert f"cannot connect to NATS at {url}" in err, err

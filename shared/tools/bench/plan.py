@@ -263,7 +263,7 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
     from shared.errors import EPDError
     from shared.jetstream import connect, redact_url
     from shared.protocol import Subjects
-    from shared.tools.replay_cli import NATS_HINT
+    from shared.tools.replay_cli import NATS_HINT, _quiet
 
     overrides: dict[str, Any] = {k: v for k, v in (("nats_url", nats_url), ("subject_prefix", prefix)) if v}
     try:
@@ -275,7 +275,12 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
         try:
             nc = await asyncio.wait_for(
                 connect(
-                    settings.nats, name="epd-plan", connect_timeout=5.0, allow_reconnect=False, max_reconnect_attempts=1
+                    settings.nats,
+                    name="epd-plan",
+                    connect_timeout=5.0,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=1,
+                    error_cb=_quiet,  # the one error raised says it all
                 ),
                 timeout=15.0,
             )
