@@ -72,6 +72,7 @@ _ENV_CONFIG = SettingsConfigDict(
 RETIRED_SETTINGS: dict[str, str] = {
     "EPD_BATCH_SIZE": "workers pull one job per pull request (nats-py's pull of several could hold a job "
     "that had arrived until an earlier, orphaned pull request expired, up to 1 s)",
+    "EPD_VLLM_MAX_MODEL_LEN": "renamed EPD_MAX_MODEL_LEN (both engines and the API honour it)",
 }
 
 
@@ -101,8 +102,11 @@ class NatsSettings(SettingsGroup):
     stream_max_age_s: float = Field(24 * 3600, gt=0, description="how long streams keep messages (replay window)")
     stream_max_bytes: int = Field(1024**3, gt=0, description="size cap per stream (replay window)")
     dup_window_s: float = Field(120, gt=0, description="JetStream de-duplication window (<= max age)")
-    ack_wait_s: float = Field(30, gt=0)
-    """Seconds before JetStream redelivers a job its worker has not acknowledged."""
+    ack_wait_s: float = Field(4, gt=0)
+    """Seconds before JetStream redelivers a job its worker has not acknowledged: a dead worker's job
+    goes to another worker this long after its last sign of life. A running job's worker sends
+    `in_progress` 4 times per ack wait, so a live one keeps its job unless its event loop is stalled
+    for 3/4 of it (raise it where workers are starved for seconds)."""
     max_deliver: int = Field(3, ge=1)
     """Deliveries of a job before it ends with an error (502 `worker_failed`)."""
     stream_replicas: int = Field(1, ge=1, le=5)
@@ -203,6 +207,10 @@ class ModelSettings(SettingsGroup):
     """Model engine: `transformers` or `vllm` (part of the encoder fingerprint: every service must agree)."""
     dtype: str = "float32"
     """Compute dtype (part of the encoder fingerprint)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context length served (vLLM's `--max-model-len`; `epd up --max-model-len`): prompt tokens + `max_tokens`
+    of a request may not exceed it (400), in both engines and the API (unset: the model's `max_position_embeddings`
+    in its `config.json`). It can only lower the model's."""
 
     def served_model_name(self) -> str:
         if self.model_name:
@@ -260,8 +268,6 @@ class EngineSettings(SettingsGroup):
     vllm_enforce_eager: bool = Field(
         True, description="no torch.compile / CUDA graphs (fast start on CPU; false on GPUs)"
     )
-    vllm_max_model_len: int | None = Field(None, ge=16)
-    """vLLM maximum sequence length (unset: the model's)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
     vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
     vllm_max_num_batched_tokens: int | None = Field(
@@ -435,12 +441,25 @@ class ApiSettings(ServiceSettings):
     """Request body limit."""
     max_images_per_request: int = Field(8, ge=0)
     """Images one request may carry (400 above)."""
-    max_tokens_limit: int = Field(4096, ge=1)
-    """Largest `max_tokens` a request may ask for (400 above)."""
+    max_tokens_limit: int | None = Field(None, ge=1)
+    """Largest `max_tokens` a request may ask for (400 above; unset: the context length, `EPD_MAX_MODEL_LEN` or
+    the model's)."""
     default_max_tokens: int = Field(256, ge=1)
     """`max_tokens` of a request that sets none."""
     fetch_timeout_s: float = Field(10, gt=0)
     """Image URL fetch timeout (504 after it)."""
+    allowed_origins: CSV = ()
+    """CORS: comma-separated origins a browser page may call the API from (`*`: any; unset: none, no CORS
+    headers; vLLM's `--allowed-origins`, whose default is `*`)."""
+    allowed_methods: CSV = ("*",)
+    """CORS: comma-separated methods allowed cross-origin (`*`: any; with `EPD_ALLOWED_ORIGINS` only)."""
+    allowed_headers: CSV = ("*",)
+    """CORS: comma-separated request headers allowed cross-origin (`*`: any; with `EPD_ALLOWED_ORIGINS` only)."""
+    allow_credentials: bool = False
+    """CORS: allow credentials (cookies, `Authorization`) cross-origin (with `EPD_ALLOWED_ORIGINS` only)."""
+    access_log: bool = True
+    """One log line per HTTP request (method, path, status, duration; logger `epd.access`), as uvicorn's
+    access log; off: none (vLLM's `--disable-uvicorn-access-log`)."""
     url_allow_networks: CSV = ()
     """Comma-separated CIDRs image URLs may resolve to although private or loopback."""
     url_allow_hosts: CSV = ()
@@ -487,7 +506,24 @@ class ApiSettings(ServiceSettings):
             raise ValueError(f"unknown topology {_shown(v)!r}; supported: {', '.join(Topology)}")
         return v
 
-    _split = field_validator("api_keys", "url_allow_networks", "url_allow_hosts", mode="before")(_split_csv)
+    _split = field_validator(
+        "api_keys",
+        "url_allow_networks",
+        "url_allow_hosts",
+        "allowed_origins",
+        "allowed_methods",
+        "allowed_headers",
+        mode="before",
+    )(_split_csv)
+
+    @model_validator(mode="after")
+    def _no_credentials_for_any_origin(self) -> ApiSettings:
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError(
+                "EPD_ALLOW_CREDENTIALS with EPD_ALLOWED_ORIGINS=* would let every web site call the API with its "
+                "users' credentials: list the origins"
+            )
+        return self
 
     def decode_budget_pixels(self) -> int:
         """The decode budget in effect: ``decode_pixel_budget``, or two images of the largest size."""

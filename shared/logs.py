@@ -6,17 +6,38 @@ import contextvars
 import json
 import logging
 import sys
+from collections.abc import Mapping
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s [request_id=%(request_id)s] %(message)s"
 
 
+#: uvicorn logs its own start-up, shutdown and errors under "uvicorn.error" (its access log under
+#: "uvicorn.access", which the API replaces with ``epd.access``): shown as "uvicorn"
+_RENAMED_LOGGERS = {"uvicorn.error": "uvicorn"}
+
+
 class RequestIdFilter(logging.Filter):
+    """Adds the record's ``request_id`` (the context's, unless the call passed one in ``extra``)
+    and shows a library logger whose name misleads under a plain one (``uvicorn.error``: its
+    start-up lines are no errors)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "request_id"):
             record.request_id = REQUEST_ID.get()
+        renamed = _RENAMED_LOGGERS.get(record.name)
+        if renamed is not None:
+            record.name = renamed
         return True
+
+
+def plain(mapping: Mapping[str, object], *, key_chars: int = 12) -> str:
+    """``mapping`` for a log line: ``key=value`` pairs, each value as ``str()`` (an enum member
+    as its value, not its repr), keys (hashes) shortened to ``key_chars``; ``-`` when empty."""
+    if not mapping:
+        return "-"
+    return ",".join(f"{k[:key_chars]}={v}" for k, v in mapping.items())
 
 
 class JsonFormatter(logging.Formatter):

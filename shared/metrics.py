@@ -1,7 +1,9 @@
 """Prometheus metrics shared by all services (names in vLLM's ``prefix:name`` style).
 
 Every process exposes the default registry on ``/metrics`` (the API on its own port, workers on
-``EPD_METRICS_PORT`` when set).
+``EPD_METRICS_PORT`` when set). Importing this module turns off prometheus_client's ``*_created``
+series (one per counter and histogram series: the time it was created), as vLLM's server does:
+every process that exposes metrics imports it first.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import time
 import weakref
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -117,6 +121,20 @@ TTFT = Histogram("epd:time_to_first_token_seconds", "Time to first token seen by
 E2E = Histogram("epd:e2e_request_latency_seconds", "End-to-end request latency at the API.", buckets=_LATENCY_BUCKETS)
 REQUESTS = Counter("epd:requests_total", "API requests by final status code.", ["status"])
 IN_FLIGHT = Gauge("epd:requests_in_flight", "Requests being processed.", ["service"])
+
+# HTTP request metrics of the API, as prometheus-fastapi-instrumentator's defaults (vLLM's server
+# exports these): the route template as ``handler`` ("none": no route), status grouped ("2xx").
+#: routes left out of the HTTP metrics (as vLLM's server leaves them out)
+HTTP_EXCLUDED_HANDLERS = frozenset({"/metrics", "/health", "/ping", "/version"})
+HTTP_REQUESTS = Counter(
+    "http_requests_total", "Total number of requests by method, status and handler.", ["method", "status", "handler"]
+)
+HTTP_REQUEST_DURATION = Histogram(
+    "http_request_duration_seconds",
+    "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important.",
+    ["method", "handler"],
+    buckets=(0.1, 0.5, 1.0),
+)
 
 # E|P|D: KV hand-off from prefill to decode workers, batched decode.
 KV_LOOKUPS = Counter(
@@ -253,7 +271,7 @@ def vllm_request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
 
 def model_max_len(model_dir: Path, override: int | None = None) -> int:
     """The context length the token-count histograms are bucketed up to: ``override``
-    (``EPD_VLLM_MAX_MODEL_LEN``), else the model's ``max_position_embeddings`` (its
+    (``EPD_MAX_MODEL_LEN``), else the model's ``max_position_embeddings`` (its
     ``text_config``'s for a VLM), else :data:`DEFAULT_MAX_MODEL_LEN`."""
     if override:
         return override

@@ -447,12 +447,71 @@ def render_messages(case: RequestCase) -> str:
     return "\n".join(lines)
 
 
+# -- question and answer ------------------------------------------------------------------------
+#: characters of the question and of the answer the waterfall page shows (all of both: its messages)
+SHOWN_TEXT_CHARS = 4000
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, dict):
+        if part.get("type") == "text":
+            return str(part.get("text", ""))
+        return f"[{part.get('type', 'part')}]"  # an image (image_ref in the record), ...
+    return str(part)
+
+
+def question_text(case: RequestCase) -> str | None:
+    """What the request asked, from its record: each chat message as ``role: text`` (an image
+    as ``[image_ref]``), or a completion's prompt; None without a record."""
+    record = case.record
+    if record is None:
+        return None
+    body = record.body
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        lines = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            text = " ".join(_part_text(p) for p in content) if isinstance(content, list) else str(content or "")
+            lines.append(f"{m.get('role', '?')}: {text}")
+        return "\n".join(lines)
+    prompt = body.get("prompt")
+    if prompt is None:
+        return None
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def answer_text(case: RequestCase) -> str:
+    """The generated text as stored (the last attempt's token chunks, in order)."""
+    return "".join(getattr(m.msg, "text", "") for m in case.chunks())
+
+
+def bounded(text: str, limit: int = SHOWN_TEXT_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with a note of how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\u2026 ({len(text) - limit} more characters)"
+
+
 # -- HTML ---------------------------------------------------------------------------------------
-def render_html(case: RequestCase, tl: Timeline | None = None) -> str:
+def render_html(case: RequestCase, tl: Timeline | None = None, *, index_href: str | None = None) -> str:
     """A self-contained page (inline CSS and SVG, no script, no external asset): the request's
-    summary, a waterfall of its stages across services, the stage table and every message."""
+    summary, its question and answer (bounded: :data:`SHOWN_TEXT_CHARS` each), a waterfall of
+    its stages across services, the stage table and every message. ``index_href``: a link back
+    to the list of requests (the API's ``/debug/requests``)."""
     tl = tl or build_timeline(case)
     e = html.escape
+    question = question_text(case)
+    answer = answer_text(case)
+    exchange = (
+        "<h2>Question</h2>"
+        + (f'<pre class="text">{e(bounded(question))}</pre>' if question is not None else "<p>(no record)</p>")
+        + "<h2>Answer</h2>"
+        + (f'<pre class="text">{e(bounded(answer))}</pre>' if answer else "<p>(no tokens)</p>")
+    )
+    back = f'<p><a href="{e(index_href)}">&larr; recent requests</a></p>' if index_href else ""
     t0 = tl.t0
     lo = min([s.start for s in tl.stages] + [t0]) - t0  # < 0 only for clock skew between machines
     hi = max([s.end or s.start for s in tl.stages] + [t0]) - t0
@@ -529,10 +588,13 @@ svg .label {{ font-size: 12px; text-anchor: end; }} svg .dur {{ font-size: 11px;
 svg .tick {{ font-size: 10px; fill: #888; text-anchor: middle; }} svg .grid {{ stroke: #eee; }}
 .key {{ display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 12px; }}
 pre {{ background: #f7f7f7; padding: 8px; overflow-x: auto; }} details {{ margin: 2px 0; }}
+pre.text {{ white-space: pre-wrap; overflow-wrap: anywhere; max-width: 1100px; }}
 </style></head>
 <body>
+{back}
 <h1>Request <code>{e(tl.request_id)}</code></h1>
 <table class="facts">{"".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in facts)}</table>
+{exchange}
 <h2>Waterfall</h2>
 <div>{legend}</div>
 {"".join(svg)}

@@ -29,6 +29,7 @@ import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -39,10 +40,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.api.conventions import HttpConventions, client_request_id, with_cors
 from services.api.params import Endpoint
 from services.api.responses import ChoiceResult, StreamShaper, response_body
 from services.api.schemas import (
     ParsedRequest,
+    check_model,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
@@ -61,7 +64,6 @@ from shared.errors import (
     EPDError,
     InvalidRequest,
     MethodNotAllowed,
-    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
@@ -70,7 +72,7 @@ from shared.errors import (
 )
 from shared.heap import freeze_startup_heap
 from shared.jetstream import TRACE_HEADERS, nats_unavailable, set_trace
-from shared.logs import REQUEST_ID
+from shared.logs import REQUEST_ID, plain
 from shared.protocol import (
     ErrorEvent,
     FinalResult,
@@ -212,13 +214,27 @@ class EpdApp(FastAPI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._direct: dict[str, Handler] = {}
+        #: wraps the whole app, direct routes included (``services.api.conventions``)
+        self.outermost: Callable[[Any], Any] | None = None
 
     def direct_post(self, path: str, handler: Handler) -> None:
         if self.middleware_stack is not None:
             raise RuntimeError("direct routes are set before the app serves its first request")
         self._direct[path] = handler
 
+    def route_of(self, scope: Any) -> str:
+        """The route template that served ``scope`` (after it was served), "none" for no route:
+        the ``handler`` label of the HTTP metrics."""
+        if scope["path"] in self._direct and scope["method"] == "POST":
+            return scope["path"]
+        route = scope.get("route")
+        return getattr(route, "path", None) or "none"
+
     def build_middleware_stack(self) -> Any:
+        app = self._build_middleware_stack()
+        return self.outermost(app) if self.outermost is not None else app
+
+    def _build_middleware_stack(self) -> Any:
         stack = super().build_middleware_stack()
         direct = dict(self._direct)
         if not direct:
@@ -271,11 +287,22 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
 
     app = EpdApp(title="epd-serve", lifespan=lifespan)
     app.state.service = service
+    app.outermost = lambda inner: HttpConventions(
+        with_cors(inner, settings), access_log_on=settings.access_log, route_of=app.route_of
+    )
     #: /tokenize, /detokenize, echo of a token-id prompt (loaded on first use)
     tokenizer = Tokenizer(service.identity.model_path)
-    # (the model's own context length: the API holds no engine settings, so a vLLM worker's lower
-    # EPD_VLLM_MAX_MODEL_LEN is not seen here; the worker refuses a prompt over it)
-    context_len = metrics.model_max_len(service.identity.model_path)
+    # The context served (EPD_MAX_MODEL_LEN, which both engines honour, or the model's): max_tokens
+    # is refused above it here; prompt + max_tokens over it is refused by the worker that
+    # tokenized the prompt (a 400 naming the same limit).
+    context_len, context_source = context_length(service.identity.model_path, settings.model.max_model_len)
+    if settings.max_tokens_limit is not None and settings.max_tokens_limit < context_len:
+        max_tokens_limit, max_tokens_source = settings.max_tokens_limit, "EPD_MAX_TOKENS_LIMIT"
+    else:
+        max_tokens_limit, max_tokens_source = context_len, context_source
+    #: ``created`` of the model card: when the model folder's config.json was written (the same on
+    #: every API replica and across restarts, unlike the API's start time)
+    model_created = _mtime(service.identity.model_path / "config.json")
     # epd:* and vllm:* request metrics (shared.metrics.ApiRequestMetrics), one tracker per choice
     # (vLLM counts each of a request's n choices as a request of its own)
     request_metrics = metrics.ApiRequestMetrics(service.model_name, max_model_len=context_len)
@@ -350,6 +377,14 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
         }
         return JSONResponse(body, status_code=200 if connected else 503)
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():
+        """vLLM's (and SageMaker's) liveness probe: an empty 200 while NATS answers, else 503."""
+        if not await service.nats_answers():
+            raise ServiceUnavailable("NATS does not answer")
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):
         if not settings.metrics_public:
@@ -384,14 +419,15 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
         tl = timeline.build_timeline(case)
         if format == "json":
             return JSONResponse({"case": case.to_json(), "timeline": tl.to_json()})
-        return HTMLResponse(timeline.render_html(case, tl))
+        # (relative: right behind a proxy's path prefix too)
+        return HTMLResponse(timeline.render_html(case, tl, index_href="../requests"))
 
     def model_card() -> dict[str, Any]:
         # root / parent as vLLM answers them: its `bench serve` reads root when --model is left out.
         return {
             "id": service.model_name,
             "object": "model",
-            "created": 0,
+            "created": model_created,
             "owned_by": "epd-serve",
             "root": service.model_name,
             "parent": None,
@@ -406,8 +442,7 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str):
         check_auth(request)
-        if model_id != service.model_name:
-            raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
+        check_model(model_id, service.model_name)
         return model_card()
 
     @app.get("/version")
@@ -466,7 +501,12 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
     async def generate(request: Request, endpoint: Endpoint) -> Response:
         received_at = time.time()
         check_auth(request)
-        request_id = f"{'chatcmpl' if endpoint == Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        # A client's X-Request-Id (checked by HttpConventions) is part of the id, as in vLLM's
+        # chatcmpl-<X-Request-Id>; a random suffix keeps two requests with one id apart (a proxy
+        # retrying with the same header): the id names NATS subjects and dedup keys.
+        given = client_request_id(request.scope)
+        unique = f"{given}-{uuid.uuid4().hex[:8]}" if given else uuid.uuid4().hex
+        request_id = f"{'chatcmpl' if endpoint == Endpoint.CHAT else 'cmpl'}-{unique}"
         token = REQUEST_ID.set(request_id)
         trace = set_trace("api", received_at=received_at)  # headers of everything published below
         metrics.IN_FLIGHT.labels("api").inc()
@@ -490,7 +530,8 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
                     body,
                     served_model=service.model_name,
                     max_images=settings.max_images_per_request,
-                    max_tokens_limit=settings.max_tokens_limit,
+                    max_tokens_limit=max_tokens_limit,
+                    max_tokens_source=max_tokens_source,
                     default_max_tokens=settings.default_max_tokens,
                     tool_parser=tool_parser,
                 )
@@ -498,7 +539,8 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
                 parsed = parse_completion_request(
                     body,
                     served_model=service.model_name,
-                    max_tokens_limit=settings.max_tokens_limit,
+                    max_tokens_limit=max_tokens_limit,
+                    max_tokens_source=max_tokens_source,
                     default_max_tokens=settings.default_max_tokens,
                 )
                 if parsed.echo and isinstance(parsed.prompt, tuple):
@@ -561,7 +603,9 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
 
 
 def _requests_index_html(summaries: list[history.Summary], *, status: str | None, since_s: float) -> str:
-    """The ``/debug/requests`` page: a self-contained table (no script, no external asset)."""
+    """The ``/debug/requests`` page: a self-contained table (no script, no external asset) that
+    fits a 1280 px wide window: fixed column widths, ids cut with an ellipsis (whole in their
+    tooltip), errors wrapped."""
     e = html.escape
 
     def ms(seconds: float | None) -> str:
@@ -571,26 +615,56 @@ def _requests_index_html(summaries: list[history.Summary], *, status: str | None
     for s in summaries:
         tokens = "" if s.completion_tokens is None else f"{s.prompt_tokens or 0} / {s.completion_tokens}"
         link = f"/debug/requests/{urllib.parse.quote(s.request_id, safe='')}"
+        received = history.iso_time(s.received_at)  # (the time of day shown; the date in its tooltip)
         rows.append(
-            f'<tr class="{e(s.status)}"><td><a href="{e(link)}">{e(s.request_id)}</a></td>'
-            f"<td>{e(history.iso_time(s.received_at))}</td><td>{e(s.status)}</td><td>{s.images}</td>"
-            f"<td>{tokens}</td><td>{ms(s.ttft_s)}</td><td>{ms(s.e2e_s)}</td>"
-            f"<td>{e(s.error)}</td><td>{e(s.replay_of)}</td></tr>"
+            f'<tr class="{e(s.status)}"><td class="id" title="{e(s.request_id)}"><a href="{e(link)}">'
+            f'{e(s.request_id)}</a></td><td title="{e(received)}">{e(received[11:])}</td><td>{e(s.status)}</td>'
+            f'<td class="n">{s.images}</td><td class="n">{tokens}</td><td class="n">{ms(s.ttft_s)}</td>'
+            f'<td class="n">{ms(s.e2e_s)}</td><td class="err">{e(s.error)}</td>'
+            f'<td class="id" title="{e(s.replay_of)}">{e(s.replay_of)}</td></tr>'
         )
     shown = f"status {e(status)}, " if status else ""
+    widths = (28, 10, 7, 6, 9, 5, 5, 21, 9)  # percent: request, received, ..., error, replay of
     return (
-        '<!doctype html><html><head><meta charset="utf-8"><title>epd-serve: recent requests</title><style>'
-        "body{font:14px system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse}"
-        "td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
+        '<!doctype html><html><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        "<title>epd-serve: recent requests</title><style>"
+        "body{font:14px system-ui,sans-serif;margin:1.5em}"
+        "table{border-collapse:collapse;width:100%;table-layout:fixed}"
+        "td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:left;vertical-align:top;"
+        "overflow:hidden;text-overflow:ellipsis;white-space:nowrap}"
+        "th{white-space:normal}td.id{font:12px ui-monospace,monospace}td.n{text-align:right}"
+        "td.err{white-space:normal;overflow-wrap:anywhere}"
         "tr.error td,tr.cancelled td{color:#b3261e}tr.incomplete td{color:#8a6d00}</style></head><body>"
         f"<h1>Recent requests</h1><p>{len(summaries)} request(s), newest first ({shown}received within "
         f'{since_s:g} s). Filter: <a href="?status=error">errors</a>, <a href="?">all</a>; '
         "<code>?format=json</code> for the list.</p>"
-        "<table><tr><th>request</th><th>received</th><th>status</th><th>images</th>"
+        "<table><colgroup>"
+        + "".join(f'<col style="width:{w}%">' for w in widths)
+        + "</colgroup><tr><th>request</th><th>received (UTC)</th><th>status</th><th>images</th>"
         "<th>tokens (prompt / completion)</th><th>TTFT ms</th><th>E2E ms</th><th>error</th><th>replay of</th></tr>"
         + "".join(rows)
         + "</table></body></html>"
     )
+
+
+def context_length(model_dir: Path, max_model_len: int | None) -> tuple[int, str]:
+    """The context length served and what sets it: ``EPD_MAX_MODEL_LEN`` when it is below the
+    model's ``max_position_embeddings`` (it can only lower it, as the engines apply it), else the
+    model's."""
+    model_len = metrics.model_max_len(model_dir)
+    if max_model_len and max_model_len < model_len:
+        return max_model_len, "the context length set by EPD_MAX_MODEL_LEN (epd up --max-model-len)"
+    return model_len, (
+        "the model's context length (max_position_embeddings in its config.json; EPD_MAX_MODEL_LEN lowers it)"
+    )
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return int(path.stat().st_mtime)
+    except OSError:
+        return int(time.time())
 
 
 def _finish_error(exc: EPDError) -> JSONResponse:
@@ -655,7 +729,7 @@ async def _complete(
         "completed: %s tokens, finish=%s, sources=%s",
         "+".join(str(f.completion_tokens) for f in finals),
         ",".join(f.finish_reason for f in finals),
-        finals[0].ec_sources,
+        plain(finals[0].ec_sources),
     )
     return JSONResponse(response_body(request_id, parsed, results, int(received_at)))
 

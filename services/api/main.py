@@ -39,6 +39,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,  # keep our log format (request_id on every line)
+        access_log=False,  # the app writes its own (epd.access: duration and request id; EPD_ACCESS_LOG)
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     grace = GRACEFUL_SHUTDOWN_S - STOP_REQUESTS_BEFORE_S

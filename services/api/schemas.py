@@ -31,7 +31,14 @@ from services.api.params import (
 from services.api.tool_parsers import ToolParser
 from shared.chat import ChatMessage, FunctionCall, ImagePart, Part, TextPart, ToolCall, check_role
 from shared.engines.grammar import structured_output
-from shared.errors import InvalidRequest, TooManyImages, UnknownParameter, UnsupportedContent, UnsupportedParameter
+from shared.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    TooManyImages,
+    UnknownParameter,
+    UnsupportedContent,
+    UnsupportedParameter,
+)
 from shared.protocol import MAX_TOOLS, MAX_TOOLS_BYTES, SamplingSpec, StructuredOutput
 
 MAX_STOP_SEQUENCES = 4
@@ -263,20 +270,34 @@ def parse_messages(messages: Any, *, max_images: int, tools_ok: bool = False) ->
     return normalized, image_urls
 
 
-def _check_model(req: RequestModel, served_model: str) -> None:
-    model = served_model if req.model is None else req.model
+def check_model(model: str, served_model: str) -> None:
+    """A request's ``model`` is the one served: else 404 ``model_not_found`` (vLLM's message,
+    OpenAI's code), naming the served one."""
     if model != served_model:
-        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+        raise ModelNotFound(f"The model `{model}` does not exist (served here: `{served_model}`).", param="model")
+
+
+def _check_model(req: RequestModel, served_model: str) -> None:
+    check_model(served_model if req.model is None else req.model, served_model)
 
 
 def _sampling(
-    req: RequestModel, *, max_tokens: int | None, max_tokens_limit: int, default_max_tokens: int, logprobs: int | None
+    req: RequestModel,
+    *,
+    max_tokens: int | None,
+    max_tokens_limit: int,
+    max_tokens_source: str,
+    default_max_tokens: int,
+    logprobs: int | None,
 ) -> SamplingSpec:
     """The ``SamplingSpec`` of a typed request (ranges checked here, with the existing messages)."""
     if max_tokens is None:
-        max_tokens = default_max_tokens
+        max_tokens = min(default_max_tokens, max_tokens_limit)
     if not 1 <= max_tokens <= max_tokens_limit:
-        raise InvalidRequest(f"'max_tokens' must be an integer in [1, {max_tokens_limit}]", param="max_tokens")
+        raise InvalidRequest(
+            f"'max_tokens' must be an integer in [1, {max_tokens_limit}]: {max_tokens_limit} is {max_tokens_source}",
+            param="max_tokens",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES or not all(stop):
         raise InvalidRequest(
@@ -540,6 +561,7 @@ def parse_chat_request(
     max_tokens_limit: int,
     default_max_tokens: int,
     tool_parser: ToolParser | None = None,
+    max_tokens_source: str = "EPD_MAX_TOKENS_LIMIT",
 ) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. ``tool_parser``: the served model's
     (``services.api.tool_parsers.parser_for_model``; None: its chat template renders no tool calls
@@ -557,6 +579,7 @@ def parse_chat_request(
         req,
         max_tokens=max_tokens,
         max_tokens_limit=max_tokens_limit,
+        max_tokens_source=max_tokens_source,
         default_max_tokens=default_max_tokens,
         logprobs=(top_logprobs or 0) if req.logprobs else None,
     )
@@ -609,7 +632,12 @@ def parse_prompt(prompt: Any) -> str | tuple[int, ...]:
 
 
 def parse_completion_request(
-    body: dict[str, Any], *, served_model: str, max_tokens_limit: int, default_max_tokens: int
+    body: dict[str, Any],
+    *,
+    served_model: str,
+    max_tokens_limit: int,
+    default_max_tokens: int,
+    max_tokens_source: str = "EPD_MAX_TOKENS_LIMIT",
 ) -> ParsedRequest:
     """A ``/v1/completions`` body (``default_max_tokens``: what an explicit ``max_tokens: null``
     means; absent, it is 16 as in OpenAI and vLLM)."""
@@ -633,6 +661,7 @@ def parse_completion_request(
         req,
         max_tokens=max_tokens,
         max_tokens_limit=max_tokens_limit,
+        max_tokens_source=max_tokens_source,
         default_max_tokens=default_max_tokens,
         logprobs=logprobs,
     )
@@ -708,9 +737,7 @@ def parse_tokenize_request(
     renders them; text parts only: an image's token count depends on the image, which is not
     fetched here). Tool conversations need a model with a tool parser, as in a chat request."""
     _check_fields(body, _TOKENIZE_FIELDS, _TOKENIZE_REFUSED)
-    model = body.get("model") or served_model
-    if model != served_model:
-        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+    check_model(body.get("model") or served_model, served_model)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
     chat = "messages" in body
@@ -746,9 +773,7 @@ def parse_tokenize_request(
 def parse_detokenize_request(body: dict[str, Any], *, served_model: str) -> list[int]:
     """A ``/detokenize`` body: ``{"tokens": [...]}`` (+ ``model``)."""
     _check_fields(body, {"model": (str, type(None)), "tokens": (list,)}, {})
-    model = body.get("model") or served_model
-    if model != served_model:
-        raise InvalidRequest(f"model '{model}' is not served here (available: '{served_model}')", param="model")
+    check_model(body.get("model") or served_model, served_model)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
         raise InvalidRequest("'tokens' must be a list of token ids (non-negative integers)", param="tokens")

@@ -50,6 +50,7 @@ from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, MediaImage
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
+from shared.logs import plain
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
 from shared.protocol import ECSource, FinalResult, GenerationJob, Timing, WorkerHeartbeat
@@ -307,7 +308,7 @@ class PrefillHandler(ModelHandler):
             out.finish_reason,
             gen.t_features - gen.t0,
             t_end - gen.t0,
-            gen.sources,
+            plain(gen.sources),
         )
 
     async def close(self) -> None:

@@ -30,6 +30,7 @@ from shared import metrics, protocol
 from shared.engines import base
 from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, Prompt, SamplingParams
 from shared.errors import EngineError, StoreError
+from shared.logs import plain
 from shared.metrics import KVHandoffOutcome
 from shared.protocol import DecodeJob, GenerationJob, Timing
 from shared.store.kv import KVStore
@@ -188,7 +189,7 @@ class KVObjectHandOff(KVHandOff):
             time.perf_counter() - t_handoff,
             gen.t_features - gen.t0,
             gen.stats.prefill_s,
-            gen.sources,
+            plain(gen.sources),
         )
         return True
 
@@ -242,6 +243,6 @@ class KVConnectorHandOff(KVHandOff):
             handoff.key,
             gen.t_features - gen.t0,
             gen.stats.prefill_s,
-            gen.sources,
+            plain(gen.sources),
         )
         return True

@@ -163,6 +163,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         model_id: str | None = None,
         max_batch: int = 16,
         encode_batch_invariant: bool = True,
+        max_model_len: int | None = None,
     ):
         from transformers import (
             AutoConfig,
@@ -203,7 +204,15 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self.text_config = self.config.get_text_config(decoder=True)
         self.hidden_size: int = int(self.text_config.hidden_size)
         self.image_token_id: int = int(self.config.image_token_id)
-        self.max_positions: int = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
+        model_len = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
+        #: the context served: prompt + max_tokens of a request stay within it (EPD_MAX_MODEL_LEN lowers the model's)
+        self.max_positions: int = min(model_len, max_model_len) if max_model_len else model_len
+        #: what sets :attr:`max_positions`, for the error that names it
+        self.max_positions_source = (
+            "EPD_MAX_MODEL_LEN"
+            if max_model_len and max_model_len < model_len
+            else "max_position_embeddings in the model's config.json"
+        )
         #: the logits' width (vLLM's ``get_vocab_size``): token ids in sampling params stay below it
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids: frozenset[int] = self._stop_token_ids()
@@ -242,7 +251,10 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         """The decode batch: a decode worker's ``max_batch_size``; a generating worker's
         ``max_concurrent_jobs`` when set (its admission slots are the batch's rows). Every role that
         encodes: ``EPD_ENCODE_BATCH_INVARIANT``."""
-        invariant = {"encode_batch_invariant": settings.runtime.encode_batch_invariant}
+        invariant: dict[str, Any] = {
+            "encode_batch_invariant": settings.runtime.encode_batch_invariant,
+            "max_model_len": settings.model.max_model_len,
+        }
         if role is Role.DECODE:
             assert isinstance(settings, DecodeSettings), "the decode role is the decode service's"
             return {"max_batch": settings.max_batch_size, **invariant}
@@ -600,9 +612,11 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         ids = self.build_prompt_ids(messages, images)
         n_prompt = len(ids)
         if n_prompt + params.max_tokens > self.max_positions:
+            # (vLLM's wording, naming what sets the limit)
             raise InvalidRequest(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_positions} tokens",
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_positions} tokens ({self.max_positions_source}) and your request has {n_prompt} input "
+                f"tokens ({params.max_tokens} > {self.max_positions} - {n_prompt})",
                 param="max_tokens",
             )
         input_ids = torch.tensor([ids], dtype=torch.long)

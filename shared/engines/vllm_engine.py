@@ -389,7 +389,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             s3_credentials=(store.s3_access_key, store.s3_secret_key) if (ec_role or kv_role) else None,
             work_dir=runtime.vllm_dir,
             enforce_eager=runtime.vllm_enforce_eager,
-            max_model_len=runtime.vllm_max_model_len,
+            max_model_len=settings.model.max_model_len,
             kv_cache_gib=runtime.vllm_kv_cache_gib,
             max_num_seqs=runtime.vllm_max_num_seqs,
             max_num_batched_tokens=runtime.vllm_max_num_batched_tokens,

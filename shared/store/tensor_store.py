@@ -164,13 +164,13 @@ class TensorObjectStore(Generic[T, Id]):
             raise self._miss(request_id, expected, exc.reason, exc.detail) from exc
         self.codec.transferred("get").inc(len(blob))
         self.codec.lookup(LookupOutcome.HIT, "").inc()
-        log.debug(
-            "request_id=%s %s hit key=%s bytes=%d in %.1f ms",
-            request_id,
+        log.debug(  # (the record's request_id: the line format shows it once)
+            "%s hit key=%s bytes=%d in %.1f ms",
             self.codec.kind,
             expected,
             len(blob),
             (time.perf_counter() - started) * 1e3,
+            extra={"request_id": request_id},
         )
         return obj
 
@@ -198,11 +198,11 @@ class TensorObjectStore(Generic[T, Id]):
         level = self.codec.not_found_level if reason is MissReason.NOT_FOUND else logging.WARNING
         log.log(
             level,
-            "request_id=%s %s miss key=%s reason=%s detail=%s",
-            request_id,
+            "%s miss key=%s reason=%s detail=%s",
             self.codec.kind,
             key,
             reason.value,
             detail,
+            extra={"request_id": request_id},
         )
         return ObjectValidationError(reason, detail)

@@ -179,6 +179,8 @@ def env_value(field: FieldInfo) -> str:
         return str(value.value)
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, tuple):  # a comma-separated list
+        return ",".join(str(v) for v in value)
     return str(value)
 
 

@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,8 @@ class Stack:
     fork_server: bool = True
     #: Set by :meth:`stop`; a supervisor restarts nothing from then on.
     stopping: bool = False
+    #: Random, per stack: the last part of its workers' ids (``encoder-0-<tag>``).
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     #: Held by :meth:`stop` while it marks the processes stopped and by ``Supervisor.check``.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -246,6 +249,12 @@ class Stack:
             self.wait_ready(timeout=timeout, roles=dict(done), progress=progress)
         return self
 
+    def worker_id(self, name: str, index: int) -> str:
+        """``EPD_WORKER_ID`` of the ``index``-th process of service ``name``: ``<service>-<index>-<tag>``,
+        unique per stack (not a pid: this process's would read as the worker's own) and kept when
+        the supervisor restarts the process."""
+        return f"{name}-{index}-{self.tag}"
+
     def add(self, name: str, *, index: int = 0, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         """Start one more process of service ``name`` (``service_env`` / ``extra_env`` override the
         topology's environment)."""
@@ -258,7 +267,7 @@ class Stack:
         }
         if name == "api":
             env["EPD_PORT"] = str(self.api_port)
-        env.setdefault("EPD_WORKER_ID", f"{name}-{index}-{os.getpid()}")
+        env.setdefault("EPD_WORKER_ID", self.worker_id(name, index))
         if name != "api":  # the heartbeat file `epd healthcheck` reads, as in docker-compose.yml
             env.setdefault("EPD_HEALTH_FILE", str(self.log_dir / f"{name}-{index}.health"))
         if name != "api" and self.metrics_port_base:

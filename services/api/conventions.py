@@ -1,0 +1,152 @@
+"""What every HTTP response of the API gets, as vLLM's OpenAI server gives it: an ``X-Request-Id``
+header, one access-log line, the ``http_requests_total`` / ``http_request_duration_seconds``
+metrics and, when configured, CORS.
+
+One pure ASGI wrapper around the whole app, the generation routes served in front of FastAPI
+included (``services.api.app.EpdApp``): Starlette's middlewares would each wrap ``send`` and
+``receive`` again and never see those routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+from starlette.middleware.cors import CORSMiddleware
+
+from shared import metrics
+from shared.config import ApiSettings
+
+ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+#: the access log: one line per request (``EPD_ACCESS_LOG``), as uvicorn's ``uvicorn.access``
+access_log = logging.getLogger("epd.access")
+
+#: a client's ``X-Request-Id`` the API takes: it becomes part of NATS subjects and message ids,
+#: so letters, digits, ``-`` and ``_`` only (a UUID, a W3C trace id, nginx's ``$request_id``)
+MAX_CLIENT_REQUEST_ID = 128
+_CLIENT_REQUEST_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_CLIENT_REQUEST_ID}}}")
+#: where the wrapper leaves a client's valid ``X-Request-Id`` for the handlers (the scope's key)
+CLIENT_REQUEST_ID = "epd.client_request_id"
+_HEADER = b"x-request-id"
+
+
+def client_request_id(scope: MutableMapping[str, Any]) -> str | None:
+    """The valid ``X-Request-Id`` the client sent with this request, if any."""
+    return scope.get(CLIENT_REQUEST_ID)
+
+
+def with_cors(app: ASGIApp, settings: ApiSettings) -> ASGIApp:
+    """``app`` behind Starlette's CORS middleware when ``EPD_ALLOWED_ORIGINS`` is set (preflight
+    ``OPTIONS`` answered, ``Access-Control-*`` headers on the responses to allowed origins, and
+    ``X-Request-Id`` readable by the page); else ``app`` as it is (a browser's cross-origin call
+    is refused by the browser; a preflight gets a 405)."""
+    if not settings.allowed_origins:
+        return app
+    return CORSMiddleware(
+        app,
+        allow_origins=list(settings.allowed_origins),
+        allow_methods=list(settings.allowed_methods),
+        allow_headers=list(settings.allowed_headers),
+        allow_credentials=settings.allow_credentials,
+        expose_headers=["X-Request-Id"],
+    )
+
+
+class HttpConventions:
+    """The outermost ASGI layer of the API (see the module's docstring).
+
+    ``X-Request-Id``: a client's valid one is echoed on the response (and the generation routes
+    make it part of their request id, ``services.api.app``); one of another shape is refused
+    with a 400; without one the response carries the request's own id (a generation request's
+    ``chatcmpl-...``) or a fresh one."""
+
+    def __init__(self, app: ASGIApp, *, access_log_on: bool, route_of: Callable[[MutableMapping[str, Any]], str]):
+        self.app = app
+        self.access_log_on = access_log_on
+        self.route_of = route_of
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        given = None
+        for name, value in scope["headers"]:
+            if name == _HEADER:
+                given = value.decode("latin-1")
+                break
+        status = 500  # (an exception before the response started: the server answers 500)
+        shown_id = given
+
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
+            nonlocal status, shown_id
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != _HEADER or shown_id is None]
+                if shown_id is None:
+                    own = next((v for k, v in headers if k.lower() == _HEADER), None)
+                    if own is None:
+                        shown_id = uuid.uuid4().hex
+                        headers.append((_HEADER, shown_id.encode()))
+                    else:
+                        shown_id = own.decode("latin-1")
+                else:
+                    headers.append((_HEADER, shown_id.encode("latin-1")))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            if given is not None and not _CLIENT_REQUEST_ID.fullmatch(given):
+                shown_id = None  # (not echoed: the API's own id)
+                await _bad_request_id(send_with_id)
+            else:
+                scope[CLIENT_REQUEST_ID] = given
+                await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            handler = self.route_of(scope)
+            method = scope["method"]
+            if handler not in metrics.HTTP_EXCLUDED_HANDLERS:
+                metrics.HTTP_REQUESTS.labels(method, f"{status // 100}xx", handler).inc()
+                metrics.HTTP_REQUEST_DURATION.labels(method, handler).observe(elapsed)
+            if self.access_log_on:
+                client = scope.get("client")
+                query = scope.get("query_string", b"")
+                access_log.info(
+                    '%s - "%s %s%s HTTP/%s" %d %.1f ms',
+                    f"{client[0]}:{client[1]}" if client else "-",
+                    method,
+                    scope.get("root_path", "") + scope["path"],
+                    "?" + query.decode("latin-1") if query else "",
+                    scope.get("http_version", "1.1"),
+                    status,
+                    elapsed * 1e3,
+                    extra={"request_id": shown_id or "-"},
+                )
+
+
+async def _bad_request_id(send: Any) -> None:
+    body = msgspec.json.encode(
+        {
+            "error": {
+                "message": f"'X-Request-Id' must be 1-{MAX_CLIENT_REQUEST_ID} letters, digits, '-' or '_'",
+                "type": "invalid_request_error",
+                "param": "X-Request-Id",
+                "code": "invalid_request_id",
+            }
+        }
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
