@@ -516,7 +516,7 @@ def test_bench_records_refused_requests(epd_stack):
     result = asyncio.run(runner.run(epd_stack.url, s, progress=False))
     recs = result.runs[0].requests
     assert [r.ok for r in recs] == [False, False]
-    assert {r.status for r in recs} == {400} and all("no-such-model" in r.error for r in recs), recs
+    assert {r.status for r in recs} == {404} and all("no-such-model" in r.error for r in recs), recs
     assert result.runs[0].summary.completed == 0
     # The CLI says so with exit code 1, and 2 when the endpoint cannot be reached at all.
     proc = epd_cli(
@@ -584,6 +584,6 @@ def test_the_lean_client_streams_reuses_its_connection_and_refuses_what_is_not_h
     ids = [i for e in events[:-1] for c in json.loads(e[6:]).get("choices", ()) for i in c.get("token_ids") or ()]
     assert ok.status == 200 and ok.headers["x-request-id"].startswith("chatcmpl-") and ok.body == b""
     assert events[-1] == "data: [DONE]" and len(ids) == 5
-    assert refused.status == 400 and "no-such-model" in json.loads(refused.body)["error"]["message"]
+    assert refused.status == 404 and "no-such-model" in json.loads(refused.body)["error"]["message"]
     assert [line for line in again if line.startswith("data: ")][-1] == "data: [DONE]" and reused
     assert dropped is None

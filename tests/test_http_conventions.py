@@ -388,3 +388,62 @@ def test_the_index_fits_a_1280_px_window(tmp_path):
     )
     width = int(re.search(r"<title>W(\d+)</title>", out.stdout).group(1))
     assert width <= 1280, width
+
+
+# -- epd up --served-model-name / --max-model-len, on a real stack ------------------------------------
+@pytest.mark.slow
+def test_epd_up_serves_the_name_and_context_it_was_given_and_its_logs_read_plainly(tiny_model_dir, tmp_path):
+    """`epd up --served-model-name --max-model-len` reach the API and the engine: the model card,
+    a 404 for the folder's name, the API's max_tokens bound and the worker's prompt + max_tokens
+    bound (the transformers engine, vLLM's wording) name EPD_MAX_MODEL_LEN. Its logs: uvicorn's
+    lines not under uvicorn.error, an access line per request, sources as values, worker ids
+    without epd up's pid. Mutations: the flags not passed to the services (EPD_MODEL_NAME /
+    EPD_MAX_MODEL_LEN left out of epd up's env) -> the card shows the folder's name / the model's
+    length; the engine ignoring max_model_len -> the long prompt is served."""
+    from tests.epdup import EpdUp
+
+    context = 96
+    up = EpdUp(
+        tmp_path, "--model", str(tiny_model_dir), "--topology", "agg", "--served-model-name", "tiny-served",
+        "--max-model-len", str(context),
+    )  # fmt: skip
+    try:
+        m = up.wait_ready()
+        assert m["model"] == "tiny-served", m.group(0)
+        card = httpx.get(f"{up.url}/v1/models", timeout=30).json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == ("tiny-served", context), card
+
+        def chat(model="tiny-served", text="Say hi.", **body):
+            return httpx.post(
+                f"{up.url}/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0, **body},
+                timeout=120,
+            )
+
+        assert chat(model=tiny_model_dir.name, max_tokens=2).status_code == 404
+        r = chat(max_tokens=context + 1)
+        assert r.status_code == 400 and "EPD_MAX_MODEL_LEN" in r.json()["error"]["message"], r.text
+        # Within max_tokens' bound, over the context with the prompt: the worker says so (a 400).
+        r = chat(text="one two three four five six seven eight " * 12, max_tokens=context - 8)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens" and "maximum context length is 96 tokens" in err["message"], err
+        assert "EPD_MAX_MODEL_LEN" in err["message"] and "input tokens" in err["message"], err
+        ok = chat(max_tokens=3)
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == ok.json()["id"], (ok.headers, ok.text)
+
+        logs = up.data_dir / "logs"
+        api_log = (logs / "api-0.log").read_text(errors="replace")
+        assert "uvicorn.error" not in api_log and " uvicorn [request_id=-] Uvicorn running on" in api_log, api_log[
+            -2000:
+        ]
+        assert re.search(
+            r'epd\.access \[request_id=chatcmpl-\w+\] \S+ - "POST /v1/chat/completions HTTP/1.1" 200 ', api_log
+        )
+        worker_logs = "".join(p.read_text(errors="replace") for p in logs.glob("*.log") if not p.name.startswith("api"))
+        assert "<ECSource" not in worker_logs + api_log
+        assert re.search(r"done: \d+ prompt \+ 3 completion tokens.* sources=-", worker_logs), worker_logs[-2000:]
+        ids = set(re.findall(r" worker (\S+) consuming ", worker_logs))
+        assert ids and all(re.fullmatch(r"\w+-0-[0-9a-f]{6}", i) and str(up.proc.pid) not in i for i in ids), ids
+    finally:
+        up.close()

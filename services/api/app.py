@@ -561,9 +561,11 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
             try:
                 if not parsed.stream:
                     try:
-                        return await _unless_interrupted(
+                        response = await _unless_interrupted(
                             _complete(events, request_id, parsed, received_at, tracked), service.stopping, request
                         )
+                        response.headers["X-Request-Id"] = request_id
+                        return response
                     finally:
                         _close_all(tracked)
                         await events.aclose()
