@@ -5,6 +5,7 @@ started (``epd up`` runs against fake servers)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +30,9 @@ class FakeServer:
 
     def start(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def begin_stop(self) -> None: ...
+
+    def stop(self, grace: float | None = None) -> None: ...
 
     def is_running(self) -> bool:
         return True
@@ -71,7 +74,9 @@ def epd_up_output(monkeypatch, capsys, tmp_path: Path, env: dict[str, str]) -> s
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "m" / "config.json").write_text("{}")  # a model folder, as far as epd up checks
+    # --no-fork-server: nothing is started, so no fork server to preload torch (and to wait for at the stop)
     argv = ["up", "--data-dir", str(tmp_path / "var"), "--model", str(tmp_path / "m"), "--nats-port", "14222"]
+    argv += ["--no-fork-server"]
     assert main([*argv, "--s3-port", "19000"]) == 0
     return capsys.readouterr().out
 
@@ -190,6 +195,8 @@ def test_epd_up_with_api_keys_prints_a_curl_that_sends_one_and_never_the_key(mon
         "-H 'Content-Type: application/json' -d '"
     ), curl
     assert "export OPENAI_API_KEY=<one of the keys>" in out
+    # greedy: the answer it promises is the one a paste gets
+    assert json.loads(curl.split(" -d '", 1)[1].removesuffix("'"))["temperature"] == 0
     out = epd_up_output(monkeypatch, capsys, tmp_path, {})
     [curl] = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("curl ")]
     assert "Authorization" not in curl and "OPENAI_API_KEY" not in out
@@ -233,6 +240,7 @@ def test_epd_up_flags_set_the_api_settings(monkeypatch, capsys, tmp_path, flags,
     monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     argv = ["up", "--data-dir", str(tmp_path / "var"), "--nats-port", "14222", "--s3-port", "19000", *flags]
+    argv += ["--no-fork-server"]  # nothing is started
     assert main(argv) == 0
     [stack_env] = RecordingStack.envs
     assert {k: stack_env[k] for k in ("EPD_API_KEYS", "EPD_URL_ALLOW_NETWORKS") if k in stack_env} == expected
@@ -277,19 +285,22 @@ def test_epd_up_refuses_a_model_that_is_no_model_folder_before_starting_anything
     assert not data_dir.exists()
 
 
-def test_epd_version_and_help_without_a_command():
+def test_epd_version_and_help_without_a_command(capsys):
     import importlib.metadata
 
-    run = lambda *a: subprocess.run([str(EPD), *a], capture_output=True, text=True, timeout=60)  # noqa: E731 - a one-line helper
-    version = run("--version")
-    assert version.returncode == 0 and version.stdout == f"epd-serve {importlib.metadata.version('epd-serve')}\n"
-    bare = run()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"epd-serve {importlib.metadata.version('epd-serve')}\n"
+    # The console script, bare: its help, not argparse's "the following arguments are required".
+    bare = subprocess.run([str(EPD)], capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2 and bare.stdout.startswith("usage: epd ") and "positional arguments" in bare.stdout
     assert "required" not in bare.stdout + bare.stderr
-    for group in (["replay"], ["ec"], ["bench"], ["config"], ["model"]):
-        out = run(*group)
-        assert out.returncode == 2 and out.stdout.startswith(f"usage: epd {group[0]} "), (group, out)
-        assert "required" not in out.stdout + out.stderr, group
+    for group in ("replay", "ec", "bench", "config", "model"):
+        assert main([group]) == 2, group
+        out = capsys.readouterr()
+        assert out.out.startswith(f"usage: epd {group} ") and "positional arguments" in out.out, (group, out)
+        assert "required" not in out.out + out.err, group
 
 
 def test_a_tool_that_cannot_reach_nats_says_where_its_url_comes_from(capsys):

@@ -88,7 +88,8 @@ def _example_request(model_name: str, demo: bool) -> str:
         img.save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
         content = [{"type": "text", "text": "Describe this image."}, {"type": "image_url", "image_url": {"url": url}}]
-    body = {"model": model_name, "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
+    # Greedy: the answer it promises is the one a paste gets (a sampled one could differ).
+    body = {"model": model_name, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": content}]}
     return json.dumps(body, separators=(", ", ": "))
 
 
