@@ -447,3 +447,22 @@ def test_epd_up_serves_the_name_and_context_it_was_given_and_its_logs_read_plain
         assert ids and all(re.fullmatch(r"\w+-0-[0-9a-f]{6}", i) and str(up.proc.pid) not in i for i in ids), ids
     finally:
         up.close()
+
+
+@pytest.mark.vllm
+def test_a_vllm_context_refusal_names_what_sets_the_length():
+    """vLLM refuses a prompt over its max_model_len in its own words; the 400 says where the
+    length comes from. Mutation: the note left out."""
+    from vllm.exceptions import VLLMValidationError
+
+    from shared.engines.vllm_engine import _translate
+    from shared.errors import InvalidRequest
+
+    err = _translate(
+        VLLMValidationError(
+            "The decoder prompt (length 120) is longer than the maximum model length of 96.", parameter="input_tokens"
+        )
+    )
+    assert isinstance(err, InvalidRequest) and "EPD_MAX_MODEL_LEN" in err.message, err
+    other = _translate(ValueError("bad stop"))
+    assert isinstance(other, InvalidRequest) and "EPD_MAX_MODEL_LEN" not in other.message

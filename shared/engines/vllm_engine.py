@@ -856,6 +856,13 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         await asyncio.to_thread(self._stop_loop)
 
 
+#: what a context-length refusal adds: where the length comes from
+CONTEXT_SOURCE = (
+    "the maximum model length is EPD_MAX_MODEL_LEN (epd up --max-model-len) where set, else the model's "
+    "max_position_embeddings"
+)
+
+
 def _translate(exc: BaseException) -> BaseException:
     """vLLM's errors as typed project errors: bad requests -> InvalidRequest, the rest -> EngineError."""
     from vllm.exceptions import VLLMValidationError
@@ -863,7 +870,10 @@ def _translate(exc: BaseException) -> BaseException:
     if isinstance(exc, (InvalidRequest, EngineError)):
         return exc
     if isinstance(exc, (VLLMValidationError, ValueError)):
-        return InvalidRequest(f"vLLM rejected the request: {exc}", param=getattr(exc, "parameter", None))
+        message = f"vLLM rejected the request: {exc}"
+        if "maximum model length" in message or "maximum context length" in message:
+            message += f" ({CONTEXT_SOURCE})"
+        return InvalidRequest(message, param=getattr(exc, "parameter", None))
     if isinstance(exc, asyncio.CancelledError):
         return EngineError("vLLM request was cancelled")
     return EngineError(f"vLLM failed: {type(exc).__name__}: {exc}")
