@@ -34,6 +34,7 @@ _CLIENT_REQUEST_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_CLIENT_REQUEST_ID}}}")
 #: where the wrapper leaves a client's valid ``X-Request-Id`` for the handlers (the scope's key)
 CLIENT_REQUEST_ID = "epd.client_request_id"
 _HEADER = b"x-request-id"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def client_request_id(scope: MutableMapping[str, Any]) -> str | None:
@@ -70,6 +71,9 @@ class HttpConventions:
         self.app = app
         self.access_log_on = access_log_on
         self.route_of = route_of
+        #: (method, status class, handler) -> its counter and histogram children (``labels()`` each
+        #: time costs ~10 us a request)
+        self._series: dict[tuple[str, int, str], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -112,9 +116,18 @@ class HttpConventions:
             elapsed = time.perf_counter() - started
             handler = self.route_of(scope)
             method = scope["method"]
+            # (a client picks the method: the metrics' label takes the standard ones only)
+            label = method if method in _METHODS else "other"
             if handler not in metrics.HTTP_EXCLUDED_HANDLERS:
-                metrics.HTTP_REQUESTS.labels(method, f"{status // 100}xx", handler).inc()
-                metrics.HTTP_REQUEST_DURATION.labels(method, handler).observe(elapsed)
+                key = (label, status // 100, handler)
+                series = self._series.get(key)
+                if series is None:
+                    series = self._series[key] = (
+                        metrics.HTTP_REQUESTS.labels(label, f"{status // 100}xx", handler),
+                        metrics.HTTP_REQUEST_DURATION.labels(label, handler),
+                    )
+                series[0].inc()
+                series[1].observe(elapsed)
             if self.access_log_on:
                 client = scope.get("client")
                 query = scope.get("query_string", b"")
