@@ -456,13 +456,14 @@ def _part_text(part: Any) -> str:
     if isinstance(part, dict):
         if part.get("type") == "text":
             return str(part.get("text", ""))
-        return f"[{part.get('type', 'part')}]"  # an image (image_ref in the record), ...
+        kind = str(part.get("type", "part"))
+        return "[image]" if kind.startswith("image") else f"[{kind}]"  # (an image_ref in the record)
     return str(part)
 
 
 def question_text(case: RequestCase) -> str | None:
     """What the request asked, from its record: each chat message as ``role: text`` (an image
-    as ``[image_ref]``), or a completion's prompt; None without a record."""
+    as ``[image]``), or a completion's prompt; None without a record."""
     record = case.record
     if record is None:
         return None

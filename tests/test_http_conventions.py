@@ -331,7 +331,7 @@ def test_the_waterfall_page_shows_the_question_and_the_answer_escaped_and_bounde
         index_href="../requests",
     )
     assert '<a href="../requests">' in page
-    assert "user: [image_ref] What &lt;b&gt;colour&lt;/b&gt;?&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "user: [image] What &lt;b&gt;colour&lt;/b&gt;?&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "system: be brief" in page
     assert "red&lt;/pre&gt;&lt;img src=x onerror=alert(1)&gt;" in page
     assert "<script" not in page and "<img" not in page
