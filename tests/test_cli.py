@@ -364,3 +364,15 @@ def test_bench_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
     off.update()
     off.close()
     assert capsys.readouterr().err == ""
+
+
+def test_epd_prints_no_progress_bar_when_its_output_is_not_a_terminal(tmp_path):
+    """``epd model build-tiny`` into a pipe: Hugging Face's "Writing model shards" bar (carriage
+    returns) is off; the line that says what was written is there."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run(
+        [str(EPD), "model", "build-tiny", str(tmp_path / "m")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stdout + done.stderr and "Writing model shards" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.startswith("wrote qwen2_vl/tiny (seed 0) to "), done.stdout

@@ -259,6 +259,14 @@ def test_docs_example_gives_the_answer_it_shows(example: Example, make_run_stack
 
 
 @pytest.mark.slow
+def test_the_services_logs_carry_no_progress_bars(make_run_stack):
+    """epd up's services write to log files: no bar redrawn with carriage returns (model loading)."""
+    logs = sorted((make_run_stack.data_dir / "logs").glob("*.log"))
+    assert {p.stem for p in logs} >= {"api-0", "encoder-0", "prefill-0"}, logs
+    assert [p.name for p in logs if b"\r" in p.read_bytes()] == []  # (read_text would turn \r into \n)
+
+
+@pytest.mark.slow
 def test_an_example_whose_shown_answer_is_wrong_fails(make_run_stack):
     """Negative control: the README's first request with another answer shown fails the check."""
     [example] = examples(REPO / "README.md")

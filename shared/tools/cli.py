@@ -34,7 +34,7 @@ from shared.tools.infra import (
     PortReservation,
 )
 from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
-from shared.tools.models.tiny import default_model_dir
+from shared.tools.models.tiny import ARCHS, default_model_dir
 from shared.topology import TOPOLOGIES, Service, Topology
 
 DEFAULT_DATA_DIR = Path("var")
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument(
         "out", nargs="?", default=str(default_model_dir(DEFAULT_DATA_DIR)), help="folder to write (default %(default)s)"
     )
-    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "llava"], help="model architecture")
+    tiny.add_argument("--arch", default="qwen2_vl", choices=sorted(ARCHS), help="model architecture")
     tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"], help="tiny: tests; bench: benchmarks")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     tiny.set_defaults(func=_cmd_build_tiny)
@@ -561,8 +561,18 @@ def _print_help(parser: argparse.ArgumentParser):
     return run
 
 
+#: Hugging Face's switch for its progress bars (model loading and saving), read when transformers is imported
+HF_PROGRESS_BARS_OFF = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Progress bars redraw a line with carriage returns: on a terminal only. Not one (a log file, CI),
+    # or `epd up`, whose services write to log files: the bars of Hugging Face's loading and saving
+    # are off (before transformers is imported; a value set by the user wins). Ours print plain
+    # lines there (shared.tools.bench.runner.progress_bar).
+    if args.func is _cmd_up or not sys.stderr.isatty():
+        os.environ.setdefault(HF_PROGRESS_BARS_OFF, "1")
     return args.func(args) or 0
 
 
