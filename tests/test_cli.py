@@ -285,6 +285,21 @@ def test_epd_up_refuses_a_model_that_is_no_model_folder_before_starting_anything
     assert not data_dir.exists()
 
 
+def test_epd_up_refuses_an_invalid_setting_before_starting_anything(monkeypatch, capsys, tmp_path):
+    for name in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("EPD_MAX_IMAGES_PER_REQUEST", "-1")
+
+    def nothing_starts(*a, **kw):
+        raise AssertionError("epd up started something")
+
+    monkeypatch.setattr(cli, "EmbeddedNats", nothing_starts)
+    assert main(["up", "--data-dir", str(tmp_path / "var")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd up: invalid settings in the environment: ") and "max_images_per_request" in err, err
+    assert "Traceback" not in err and not (tmp_path / "var").exists()
+
+
 def test_epd_version_and_help_without_a_command(capsys):
     import importlib.metadata
 

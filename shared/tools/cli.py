@@ -133,12 +133,18 @@ def _example_answer() -> str:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ApiSettings, ModelSettings, StoreSettings, env_var
     from shared.tools.forkserver import default_fork_server, not_forkable
     from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
 
     started = time.perf_counter()
-    model, store = ModelSettings(), StoreSettings()
+    try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
+        model, store, api = ModelSettings(), StoreSettings(), ApiSettings()
+    except ValidationError as exc:
+        print(f"epd up: invalid settings in the environment: {exc}", file=sys.stderr)
+        return 2
     model_path = Path(args.model) if args.model else model.model_path
     if model_path is None:  # the demo model, trained here and shipped in the repo
         model_path = SHIPPED_DIR
@@ -149,7 +155,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"epd up: {source} {model_path}: {problem}", file=sys.stderr)
         return 2
     # The API's keys: --api-key, else EPD_API_KEYS from the environment (the API reads it there).
-    api_keys = tuple(args.api_key or ()) or ApiSettings().api_keys
+    api_keys = tuple(args.api_key or ()) or api.api_keys
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
 
