@@ -37,8 +37,10 @@ The runner:
   for their inputs do not count);
 * a core-NATS subscription to every cancellation, which cancels the task of a running job of
   that request (unless the handler's jobs run to the end: ``stops_when_cancelled``);
-* each message handled in its own task, with ``in_progress`` sent every ``ack_wait / 3`` so
-  long work is not redelivered while it is still running;
+* each message handled in its own task, with ``in_progress`` sent every ``ack_wait /``
+  :data:`KEEP_ALIVES_PER_ACK_WAIT` so long work is not redelivered while it is still running,
+  while the job of a worker that died is redelivered one ack wait (``EPD_ACK_WAIT_S``, 4 s) after
+  its last sign of life;
 * liveness: every 2 s a JetStream round trip to its consumer; only when it answers, a heartbeat
   on core NATS (the API's ``/health`` lists live workers) and the health file ``epd healthcheck``
   reads; a worker that cannot reach its consumer for ``EPD_UNREACHABLE_EXIT_S`` exits with
@@ -47,7 +49,9 @@ The runner:
   ``Epd-Received-At``; ``shared.jetstream.set_trace``), the request id on every log line, the
   ``epd:requests_in_flight{service=...}`` gauge, and consumer lag (``epd:consumer_num_pending``)
   from the liveness round trip;
-* SIGTERM / SIGINT: stop fetching, finish what is in flight (up to ``drain_timeout_s``), close.
+* SIGTERM / SIGINT: stop fetching at once (an outstanding pull is given up, and a job the server
+  delivered to it meanwhile is handed back with a ``nak``, so another worker takes it now, not
+  after the ack wait), finish what is in flight (up to ``drain_timeout_s``), close.
 
 **Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
 runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room
@@ -103,6 +107,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 2.0
 #: Exit code of a worker that could not reach its consumer for ``EPD_UNREACHABLE_EXIT_S``.
 EXIT_UNREACHABLE = 3
+#: ``in_progress`` beats a running job sends per ack wait: a live worker's job is redelivered only if
+#: its event loop sends none of them for (1 - 1/this) of an ack wait (3 s of the default 4 s); the
+#: engines compute in threads or processes of their own, off the loop (tests/test_failover.py
+#: holds it with both cores busy).
+KEEP_ALIVES_PER_ACK_WAIT = 4
 #: Errors that say nothing about the job (the store or NATS is down): retried like unexpected exceptions.
 TRANSIENT_ERRORS: tuple[type[EPDError], ...] = (StoreError, ServiceUnavailable)
 
@@ -459,11 +468,13 @@ class WorkerRunner:
                 liveness.cancel()
                 if self.health is not None:  # not consuming any more: unhealthy while draining
                     self.health.remove()
+                # Before the drain (which may take a while): no pull of ours takes a job any more,
+                # and a job delivered to the pull the stop gave up goes back to the queue now.
+                for sub in (psub, rsub):
+                    if sub is not None:
+                        await self._stop_pulling(sub)
                 await self._drain()
-                try:  # before the connection drains: a pull subscription never drains by itself
-                    await psub.unsubscribe()
-                    if rsub is not None:
-                        await rsub.unsubscribe()
+                try:  # before the connection drains
                     await cancel_sub.unsubscribe()
                 except Exception as exc:  # noqa: BLE001 - shutting down anyway
                     log.debug("unsubscribe: %s", exc)
@@ -490,15 +501,40 @@ class WorkerRunner:
         return self.concurrency - len(self._tasks)
 
     async def _consume(self, psub: Any, *, routed: bool = False) -> None:
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await self._consume_until_stopped(psub, stop, routed=routed)
+        finally:
+            stop.cancel()
+
+    async def _fetch_one(self, psub: Any, stop: asyncio.Future) -> list[Any] | None:
+        """One pull of one job (``pull_timeout_s``); None when a stop was asked meanwhile: the pull
+        is given up at once, not waited out (a job the server sends to it still reaches the
+        subscription's queue, which :meth:`_stop_pulling` hands back)."""
+        fetch = asyncio.ensure_future(psub.fetch(1, timeout=self.pull_timeout_s))
+        try:
+            await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            fetch.cancel()
+            raise
+        if not fetch.done():
+            fetch.cancel()
+            await asyncio.wait({fetch})
+            if fetch.cancelled() or fetch.exception() is not None:
+                return None
+        return list(fetch.result())  # (a job that came as the stop was asked is run, then drained)
+
+    async def _consume_until_stopped(self, psub: Any, stop: asyncio.Future, *, routed: bool) -> None:
         failing = ""  # the fetch error being repeated (logged once until a fetch works again)
         admission = self.handler.admission
         while not self.stopping.is_set():
             free = self._room()
             if free <= 0:
-                wake = set(self._tasks)
+                wake: set[asyncio.Future] = set(self._tasks)
                 changed = asyncio.ensure_future(admission.changed()) if admission is not None else None
                 if changed is not None:
                     wake.add(changed)
+                wake.add(stop)
                 try:
                     await asyncio.wait(wake, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -514,9 +550,9 @@ class WorkerRunner:
                 # waiting on then waits for its expiry (~430 ms for ~6% of the jobs sent after an
                 # idle second; tests/test_worker_pull.py). A pull of one returns the first job it
                 # receives; a burst costs a round trip per job, well under a millisecond each.
-                msgs = await psub.fetch(1, timeout=self.pull_timeout_s)
+                fetched = await self._fetch_one(psub, stop)
             except TimeoutError:  # nothing to fetch (nats' TimeoutError is one too)
-                msgs = []
+                fetched = []
             except Exception as exc:  # noqa: BLE001 - connection hiccup: keep the loop alive, nats reconnects
                 error = f"{type(exc).__name__}: {exc}"
                 if error != failing:
@@ -524,13 +560,36 @@ class WorkerRunner:
                     failing = error
                 await asyncio.sleep(0.5)
                 continue
+            if fetched is None:  # stopping
+                return
             if failing:
                 log.info("fetching again")
                 failing = ""
-            for msg in msgs:
+            for msg in fetched:
                 task = asyncio.create_task(self._process_routed(msg) if routed else self._process(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _stop_pulling(self, sub: Any) -> None:
+        """Unsubscribe a pull subscription (the server then sends nothing more to it) and ``nak``
+        the jobs it had received and no fetch took (delivered to the pull a stop gave up): another
+        worker takes them at once instead of after the ack wait."""
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.debug("unsubscribe: %s", exc)
+        # nats-py keeps what a pull subscription received and no fetch took in its queue (no public
+        # accessor): a status message (a pull's expiry) or a job.
+        queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
+        while queue is not None and not queue.empty():
+            msg = queue.get_nowait()
+            if not msg.reply or (msg.headers or {}).get("Status"):
+                continue
+            try:
+                await msg.nak()
+                log.info("handed back a job fetched as the worker stopped")
+            except Exception as exc:  # noqa: BLE001 - redelivered after the ack wait instead
+                log.debug("nak of an unstarted job failed: %s", exc)
 
     async def _drain(self) -> None:
         if self._tasks:
@@ -634,7 +693,7 @@ class WorkerRunner:
             job.request()
 
     async def _keep_alive(self, msg: Any) -> None:
-        interval = max(0.5, self.settings.nats.ack_wait_s / 3)
+        interval = max(0.1, self.settings.nats.ack_wait_s / KEEP_ALIVES_PER_ACK_WAIT)
         while True:
             await asyncio.sleep(interval)
             try:

@@ -6,7 +6,10 @@ runs ``services.<service>`` with its engine slowed down as the environment asks:
   waits for that line to know the worker holds a job);
 * ``EPD_TEST_DECODE_STEP_DELAY_S`` (decode or prefill, transformers engine): each batched decode step
   sleeps this long after stepping (numerics unchanged), so a test can act while requests are
-  being decoded, or let a deadline pass mid-decode.
+  being decoded, or let a deadline pass mid-decode;
+* ``EPD_TEST_DECODE_STEP_BUSY_S`` (the same workers): each batched decode step computes this long
+  more (torch matrix products in the engine's compute thread, as the step's own compute), so a
+  job's compute lasts longer than the ack wait (tests/test_failover.py).
 
 Production settings have no fault knobs; tests start such a worker with
 ``Stack(service_modules={"decode": "tests.fault_workers"})`` (``tests.stackutil.start_stack``
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ENCODE_DELAY_ENV = "EPD_TEST_ENCODE_DELAY_S"
 DECODE_STEP_DELAY_ENV = "EPD_TEST_DECODE_STEP_DELAY_S"
+DECODE_STEP_BUSY_ENV = "EPD_TEST_DECODE_STEP_BUSY_S"
 #: Start a service through this module (``Stack.service_modules``).
 MODULE = __name__
 
@@ -67,6 +71,27 @@ def slow_decode_steps(delay_s: float) -> None:
     log.warning("fault injection: the engine sleeps %.2fs after each decode step", delay_s)
 
 
+def busy_decode_steps(busy_s: float) -> None:
+    """Every batched decode step of the transformers engine computes ``busy_s`` more after stepping:
+    torch matrix products (the GIL released in each, as in a forward) in the engine's compute thread."""
+    import torch
+
+    from shared.engines.transformers_batch import BatchDecoder
+
+    original = BatchDecoder.step
+    a = torch.rand(256, 256)
+
+    def step(self):
+        events = original(self)
+        until = time.perf_counter() + busy_s
+        while time.perf_counter() < until:
+            a @ a
+        return events
+
+    BatchDecoder.step = step
+    log.warning("fault injection: the engine computes %.2fs more after each decode step", busy_s)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m tests.fault_workers encoder|prefill|decode")
@@ -79,6 +104,8 @@ def main(argv: list[str]) -> None:
         slow_encoder(engine_cls, _delay(ENCODE_DELAY_ENV))
     if service in ("decode", "prefill") and _delay(DECODE_STEP_DELAY_ENV):
         slow_decode_steps(_delay(DECODE_STEP_DELAY_ENV))
+    if service in ("decode", "prefill") and _delay(DECODE_STEP_BUSY_ENV):
+        busy_decode_steps(_delay(DECODE_STEP_BUSY_ENV))
     importlib.import_module(f"services.{service}.main").main()
 
 

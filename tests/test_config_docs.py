@@ -29,7 +29,7 @@ def test_a_stale_copy_is_named(tmp_path, capsys):
     doc = root / config_docs.CONFIG_DOC
     doc.write_text("\n".join(line for line in doc.read_text().splitlines() if "`EPD_EC_WAIT_S`" not in line))
     env = root / config_docs.ENV_EXAMPLE
-    env.write_text(env.read_text().replace("# EPD_ACK_WAIT_S=30", "# EPD_ACK_WAIT_S=60"))
+    env.write_text(env.read_text().replace("# EPD_ACK_WAIT_S=4\n", "# EPD_ACK_WAIT_S=60\n"))
     assert main(["config", "docs", "--check", "--root", str(root)]) == 1
     err = capsys.readouterr().err
     assert "docs/configuration.md is stale" in err and ".env.example is stale" in err

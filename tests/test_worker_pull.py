@@ -85,3 +85,65 @@ def test_jobs_sent_one_after_another_after_idle_pulls_are_taken_at_once(nats_ser
     assert len(waits) == 36
     slow = {rid: round(w, 3) for rid, w in waits.items() if w > 0.25}
     assert not slow, f"jobs taken late (s after their publish): {slow}"
+
+
+def test_a_stop_gives_up_the_outstanding_pull_and_hands_back_what_it_received(nats_server):
+    """Ctrl-C of an idle worker: its pull (30 s here) is given up at once, not waited out; and a
+    job the server delivered to a pull no fetch waits on any more is handed back (``nak``) when
+    the worker stops pulling, so another worker takes it now, not after the ack wait (60 s here)."""
+    import json
+
+    prefix = f"stop{os.getpid()}"
+    settings = EncoderSettings(nats_url=nats_server.url, subject_prefix=prefix, worker_id="stop-worker", ack_wait_s=60)
+    subjects = Subjects(prefix)
+    stream, durable = subjects.stream_encode, protocol.CONSUMER_ENCODER
+
+    async def scenario() -> tuple[float, int | None, float]:
+        runner = WorkerRunner(Taker(), settings, pull_timeout_s=30.0)
+        running = asyncio.create_task(runner.run())
+        nc = await connect(settings.nats, name="stop-test")
+        try:
+            js = nc.jetstream(timeout=10)
+
+            async def pulling() -> bool:  # the runner's 30-s pull is outstanding at the server
+                try:
+                    return (await js.consumer_info(stream, durable, timeout=2)).num_waiting >= 1
+                except Exception:  # noqa: BLE001 - not created yet
+                    return False
+
+            await until(pulling, 60, "the runner's pull")
+            asked = time.monotonic()
+            runner.request_stop()
+            await asyncio.wait_for(running, 60)
+            stopped_in = time.monotonic() - asked
+
+            # A job sits in a pull subscription's queue, received for a pull no fetch waits on
+            # (sent by hand: what a pull the stop gave up receives).
+            psub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+            rid = f"{prefix}-handed-back"
+            job = EncodeJob(request_id=rid, image=REF, fingerprint="fp", ec_key=f"ns/{rid}", created_at=0.0)
+            await JetStreamPublisher(js).publish(subjects.encode_jobs, job, request_id=rid, msg_id=rid)
+            await nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+                json.dumps({"batch": 1, "expires": 5_000_000_000}).encode(),
+                reply=psub._deliver,  # the subscription's inbox (nats-py has no public name for it)
+            )
+            await until(lambda: psub.pending_msgs >= 1, 30, "the job in the subscription's queue")
+            handed = time.monotonic()
+            await WorkerRunner(Taker(), settings)._stop_pulling(psub)
+            again = await js.pull_subscribe_bind(durable=durable, stream=stream)
+            try:
+                msgs = await again.fetch(1, timeout=20)
+            except TimeoutError:
+                return stopped_in, None, 0.0
+            await msgs[0].ack()
+            return stopped_in, msgs[0].metadata.num_delivered, time.monotonic() - handed
+        finally:
+            if not running.done():
+                runner.request_stop()
+            await nc.close()
+
+    stopped_in, delivered, after = asyncio.run(scenario())
+    assert stopped_in < 10, f"the worker took {stopped_in:.1f}s to stop: it waited out its 30-s pull"
+    assert delivered == 2, "the job in the queue was not handed back (it would come back after the 60-s ack wait)"
+    assert after < 20, after

@@ -109,7 +109,8 @@ def _set_pdeathsig(sig: int) -> None:
 
 
 def _become(spec: dict[str, Any], server_fds: list[int], server_pid: int, started_fd: int) -> None:
-    """In the forked child: turn into ``spec['argv']`` and run it; never returns (SystemExit).
+    """In the forked child: turn into ``spec['argv']`` and run it; never returns (it exits with the
+    status ``python -m`` would, without the interpreter's teardown).
     Writes to ``started_fd`` once it has its session, output, folder, environment and title (what
     ``subprocess.Popen`` guarantees on return), then closes it. A failure before that exits the
     child at once (127, the traceback in the server's log), never back into the server's loop."""
@@ -141,16 +142,40 @@ def _become(spec: dict[str, Any], server_fds: list[int], server_pid: int, starte
         traceback.print_exc()
         os._exit(127)
     sys.argv = [argv[2], *argv[3:]]
+    code: int = 0
     try:
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
     except BaseException:  # noqa: BLE001 - what `python -m` does with an uncaught exception: print it, exit 1
         import traceback
 
         traceback.print_exc()
-        sys.exit(1)
-    sys.exit(0)
+        code = 1
+    # What `python -m` does at exit, without the interpreter's teardown: a service forked from
+    # here holds torch, transformers and a frozen start-up heap (shared.heap), whose teardown took
+    # ~1 s after the service had stopped - every Ctrl-C of `epd up` waited for it.
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``sys.exit(code)`` gives a process (a message is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _reap(pid: int) -> int:

@@ -26,13 +26,19 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.health import check_worker
-from shared.tools.forkserver import ForkedProcess, ForkServer, default_fork_server, not_forkable
-from shared.tools.infra import _describe_exit, _spawn
+from shared.tools.forkserver import (
+    ForkedProcess,
+    ForkServer,
+    close_default_fork_server,
+    default_fork_server,
+    not_forkable,
+)
+from shared.tools.infra import _describe_exit, _EmbeddedServer, _spawn, stop_servers
 from shared.topology import TOPOLOGIES, Service, Topology
 
 log = logging.getLogger(__name__)
@@ -120,18 +126,32 @@ class ServiceProcess:
         self.restarts += 1
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        """Stop it on purpose: ``sig`` to its process group, SIGKILL after ``timeout`` seconds."""
+        if self.send_stop(sig):
+            self.wait_stopped(timeout)
+
+    def send_stop(self, sig: int = signal.SIGTERM) -> bool:
+        """Mark it stopped on purpose (a supervisor leaves it alone) and send ``sig`` to its process
+        group, without waiting; False when it was not running."""
         self.stopped = True
         self.restart_at = None
         if self.popen is None or not self.alive():
-            return
+            return False
         try:
             os.killpg(self.popen.pid, sig)
         except ProcessLookupError:
-            return
+            return False
+        return True
+
+    def wait_stopped(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for it to exit (after :meth:`send_stop`), then SIGKILL its group."""
         try:
-            self.popen.wait(timeout)
+            self.popen.wait(max(0.0, timeout))
         except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.popen.wait(5)
 
 
@@ -329,14 +349,40 @@ class Stack:
         tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.log_tail(10)}" for p in self.processes)
         raise StackError(f"stack not ready after {timeout:.0f}s (last health: {health})\n{tails}")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop every service process together: SIGTERM to all at once, then one wait for all (each
+        SIGKILLed ``timeout`` seconds after the SIGTERM), so the stack stops in its slowest process's
+        time, not in the sum of them. Each drains what it runs (a worker finishes its jobs and
+        returns those it fetched and had not started; the API answers its open requests)."""
         with self.lock:  # first mark all, so a supervisor restarts none of them meanwhile
             self.stopping = True
             for proc in self.processes:
                 proc.stopped = True
-        for proc in reversed(self.processes):
-            proc.stop()
+        deadline = time.monotonic() + timeout
+        signalled = [proc for proc in self.processes if proc.send_stop()]
+        for proc in signalled:
+            proc.wait_stopped(deadline - time.monotonic())
         self.processes.clear()
+
+
+def shut_down(stack: Stack | None, servers: Sequence[_EmbeddedServer | None] = ()) -> None:
+    """Stop what ``epd up`` started (its Ctrl-C): the services together (:meth:`Stack.stop`), then
+    this process's fork server together with the embedded servers (NATS, S3;
+    ``shared.tools.infra.stop_servers``). The services go first: draining, they still talk to NATS
+    and the store. The fork server only once they have exited: its children get SIGTERM when it
+    exits (``PR_SET_PDEATHSIG``), and a second SIGTERM makes the API's server skip its graceful
+    shutdown. An idle stack stops in ~1-2 s (bench/stop_time.py; docs/operations.md)."""
+    try:
+        if stack is not None:
+            stack.stop()
+    finally:
+        for server in servers:  # SIGTERM first, so they stop while the fork server closes
+            if server is not None:
+                server.begin_stop()
+        try:
+            close_default_fork_server()
+        finally:
+            stop_servers(servers)
 
 
 def _readiness(health: dict | None, roles: dict[str, int]) -> str:
