@@ -173,8 +173,8 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
                 timeout=30,
                 json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
             ),
-            400,
-            "invalid_request",
+            404,  # (as vLLM answers; OpenAI's code)
+            "model_not_found",
         ),
         # Inputs that used to escape as plain-text 500s (issue 12):
         (
