@@ -13,7 +13,15 @@ from shared.fingerprint import is_encoder_tensor, read_safetensors_header
 from shared.tools.models.tiny import ARCHS, SIZES, build_tiny_model
 from tests.stackutil import noise_image
 
-TINY_ARCHS = ["qwen2_vl", "llava"]
+TINY_ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
+QWEN_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: arch -> (transformers model class name, processor class name, image tokens of a 64x48 image)
+FAMILY = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", 4),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", 4),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 4),
+    "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", 36),
+}
 
 
 def _file_hashes(folder: Path) -> dict[str, str]:
@@ -72,8 +80,13 @@ def test_checkpoint_uses_hub_layout_and_fan_in_init(builds, arch):
         assert all(
             n.startswith(("vision_tower.vision_model.", "multi_modal_projector.", "language_model.")) for n in names
         )
+    elif arch == "qwen3_vl":  # Qwen3-VL checkpoints were published in transformers' newer layout
+        assert all(n.startswith(("model.visual.", "model.language_model.", "lm_head.")) for n in names)
+        assert any(".deepstack_merger_list." in n for n in names)
     else:
-        assert all(n.startswith(("visual.", "model.", "lm_head.")) for n in names)
+        assert all(
+            n.startswith(("visual.", "model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")) for n in names
+        )
     tensors = load_file(folder / "model.safetensors")
     # Fan-in scaled (std ~ 1/sqrt(fan_in)), not HF's std 0.02: a 96-wide LM projection has
     # std ~0.1.
@@ -88,19 +101,21 @@ def test_checkpoint_uses_hub_layout_and_fan_in_init(builds, arch):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_folder_loads_with_transformers(builds, arch):
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import AutoProcessor
 
     folder = builds[(arch, 0, "a")]
     processor = AutoProcessor.from_pretrained(folder)
-    cls = Qwen2VLForConditionalGeneration if arch == "qwen2_vl" else LlavaForConditionalGeneration
+    cls_name, processor_name, image_tokens = FAMILY[arch]
+    cls = getattr(transformers, cls_name)
     model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     cfg = model.config
     text_cfg = cfg.get_text_config(decoder=True)
     tok = processor.tokenizer
     assert len(tok) == text_cfg.vocab_size
-    if arch == "qwen2_vl":
-        assert type(processor).__name__ == "Qwen2VLProcessor"
+    assert type(processor).__name__ == processor_name
+    if arch in QWEN_ARCHS:
         assert processor.video_processor is not None
         for name, attr in [
             ("<|image_pad|>", "image_token_id"),
@@ -118,23 +133,47 @@ def test_folder_loads_with_transformers(builds, arch):
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if arch == "qwen2_vl":
+    if arch in QWEN_ARCHS:
         assert "<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>" in text
         assert text.endswith("<|im_start|>assistant\n")
     else:
         assert text == "USER: <image>\nWhat is this?\nASSISTANT:"
     inputs = processor(text=text, images=[noise_image(0, (64, 48))], return_tensors="pt")
     n_img = int((inputs["input_ids"] == cfg.image_token_id).sum())
-    assert n_img == (4 if arch == "qwen2_vl" else 36)
+    assert n_img == image_tokens
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=4)
     assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
-def test_qwen_tiny_image_sizes_stay_small(builds):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_output_depends_on_the_image(builds, arch):
+    """The re-drawn weights make the output follow the image (an equality test against these
+    models can fail): two images give two greedy continuations. (The tiny Qwen3-VL gives the same
+    tokens for any two noise images - their features average alike - so the other is white.)"""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = builds[(arch, 0, "a")]
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    outs = []
+    for image in (noise_image(0, (112, 84)), Image.new("RGB", (112, 84), (255, 255, 255))):
+        inputs = processor(text=text, images=[image], return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+        outs.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    assert outs[0] != outs[1]
+
+
+@pytest.mark.parametrize("arch", QWEN_ARCHS)
+def test_qwen_tiny_image_sizes_stay_small(builds, arch):
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(builds[("qwen2_vl", 0, "a")])
+    processor = AutoProcessor.from_pretrained(builds[(arch, 0, "a")])
     big = processor.image_processor(images=[noise_image(1, (640, 480))], return_tensors="pt")
     t, h, w = big["image_grid_thw"][0].tolist()
     assert t * h * w // 4 <= 16  # max_pixels 112*112 -> at most 16 image tokens
@@ -160,7 +199,8 @@ def test_bench_size_is_about_130m_params(tmp_path_factory):
 
 
 def test_sizes_and_archs_are_described():
-    assert set(ARCHS) == {"qwen2_vl", "llava"}
+    assert set(ARCHS) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"}
+    assert all((arch, "tiny") in SIZES for arch in ARCHS)
     assert ("qwen2_vl", "tiny") in SIZES and ("qwen2_vl", "bench") in SIZES and ("llava", "tiny") in SIZES
     assert all(spec.description for spec in SIZES.values())
 

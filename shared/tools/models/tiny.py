@@ -3,7 +3,9 @@
 :func:`build_tiny_model` writes a Hugging Face model folder (config, safetensors weights,
 generation config, tokenizer, chat template, image / video processor configs) that
 ``AutoProcessor.from_pretrained`` and ``Qwen2VLForConditionalGeneration`` /
-``LlavaForConditionalGeneration.from_pretrained`` load offline.
+``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration`` /
+``LlavaForConditionalGeneration.from_pretrained`` load offline (the Qwen families share the tiny
+Qwen2 tokenizer and Qwen2-VL's chat template).
 
 Contract:
 * Same ``(arch, size, seed)`` -> byte-identical files (every JSON is written with sorted keys,
@@ -12,7 +14,8 @@ Contract:
 * Different seed -> different weights (tokenizer and configs stay the same).
 * Weights are re-drawn with a fan-in-scaled normal, not HF's default std 0.02 init: with the
   latter the output ignores the image, so an "engine output == HF output" test could not fail.
-* The checkpoint uses the Hub key layout (``visual.*`` / ``model.layers.*`` for Qwen2-VL;
+* The checkpoint uses the Hub key layout (``visual.*`` / ``model.layers.*`` for Qwen2-VL and
+  Qwen2.5-VL; ``model.visual.*`` / ``model.language_model.*`` for Qwen3-VL;
   ``vision_tower.vision_model.*`` / ``language_model.model.*`` for LLaVA), i.e. what real
   checkpoints look like; transformers 5.x maps it on load and vLLM reads it as-is.
 """
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 ARCHS: dict[str, str] = {
     "qwen2_vl": "Qwen2-VL (ViT with 2x2 patch merger, M-RoPE LM)",
+    "qwen2_5_vl": "Qwen2.5-VL (windowed-attention ViT with RMSNorm/SwiGLU, M-RoPE LM)",
+    "qwen3_vl": "Qwen3-VL (ViT with learned position embeddings and deepstack mergers, Qwen3 LM, interleaved M-RoPE)",
     "llava": "LLaVA-1.5 style (CLIP ViT + MLP projector + Llama LM)",
 }
 
@@ -86,6 +91,36 @@ SIZES: dict[tuple[str, str], SizeSpec] = {
         lm_mlp=2560,
         min_pixels=56 * 56,
         max_pixels=448 * 448,
+    ),
+    ("qwen2_5_vl", "tiny"): SizeSpec(
+        # window_size 56 px (2x2 merged tokens; real checkpoints: 112) so that a tiny image spans
+        # several attention windows and the windowing is exercised
+        description="tests: 3+3 layers (vision layer 2 full attention, 0-1 windowed), LM width 96, <= 16 image tokens",
+        vision_layers=3,
+        vision_dim=64,
+        vision_heads=4,
+        vision_mlp=128,
+        lm_layers=3,
+        lm_dim=96,
+        lm_heads=3,
+        lm_kv_heads=3,
+        lm_mlp=192,
+        min_pixels=56 * 56,
+        max_pixels=112 * 112,
+    ),
+    ("qwen3_vl", "tiny"): SizeSpec(
+        description="tests: 3+3 layers (deepstack from vision layers 0, 1), patch 16, LM width 96, <= 16 image tokens",
+        vision_layers=3,
+        vision_dim=64,
+        vision_heads=4,
+        vision_mlp=128,
+        lm_layers=3,
+        lm_dim=96,
+        lm_heads=3,
+        lm_kv_heads=3,
+        lm_mlp=192,
+        min_pixels=64 * 64,
+        max_pixels=128 * 128,
     ),
     ("llava", "tiny"): SizeSpec(
         description="tests: CLIP 3x64 at 84x84 (36 image tokens), Llama 3x96",
@@ -417,14 +452,8 @@ def _rewrite_weights(src: Path, dst: Path, *, arch: str, seed: int) -> int:
 def _qwen2_vl_config(spec: SizeSpec, tok) -> Any:
     from transformers import Qwen2VLConfig
 
-    head_dim = spec.lm_dim // spec.lm_heads
-    half = head_dim // 2
-    # M-RoPE split of the rotary half-dim into (temporal, height, width); Qwen2-VL uses
-    # [16, 24, 24] for head_dim 128, i.e. 1/4, 3/8, 3/8.
-    t = half // 4
-    h = (half - t) // 2
-    mrope = [t, h, half - t - h]
-    ids = {t_: tok.convert_tokens_to_ids(t_) for t_ in QWEN2_SPECIAL_TOKENS}
+    mrope = _mrope_section(spec.lm_dim // spec.lm_heads)
+    ids = _qwen_ids(tok)
     return Qwen2VLConfig(
         text_config=dict(
             vocab_size=len(tok),
@@ -450,6 +479,115 @@ def _qwen2_vl_config(spec: SizeSpec, tok) -> Any:
             patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE split of the rotary half-dim into (temporal, height, width): Qwen2-VL uses
+    [16, 24, 24] for head_dim 128, i.e. 1/4, 3/8, 3/8."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def _qwen_ids(tok) -> dict[str, int]:
+    return {t_: tok.convert_tokens_to_ids(t_) for t_ in QWEN2_SPECIAL_TOKENS}
+
+
+def _qwen2_5_vl_config(spec: SizeSpec, tok) -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    head_dim = spec.lm_dim // spec.lm_heads
+    ids = _qwen_ids(tok)
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=spec.lm_dim,
+            intermediate_size=spec.lm_mlp,
+            num_hidden_layers=spec.lm_layers,
+            num_attention_heads=spec.lm_heads,
+            num_key_value_heads=spec.lm_kv_heads,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": _mrope_section(head_dim),
+                "rope_theta": 1000000.0,
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=None,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=spec.vision_layers,
+            hidden_size=spec.vision_dim,
+            intermediate_size=spec.vision_mlp,
+            num_heads=spec.vision_heads,
+            out_hidden_size=spec.lm_dim,
+            hidden_act="silu",
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[spec.vision_layers - 1],
+            tokens_per_second=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_vl_config(spec: SizeSpec, tok) -> Any:
+    from transformers import Qwen3VLConfig
+
+    head_dim = spec.lm_dim // spec.lm_heads
+    ids = _qwen_ids(tok)
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=spec.lm_dim,
+            intermediate_size=spec.lm_mlp,
+            num_hidden_layers=spec.lm_layers,
+            num_attention_heads=spec.lm_heads,
+            num_key_value_heads=spec.lm_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            # Qwen3-VL interleaves the (t, h, w) frequencies ([24, 20, 20] for head_dim 128)
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": _mrope_section(head_dim),
+                "mrope_interleaved": True,
+                "rope_theta": 5000000.0,
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=None,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=spec.vision_layers,
+            hidden_size=spec.vision_dim,
+            intermediate_size=spec.vision_mlp,
+            num_heads=spec.vision_heads,
+            out_hidden_size=spec.lm_dim,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,  # an 8x8 grid, interpolated to the image's (real: 48x48)
+            # deepstack: these vision layers' merged features are added into the first LM layers
+            deepstack_visual_indexes=list(range(spec.vision_layers - 1)),
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -505,6 +643,38 @@ def _qwen2_vl_processor(spec: SizeSpec, tok):
     image_processor = Qwen2VLImageProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     return Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+
+
+def _qwen2_5_vl_processor(spec: SizeSpec, tok):
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+
+
+def _qwen3_vl_processor(spec: SizeSpec, tok):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+    # Qwen3-VL's image processor is Qwen2-VL's with 16-pixel patches and its mean/std of 0.5
+    image_processor = Qwen2VLImageProcessor(
+        size=size, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+    )
+    video_processor = Qwen3VLVideoProcessor(size=size, patch_size=16)
+    return Qwen3VLProcessor(
         image_processor=image_processor,
         tokenizer=tok,
         video_processor=video_processor,
@@ -589,7 +759,9 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
         GenerationConfig,
         LlavaForConditionalGeneration,
         PreTrainedModel,
+        Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
     )
     from transformers.initialization import no_init_weights
 
@@ -602,11 +774,16 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    if arch == "qwen2_vl":
+    qwen: dict[str, tuple[Any, Any, type[PreTrainedModel]]] = {
+        "qwen2_vl": (_qwen2_vl_config, _qwen2_vl_processor, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (_qwen2_5_vl_config, _qwen2_5_vl_processor, Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (_qwen3_vl_config, _qwen3_vl_processor, Qwen3VLForConditionalGeneration),
+    }
+    if arch in qwen:
+        make_config, make_processor, model_cls = qwen[arch]
         tok = _build_qwen2_tokenizer()
-        config = _qwen2_vl_config(spec, tok)
-        processor = _qwen2_vl_processor(spec, tok)
-        model_cls: type[PreTrainedModel] = Qwen2VLForConditionalGeneration
+        config = make_config(spec, tok)
+        processor = make_processor(spec, tok)
         eos_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
         gen_config = GenerationConfig(
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
