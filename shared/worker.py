@@ -639,6 +639,14 @@ class WorkerRunner:
         assert task is not None
         delivery.cancel.bind(task)
         token = REQUEST_ID.set(delivery.request_id)
+        if delivery.num_delivered > 1:
+            log.warning(
+                "job redelivered (delivery %d of at most %d): a worker that had it died, gave it back, or sent "
+                "no in_progress for the ack wait (%.1fs)",
+                delivery.num_delivered,
+                delivery.max_deliver,
+                self.settings.nats.ack_wait_s,
+            )
         # Everything the handler publishes for this job says who published it, when this worker
         # took the job, and when the request reached the API (carried over from the job's headers).
         trace = set_trace(self.name, received_at=delivery.headers.get(protocol.HDR_RECEIVED_AT), started_at=time.time())

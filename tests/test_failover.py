@@ -82,27 +82,46 @@ def _holder(stack):
     return None
 
 
+def _timed_stream(stack, body: dict):
+    t0 = time.monotonic()
+    out = stream_chat(stack, body, timeout=600)
+    return out, time.monotonic() - t0
+
+
+def _since(path: Path, offset: int) -> list[str]:
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read().decode(errors="replace").splitlines()
+
+
 def test_with_both_cores_busy_no_live_job_is_redelivered(stack):
     """Three CPU hogs on the 2 cores, four requests at once whose jobs each compute for longer than
-    the ack wait: every worker's ``in_progress`` still arrives in time, so every request completes
-    from its first delivery (a job redelivered while its worker still ran it would finish from a
-    later attempt, and could run out of deliveries)."""
+    the ack wait: every worker's ``in_progress`` still arrives in time, so no job is redelivered
+    (every worker says when it takes a redelivery; a live job redelivered runs twice, and its
+    deliveries can run out) and every request completes from its first delivery."""
+    logs = {p.log_path: p.log_path.stat().st_size for p in stack.stack.processes if p.name == "prefill"}
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
         bodies = [_body(2100 + i, 150) for i in range(4)]
         t0 = time.monotonic()
         with ThreadPoolExecutor(len(bodies)) as pool:
-            streams = list(pool.map(lambda b: stream_chat(stack, b, timeout=600), bodies))
+            timed = list(pool.map(lambda b: _timed_stream(stack, b), bodies))
         took = time.monotonic() - t0
     finally:
         for hog in hogs:  # only what this test started
             hog.kill()
             hog.wait()
+    streams = [s for s, _ in timed]
     assert all(s.done and not s.errors and len(s.token_ids) == 150 for s in streams), [s.errors for s in streams]
+    # Each job was held past the ack wait (the case itself: else nothing waited on in_progress).
+    assert min(t for _, t in timed) > ACK_WAIT_S, [round(t, 1) for _, t in timed]
     finals = [final_result(stack, s.events[-1]["id"]) for s in streams]
     attempts = [f.attempt for f in finals]
-    assert took > ACK_WAIT_S, f"the jobs took {took:.1f}s: not longer than the ack wait, nothing was held to it"
     assert attempts == [1] * len(finals), f"live jobs redelivered (attempts {attempts}) in {took:.1f}s"
+    # (A redelivered job whose request a first attempt completed meanwhile is dropped: the workers
+    # say when they take a redelivery.)
+    said = [line for path, size in logs.items() for line in _since(path, size) if "job redelivered" in line]
+    assert not said, f"live jobs redelivered in {took:.1f}s:\n" + "\n".join(said)
 
 
 def test_a_killed_workers_request_resumes_within_the_ack_wait(stack):
@@ -135,6 +154,8 @@ def test_a_killed_workers_request_resumes_within_the_ack_wait(stack):
     resumed = max((b - a, b) for a, b in zip(edges, edges[1:]))[1] - killed[0]
     final: FinalResult = final_result(stack, out.events[-1]["id"])
     assert final.attempt == 2, final.attempt  # a redelivery finished it
+    taken = [p for p in stack.stack.processes if p.name == "prefill" and "job redelivered" in p.log_path.read_text()]
+    assert taken, "no worker said it took a redelivered job"
     assert resumed <= ACK_WAIT_S + RESUME_SLACK_S, f"resumed {resumed:.1f}s after the kill (ack wait {ACK_WAIT_S}s)"
     # Two prefill workers again for whatever runs next.
     stack.stack.add("prefill", index=victim_index[0] + 10)  # (an index of its own: its worker id, heartbeat file)
