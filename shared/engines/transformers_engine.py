@@ -57,6 +57,7 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from shared.engines.families import check_family
 from shared.engines.grammar import GrammarCompiler, GrammarConstraint, compiler_for
 from shared.engines.prompts import (
     chat_parts,
@@ -191,12 +192,10 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         self._identity = ModelIdentity(model=self._model_id, model_path=self.model_dir, dtype=dtype, engine=self.name)
 
         t0 = time.perf_counter()
+        self.arch: str = check_family(self.name, self.model_dir)
         config = AutoConfig.from_pretrained(self.model_dir)
         classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "llava": LlavaForConditionalGeneration}
-        model_cls = classes.get(config.model_type)
-        if model_cls is None:
-            raise EngineError(f"unsupported model_type {config.model_type!r}; supported: {sorted(classes)}")
-        self.arch: str = config.model_type
+        model_cls = classes[self.arch]
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
         self.tokenizer = self.processor.tokenizer
         self.model = model_cls.from_pretrained(self.model_dir, dtype=self.dtype).eval()

@@ -67,6 +67,7 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from shared.engines.families import check_family
 from shared.engines.grammar import vllm_structured_outputs
 from shared.engines.prompts import (
     chat_parts,
@@ -269,6 +270,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise EngineError(f"no config.json in model folder {self.model_dir}")
+        # before vLLM is started: vLLM loads many more families than are proven here
+        self.arch: str = check_family(self.name, self.model_dir)
         if ec_role not in (None, "ec_producer", "ec_consumer", "ec_both"):
             raise EngineError(f"unknown vLLM EC role {ec_role!r}")
         if kv_role not in (None, "kv_producer", "kv_consumer"):
