@@ -8,8 +8,9 @@ TIME_WAIT connections of the request before must not refuse it). Each time: read
 
 **Failover.** On one more ``epd up``: ``--kills`` times a long streamed greedy request (``max_tokens`` 400,
 ``ignore_eos``); once its first tokens have arrived, the prefill worker holding it is SIGKILLed (``kill -9``).
-The supervisor restarts the worker; JetStream redelivers the job after ``EPD_ACK_WAIT_S`` (the default,
-4 s); the new worker prefills again and regenerates the tokens already sent (the API drops their repeats).
+The supervisor restarts the worker (after 1 s: the kills are a minute apart, so none counts as a crash loop);
+JetStream redelivers the job after ``EPD_ACK_WAIT_S`` (the default, 4 s); the new worker prefills again and
+regenerates the tokens already sent (the API drops their repeats).
 Figure: the kill to the end of the stream's longest pause after it (tokens sent before the kill
 may still arrive after it). Target: <= 5 s (median). The stream's
 tokens must equal an unkilled run's.
@@ -139,6 +140,7 @@ def main() -> int:
     parser.add_argument("--s3-port", type=int)
     args = parser.parse_args()
     from shared.tools.infra import free_ports
+    from shared.tools.launcher import RestartPolicy
 
     picked = iter(free_ports(3))
     ports = (args.port or next(picked), args.nats_port or next(picked), args.s3_port or next(picked))
@@ -184,12 +186,16 @@ def main() -> int:
                         f"(its longest pause {gap:.2f} s)",
                         flush=True,
                     )
-                    # the restarted worker beats again before the next kill (the supervisor says so)
+                    # The restarted worker beats again (the supervisor says so) and has been up for the
+                    # supervisor's reset time before the next kill: each kill is a first crash, restarted
+                    # after 1 s (kills in a row back off 2, 4, 8 ... s: RestartPolicy).
                     deadline = time.monotonic() + 120
                     while up.output().count("prefill-0 healthy again") < k + 1:
                         if time.monotonic() > deadline:
                             raise RuntimeError(f"the prefill worker did not come back:\n{up.output()[-2000:]}")
                         time.sleep(0.2)
+                    if k + 1 < args.kills:
+                        time.sleep(RestartPolicy().reset_after_s)
             finally:
                 up.stop()
     finally:

@@ -67,9 +67,9 @@ def _body(seed: int, max_tokens: int) -> dict:
     return chat_body("Tell a long story.", [noise_image(seed, (48, 48))], **{**GREEDY, "max_tokens": max_tokens})
 
 
-def _holder(stack):
-    """The live prefill worker process running a job, as its heartbeat file says (refreshed every
-    2 s; one request in flight on the stack, so one such worker)."""
+def _holder(stack, since: float):
+    """The live prefill worker process running a job, as its heartbeat file written after ``since``
+    (epoch) says (refreshed every 2 s; one request in flight on the stack, so one such worker)."""
     for proc in stack.stack.processes:
         if proc.name != "prefill" or not proc.alive():
             continue
@@ -77,7 +77,7 @@ def _holder(stack):
             beat = json.loads(Path(proc.env["EPD_HEALTH_FILE"]).read_text())
         except (OSError, ValueError):
             continue
-        if beat.get("pid") == proc.popen.pid and beat.get("in_flight", 0) >= 1:
+        if beat.get("pid") == proc.popen.pid and beat.get("written_at", 0) > since and beat.get("in_flight", 0) >= 1:
             return proc
     return None
 
@@ -139,7 +139,8 @@ def test_a_killed_workers_request_resumes_within_the_ack_wait(stack):
         if event.get("choices") and event["choices"][0].get("token_ids"):
             arrived.append(time.monotonic())
         if not killed and len(stream.token_ids) >= 5:
-            victim = wait_for(lambda: _holder(stack), 30, "the prefill worker holding the job")
+            running_since = time.time()  # (the clean run's worker may still have an older beat saying busy)
+            victim = wait_for(lambda: _holder(stack, running_since), 30, "the prefill worker holding the job")
             victim_index.append(victim.index)
             victim.stop(signal.SIGKILL)
             killed.append(time.monotonic())

@@ -473,7 +473,7 @@ def test_s3_stop_closes_ports_and_restart_keeps_data(tmp_path: Path) -> None:
 
 
 def test_s3_killed_right_after_its_writes_keeps_them(tmp_path: Path) -> None:
-    """Why the S3 server's stop grace can be short (``EmbeddedS3.default_stop_grace``, 2 s, against
+    """Why the S3 server's stop grace can be short (``EmbeddedS3.default_stop_grace``, 1 s, against
     the 10 s ``weed mini`` may wait for an admin session before it stops its filer and volume
     servers): an S3 write is answered once its data is in the volume and filer files. Killed with
     no grace at all right after writes and a delete, restarted on its folder, it serves what it

@@ -1161,13 +1161,14 @@ class EmbeddedS3(_EmbeddedServer):
     name = "seaweedfs-s3"
     binary_name = "weed"
     log_name = "weed.log"
-    #: A SIGTERM stop takes ~1.1-1.3 s idle; but ``weed mini`` first stops its admin server, and
-    #: waits up to 10 s for an admin session its maintenance opens some seconds after a volume
-    #: grew (``.admin WaitUntilConnected still waiting...``, then ``timed out waiting for
-    #: admin/s3/webdav to shut down``) before it stops the filer and volume servers. Nothing is
-    #: lost by cutting that short: an S3 write is answered once its data is written to the volume
-    #: and filer files (tests/test_infra.py: everything written reads back after an immediate SIGKILL).
-    default_stop_grace = 2.0
+    #: A SIGTERM stop takes ~1.1-2 s idle (1 s of it the filer's gRPC server waiting for a stream
+    #: it then cuts); and ``weed mini`` first stops its admin server, and waits up to 10 s for an
+    #: admin session its maintenance opens some seconds after a volume grew (``.admin
+    #: WaitUntilConnected still waiting...``, then ``timed out waiting for admin/s3/webdav to shut
+    #: down``) before it stops the filer and volume servers. Nothing is lost by cutting that short:
+    #: an S3 write is answered once its data is written to the volume and filer files
+    #: (tests/test_infra.py: everything written reads back after an immediate SIGKILL).
+    default_stop_grace = 1.0
     default_start_timeout = 60.0
 
     def __init__(

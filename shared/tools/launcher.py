@@ -371,7 +371,7 @@ def shut_down(stack: Stack | None, servers: Sequence[_EmbeddedServer | None] = (
     ``shared.tools.infra.stop_servers``). The services go first: draining, they still talk to NATS
     and the store. The fork server only once they have exited: its children get SIGTERM when it
     exits (``PR_SET_PDEATHSIG``), and a second SIGTERM makes the API's server skip its graceful
-    shutdown. An idle stack stops in ~1-2 s (bench/stop_time.py; docs/operations.md)."""
+    shutdown. An idle stack stops in ~1.5-2.5 s (bench/stop_and_failover.py; docs/operations.md)."""
     try:
         if stack is not None:
             stack.stop()
