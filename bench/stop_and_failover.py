@@ -147,7 +147,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-stop-", dir=h.ROOT / "var"))
     stop = h.Ratio("idle epd up, SIGINT to exit", target=TARGET_STOP_S, unit=" s", per="stops")
     resume = h.Ratio(
-        "SIGKILLed prefill worker, kill to the next new token", target=TARGET_RESUME_S, unit=" s", per="kills"
+        "SIGKILLed prefill worker, kill to the stream going on", target=TARGET_RESUME_S, unit=" s", per="kills"
     )
     print(f"load average before: {h.load_average()}", flush=True)
     try:
