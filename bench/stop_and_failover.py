@@ -76,6 +76,8 @@ class Up:
 
     def stop(self) -> float:
         """SIGINT; seconds until it exited."""
+        if self.proc.poll() is not None:
+            return float("nan")
         t0 = time.monotonic()
         self.proc.send_signal(signal.SIGINT)
         code = self.proc.wait(300)
@@ -153,10 +155,12 @@ def main() -> int:
     try:
         for i in range(args.stops):
             up = Up(tmp / "var", ports, tmp / f"up-{i}.out")
-            url, body = up.wait_ready()
-            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
-            time.sleep(1.0)
-            took = up.stop()
+            try:
+                url, body = up.wait_ready()
+                httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+                time.sleep(1.0)  # a quiet second: the stop of an idle stack is the figure
+            finally:
+                took = up.stop()
             stop.add(took)
             print(f"  stop {i}: {took:.2f} s", flush=True)
         if args.kills:
