@@ -21,10 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "MULTIHOST_RESULTS"
 #: Settings every service of the site gets on top of the cluster's (site.Site._service_env).
 SITE_SETTINGS = {
-    # a killed worker's job comes back soon; a worker starved of CPU, or on a stalled NATS node until its
-    # client has moved to another (~3 s of unanswered pings, then the reconnect), keeps its job: longer
-    # than the 4 s default, which would run such a job again elsewhere (docs/scaling-out.md)
-    "EPD_ACK_WAIT_S": "10",
+    # (the ack wait is the default, 4 s: a lost host's jobs come back within it, and the cases count
+    # every job run twice - a worker on a stalled node keeps its job: docs/scaling-out.md)
     # a request stuck in an outage ends (504) within the case
     "EPD_REQUEST_TIMEOUT_S": "60",
 }
