@@ -597,7 +597,8 @@ def check_address(
     raise URLNotAllowed(
         f"image URL host {shown!r} is not allowed: it resolves to a private, loopback, "
         "link-local or otherwise non-public address (an operator can allow it: its network in "
-        f"{ALLOW_NETWORKS_SETTING}, comma-separated CIDRs, or its host name in {ALLOW_HOSTS_SETTING})"
+        f"{ALLOW_NETWORKS_SETTING}, comma-separated CIDRs, or its host name in {ALLOW_HOSTS_SETTING}; "
+        "on a development machine, `epd up --allow-local-urls` allows loopback: 127.0.0.0/8, ::1)"
     )
 
 

@@ -328,6 +328,7 @@ def test_a_local_image_url_is_refused_by_default_naming_the_way_to_allow_it(make
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["code"] == "url_not_allowed" and "EPD_URL_ALLOW_NETWORKS" in error["message"], error
+    assert "epd up --allow-local-urls" in error["message"], error  # what a developer types
 
 
 # -- items 4 and 5: a development stack with --allow-local-urls and an API key --------------------

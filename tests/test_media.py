@@ -511,6 +511,7 @@ def test_a_private_address_names_the_allow_list_settings() -> None:
     with pytest.raises(URLNotAllowed) as info:
         media.check_address("10.1.2.3", MediaLimits(), host="intranet.example")
     assert "EPD_URL_ALLOW_NETWORKS" in info.value.message and "EPD_URL_ALLOW_HOSTS" in info.value.message
+    assert "epd up --allow-local-urls" in info.value.message
     assert "10.1.2.3" not in info.value.message  # which internal address a name maps to stays in the log
 
 
