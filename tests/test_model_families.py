@@ -51,6 +51,14 @@ def test_supported_families_per_engine():
     }
 
 
+def test_every_family_served_on_vllm_has_its_equality_test():
+    """A family joins the vLLM list with its case in the equality test (Qwen2-VL: the tiny model of
+    the other tests/test_vllm_*.py)."""
+    from tests.test_vllm_families import FAMILIES
+
+    assert set(SUPPORTED_FAMILIES["vllm"]) == {"qwen2_vl", *FAMILIES}
+
+
 def test_check_family_reads_the_folders_model_type(tmp_path):
     assert check_family("vllm", _folder(tmp_path, "qwen3_vl")) == "qwen3_vl"
     with pytest.raises(EngineError, match=r"supported: \[\]"):

@@ -1,0 +1,124 @@
+"""The vLLM engine on the families beyond Qwen2-VL (issue 42): our engine's greedy
+tokens equal a plain vLLM run's (``tests.vllm_plain_reference``: ``vllm.LLM.chat`` on the same
+folder, none of the project's code) for an image, another image, two images and text only; the
+answers are not empty and another image gives other tokens (the negative control).
+
+The issue saw a tiny Qwen2.5-VL answer every request with twelve empty tokens on our engine; the
+plain run is the reference it was held against. Per family: the plain run (its own process),
+then our engine (module-scoped, shared by the cases), one vLLM at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from shared.engines.base import GenerationStats, MediaImage
+from shared.media import content_hash_of
+from tests.stackutil import engine_messages, noise_image, png_bytes, require_vllm_tier
+from tests.vllmutil import GREEDY, close_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+#: the families the vLLM engine serves besides Qwen2-VL (the tests of tests/test_vllm_*.py run that one)
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
+
+
+def _white(size: tuple[int, int]) -> Image.Image:
+    # (the tiny Qwen3-VL gives the same tokens for any two noise images: the other image is not noise)
+    return Image.new("RGB", size, (255, 255, 255))
+
+
+#: name -> (text, images)
+CASES: dict[str, tuple[str, list[Image.Image]]] = {
+    "image": ("Describe the image.", [noise_image(21, (112, 84))]),
+    "other-image": ("Describe the image.", [_white((112, 84))]),
+    "two-images": ("Compare these two images.", [noise_image(14, (56, 84)), _white((84, 56))]),
+    "text-only": ("What is in this image?", []),
+}
+
+
+def _data_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory) -> Path:
+    from shared.tools.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory) -> dict[str, list[int]]:
+    """Every case's greedy token ids from a plain vLLM run (its own process, ended before ours starts)."""
+    from shared.engines.vllm_engine import vllm_folders
+
+    require_vllm_tier("plain_tokens")
+    work = tmp_path_factory.mktemp("plain")
+    cases = {
+        name: {"text": text, "images": [_data_url(i) for i in images], "max_tokens": GREEDY.max_tokens}
+        for name, (text, images) in CASES.items()
+    }
+    (work / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, **vllm_folders(Path(vllm_work_dir)), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    args = [str(family_dir), str(work / "cases.json"), str(work / "out.json")]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm_plain_reference", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ours(plain_tokens, family_dir, vllm_work_dir):
+    """Our vLLM engine (agg: no connector) on the family's folder, started once the plain run ended."""
+    from shared.engines.vllm_engine import VllmEngine
+
+    require_vllm_tier("ours")
+    engine = VllmEngine(family_dir, dtype="float32", model_id=family_dir.name, work_dir=vllm_work_dir)
+    try:
+        yield engine
+    finally:
+        close_engine(engine)
+
+
+@pytest.fixture(scope="module")
+def our_answers(ours) -> dict[str, tuple[list[int], str]]:
+    """Every case's greedy token ids and text from our engine."""
+
+    async def answer(text: str, images: list[Image.Image]) -> tuple[list[int], str]:
+        items = [MediaImage(image=i, item_hash=content_hash_of(i)) for i in images]
+        events = [e async for e in ours.generate(engine_messages(text, len(items)), items, GREEDY, GenerationStats())]
+        assert events and events[-1].finish_reason == "length"
+        return [e.token_id for e in events], "".join(e.text for e in events)
+
+    async def all_cases():
+        return {name: await answer(text, images) for name, (text, images) in CASES.items()}
+
+    return asyncio.run(all_cases())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_plain_vllm(family_dir, plain_tokens, our_answers, case):
+    ids, text = our_answers[case]
+    assert len(ids) == GREEDY.max_tokens
+    assert ids == plain_tokens[case]
+    assert text.strip(), f"{family_dir.name} {case}: an empty answer ({ids})"
+
+
+def test_another_image_gives_other_tokens(family_dir, plain_tokens, our_answers):
+    assert plain_tokens["image"] != plain_tokens["other-image"]
+    assert our_answers["image"][0] != our_answers["other-image"][0]
