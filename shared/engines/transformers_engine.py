@@ -167,7 +167,6 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         max_model_len: int | None = None,
     ):
         from transformers import (
-            AutoConfig,
             AutoProcessor,
             LlavaForConditionalGeneration,
             Qwen2VLForConditionalGeneration,
@@ -193,7 +192,6 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
         t0 = time.perf_counter()
         self.arch: str = check_family(self.name, self.model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir)
         classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "llava": LlavaForConditionalGeneration}
         model_cls = classes[self.arch]
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
