@@ -496,13 +496,18 @@ async def test_options_and_aclose(model_dirs):
     assert TransformersEngine.options_from_settings(settings, role=Role.DECODE) == {
         "max_batch": 3,
         "encode_batch_invariant": False,
+        "max_model_len": None,
     }
     for role, cls in ((Role.ENCODER, EncoderSettings), (Role.PD, PrefillSettings), (Role.PREFILL, PrefillSettings)):
-        settings = cls(encode_batch_invariant=False)
-        assert TransformersEngine.options_from_settings(settings, role=role) == {"encode_batch_invariant": False}
+        settings = cls(encode_batch_invariant=False, max_model_len=64)
+        assert TransformersEngine.options_from_settings(settings, role=role) == {
+            "encode_batch_invariant": False,
+            "max_model_len": 64,  # EPD_MAX_MODEL_LEN: every role's engine serves the same context
+        }
     assert TransformersEngine.options_from_settings(PrefillSettings(max_concurrent_jobs=5), role=Role.AGG) == {
         "max_batch": 5,
         "encode_batch_invariant": True,
+        "max_model_len": None,
     }
     engine = TransformersEngine(model_dirs["llava"], threads=1, max_batch=3)
     assert engine._decode_loop.decoder.max_batch == 3

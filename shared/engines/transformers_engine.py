@@ -246,8 +246,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
     @classmethod
     def options_from_settings(cls, settings: WorkerSettings, *, role: Role) -> dict[str, Any]:
         """The decode batch: a decode worker's ``max_batch_size``; a generating worker's
-        ``max_concurrent_jobs`` when set (its admission slots are the batch's rows). Every role that
-        encodes: ``EPD_ENCODE_BATCH_INVARIANT``."""
+        ``max_concurrent_jobs`` when set (its admission slots are the batch's rows). Every role:
+        ``EPD_ENCODE_BATCH_INVARIANT`` and the context served (``EPD_MAX_MODEL_LEN``)."""
         invariant: dict[str, Any] = {
             "encode_batch_invariant": settings.runtime.encode_batch_invariant,
             "max_model_len": settings.model.max_model_len,
