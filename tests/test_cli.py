@@ -285,6 +285,32 @@ def test_epd_up_refuses_a_model_that_is_no_model_folder_before_starting_anything
     assert not data_dir.exists()
 
 
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anything(
+    monkeypatch, capsys, tmp_path, engine
+):
+    """A model folder of a family not in the support table (shared.engines.families) is refused by
+    epd up itself, naming the supported ones - not by each worker's engine after the stack started."""
+    from shared.engines.families import SUPPORTED_FAMILIES
+
+    for name in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+
+    def nothing_starts(*a, **kw):
+        raise AssertionError("epd up started something")
+
+    monkeypatch.setattr(cli, "EmbeddedNats", nothing_starts)
+    data_dir = tmp_path / "var"
+    argv = ["up", "--data-dir", str(data_dir), "--model", str(tmp_path / "m"), "--engine", engine]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd up: --model {tmp_path / 'm'}: unsupported model_type 'gemma3' for the {engine} engine")
+    assert str(list(SUPPORTED_FAMILIES[engine])) in err
+    assert not data_dir.exists()
+
+
 def test_epd_up_refuses_an_invalid_setting_before_starting_anything(monkeypatch, capsys, tmp_path):
     for name in [k for k in os.environ if k.startswith("EPD_")]:
         monkeypatch.delenv(name)

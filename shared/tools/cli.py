@@ -150,7 +150,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         model_path = SHIPPED_DIR
     model_path = model_path.resolve()
     demo = model_path == SHIPPED_DIR.resolve()
-    if (problem := model_folder_problem(model_path)) is not None:
+    if (problem := model_folder_problem(model_path, args.engine)) is not None:
         source = "--model" if args.model else env_var("model_path")
         print(f"epd up: {source} {model_path}: {problem}", file=sys.stderr)
         return 2
@@ -290,15 +290,23 @@ def _cmd_up(args: argparse.Namespace) -> int:
         shut_down(stack, (nats, s3))  # services together, then NATS, S3 and the fork server together
 
 
-def model_folder_problem(path: Path) -> str | None:
-    """Why ``path`` is no model folder (None: it looks like one: a folder with a config.json, as in
-    Hugging Face's layout) - said before anything starts, not in a worker's traceback."""
+def model_folder_problem(path: Path, engine: str) -> str | None:
+    """Why ``path`` is no model folder ``engine`` serves (None: it looks like one: a folder with a
+    config.json, as in Hugging Face's layout, of a family the engine serves) - said before anything
+    starts, not in a worker's traceback."""
+    from shared.engines.families import check_family
+    from shared.errors import EngineError
+
     if not path.exists():
         return "no such folder (a model folder in Hugging Face layout, with config.json)"
     if not path.is_dir():
         return "not a folder (a model folder in Hugging Face layout, with config.json)"
     if not (path / "config.json").is_file():
         return "no config.json in it: not a model folder in Hugging Face layout"
+    try:
+        check_family(engine, path)
+    except EngineError as exc:
+        return exc.message
     return None
 
 
