@@ -8,7 +8,11 @@ machine give the same weights (float sums of batched kernels differ between CPU 
 machine trains a model that answers as well, not the same bytes).
 
 The trained folder is committed (:data:`SHIPPED_DIR`, 8.9 MB) so ``make run`` serves it without
-training; ``epd model train-demo`` trains it again in ~25 minutes on one core (one torch thread).
+training. ``epd model train-demo`` trains a model from scratch (1800 steps, one torch thread: ~25
+minutes on a free core); ``--init DIR`` (``python -m shared.tools.models.demo``) fine-tunes an
+existing one instead, which is how the shipped folder was made: the model trained from scratch on
+the narrower scenes of an earlier generator, fine-tuned on the current, wider ones
+(docs/getting-started.md, "Demo model accuracy", has the recipe and the figures).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ _NUM_MERGES = 160
 #: training seeds start here; held-out cases (tests, docs, ``epd up``'s example) use seeds below
 TRAIN_SEED_BASE = 1_000_000
 #: how often each template is drawn for training (shape and count questions are the hard ones)
-TEMPLATE_WEIGHTS = (0.15, 0.3, 0.4, 0.15)
+TEMPLATE_WEIGHTS = (0.12, 0.33, 0.38, 0.17)
 AUX_WEIGHT = 0.5
 #: optimizer steps of `epd model train-demo`
 DEFAULT_STEPS = 1800
@@ -169,9 +173,9 @@ def _answer_accuracy(model: Any, processor: Any, cases: list[shapes.Case], eos: 
     return float(ok.float().mean())
 
 
-def _new_model(seed: int) -> tuple[Any, Any]:
-    """The processor (its tokenizer built here) and the freshly initialised model of the demo
-    architecture."""
+def _new_model(seed: int, init: Path | None = None) -> tuple[Any, Any]:
+    """The processor (its tokenizer built here) and the model of the demo architecture: freshly
+    initialised, or ``init``'s weights (a demo model folder, e.g. :data:`SHIPPED_DIR`)."""
     import torch
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
@@ -180,6 +184,9 @@ def _new_model(seed: int) -> tuple[Any, Any]:
     processor = _qwen2_vl_processor(SPEC, tok)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config)
+    if init is not None:
+        loaded = Qwen2VLForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
     model.generation_config = GenerationConfig(
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
@@ -196,12 +203,14 @@ def train_demo_model(
     batch_size: int = 24,
     lr: float = 2e-3,
     threads: int = 1,
+    init: str | Path | None = None,
 ) -> Path:
     """Train the demo model and write its folder into ``out_dir``; returns the folder.
 
     ``threads``: torch's intra-op threads. One by default: the result then does not depend on how
     many cores the machine has, and on a busy 2-core machine one thread trained 3-5x faster than
-    two (measured: 0.8 vs 4 s a step while tests ran beside it)."""
+    two (measured: 0.8 vs 4 s a step while tests ran beside it). ``init``: start from this demo
+    model folder's weights instead of random ones (fine-tuning it)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -210,7 +219,7 @@ def train_demo_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     random.seed(seed)
-    processor, model = _new_model(seed)
+    processor, model = _new_model(seed, Path(init) if init is not None else None)
     eos = "<|im_end|>"
     templates = list(shapes.Template)
     held_out = [shapes.make_case(t, i) for t in templates for i in range(16)]
@@ -293,11 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--init", help="start from this demo model folder's weights (fine-tune it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(
         train_demo_model(
-            args.out_dir, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, threads=args.threads
+            args.out_dir,
+            seed=args.seed,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            threads=args.threads,
+            init=args.init,
         )
     )
     return 0

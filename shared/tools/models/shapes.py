@@ -1,7 +1,9 @@
 """Synthetic shape scenes and the questions the demo model answers (torch-free).
 
-A scene is a plain white or light-grey image, 64-448 px on each side (not only squares), with 1-3
-non-overlapping filled shapes; shape in :data:`SHAPES`, colour in :data:`COLOURS`. A
+A scene is a light background (white, grey or lightly tinted, sometimes with pixel noise), 64-448 px
+on each side (any aspect ratio), with 1-3 non-overlapping filled shapes of varied sizes; shape in
+:data:`SHAPES`, colour in :data:`COLOURS` (each colour's shade varies widely: jittered around its RGB, or
+drawn in HSV around its hue), edges hard or anti-aliased, triangles of varied height. A
 :class:`Case` is one chat turn about one or two scenes, from one of four templates
 (:class:`Template`): the question text comes before or after the image part(s), "color" and
 "colour" both occur, and the answer is one bare word.
@@ -13,6 +15,7 @@ training script, the accuracy test and ``epd up``'s printed example all draw fro
 from __future__ import annotations
 
 import base64
+import colorsys
 import enum
 import io
 import math
@@ -22,14 +25,20 @@ from typing import Any
 
 #: shape name -> drawn by :func:`_draw_shape`
 SHAPES = ("circle", "square", "triangle")
-#: colour name -> RGB fill (a little jitter is added per shape)
+#: colour name -> RGB fill (each shape's fill is varied around it: :func:`_fill`)
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 170, 50),
     "blue": (40, 70, 220),
     "yellow": (240, 210, 20),
 }
-BACKGROUNDS = ((255, 255, 255), (235, 235, 235), (220, 220, 220))
+#: colour name -> (hue in degrees, +- range) for fills drawn in HSV
+_HUES: dict[str, tuple[float, float]] = {
+    "red": (0.0, 14.0),
+    "green": (125.0, 18.0),
+    "blue": (228.0, 16.0),
+    "yellow": (52.0, 8.0),
+}
 NUMBER_WORDS = ("one", "two", "three")
 MIN_SIDE, MAX_SIDE = 64, 448
 
@@ -62,6 +71,8 @@ class Item:
     cx: float  # centre, pixels
     cy: float
     r: float  # half the bounding box side, pixels
+    #: a triangle's height as a share of its bounding box's (1: it fills the box)
+    h: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,19 +81,38 @@ class Scene:
     height: int
     background: tuple[int, int, int]
     items: tuple[Item, ...]
-    #: per-shape fill jitter, drawn with the scene so rendering is a pure function
+    #: per-shape fill offset from its colour's RGB, drawn with the scene so rendering is a pure function
     jitter: tuple[tuple[int, int, int], ...]
+    #: pixel noise on the whole image: +- this much per channel (0: none), drawn from ``noise_seed``
+    noise: int = 0
+    noise_seed: int = 0
+    #: drawn this many times larger and scaled down (anti-aliased edges); 1: hard edges
+    supersample: int = 1
 
     def render(self) -> Any:
         """The scene as a PIL RGB image."""
         from PIL import Image, ImageDraw
 
-        img = Image.new("RGB", (self.width, self.height), self.background)
+        k = self.supersample
+        img = Image.new("RGB", (self.width * k, self.height * k), self.background)
         draw = ImageDraw.Draw(img)
         for item, jit in zip(self.items, self.jitter, strict=True):
-            fill = tuple(max(0, min(255, c + j)) for c, j in zip(COLOURS[item.colour], jit, strict=True))
-            _draw_shape(draw, item, fill)
+            _draw_shape(draw, item, self.fill(item, jit), k)
+        if k > 1:
+            img = img.resize((self.width, self.height), Image.Resampling.BOX)
+        if self.noise:
+            import numpy as np
+
+            noise = np.random.default_rng(self.noise_seed).integers(
+                -self.noise, self.noise + 1, (self.height, self.width, 3)
+            )
+            img = Image.fromarray(np.clip(np.asarray(img, dtype=np.int16) + noise, 0, 255).astype(np.uint8))
         return img
+
+    @staticmethod
+    def fill(item: Item, jitter: tuple[int, int, int]) -> tuple[int, ...]:
+        """The RGB ``item`` is filled with (before noise)."""
+        return tuple(max(0, min(255, c + j)) for c, j in zip(COLOURS[item.colour], jitter, strict=True))
 
     def png(self) -> bytes:
         buf = io.BytesIO()
@@ -93,30 +123,53 @@ class Scene:
         return "data:image/png;base64," + base64.b64encode(self.png()).decode("ascii")
 
 
-def _draw_shape(draw: Any, item: Item, fill: tuple[int, ...]) -> None:
-    x, y, r = item.cx, item.cy, item.r
+def _draw_shape(draw: Any, item: Item, fill: tuple[int, ...], k: int = 1) -> None:
+    x, y, r = item.cx * k, item.cy * k, item.r * k
     if item.shape == "circle":
         draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
     elif item.shape == "square":
         draw.rectangle((x - r, y - r, x + r, y + r), fill=fill)
-    else:  # an upright equilateral-ish triangle filling the bounding box
-        draw.polygon(((x, y - r), (x + r, y + r), (x - r, y + r)), fill=fill)
+    else:  # an upright triangle on the bounding box's base, its apex h of the box's height up
+        draw.polygon(((x, y - r + 2 * r * (1 - item.h)), (x + r, y + r), (x - r, y + r)), fill=fill)
+
+
+def _jitter(rng: random.Random, colour: str) -> tuple[int, int, int]:
+    """A fill for ``colour``, as the offset from its RGB: half the time per-channel jitter (+-30) on
+    a brightness-scaled RGB, else a colour drawn in HSV around its hue."""
+    base = COLOURS[colour]
+    if rng.random() < 0.5:
+        scale = rng.uniform(0.8, 1.12)
+        rgb = [min(255, round(c * scale)) + rng.randint(-30, 30) for c in base]
+    else:
+        hue, spread = _HUES[colour]
+        low_v = 0.8 if colour == "yellow" else 0.55
+        h = (hue + rng.uniform(-spread, spread)) % 360 / 360
+        rgb = [round(255 * c) for c in colorsys.hsv_to_rgb(h, rng.uniform(0.6, 1.0), rng.uniform(low_v, 1.0))]
+    return tuple(max(0, min(255, c)) - b for c, b in zip(rgb, base, strict=True))  # type: ignore[return-value]
+
+
+def _background(rng: random.Random) -> tuple[int, int, int]:
+    """A light background: white a fifth of the time, else a grey of 185-250, lightly tinted half the time."""
+    if rng.random() < 0.2:
+        return (255, 255, 255)
+    grey = rng.randint(185, 250)
+    tint = [rng.randint(-10, 10) for _ in range(3)] if rng.random() < 0.5 else [0, 0, 0]
+    return tuple(max(0, min(255, grey + t)) for t in tint)  # type: ignore[return-value]
 
 
 def random_scene(
     rng: random.Random, n_shapes: int, *, colours: list[str] | None = None, shapes: list[str] | None = None
 ) -> Scene:
     """A scene with ``n_shapes`` non-overlapping shapes (``colours`` / ``shapes``: per shape, else drawn)."""
-    while True:
-        width, height = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
-        if max(width, height) <= 3 * min(width, height):  # no extreme strips
-            break
+    width, height = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
+    if rng.random() < 0.3:  # a third of the scenes: square-ish (a side drawn near the other)
+        height = max(MIN_SIDE, min(MAX_SIDE, round(width * rng.uniform(0.8, 1.25))))
     side = min(width, height)
     items: list[Item] = []
     for i in range(n_shapes):
         for _attempt in range(200):
-            # shapes are 18-40% (one shape: up to 60%) of the short side across
-            r = side * rng.uniform(0.09, 0.30 if n_shapes == 1 else 0.20)
+            # shapes are 14-40% (one shape: up to 64%) of the short side across, at least 12 px
+            r = max(6.0, side * rng.uniform(0.07, 0.32 if n_shapes == 1 else 0.20))
             cx, cy = rng.uniform(r + 1, width - r - 1), rng.uniform(r + 1, height - r - 1)
             gap = 0.06 * side
             if all(math.hypot(cx - o.cx, cy - o.cy) > (r + o.r) * math.sqrt(2) + gap for o in items):
@@ -130,10 +183,15 @@ def random_scene(
                 cx=cx,
                 cy=cy,
                 r=r,
+                h=rng.uniform(0.8, 1.0),
             )
         )
-    jitter = tuple(tuple(rng.randint(-12, 12) for _ in range(3)) for _ in items)
-    return Scene(width, height, rng.choice(BACKGROUNDS), tuple(items), jitter)  # type: ignore[arg-type]  # 3-tuples
+    jitter = tuple(_jitter(rng, item.colour) for item in items)
+    background = _background(rng)
+    noise = rng.choice((0, 0, 0, 4, 8, 12))
+    noise_seed = rng.randrange(2**32)
+    supersample = rng.choice((1, 3))
+    return Scene(width, height, background, tuple(items), jitter, noise, noise_seed, supersample)
 
 
 @dataclass(frozen=True)
