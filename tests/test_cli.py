@@ -73,7 +73,7 @@ def epd_up_output(monkeypatch, capsys, tmp_path: Path, env: dict[str, str]) -> s
     monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     (tmp_path / "m").mkdir(exist_ok=True)
-    (tmp_path / "m" / "config.json").write_text("{}")  # a model folder, as far as epd up checks
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "qwen2_vl"}')  # a model folder epd up serves
     # --no-fork-server: nothing is started, so no fork server to preload torch (and to wait for at the stop)
     argv = ["up", "--data-dir", str(tmp_path / "var"), "--model", str(tmp_path / "m"), "--nats-port", "14222"]
     argv += ["--no-fork-server"]
@@ -104,6 +104,25 @@ def test_epd_up_never_prints_keys_it_was_given(monkeypatch, capsys, tmp_path):
     # Only the secret changed: neither key is printed (the pair is what a shell needs).
     out = epd_up_output(monkeypatch, capsys, tmp_path, {"EPD_S3_SECRET_KEY": "s3cr3t-not-to-be-printed"})
     assert "not-to-be-printed" not in out and "EPD_S3_SECRET_KEY=" not in out
+
+
+def test_epd_up_closes_no_fork_server_it_did_not_start(monkeypatch, capsys, tmp_path):
+    """An in-process epd up stops what it started and nothing else: the process's fork server that
+    another caller started (the test session's stacks fork their services from it) stays up -
+    closing it ends every process forked from it (their parent-death signal: one CI run lost its
+    session stacks that way, 25 tests)."""
+    from shared.tools import forkserver
+
+    class Running:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    other = Running()
+    monkeypatch.setattr(forkserver, "_default", other)
+    epd_up_output(monkeypatch, capsys, tmp_path, {})  # --no-fork-server
+    assert not other.closed
 
 
 # -- help texts -----------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ApiSettings, ModelSettings, StoreSettings, env_var
-    from shared.tools.forkserver import default_fork_server, not_forkable
+    from shared.tools.forkserver import ForkServer, default_fork_server, not_forkable
     from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
 
     started = time.perf_counter()
@@ -164,6 +164,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     nats = EmbeddedNats(data_dir / "nats", port=args.nats_port)
     s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
     stack: Stack | None = None
+    fork_server: ForkServer | None = None  # the one this run asked for: closed with its services
     replicas = {Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders}
     held: list[PortReservation] = []
 
@@ -191,7 +192,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             except PortInUseError as exc:
                 raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
-            default_fork_server(data_dir / "logs")
+            fork_server = default_fork_server(data_dir / "logs")
         nats.start()
         s3.start()
         env = {
@@ -287,7 +288,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         for ports in held:
             ports.release()
-        shut_down(stack, (nats, s3))  # services together, then NATS, S3 and the fork server together
+        shut_down(stack, (nats, s3), fork_server)  # services together, then NATS, S3 and the fork server together
 
 
 def model_folder_problem(path: Path, engine: str) -> str | None:

@@ -450,14 +450,5 @@ def default_fork_server(log_dir: Path) -> ForkServer:
         return _default
 
 
-def close_default_fork_server() -> None:
-    """Stop this process's fork server now, if it started one (``epd up`` does once its services
-    have stopped, rather than at interpreter exit)."""
-    with _default_lock:
-        server = _default
-    if server is not None:
-        server.close()
-
-
 if __name__ == "__main__":
     serve(sys.argv[1:])

@@ -34,7 +34,6 @@ from shared.health import check_worker
 from shared.tools.forkserver import (
     ForkedProcess,
     ForkServer,
-    close_default_fork_server,
     default_fork_server,
     not_forkable,
 )
@@ -365,9 +364,12 @@ class Stack:
         self.processes.clear()
 
 
-def shut_down(stack: Stack | None, servers: Sequence[_EmbeddedServer | None] = ()) -> None:
+def shut_down(
+    stack: Stack | None, servers: Sequence[_EmbeddedServer | None] = (), fork_server: ForkServer | None = None
+) -> None:
     """Stop what ``epd up`` started (its Ctrl-C): the services together (:meth:`Stack.stop`), then
-    this process's fork server together with the embedded servers (NATS, S3;
+    its ``fork_server`` (the one it asked for: never another caller's - closing a fork server ends
+    every process forked from it, other stacks' too) together with the embedded servers (NATS, S3;
     ``shared.tools.infra.stop_servers``). The services go first: draining, they still talk to NATS
     and the store. The fork server only once they have exited: its children get SIGTERM when it
     exits (``PR_SET_PDEATHSIG``), and a second SIGTERM makes the API's server skip its graceful
@@ -380,7 +382,8 @@ def shut_down(stack: Stack | None, servers: Sequence[_EmbeddedServer | None] = (
             if server is not None:
                 server.begin_stop()
         try:
-            close_default_fork_server()
+            if fork_server is not None:
+                fork_server.close()
         finally:
             stop_servers(servers)
 
