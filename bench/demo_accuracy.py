@@ -34,12 +34,12 @@ import harness as h
 
 from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import Case, Template, make_case
-from tests.shapes_testgen import TestCase, make_test_case
+from tests.shapes_testgen import make_test_case
 
-GENERATORS: dict[str, Callable[[Template, int], Case | TestCase]] = {"train": make_case, "test": make_test_case}
+GENERATORS: dict[str, Callable[[Template, int], Case]] = {"train": make_case, "test": make_test_case}
 
 
-def ask(url: str, case: Case | TestCase) -> str:
+def ask(url: str, case: Case) -> str:
     resp = httpx.post(f"{url}/v1/chat/completions", json=case.chat_request(MODEL_NAME), timeout=300)
     resp.raise_for_status()
     return resp.json()["choices"][0]["message"]["content"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.tools.models.shapes import QUESTIONS, Template
+from shared.tools.models.shapes import QUESTIONS, Case, Template
 
 SHAPE_NAMES = ("circle", "square", "triangle")
 NUMBERS = ("one", "two", "three")
@@ -107,7 +107,8 @@ def _fill(rng: np.random.Generator, colour: str) -> tuple[int, int, int]:
     hue, spread, low_v = HUES[colour]
     h = ((hue + rng.uniform(-spread, spread)) % 360) / 360
     rgb = colorsys.hsv_to_rgb(h, rng.uniform(0.65, 1.0), rng.uniform(low_v, 1.0))
-    return tuple(int(round(255 * c)) for c in rgb)  # type: ignore[return-value]
+    r, g, b = (int(round(255 * c)) for c in rgb)
+    return r, g, b
 
 
 def picture(rng: np.random.Generator, colours: list[str], kinds: list[str]) -> Picture:
@@ -132,46 +133,14 @@ def picture(rng: np.random.Generator, colours: list[str], kinds: list[str]) -> P
         if len(placed) == n:
             break
     grey = rng.uniform(195, 255)
-    background = tuple(int(min(255, max(0, grey + rng.uniform(-12, 12)))) for _ in range(3))
+    r, g, b = (int(min(255, max(0, grey + rng.uniform(-12, 12)))) for _ in range(3))
+    background = (r, g, b)
     gradient = (float(rng.uniform(-12, 12)), float(rng.uniform(-12, 12)))
     sigma = float(rng.choice([0.0, 2.0, 4.0, 6.0]))
-    return Picture(width, height, background, gradient, sigma, int(rng.integers(2**31)), tuple(placed))  # type: ignore[arg-type]
+    return Picture(width, height, background, gradient, sigma, int(rng.integers(2**31)), tuple(placed))
 
 
-@dataclass(frozen=True)
-class TestCase:
-    """One question about one or two pictures, and its answer (the shape of
-    :class:`shared.tools.models.shapes.Case`: ``content``, ``chat_request``, ``correct``)."""
-
-    __test__ = False  # not a pytest class
-
-    template: Template
-    scenes: tuple[Picture, ...]
-    question: str
-    text_last: bool
-    answer: str
-
-    def content(self, image_part: Any = None) -> list[dict[str, Any]]:
-        images = [
-            image_part(s) if image_part else {"type": "image_url", "image_url": {"url": s.data_url()}}
-            for s in self.scenes
-        ]
-        text = [{"type": "text", "text": self.question}]
-        return [*images, *text] if self.text_last else [*text, *images]
-
-    def chat_request(self, model: str, *, max_tokens: int = 4) -> dict[str, Any]:
-        return {
-            "model": model,
-            "messages": [{"role": "user", "content": self.content()}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-        }
-
-    def correct(self, reply: str) -> bool:
-        return reply.strip().rstrip(".").strip().lower() == self.answer
-
-
-def make_test_case(template: Template, seed: int) -> TestCase:
+def make_test_case(template: Template, seed: int) -> Case[Picture]:
     """Test case ``seed`` of ``template`` (deterministic)."""
     rng = np.random.default_rng([seed, list(Template).index(template), 0x5EED])
     question = str(rng.choice(QUESTIONS[template]))
@@ -187,11 +156,11 @@ def make_test_case(template: Template, seed: int) -> TestCase:
     if template is Template.COLOUR or template is Template.SHAPE:
         pic = picture(rng, some_colours(1, colour_names), some_kinds(1))
         answer = pic.shapes[0].colour if template is Template.COLOUR else pic.shapes[0].kind
-        return TestCase(template, (pic,), question, text_last, answer)
+        return Case(template, (pic,), question, text_last, answer)
     if template is Template.COUNT:
         n = int(rng.integers(1, 4))
         pic = picture(rng, some_colours(n, colour_names), some_kinds(n))
-        return TestCase(template, (pic,), question, text_last, NUMBERS[n - 1])
+        return Case(template, (pic,), question, text_last, NUMBERS[n - 1])
     red_first = bool(rng.random() < 0.5)
     pics = []
     for has_red in (red_first, not red_first):
@@ -200,4 +169,4 @@ def make_test_case(template: Template, seed: int) -> TestCase:
         if has_red:
             colours[int(rng.integers(n))] = "red"
         pics.append(picture(rng, colours, some_kinds(n)))
-    return TestCase(template, tuple(pics), question, text_last, "first" if red_first else "second")
+    return Case(template, tuple(pics), question, text_last, "first" if red_first else "second")

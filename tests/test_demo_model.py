@@ -25,7 +25,7 @@ import pytest
 from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import ANSWERS, QUESTIONS, Case, Scene, Template, make_case, swapped
 from tests import fault_workers
-from tests.shapes_testgen import HUES, TestCase, make_test_case
+from tests.shapes_testgen import HUES, make_test_case
 from tests.stackutil import epd_cli, final_result, start_stack, wait_for
 
 #: held-out cases per template here (seeds 0..SAMPLE-1; training uses seeds >= 1e6)
@@ -193,7 +193,7 @@ def test_the_shipped_folder_is_the_demo_architecture_of_the_tiny_models_kind(tin
     assert (shipped["vocab"], shipped["merges"]) == (built["vocab"], built["merges"])
 
 
-def ask(stack, case: Case | TestCase, **extra) -> tuple[str, dict]:
+def ask(stack, case: Case, **extra) -> tuple[str, dict]:
     """The model's greedy reply to ``case`` through the API, and the response body."""
     body = {**case.chat_request(MODEL_NAME), **extra}
     resp = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=300)

@@ -21,7 +21,7 @@ import io
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 #: shape name -> drawn by :func:`_draw_shape`
 SHAPES = ("circle", "square", "triangle")
@@ -145,7 +145,8 @@ def _jitter(rng: random.Random, colour: str) -> tuple[int, int, int]:
         low_v = 0.8 if colour == "yellow" else 0.55
         h = (hue + rng.uniform(-spread, spread)) % 360 / 360
         rgb = [round(255 * c) for c in colorsys.hsv_to_rgb(h, rng.uniform(0.6, 1.0), rng.uniform(low_v, 1.0))]
-    return tuple(max(0, min(255, c)) - b for c, b in zip(rgb, base, strict=True))  # type: ignore[return-value]
+    dr, dg, db = (max(0, min(255, c)) - b for c, b in zip(rgb, base, strict=True))
+    return dr, dg, db
 
 
 def _background(rng: random.Random) -> tuple[int, int, int]:
@@ -154,7 +155,8 @@ def _background(rng: random.Random) -> tuple[int, int, int]:
         return (255, 255, 255)
     grey = rng.randint(185, 250)
     tint = [rng.randint(-10, 10) for _ in range(3)] if rng.random() < 0.5 else [0, 0, 0]
-    return tuple(max(0, min(255, grey + t)) for t in tint)  # type: ignore[return-value]
+    r, g, b = (max(0, min(255, grey + t)) for t in tint)
+    return r, g, b
 
 
 def random_scene(
@@ -194,12 +196,24 @@ def random_scene(
     return Scene(width, height, background, tuple(items), jitter, noise, noise_seed, supersample)
 
 
+class Drawing(Protocol):
+    """What a case asks about: a picture drawn by a generator (this module's :class:`Scene`, or the
+    independent test generator's, ``tests/shapes_testgen.py``)."""
+
+    def render(self) -> Any: ...
+
+    def data_url(self) -> str: ...
+
+
+D = TypeVar("D", bound=Drawing)
+
+
 @dataclass(frozen=True)
-class Case:
+class Case(Generic[D]):
     """One question about one or two scenes, and its answer."""
 
     template: Template
-    scenes: tuple[Scene, ...]
+    scenes: tuple[D, ...]
     question: str
     #: the question text comes after the image part(s)
     text_last: bool
@@ -229,7 +243,7 @@ class Case:
         return reply.strip().rstrip(".").strip().lower() == self.answer
 
 
-def make_case(template: Template, seed: int) -> Case:
+def make_case(template: Template, seed: int) -> Case[Scene]:
     """The case of ``template`` number ``seed`` (deterministic)."""
     rng = random.Random(f"epd-shapes|{template.value}|{seed}")
     question = rng.choice(QUESTIONS[template])
@@ -255,7 +269,7 @@ def make_case(template: Template, seed: int) -> Case:
     return Case(template, tuple(scenes), question, text_last, "first" if red_first else "second")
 
 
-def swapped(case: Case) -> Case:
+def swapped(case: Case[D]) -> Case[D]:
     """A WHICH_RED case with its two images in the other order (and the other answer)."""
     if case.template is not Template.WHICH_RED:
         raise ValueError("only the two-image template can be swapped")
