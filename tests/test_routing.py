@@ -57,7 +57,7 @@ class Stack:
         return [p for p in self.running.stack.processes if p.name == "prefill" and p.alive()]
 
     def worker_id(self, proc) -> str:
-        return f"prefill-{proc.index}-{os.getpid()}"
+        return self.running.stack.worker_id("prefill", proc.index)
 
     def chat(self, images, *, shared: bool = False, text: str = TEXT, **params) -> dict:
         url = self.shared_url if shared else self.running.url
