@@ -285,6 +285,8 @@ def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
         "EPD_S3_ACCESS_KEY": "epd-services",
         "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
         "EPD_MODEL_DIR": str(model_dir),
+        # the tiny model served under the name the bodies ask for (Compose's default is the demo model's)
+        "EPD_MODEL_NAME": "qwen2-vl-tiny",
         "EPD_NATS_IMAGE": NATS_IMAGE,
         "EPD_MINIO_IMAGE": S3_IMAGE,
         **extra,
