@@ -440,10 +440,19 @@ def test_epd_up_serves_the_name_and_context_it_was_given_and_its_logs_read_plain
         assert re.search(
             r'epd\.access \[request_id=chatcmpl-\w+\] \S+ - "POST /v1/chat/completions HTTP/1.1" 200 ', api_log
         )
-        worker_logs = "".join(p.read_text(errors="replace") for p in logs.glob("*.log") if not p.name.startswith("api"))
-        assert "<ECSource" not in worker_logs + api_log
-        assert re.search(r"done: \d+ prompt \+ 3 completion tokens.* sources=-", worker_logs), worker_logs[-2000:]
-        ids = set(re.findall(r" worker (\S+) consuming ", worker_logs))
+        from tests.stackutil import wait_for
+
+        def worker_logs() -> str:
+            return "".join(p.read_text(errors="replace") for p in logs.glob("*.log") if not p.name.startswith("api"))
+
+        # (the worker writes its done line after it published the result: it may come after the response)
+        wait_for(
+            lambda: re.search(r"done: \d+ prompt \+ 3 completion tokens.* sources=-", worker_logs()),
+            60,
+            "the worker's done line with its sources as values",
+        )
+        assert "<ECSource" not in worker_logs() + api_log
+        ids = set(re.findall(r" worker (\S+) consuming ", worker_logs()))
         assert ids and all(re.fullmatch(r"\w+-0-[0-9a-f]{6}", i) and str(up.proc.pid) not in i for i in ids), ids
     finally:
         up.close()
