@@ -23,10 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.tools.models.shapes import QUESTIONS, Case, Template
+from shared.tools.models.shapes import NUMBER_WORDS, QUESTIONS, SHAPES, Case, Template
 
-SHAPE_NAMES = ("circle", "square", "triangle")
-NUMBERS = ("one", "two", "three")
 #: colour -> (hue in degrees, +- spread, lowest value): a named colour is any fill in that range
 HUES: dict[str, tuple[float, float, float]] = {
     "red": (0.0, 10.0, 0.65),
@@ -151,7 +149,7 @@ def make_test_case(template: Template, seed: int) -> Case[Picture]:
         return [str(rng.choice(pool)) for _ in range(k)]
 
     def some_kinds(k: int) -> list[str]:
-        return [str(rng.choice(SHAPE_NAMES)) for _ in range(k)]
+        return [str(rng.choice(SHAPES)) for _ in range(k)]
 
     if template is Template.COLOUR or template is Template.SHAPE:
         pic = picture(rng, some_colours(1, colour_names), some_kinds(1))
@@ -160,7 +158,7 @@ def make_test_case(template: Template, seed: int) -> Case[Picture]:
     if template is Template.COUNT:
         n = int(rng.integers(1, 4))
         pic = picture(rng, some_colours(n, colour_names), some_kinds(n))
-        return Case(template, (pic,), question, text_last, NUMBERS[n - 1])
+        return Case(template, (pic,), question, text_last, NUMBER_WORDS[n - 1])
     red_first = bool(rng.random() < 0.5)
     pics = []
     for has_red in (red_first, not red_first):
