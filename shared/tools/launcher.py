@@ -31,12 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.health import check_worker
-from shared.tools.forkserver import (
-    ForkedProcess,
-    ForkServer,
-    default_fork_server,
-    not_forkable,
-)
+from shared.tools.forkserver import ForkedProcess, ForkServer, default_fork_server, not_forkable
 from shared.tools.infra import _describe_exit, _EmbeddedServer, _spawn, stop_servers
 from shared.topology import TOPOLOGIES, Service, Topology
 
