@@ -162,7 +162,7 @@ async def test_padding_mask_and_positions_matter(engine, requests_):
     good, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins)
     bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoMask)
     assert bad != good
-    if engine.is_mrope:
+    if engine.arch == "qwen2_vl":  # M-RoPE
         bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoRopeDelta)
         assert bad != good
 

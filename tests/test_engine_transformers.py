@@ -1,5 +1,5 @@
-"""TransformersEngine on the tiny Qwen2-VL and LLaVA models: bit-exact against HF generate(),
-through the engine's async API (its compute thread)."""
+"""TransformersEngine on the tiny builds of every family it serves (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+LLaVA): bit-exact against HF generate(), through the engine's async API (its compute thread)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from PIL import Image
 
 from shared.engines.base import EncodedImage, GenerationStats, KVStateMismatch, SamplingParams
 from shared.engines.prompts import check_image_count, count_image_placeholders
@@ -25,7 +26,7 @@ from shared.store.tensors import tensor_to_raw
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
-ARCHS = ["qwen2_vl", "llava"]
+ARCHS = ["qwen2_vl", "llava", "qwen2_5_vl", "qwen3_vl"]
 N_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -141,13 +142,18 @@ async def test_greedy_matches_hf_generate(engine, case):
 async def test_encode_shapes(engine):
     encoded = await engine.encode([IMAGES["wide"], IMAGES["thin"]])
     for item in encoded:
-        assert item.features.ndim == 2 and item.features.shape[1] == engine.hidden_size
+        assert item.features.ndim == 2 and item.features.shape[1] == engine.feature_width
         assert item.features.is_contiguous() and item.features.device.type == "cpu"
         assert item.features.dtype == torch.float32
-    if engine.arch == "qwen2_vl":
-        assert encoded[0].grid_thw == (1, 4, 4) and encoded[0].n_tokens == 4
-        t, h, w = encoded[1].grid_thw
-        assert encoded[1].n_tokens == t * h * w // 4 and h != w
+    # Qwen3-VL: the main features and two deepstack layers' side by side
+    assert engine.feature_width == engine.hidden_size * (3 if engine.arch == "qwen3_vl" else 1)
+    if engine.arch != "llava":
+        for item in encoded:
+            t, h, w = item.grid_thw
+            assert item.n_tokens == t * h * w // 4
+        assert encoded[1].grid_thw[1] != encoded[1].grid_thw[2]
+        if engine.arch != "qwen3_vl":  # 14-px patches (Qwen3-VL's are 16)
+            assert encoded[0].grid_thw == (1, 4, 4) and encoded[0].n_tokens == 4
     else:
         assert all(e.grid_thw is None and e.n_tokens == 36 for e in encoded)
     # Per-image encoding: the same image alone or in a batch gives identical features.
@@ -218,14 +224,38 @@ async def test_shared_forwards_when_not_batch_invariant_stay_within_float_roundi
 
 
 async def test_other_images_features_change_the_output(engine):
-    """Negative control: the equality test above could fail."""
+    """Negative control: the equality test above could fail. (Qwen3-VL's tiny build barely tells
+    one noise image from another: its other image is a white one of the same size.)"""
     messages, _ = CASES["one-image"]
-    wide, square = await engine.encode([IMAGES["wide"], IMAGES["square"]])
+    other = Image.new("RGB", (56, 56), "white") if engine.arch == "qwen3_vl" else IMAGES["square"]
+    wide, square = await engine.encode([IMAGES["wide"], other])
     assert wide.n_tokens == square.n_tokens
     ids_wide, _, _ = await _run(engine, messages, [wide])
     ids_square, _, _ = await _run(engine, messages, [square])
     assert ids_wide != ids_square
     assert _hf_generate(engine, messages, [IMAGES["wide"]]) != ids_square
+
+
+async def test_qwen3_vl_deepstack_features_are_load_bearing(model_dirs):
+    """Qwen3-VL's deepstack features travel in the feature tensor's last columns and reach the LM:
+    zeroing them alone changes the tokens (on a white image: the tiny build's LM barely looks at a
+    noise image), and features without them are refused by shape."""
+    engine = TransformersEngine(model_dirs["qwen3_vl"], threads=1)
+    try:
+        messages, _ = CASES["one-image"]
+        white = Image.new("RGB", (64, 48), "white")
+        (item,) = await engine.encode([white])
+        hidden = engine.hidden_size
+        assert item.features.shape[1] == 3 * hidden
+        good, _, _ = await _run(engine, messages, [item])
+        zeroed = item.features.clone()
+        zeroed[:, hidden:] = 0
+        bad, _, _ = await _run(engine, messages, [EncodedImage(zeroed, item.grid_thw)])
+        assert bad != good
+        with pytest.raises(InvalidRequest, match=rf"expected \[n_tokens, {3 * hidden}\]"):
+            await _run(engine, messages, [EncodedImage(item.features[:, :hidden].contiguous(), item.grid_thw)])
+    finally:
+        await engine.aclose()
 
 
 async def test_mrope_delta_matters(qwen):
@@ -431,7 +461,7 @@ async def test_placeholder_count_mismatch_raises(engine):
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate([{"role": "user", "content": "no image"}], encoded[:1], GREEDY))
     # An image token typed as text is not an image slot.
-    token = "<|image_pad|>" if engine.arch == "qwen2_vl" else "<image>"
+    token = "<image>" if engine.arch == "llava" else "<|image_pad|>"
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate([_user(_text(f"look {token}"))], [], GREEDY))
 
@@ -439,7 +469,7 @@ async def test_placeholder_count_mismatch_raises(engine):
 async def test_bad_inputs_raise_clear_errors(engine):
     messages = CASES["one-image"][0]
     good = (await engine.encode([IMAGES["wide"]]))[0]
-    h = engine.hidden_size
+    h = engine.feature_width
     bad_items = [
         EncodedImage(features=torch.zeros(good.n_tokens, h + 1), grid_thw=good.grid_thw),  # wrong width
         EncodedImage(features=torch.zeros(good.n_tokens + 1, h), grid_thw=good.grid_thw),  # wrong count
@@ -447,7 +477,7 @@ async def test_bad_inputs_raise_clear_errors(engine):
         EncodedImage(features=torch.full((good.n_tokens, h), float("nan")), grid_thw=good.grid_thw),
         EncodedImage(features=torch.zeros(h), grid_thw=good.grid_thw),
     ]
-    if engine.arch == "qwen2_vl":
+    if engine.arch != "llava":  # a grid of the Qwen-VL families
         bad_items.append(EncodedImage(features=good.features, grid_thw=None))
         bad_items.append(EncodedImage(features=good.features, grid_thw=(1, 3, 3)))
     for item in bad_items:
@@ -482,7 +512,7 @@ def test_identity_and_fingerprint(engine, model_dirs):
     assert engine.model_id == folder.name
     assert engine.encoder_fingerprint == encoder_fingerprint(folder, dtype="float32", engine="transformers")
     # Controls: the fingerprint tells encoders apart (other weights, other dtype).
-    other = model_dirs["llava" if engine.arch == "qwen2_vl" else "qwen2_vl"]
+    other = model_dirs["llava" if engine.arch != "llava" else "qwen2_vl"]
     assert encoder_fingerprint(other, dtype="float32", engine="transformers") != engine.encoder_fingerprint
     assert encoder_fingerprint(folder, dtype="bfloat16", engine="transformers") != engine.encoder_fingerprint
     assert TransformersEngine.__init__.__kwdefaults__["threads"] == 1

@@ -34,19 +34,20 @@ def test_vllm_engine_refuses_an_unproven_family_before_starting_vllm(tmp_path):
     assert not work_dir.exists()  # refused before vLLM's folders (and vLLM) were set up
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("model_type", ["gemma3", "internvl"])
 def test_transformers_engine_refuses_what_it_does_not_serve(tmp_path, model_type):
     from shared.engines.transformers_engine import TransformersEngine
 
     folder = _folder(tmp_path, model_type)
-    message = f"unsupported model_type {model_type!r} for the transformers engine; supported: ['llava', 'qwen2_vl']"
+    supported = "['llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl']"
+    message = f"unsupported model_type {model_type!r} for the transformers engine; supported: {supported}"
     with pytest.raises(EngineError, match=re.escape(message)):
         TransformersEngine(folder)
 
 
 def test_supported_families_per_engine():
     assert SUPPORTED_FAMILIES == {
-        "transformers": ("llava", "qwen2_vl"),
+        "transformers": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
         "vllm": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
     }
 

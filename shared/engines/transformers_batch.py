@@ -45,7 +45,7 @@ import threading
 from collections.abc import Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -54,6 +54,9 @@ from shared.engines.base import KVStateMismatch, SamplingParams, TokenEvent
 from shared.engines.transformers_state import DecodeState, DecodeStream, Vocabulary
 from shared.errors import EngineError, InvalidRequest
 from shared.logs import REQUEST_ID
+
+if TYPE_CHECKING:
+    from shared.engines.families.base import VisionFamily
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class DecodeModel(Vocabulary, Protocol):
     def text_config(self) -> Any: ...
 
     @property
-    def is_mrope(self) -> bool: ...
+    def family(self) -> VisionFamily: ...
 
     def decode_logits(self, state: DecodeState) -> torch.Tensor: ...
 
@@ -240,12 +243,10 @@ class BatchDecoder:
         n = len(members)
         assert self._mask is not None
         mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-        text_pos = torch.tensor([[m.state.past_len] for m in members], dtype=torch.long)  # [n, 1]
-        if not self.engine.is_mrope:
-            return mask, text_pos
-        rope = torch.tensor([[m.state.past_len + m.state.rope_delta] for m in members], dtype=torch.long)
-        # [4, n, 1]: text positions (used for the mask), then the t/h/w M-RoPE positions.
-        return mask, torch.stack([text_pos, rope, rope, rope])
+        positions = self.engine.family.decode_positions(
+            [m.state.past_len for m in members], [m.state.rope_delta for m in members]
+        )
+        return mask, positions
 
     def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask  # a seam for tests (a negative control that ignores padding)

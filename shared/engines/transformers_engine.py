@@ -1,4 +1,5 @@
-"""Engine backed by Hugging Face ``transformers`` on the CPU (Qwen2-VL and LLaVA families).
+"""Engine backed by Hugging Face ``transformers`` on the CPU (the families of
+``shared.engines.families``: what differs between them is one module each behind ``VisionFamily``).
 
 The public API is the async contract of :mod:`shared.engines.base`; every torch call runs in
 the engine's one private compute thread (a single-worker executor), never on the caller's
@@ -6,9 +7,10 @@ event loop, and never two at a time. The EPD stages are separate, explicit steps
 
 * :meth:`TransformersEngine.encode` - image processor + vision tower + projector, one image at
   a time (features of an image never depend on the batch it came in).
-* :meth:`TransformersEngine.prefill` - chat template, tokenization, placeholder expansion,
-  ``masked_scatter`` of the features, one LM forward over the prompt with explicit position ids,
-  first token sampled. Returns a :class:`TransformersPrefilled` around a :class:`DecodeState`.
+* :meth:`TransformersEngine.prefill` - chat template, tokenization, placeholder expansion, one
+  LM forward over the prompt with the features as transformers' ``mm_encoder_outputs`` and
+  explicit position ids (the family's), first token sampled. Returns a
+  :class:`TransformersPrefilled` around a :class:`DecodeState`.
 * decoding - token by token with incremental detokenization and stop handling
   (:class:`DecodeStream`), in the engine's batched decode loop
   (``shared.engines.transformers_batch``): one forward per step over every running request,
@@ -23,8 +25,8 @@ its work after the step in flight.
 With greedy sampling the token ids equal ``model.generate(**processor(text=..., images=...))``
 bit for bit, provided every stage runs with the same thread count and dtype. What makes this
 hold (see FACTS.md): the same ``lm_head`` call shape (``logits_to_keep=1``), M-RoPE prefill
-positions from ``get_rope_index`` and decode positions ``past_len + rope_delta`` (Qwen2-VL
-silently uses wrong 1-D positions otherwise), a fresh ``DynamicCache`` per request.
+positions from ``get_rope_index`` and decode positions ``past_len + rope_delta`` (the Qwen-VL
+families silently use wrong 1-D positions otherwise), a fresh ``DynamicCache`` per request.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from shared.engines.families import check_family
+from shared.engines.families import check_family, family_class
 from shared.engines.grammar import GrammarCompiler, GrammarConstraint, compiler_for
 from shared.engines.prompts import (
     chat_parts,
@@ -166,11 +168,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         encode_batch_invariant: bool = True,
         max_model_len: int | None = None,
     ):
-        from transformers import (
-            AutoProcessor,
-            LlavaForConditionalGeneration,
-            Qwen2VLForConditionalGeneration,
-        )
+        import transformers
+        from transformers import AutoProcessor
 
         from shared.admission import PrioritySlots
         from shared.engines.transformers_batch import BatchDecoder, DecodeLoop, EncodeBatcher
@@ -192,14 +191,17 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
         t0 = time.perf_counter()
         self.arch: str = check_family(self.name, self.model_dir)
-        classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "llava": LlavaForConditionalGeneration}
-        model_cls = classes[self.arch]
+        family = family_class(self.arch)
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
         self.tokenizer = self.processor.tokenizer
-        self.model = model_cls.from_pretrained(self.model_dir, dtype=self.dtype).eval()
+        self.model = getattr(transformers, family.model_class).from_pretrained(self.model_dir, dtype=self.dtype).eval()
         self.config = self.model.config
+        #: what differs between model families (vision tower, features, placeholders, positions)
+        self.family = family(self.model, self.config, self.processor)
         self.text_config = self.config.get_text_config(decoder=True)
         self.hidden_size: int = int(self.text_config.hidden_size)
+        #: columns of an image's features (the hidden size, times 1 + deepstack layers on Qwen3-VL)
+        self.feature_width: int = self.family.feature_width
         self.image_token_id: int = int(self.config.image_token_id)
         model_len = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
         #: the context served: prompt + max_tokens of a request stay within it (EPD_MAX_MODEL_LEN lowers the model's)
@@ -267,10 +269,6 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
     @property
     def identity(self) -> ModelIdentity:
         return self._identity
-
-    @property
-    def is_mrope(self) -> bool:
-        return self.arch == "qwen2_vl"
 
     @property
     def max_running_requests(self) -> int:
@@ -413,23 +411,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     def expected_image_tokens(self, item: EncodedImage) -> int | None:
         """Token count the processor would give this image, or ``None`` if it cannot be known."""
-        if self.is_mrope:
-            if item.grid_thw is None:
-                return None
-            merge = int(self.config.vision_config.spatial_merge_size)
-            t, h, w = item.grid_thw
-            return (t * h * w) // (merge * merge)
-        proc = self.processor
-        patch = getattr(proc, "patch_size", None)
-        crop = getattr(proc.image_processor, "crop_size", None)
-        if not patch or not crop:
-            return None
-        ch = crop["height"] if isinstance(crop, dict) else crop.height
-        cw = crop["width"] if isinstance(crop, dict) else crop.width
-        n = (ch // patch) * (cw // patch) + int(getattr(proc, "num_additional_image_tokens", 0) or 0)
-        if getattr(proc, "vision_feature_select_strategy", None) == "default":
-            n -= 1
-        return n
+        return self.family.expected_tokens(item)
 
     def _check_images(self, images: Sequence[EncodedImage]) -> None:
         for i, item in enumerate(images):
@@ -438,21 +420,15 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             f = item.features
             if not isinstance(f, torch.Tensor):
                 raise InvalidRequest(f"images[{i}].features is not a tensor")
-            if f.ndim != 2 or f.shape[0] < 1 or f.shape[1] != self.hidden_size:
+            if f.ndim != 2 or f.shape[0] < 1 or f.shape[1] != self.feature_width:
                 raise InvalidRequest(
-                    f"images[{i}].features has shape {tuple(f.shape)}, expected [n_tokens, {self.hidden_size}]"
+                    f"images[{i}].features has shape {tuple(f.shape)}, expected [n_tokens, {self.feature_width}]"
                 )
             if not f.is_floating_point():
                 raise InvalidRequest(f"images[{i}].features has non-float dtype {f.dtype}")
             if not bool(torch.isfinite(f).all()):
                 raise InvalidRequest(f"images[{i}].features contain NaN or inf")
-            if self.is_mrope:
-                g = item.grid_thw
-                if g is None or len(g) != 3 or any((not isinstance(x, int)) or x < 1 for x in g):
-                    raise InvalidRequest(f"images[{i}].grid_thw must be three positive ints, got {g!r}")
-                merge = int(self.config.vision_config.spatial_merge_size)
-                if g[1] % merge or g[2] % merge:
-                    raise InvalidRequest(f"images[{i}].grid_thw {g} is not divisible by the merge size {merge}")
+            self.family.check_image(i, item)
             expected = self.expected_image_tokens(item)
             if expected is not None and expected != f.shape[0]:
                 raise InvalidRequest(f"images[{i}] has {f.shape[0]} feature rows, expected {expected}")
@@ -530,15 +506,14 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
 
     def _encode_pixels(self, pixels: Sequence[Any]) -> list[EncodedImage]:
         """Vision tower + projector over preprocessed images: batch-invariant, one forward per
-        image; else as few forwards as the model allows: Qwen2-VL takes images of any size in one
-        forward (patches concatenated, one grid per image); LLaVA stacks images of one shape (its
-        processor makes them all one size)."""
+        image; else as few forwards as the family allows (any sizes together, or images of one
+        pixel shape: LLaVA's processor makes them all one size)."""
         if not pixels:
             return []
         out: list[EncodedImage | None] = [None] * len(pixels)
         if self.encode_batch_invariant:
             groups = [[i] for i in range(len(pixels))]
-        elif self.is_mrope:
+        elif self.family.concatenates_images:
             groups = [list(range(len(pixels)))]
         else:
             by_shape: dict[tuple[int, ...], list[int]] = {}
@@ -547,36 +522,16 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             groups = list(by_shape.values())
         for group in groups:
             try:
-                feats, grids = self._forward_images([pixels[i] for i in group])
+                # no_grad rather than inference_mode: the features leave the engine, and callers
+                # may modify them in place (not allowed on inference tensors outside inference mode)
+                with torch.no_grad():
+                    encoded = self.family.image_features([pixels[i] for i in group])
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise EngineError(f"encoding {len(group)} image(s) failed: {exc}") from exc
-            for i, f, g in zip(group, feats, grids):
-                out[i] = EncodedImage(features=f, grid_thw=g)
+            for i, item in zip(group, encoded):
+                out[i] = EncodedImage(item.features.detach().to("cpu").contiguous(), item.grid_thw)
             metrics.ENCODE_BATCH_IMAGES.observe(len(group))
         return out  # type: ignore[return-value]  # every slot was filled by the loop above
-
-    def _forward_images(self, pixels: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
-        # no_grad rather than inference_mode: the features leave the engine, and callers may
-        # modify them in place (not allowed on inference tensors outside inference mode).
-        with torch.no_grad():
-            if self.is_mrope:
-                grid = torch.cat([px["image_grid_thw"] for px in pixels])
-                res = self.model.get_image_features(
-                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
-                    image_grid_thw=grid,
-                    return_dict=True,
-                )
-                grids: list[tuple[int, int, int] | None] = [tuple(int(x) for x in g) for g in grid.tolist()]  # type: ignore[misc]  # grid_thw rows are (t, h, w)
-            else:
-                res = self.model.get_image_features(
-                    pixel_values=torch.cat([px["pixel_values"] for px in pixels]),
-                    vision_feature_layer=self.config.vision_feature_layer,
-                    vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-                    return_dict=True,
-                )
-                grids = [None] * len(pixels)
-        feats = [res.pooler_output[i] for i in range(len(pixels))]
-        return [f.reshape(-1, f.shape[-1]).detach().to("cpu").contiguous() for f in feats], grids
 
     def _prefill_first(
         self,
@@ -619,15 +574,12 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         input_ids = torch.tensor([ids], dtype=torch.long)
         try:
             with torch.inference_mode():
-                embeds = self.model.get_input_embeddings()(input_ids)
-                mask = input_ids == self.image_token_id
-                if images:
-                    feats = torch.cat([im.features for im in images], dim=0).to(embeds.dtype)
-                    embeds = embeds.masked_scatter(mask.unsqueeze(-1).expand_as(embeds), feats)
-                position_ids, rope_delta = self._prefill_positions(input_ids, mask, images)
+                position_ids, rope_delta = self.family.prefill_positions(input_ids, images)
+                features = self.family.encoder_outputs(images, self.dtype) if images else None
                 cache = DynamicCache(config=self.config)
                 out = self.model(
-                    inputs_embeds=embeds,
+                    input_ids=input_ids,
+                    mm_encoder_outputs=features,
                     position_ids=position_ids,
                     past_key_values=cache,
                     use_cache=True,
@@ -662,31 +614,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             stats.prefill_s = time.perf_counter() - t0
         return state
 
-    def _prefill_positions(
-        self, input_ids: torch.Tensor, image_mask: torch.Tensor, images: Sequence[EncodedImage]
-    ) -> tuple[torch.Tensor, int]:
-        """Position ids for the prompt, shaped as ``generate()`` builds them, plus the M-RoPE delta."""
-        n = input_ids.shape[1]
-        text_pos = torch.arange(n, dtype=torch.long).view(1, 1, n)
-        if not self.is_mrope:
-            return text_pos[0], 0
-        if images:
-            grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]  # mrope images always carry grid_thw
-            vision_pos, deltas = self.model.model.get_rope_index(
-                input_ids, mm_token_type_ids=image_mask.to(torch.int32), image_grid_thw=grid
-            )
-            delta = int(deltas.reshape(-1)[0])
-        else:
-            vision_pos, delta = text_pos.expand(3, 1, n), 0
-        # [4, 1, n]: text positions first (used for the mask), then (t, h, w) M-RoPE positions.
-        return torch.cat([text_pos, vision_pos], dim=0), delta
-
     def _decode_positions(self, state: DecodeState) -> torch.Tensor:
-        p = state.past_len
-        if not self.is_mrope:
-            return torch.tensor([[p]], dtype=torch.long)
-        q = p + state.rope_delta
-        return torch.tensor([[[p]], [[q]], [[q]], [[q]]], dtype=torch.long)
+        return self.family.decode_positions([state.past_len], [state.rope_delta])
 
     def decode_logits(self, state: DecodeState) -> torch.Tensor:
         """Compute thread only (the batch decoder's single-row step). Feed ``state.last_token``

@@ -1,0 +1,90 @@
+"""The model-family seam of the transformers engine: what differs between VLM families, behind
+one small interface, one module per family (chosen once, from the model's ``config.json``).
+
+What a family decides:
+
+* the transformers class to load (``model_class``);
+* how the vision tower runs on images (:meth:`VisionFamily.image_features`) and what an image's
+  features are: one ``[n_tokens, feature_width]`` tensor per image - for a family whose LM takes
+  several tensors per image (Qwen3-VL's deepstack features) they travel side by side in its
+  columns, in vLLM's layout, so the EC objects, stores and connectors stay family-blind;
+* how many placeholder tokens an image expands to (:meth:`VisionFamily.expected_tokens`);
+* the LM's position ids, at prefill and per decode step (1-D, or M-RoPE over the image grid);
+* how features reach the LM: transformers' own ``mm_encoder_outputs`` (what ``forward`` builds
+  from ``get_image_features``), so placement and any per-family masks stay transformers' code.
+
+Everything else of the engine (prompt rendering, sampling, the decode loop, KV handoff) is
+family-blind.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shared.engines.base import EncodedImage
+from shared.errors import InvalidRequest
+
+
+class VisionFamily(ABC):
+    """One model family on the transformers engine (see the module docstring). Built once per
+    engine, after its model is loaded; every method runs in the engine's compute thread."""
+
+    #: the transformers class (``transformers.<name>``) of the whole model
+    model_class: str = ""
+    #: whether several images can share one vision-tower forward (when batch invariance is off)
+    #: - ``True``: any sizes together; ``False``: only images of one pixel shape
+    concatenates_images: bool = False
+
+    def __init__(self, model: Any, config: Any, processor: Any):
+        self.model = model
+        self.config = config
+        self.processor = processor
+        self.hidden_size = int(config.get_text_config(decoder=True).hidden_size)
+
+    # -- the vision side -----------------------------------------------------------------------
+
+    @property
+    def feature_width(self) -> int:
+        """Columns of an image's feature tensor (the LM's hidden size, unless the family packs
+        more than one tensor per image)."""
+        return self.hidden_size
+
+    @abstractmethod
+    def image_features(self, pixels: Sequence[dict[str, Any]]) -> list[EncodedImage]:
+        """One vision-tower forward over ``pixels`` (the image processor's outputs, one dict per
+        image), one :class:`EncodedImage` per image, in order."""
+
+    @abstractmethod
+    def expected_tokens(self, item: EncodedImage) -> int | None:
+        """The placeholder count the family's processor gives this image (``None``: not knowable)."""
+
+    def check_image(self, i: int, item: EncodedImage) -> None:
+        """Raise :class:`InvalidRequest` when ``item`` cannot be this family's image ``i`` (its
+        layout; the feature shape is checked by the engine)."""
+        if item.grid_thw is not None:
+            raise InvalidRequest(f"images[{i}].grid_thw must be None for this model")
+
+    # -- the LM side ---------------------------------------------------------------------------
+
+    def encoder_outputs(self, images: Sequence[EncodedImage], dtype: torch.dtype) -> dict[str, Any]:
+        """``mm_encoder_outputs`` of the LM forward for ``images``: what the model's ``forward``
+        builds from ``get_image_features`` (here: one feature tensor per image)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # (typed as one tensor; forward concatenates the per-image tuple get_image_features returns)
+        per_image = tuple(im.features.to(dtype) for im in images)
+        return {"image": BaseModelOutputWithPooling(pooler_output=per_image)}  # type: ignore[arg-type]
+
+    def prefill_positions(self, input_ids: torch.Tensor, images: Sequence[EncodedImage]) -> tuple[torch.Tensor, int]:
+        """Position ids of a prompt ``[1, n]`` (shaped as ``generate()`` builds them) and the
+        offset of decode positions (0 for 1-D positions)."""
+        n = input_ids.shape[1]
+        return torch.arange(n, dtype=torch.long).view(1, n), 0
+
+    def decode_positions(self, past_lens: Sequence[int], deltas: Sequence[int]) -> torch.Tensor:
+        """Position ids of one decode step of several requests (a row each): ``[n, 1]``."""
+        return torch.tensor([[p] for p in past_lens], dtype=torch.long)
