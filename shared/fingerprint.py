@@ -27,9 +27,16 @@ from pathlib import Path
 FINGERPRINT_SCHEMA = "epd-fp-v1"
 FINGERPRINT_HEX_CHARS = 24
 
-# A tensor is part of the encoder if one of its dotted name components is one of these.
-ENCODER_COMPONENTS = frozenset({"visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector"})
-PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json")
+#: A tensor is part of the encoder if one of its dotted name components is one of these: every
+#: tensor a served family's feature path reads (``tests/test_family_fingerprints.py`` finds them by
+#: their gradients), and LLaVA-OneVision / LLaVA-NeXT's top-level ``image_newline`` (a row appended
+#: to each tile row of features).
+ENCODER_COMPONENTS = frozenset(
+    {"visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "image_newline"}
+)
+#: the image and video processors' settings (transformers 5 writes both into processor_config.json;
+#: earlier folders have a file each)
+PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
 
