@@ -308,9 +308,9 @@ def test_epd_up_refuses_a_model_that_is_no_model_folder_before_starting_anything
 def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anything(
     monkeypatch, capsys, tmp_path, engine
 ):
-    """A model folder of a family not in the support table (shared.engines.families) is refused by
+    """A model folder of a family not in the support table (shared.families) is refused by
     epd up itself, naming the supported ones - not by each worker's engine after the stack started."""
-    from shared.engines.families import SUPPORTED_FAMILIES
+    from shared.families import SUPPORTED_FAMILIES
 
     for name in [k for k in os.environ if k.startswith("EPD_")]:
         monkeypatch.delenv(name)

@@ -1,4 +1,4 @@
-"""Which families each engine serves (shared.engines.families): a family not proven on an
+"""Which families each engine serves (shared.families): a family not proven on an
 engine is refused when the engine starts, naming the supported ones - before the engine loads
 anything (vLLM is not started: its folders are not even made)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.engines.families import SUPPORTED_FAMILIES, check_family, model_type_of
 from shared.errors import EngineError
+from shared.families import SUPPORTED_FAMILIES, check_family, feature_width, model_type_of
 
 
 def _folder(tmp_path: Path, model_type: str) -> Path:
@@ -75,3 +75,30 @@ def test_model_type_of_bad_folders(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
     with pytest.raises(EngineError, match="names no model_type"):
         model_type_of(tmp_path)
+
+
+def test_the_transformers_list_is_its_family_modules():
+    from shared.engines.families import TRANSFORMERS_FAMILIES
+
+    assert SUPPORTED_FAMILIES["transformers"] == tuple(sorted(TRANSFORMERS_FAMILIES))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
+def test_feature_width_is_what_the_engine_encodes(tmp_path, family):
+    """shared.families.feature_width (what the vLLM EC connector checks objects against) is the
+    width of the transformers engine's features - and of vLLM's Qwen3-VL cache (96 x 3, seen)."""
+    from PIL import Image
+
+    from shared.engines.transformers_engine import TransformersEngine
+    from shared.tools.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / family, arch=family, seed=0)
+    width = feature_width(json.loads((folder / "config.json").read_text()))
+    hidden = json.loads((folder / "config.json").read_text()).get("text_config", {}).get("hidden_size")
+    assert width == 3 * hidden if family == "qwen3_vl" else width == hidden
+    engine = TransformersEngine(folder, threads=1)
+    try:
+        (item,) = engine._encode([Image.new("RGB", (56, 56), "white")])
+        assert item.features.shape[1] == width == engine.feature_width
+    finally:
+        engine._executor.shutdown()

@@ -10,9 +10,11 @@ with ``identifier`` / ``mm_position`` / ``data``); the positions are vLLM's own 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -73,12 +75,14 @@ def extra_config(s3_server, bucket, **more):
 
 
 def make_connector(model_dir, ec_role, role, extra):
-    """A connector built from what vLLM hands it: an ECTransferConfig and the model config."""
+    """A connector built from what vLLM hands it: an ECTransferConfig and the model config (its
+    ``hf_config``: the folder's config.json)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     model_config = SimpleNamespace(
         model=str(model_dir),
         revision=None,
         dtype=torch.float32,
-        get_inputs_embeds_size=lambda: HIDDEN,
+        hf_config=SimpleNamespace(to_dict=lambda: config),
     )
     ec = ECTransferConfig(
         ec_connector="S3ECConnector",
@@ -333,6 +337,28 @@ def test_placeholder_count_mismatch_falls_back(tiny_model_dir, s3_env, bucket):
     schedule(sched, req)
     assert not sched.has_cache_item(item)
     assert stats_of(sched).lookups(FALLBACK, MissReason.SHAPE_MISMATCH) == 1
+
+
+def test_a_families_feature_width_is_checked_exactly(tmp_path_factory, s3_env, bucket):
+    """Qwen3-VL's EC objects hold the main and two deepstack layers' features side by side (3 x
+    hidden columns, vLLM's layout): an object of that width is used; one of the main features
+    alone (the hidden size, which the check used to take for the width) or of twice the width (a
+    multiple, which it let through) falls back."""
+    from shared.tools.models.tiny import build_tiny_model
+
+    qwen3 = build_tiny_model(tmp_path_factory.mktemp("qwen3") / "qwen3-vl-tiny", arch="qwen3_vl", seed=0)
+    hidden = json.loads((qwen3 / "config.json").read_text())["text_config"]["hidden_size"]
+    whole, main_only, doubled = ident(), ident(), ident()
+    produce(qwen3, s3_env, bucket, whole, torch.randn(4, 3 * hidden))
+    produce(qwen3, s3_env, bucket, main_only, torch.randn(4, hidden))
+    produce(qwen3, s3_env, bucket, doubled, torch.randn(4, 6 * hidden))
+    sched = make_connector(qwen3, "ec_consumer", ECConnectorRole.SCHEDULER, extra_config(s3_env, bucket))
+    schedule(sched, request(feature(whole, 4)))
+    assert sched.has_cache_item(whole)
+    for wrong in (main_only, doubled):
+        schedule(sched, request(feature(wrong, 4)))
+        assert not sched.has_cache_item(wrong)
+    assert stats_of(sched).lookups(FALLBACK, MissReason.SHAPE_MISMATCH) == 2
 
 
 def test_bad_identifier_never_reaches_the_store(tiny_model_dir, s3_env, bucket):

@@ -59,7 +59,7 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from shared.engines.families import check_family, family_class
+from shared.engines.families import family_class
 from shared.engines.grammar import GrammarCompiler, GrammarConstraint, compiler_for
 from shared.engines.prompts import (
     chat_parts,
@@ -82,6 +82,7 @@ from shared.engines.transformers_state import (
     special_token_ids_of,
 )
 from shared.errors import EngineError, InvalidImage, InvalidRequest
+from shared.families import check_family
 from shared.identity import ModelIdentity
 from shared.topology import Role
 

@@ -67,7 +67,6 @@ from shared.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from shared.engines.families import check_family
 from shared.engines.grammar import vllm_structured_outputs
 from shared.engines.prompts import (
     chat_parts,
@@ -77,6 +76,7 @@ from shared.engines.prompts import (
     validate_params,
 )
 from shared.errors import EngineError, InvalidRequest
+from shared.families import check_family
 from shared.identity import ModelIdentity
 from shared.protocol import TokenLogprob
 from shared.topology import Role

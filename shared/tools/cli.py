@@ -295,8 +295,8 @@ def model_folder_problem(path: Path, engine: str) -> str | None:
     """Why ``path`` is no model folder ``engine`` serves (None: it looks like one: a folder with a
     config.json, as in Hugging Face's layout, of a family the engine serves) - said before anything
     starts, not in a worker's traceback."""
-    from shared.engines.families import check_family
     from shared.errors import EngineError
+    from shared.families import check_family
 
     if not path.exists():
         return "no such folder (a model folder in Hugging Face layout, with config.json)"

@@ -21,6 +21,7 @@ from shared.connectors.s3_ec.metadata import S3ECMetadata, S3ECWorkerMetadata
 from shared.connectors.s3_ec.metrics import S3ECPromMetrics, S3ECStats, StatsRecorder
 from shared.connectors.s3_ec.scheduler import ECScheduler
 from shared.connectors.s3_ec.worker import ECWorker
+from shared.families import feature_width
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,7 +73,7 @@ class S3ECConnector(ECConnectorBase):
             store=self.store,
             is_producer=self.is_producer,
             is_consumer=self.is_consumer,
-            embed_width=int(vllm_config.model_config.get_inputs_embeds_size()),
+            embed_width=feature_width(vllm_config.model_config.hf_config.to_dict()),
             stats=self.stats,
         )
 

@@ -217,7 +217,7 @@ class ECScheduler:
                 if not existed:
                     return FetchResult(None, MissReason.NOT_FOUND, False, time.perf_counter() - started)
             obj = self.load_item(identifier)
-            if obj.shape[1] % self._embed_width:
+            if obj.shape[1] != self._embed_width:
                 raise ObjectValidationError(
                     MissReason.SHAPE_MISMATCH, f"feature width {obj.shape[1]} vs the model's {self._embed_width}"
                 )

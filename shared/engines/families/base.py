@@ -27,6 +27,7 @@ import torch
 
 from shared.engines.base import EncodedImage
 from shared.errors import InvalidRequest
+from shared.families import feature_width
 
 
 class VisionFamily(ABC):
@@ -49,9 +50,9 @@ class VisionFamily(ABC):
 
     @property
     def feature_width(self) -> int:
-        """Columns of an image's feature tensor (the LM's hidden size, unless the family packs
-        more than one tensor per image)."""
-        return self.hidden_size
+        """Columns of an image's feature tensor (:func:`shared.families.feature_width`: the LM's
+        hidden size, unless the family packs more than one tensor per image)."""
+        return feature_width(self.config.to_dict())
 
     @abstractmethod
     def image_features(self, pixels: Sequence[dict[str, Any]]) -> list[EncodedImage]:

@@ -22,10 +22,6 @@ class Qwen3VL(QwenVL):
     def deepstack_layers(self) -> int:
         return len(getattr(self.config.vision_config, "deepstack_visual_indexes", None) or ())
 
-    @property
-    def feature_width(self) -> int:
-        return self.hidden_size * (1 + self.deepstack_layers)
-
     def image_features(self, pixels: Sequence[dict[str, Any]]) -> list[EncodedImage]:
         res, grids = self._vision(pixels)
         per_image = zip(res.pooler_output, *res.deepstack_features)  # (main, deep_0, ..., deep_k-1) per image

@@ -1,0 +1,72 @@
+"""Which model families each engine serves - the one list, and the start-up check that refuses
+any other family - plus the facts about a family that the layers below the engines need, read
+from ``config.json`` alone (no torch, no transformers: the CLI, the API and the vLLM connectors
+use them).
+
+A family is the ``model_type`` of the model folder's ``config.json``. A family is listed for an
+engine only once an equality test proves it there (greedy tokens equal to a reference that uses
+none of the project's code; see ``docs/models.md`` for the support matrix and the tests behind
+each cell). Every other family is refused when the engine starts, naming what is supported: an
+engine that loads a family it was never checked on can answer with wrong tokens and no error.
+On the transformers engine, a family is also a module of ``shared.engines.families``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shared.errors import EngineError
+
+#: engine name -> the ``model_type`` values it serves
+SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
+    "transformers": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    "vllm": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+}
+
+
+def model_config_of(model_dir: str | Path) -> dict[str, Any]:
+    """``model_dir``'s ``config.json`` (read as JSON: nothing is imported)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineError(f"no config.json in model folder {model_dir}") from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path} does not read as JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise EngineError(f"{path} is not a JSON object")
+    return config
+
+
+def model_type_of(model_dir: str | Path) -> str:
+    """The ``model_type`` in ``model_dir``'s ``config.json``."""
+    model_type = model_config_of(model_dir).get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise EngineError(f"{Path(model_dir) / 'config.json'} names no model_type")
+    return model_type
+
+
+def check_family(engine: str, model_dir: str | Path) -> str:
+    """Return the family of ``model_dir`` when ``engine`` serves it, else raise
+    :class:`EngineError` naming the families it does serve."""
+    model_type = model_type_of(model_dir)
+    supported = SUPPORTED_FAMILIES.get(engine, ())
+    if model_type not in supported:
+        raise EngineError(
+            f"unsupported model_type {model_type!r} for the {engine} engine; supported: {list(supported)}"
+            " (docs/models.md)"
+        )
+    return model_type
+
+
+def feature_width(config: Mapping[str, Any]) -> int:
+    """Columns of one image's features (an EC object's second dimension) for a model of this
+    ``config.json``: the LM's hidden size, times ``1 + k`` for Qwen3-VL's ``k`` deepstack layers
+    (their features travel beside the main ones, vLLM's layout and the transformers engine's)."""
+    text = config.get("text_config") or config
+    hidden = int(text.get("hidden_size") or config["hidden_size"])
+    deepstack = (config.get("vision_config") or {}).get("deepstack_visual_indexes") or ()
+    return hidden * (1 + len(deepstack))
