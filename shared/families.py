@@ -62,6 +62,17 @@ def check_family(engine: str, model_dir: str | Path) -> str:
     return model_type
 
 
+#: per family: the largest width:height (either way) its image processor takes, exclusive (the
+#: Qwen-VL processors' ``smart_resize`` refuses 200:1 and beyond); families not named take any
+MAX_ASPECT_RATIO: dict[str, float] = {"qwen2_vl": 200.0, "qwen2_5_vl": 200.0, "qwen3_vl": 200.0}
+
+
+def max_aspect_ratio(model_type: str) -> float | None:
+    """The family's limit on an image's aspect ratio (:data:`MAX_ASPECT_RATIO`), None for none.
+    The API refuses an image beyond it (a 400 naming the limit) before any job is queued."""
+    return MAX_ASPECT_RATIO.get(model_type)
+
+
 def feature_width(config: Mapping[str, Any]) -> int:
     """Columns of one image's features (an EC object's second dimension) for a model of this
     ``config.json``: the LM's hidden size, times ``1 + k`` for Qwen3-VL's ``k`` deepstack layers

@@ -105,6 +105,10 @@ class MediaLimits:
     allowed_hosts: tuple[str, ...] = ()
     allowed_schemes: tuple[str, ...] = ("http", "https")
     allowed_formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+    #: the model family's limit on width:height either way (strictly below; None: none), and the
+    #: family, for the message (``shared.families.max_aspect_ratio``)
+    max_aspect_ratio: float | None = None
+    family: str = ""
 
     def __post_init__(self) -> None:
         # Fail at configuration time, not on the first request.
@@ -194,6 +198,12 @@ def _check_dimensions(size: tuple[int, int], limits: MediaLimits) -> None:
     if width * height > limits.max_pixels:
         raise InvalidImage(
             f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} pixels"
+        )
+    ratio = max(width, height) / min(width, height)
+    if limits.max_aspect_ratio is not None and ratio >= limits.max_aspect_ratio:
+        raise InvalidImage(
+            f"image is {width}x{height}, an aspect ratio of {ratio:.0f}:1; the model's family ({limits.family}) takes"
+            f" images below {limits.max_aspect_ratio:.0f}:1"
         )
 
 

@@ -211,6 +211,17 @@ def test_bad_inputs_get_clear_errors_and_the_service_keeps_serving(epd_stack, im
         except AssertionError as exc:
             raise AssertionError(f"case {name!r}: {exc}") from exc
 
+    # An image the model's family cannot take (Qwen-VL: 200:1 and beyond) is refused by the API,
+    # naming the limit, before any encode job is queued; one just inside the limit is served.
+    encode_jobs = len(epd_stack.stream_messages("stream_encode"))
+    resp = epd_stack.chat(_image_msg(data_url(noise_image(65, (1, 300)))), **GREEDY)
+    _assert_error(resp, 400, "invalid_image")
+    message = resp.json()["error"]["message"]
+    assert "1x300, an aspect ratio of 300:1" in message and "(qwen2_vl) takes images below 200:1" in message
+    assert len(epd_stack.stream_messages("stream_encode")) == encode_jobs
+    ok = epd_stack.chat(_image_msg(data_url(noise_image(66, (199, 1)))), **GREEDY)
+    assert ok.status_code == 200, ok.text
+
     # Still serving: an image by URL from the allow-listed loopback server, and a data URL.
     ok = epd_stack.chat(_image_msg(f"{image_server}/ok.png?X-Amz-Signature=s3cr3t#frag"), **GREEDY)
     assert ok.status_code == 200, ok.text

@@ -26,6 +26,7 @@ from shared.client import ChoiceStreams, RequestClient, Submission
 from shared.config import ApiSettings
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError, ServiceUnavailable
+from shared.families import max_aspect_ratio, model_type_of
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
@@ -119,12 +120,16 @@ class ApiService:
         self.identity = ModelIdentity.from_settings(settings.model)
         self.model_name = self.identity.model
         self.fingerprint = self.identity.fingerprint
+        family = model_type_of(self.identity.model_path)
         self.limits = MediaLimits(
             max_image_bytes=settings.media.max_image_bytes,
             max_pixels=settings.media.max_image_pixels,
             fetch_timeout_s=settings.fetch_timeout_s,
             allowed_networks=tuple(settings.url_allow_networks),
             allowed_hosts=tuple(settings.url_allow_hosts),
+            # what the family's image processor cannot take is refused here, before a job is queued
+            max_aspect_ratio=max_aspect_ratio(family),
+            family=family,
         )
         self.workers = WorkerView(settings.worker_stale_s)
         self.nc: nats.NATS | None = None
