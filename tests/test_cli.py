@@ -315,7 +315,7 @@ def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anyth
     for name in [k for k in os.environ if k.startswith("EPD_")]:
         monkeypatch.delenv(name)
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "internvl"}))
 
     def nothing_starts(*a, **kw):
         raise AssertionError("epd up started something")
@@ -325,7 +325,9 @@ def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anyth
     argv = ["up", "--data-dir", str(data_dir), "--model", str(tmp_path / "m"), "--engine", engine]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"epd up: --model {tmp_path / 'm'}: unsupported model_type 'gemma3' for the {engine} engine")
+    assert err.startswith(
+        f"epd up: --model {tmp_path / 'm'}: unsupported model_type 'internvl' for the {engine} engine"
+    )
     assert str(list(SUPPORTED_FAMILIES[engine])) in err
     assert not data_dir.exists()
 

@@ -26,7 +26,11 @@ from shared.store.tensors import tensor_to_raw
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
-ARCHS = ["qwen2_vl", "llava", "qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_vl", "llava", "qwen2_5_vl", "qwen3_vl", "gemma3"]
+#: the families whose images are patch grids (M-RoPE positions over them)
+GRID_ARCHS = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+#: the token each family's chat template writes for an image
+PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>"}
 N_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -113,7 +117,10 @@ def _hf_generate(engine, messages, pil_images, max_new_tokens=N_TOKENS):
     from transformers import GenerationConfig
 
     text = engine.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = engine.processor(text=text, images=pil_images, return_tensors="pt")
+    # (as the processor's apply_chat_template(tokenize=True): no second BOS after a template's own)
+    bos = engine.tokenizer.bos_token
+    add_special = not (bos and text.startswith(bos))
+    inputs = engine.processor(text=text, images=pil_images, return_tensors="pt", add_special_tokens=add_special)
     gen_cfg = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=engine.tokenizer.pad_token_id
     )
@@ -147,7 +154,7 @@ async def test_encode_shapes(engine):
         assert item.features.dtype == torch.float32
     # Qwen3-VL: the main features and two deepstack layers' side by side
     assert engine.feature_width == engine.hidden_size * (3 if engine.arch == "qwen3_vl" else 1)
-    if engine.arch != "llava":
+    if engine.arch in GRID_ARCHS:
         for item in encoded:
             t, h, w = item.grid_thw
             assert item.n_tokens == t * h * w // 4
@@ -155,7 +162,7 @@ async def test_encode_shapes(engine):
         if engine.arch != "qwen3_vl":  # 14-px patches (Qwen3-VL's are 16)
             assert encoded[0].grid_thw == (1, 4, 4) and encoded[0].n_tokens == 4
     else:
-        assert all(e.grid_thw is None and e.n_tokens == 36 for e in encoded)
+        assert all(e.grid_thw is None and e.n_tokens == {"llava": 36, "gemma3": 16}[engine.arch] for e in encoded)
     # Per-image encoding: the same image alone or in a batch gives identical features.
     alone = (await engine.encode([IMAGES["thin"]]))[0]
     assert torch.equal(alone.features, encoded[1].features)
@@ -461,7 +468,7 @@ async def test_placeholder_count_mismatch_raises(engine):
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate([{"role": "user", "content": "no image"}], encoded[:1], GREEDY))
     # An image token typed as text is not an image slot.
-    token = "<image>" if engine.arch == "llava" else "<|image_pad|>"
+    token = PLACEHOLDER.get(engine.arch, "<|image_pad|>")
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate([_user(_text(f"look {token}"))], [], GREEDY))
 
@@ -477,7 +484,7 @@ async def test_bad_inputs_raise_clear_errors(engine):
         EncodedImage(features=torch.full((good.n_tokens, h), float("nan")), grid_thw=good.grid_thw),
         EncodedImage(features=torch.zeros(h), grid_thw=good.grid_thw),
     ]
-    if engine.arch != "llava":  # a grid of the Qwen-VL families
+    if engine.arch in GRID_ARCHS:
         bad_items.append(EncodedImage(features=good.features, grid_thw=None))
         bad_items.append(EncodedImage(features=good.features, grid_thw=(1, 3, 3)))
     for item in bad_items:
@@ -617,3 +624,29 @@ def test_incremental_detokenizer_matches_full_decode(model_dirs):
         parts = [det.add(i) for i in ids] + [det.flush()]
         assert "".join(parts) == "héllo 😀 wörld"
         assert all("\ufffd" not in p for p in parts)
+
+
+async def test_gemma3_context_stays_within_its_sliding_window(model_dirs, tmp_path):
+    """Gemma 3's sliding-window layers: the engine serves a context up to the window (its caches are
+    full layers, which equal sliding ones only within it), and says so when a request is longer."""
+    import shutil
+
+    folder = tmp_path / "gemma3-window-64"
+    shutil.copytree(model_dirs["gemma3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = TransformersEngine(folder, threads=1)
+    try:
+        assert engine.max_positions == 64 and "sliding window" in engine.max_positions_source
+        messages = [{"role": "user", "content": "Hello there"}]
+        ids, _, _ = await _run(engine, messages, [], replace(GREEDY, max_tokens=8))
+        assert len(ids) == 8
+        with pytest.raises(InvalidRequest, match=r"maximum context length is 64 tokens \(the sliding window"):
+            await _run(engine, messages, [], replace(GREEDY, max_tokens=60))
+    finally:
+        await engine.aclose()
+    # Control: the tiny build's own window (4096) is its max_position_embeddings: no lower limit.
+    own = TransformersEngine(model_dirs["gemma3"], threads=1)
+    assert own.max_positions == 4096 and own.max_positions_source.startswith("max_position_embeddings")
+    await own.aclose()

@@ -19,7 +19,7 @@ from PIL import Image
 
 from tests.stackutil import GREEDY, api_tokens, engine_messages, noise_image, start_stack
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
 COMBOS = [(family, topology) for family in FAMILIES for topology in ("agg", "e-pd", "e-p-d")]
 
 
@@ -65,7 +65,10 @@ def _hf_tokens(model_dir: Path) -> dict[str, list[int]]:
         prompt = processor.apply_chat_template(
             engine_messages(text, len(images)), add_generation_prompt=True, tokenize=False
         )
-        inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+        # (apply_chat_template(tokenize=True)'s rule: no second BOS after a template's own - Gemma 3's)
+        bos = processor.tokenizer.bos_token
+        add_special = not (bos and prompt.startswith(bos))
+        inputs = processor(text=prompt, images=images or None, return_tensors="pt", add_special_tokens=add_special)
         with torch.inference_mode():
             ids = model.generate(**inputs, generation_config=config)
         out[name] = ids[0, inputs["input_ids"].shape[1] :].tolist()

@@ -254,7 +254,7 @@ class BatchDecoder:
     def _cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache([(k, v) for k, v in self._kv], config=self.engine.config)
+        return DynamicCache([(k, v) for k, v in self._kv])  # full layers (see TransformersEngine._prefill)
 
     def _join(self, key: Hashable, member: _Member) -> None:
         new_kv = member.state.kv_tensors()
@@ -308,7 +308,7 @@ class BatchDecoder:
         pad = self._pad[i]
         kv = [(k[i : i + 1, :, pad:].clone(), v[i : i + 1, :, pad:].clone()) for k, v in self._kv]
         member = self._members[self._rows[i]]
-        member.state.cache = DynamicCache(kv, config=self.engine.config)
+        member.state.cache = DynamicCache(kv)
 
 
 # -- the decode loop ----------------------------------------------------------------------------

@@ -204,15 +204,20 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         #: columns of an image's features (the hidden size, times 1 + deepstack layers on Qwen3-VL)
         self.feature_width: int = self.family.feature_width
         self.image_token_id: int = int(self.config.image_token_id)
-        model_len = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
-        #: the context served: prompt + max_tokens of a request stay within it (EPD_MAX_MODEL_LEN lowers the model's)
-        self.max_positions: int = min(model_len, max_model_len) if max_model_len else model_len
-        #: what sets :attr:`max_positions`, for the error that names it
-        self.max_positions_source = (
-            "EPD_MAX_MODEL_LEN"
-            if max_model_len and max_model_len < model_len
-            else "max_position_embeddings in the model's config.json"
-        )
+        limits = [
+            (
+                int(getattr(self.text_config, "max_position_embeddings", 1 << 30)),
+                "max_position_embeddings in the model's config.json",
+            )
+        ]
+        family_len = self.family.max_context()
+        if family_len is not None:
+            limits.append((family_len, f"the sliding window of {self.arch}'s LM, which the transformers engine serves"))
+        if max_model_len:
+            limits.append((max_model_len, "EPD_MAX_MODEL_LEN"))
+        #: the context served: prompt + max_tokens of a request stay within it (EPD_MAX_MODEL_LEN lowers the model's);
+        #: what sets it, for the error that names it
+        self.max_positions, self.max_positions_source = min(limits, key=lambda limit: limit[0])
         #: the logits' width (vLLM's ``get_vocab_size``): token ids in sampling params stay below it
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids: frozenset[int] = self._stop_token_ids()
@@ -470,16 +475,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         # renders BOS would get it twice, so skip the automatic one then.
         add_special = not (bos and text.startswith(bos))
         ids: list[int] = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        check_placeholder_tokens(ids, self.image_token_id, len(images))
-        expanded: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token_id:
-                expanded.extend([t] * images[k].n_tokens)
-                k += 1
-            else:
-                expanded.append(t)
-        return expanded
+        check_placeholder_tokens(ids, self.family.placeholder_id, len(images))
+        return self.family.expand(text, ids, images, add_special)
 
     # -- compute thread: encode / prefill / decode ----------------------------------------------
 
@@ -577,11 +574,16 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             with torch.inference_mode():
                 position_ids, rope_delta = self.family.prefill_positions(input_ids, images)
                 features = self.family.encoder_outputs(images, self.dtype) if images else None
-                cache = DynamicCache(config=self.config)
+                # Full layers, also for a family's sliding-window layers: the context served stays
+                # within the window (VisionFamily.max_context), where a full layer holds what a
+                # sliding one would, and the KV handoff and the batched decode need one length
+                # for every layer.
+                cache = DynamicCache()
                 out = self.model(
                     input_ids=input_ids,
                     mm_encoder_outputs=features,
                     position_ids=position_ids,
+                    **self.family.prefill_kwargs(input_ids),
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,

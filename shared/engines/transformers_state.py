@@ -161,7 +161,7 @@ class DecodeState:
             except (RuntimeError, TypeError) as exc:
                 raise EngineError(f"malformed generator state: {exc}") from exc
         return cls(
-            cache=DynamicCache(kv, config=config),
+            cache=DynamicCache(kv),  # full layers (see TransformersEngine._prefill)
             past_len=int(st["past_len"]),
             last_token=int(st["last_token"]),
             rope_delta=int(st["rope_delta"]),

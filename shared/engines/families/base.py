@@ -69,6 +69,32 @@ class VisionFamily(ABC):
         if item.grid_thw is not None:
             raise InvalidRequest(f"images[{i}].grid_thw must be None for this model")
 
+    # -- the prompt ----------------------------------------------------------------------------
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token the chat template writes for each image (checked against the image count)."""
+        return int(self.config.image_token_id)
+
+    def expand(self, text: str, ids: list[int], images: Sequence[EncodedImage], add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids with each image's placeholder expanded to its ``n_tokens`` image
+        tokens, as the family's processor does. ``ids`` is ``text`` tokenized (placeholders
+        checked). Here: the placeholder repeated (the processor repeats the placeholder string,
+        then tokenizes; a special token splits the text, so repeating its id is identical)."""
+        expanded: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.placeholder_id:
+                expanded.extend([t] * images[k].n_tokens)
+                k += 1
+            else:
+                expanded.append(t)
+        return expanded
+
+    def max_context(self) -> int | None:
+        """A limit of the family on the context the engine serves (None: the model's own)."""
+        return None
+
     # -- the LM side ---------------------------------------------------------------------------
 
     def encoder_outputs(self, images: Sequence[EncodedImage], dtype: torch.dtype) -> dict[str, Any]:
@@ -79,6 +105,10 @@ class VisionFamily(ABC):
         # (typed as one tensor; forward concatenates the per-image tuple get_image_features returns)
         per_image = tuple(im.features.to(dtype) for im in images)
         return {"image": BaseModelOutputWithPooling(pooler_output=per_image)}  # type: ignore[arg-type]
+
+    def prefill_kwargs(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """More arguments of the prefill's LM forward (e.g. a mask's token types)."""
+        return {}
 
     def prefill_positions(self, input_ids: torch.Tensor, images: Sequence[EncodedImage]) -> tuple[torch.Tensor, int]:
         """Position ids of a prompt ``[1, n]`` (shaped as ``generate()`` builds them) and the

@@ -41,6 +41,7 @@ ARCHS: dict[str, str] = {
     "qwen2_5_vl": "Qwen2.5-VL (windowed-attention ViT with RMSNorm/SwiGLU, M-RoPE LM)",
     "qwen3_vl": "Qwen3-VL (ViT with learned position embeddings and deepstack mergers, Qwen3 LM, interleaved M-RoPE)",
     "llava": "LLaVA-1.5 style (CLIP ViT + MLP projector + Llama LM)",
+    "gemma3": "Gemma 3 (SigLIP ViT, pooled to a fixed number of soft tokens; Gemma 3 LM with sliding and global layers)",
 }
 
 
@@ -56,10 +57,12 @@ class SizeSpec:
     lm_heads: int
     lm_kv_heads: int
     lm_mlp: int
-    # Qwen2-VL image processor bounds (pixels); LLaVA uses ``clip_image_size``.
+    # Qwen2-VL image processor bounds (pixels); LLaVA and Gemma 3 use ``clip_image_size``.
     min_pixels: int = 56 * 56
     max_pixels: int = 112 * 112
     clip_image_size: int = 84
+    #: Gemma 3: soft tokens per image (a square: the patch grid is average-pooled to it)
+    mm_tokens_per_image: int = 16
 
 
 #: Available (arch, size) pairs.
@@ -121,6 +124,21 @@ SIZES: dict[tuple[str, str], SizeSpec] = {
         lm_mlp=192,
         min_pixels=64 * 64,
         max_pixels=128 * 128,
+    ),
+    ("gemma3", "tiny"): SizeSpec(
+        description="tests: SigLIP 3x64 at 112x112 (8x8 patches pooled to 16 soft tokens), Gemma 3 LM 3x96"
+        " (2 sliding-window layers, 1 global)",
+        vision_layers=3,
+        vision_dim=64,
+        vision_heads=4,
+        vision_mlp=128,
+        lm_layers=3,
+        lm_dim=96,
+        lm_heads=3,  # head_dim 32 (vLLM's CPU attention: 32, 64, 80, ...)
+        lm_kv_heads=1,
+        lm_mlp=192,
+        clip_image_size=112,
+        mm_tokens_per_image=16,
     ),
     ("llava", "tiny"): SizeSpec(
         description="tests: CLIP 3x64 at 84x84 (36 image tokens), Llama 3x96",
@@ -274,6 +292,35 @@ LLAVA_CHAT_TEMPLATE = (
 
 LLAVA_IMAGE_TOKEN = "<image>"
 
+# Gemma 3's chat template (as its checkpoints ship it, tools aside): BOS, a system message folded
+# into the first user turn, "model" for the assistant, one <start_of_image> per image (the
+# processor expands it to the image's soft tokens).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
 
 def _learn_bpe(words: list[str], num_merges: int) -> list[tuple[str, str]]:
     """Plain BPE: repeatedly merge the most frequent adjacent pair (ties: smallest pair).
@@ -385,6 +432,31 @@ def _build_llama_tokenizer():
     return tok
 
 
+def _build_gemma_tokenizer():
+    """Gemma's pipeline (SentencePiece-style BPE, byte fallback, BOS added) with Gemma 3's turn
+    and image special tokens, the image ones also as the tokenizer's ``boi_token`` /
+    ``eoi_token`` / ``image_token`` (what Gemma 3's processor reads)."""
+    from transformers import GemmaTokenizer
+
+    words = ["\u2581" + w for w in _CORPUS.split()]
+    merges = _learn_bpe(words, _NUM_MERGES)
+    vocab: dict[str, int] = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for ch in sorted({c for w in words for c in w}):
+        vocab.setdefault(ch, len(vocab))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]  # the tokenizers library takes (a, b) pairs (typed as "a b")
+        add_bos_token=True, extra_special_tokens=GEMMA3_SPECIAL, model_max_length=4096
+    )
+    turns = ["<start_of_turn>", "<end_of_turn>", *GEMMA3_SPECIAL.values()]
+    tok.add_tokens([_added_special(t) for t in turns], special_tokens=True)
+    return tok
+
+
 def _added_special(content: str):
     from tokenizers import AddedToken
 
@@ -435,12 +507,25 @@ def _rewrite_weights(src: Path, dst: Path, *, arch: str, seed: int) -> int:
         names = sorted(fh.keys())
         shapes = {n: tuple(fh.get_slice(n).get_shape()) for n in names}
     for name in names:
+        if arch == "gemma3" and name.endswith("lm_head.weight"):
+            continue  # tied to the token embeddings, as in Gemma 3 checkpoints (none has an lm_head)
         out_name = name
-        if arch == "llava" and name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-            # transformers 5.x saves CLIP without the ``vision_model`` level; the Hub / vLLM
-            # layout has it, and transformers maps it back on load.
+        if (
+            arch in ("llava", "gemma3")
+            and name.startswith("vision_tower.")
+            and not name.startswith("vision_tower.vision_model.")
+        ):
+            # transformers 5.x saves CLIP / SigLIP without the ``vision_model`` level; the Hub /
+            # vLLM layout has it, and transformers maps it back on load.
             out_name = "vision_tower.vision_model." + name[len("vision_tower.") :]
-        tensors[out_name] = _draw(out_name, shapes[name], seed).contiguous()
+        tensor = _draw(out_name, shapes[name], seed)
+        if arch == "gemma3" and out_name.endswith("embed_tokens.weight"):
+            # Gemma scales token embeddings by sqrt(hidden) in its forward: unit scale after it, as
+            # the image's soft tokens have (otherwise text drowns the image out)
+            tensor = tensor / math.sqrt(shapes[name][1])
+        elif out_name.endswith("mm_input_projection_weight"):
+            tensor = tensor * math.sqrt(shapes[name][1] / shapes[name][0])  # used as x @ w: fan-in is dim 0
+        tensors[out_name] = tensor.contiguous()
     save_file(dict(sorted(tensors.items())), str(dst), metadata={"format": "pt"})
     dst.chmod(0o644)  # safetensors creates the file 0600; the folder is shared read-only data
     return sum(t.numel() for t in tensors.values())
@@ -636,6 +721,62 @@ def _llava_config(spec: SizeSpec, tok) -> Any:
     )
 
 
+def _gemma3_config(spec: SizeSpec, tok) -> Any:
+    from transformers import Gemma3Config
+
+    head_dim = spec.lm_dim // spec.lm_heads
+    return Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=spec.lm_dim,
+            intermediate_size=spec.lm_mlp,
+            num_hidden_layers=spec.lm_layers,
+            num_attention_heads=spec.lm_heads,
+            num_key_value_heads=spec.lm_kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            max_position_embeddings=4096,
+            sliding_window=4096,
+            layer_types=["sliding_attention"] * (spec.lm_layers - 1) + ["full_attention"],
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")],
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=spec.vision_dim,
+            intermediate_size=spec.vision_mlp,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=spec.clip_image_size,
+            patch_size=14,
+            vision_use_head=False,
+        ),
+        mm_tokens_per_image=spec.mm_tokens_per_image,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+    )
+
+
+def _gemma3_processor(spec: SizeSpec, tok):
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    size = spec.clip_image_size
+    image_processor = Gemma3ImageProcessor(
+        size={"height": size, "width": size},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        do_pan_and_scan=False,
+    )
+    return Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        image_seq_length=spec.mm_tokens_per_image,
+    )
+
+
 def _qwen2_vl_processor(spec: SizeSpec, tok):
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
@@ -756,6 +897,7 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
     """
     import torch
     from transformers import (
+        Gemma3ForConditionalGeneration,
         GenerationConfig,
         LlavaForConditionalGeneration,
         PreTrainedModel,
@@ -789,6 +931,16 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
             eos_token_id=eos_ids,
             pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        )
+    elif arch == "gemma3":
+        tok = _build_gemma_tokenizer()
+        config = _gemma3_config(spec, tok)
+        processor = _gemma3_processor(spec, tok)
+        model_cls = Gemma3ForConditionalGeneration
+        gen_config = GenerationConfig(
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")],
+            pad_token_id=tok.pad_token_id,
         )
     else:
         tok = _build_llama_tokenizer()
