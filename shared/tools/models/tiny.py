@@ -439,11 +439,14 @@ def _build_gemma_tokenizer():
     from transformers import GemmaTokenizer
 
     words = ["\u2581" + w for w in _CORPUS.split()]
-    merges = _learn_bpe(words, _NUM_MERGES)
+    # Runs of up to four newlines are one token each, as in Gemma's vocabulary (its processor puts
+    # "\n\n" around every image; vLLM's Gemma 3 support looks these four tokens up)
+    newlines = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
+    merges = newlines + _learn_bpe(words, _NUM_MERGES)
     vocab: dict[str, int] = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
     for byte in range(256):
         vocab[f"<0x{byte:02X}>"] = len(vocab)
-    for ch in sorted({c for w in words for c in w}):
+    for ch in ["\n", *sorted({c for w in words for c in w})]:
         vocab.setdefault(ch, len(vocab))
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
