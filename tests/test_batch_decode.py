@@ -25,7 +25,7 @@ from shared.store.kv import KVObject
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
-ARCHS = ["qwen2_vl", "llava"]
+ARCHS = ["qwen2_vl", "llava", "qwen3_vl", "gemma3"]
 N = 24
 #: Logits of a request decoded in a batch may differ from the same request decoded alone in the
 #: last bits (matmuls with M = rows, attention over padded columns). Measured on these models:
@@ -162,7 +162,7 @@ async def test_padding_mask_and_positions_matter(engine, requests_):
     good, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins)
     bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoMask)
     assert bad != good
-    if engine.arch == "qwen2_vl":  # M-RoPE
+    if engine.arch in ("qwen2_vl", "qwen3_vl"):  # M-RoPE
         bad, *_ = await on_engine(engine, _run_batch, engine, requests_, lambda i: _greedy(), joins, NoRopeDelta)
         assert bad != good
 
@@ -392,7 +392,7 @@ def _v2_params(engine) -> list[SamplingParams]:
         SamplingParams(max_tokens=N, temperature=0.9, seed=7, top_k=5, min_p=0.05, presence_penalty=0.8, logprobs=0),
         _greedy(frequency_penalty=1.0, presence_penalty=-0.5, logit_bias=((5, 2.0), (9, -1.0))),
         SamplingParams(max_tokens=N, temperature=0.0, min_tokens=4, logit_bias=((eos, 100.0),)),  # EOS after 4
-        _greedy(stop_token_ids=(7,), min_tokens=2, logit_bias=((7, 3.0),)),
+        _greedy(stop_token_ids=(7,), min_tokens=2, logit_bias=((7, 30.0),)),
         SamplingParams(max_tokens=N, temperature=1.0, seed=3, ignore_eos=True, top_k=2, repetition_penalty=0.8),
     ]
 

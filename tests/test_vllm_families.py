@@ -23,7 +23,15 @@ from PIL import Image
 
 from shared.engines.base import GenerationStats, MediaImage
 from shared.media import content_hash_of
-from tests.stackutil import engine_messages, noise_image, png_bytes, require_vllm_tier
+from tests.stackutil import (
+    api_tokens,
+    engine_messages,
+    final_result,
+    noise_image,
+    png_bytes,
+    require_vllm_tier,
+    start_stack,
+)
 from tests.vllmutil import GREEDY, close_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -83,21 +91,13 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory) -> dict[str, list[
 
 
 @pytest.fixture(scope="module")
-def ours(plain_tokens, family_dir, vllm_work_dir):
-    """Our vLLM engine (agg: no connector) on the family's folder, started once the plain run ended."""
+def our_answers(plain_tokens, family_dir, vllm_work_dir) -> dict[str, tuple[list[int], str]]:
+    """Every case's greedy token ids and text from our vLLM engine (agg: no connector) on the
+    family's folder, started once the plain run ended and closed before the family's stack starts."""
     from shared.engines.vllm_engine import VllmEngine
 
-    require_vllm_tier("ours")
-    engine = VllmEngine(family_dir, dtype="float32", model_id=family_dir.name, work_dir=vllm_work_dir)
-    try:
-        yield engine
-    finally:
-        close_engine(engine)
-
-
-@pytest.fixture(scope="module")
-def our_answers(ours) -> dict[str, tuple[list[int], str]]:
-    """Every case's greedy token ids and text from our engine."""
+    require_vllm_tier("our_answers")
+    ours = VllmEngine(family_dir, dtype="float32", model_id=family_dir.name, work_dir=vllm_work_dir)
 
     async def answer(text: str, images: list[Image.Image]) -> tuple[list[int], str]:
         items = [MediaImage(image=i, item_hash=content_hash_of(i)) for i in images]
@@ -108,7 +108,32 @@ def our_answers(ours) -> dict[str, tuple[list[int], str]]:
     async def all_cases():
         return {name: await answer(text, images) for name, (text, images) in CASES.items()}
 
-    return asyncio.run(all_cases())
+    try:
+        return asyncio.run(all_cases())
+    finally:
+        close_engine(ours)
+
+
+@pytest.fixture(scope="module")
+def family_stack(our_answers, nats_server, s3_server, family_dir, tmp_path_factory):
+    """An e-pd stack on the vLLM engine (an encoder worker and a PD worker, each a vLLM; features
+    through the store and our EC connector), after the in-process engine closed."""
+    work = tmp_path_factory.mktemp(f"{family_dir.name}-stack")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        family_dir,
+        work / "logs",
+        ready_timeout=900,  # two vLLM engines start at once (~40-90 s each on 2 cores)
+        EPD_ENGINE="vllm",
+        EPD_VLLM_DIR=str(work / "vllm"),
+        EPD_MAX_IMAGES_PER_REQUEST="2",
+        EPD_ENCODE_STEALS="0",  # every image's features through the store (what the test holds)
+    )
+    try:
+        yield running
+    finally:
+        running.stack.stop()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -122,3 +147,18 @@ def test_greedy_tokens_equal_plain_vllm(family_dir, plain_tokens, our_answers, c
 def test_another_image_gives_other_tokens(family_dir, plain_tokens, our_answers):
     assert plain_tokens["image"] != plain_tokens["other-image"]
     assert our_answers["image"][0] != our_answers["other-image"][0]
+
+
+def test_e_pd_stack_equals_plain_vllm(family_dir, plain_tokens, family_stack):
+    """E|PD on the vLLM engine: every case through the API (each image encoded by the encoder
+    worker, its EC object - Qwen3-VL's with the deepstack features - read by the PD worker through
+    our connector) gives the plain run's tokens; another image gives other ones."""
+    got = {name: api_tokens(family_stack, text, images) for name, (text, images) in CASES.items()}
+    for name, (ids, body) in got.items():
+        assert ids == plain_tokens[name], (family_dir.name, name)
+        assert body["choices"][0]["message"]["content"].strip(), f"{family_dir.name} {name}: an empty answer"
+    assert got["image"][0] != got["other-image"][0]
+    sources = [
+        final_result(family_stack, body["id"]).ec_sources for name, (_, body) in got.items() if name != "text-only"
+    ]
+    assert all(sources) and all(v == "store" for s in sources for v in s.values()), sources

@@ -212,7 +212,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         ]
         family_len = self.family.max_context()
         if family_len is not None:
-            limits.append((family_len, f"the sliding window of {self.arch}'s LM, which the transformers engine serves"))
+            limits.append(
+                (family_len, f"the sliding window of the {self.arch} LM: the transformers engine stays within it")
+            )
         if max_model_len:
             limits.append((max_model_len, "EPD_MAX_MODEL_LEN"))
         #: the context served: prompt + max_tokens of a request stay within it (EPD_MAX_MODEL_LEN lowers the model's);
@@ -460,10 +462,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return ids
 
     def build_prompt_ids(self, messages: Prompt, images: Sequence[EncodedImage]) -> list[int]:
-        """Prompt token ids with each image placeholder expanded to its ``n_tokens`` copies,
-        exactly as the HF processor does (it repeats the placeholder string, then tokenizes;
-        special tokens split the text, so repeating at the id level is identical). A
-        :class:`RawPrompt`: :meth:`raw_prompt_ids`."""
+        """Prompt token ids with each image placeholder expanded to its ``n_tokens`` image tokens,
+        exactly as the family's HF processor does (``VisionFamily.expand``). A :class:`RawPrompt`:
+        :meth:`raw_prompt_ids`."""
         if isinstance(messages, RawPrompt):
             return self.raw_prompt_ids(messages, images)
         messages, tools = chat_parts(messages)
