@@ -403,19 +403,26 @@ def _build_qwen2_tokenizer(corpus: str = _CORPUS, num_merges: int = _NUM_MERGES)
     )
 
 
+def _byte_fallback_vocab(specials: list[str], chars: list[str], merges: list[tuple[str, str]]) -> dict[str, int]:
+    """A SentencePiece-style vocabulary: ``specials`` first, the 256 byte-fallback tokens, the
+    single characters, then each merge's result, in that order."""
+    vocab = {token: i for i, token in enumerate(specials)}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab
+
+
 def _build_llama_tokenizer():
     """SentencePiece-style BPE (``▁`` word marker + byte fallback), Llama's pipeline."""
     from transformers import LlamaTokenizer
 
     words = ["\u2581" + w for w in _CORPUS.split()]
     merges = _learn_bpe(words, _NUM_MERGES)
-    vocab: dict[str, int] = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    for ch in sorted({c for w in words for c in w}):
-        vocab.setdefault(ch, len(vocab))
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
+    vocab = _byte_fallback_vocab(["<unk>", "<s>", "</s>"], sorted({c for w in words for c in w}), merges)
     tok = LlamaTokenizer(
         vocab=vocab,
         merges=merges,
@@ -443,13 +450,8 @@ def _build_gemma_tokenizer():
     # "\n\n" around every image; vLLM's Gemma 3 support looks these four tokens up)
     newlines = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
     merges = newlines + _learn_bpe(words, _NUM_MERGES)
-    vocab: dict[str, int] = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    for ch in ["\n", *sorted({c for w in words for c in w})]:
-        vocab.setdefault(ch, len(vocab))
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
+    chars = ["\n", *sorted({c for w in words for c in w})]
+    vocab = _byte_fallback_vocab(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], chars, merges)
     tok = GemmaTokenizer(
         vocab=vocab,
         merges=merges,  # type: ignore[arg-type]  # the tokenizers library takes (a, b) pairs (typed as "a b")
