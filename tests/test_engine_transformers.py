@@ -26,11 +26,11 @@ from shared.store.tensors import tensor_to_raw
 from shared.tools.models.tiny import build_tiny_model
 from tests.stackutil import noise_image
 
-ARCHS = ["qwen2_vl", "llava", "qwen2_5_vl", "qwen3_vl", "gemma3"]
+ARCHS = ["qwen2_vl", "llava", "qwen2_5_vl", "qwen3_vl", "gemma3", "internvl"]
 #: the families whose images are patch grids (M-RoPE positions over them)
 GRID_ARCHS = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 #: the token each family's chat template writes for an image
-PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>"}
+PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>", "internvl": "<IMG_CONTEXT>"}
 N_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -162,7 +162,10 @@ async def test_encode_shapes(engine):
         if engine.arch != "qwen3_vl":  # 14-px patches (Qwen3-VL's are 16)
             assert encoded[0].grid_thw == (1, 4, 4) and encoded[0].n_tokens == 4
     else:
-        assert all(e.grid_thw is None and e.n_tokens == {"llava": 36, "gemma3": 16}[engine.arch] for e in encoded)
+        tokens = {"llava": [36, 36], "gemma3": [16, 16], "internvl": [28, 12]}[
+            engine.arch
+        ]  # (InternVL: 6 + 1, 2 + 1 tiles)
+        assert [e.n_tokens for e in encoded] == tokens and all(e.grid_thw is None for e in encoded)
     # Per-image encoding: the same image alone or in a batch gives identical features.
     alone = (await engine.encode([IMAGES["thin"]]))[0]
     assert torch.equal(alone.features, encoded[1].features)
@@ -234,7 +237,10 @@ async def test_other_images_features_change_the_output(engine):
     """Negative control: the equality test above could fail. (Qwen3-VL's tiny build barely tells
     one noise image from another: its other image is a white one of the same size.)"""
     messages, _ = CASES["one-image"]
-    other = Image.new("RGB", (56, 56), "white") if engine.arch == "qwen3_vl" else IMAGES["square"]
+    other = {
+        "qwen3_vl": Image.new("RGB", (56, 56), "white"),
+        "internvl": noise_image(99, (64, 48)),  # (the tile count follows the size: the same size)
+    }.get(engine.arch, IMAGES["square"])
     wide, square = await engine.encode([IMAGES["wide"], other])
     assert wide.n_tokens == square.n_tokens
     ids_wide, _, _ = await _run(engine, messages, [wide])

@@ -19,7 +19,7 @@ from PIL import Image
 
 from tests.stackutil import GREEDY, api_tokens, engine_messages, noise_image, start_stack
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl")
 COMBOS = [(family, topology) for family in FAMILIES for topology in ("agg", "e-pd", "e-p-d")]
 
 
@@ -28,7 +28,8 @@ def _white(size: tuple[int, int]) -> Image.Image:
     return Image.new("RGB", size, (255, 255, 255))
 
 
-#: name -> (text, images)
+#: name -> (text, images); InternVL's tiny build cuts them into 1, 6 + a thumbnail (its most) and 2 + a
+#: thumbnail tiles
 CASES: dict[str, tuple[str, list[Image.Image]]] = {
     "small-square": ("Describe the image.", [noise_image(21, (56, 56))]),
     "wide": ("Describe the image.", [noise_image(22, (140, 84))]),

@@ -26,6 +26,7 @@ VISION_SETTING = {
     "qwen2_5_vl": ("vision_config.window_size", 28),
     "qwen3_vl": ("vision_config.deepstack_visual_indexes", [0]),
     "gemma3": ("mm_tokens_per_image", 4),
+    "internvl": ("downsample_ratio", 0.25),
 }
 
 

@@ -34,12 +34,12 @@ def test_vllm_engine_refuses_an_unproven_family_before_starting_vllm(tmp_path):
     assert not work_dir.exists()  # refused before vLLM's folders (and vLLM) were set up
 
 
-@pytest.mark.parametrize("model_type", ["internvl", "llava_onevision"])
+@pytest.mark.parametrize("model_type", ["llava_onevision", "idefics3"])
 def test_transformers_engine_refuses_what_it_does_not_serve(tmp_path, model_type):
     from shared.engines.transformers_engine import TransformersEngine
 
     folder = _folder(tmp_path, model_type)
-    supported = "['gemma3', 'llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl']"
+    supported = "['gemma3', 'internvl', 'llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl']"
     message = f"unsupported model_type {model_type!r} for the transformers engine; supported: {supported}"
     with pytest.raises(EngineError, match=re.escape(message)):
         TransformersEngine(folder)
@@ -47,7 +47,7 @@ def test_transformers_engine_refuses_what_it_does_not_serve(tmp_path, model_type
 
 def test_supported_families_per_engine():
     assert SUPPORTED_FAMILIES == {
-        "transformers": ("gemma3", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+        "transformers": ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
         "vllm": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
     }
 
@@ -83,7 +83,7 @@ def test_the_transformers_list_is_its_family_modules():
     assert SUPPORTED_FAMILIES["transformers"] == tuple(sorted(TRANSFORMERS_FAMILIES))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl"])
 def test_feature_width_is_what_the_engine_encodes(tmp_path, family):
     """shared.families.feature_width (what the vLLM EC connector checks objects against) is the
     width of the transformers engine's features - and of vLLM's Qwen3-VL cache (96 x 3, seen)."""

@@ -13,7 +13,7 @@ from shared.fingerprint import is_encoder_tensor, read_safetensors_header
 from shared.tools.models.tiny import ARCHS, SIZES, build_tiny_model
 from tests.stackutil import noise_image
 
-TINY_ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"]
+TINY_ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl"]
 QWEN_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: arch -> (transformers model class name, processor class name, image tokens of a 64x48 image)
 FAMILY = {
@@ -22,6 +22,7 @@ FAMILY = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 4),
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", 36),
     "gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", 16),
+    "internvl": ("InternVLForConditionalGeneration", "InternVLProcessor", 28),  # 6 tiles + a thumbnail
 }
 
 
@@ -81,6 +82,9 @@ def test_checkpoint_uses_hub_layout_and_fan_in_init(builds, arch):
         assert all(
             n.startswith(("vision_tower.vision_model.", "multi_modal_projector.", "language_model.")) for n in names
         )
+    elif arch == "internvl":
+        prefixes = ("vision_tower.", "multi_modal_projector.", "language_model.model.", "language_model.lm_head.")
+        assert all(n.startswith(prefixes) for n in names)
     elif arch == "gemma3":  # (no lm_head: tied to the token embeddings, as in Gemma 3 checkpoints)
         assert all(
             n.startswith(("vision_tower.vision_model.", "multi_modal_projector.", "language_model.model."))
@@ -132,6 +136,9 @@ def test_folder_loads_with_transformers(builds, arch):
             assert tok.convert_tokens_to_ids(name) == getattr(cfg, attr)
         for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
             assert tok.convert_tokens_to_ids(name) not in (None, tok.unk_token_id)
+    elif arch == "internvl":
+        assert tok.convert_tokens_to_ids("<IMG_CONTEXT>") == cfg.image_token_id == tok.context_image_token_id
+        assert tok.start_image_token == "<img>" and tok.end_image_token == "</img>"
     elif arch == "gemma3":
         assert tok.convert_tokens_to_ids("<image_soft_token>") == cfg.image_token_id == tok.image_token_id
         assert tok.convert_tokens_to_ids("<start_of_image>") == cfg.boi_token_id == tok.boi_token_id
@@ -149,6 +156,8 @@ def test_folder_loads_with_transformers(builds, arch):
         assert text.endswith("<|im_start|>assistant\n")
     elif arch == "gemma3":
         assert text == "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
+    elif arch == "internvl":
+        assert "<|im_start|>user\n<IMG_CONTEXT>\nWhat is this?<|im_end|>" in text
     else:
         assert text == "USER: <image>\nWhat is this?\nASSISTANT:"
     inputs = processor(text=text, images=[noise_image(0, (64, 48))], return_tensors="pt")
@@ -159,7 +168,7 @@ def test_folder_loads_with_transformers(builds, arch):
     assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3", "internvl"])
 def test_output_depends_on_the_image(builds, arch):
     """The re-drawn weights make the output follow the image (an equality test against these
     models can fail): two images give two greedy continuations. (The tiny Qwen3-VL gives the same
@@ -212,7 +221,7 @@ def test_bench_size_is_about_130m_params(tmp_path_factory):
 
 
 def test_sizes_and_archs_are_described():
-    assert set(ARCHS) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"}
+    assert set(ARCHS) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl"}
     assert all((arch, "tiny") in SIZES for arch in ARCHS)
     assert ("qwen2_vl", "tiny") in SIZES and ("qwen2_vl", "bench") in SIZES and ("llava", "tiny") in SIZES
     assert all(spec.description for spec in SIZES.values())

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 #: families as ``SUPPORTED_FAMILIES["transformers"]`` (tests/test_model_families.py)
 TRANSFORMERS_FAMILIES: dict[str, str] = {
     "gemma3": "gemma3:Gemma3",
+    "internvl": "internvl:InternVL",
     "llava": "llava:Llava",
     "qwen2_5_vl": "qwen_vl:Qwen25VL",
     "qwen2_vl": "qwen_vl:Qwen2VL",

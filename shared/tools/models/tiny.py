@@ -42,6 +42,7 @@ ARCHS: dict[str, str] = {
     "qwen3_vl": "Qwen3-VL (ViT with learned position embeddings and deepstack mergers, Qwen3 LM, interleaved M-RoPE)",
     "llava": "LLaVA-1.5 style (CLIP ViT + MLP projector + Llama LM)",
     "gemma3": "Gemma 3 (SigLIP ViT, pooled to a fixed number of soft tokens; Gemma 3 LM with sliding and global layers)",
+    "internvl": "InternVL 3 (InternViT on 1-6 tiles plus a thumbnail, pixel shuffle, MLP projector, Qwen2 LM)",
 }
 
 
@@ -63,6 +64,8 @@ class SizeSpec:
     clip_image_size: int = 84
     #: Gemma 3: soft tokens per image (a square: the patch grid is average-pooled to it)
     mm_tokens_per_image: int = 16
+    #: InternVL: the most tiles of an image (a thumbnail is added when there are several)
+    max_tiles: int = 6
 
 
 #: Available (arch, size) pairs.
@@ -139,6 +142,21 @@ SIZES: dict[tuple[str, str], SizeSpec] = {
         lm_mlp=192,
         clip_image_size=112,
         mm_tokens_per_image=16,
+    ),
+    ("internvl", "tiny"): SizeSpec(
+        description="tests: InternViT 3x64 on 56x56 tiles (4 tokens each after the pixel shuffle), up to 6 tiles"
+        " plus a thumbnail (28 image tokens), Qwen2 LM 3x96",
+        vision_layers=3,
+        vision_dim=64,
+        vision_heads=4,
+        vision_mlp=128,
+        lm_layers=3,
+        lm_dim=96,
+        lm_heads=3,
+        lm_kv_heads=3,
+        lm_mlp=192,
+        clip_image_size=56,
+        max_tiles=6,
     ),
     ("llava", "tiny"): SizeSpec(
         description="tests: CLIP 3x64 at 84x84 (36 image tokens), Llama 3x96",
@@ -319,6 +337,23 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
+# InternVL's chat template (Qwen2's turns; an image is "<IMG_CONTEXT>\n", which the processor
+# expands to "<img>" + its tiles' tokens + "</img>")
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+INTERNVL_SPECIAL = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
 GEMMA3_SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
@@ -353,9 +388,12 @@ def _learn_bpe(words: list[str], num_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def _build_qwen2_tokenizer(corpus: str = _CORPUS, num_merges: int = _NUM_MERGES):
+def _build_qwen2_tokenizer(
+    corpus: str = _CORPUS, num_merges: int = _NUM_MERGES, extra_special: dict[str, str] | None = None
+):
     """Byte-level BPE with Qwen2's normalizer / pre-tokenizer / decoder and its special tokens,
-    its merges learned on ``corpus``."""
+    its merges learned on ``corpus``; ``extra_special``: more special tokens, each also a named
+    attribute of the tokenizer (InternVL's ``context_image_token`` etc.)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -390,7 +428,9 @@ def _build_qwen2_tokenizer(corpus: str = _CORPUS, num_merges: int = _NUM_MERGES)
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
+    specials = [*QWEN2_SPECIAL_TOKENS, *(extra_special or {}).values()]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    more: dict[str, Any] = {"extra_special_tokens": extra_special} if extra_special else {}
     return Qwen2Tokenizer(
         tokenizer_object=tok,
         bos_token=None,
@@ -400,6 +440,7 @@ def _build_qwen2_tokenizer(corpus: str = _CORPUS, num_merges: int = _NUM_MERGES)
         model_max_length=32768,
         errors="replace",
         split_special_tokens=False,
+        **more,
     )
 
 
@@ -764,6 +805,64 @@ def _gemma3_config(spec: SizeSpec, tok) -> Any:
     )
 
 
+def _internvl_config(spec: SizeSpec, tok) -> Any:
+    from transformers import InternVLConfig
+
+    side = spec.clip_image_size
+    return InternVLConfig(
+        vision_config=dict(
+            hidden_size=spec.vision_dim,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            intermediate_size=spec.vision_mlp,
+            image_size=[side, side],
+            patch_size=[14, 14],
+        ),
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=len(tok),
+            hidden_size=spec.lm_dim,
+            intermediate_size=spec.lm_mlp,
+            num_hidden_layers=spec.lm_layers,
+            num_attention_heads=spec.lm_heads,
+            num_key_value_heads=spec.lm_kv_heads,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            tie_word_embeddings=False,
+        ),
+        image_token_id=tok.context_image_token_id,
+        image_seq_length=(side // 14) ** 2 // 4,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+
+
+def _internvl_processor(spec: SizeSpec, tok):
+    from transformers import GotOcr2ImageProcessor, InternVLProcessor
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+    side = {"height": spec.clip_image_size, "width": spec.clip_image_size}
+    image_processor = GotOcr2ImageProcessor(
+        size=side,
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=spec.max_tiles,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    )
+    return InternVLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=InternVLVideoProcessor(size=side),
+        image_seq_length=(spec.clip_image_size // 14) ** 2 // 4,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
+
+
 def _gemma3_processor(spec: SizeSpec, tok):
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
@@ -904,6 +1003,7 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
     from transformers import (
         Gemma3ForConditionalGeneration,
         GenerationConfig,
+        InternVLForConditionalGeneration,
         LlavaForConditionalGeneration,
         PreTrainedModel,
         Qwen2_5_VLForConditionalGeneration,
@@ -935,6 +1035,16 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_vl", size: str =
         gen_config = GenerationConfig(
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
             eos_token_id=eos_ids,
+            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        )
+    elif arch == "internvl":
+        tok = _build_qwen2_tokenizer(extra_special=INTERNVL_SPECIAL)
+        config = _internvl_config(spec, tok)
+        processor = _internvl_processor(spec, tok)
+        model_cls = InternVLForConditionalGeneration
+        gen_config = GenerationConfig(
+            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
             pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         )
     elif arch == "gemma3":
