@@ -315,7 +315,7 @@ def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anyth
     for name in [k for k in os.environ if k.startswith("EPD_")]:
         monkeypatch.delenv(name)
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "internvl"}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
 
     def nothing_starts(*a, **kw):
         raise AssertionError("epd up started something")

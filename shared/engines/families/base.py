@@ -104,7 +104,7 @@ class VisionFamily(ABC):
 
         # (typed as one tensor; forward concatenates the per-image tuple get_image_features returns)
         per_image = tuple(im.features.to(dtype) for im in images)
-        return {"image": BaseModelOutputWithPooling(pooler_output=per_image)}  # type: ignore[arg-type]
+        return {"image": BaseModelOutputWithPooling(pooler_output=per_image)}  # type: ignore[arg-type]  # typed as one tensor
 
     def prefill_kwargs(self, input_ids: torch.Tensor) -> dict[str, Any]:
         """More arguments of the prefill's LM forward (e.g. a mask's token types)."""

@@ -47,7 +47,7 @@ class Gemma3(VisionFamily):
 
         # (forward takes one [images, tokens, hidden] tensor: every image has the same token count)
         features = torch.stack([im.features.to(dtype) for im in images])
-        return {"image": BaseModelOutputWithPooling(pooler_output=features)}  # type: ignore[arg-type]
+        return {"image": BaseModelOutputWithPooling(pooler_output=features)}  # type: ignore[arg-type]  # a float Tensor, typed FloatTensor
 
     def prefill_kwargs(self, input_ids: torch.Tensor) -> dict[str, Any]:
         """The image tokens, for the mask that lets them attend to each other both ways."""

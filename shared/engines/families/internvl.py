@@ -73,4 +73,4 @@ class InternVL(VisionFamily):
 
         # (forward takes the features of every image's tiles as one tensor, in prompt order)
         features = torch.cat([im.features.to(dtype) for im in images])
-        return {"image": BaseModelOutputWithPooling(pooler_output=features)}  # type: ignore[arg-type]
+        return {"image": BaseModelOutputWithPooling(pooler_output=features)}  # type: ignore[arg-type]  # a float Tensor, typed FloatTensor

@@ -33,7 +33,7 @@ class Qwen3VL(QwenVL):
         parts = [torch.split(im.features.to(dtype), self.hidden_size, dim=1) for im in images]
         # (typed as tensors; forward takes get_image_features's per-image tuples, as here)
         out = BaseModelOutputWithDeepstackFeatures(
-            pooler_output=tuple(p[0] for p in parts),  # type: ignore[arg-type]
-            deepstack_features=[tuple(p[1 + k] for p in parts) for k in range(self.deepstack_layers)],  # type: ignore[misc]
+            pooler_output=tuple(p[0] for p in parts),  # type: ignore[arg-type]  # a tuple, as forward takes
+            deepstack_features=[tuple(p[1 + k] for p in parts) for k in range(self.deepstack_layers)],  # type: ignore[misc]  # tuples
         )
         return {"image": out}
