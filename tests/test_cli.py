@@ -326,7 +326,7 @@ def test_epd_up_refuses_a_family_its_engine_does_not_serve_before_starting_anyth
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        f"epd up: --model {tmp_path / 'm'}: unsupported model_type 'internvl' for the {engine} engine"
+        f"epd up: --model {tmp_path / 'm'}: unsupported model_type 'llava_onevision' for the {engine} engine"
     )
     assert str(list(SUPPORTED_FAMILIES[engine])) in err
     assert not data_dir.exists()
