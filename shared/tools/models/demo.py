@@ -44,7 +44,7 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "qwen2-vl-shapes"
 MODEL_NAME = "qwen2-vl-shapes"
 
 SPEC = SizeSpec(
-    description="demo: trained on synthetic shapes; vision 3x128, LM 4x128, 16-36 image tokens (2.2M params)",
+    description="demo: trained on synthetic shapes; vision 3x128, LM 4x128, 16-64 image tokens (2.2M params)",
     vision_layers=3,
     vision_dim=128,
     vision_heads=4,
@@ -55,7 +55,7 @@ SPEC = SizeSpec(
     lm_kv_heads=4,
     lm_mlp=512,
     min_pixels=112 * 112,
-    max_pixels=168 * 168,
+    max_pixels=224 * 224,
 )
 
 # The tokenizer's merges are learned on the questions and answers (so each answer is one token
@@ -75,6 +75,8 @@ TRAIN_SEED_BASE = 1_000_000
 #: how often each template is drawn for training (shape and count questions are the hard ones)
 TEMPLATE_WEIGHTS = (0.12, 0.33, 0.38, 0.17)
 AUX_WEIGHT = 0.5
+#: the share of training scenes whose sides are drawn log-uniformly (more small, elongated pictures)
+LOG_SIDES_SHARE = 0.5
 #: optimizer steps of `epd model train-demo`
 DEFAULT_STEPS = 1800
 
@@ -253,7 +255,8 @@ def train_demo_model(
     for step in range(steps):
         cases = []
         for _ in range(batch_size):
-            cases.append(shapes.make_case(rng.choices(templates, TEMPLATE_WEIGHTS)[0], case_no))
+            template = rng.choices(templates, TEMPLATE_WEIGHTS)[0]
+            cases.append(shapes.make_case(template, case_no, log_sides=rng.random() < LOG_SIDES_SHARE))
             case_no += 1
         inputs = _batch(processor, cases, eos)
         loss = model(**inputs).loss

@@ -160,10 +160,19 @@ def _background(rng: random.Random) -> tuple[int, int, int]:
 
 
 def random_scene(
-    rng: random.Random, n_shapes: int, *, colours: list[str] | None = None, shapes: list[str] | None = None
+    rng: random.Random,
+    n_shapes: int,
+    *,
+    colours: list[str] | None = None,
+    shapes: list[str] | None = None,
+    log_sides: bool = False,
 ) -> Scene:
-    """A scene with ``n_shapes`` non-overlapping shapes (``colours`` / ``shapes``: per shape, else drawn)."""
-    width, height = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
+    """A scene with ``n_shapes`` non-overlapping shapes (``colours`` / ``shapes``: per shape, else drawn).
+    ``log_sides``: each side drawn log-uniformly (more small and elongated pictures) instead of uniformly."""
+    if log_sides:
+        width, height = (round(math.exp(rng.uniform(math.log(MIN_SIDE), math.log(MAX_SIDE)))) for _ in range(2))
+    else:
+        width, height = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
     if rng.random() < 0.3:  # a third of the scenes: square-ish (a side drawn near the other)
         height = max(MIN_SIDE, min(MAX_SIDE, round(width * rng.uniform(0.8, 1.25))))
     side = min(width, height)
@@ -177,7 +186,7 @@ def random_scene(
             if all(math.hypot(cx - o.cx, cy - o.cy) > (r + o.r) * math.sqrt(2) + gap for o in items):
                 break
         else:  # cannot place it: start the scene again
-            return random_scene(rng, n_shapes, colours=colours, shapes=shapes)
+            return random_scene(rng, n_shapes, colours=colours, shapes=shapes, log_sides=log_sides)
         items.append(
             Item(
                 shape=shapes[i] if shapes else rng.choice(SHAPES),
@@ -243,20 +252,20 @@ class Case(Generic[D]):
         return reply.strip().rstrip(".").strip().lower() == self.answer
 
 
-def make_case(template: Template, seed: int) -> Case[Scene]:
-    """The case of ``template`` number ``seed`` (deterministic)."""
+def make_case(template: Template, seed: int, *, log_sides: bool = False) -> Case[Scene]:
+    """The case of ``template`` number ``seed`` (deterministic; ``log_sides``: see :func:`random_scene`)."""
     rng = random.Random(f"epd-shapes|{template.value}|{seed}")
     question = rng.choice(QUESTIONS[template])
     text_last = rng.random() < 0.5
     if template is Template.COLOUR:
-        scene = random_scene(rng, 1)
+        scene = random_scene(rng, 1, log_sides=log_sides)
         return Case(template, (scene,), question, text_last, scene.items[0].colour)
     if template is Template.SHAPE:
-        scene = random_scene(rng, 1)
+        scene = random_scene(rng, 1, log_sides=log_sides)
         return Case(template, (scene,), question, text_last, scene.items[0].shape)
     if template is Template.COUNT:
         n = rng.randint(1, 3)
-        return Case(template, (random_scene(rng, n),), question, text_last, NUMBER_WORDS[n - 1])
+        return Case(template, (random_scene(rng, n, log_sides=log_sides),), question, text_last, NUMBER_WORDS[n - 1])
     # WHICH_RED: exactly one of the two images has a red shape (one), the other none
     red_first = rng.random() < 0.5
     scenes = []
@@ -265,7 +274,7 @@ def make_case(template: Template, seed: int) -> Case[Scene]:
         colours = [rng.choice(["green", "blue", "yellow"]) for _ in range(n)]
         if has_red:
             colours[rng.randrange(n)] = "red"
-        scenes.append(random_scene(rng, n, colours=colours))
+        scenes.append(random_scene(rng, n, colours=colours, log_sides=log_sides))
     return Case(template, tuple(scenes), question, text_last, "first" if red_first else "second")
 
 
