@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import functools
 import logging
 import re
 import time
@@ -353,30 +354,33 @@ async def ensure_topology(
     and to refuse replicas > 1 on a server without a cluster before creating anything)."""
     if nc is not None:
         check_replicas(nc, settings.stream_replicas)
+    until = time.monotonic() + TOPOLOGY_RETRY_S
     for cfg in stream_configs(settings, subjects):
         try:
             try:
-                await js.add_stream(cfg)
+                await _patiently(functools.partial(js.add_stream, cfg), f"stream {cfg.name}", until)
             except BadRequestError as exc:
                 if exc.err_code != _ERR_STREAM_EXISTS_DIFFERENT:
                     raise
                 log.info("updating stream %s to the configured limits", cfg.name)
-                await js.update_stream(cfg)
+                await _patiently(functools.partial(js.update_stream, cfg), f"stream {cfg.name}", until)
         except APIError as exc:
             error = replicas_error(exc, nc, settings.stream_replicas, f"stream {cfg.name}")
             if error is not None:
                 raise error from exc
             raise
     for stream, ccfg in consumer_configs(settings, subjects).items():
+        doing = f"consumer {stream}/{ccfg.durable_name}"
         try:
-            await js.add_consumer(stream, ccfg)
+            await _patiently(functools.partial(js.add_consumer, stream, ccfg), doing, until)
         except BadRequestError as exc:
             if exc.err_code != _ERR_CONSUMER_EXISTS_DIFFERENT:
                 raise
             # Deliver policy cannot change on an existing durable; the rest can.
             assert ccfg.durable_name is not None  # consumer_configs() names every consumer
             info = await js.consumer_info(stream, ccfg.durable_name)
-            await js.add_consumer(stream, ccfg.evolve(deliver_policy=info.config.deliver_policy))
+            evolved = ccfg.evolve(deliver_policy=info.config.deliver_policy)
+            await _patiently(functools.partial(js.add_consumer, stream, evolved), doing, until)
     if settings.stream_replicas > 1:
         await _wait_for_consumer_leaders(js, consumer_configs(settings, subjects))
 
@@ -412,6 +416,27 @@ T = TypeVar("T")
 #: ... and a plain TimeoutError: an ``op`` bounded by its own ``asyncio.wait_for``.
 _RETRYABLE: tuple[type[BaseException], ...] = (*RETRYABLE_PUBLISH_ERRORS, TimeoutError)
 _RETRYABLE_OR_API: tuple[type[BaseException], ...] = (*_RETRYABLE, APIError)  # (APIError: by its code)
+
+
+#: How long :func:`ensure_topology` repeats a stream or consumer request that timed out
+TOPOLOGY_RETRY_S = 60.0
+
+
+async def _patiently(op: Callable[[], Awaitable[T]], doing: str, until: float) -> T:
+    """``op()`` - a JetStream API request that is safe to repeat (creating or updating a stream or
+    consumer to a given config) - again while it times out, until ``until`` (``time.monotonic()``).
+    Seen on a loaded 2-core machine: a worker starting beside a dozen others asked for its consumer,
+    the server answered after the client's 5 s, and the worker exited at start-up."""
+    pause = RETRY_FIRST_S
+    while True:
+        try:
+            return await op()
+        except nats.errors.TimeoutError:
+            if time.monotonic() + pause >= until:
+                raise
+            log.info("%s: the JetStream request timed out; asking again", doing)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
 
 
 async def through_elections(

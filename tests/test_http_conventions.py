@@ -432,15 +432,16 @@ def test_epd_up_serves_the_name_and_context_it_was_given_and_its_logs_read_plain
         ok = chat(max_tokens=3)
         assert ok.status_code == 200 and ok.headers["x-request-id"] == ok.json()["id"], (ok.headers, ok.text)
 
+        from tests.stackutil import wait_for
+
         logs = up.data_dir / "logs"
+        access = r'epd\.access \[request_id=chatcmpl-\w+\] \S+ - "POST /v1/chat/completions HTTP/1.1" 200 '
+        # (the access line is written once the response went out: it may come after the client has it)
+        wait_for(lambda: re.search(access, (logs / "api-0.log").read_text(errors="replace")), 60, "the access line")
         api_log = (logs / "api-0.log").read_text(errors="replace")
         assert "uvicorn.error" not in api_log and " uvicorn [request_id=-] Uvicorn running on" in api_log, api_log[
             -2000:
         ]
-        assert re.search(
-            r'epd\.access \[request_id=chatcmpl-\w+\] \S+ - "POST /v1/chat/completions HTTP/1.1" 200 ', api_log
-        )
-        from tests.stackutil import wait_for
 
         def worker_logs() -> str:
             return "".join(p.read_text(errors="replace") for p in logs.glob("*.log") if not p.name.startswith("api"))

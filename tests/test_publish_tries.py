@@ -68,3 +68,41 @@ async def test_a_repeatable_publish_tries_again_after_try_s_and_a_one_off_waits_
         assert TRY_S - 0.05 <= took < TIMEOUT_S - 0.5, took
     finally:
         await nc.close()
+
+
+async def test_a_topology_request_that_times_out_is_asked_again_until_its_deadline():
+    """ensure_topology's requests (creating a stream or consumer to a config: safe to repeat) are
+    asked again while they time out - a loaded server answered a worker's add_consumer after the
+    client's 5 s and the worker exited at start-up - and the timeout is raised once past the
+    deadline. Other errors are not repeated. Mutation: no retry -> the first case fails."""
+    from shared.jetstream import _patiently
+
+    calls: list[float] = []
+
+    async def slow_then_fine():
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise nats.errors.TimeoutError
+        return "created"
+
+    assert await _patiently(slow_then_fine, "consumer X/y", time.monotonic() + 10) == "created"
+    assert len(calls) == 3
+
+    async def always_slow():
+        calls.append(time.monotonic())
+        raise nats.errors.TimeoutError
+
+    calls.clear()
+    started = time.monotonic()
+    with pytest.raises(nats.errors.TimeoutError):
+        await _patiently(always_slow, "consumer X/y", started + 0.5)
+    assert 1 < len(calls) and time.monotonic() - started < 2
+
+    async def refused():
+        calls.append(time.monotonic())
+        raise ValueError("not a timeout")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        await _patiently(refused, "consumer X/y", time.monotonic() + 10)
+    assert len(calls) == 1
