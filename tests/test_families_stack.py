@@ -91,6 +91,9 @@ def family_stack(request, nats_server, s3_server, family_dirs, tmp_path_factory)
         tmp_path_factory.mktemp(f"{family}-{topology}-logs"),
         topology=topology,
         EPD_MAX_IMAGES_PER_REQUEST="2",
+        # JetStream reserves each stream's max bytes on the session's one server (its storage is
+        # bounded by the disk): 18 stacks of the default 64 MiB a stream ran it out for later tests
+        EPD_STREAM_MAX_BYTES=str(4 * 1024**2),
     )
     try:
         yield family, running

@@ -129,6 +129,7 @@ def family_stack(our_answers, nats_server, s3_server, family_dir, tmp_path_facto
         EPD_VLLM_DIR=str(work / "vllm"),
         EPD_MAX_IMAGES_PER_REQUEST="2",
         EPD_ENCODE_STEALS="0",  # every image's features through the store (what the test holds)
+        EPD_STREAM_MAX_BYTES=str(4 * 1024**2),  # (JetStream reserves it per stream on the session's server)
     )
     try:
         yield running
