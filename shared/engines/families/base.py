@@ -79,17 +79,23 @@ class VisionFamily(ABC):
     def expand(self, text: str, ids: list[int], images: Sequence[EncodedImage], add_special_tokens: bool) -> list[int]:
         """The prompt's token ids with each image's placeholder expanded to its ``n_tokens`` image
         tokens, as the family's processor does. ``ids`` is ``text`` tokenized (placeholders
-        checked). Here: the placeholder repeated (the processor repeats the placeholder string,
-        then tokenizes; a special token splits the text, so repeating its id is identical)."""
+        checked). Here: each placeholder replaced by :meth:`image_ids` (the processor replaces the
+        placeholder string, then tokenizes; special tokens split the text, so doing it by id is
+        identical)."""
         expanded: list[int] = []
         k = 0
         for t in ids:
             if t == self.placeholder_id:
-                expanded.extend([t] * images[k].n_tokens)
+                expanded.extend(self.image_ids(images[k].n_tokens))
                 k += 1
             else:
                 expanded.append(t)
         return expanded
+
+    def image_ids(self, n_tokens: int) -> list[int]:
+        """The ids an image of ``n_tokens`` features stands as in the prompt: here, the placeholder
+        repeated."""
+        return [self.placeholder_id] * n_tokens
 
     def max_context(self) -> int | None:
         """A limit of the family on the context the engine serves (None: the model's own)."""

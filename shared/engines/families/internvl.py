@@ -55,18 +55,9 @@ class InternVL(VisionFamily):
                 f" {per_tile} tokens"
             )
 
-    def expand(self, text: str, ids: list[int], images: Sequence[EncodedImage], add_special_tokens: bool) -> list[int]:
+    def image_ids(self, n_tokens: int) -> list[int]:
         tok = self.processor.tokenizer
-        start, end = int(tok.start_image_token_id), int(tok.end_image_token_id)
-        expanded: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.placeholder_id:
-                expanded.extend([start, *[t] * images[k].n_tokens, end])
-                k += 1
-            else:
-                expanded.append(t)
-        return expanded
+        return [int(tok.start_image_token_id), *[self.placeholder_id] * n_tokens, int(tok.end_image_token_id)]
 
     def encoder_outputs(self, images: Sequence[EncodedImage], dtype: torch.dtype) -> dict[str, Any]:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
