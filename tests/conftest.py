@@ -36,7 +36,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     """A JetStream-enabled nats-server on random ports (``.url``, ``.monitor_url``)."""
-    server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
+    # Each test's streams reserve their max bytes against the server's file store limit, never
+    # released in a session: the default limit (75% of the free disk) ran out on a CI machine.
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"), max_file_store=2**50)
     server.start()
     try:
         yield server

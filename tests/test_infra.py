@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from minio import Minio
 from minio.error import S3Error
@@ -254,6 +256,43 @@ def test_nats_config_carries_sync_interval_and_cluster(tmp_path: Path) -> None:
         EmbeddedNats(tmp_path, sync_interval="sometimes")
     with pytest.raises(ValueError, match="cluster_port"):
         EmbeddedNats(tmp_path, cluster_name="c1")
+
+
+async def test_session_nats_reserves_past_the_free_disk(nats_server, tmp_path: Path) -> None:
+    """Every file stream reserves its max bytes up front, and the test session's server holds
+    every test's streams: at the server's default limit (75% of the free disk at start) a CI
+    machine with a smaller disk ran out late in ``make test`` ('insufficient storage resources').
+    The session server's limit is set; reservations past the free disk (nothing written) succeed,
+    and a server with a small limit refuses them (the control)."""
+    free = shutil.disk_usage(tmp_path).free
+    per_stream = 2**30
+    count = free // per_stream + 2  # more than the whole free disk, reserved
+    small = EmbeddedNats(tmp_path / "small", max_file_store=4 * per_stream)
+    small._prepare()
+    assert f"max_file_store: {4 * per_stream}" in small.config_path.read_text()
+    with pytest.raises(ValueError, match="max_file_store"):
+        EmbeddedNats(tmp_path, max_file_store=0)
+
+    async def reserve(url: str, n: int) -> int:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        prefix = f"r{uuid.uuid4().hex[:8]}"
+        made = 0
+        try:
+            for i in range(n):
+                await js.add_stream(name=f"{prefix}{i}", subjects=[f"{prefix}.{i}"], max_bytes=per_stream)
+                made += 1
+        except nats.js.errors.ServerError as exc:
+            assert "insufficient storage" in str(exc)
+        finally:
+            for i in range(made):
+                await js.delete_stream(f"{prefix}{i}")
+            await nc.close()
+        return made
+
+    assert await reserve(nats_server.url, count) == count
+    with small:
+        assert await reserve(small.url, 6) == 4
 
 
 async def test_nats_cluster_replicates_and_survives_a_killed_leader(tmp_path: Path) -> None:
