@@ -2,9 +2,11 @@
 #             (options of epd up in ARGS: make run ARGS="--port 8001 --nats-port 14222")
 # make test : create .venv, install what is missing, run the test suite but the vLLM engine tier
 #             and the multi-host tests (pytest -m "not vllm and not multihost"; keeps a vLLM smoke,
-#             tests marked vllm_smoke); pytest options in PYTEST_ARGS: make test PYTEST_ARGS="-x tests/test_api_params.py"
+#             tests marked vllm_smoke, and the support matrix's extra cells); pytest options in PYTEST_ARGS: make test PYTEST_ARGS="-x tests/test_api_params.py"
 # make test-vllm: the vLLM engine tier (pytest -m "vllm and not multihost": tests that start vLLM engines
 #             or stacks with EPD_ENGINE=vllm, ~1 min of start-up per engine here); .ci/run runs it after make test
+# make test-matrix: the support matrix's cells CI leaves out (tests marked matrix: each family's
+#             e-p-d on both engines, the demo model on every vLLM topology; docs/models.md), ~15 min here
 # make test-multihost: the multi-host tests (root: hosts made of network namespaces; a 3-node NATS
 #             cluster, SeaweedFS with three volume servers, two API replicas, workers on two hosts; faults
 #             per case; tests/multihost/), 3-7 min here; results under var/multihost/ (the run prints where)
@@ -17,7 +19,7 @@ STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: install run test test-vllm test-multihost multihost-preflight check check-layers check-lint check-types check-docs clean-data lock lock-gpu
+.PHONY: install run test test-vllm test-matrix test-multihost multihost-preflight check check-layers check-lint check-types check-docs clean-data lock lock-gpu
 
 $(STAMP): requirements.lock requirements-overrides.txt pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -38,10 +40,13 @@ run: install
 	$(VENV)/bin/epd up$(if $(strip $(ARGS)), $(ARGS))
 
 test: install
-	$(VENV)/bin/python -m pytest -m "not vllm and not multihost" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not vllm and not multihost and not matrix" $(PYTEST_ARGS)
 
 test-vllm: install
-	$(VENV)/bin/python -m pytest -m "vllm and not multihost" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "vllm and not multihost and not matrix" $(PYTEST_ARGS)
+
+test-matrix: install
+	$(VENV)/bin/python -m pytest -m "matrix and not multihost" $(PYTEST_ARGS)
 
 # Network namespaces, veth pairs and a bridge need root (CI runs as root): checked before installing.
 test-multihost: multihost-preflight install

@@ -23,7 +23,7 @@ from shared.errors import EngineError
 #: engine name -> the ``model_type`` values it serves
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
     "transformers": ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
-    "vllm": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    "vllm": ("internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
 }
 
 

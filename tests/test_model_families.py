@@ -27,7 +27,7 @@ def test_vllm_engine_refuses_an_unproven_family_before_starting_vllm(tmp_path):
 
     folder = _folder(tmp_path, "gemma3")
     work_dir = tmp_path / "vllm"
-    supported = "['llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl']"
+    supported = "['internvl', 'llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl']"
     message = f"unsupported model_type 'gemma3' for the vllm engine; supported: {supported}"
     with pytest.raises(EngineError, match=re.escape(message)):
         VllmEngine(folder, work_dir=work_dir)
@@ -48,16 +48,15 @@ def test_transformers_engine_refuses_what_it_does_not_serve(tmp_path, model_type
 def test_supported_families_per_engine():
     assert SUPPORTED_FAMILIES == {
         "transformers": ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
-        "vllm": ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+        "vllm": ("internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
     }
 
 
 def test_every_family_served_on_vllm_has_its_equality_test():
-    """A family joins the vLLM list with its case in the equality test (Qwen2-VL: the tiny model of
-    the other tests/test_vllm_*.py)."""
+    """A family joins the vLLM list with its case in the equality test against a plain vLLM run."""
     from tests.test_vllm_families import FAMILIES
 
-    assert set(SUPPORTED_FAMILIES["vllm"]) == {"qwen2_vl", *FAMILIES}
+    assert set(SUPPORTED_FAMILIES["vllm"]) == set(FAMILIES)
 
 
 def test_check_family_reads_the_folders_model_type(tmp_path):

@@ -1,4 +1,4 @@
-"""The vLLM engine on the families beyond Qwen2-VL (issue 42): our engine's greedy
+"""The vLLM engine on every family it serves (issue 42): our engine's greedy
 tokens equal a plain vLLM run's (``tests.vllm_plain_reference``: ``vllm.LLM.chat`` on the same
 folder, none of the project's code) for an image, another image, two images and text only; the
 answers are not empty and another image gives other tokens (the negative control).
@@ -36,8 +36,8 @@ from tests.vllmutil import GREEDY, close_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-#: the families the vLLM engine serves besides Qwen2-VL (the tests of tests/test_vllm_*.py run that one)
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
+#: every family the vLLM engine serves (``shared.families.SUPPORTED_FAMILIES["vllm"]``: a test below holds it)
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl"]
 
 
 def _white(size: tuple[int, int]) -> Image.Image:
@@ -137,8 +137,34 @@ def family_stack(our_answers, nats_server, s3_server, family_dir, tmp_path_facto
         running.stack.stop()
 
 
+@pytest.fixture(scope="module")
+def family_e_p_d_stack(plain_tokens, nats_server, s3_server, family_dir, tmp_path_factory):
+    """An e-p-d stack on the vLLM engine (encoder, prefill and decode workers, each a vLLM; EC and
+    KV through the store and our connectors). A ``matrix`` cell: ``make test-matrix`` runs it (CI
+    holds vLLM's e-p-d on Qwen2-VL, tests/test_vllm_epd_stack.py; the KV path is family-blind)."""
+    work = tmp_path_factory.mktemp(f"{family_dir.name}-e-p-d")
+    running = start_stack(
+        nats_server,
+        s3_server,
+        family_dir,
+        work / "logs",
+        topology="e-p-d",
+        ready_timeout=900,  # three vLLM engines start at once
+        EPD_ENGINE="vllm",
+        EPD_VLLM_DIR=str(work / "vllm"),
+        EPD_MAX_IMAGES_PER_REQUEST="2",
+        EPD_ENCODE_STEALS="0",
+        EPD_STREAM_MAX_BYTES=str(4 * 1024**2),
+    )
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_equal_plain_vllm(family_dir, plain_tokens, our_answers, case):
+    """Agg: our engine (no connector) answers each case with the plain run's tokens."""
     ids, text = our_answers[case]
     assert len(ids) == GREEDY.max_tokens
     assert ids == plain_tokens[case]
@@ -154,12 +180,21 @@ def test_e_pd_stack_equals_plain_vllm(family_dir, plain_tokens, family_stack):
     """E|PD on the vLLM engine: every case through the API (each image encoded by the encoder
     worker, its EC object - Qwen3-VL's with the deepstack features - read by the PD worker through
     our connector) gives the plain run's tokens; another image gives other ones."""
-    got = {name: api_tokens(family_stack, text, images) for name, (text, images) in CASES.items()}
+    _holds_plain_tokens(family_dir, plain_tokens, family_stack)
+
+
+@pytest.mark.matrix
+def test_e_p_d_stack_equals_plain_vllm(family_dir, plain_tokens, family_e_p_d_stack):
+    """E|P|D on the vLLM engine: the same cases, the KV cache handed from the prefill worker to the
+    decode worker through the store, give the plain run's tokens."""
+    _holds_plain_tokens(family_dir, plain_tokens, family_e_p_d_stack)
+
+
+def _holds_plain_tokens(family_dir: Path, plain_tokens: dict[str, list[int]], stack) -> None:
+    got = {name: api_tokens(stack, text, images) for name, (text, images) in CASES.items()}
     for name, (ids, body) in got.items():
         assert ids == plain_tokens[name], (family_dir.name, name)
         assert body["choices"][0]["message"]["content"].strip(), f"{family_dir.name} {name}: an empty answer"
     assert got["image"][0] != got["other-image"][0]
-    sources = [
-        final_result(family_stack, body["id"]).ec_sources for name, (_, body) in got.items() if name != "text-only"
-    ]
+    sources = [final_result(stack, body["id"]).ec_sources for name, (_, body) in got.items() if name != "text-only"]
     assert all(sources) and all(v == "store" for s in sources for v in s.values()), sources
