@@ -39,6 +39,12 @@ class InvalidImage(InvalidRequest):
     code = "invalid_image"
 
 
+class InvalidVideo(InvalidRequest):
+    """The bytes are not a decodable video, or its size, length or frames are out of bounds."""
+
+    code = "invalid_video"
+
+
 class UnsupportedParameter(InvalidRequest):
     """A request parameter this server knows (OpenAI's or vLLM's) but does not honour, set to a
     value that would change the result: refused rather than silently ignored (``param`` names it)."""
