@@ -98,6 +98,13 @@ QUEUE_EC_INDEX = "epd-ec-index"
 # ``tests/test_wire_enums.py`` pins every value.
 
 
+class MediaKind(enum.StrEnum):
+    """What a media item of a request is: an image, or a video (its sampled frames)."""
+
+    IMAGE = "image"
+    VIDEO = "video"
+
+
 class ECSource(enum.StrEnum):
     """Where a request's image features came from: the values of ``FinalResult.ec_sources`` /
     ``DecodeJob.ec_sources`` (item hash -> source), read by the timeline, replay and bench.

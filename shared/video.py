@@ -139,10 +139,11 @@ class SampledVideo:
 
     @property
     def sampled_fps(self) -> float:
-        """Frames a second of the sampled clip (the LM's temporal positions follow it)."""
-        if self.info.duration_s <= 0 or not self.indices:
+        """Frames a second of the sampled clip (the LM's temporal positions follow it), computed as
+        transformers' ``VideoMetadata.sampled_fps`` does (the same float)."""
+        if self.info.fps <= 0 or not self.indices:
             return 0.0
-        return len(self.indices) / self.info.duration_s
+        return len(self.indices) / self.info.total_frames * self.info.fps
 
 
 def check_sampling(sampler: VideoSampler, sampling: VideoSampling) -> None:

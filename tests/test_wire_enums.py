@@ -21,6 +21,7 @@ from shared.protocol import (
     EvictionReason,
     FinalResult,
     GenerationJob,
+    MediaKind,
     RouteReason,
     SamplingSpec,
     StageName,
@@ -46,6 +47,7 @@ EXPECTED: dict[type[enum.Enum], set[str]] = {
         "decode_batch_rows_max",
     },
     WorkQueue: {"encode", "generate", "decode"},
+    MediaKind: {"image", "video"},
     RouteReason: {"affinity", "load", "fallback", "no_affinity"},
     StructuredKind: {"json_object", "json_schema"},
     # the Epd-Stage header, ErrorEvent.stage and a timeline stage's service (with "replay")

@@ -98,18 +98,32 @@ Prompt: TypeAlias = list[dict[str, Any]] | ChatPrompt | RawPrompt
 
 @dataclass
 class EncodedImage:
-    """Encoder output for one image: LM-width features plus the layout the prompt needs.
+    """Encoder output for one media item - an image, or a video's sampled frames (``kind``) -:
+    LM-width features plus the layout the prompt needs.
 
     ``features`` is ``[n_tokens, hidden]``; ``grid_thw`` is the (t, h, w) patch grid for
-    models with M-RoPE (Qwen2-VL), ``None`` for models with 1-D positions (LLaVA).
+    models with M-RoPE (Qwen2-VL; a video's t counts its temporal patches), ``None`` for models
+    with 1-D positions (LLaVA). ``second_per_grid_t``: a video's seconds per temporal patch
+    (Qwen2.5-VL's temporal positions follow it), None for an image.
     """
 
     features: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
+    kind: str = "image"  # a shared.protocol.MediaKind value
+    second_per_grid_t: float | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.features.shape[0])
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video for an engine: its sampled frames (``[n, height, width, 3]`` RGB ``uint8``, as
+    ``shared.video.load_video`` gives them) and the rate they stand for (frames a second)."""
+
+    frames: Any
+    fps: float
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,12 @@ from typing import Any
 from shared.chat import ROLES
 from shared.engines.base import ChatPrompt, Prompt, RawPrompt, SamplingParams
 from shared.errors import InvalidRequest, UnsupportedContent
+from shared.protocol import MediaKind
 
 #: Content part types that stand for one image (in order) in a message.
 IMAGE_PART_TYPES = frozenset({"image", "image_url", "input_image"})
+#: Content part types that stand for one video (its sampled frames) in a message.
+VIDEO_PART_TYPES = frozenset({"video", "video_url"})
 TEXT_PART_TYPES = frozenset({"text", "input_text"})
 #: The chat roles (``shared.chat.ROLES``: the same set the API validates against).
 _ROLES = frozenset(ROLES)
@@ -45,34 +48,56 @@ def _iter_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             if ptype in TEXT_PART_TYPES:
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param="messages")
-            elif ptype not in IMAGE_PART_TYPES:
+            elif ptype not in IMAGE_PART_TYPES and ptype not in VIDEO_PART_TYPES:
                 raise UnsupportedContent(f"messages[{i}].content[{j}] has unsupported type {ptype!r}", param="messages")
             yield part
 
 
+def media_kinds(messages: list[dict[str, Any]]) -> list[MediaKind]:
+    """The kind of each media part of ``messages``, in order (validates the message shape)."""
+    return [
+        MediaKind.VIDEO if part["type"] in VIDEO_PART_TYPES else MediaKind.IMAGE
+        for part in _iter_parts(messages)
+        if part["type"] not in TEXT_PART_TYPES
+    ]
+
+
 def count_image_placeholders(messages: list[dict[str, Any]]) -> int:
     """Number of image parts in ``messages`` (validates the message shape on the way)."""
-    return sum(1 for part in _iter_parts(messages) if part["type"] in IMAGE_PART_TYPES)
+    return sum(1 for kind in media_kinds(messages) if kind is MediaKind.IMAGE)
+
+
+def check_media(messages: list[dict[str, Any]], kinds: Sequence[str]) -> None:
+    """Raise :class:`InvalidRequest` unless the media parts of ``messages`` are, in order, of
+    ``kinds`` (the items given: one per part)."""
+    parts = media_kinds(messages)
+    if parts != [MediaKind(k) for k in kinds]:
+        raise InvalidRequest(
+            f"messages hold media parts {[str(k) for k in parts]} but the items given are {[str(k) for k in kinds]}",
+            param="messages",
+        )
 
 
 def check_image_count(messages: list[dict[str, Any]], n_images: int) -> int:
-    """Raise :class:`InvalidRequest` unless ``messages`` hold exactly ``n_images`` image parts."""
+    """Raise :class:`InvalidRequest` unless ``messages`` hold exactly ``n_images`` media parts,
+    every one an image (an engine that takes no video)."""
     n = count_image_placeholders(messages)
     if n != n_images:
         raise InvalidRequest(
             f"messages contain {n} image placeholder(s) but {n_images} image(s) were given", param="messages"
         )
+    check_media(messages, [MediaKind.IMAGE] * n_images)
     return n
 
 
-def check_placeholder_tokens(ids: Sequence[int], image_token_id: int, n_images: int) -> None:
-    """Raise :class:`InvalidRequest` unless the tokenized prompt has exactly one image placeholder
-    token per image (a literal "<|image_pad|>" typed into a text part would add one)."""
-    n_placeholders = sum(1 for t in ids if t == image_token_id)
-    if n_placeholders != n_images:
+def check_placeholder_tokens(ids: Sequence[int], token_id: int, n_items: int, what: str = "image") -> None:
+    """Raise :class:`InvalidRequest` unless the tokenized prompt has exactly one ``what``
+    placeholder token per item (a literal "<|image_pad|>" typed into a text part would add one)."""
+    n_placeholders = sum(1 for t in ids if t == token_id)
+    if n_placeholders != n_items:
         raise InvalidRequest(
-            f"prompt has {n_placeholders} image placeholder tokens for {n_images} image(s); "
-            "text parts must not contain image tokens",
+            f"prompt has {n_placeholders} {what} placeholder tokens for {n_items} {what}(s); "
+            f"text parts must not contain {what} tokens",
             param="messages",
         )
 
@@ -114,7 +139,7 @@ def _tool_calls(msg: dict[str, Any], i: int) -> list[dict[str, Any]]:
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Canonical form for chat templates: string content, or ``{"type": "text", "text"}`` /
-    ``{"type": "image"}`` parts only (URLs and payloads dropped so no template or processor
+    ``{"type": "image"}`` / ``{"type": "video"}`` parts only (URLs and payloads dropped so no template or processor
     ever tries to fetch anything). A tool conversation keeps an assistant's ``tool_calls`` (their
     ``arguments`` as objects, as vLLM hands them to the template) and a tool message's
     ``tool_call_id``; a tool message's text parts are joined into one string (vLLM)."""
@@ -126,7 +151,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             norm = {"role": msg["role"], "content": content}
         elif msg["role"] == "tool":
-            if any(part["type"] in IMAGE_PART_TYPES for part in content):
+            if any(part["type"] not in TEXT_PART_TYPES for part in content):
                 raise UnsupportedContent(f"messages[{i}]: a tool message holds text only", param="messages")
             norm = {"role": "tool", "content": "\n".join(part["text"] for part in content)}
         else:
@@ -134,6 +159,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for part in content:
                 if part["type"] in IMAGE_PART_TYPES:
                     parts.append({"type": "image"})
+                elif part["type"] in VIDEO_PART_TYPES:
+                    parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": part["text"]})
             norm = {"role": msg["role"], "content": parts}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import itertools
 import logging
@@ -58,12 +59,13 @@ from shared.engines.base import (
     RawPrompt,
     SamplingParams,
     TokenEvent,
+    VideoFrames,
 )
 from shared.engines.families import family_class
 from shared.engines.grammar import GrammarCompiler, GrammarConstraint, compiler_for
 from shared.engines.prompts import (
     chat_parts,
-    check_image_count,
+    check_media,
     check_placeholder_tokens,
     check_raw_prompt,
     prompt_cost,
@@ -81,7 +83,7 @@ from shared.engines.transformers_state import (
     sample_into,
     special_token_ids_of,
 )
-from shared.errors import EngineError, InvalidImage, InvalidRequest
+from shared.errors import EngineError, InvalidImage, InvalidRequest, InvalidVideo
 from shared.families import check_family
 from shared.identity import ModelIdentity
 from shared.topology import Role
@@ -304,6 +306,27 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         pixels = await self._call(self._preprocess, images)
         return await self._encode_batcher.submit(pixels, sum(img.width * img.height for img in images))
 
+    async def encode_videos(self, videos: Sequence[VideoFrames]) -> list[EncodedImage]:
+        """Video processor + vision tower + projector, one forward per video (in the compute
+        thread): one :class:`EncodedImage` of kind video each. The frames are taken as sampled
+        (``shared.video``: vLLM's loader's frames); the processor resizes them and groups them
+        into temporal patches. A family without video refuses (:class:`InvalidRequest`)."""
+        if not self.family.takes_video:
+            raise InvalidRequest(f"this model ({self.arch}) takes no video", param="messages")
+        return [await self._call(self._encode_video, video) for video in videos]
+
+    def _encode_video(self, video: VideoFrames) -> EncodedImage:
+        try:
+            pixels = self.processor.video_processor(videos=[video.frames], return_tensors="pt", do_sample_frames=False)
+        except (ValueError, TypeError) as exc:
+            raise InvalidVideo(f"video cannot be preprocessed: {exc}") from exc
+        try:
+            with torch.no_grad():
+                item = self.family.video_features(pixels, video.fps)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise EngineError(f"encoding a video failed: {exc}") from exc
+        return dataclasses.replace(item, features=item.features.detach().to("cpu").contiguous())
+
     async def generate(  # type: ignore[override]  # encoded images only: its features come through the worker
         self,
         messages: Prompt,
@@ -457,7 +480,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             ids = list(self.tokenizer(prompt.text)["input_ids"])
             if not ids:
                 raise InvalidRequest("prompt text gives no tokens", param="prompt")
-        if self.image_token_id in ids:
+        if any(token in ids for token in self.family.placeholders().values()):
             raise InvalidRequest("a completions prompt cannot contain image placeholder tokens", param="prompt")
         return ids
 
@@ -468,15 +491,16 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         if isinstance(messages, RawPrompt):
             return self.raw_prompt_ids(messages, images)
         messages, tools = chat_parts(messages)
-        check_image_count(messages, len(images))
         self._check_images(images)
+        check_media(messages, [im.kind for im in images])
         text = self.render_prompt(messages, tools)
         bos = getattr(self.tokenizer, "bos_token", None)
         # The processor tokenizes with add_special_tokens=True; a template that already
         # renders BOS would get it twice, so skip the automatic one then.
         add_special = not (bos and text.startswith(bos))
         ids: list[int] = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        check_placeholder_tokens(ids, self.family.placeholder_id, len(images))
+        for kind, token in self.family.placeholders().items():
+            check_placeholder_tokens(ids, token, sum(1 for im in images if im.kind == kind), kind)
         return self.family.expand(text, ids, images, add_special)
 
     # -- compute thread: encode / prefill / decode ----------------------------------------------
@@ -528,7 +552,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise EngineError(f"encoding {len(group)} image(s) failed: {exc}") from exc
             for i, item in zip(group, encoded):
-                out[i] = EncodedImage(item.features.detach().to("cpu").contiguous(), item.grid_thw)
+                out[i] = dataclasses.replace(item, features=item.features.detach().to("cpu").contiguous())
             metrics.ENCODE_BATCH_IMAGES.observe(len(group))
         return out  # type: ignore[return-value]  # every slot was filled by the loop above
 

@@ -28,6 +28,7 @@ import torch
 from shared.engines.base import EncodedImage
 from shared.errors import InvalidRequest
 from shared.families import feature_width
+from shared.protocol import MediaKind
 
 
 class VisionFamily(ABC):
@@ -39,6 +40,8 @@ class VisionFamily(ABC):
     #: whether several images can share one vision-tower forward (when batch invariance is off)
     #: - ``True``: any sizes together; ``False``: only images of one pixel shape
     concatenates_images: bool = False
+    #: whether the family takes video (:meth:`video_features`; its placeholder ``video_token_id``)
+    takes_video: bool = False
 
     def __init__(self, model: Any, config: Any, processor: Any):
         self.model = model
@@ -59,13 +62,20 @@ class VisionFamily(ABC):
         """One vision-tower forward over ``pixels`` (the image processor's outputs, one dict per
         image), one :class:`EncodedImage` per image, in order."""
 
+    def video_features(self, pixels: dict[str, Any], fps: float) -> EncodedImage:
+        """One vision-tower forward over one video (the video processor's outputs for its sampled
+        frames, which stand for ``fps`` frames a second): its :class:`EncodedImage`, ``kind`` video."""
+        raise InvalidRequest(f"this model ({type(self).__name__}) takes no video")
+
     @abstractmethod
     def expected_tokens(self, item: EncodedImage) -> int | None:
         """The placeholder count the family's processor gives this image (``None``: not knowable)."""
 
     def check_image(self, i: int, item: EncodedImage) -> None:
-        """Raise :class:`InvalidRequest` when ``item`` cannot be this family's image ``i`` (its
-        layout; the feature shape is checked by the engine)."""
+        """Raise :class:`InvalidRequest` when ``item`` cannot be this family's media item ``i``
+        (its kind, its layout; the feature shape is checked by the engine)."""
+        if item.kind != MediaKind.IMAGE:
+            raise InvalidRequest(f"images[{i}] is a {item.kind}: this model takes images only")
         if item.grid_thw is not None:
             raise InvalidRequest(f"images[{i}].grid_thw must be None for this model")
 
@@ -76,20 +86,36 @@ class VisionFamily(ABC):
         """The token the chat template writes for each image (checked against the image count)."""
         return int(self.config.image_token_id)
 
+    @property
+    def video_placeholder_id(self) -> int | None:
+        """The token the chat template writes for each video (None: the family takes none)."""
+        return int(self.config.video_token_id) if self.takes_video else None
+
+    def placeholders(self) -> dict[str, int]:
+        """Each media kind the family takes -> its placeholder token."""
+        out = {MediaKind.IMAGE.value: self.placeholder_id}
+        if self.video_placeholder_id is not None:
+            out[MediaKind.VIDEO.value] = self.video_placeholder_id
+        return out
+
     def expand(self, text: str, ids: list[int], images: Sequence[EncodedImage], add_special_tokens: bool) -> list[int]:
-        """The prompt's token ids with each image's placeholder expanded to its ``n_tokens`` image
+        """The prompt's token ids with each item's placeholder expanded to its ``n_tokens``
         tokens, as the family's processor does. ``ids`` is ``text`` tokenized (placeholders
-        checked). Here: each placeholder replaced by :meth:`image_ids` (the processor replaces the
-        placeholder string, then tokenizes; special tokens split the text, so doing it by id is
-        identical)."""
+        checked; the items in the order of their placeholders, each kind in its own order).
+        Here: each placeholder replaced by :meth:`image_ids` or the video placeholder repeated
+        (the processor replaces the placeholder string, then tokenizes; special tokens split the
+        text, so doing it by id is identical)."""
+        by_kind = {kind: iter([im for im in images if im.kind == kind]) for kind in self.placeholders()}
+        kind_of = {token: kind for kind, token in self.placeholders().items()}
         expanded: list[int] = []
-        k = 0
         for t in ids:
-            if t == self.placeholder_id:
-                expanded.extend(self.image_ids(images[k].n_tokens))
-                k += 1
-            else:
+            kind = kind_of.get(t)
+            if kind is None:
                 expanded.append(t)
+            elif kind == MediaKind.VIDEO:
+                expanded.extend([t] * next(by_kind[kind]).n_tokens)
+            else:
+                expanded.extend(self.image_ids(next(by_kind[kind]).n_tokens))
         return expanded
 
     def image_ids(self, n_tokens: int) -> list[int]:
@@ -108,9 +134,13 @@ class VisionFamily(ABC):
         builds from ``get_image_features`` (here: one feature tensor per image)."""
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        # (typed as one tensor; forward concatenates the per-image tuple get_image_features returns)
-        per_image = tuple(im.features.to(dtype) for im in images)
-        return {"image": BaseModelOutputWithPooling(pooler_output=per_image)}  # type: ignore[arg-type]  # typed as one tensor
+        out = {}
+        for kind in (MediaKind.IMAGE, MediaKind.VIDEO):
+            # (typed as one tensor; forward concatenates the per-item tuple get_*_features returns)
+            per_item = tuple(im.features.to(dtype) for im in images if im.kind == kind)
+            if per_item:
+                out[kind.value] = BaseModelOutputWithPooling(pooler_output=per_item)  # type: ignore[arg-type]  # typed as one tensor
+        return out
 
     def prefill_kwargs(self, input_ids: torch.Tensor) -> dict[str, Any]:
         """More arguments of the prefill's LM forward (e.g. a mask's token types)."""

@@ -12,12 +12,15 @@ import torch
 from shared.engines.base import EncodedImage
 from shared.engines.families.base import VisionFamily
 from shared.errors import InvalidRequest
+from shared.protocol import MediaKind
 
 
 class QwenVL(VisionFamily):
     """The Qwen-VL line's grid and M-RoPE (Qwen2-VL, Qwen2.5-VL; Qwen3-VL adds deepstack)."""
 
     concatenates_images = True  # patches of any sizes concatenated, one grid row per image
+    #: whether the temporal positions of a video follow its seconds per temporal patch (Qwen2.5-VL)
+    uses_second_per_grid_t = False
 
     @property
     def merge(self) -> int:
@@ -34,6 +37,21 @@ class QwenVL(VisionFamily):
         res, grids = self._vision(pixels)
         return [EncodedImage(features=f, grid_thw=g) for f, g in zip(res.pooler_output, grids)]
 
+    def video_features(self, pixels: dict[str, Any], fps: float) -> EncodedImage:
+        if not self.takes_video:
+            return super().video_features(pixels, fps)
+        grid = pixels["video_grid_thw"]
+        res = self.model.get_video_features(
+            pixel_values_videos=pixels["pixel_values_videos"], video_grid_thw=grid, return_dict=True
+        )
+        (features,) = res.pooler_output
+        t, h, w = (int(x) for x in grid[0].tolist())
+        # (Qwen2.5-VL's processor: temporal_patch_size / the sampled clip's fps)
+        second_per_grid_t = float(self.processor.video_processor.temporal_patch_size) / fps if fps > 0 else None
+        return EncodedImage(
+            features=features, grid_thw=(t, h, w), kind=MediaKind.VIDEO, second_per_grid_t=second_per_grid_t
+        )
+
     def expected_tokens(self, item: EncodedImage) -> int | None:
         if item.grid_thw is None:
             return None
@@ -41,11 +59,15 @@ class QwenVL(VisionFamily):
         return (t * h * w) // (self.merge * self.merge)
 
     def check_image(self, i: int, item: EncodedImage) -> None:
+        if item.kind not in self.placeholders():
+            raise InvalidRequest(f"images[{i}] is a {item.kind}: this model takes images only")
         g = item.grid_thw
         if not (isinstance(g, tuple) and len(g) == 3 and all(isinstance(x, int) and x > 0 for x in g)):
             raise InvalidRequest(f"images[{i}].grid_thw must be three positive ints, got {g!r}")
         if g[1] % self.merge or g[2] % self.merge:
             raise InvalidRequest(f"images[{i}].grid_thw {g} is not divisible by the merge size {self.merge}")
+        if item.kind == MediaKind.IMAGE and g[0] != 1:
+            raise InvalidRequest(f"images[{i}].grid_thw {g}: an image has one temporal patch")
 
     def prefill_positions(self, input_ids: torch.Tensor, images: Sequence[EncodedImage]) -> tuple[torch.Tensor, int]:
         """``[4, 1, n]``: the text positions (the attention mask's), then the (t, h, w) M-RoPE
@@ -54,11 +76,19 @@ class QwenVL(VisionFamily):
         text_pos = torch.arange(n, dtype=torch.long).view(1, 1, n)
         if not images:
             return torch.cat([text_pos, text_pos.expand(3, 1, n)], dim=0), 0
-        image_token_id = int(self.config.image_token_id)
-        grid = torch.tensor([list(im.grid_thw) for im in images], dtype=torch.long)  # type: ignore[arg-type]  # checked by check_image
-        vision_pos, deltas = self.model.model.get_rope_index(
-            input_ids, mm_token_type_ids=(input_ids == image_token_id).to(torch.int32), image_grid_thw=grid
-        )
+        # token types: 1 an image's, 2 a video's (get_rope_index walks each kind's grids in order)
+        types = (input_ids == self.placeholder_id).to(torch.int32)
+        kwargs: dict[str, Any] = {}
+        for kind, name in ((MediaKind.IMAGE, "image_grid_thw"), (MediaKind.VIDEO, "video_grid_thw")):
+            items = [im for im in images if im.kind == kind]
+            if items:
+                kwargs[name] = torch.tensor([list(im.grid_thw) for im in items], dtype=torch.long)  # type: ignore[arg-type]  # checked by check_image
+        if self.video_placeholder_id is not None:
+            types = types + 2 * (input_ids == self.video_placeholder_id).to(torch.int32)
+        videos = [im for im in images if im.kind == MediaKind.VIDEO]
+        if videos and self.uses_second_per_grid_t:
+            kwargs["second_per_grid_ts"] = torch.tensor([im.second_per_grid_t for im in videos], dtype=torch.float32)
+        vision_pos, deltas = self.model.model.get_rope_index(input_ids, mm_token_type_ids=types, **kwargs)
         return torch.cat([text_pos, vision_pos], dim=0), int(deltas.reshape(-1)[0])
 
     def decode_positions(self, past_lens: Sequence[int], deltas: Sequence[int]) -> torch.Tensor:
@@ -70,7 +100,10 @@ class QwenVL(VisionFamily):
 
 class Qwen2VL(QwenVL):
     model_class = "Qwen2VLForConditionalGeneration"
+    takes_video = True
 
 
 class Qwen25VL(QwenVL):
     model_class = "Qwen2_5_VLForConditionalGeneration"
+    takes_video = True
+    uses_second_per_grid_t = True
