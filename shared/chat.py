@@ -37,7 +37,12 @@ class ImagePart(msgspec.Struct, frozen=True, tag_field="type", tag="image"):
     """A placeholder for the request's next image (``GenerationJob.images``, in order)."""
 
 
-Part = TextPart | ImagePart
+class VideoPart(msgspec.Struct, frozen=True, tag_field="type", tag="video"):
+    """A placeholder for the request's next video (``GenerationJob.images``, in order with the
+    images: the media items of a request are one list, each with its kind)."""
+
+
+Part = TextPart | ImagePart | VideoPart
 
 
 class FunctionCall(msgspec.Struct, frozen=True):

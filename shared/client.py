@@ -74,6 +74,7 @@ from shared.protocol import (
     FinalResult,
     GenerationJob,
     ImageRef,
+    MediaKind,
     SamplingSpec,
     Subjects,
     TokenChunk,
@@ -81,6 +82,8 @@ from shared.protocol import (
 )
 from shared.routing import JobRouter
 from shared.store.ec import ECStore
+from shared.store.format import RawTensor, encode_video_frames
+from shared.video import SampledVideo
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +364,11 @@ class ChoiceStreams:
                 task.cancel()
 
 
+def item_hash_of(item: LoadedImage | SampledVideo | ImageRef) -> str:
+    """The content hash of a request's media item (the item part of its EC key)."""
+    return item.content_hash if isinstance(item, LoadedImage) else item.item_hash
+
+
 @dataclass(frozen=True)
 class Submission:
     """A request to submit (:meth:`RequestClient.submit`): what its ``GenerationJob`` and its
@@ -378,7 +386,7 @@ class Submission:
     #: the recorded request body (images redacted to references)
     body: dict[str, Any] = field(default_factory=dict)
     #: loaded images (the API: their bytes are stored here) or references to stored ones (replay)
-    images: Sequence[LoadedImage | ImageRef] = ()
+    images: Sequence[LoadedImage | SampledVideo | ImageRef] = ()
     #: ``epd replay run``: the request this one re-runs
     replay_of: str = ""
     #: the encoder fingerprint the job is for (default: the client's store's)
@@ -434,7 +442,7 @@ class RequestClient:
     async def image_refs(
         self,
         request_id: str,
-        images: Sequence[LoadedImage | ImageRef],
+        images: Sequence[LoadedImage | SampledVideo | ImageRef],
         *,
         encode: bool = True,
         deadline: float | None = None,
@@ -445,20 +453,34 @@ class RequestClient:
         refs: list[ImageRef] = []
         distinct: dict[str, ImageRef] = {}
         for img in images:
-            item = img.content_hash if isinstance(img, LoadedImage) else img.item_hash
+            item = item_hash_of(img)
             if item not in distinct:
                 distinct[item] = await self._image_ref(request_id, img, encode=encode, deadline=deadline)
             refs.append(distinct[item])
         return refs
 
     async def _image_ref(
-        self, request_id: str, img: LoadedImage | ImageRef, *, encode: bool, deadline: float | None
+        self, request_id: str, img: LoadedImage | SampledVideo | ImageRef, *, encode: bool, deadline: float | None
     ) -> ImageRef:
         if isinstance(img, LoadedImage):
             if self.store is None:
                 raise RuntimeError("RequestClient: a loaded image needs a store to put its bytes in")
             media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
             ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
+        elif isinstance(img, SampledVideo):
+            if self.store is None:
+                raise RuntimeError("RequestClient: a loaded video needs a store to put its frames in")
+            media_key = await asyncio.to_thread(self._put_video, img)
+            n, height, width, _ = img.frames.shape
+            ref = ImageRef(
+                item_hash=img.item_hash,
+                media_key=media_key,
+                width=width,
+                height=height,
+                kind=MediaKind.VIDEO,
+                frames=n,
+                fps=img.sampled_fps,
+            )
         else:
             ref = img
         if not encode or self.store is None:  # agg: its worker encodes in process; replay without an encoder
@@ -484,6 +506,15 @@ class RequestClient:
             deadline=deadline,
         )
         return ref
+
+    def _put_video(self, video: SampledVideo) -> str:
+        """Store a video's sampled frames (content-addressed; what the workers read)."""
+        assert self.store is not None
+        frames = RawTensor(video.frames.tobytes(), "U8", tuple(video.frames.shape))
+        blob = encode_video_frames(
+            frames, item_hash=video.item_hash, sampled_fps=video.sampled_fps, producer=self.store.producer
+        )
+        return self.store.put_media(video.item_hash, blob)
 
     async def queue_encode(self, job: EncodeJob, *, deadline: float | None = None) -> bool:
         """Publish an encode job (``Nats-Msg-Id``: :func:`~shared.protocol.encode_job_msg_id` of its

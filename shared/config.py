@@ -229,10 +229,32 @@ class ModelSettings(SettingsGroup):
 
 
 class MediaSettings(SettingsGroup):
-    """Limits on the images a process decodes or stores."""
+    """Limits on the images and videos a process decodes or stores, and how videos are sampled."""
 
     max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
     max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
+    max_video_bytes: int = Field(32 * 1024**2, gt=0, description="per video file, encoded")
+    max_video_duration_s: float = Field(300.0, gt=0, description="per video, from its frame count and rate")
+    max_video_total_frames: int = Field(18_000, gt=0, description="frames a video's container may hold")
+    max_video_frames: int = Field(
+        64, gt=0, description="frames sampled from one video (what is stored and encoded; fewer: ask a lower fps)"
+    )
+    max_video_frame_pixels: int = Field(
+        1280 * 720, gt=0, description="per video frame, width x height (checked from the header before decoding)"
+    )
+    video_num_frames: int | None = Field(
+        None, gt=0, description="frames sampled from a video when a request says nothing (unset: vLLM's default, 32)"
+    )
+    video_fps: float | None = Field(
+        None,
+        gt=0,
+        description="frames a second sampled from a video when a request says nothing (unset: the loader's default)",
+    )
+
+    @property
+    def max_stored_media_bytes(self) -> int:
+        """The largest media object a worker reads back: an image file, or a video's sampled frames."""
+        return max(self.max_image_bytes, self.max_video_frames * self.max_video_frame_pixels * 3 + 64 * 1024)
 
 
 class EngineSettings(SettingsGroup):
@@ -441,6 +463,8 @@ class ApiSettings(ServiceSettings):
     """Request body limit."""
     max_images_per_request: int = Field(8, ge=0)
     """Images one request may carry (400 above)."""
+    max_videos_per_request: int = Field(1, ge=0)
+    """Videos one request may carry (400 above; each is sampled into up to `EPD_MAX_VIDEO_FRAMES` frames)."""
     max_tokens_limit: int | None = Field(None, ge=1)
     """Largest `max_tokens` a request may ask for (400 above; unset: the context length, `EPD_MAX_MODEL_LEN` or
     the model's)."""

@@ -18,13 +18,51 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.errors import EngineError
+from shared.errors import EngineError, UnsupportedContent
 
 #: engine name -> the ``model_type`` values it serves
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
     "transformers": ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
     "vllm": ("internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
 }
+
+
+#: engine name -> the families it serves video for (each held by a test against transformers'
+#: own ``generate`` on the same frames: tests/test_video_engine.py, tests/test_video_stack.py)
+VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
+    "transformers": ("qwen2_5_vl", "qwen2_vl"),
+    "vllm": (),
+}
+
+
+def check_video(engine: str, model_type: str) -> None:
+    """Raise :class:`UnsupportedContent` unless ``engine`` serves video for ``model_type`` (the
+    API asks before it fetches a video: a 400 naming the families that take video)."""
+    if model_type not in VIDEO_FAMILIES.get(engine, ()):
+        served = list(VIDEO_FAMILIES.get(engine, ()))
+        raise UnsupportedContent(
+            f"this model ({model_type} on the {engine} engine) takes no video input; video is served for "
+            f"{served or 'no family'} on the {engine} engine (docs/models.md)",
+            param="messages",
+        )
+
+
+def video_processor_of(model_dir: str | Path) -> str | None:
+    """The class name of the folder's video processor (``video_preprocessor_config.json``, or the
+    ``video_processor`` entry of ``processor_config.json``), read as JSON; None when it has none."""
+    folder = Path(model_dir)
+    for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"{path} does not read as JSON: {exc}") from exc
+        section = config.get(key) if key else config
+        if isinstance(section, dict) and isinstance(section.get("video_processor_type"), str):
+            return str(section["video_processor_type"])
+    return None
 
 
 def model_config_of(model_dir: str | Path) -> dict[str, Any]:

@@ -464,7 +464,7 @@ _B64_WHITESPACE = str.maketrans("", "", " \t\r\n\f\v")
 _B64_URLSAFE = str.maketrans("-_", "+/")
 
 
-def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
+def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS, *, kind: str = "image") -> bytes:
     """Decode ``data:image/<subtype>[;param=value]*;base64,<payload>`` into bytes.
 
     Only base64 image payloads are accepted. Whitespace inside the payload, missing ``=``
@@ -478,18 +478,18 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     # line breaks plus a generous header. The exact check on the payload follows.
     if len(url) > limits.max_image_bytes * 4 // 3 * 11 // 10 + 4096:
         raise PayloadTooLarge(
-            f"data URL is {len(url)} characters, too long for the image limit of {limits.max_image_bytes} bytes"
+            f"data URL is {len(url)} characters, too long for the {kind} limit of {limits.max_image_bytes} bytes"
         )
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise InvalidRequest("malformed data URL: missing ',' between the media type and data")
     params = [p.strip() for p in header.split(";")]
     mime = params[0].lower()
-    if not mime.startswith("image/") or len(mime) <= len("image/"):
+    if not mime.startswith(f"{kind}/") or len(mime) <= len(kind) + 1:
         # RFC 2397: an empty media type means text/plain.
-        raise UnsupportedContent(f"data URL media type must be image/*, got {mime or 'text/plain'!r}")
+        raise UnsupportedContent(f"data URL media type must be {kind}/*, got {mime or 'text/plain'!r}")
     if "base64" not in (p.lower() for p in params[1:]):
-        raise InvalidRequest("data URL images must be base64-encoded (';base64,' is missing)")
+        raise InvalidRequest(f"data URL {kind}s must be base64-encoded (';base64,' is missing)")
 
     payload = payload.translate(_B64_WHITESPACE)
     if not payload:
@@ -498,7 +498,7 @@ def parse_data_url(url: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
     decoded_len = len(payload) * 3 // 4 - min(padding, 2)
     if decoded_len > limits.max_image_bytes:
         raise PayloadTooLarge(
-            f"data URL image is about {decoded_len} bytes, over the limit of {limits.max_image_bytes} bytes"
+            f"data URL {kind} is about {decoded_len} bytes, over the limit of {limits.max_image_bytes} bytes"
         )
     if "-" in payload or "_" in payload:
         payload = payload.translate(_B64_URLSAFE)
@@ -763,10 +763,14 @@ class ImageFetcher:
         verify: ssl.SSLContext | bool = True,
         max_connections: int = 64,
         network_backend: httpcore.AsyncNetworkBackend | None = None,
+        noun: str = "image",
     ) -> None:
         """``resolver``/``network_backend`` exist for tests and unusual deployments; the
-        backend is always wrapped by the pinning one, so it only ever sees vetted addresses."""
+        backend is always wrapped by the pinning one, so it only ever sees vetted addresses.
+        ``noun``: what it fetches, in its errors ("video": a fetcher for videos, whose
+        ``limits.max_image_bytes`` is then the video byte limit)."""
         self.limits = limits
+        self.noun = noun
         self._resolver: Resolver = resolver if resolver is not None else _system_resolver
         if isinstance(verify, ssl.SSLContext):
             ssl_context = verify
@@ -782,7 +786,7 @@ class ImageFetcher:
             cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
             headers={
                 "User-Agent": _USER_AGENT,
-                "Accept": "image/*,*/*;q=0.5",
+                "Accept": f"{noun}/*,*/*;q=0.5",
                 # Images are already compressed; refusing gzip also avoids decompression bombs
                 # in the transfer encoding.
                 "Accept-Encoding": "identity",
@@ -815,27 +819,29 @@ class ImageFetcher:
             async with asyncio.timeout(self.limits.fetch_timeout_s):
                 return await self._fetch(url)
         except TimeoutError:
-            raise FetchTimeout(f"fetching image from {host} timed out after {self.limits.fetch_timeout_s:g}s") from None
+            raise FetchTimeout(
+                f"fetching {self.noun} from {host} timed out after {self.limits.fetch_timeout_s:g}s"
+            ) from None
 
     async def _vet(self, url: str) -> _Target:
         """Parse and check one hop; resolve its host and vet every address. No connections."""
         if len(url) > MAX_URL_CHARS:
-            raise InvalidRequest(f"image URL is longer than {MAX_URL_CHARS} characters")
+            raise InvalidRequest(f"{self.noun} URL is longer than {MAX_URL_CHARS} characters")
         try:
             parsed = httpx.URL(url)
         except (httpx.InvalidURL, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"invalid image URL: {_short(exc)}") from None
+            raise InvalidRequest(f"invalid {self.noun} URL: {_short(exc)}") from None
         scheme = parsed.scheme.lower()
         if scheme not in {s.lower() for s in self.limits.allowed_schemes}:
             raise UnsupportedContent(
-                f"unsupported image URL scheme {scheme or '(none)'!r}; "
+                f"unsupported {self.noun} URL scheme {scheme or '(none)'!r}; "
                 f"use {' or '.join(self.limits.allowed_schemes)} or a data: URL"
             )
         if parsed.userinfo:
-            raise InvalidRequest("image URLs must not contain credentials (user:password@)")
+            raise InvalidRequest(f"{self.noun} URLs must not contain credentials (user:password@)")
         host = parsed.raw_host.decode("ascii")
         if not host:
-            raise InvalidRequest("image URL has no host")
+            raise InvalidRequest(f"{self.noun} URL has no host")
         port = parsed.port or _DEFAULT_PORTS[scheme]
 
         try:
@@ -850,13 +856,13 @@ class ImageFetcher:
             except socket.gaierror as exc:
                 if exc.errno in _NO_SUCH_HOST:  # the name does not exist: the client's URL is wrong
                     raise ImageURLUnavailable(
-                        f"image URL {shown_url(parsed)}: host {host!r} does not resolve ({_short(exc)})"
+                        f"{self.noun} URL {shown_url(parsed)}: host {host!r} does not resolve ({_short(exc)})"
                     ) from None
-                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") from None
+                raise FetchFailed(f"could not resolve {self.noun} URL host {host!r}: {_short(exc)}") from None
             except (OSError, UnicodeError) as exc:
-                raise FetchFailed(f"could not resolve image URL host {host!r}: {_short(exc)}") from None
+                raise FetchFailed(f"could not resolve {self.noun} URL host {host!r}: {_short(exc)}") from None
         if not resolved:
-            raise ImageURLUnavailable(f"image URL {shown_url(parsed)}: host {host!r} resolves to no address")
+            raise ImageURLUnavailable(f"{self.noun} URL {shown_url(parsed)}: host {host!r} resolves to no address")
 
         vetted: list[str] = []
         for address in resolved:
@@ -879,7 +885,7 @@ class ImageFetcher:
             logger.debug("image fetch: %s redirected (hop %d)", target.host, hop + 1)
             current = outcome
         raise FetchFailed(
-            f"fetching image failed: more than {self.limits.max_redirects} redirects "
+            f"fetching {self.noun} failed: more than {self.limits.max_redirects} redirects "
             f"(last host {httpx.URL(current).host!r})"
         )
 
@@ -892,33 +898,35 @@ class ImageFetcher:
             try:
                 response = await self._client.send(request, stream=True)
             except httpx.TimeoutException:
-                raise FetchTimeout(f"fetching image from {host} timed out") from None
+                raise FetchTimeout(f"fetching {self.noun} from {host} timed out") from None
             except httpx.InvalidURL as exc:  # (not an HTTPError) httpx parses a redirect's Location eagerly
                 raise UnsupportedContent(
-                    f"image URL host {host} redirected to a URL that is not fetched (only http(s) redirects are "
+                    f"{self.noun} URL host {host} redirected to a URL that is not fetched (only http(s) redirects are "
                     f"followed): {_short(exc)}"
                 ) from None
             except httpx.HTTPError as exc:
-                raise FetchFailed(f"fetching image from {host} failed: {type(exc).__name__}: {_short(exc)}") from None
+                raise FetchFailed(
+                    f"fetching {self.noun} from {host} failed: {type(exc).__name__}: {_short(exc)}"
+                ) from None
             try:
                 status = response.status_code
                 if status in _REDIRECT_STATUSES:
                     location = response.headers.get("location")
                     if not location:
-                        raise FetchFailed(f"fetching image from {host} failed: HTTP {status} without Location")
+                        raise FetchFailed(f"fetching {self.noun} from {host} failed: HTTP {status} without Location")
                     try:
                         return str(target.url.join(location))
                     except (httpx.InvalidURL, ValueError) as exc:
                         raise FetchFailed(
-                            f"image URL host {host} redirected to an invalid URL: {_short(exc)}"
+                            f"{self.noun} URL host {host} redirected to an invalid URL: {_short(exc)}"
                         ) from None
                 if not 200 <= status < 300:
                     reason = response.reason_phrase or ""
                     if 400 <= status < 500:  # the URL is wrong (or not the client's to read): not worth a retry
                         raise ImageURLUnavailable(
-                            f"image URL {shown_url(target.url)} answered HTTP {status} {reason}".rstrip()
+                            f"{self.noun} URL {shown_url(target.url)} answered HTTP {status} {reason}".rstrip()
                         )
-                    raise FetchFailed(f"fetching image from {host} failed: HTTP {status} {reason}".rstrip())
+                    raise FetchFailed(f"fetching {self.noun} from {host} failed: HTTP {status} {reason}".rstrip())
                 body = await self._read_body(response, host)
                 logger.debug("image fetch: %d bytes from %s", len(body), host)
                 return body
@@ -931,18 +939,18 @@ class ImageFetcher:
         cap = self.limits.max_image_bytes
         declared = response.headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > cap:
-            raise PayloadTooLarge(f"image at {host} is {int(declared)} bytes, over the limit of {cap} bytes")
+            raise PayloadTooLarge(f"{self.noun} at {host} is {int(declared)} bytes, over the limit of {cap} bytes")
         body = bytearray()
         try:
             async for chunk in response.aiter_bytes():
                 body += chunk
                 if len(body) > cap:
-                    raise PayloadTooLarge(f"image at {host} is over the limit of {cap} bytes")
+                    raise PayloadTooLarge(f"{self.noun} at {host} is over the limit of {cap} bytes")
         except httpx.TimeoutException:
-            raise FetchTimeout(f"fetching image from {host} timed out reading the body") from None
+            raise FetchTimeout(f"fetching {self.noun} from {host} timed out reading the body") from None
         except httpx.HTTPError as exc:
             raise FetchFailed(
-                f"fetching image from {host} failed while reading the body: {type(exc).__name__}: {_short(exc)}"
+                f"fetching {self.noun} from {host} failed while reading the body: {type(exc).__name__}: {_short(exc)}"
             ) from None
         return bytes(body)
 

@@ -13,9 +13,11 @@ import msgspec
 
 from shared.config import EngineSettings, MediaSettings, ModelSettings, WorkerSettings
 from shared.engines import check_role, engine_class, load_engine
-from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPrompt, SamplingParams
-from shared.errors import EngineError, InvalidImage, MediaMissing
+from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPrompt, SamplingParams, VideoFrames
+from shared.errors import EngineError, InvalidImage, InvalidVideo, MediaMissing
 from shared.media import MediaLimits, decode_image
+from shared.protocol import MediaKind
+from shared.store.format import ObjectValidationError, decode_video_frames
 from shared.topology import Role, service_of
 from shared.worker import Handler, WorkerContext
 
@@ -53,6 +55,18 @@ def bind_cpus_or_exit(runtime: EngineSettings) -> None:
 
 def media_limits(media: MediaSettings) -> MediaLimits:
     return MediaLimits(max_image_bytes=media.max_image_bytes, max_pixels=media.max_image_pixels)
+
+
+def video_from_bytes(data: bytes, item_hash: str) -> VideoFrames:
+    """A video's stored sampled frames, checked to be the item (its id) and intact (its checksum)."""
+    import numpy as np
+
+    try:
+        frames, fps = decode_video_frames(data, item_hash=item_hash)
+    except ObjectValidationError as exc:
+        raise InvalidVideo(f"stored video frames of item {item_hash[:12]} are not usable: {exc}") from None
+    array = np.frombuffer(frames.data, dtype=np.uint8).reshape(frames.shape)
+    return VideoFrames(frames=array, fps=fps)
 
 
 def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> Image.Image:
@@ -150,7 +164,7 @@ class ModelHandler(Handler):
                     settings.store,
                     producer=settings.worker_id,
                     ec_fingerprint=fingerprint,
-                    max_media_bytes=settings.media.max_image_bytes,
+                    max_media_bytes=settings.media.max_stored_media_bytes,
                     ensure_bucket=True,
                 )
             )
@@ -169,6 +183,15 @@ class ModelHandler(Handler):
         when it is gone, InvalidImage when it is not the item."""
         data = await self.media_bytes(ref)
         return await asyncio.to_thread(image_from_bytes, data, ref.item_hash, self.limits)
+
+    async def media(self, ref: ImageRef) -> Image.Image | VideoFrames:
+        """A request's media item from the store: an image (:meth:`image`), or a video's sampled
+        frames (validated against its item and checksum). Raises MediaMissing when it is gone,
+        InvalidImage / InvalidVideo when it is not the item."""
+        if ref.kind != MediaKind.VIDEO:
+            return await self.image(ref)
+        data = await self.media_bytes(ref)
+        return await asyncio.to_thread(video_from_bytes, data, ref.item_hash)
 
     async def media_image(self, ref: ImageRef) -> MediaImage:
         """A request's image as :class:`FeaturesThroughConnector` engines take it."""

@@ -389,7 +389,9 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
 
 class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
-    """One distinct image of a request: its content hash and where its bytes are stored."""
+    """One distinct media item of a request - an image, or a video's sampled frames (``kind``) -:
+    its content hash and where its bytes are stored (an image's file; a video's frames as a
+    tensor object, ``shared.store.format.encode_video_frames``)."""
 
     item_hash: str
     media_key: str
@@ -398,6 +400,11 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
     #: False when the API found the EC object already stored and queued no encode job, so a
     #: worker that then misses in the store must not wait for an encoder.
     encode_queued: bool = True
+    #: a :class:`MediaKind` value
+    kind: str = MediaKind.IMAGE
+    #: a video: its sampled frames and the rate they stand for (frames a second); 0 for an image
+    frames: int = 0
+    fps: float = 0.0
 
 
 #: Schema of the jobs that carry a ``SamplingSpec`` (``GenerationJob``, ``DecodeJob``).

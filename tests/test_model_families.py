@@ -101,3 +101,18 @@ def test_feature_width_is_what_the_engine_encodes(tmp_path, family):
         assert item.features.shape[1] == width == engine.feature_width
     finally:
         engine._executor.shutdown()
+
+
+def test_video_is_served_only_where_a_test_holds_it():
+    """The API asks ``check_video`` before fetching a video: a family or engine without video is
+    a 400 naming where video is served (the families in tests/test_video_engine.py and
+    tests/test_video_stack.py)."""
+    from shared.errors import UnsupportedContent
+    from shared.families import VIDEO_FAMILIES, check_video
+    from tests.test_video_engine import FAMILIES as ENGINE_VIDEO_FAMILIES
+
+    assert set(VIDEO_FAMILIES["transformers"]) == set(ENGINE_VIDEO_FAMILIES)
+    check_video("transformers", "qwen2_vl")
+    for engine, family in (("transformers", "llava"), ("transformers", "qwen3_vl"), ("vllm", "qwen2_vl")):
+        with pytest.raises(UnsupportedContent, match=f"{family} on the {engine} engine"):
+            check_video(engine, family)

@@ -56,7 +56,7 @@ def family(request, tmp_path_factory):
         run_sync(engine.aclose())
 
 
-def _hf_tokens(path: Path, text: str, kinds: list[str], images, videos) -> list[int]:
+def _hf_tokens(path: Path, text: str, kinds: list[str], images, videos, max_tokens: int = MAX_TOKENS) -> list[int]:
     from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
     from transformers.video_utils import VideoMetadata
 
@@ -76,7 +76,7 @@ def _hf_tokens(path: Path, text: str, kinds: list[str], images, videos) -> list[
         do_sample_frames=False,
         return_tensors="pt",
     )
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         ids = model.generate(**inputs, generation_config=config)
     return ids[0, inputs["input_ids"].shape[1] :].tolist()

@@ -530,6 +530,7 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
                     body,
                     served_model=service.model_name,
                     max_images=settings.max_images_per_request,
+                    max_videos=settings.max_videos_per_request,
                     max_tokens_limit=max_tokens_limit,
                     max_tokens_source=max_tokens_source,
                     default_max_tokens=settings.default_max_tokens,
@@ -548,8 +549,10 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
             deadline = received_at + settings.request_timeout_s
             await service.wait_connected(deadline)
             images = (
-                await asyncio.wait_for(service.load_images(parsed.image_urls), timeout=max(0.0, deadline - time.time()))
-                if parsed.image_urls
+                await asyncio.wait_for(
+                    service.load_media(parsed.media, parsed.video_sampling), timeout=max(0.0, deadline - time.time())
+                )
+                if parsed.media
                 else []
             )
             events = await service.submit(request_id, parsed, images, received_at, deadline)

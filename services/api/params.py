@@ -88,7 +88,8 @@ PARAMS: dict[str, Param] = {
     "model": honoured(BOTH, "optional; the served model's id (`EPD_MODEL_NAME`), any other id is a 400"),
     "messages": honoured(
         CHAT,
-        "roles `system`, `user`, `assistant`, `developer` (= `system`); text and `image_url` parts. Where the "
+        "roles `system`, `user`, `assistant`, `developer` (= `system`); text, `image_url` and `video_url` parts "
+        "(video where the model takes it: docs/models.md). Where the "
         "model's chat template renders tools: an assistant's `tool_calls` and `tool` messages (`tool_call_id`, "
         "text) - a conversation continuing after a call; elsewhere they are a 400",
     ),
@@ -230,7 +231,12 @@ PARAMS: dict[str, Param] = {
     "documents": refused(CHAT, ""),
     "chat_template": refused(CHAT, "the model folder's template is used"),
     "chat_template_kwargs": refused(CHAT, "", noop=(None, {})),
-    "media_io_kwargs": refused(CHAT, "", noop=(None, {})),
+    "media_io_kwargs": honoured(
+        CHAT,
+        '`{"video": {"num_frames": N, "fps": F}}`: how a video is sampled (vLLM\'s loader\'s frames; a model '
+        "whose loader samples by fps refuses `num_frames` by name); any other key is a 400",
+        source=("vllm",),
+    ),
     "mm_processor_kwargs": refused(CHAT, "", noop=(None, {})),
     "prompt_embeds": refused(COMPLETIONS, ""),
     "priority": refused(BOTH, "no priority scheduling", noop=(None, 0)),

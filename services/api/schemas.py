@@ -29,17 +29,19 @@ from services.api.params import (
     fields_of,
 )
 from services.api.tool_parsers import ToolParser
-from shared.chat import ChatMessage, FunctionCall, ImagePart, Part, TextPart, ToolCall, check_role
+from shared.chat import ChatMessage, FunctionCall, ImagePart, Part, TextPart, ToolCall, VideoPart, check_role
 from shared.engines.grammar import structured_output
 from shared.errors import (
     InvalidRequest,
+    InvalidVideo,
     ModelNotFound,
     TooManyImages,
     UnknownParameter,
     UnsupportedContent,
     UnsupportedParameter,
 )
-from shared.protocol import MAX_TOOLS, MAX_TOOLS_BYTES, SamplingSpec, StructuredOutput
+from shared.protocol import MAX_TOOLS, MAX_TOOLS_BYTES, MediaKind, SamplingSpec, StructuredOutput
+from shared.video import VideoSampling
 
 MAX_STOP_SEQUENCES = 4
 #: the most choices (``n``) of one request: each is a generation job
@@ -54,13 +56,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 class ParsedRequest:
     model: str
     messages: list[ChatMessage]
-    image_urls: list[str]
+    #: the request's images and videos, in placeholder order
+    media: list[MediaURL]
     sampling: SamplingSpec
     stream: bool
     include_usage: bool = False
     return_token_ids: bool = False
     body: dict[str, Any] = field(default_factory=dict)
     endpoint: Endpoint = Endpoint.CHAT
+    #: how the request's videos are sampled (``media_io_kwargs``; the server's defaults fill the rest)
+    video_sampling: VideoSampling = field(default_factory=VideoSampling)
     #: ``/v1/completions``: the prompt (text, or token ids)
     prompt: str | tuple[int, ...] | None = None
     #: choices (``n``): one generation job each
@@ -81,6 +86,11 @@ class ParsedRequest:
     tool_parser: ToolParser | None = None
     #: ``parallel_tool_calls: false``: at most one call is answered (vLLM keeps the first)
     parallel_tool_calls: bool = True
+
+    @property
+    def image_urls(self) -> list[str]:
+        """Every media URL (images and videos), in placeholder order."""
+        return [m.url for m in self.media]
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -152,7 +162,17 @@ def _number(value: float | None, name: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def _parse_content(content: Any, index: int, image_urls: list[str], max_images: int) -> str | list[Part]:
+@dataclass(frozen=True)
+class MediaURL:
+    """One media part of a request, in placeholder order: its kind and its URL."""
+
+    kind: MediaKind
+    url: str
+
+
+def _parse_content(
+    content: Any, index: int, media: list[MediaURL], max_images: int, max_videos: int
+) -> str | list[Part]:
     if isinstance(content, str):
         return content
     if content is None:
@@ -169,18 +189,20 @@ def _parse_content(content: Any, index: int, image_urls: list[str], max_images: 
             if not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}.text must be a string", param="messages")
             parts.append(TextPart(text=part["text"]))
-        elif kind == "image_url":
-            spec = part.get("image_url")
+        elif kind in ("image_url", "video_url"):
+            media_kind = MediaKind.IMAGE if kind == "image_url" else MediaKind.VIDEO
+            spec = part.get(kind)
             url = spec.get("url") if isinstance(spec, dict) else spec
             if not isinstance(url, str) or not url:
-                raise InvalidRequest(f"{where}.image_url.url must be a non-empty string", param="messages")
-            if len(image_urls) >= max_images:
-                raise TooManyImages(f"at most {max_images} images per request", param="messages")
-            image_urls.append(url)
-            parts.append(ImagePart())
+                raise InvalidRequest(f"{where}.{kind}.url must be a non-empty string", param="messages")
+            limit = max_images if media_kind is MediaKind.IMAGE else max_videos
+            if sum(1 for m in media if m.kind is media_kind) >= limit:
+                raise TooManyImages(f"at most {limit} {media_kind}s per request", param="messages")
+            media.append(MediaURL(media_kind, url))
+            parts.append(ImagePart() if media_kind is MediaKind.IMAGE else VideoPart())
         else:
             raise UnsupportedContent(
-                f"{where}: content part type '{kind}' is not supported (supported: text, image_url)",
+                f"{where}: content part type '{kind}' is not supported (supported: text, image_url, video_url)",
                 param="messages",
             )
     return parts
@@ -250,21 +272,55 @@ def _tool_fields(message: dict[str, Any], role: str, i: int, tools_ok: bool) -> 
     return {"tool_calls": calls, "tool_call_id": call_id if role == "tool" else None}
 
 
-def parse_messages(messages: Any, *, max_images: int, tools_ok: bool = False) -> tuple[list[ChatMessage], list[str]]:
-    """OpenAI chat messages as typed messages, and their image URLs in placeholder order.
-    ``tools_ok``: the model's chat template renders tool conversations (``tool`` messages and an
-    assistant's ``tool_calls``); without it they are refused."""
+def parse_media_io_kwargs(value: Any, media: list[MediaURL]) -> VideoSampling:
+    """vLLM's ``media_io_kwargs``: ``{"video": {"num_frames": N, "fps": F}}`` (either or both; the
+    server's defaults fill what is not given). Any other key is refused by name."""
+    if value is None:
+        return VideoSampling()
+    if not isinstance(value, dict):
+        raise InvalidRequest("'media_io_kwargs' must be an object", param="media_io_kwargs")
+    for key in value:
+        if key != "video":
+            raise UnsupportedParameter(
+                f"'media_io_kwargs.{key}' is not supported (supported: video.num_frames, video.fps)",
+                param=f"media_io_kwargs.{key}",
+            )
+    video = value.get("video")
+    if video is None:
+        return VideoSampling()
+    if not isinstance(video, dict):
+        raise InvalidRequest("'media_io_kwargs.video' must be an object", param="media_io_kwargs.video")
+    for key in video:
+        if key not in ("num_frames", "fps"):
+            raise UnsupportedParameter(
+                f"'media_io_kwargs.video.{key}' is not supported (supported: num_frames, fps)",
+                param=f"media_io_kwargs.video.{key}",
+            )
+    try:
+        return VideoSampling(num_frames=video.get("num_frames"), fps=video.get("fps"))
+    except InvalidVideo as exc:
+        raise InvalidRequest(f"'media_io_kwargs.video': {exc.message}", param="media_io_kwargs.video") from None
+
+
+def parse_messages(
+    messages: Any, *, max_images: int, max_videos: int = 0, tools_ok: bool = False
+) -> tuple[list[ChatMessage], list[MediaURL]]:
+    """OpenAI chat messages as typed messages, and their media (image and video URLs) in
+    placeholder order. ``tools_ok``: the model's chat template renders tool conversations
+    (``tool`` messages and an assistant's ``tool_calls``); without it they are refused."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    image_urls: list[str] = []
+    image_urls: list[MediaURL] = []
     normalized: list[ChatMessage] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
         role = check_role(message.get("role"), f"messages[{i}]")
         tool_fields = _tool_fields(message, role, i, tools_ok)
-        content = _parse_content(message.get("content"), i, image_urls if role != "tool" else [], max_images)
-        if role == "tool" and not isinstance(content, str) and any(isinstance(p, ImagePart) for p in content):
+        content = _parse_content(
+            message.get("content"), i, image_urls if role != "tool" else [], max_images, max_videos
+        )
+        if role == "tool" and not isinstance(content, str) and any(not isinstance(p, TextPart) for p in content):
             raise UnsupportedContent(f"messages[{i}]: a tool message holds text only", param="messages")
         normalized.append(ChatMessage(role=role, content=content, **tool_fields))
     return normalized, image_urls
@@ -562,6 +618,7 @@ def parse_chat_request(
     default_max_tokens: int,
     tool_parser: ToolParser | None = None,
     max_tokens_source: str = "EPD_MAX_TOKENS_LIMIT",
+    max_videos: int = 0,
 ) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. ``tool_parser``: the served model's
     (``services.api.tool_parsers.parser_for_model``; None: its chat template renders no tool calls
@@ -569,7 +626,10 @@ def parse_chat_request(
     req = typed_request(body, Endpoint.CHAT)
     assert isinstance(req, ChatCompletionRequest)
     _check_model(req, served_model)
-    messages, image_urls = parse_messages(req.messages, max_images=max_images, tools_ok=tool_parser is not None)
+    messages, media = parse_messages(
+        req.messages, max_images=max_images, max_videos=max_videos, tools_ok=tool_parser is not None
+    )
+    video_sampling = parse_media_io_kwargs(req.media_io_kwargs, media)
     n, stream, include_usage = _common(req)
     top_logprobs = _logprobs(req.top_logprobs, "top_logprobs")
     if top_logprobs and not req.logprobs:
@@ -589,7 +649,8 @@ def parse_chat_request(
     return ParsedRequest(
         model=served_model,
         messages=messages,
-        image_urls=image_urls,
+        media=media,
+        video_sampling=video_sampling,
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
@@ -669,7 +730,7 @@ def parse_completion_request(
     return ParsedRequest(
         model=served_model,
         messages=[],
-        image_urls=[],
+        media=[],
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
@@ -743,10 +804,13 @@ def parse_tokenize_request(
     chat = "messages" in body
     messages = None
     if chat:
-        parsed, urls = parse_messages(body["messages"], max_images=1 << 30, tools_ok=tool_parser is not None)
+        parsed, urls = parse_messages(
+            body["messages"], max_images=1 << 30, max_videos=1 << 30, tools_ok=tool_parser is not None
+        )
         if urls:
             raise UnsupportedContent(
-                "image parts cannot be tokenized here (their token count depends on the image)", param="messages"
+                "image and video parts cannot be tokenized here (their token count depends on the media)",
+                param="messages",
             )
         messages = [m.to_wire() for m in parsed]
     elif body.get("tools"):
@@ -807,10 +871,11 @@ def redact_images(body: dict[str, Any], item_hashes: list[str]) -> dict[str, Any
         if isinstance(content, list):
             new_parts = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    spec = part.get("image_url")
+                if isinstance(part, dict) and part.get("type") in ("image_url", "video_url"):
+                    spec = part.get(part["type"])
                     url = spec.get("url") if isinstance(spec, dict) else spec
-                    ref = {"type": "image_ref", "item_hash": next(hashes)}
+                    kind = "image_ref" if part["type"] == "image_url" else "video_ref"
+                    ref = {"type": kind, "item_hash": next(hashes)}
                     if isinstance(url, str) and not url.startswith("data:"):
                         ref["url"] = recorded_url(url)
                     new_parts.append(ref)

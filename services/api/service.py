@@ -9,9 +9,10 @@ exhausted its deliveries.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,21 +20,30 @@ import msgspec
 import nats
 
 from services.api.routing import Router
-from services.api.schemas import ParsedRequest, redact_images
+from services.api.schemas import MediaURL, ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import protocol
-from shared.client import ChoiceStreams, RequestClient, Submission
+from shared.client import ChoiceStreams, RequestClient, Submission, item_hash_of
 from shared.config import ApiSettings
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError, ServiceUnavailable
-from shared.families import max_aspect_ratio, model_type_of
+from shared.families import check_video, max_aspect_ratio, model_type_of, video_processor_of
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
-from shared.protocol import ChatRequestRecord, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
+from shared.protocol import ChatRequestRecord, ImageRef, MediaKind, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.store.ec import ECStore
 from shared.store.factory import open_stores
 from shared.topology import TOPOLOGIES
+from shared.video import (
+    SampledVideo,
+    VideoLimits,
+    VideoSampler,
+    VideoSampling,
+    check_sampling,
+    load_video_url,
+    sampler_of_processor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +131,16 @@ class ApiService:
         self.model_name = self.identity.model
         self.fingerprint = self.identity.fingerprint
         family = model_type_of(self.identity.model_path)
+        self.family = family
+        #: how this model's videos are sampled (vLLM's loader for its video processor)
+        self.video_sampler = sampler_of_processor(video_processor_of(self.identity.model_path))
+        self.video_limits = VideoLimits(
+            max_video_bytes=settings.media.max_video_bytes,
+            max_duration_s=settings.media.max_video_duration_s,
+            max_total_frames=settings.media.max_video_total_frames,
+            max_sampled_frames=settings.media.max_video_frames,
+            max_frame_pixels=settings.media.max_video_frame_pixels,
+        )
         self.limits = MediaLimits(
             max_image_bytes=settings.media.max_image_bytes,
             max_pixels=settings.media.max_image_pixels,
@@ -142,6 +162,7 @@ class ApiService:
         #: EC store lifecycle: use recording, the index of announced objects, the janitor
         self.ec: ECLifecycle | None = None
         self.fetcher: ImageFetcher | None = None
+        self.video_fetcher: ImageFetcher | None = None
         # One for the process: however many requests and images arrive, decoding stays bounded.
         self.decode_budget = DecodeBudget(settings.decode_budget_pixels())
         self._subs: list = []
@@ -162,7 +183,7 @@ class ApiService:
                 settings.store,
                 producer=settings.worker_id,
                 ec_fingerprint=self.fingerprint,
-                max_media_bytes=settings.media.max_image_bytes,
+                max_media_bytes=settings.media.max_stored_media_bytes,
                 ensure_bucket=True,
             )
         )
@@ -190,6 +211,9 @@ class ApiService:
             router=self.router,
         )
         self.fetcher = ImageFetcher(self.limits)
+        self.video_fetcher = ImageFetcher(
+            dataclasses.replace(self.limits, max_image_bytes=self.settings.media.max_video_bytes), noun="video"
+        )
         self._subs.append(await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat))
         self.supervisor = DeliverySupervisor(
             self.nc, self.subjects, publisher, max_deliver=self.settings.nats.max_deliver
@@ -278,13 +302,48 @@ class ApiService:
     # -- request pipeline ------------------------------------------------------------------
     async def load_images(self, urls: list[str]) -> list[LoadedImage]:
         """Fetch and decode every image (side by side; decodes wait for the process's decode budget)."""
-        assert self.fetcher is not None
-        loads = [asyncio.create_task(load_image(u, self.fetcher, self.limits, budget=self.decode_budget)) for u in urls]
+        media = await self.load_media([MediaURL(MediaKind.IMAGE, u) for u in urls], VideoSampling())
+        return [m for m in media if isinstance(m, LoadedImage)]
+
+    def video_sampling(self, requested: VideoSampling) -> VideoSampling:
+        """A request's video sampling with the server's defaults filling what it leaves unset
+        (``EPD_VIDEO_NUM_FRAMES`` only where the loader takes a frame count)."""
+        media = self.settings.media
+        num_frames = requested.num_frames
+        if num_frames is None and self.video_sampler is VideoSampler.UNIFORM:
+            num_frames = media.video_num_frames
+        return VideoSampling(num_frames=num_frames, fps=requested.fps if requested.fps is not None else media.video_fps)
+
+    async def load_media(self, media: list[MediaURL], sampling: VideoSampling) -> list[LoadedImage | SampledVideo]:
+        """Fetch and decode every image and video, side by side (decodes wait for the process's
+        decode budget); a video only where the served model takes video (else a 400 before any
+        fetch), each sampled once, here (workers get its frames)."""
+        assert self.fetcher is not None and self.video_fetcher is not None
+        if any(m.kind is MediaKind.VIDEO for m in media):
+            check_video(self.identity.engine, self.family)
+            sampling = self.video_sampling(sampling)
+            check_sampling(self.video_sampler, sampling)
+
+        fetcher, video_fetcher = self.fetcher, self.video_fetcher
+
+        async def load(m: MediaURL) -> LoadedImage | SampledVideo:
+            if m.kind is MediaKind.IMAGE:
+                return await load_image(m.url, fetcher, self.limits, budget=self.decode_budget)
+            return await load_video_url(
+                m.url,
+                video_fetcher,
+                sampler=self.video_sampler,
+                sampling=sampling,
+                limits=self.video_limits,
+                budget=self.decode_budget,
+            )
+
+        loads: list[asyncio.Task[LoadedImage | SampledVideo]] = [asyncio.create_task(load(m)) for m in media]
         try:
             return list(await asyncio.gather(*loads))
         except BaseException:
-            for load in loads:  # one bad image fails the request: stop waiting for the others
-                load.cancel()
+            for task in loads:  # one bad item fails the request: stop waiting for the others
+                task.cancel()
             raise
 
     @property
@@ -299,7 +358,12 @@ class ApiService:
         return await self.client.image_refs(request_id, loaded, encode=self.uses_encoder)
 
     async def submit(
-        self, request_id: str, parsed: ParsedRequest, images: list[LoadedImage], received_at: float, deadline: float
+        self,
+        request_id: str,
+        parsed: ParsedRequest,
+        images: Sequence[LoadedImage | SampledVideo],
+        received_at: float,
+        deadline: float,
     ) -> ChoiceStreams:
         """Submit the request (``RequestClient.submit_choices``: images and encode jobs once, then
         a record and a generation job per choice - :func:`choice_ids`, :func:`choice_sampling`);
@@ -314,7 +378,7 @@ class ApiService:
             stream=parsed.stream,
             received_at=received_at,
             deadline=deadline,
-            body=redact_images(parsed.body, [img.content_hash for img in images]),
+            body=redact_images(parsed.body, [item_hash_of(img) for img in images]),
             images=images,
             prompt=parsed.prompt,
             tools=parsed.tools,

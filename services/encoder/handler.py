@@ -37,7 +37,7 @@ from shared.config import EncoderSettings, WorkerSettings
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.engines import base
 from shared.engines.base import Engine
-from shared.errors import EngineError, EPDError, StoreError
+from shared.errors import EngineError, EPDError, InvalidRequest, StoreError
 from shared.media import DecodeBudget
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler
@@ -67,7 +67,7 @@ class FeatureProducer(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]: ...
+    async def produce(self, item_hash: str, image: Image.Image | base.VideoFrames) -> tuple[int, int]: ...
 
 
 class WorkerStoresFeatures(FeatureProducer):
@@ -75,11 +75,14 @@ class WorkerStoresFeatures(FeatureProducer):
 
     engine: base.FeaturesThroughWorker  # type: ignore[assignment]  # a mixin: the Engine also returns features
 
-    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image | base.VideoFrames) -> tuple[int, int]:
         from shared.engines.ec_objects import encoded_to_extra
         from shared.store.tensors import tensor_to_raw
 
-        (encoded,) = await self.engine.encode([image])
+        if isinstance(image, base.VideoFrames):
+            (encoded,) = await self.engine.encode_videos([image])
+        else:
+            (encoded,) = await self.engine.encode([image])
         raw, dtype, shape = tensor_to_raw(encoded.features)
         _key, nbytes = await asyncio.to_thread(
             self.store.save, item_hash, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded)
@@ -93,7 +96,9 @@ class ConnectorStoresFeatures(FeatureProducer):
 
     engine: base.FeaturesThroughConnector  # type: ignore[assignment]  # a mixin: the Engine also stores features itself
 
-    async def produce(self, item_hash: str, image: Image.Image) -> tuple[int, int]:
+    async def produce(self, item_hash: str, image: Image.Image | base.VideoFrames) -> tuple[int, int]:
+        if isinstance(image, base.VideoFrames):
+            raise InvalidRequest("this engine's encoder takes no video", param="messages")
         (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])
         info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed
@@ -178,13 +183,13 @@ class EncoderHandler(ModelHandler):
             return
 
         # Decoded images held at once are bounded by pixels, however many jobs are in flight.
-        claim = await self.pixel_budget.acquire(job.image.width * job.image.height)
+        claim = await self.pixel_budget.acquire(job.image.width * job.image.height * max(1, job.image.frames))
         try:
             if (stealer := await self._claim(job)) is not None:
                 log.info("item %s stolen by %s: not encoding", item[:12], stealer)
                 metrics.ENCODE_JOBS.labels(JobOutcome.STOLEN).inc()
                 return
-            image = await self.image(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
+            image = await self.media(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
             started_at = time.time()
             started = time.perf_counter()
             try:

@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 
 #: A request's image from the store, checked against its item hash (``ModelHandler.image``).
 ImageLoader = Callable[[ImageRef], Awaitable["Image.Image"]]
+#: a request's media item from the store: an image, or a video's sampled frames
+MediaLoader = Callable[[ImageRef], Awaitable["Image.Image | base.VideoFrames"]]
 
 
 class FeatureCache:
@@ -468,7 +470,7 @@ class LocalFeatures(FeatureSource):
     """Cache, else encode here (agg: no store, no encoder workers). Subclassed by
     :class:`StoredFeatures`, which looks in the store in between and writes back."""
 
-    def __init__(self, engine: base.FeaturesThroughWorker, cache: FeatureCache, image: ImageLoader):
+    def __init__(self, engine: base.FeaturesThroughWorker, cache: FeatureCache, image: MediaLoader):
         self.engine = engine
         self.cache = cache
         self.image = image
@@ -488,7 +490,11 @@ class LocalFeatures(FeatureSource):
         return cached
 
     async def encode(self, ref: ImageRef) -> EncodedImage:
-        (item,) = await self.engine.encode([await self.image(ref)])
+        source = await self.image(ref)
+        if isinstance(source, base.VideoFrames):
+            (item,) = await self.engine.encode_videos([source])
+        else:
+            (item,) = await self.engine.encode([source])
         self.cache.put(ref.item_hash, item)
         return item
 
@@ -500,7 +506,7 @@ class StoredFeatures(LocalFeatures):
         self,
         engine: base.FeaturesThroughWorker,
         cache: FeatureCache,
-        image: ImageLoader,
+        image: MediaLoader,
         store: ECStore,
         encoder: EncoderWait,
         stealer: Stealer | None = None,

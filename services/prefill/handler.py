@@ -154,8 +154,8 @@ class PrefillHandler(ModelHandler):
             return ConnectorFeatures(self.image, self.store, encoder, stealer)
         engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)
         if encoder is None:
-            return LocalFeatures(engine, self.cache, self.image)
-        return StoredFeatures(engine, self.cache, self.image, self.store, encoder, stealer)
+            return LocalFeatures(engine, self.cache, self.media)
+        return StoredFeatures(engine, self.cache, self.media, self.store, encoder, stealer)
 
     async def _handoff(self, ctx: WorkerContext) -> HandOff:
         worker_id = self.settings.worker_id

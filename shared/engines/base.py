@@ -251,6 +251,13 @@ class FeaturesThroughWorker(abc.ABC):
     async def encode(self, images: Sequence[Image.Image]) -> list[EncodedImage]:
         """Run the vision encoder (+ projector) on RGB images, one item per image."""
 
+    async def encode_videos(self, videos: Sequence[VideoFrames]) -> list[EncodedImage]:
+        """Run the vision encoder on videos' sampled frames, one item (kind video) per video.
+        Here: refused (an engine or family that takes no video)."""
+        from shared.errors import InvalidRequest
+
+        raise InvalidRequest(f"this engine ({type(self).__name__}) takes no video", param="messages")
+
 
 class FeaturesThroughConnector(abc.ABC):
     """Encoder outputs move through the engine's own EC connector and the store: ``generate``

@@ -387,3 +387,43 @@ def decode_ec_object(blob: bytes, *, fingerprint: str, item_hash: str) -> ECObje
         created_at=obj.created_at,
         extra=extra if isinstance(extra, dict) else {},
     )
+
+
+#: A video's sampled frames, stored content-addressed under its media key (the workers read these,
+#: never the container file): one ``U8`` tensor ``[n, height, width, 3]`` (RGB) and the rate the
+#: frames stand for.
+VIDEO_FRAMES_SCHEMA = "epd-video-frames-v1"
+_FRAMES_TENSOR = "frames"
+
+
+def encode_video_frames(frames: RawTensor, *, item_hash: str, sampled_fps: float, producer: str) -> bytes:
+    """Serialize a video's sampled frames (``U8 [n, h, w, 3]``) into a tensor object."""
+    if frames.dtype != "U8" or len(frames.shape) != 4 or frames.shape[3] != 3 or min(frames.shape) < 1:
+        raise ValueError(f"video frames must be U8 [n, height, width, 3], got {frames.dtype}{list(frames.shape)}")
+    if not (math.isfinite(sampled_fps) and sampled_fps >= 0):
+        raise ValueError(f"sampled_fps must be a finite number >= 0, got {sampled_fps!r}")
+    return encode_tensor_object(
+        {_FRAMES_TENSOR: frames},
+        schema=VIDEO_FRAMES_SCHEMA,
+        fingerprint="",  # the frames are the model's input, not its output: any model reads them
+        id_field="item_hash",
+        object_id=item_hash,
+        producer=producer,
+        metadata={"sampled_fps": repr(float(sampled_fps))},
+    )
+
+
+def decode_video_frames(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float]:
+    """A video's sampled frames and their rate, validated (schema, item, layout, checksum).
+    Raises :class:`ObjectValidationError`."""
+    obj = decode_tensor_object(
+        blob, schema=VIDEO_FRAMES_SCHEMA, fingerprint="", id_field="item_hash", object_id=item_hash
+    )
+    frames = obj.tensors.get(_FRAMES_TENSOR)
+    if frames is None or frames.dtype != "U8" or len(frames.shape) != 4 or frames.shape[3] != 3:
+        raise ObjectValidationError(MissReason.SHAPE_MISMATCH, "not a video's frames (U8 [n, h, w, 3])")
+    try:
+        fps = float(obj.metadata["sampled_fps"])
+    except (KeyError, ValueError):
+        raise ObjectValidationError(MissReason.CORRUPT, "video frames without a sampled_fps") from None
+    return frames, fps
