@@ -27,11 +27,12 @@ SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 
 
-#: engine name -> the families it serves video for (each held by a test against transformers'
-#: own ``generate`` on the same frames: tests/test_video_engine.py, tests/test_video_stack.py)
+#: engine name -> the families it serves video for (each held by a test: against transformers' own
+#: ``generate`` on the same frames - tests/test_video_engine.py, tests/test_video_stack.py -, and
+#: against a plain vLLM run on the file - tests/test_vllm_families.py)
 VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
     "transformers": ("qwen2_5_vl", "qwen2_vl"),
-    "vllm": (),
+    "vllm": ("qwen2_5_vl", "qwen2_vl"),
 }
 
 

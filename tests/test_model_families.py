@@ -111,8 +111,13 @@ def test_video_is_served_only_where_a_test_holds_it():
     from shared.families import VIDEO_FAMILIES, check_video
     from tests.test_video_engine import FAMILIES as ENGINE_VIDEO_FAMILIES
 
+    from tests.test_vllm_families import FAMILIES as VLLM_FAMILIES
+
     assert set(VIDEO_FAMILIES["transformers"]) == set(ENGINE_VIDEO_FAMILIES)
+    # (test_vllm_families holds each vLLM family's video against a plain vLLM run, or its refusal)
+    assert set(VIDEO_FAMILIES["vllm"]) <= set(VLLM_FAMILIES)
     check_video("transformers", "qwen2_vl")
-    for engine, family in (("transformers", "llava"), ("transformers", "qwen3_vl"), ("vllm", "qwen2_vl")):
+    check_video("vllm", "qwen2_5_vl")
+    for engine, family in (("transformers", "llava"), ("transformers", "qwen3_vl"), ("vllm", "internvl")):
         with pytest.raises(UnsupportedContent, match=f"{family} on the {engine} engine"):
             check_video(engine, family)

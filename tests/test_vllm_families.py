@@ -23,6 +23,7 @@ from PIL import Image
 
 from shared.engines.base import GenerationStats, MediaImage
 from shared.media import content_hash_of
+from tests.stackutil import GREEDY as STACK_GREEDY
 from tests.stackutil import (
     api_tokens,
     engine_messages,
@@ -58,6 +59,28 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
+#: the video case (issue 43), for the families the vLLM engine serves video for: 3 s of 10 fps
+#: noise, sampled as vLLM's loader samples it (Qwen-VL: 2 fps -> 6 frames)
+VIDEO_TEXT = "Describe the video."
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> bytes:
+    from tests.test_video import write_clip
+
+    return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4", 30, 10.0, size=(84, 56), seed=0)
+
+
+def _video_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def _takes_video(family_dir: Path) -> bool:
+    from shared.families import VIDEO_FAMILIES, model_type_of
+
+    return model_type_of(family_dir) in VIDEO_FAMILIES["vllm"]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory) -> Path:
     from shared.tools.models.tiny import build_tiny_model
@@ -66,7 +89,7 @@ def family_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory) -> dict[str, list[int]]:
+def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip) -> dict[str, list[int]]:
     """Every case's greedy token ids from a plain vLLM run (its own process, ended before ours starts)."""
     from shared.engines.vllm_engine import vllm_folders
 
@@ -76,6 +99,13 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory) -> dict[str, list[
         name: {"text": text, "images": [_data_url(i) for i in images], "max_tokens": GREEDY.max_tokens}
         for name, (text, images) in CASES.items()
     }
+    if _takes_video(family_dir):
+        cases["video"] = {
+            "text": VIDEO_TEXT,
+            "images": [],
+            "videos": [_video_url(clip)],
+            "max_tokens": GREEDY.max_tokens,
+        }
     (work / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, **vllm_folders(Path(vllm_work_dir)), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     args = [str(family_dir), str(work / "cases.json"), str(work / "out.json")]
@@ -91,7 +121,7 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory) -> dict[str, list[
 
 
 @pytest.fixture(scope="module")
-def our_answers(plain_tokens, family_dir, vllm_work_dir) -> dict[str, tuple[list[int], str]]:
+def our_answers(plain_tokens, family_dir, vllm_work_dir, clip) -> dict[str, tuple[list[int], str]]:
     """Every case's greedy token ids and text from our vLLM engine (agg: no connector) on the
     family's folder, started once the plain run ended and closed before the family's stack starts."""
     from shared.engines.vllm_engine import VllmEngine
@@ -105,8 +135,21 @@ def our_answers(plain_tokens, family_dir, vllm_work_dir) -> dict[str, tuple[list
         assert events and events[-1].finish_reason == "length"
         return [e.token_id for e in events], "".join(e.text for e in events)
 
+    async def video_answer() -> tuple[list[int], str]:
+        from shared.engines.base import MediaVideo, VideoFrames
+        from shared.video import VideoSampler, VideoSampling, load_video
+
+        sampled = load_video(clip, VideoSampler.QWEN2_VL, VideoSampling())
+        item = MediaVideo(video=VideoFrames(sampled.frames, sampled.sampled_fps), item_hash=sampled.item_hash)
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_TEXT}]}]
+        events = [e async for e in ours.generate(messages, [item], GREEDY, GenerationStats())]
+        return [e.token_id for e in events], "".join(e.text for e in events)
+
     async def all_cases():
-        return {name: await answer(text, images) for name, (text, images) in CASES.items()}
+        out = {name: await answer(text, images) for name, (text, images) in CASES.items()}
+        if _takes_video(family_dir):
+            out["video"] = await video_answer()
+        return out
 
     try:
         return asyncio.run(all_cases())
@@ -198,3 +241,33 @@ def _holds_plain_tokens(family_dir: Path, plain_tokens: dict[str, list[int]], st
     assert got["image"][0] != got["other-image"][0]
     sources = [final_result(stack, body["id"]).ec_sources for name, (_, body) in got.items() if name != "text-only"]
     assert all(sources) and all(v == "store" for s in sources for v in s.values()), sources
+
+
+def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_answers, family_stack, clip):
+    """Video (issue 43): where the vLLM engine serves the family's video, our engine (agg) and the
+    e-pd stack (the encoder's video features through our EC connector) give a plain vLLM run's
+    tokens for the clip (vLLM's loader sampling the file; ours the frames the API sampled); for
+    every other family the API refuses a video before fetching it, naming where video is served."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": _video_url(clip)}},
+                {"type": "text", "text": VIDEO_TEXT},
+            ],
+        }
+    ]
+    resp = family_stack.chat(messages, **STACK_GREEDY)
+    if not _takes_video(family_dir):
+        assert "video" not in plain_tokens
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_content", resp.text
+        assert "takes no video input" in resp.json()["error"]["message"]
+        return
+    assert len(plain_tokens["video"]) == GREEDY.max_tokens
+    assert our_answers["video"][0] == plain_tokens["video"], family_dir.name
+    assert our_answers["video"][1].strip()
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == plain_tokens["video"], family_dir.name
+    (source,) = final_result(family_stack, resp.json()["id"]).ec_sources.values()
+    assert source == "store"
+    assert plain_tokens["video"] != plain_tokens["image"]  # (the video is seen: not the image's answer)

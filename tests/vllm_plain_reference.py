@@ -6,7 +6,8 @@ engine in its own)::
 
     python -m tests.vllm_plain_reference MODEL_DIR CASES_JSON OUT_JSON
 
-``CASES_JSON``: ``{name: {"text": str, "images": [data URL, ...], "max_tokens": int}}``;
+``CASES_JSON``: ``{name: {"text": str, "images": [data URL, ...], "videos": [data URL, ...] (optional,
+after the images), "max_tokens": int}}``;
 ``OUT_JSON`` gets ``{name: [token id, ...]}``. vLLM's folders go where ``VLLM_CACHE_ROOT`` etc.
 point (the caller sets them).
 """
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
     out: dict[str, list[int]] = {}
     for name, case in cases.items():
         content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in case["images"]]
+        content += [{"type": "video_url", "video_url": {"url": url}} for url in case.get("videos", [])]
         content.append({"type": "text", "text": case["text"]})
         sp = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True)
         messages: list[Any] = [{"role": "user", "content": content}]

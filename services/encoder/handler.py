@@ -37,7 +37,7 @@ from shared.config import EncoderSettings, WorkerSettings
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.engines import base
 from shared.engines.base import Engine
-from shared.errors import EngineError, EPDError, InvalidRequest, StoreError
+from shared.errors import EngineError, EPDError, StoreError
 from shared.media import DecodeBudget
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler
@@ -97,9 +97,12 @@ class ConnectorStoresFeatures(FeatureProducer):
     engine: base.FeaturesThroughConnector  # type: ignore[assignment]  # a mixin: the Engine also stores features itself
 
     async def produce(self, item_hash: str, image: Image.Image | base.VideoFrames) -> tuple[int, int]:
-        if isinstance(image, base.VideoFrames):
-            raise InvalidRequest("this engine's encoder takes no video", param="messages")
-        (n_tokens,) = await self.engine.produce([base.MediaImage(image=image, item_hash=item_hash)])
+        item: base.ConnectorItem = (
+            base.MediaVideo(video=image, item_hash=item_hash)
+            if isinstance(image, base.VideoFrames)
+            else base.MediaImage(image=image, item_hash=item_hash)
+        )
+        (n_tokens,) = await self.engine.produce([item])
         info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed
             raise StoreError(f"the engine's EC connector did not store item {item_hash[:12]}")

@@ -452,7 +452,7 @@ class FeatureSource(abc.ABC):
     lifecycle: WorkerLifecycle | None = None
 
     @abc.abstractmethod
-    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | MediaImage, str]:
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | base.ConnectorItem, str]:
         """The engine's item for one image and where it came from."""
 
     async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
@@ -597,7 +597,7 @@ class ConnectorFeatures(FeatureSource):
     encodes the image when it cannot. The source is provisional: the engine reports the real one
     after generating. ``encoder`` None (agg): no waiting."""
 
-    def __init__(self, image: ImageLoader, store: ECStore, encoder: EncoderWait | None, stealer: Stealer | None = None):
+    def __init__(self, image: MediaLoader, store: ECStore, encoder: EncoderWait | None, stealer: Stealer | None = None):
         self.image = image
         self.store = store
         self.encoder = encoder
@@ -608,9 +608,16 @@ class ConnectorFeatures(FeatureSource):
         #: records uses in the EC index (the engine's connector drops invalidated bytes itself)
         self.lifecycle = WorkerLifecycle(encoder.ctx, store, None) if encoder is not None else None
 
-    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[MediaImage, str]:
+    async def _item(self, ref: ImageRef) -> base.ConnectorItem:
+        """The item as the engine takes it: the image, or the video's frames, with its hash."""
+        source = await self.image(ref)
+        if isinstance(source, base.VideoFrames):
+            return base.MediaVideo(video=source, item_hash=ref.item_hash)
+        return MediaImage(image=source, item_hash=ref.item_hash)
+
+    async def resolve(self, ref: ImageRef, request_id: str) -> tuple[base.ConnectorItem, str]:
         if self.encoder is None or self.lifecycle is None:
-            return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.LOCAL
+            return await self._item(ref), ECSource.LOCAL
         await self.lifecycle.ensure_started()
         if not ref.encode_queued:  # the API found it stored: a use
             self.lifecycle.used(ref.item_hash)
@@ -627,10 +634,10 @@ class ConnectorFeatures(FeatureSource):
                     reason = await self.encoder.wait(sub, ref, self.stealer, request_id)
                     if isinstance(reason, Steal):  # (settled by the handler, whatever happens next)
                         self.steals.setdefault(request_id, []).append(reason)
-                        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.STOLEN
+                        return await self._item(ref), ECSource.STOLEN
                     if reason is not None:
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
-        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash), ECSource.CONNECTOR
+        return await self._item(ref), ECSource.CONNECTOR
 
     async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
         """The engine stored what it encoded in its step (an EC producer as well): announce each

@@ -47,7 +47,7 @@ from shared import metrics, protocol
 from shared.admission import LONG_PROMPTS_AT_ONCE, Admission, long_prompt_tokens
 from shared.config import PrefillSettings, WorkerSettings
 from shared.engines import base
-from shared.engines.base import EncodedImage, Engine, MediaImage
+from shared.engines.base import ConnectorItem, EncodedImage, Engine, MediaVideo
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.logs import plain
@@ -64,9 +64,12 @@ from shared.worker import Delivery, Reject, Superseded, WorkerContext
 log = logging.getLogger(__name__)
 
 
-def _image_tokens(item: EncodedImage | MediaImage) -> int:
+def _image_tokens(item: EncodedImage | ConnectorItem) -> int:
     if isinstance(item, EncodedImage):
         return item.n_tokens
+    if isinstance(item, MediaVideo):  # (an estimate: a temporal patch of two frames, each an image's tokens)
+        n, height, width = item.video.frames.shape[:3]
+        return max(1, n // 2) * image_token_estimate(width, height)
     return image_token_estimate(item.image.width, item.image.height)
 
 
@@ -151,7 +154,7 @@ class PrefillHandler(ModelHandler):
         if self.role is not Role.AGG:
             encoder = EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s, self.store)
         if isinstance(self.engine, base.FeaturesThroughConnector):
-            return ConnectorFeatures(self.image, self.store, encoder, stealer)
+            return ConnectorFeatures(self.media, self.store, encoder, stealer)
         engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)
         if encoder is None:
             return LocalFeatures(engine, self.cache, self.media)
@@ -224,7 +227,7 @@ class PrefillHandler(ModelHandler):
         assert self.admission is not None
         t0 = time.perf_counter()
         distinct = {ref.item_hash: ref for ref in job.images}
-        resolved: list[tuple[EncodedImage | MediaImage, str]] = []
+        resolved: list[tuple[EncodedImage | ConnectorItem, str]] = []
         if distinct:
             async with self.admission.waiting():
                 resolved = await asyncio.gather(

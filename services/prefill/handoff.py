@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from shared import metrics, protocol
 from shared.engines import base
-from shared.engines.base import EncodedImage, Engine, GenerationStats, MediaImage, Prompt, SamplingParams
+from shared.engines.base import ConnectorItem, EncodedImage, Engine, GenerationStats, Prompt, SamplingParams
 from shared.errors import EngineError, StoreError
 from shared.logs import plain
 from shared.metrics import KVHandoffOutcome
@@ -48,7 +48,7 @@ class Generation:
     job: GenerationJob
     #: the job's chat messages, or its completions prompt (``shared.model_worker.job_prompt``)
     prompt: Prompt
-    images: Sequence[EncodedImage | MediaImage]
+    images: Sequence[EncodedImage | ConnectorItem]
     params: SamplingParams
     out: TokenOutput
     #: item hash -> where its features came from

@@ -136,6 +136,19 @@ class MediaImage:
 
 
 @dataclass(frozen=True)
+class MediaVideo:
+    """A video for :class:`FeaturesThroughConnector` engines: its sampled frames and their content
+    hash (``shared.video.video_hash``: the item part of the EC key)."""
+
+    video: VideoFrames
+    item_hash: str
+
+
+#: a media item a :class:`FeaturesThroughConnector` engine takes
+ConnectorItem: TypeAlias = "MediaImage | MediaVideo"
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token. ``text`` is the newly decodable text (may be empty mid-codepoint).
 
@@ -193,7 +206,7 @@ class Engine(abc.ABC):
     def generate(
         self,
         messages: Prompt,
-        images: Sequence[EncodedImage | MediaImage],
+        images: Sequence[EncodedImage | ConnectorItem],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
@@ -269,7 +282,7 @@ class FeaturesThroughConnector(abc.ABC):
     stores_encodes: bool = False
 
     @abc.abstractmethod
-    async def produce(self, images: Sequence[MediaImage]) -> list[int]:
+    async def produce(self, images: Sequence[ConnectorItem]) -> list[int]:
         """Encoder-only: encode each image and have the EC connector store the output under its
         item hash before returning. Returns the feature token count per image."""
 
@@ -330,7 +343,7 @@ class KVConnectorHandoff(abc.ABC):
     async def prefill_for_handoff(
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         *,
         request_name: str,
@@ -344,7 +357,7 @@ class KVConnectorHandoff(abc.ABC):
     def generate_from_handoff(
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         handoff: KVHandoff,
         stats: GenerationStats | None = None,

@@ -57,28 +57,31 @@ from shared.connectors.params import (
     kv_source_of,
 )
 from shared.engines.base import (
+    ConnectorItem,
     Engine,
     FeaturesThroughConnector,
     GenerationStats,
     KVConnectorHandoff,
     MediaImage,
+    MediaVideo,
     Prompt,
     RawPrompt,
     SamplingParams,
     TokenEvent,
+    VideoFrames,
 )
 from shared.engines.grammar import vllm_structured_outputs
 from shared.engines.prompts import (
     chat_parts,
-    check_image_count,
+    check_media,
     check_placeholder_tokens,
     render_chat_prompt,
     validate_params,
 )
 from shared.errors import EngineError, InvalidRequest
-from shared.families import check_family
+from shared.families import VIDEO_FAMILIES, check_family
 from shared.identity import ModelIdentity
-from shared.protocol import TokenLogprob
+from shared.protocol import MediaKind, TokenLogprob
 from shared.topology import Role
 
 log = logging.getLogger(__name__)
@@ -136,6 +139,21 @@ def _make_private_dir(path: Path) -> None:
 
 #: No phoning home, no hub: models are local folders (defaults; a value already set stays).
 OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def sampled_video_metadata(video: VideoFrames) -> dict[str, Any]:
+    """vLLM's metadata of already-sampled frames (what its loader returns beside them): every
+    frame kept (no sampling again), at the sampled rate - so the processor's ``sampled_fps``
+    (``len(indices) / total * fps``) is the rate the frames stand for."""
+    n = int(video.frames.shape[0])
+    return {
+        "total_num_frames": n,
+        "fps": float(video.fps),
+        "duration": n / video.fps if video.fps > 0 else 0.0,
+        "video_backend": "opencv",
+        "frames_indices": list(range(n)),
+        "do_sample_frames": False,
+    }
 
 
 def vllm_folders(work_dir: Path) -> dict[str, str]:
@@ -300,6 +318,10 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = int(config.image_token_id)
+        #: the video placeholder where this engine serves the family's video (shared.families.VIDEO_FAMILIES)
+        self.video_token_id: int | None = (
+            int(config.video_token_id) if self.arch in VIDEO_FAMILIES.get(self.name, ()) else None
+        )
         self.chat_template = getattr(self.processor, "chat_template", None) or getattr(
             self.tokenizer, "chat_template", None
         )
@@ -473,7 +495,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         vLLM expands it)."""
         return render_chat_prompt(self.processor, self.chat_template, messages, tools)
 
-    def build_prompt(self, messages: Prompt, images: Sequence[MediaImage]) -> dict[str, Any]:
+    def build_prompt(self, messages: Prompt, images: Sequence[ConnectorItem]) -> dict[str, Any]:
         """The vLLM prompt: rendered text, the images, and their item hashes as multimodal uuids;
         for a :class:`RawPrompt` (``/v1/completions``) its text as it is (vLLM's ``TextPrompt``: no
         chat template) or its token ids (a ``TokensPrompt``), never images.
@@ -481,21 +503,34 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         if isinstance(messages, RawPrompt):
             return self._raw_prompt(messages, images)
         messages, tools = chat_parts(messages)
-        check_image_count(messages, len(images))
         for i, item in enumerate(images):
-            if not isinstance(item, MediaImage):
+            if not isinstance(item, MediaImage | MediaVideo):
                 raise InvalidRequest(f"images[{i}] is not a MediaImage ({type(item).__name__})")
+        videos = [item for item in images if isinstance(item, MediaVideo)]
+        if videos and self.video_token_id is None:
+            raise InvalidRequest(f"this model ({self.arch}) takes no video on the vllm engine", param="messages")
+        check_media(messages, [MediaKind.VIDEO if isinstance(i, MediaVideo) else MediaKind.IMAGE for i in images])
         text = self.render_prompt(messages, tools)
-        check_placeholder_tokens(
-            self.tokenizer(text, add_special_tokens=False)["input_ids"], self.image_token_id, len(images)
-        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        stills = [item for item in images if isinstance(item, MediaImage)]
+        check_placeholder_tokens(ids, self.image_token_id, len(stills))
+        if self.video_token_id is not None:
+            check_placeholder_tokens(ids, self.video_token_id, len(videos), "video")
         prompt: dict[str, Any] = {"prompt": text}
-        if images:
-            prompt["multi_modal_data"] = {"image": [item.image for item in images]}
-            prompt["multi_modal_uuids"] = {"image": [item.item_hash for item in images]}
+        data: dict[str, Any] = {}
+        uuids: dict[str, Any] = {}
+        if stills:
+            data["image"] = [item.image for item in stills]
+            uuids["image"] = [item.item_hash for item in stills]
+        if videos:
+            data["video"] = [(v.video.frames, sampled_video_metadata(v.video)) for v in videos]
+            uuids["video"] = [v.item_hash for v in videos]
+        if data:
+            prompt["multi_modal_data"] = data
+            prompt["multi_modal_uuids"] = uuids
         return prompt
 
-    def _raw_prompt(self, raw: RawPrompt, images: Sequence[MediaImage]) -> dict[str, Any]:
+    def _raw_prompt(self, raw: RawPrompt, images: Sequence[ConnectorItem]) -> dict[str, Any]:
         """A completions prompt for vLLM. Refused (``param="prompt"``): images, neither or both of
         text and token ids, an empty prompt, token ids outside the vocabulary, an image placeholder
         token (no image can fill it)."""
@@ -518,7 +553,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                     f"prompt holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}", param="prompt"
                 )
             prompt = {"prompt_token_ids": ids}
-        if self.image_token_id in ids:
+        if self.image_token_id in ids or (self.video_token_id is not None and self.video_token_id in ids):
             raise InvalidRequest("a completions prompt must not contain image placeholder tokens", param="prompt")
         return prompt
 
@@ -658,7 +693,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     async def generate(  # type: ignore[override]  # media images only: vLLM encodes them (or its connector loads their features)
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         stats: GenerationStats | None = None,
     ) -> AsyncIterator[TokenEvent]:
@@ -674,7 +709,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     async def generate_from_handoff(
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         handoff: KVHandoff,
         stats: GenerationStats | None = None,
@@ -692,7 +727,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     async def _token_events(
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         stats: GenerationStats | None,
         handoff: KVHandoff | None,
@@ -775,7 +810,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     async def prefill_for_handoff(
         self,
         messages: Prompt,
-        images: Sequence[MediaImage],
+        images: Sequence[ConnectorItem],
         params: SamplingParams,
         *,
         request_name: str,
@@ -819,15 +854,16 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
                 stats.extra["cached_tokens"] = int(final.num_cached_tokens)
         return handoff
 
-    async def produce(self, images: Sequence[MediaImage]) -> list[int]:
-        """Encoder-only producer: encode each image; the connector stores the output under its
-        item hash before vLLM finishes the request. Returns the token count per image."""
+    async def produce(self, images: Sequence[ConnectorItem]) -> list[int]:
+        """Encoder-only producer: encode each image (or video); the connector stores the output
+        under its item hash before vLLM finishes the request. Returns the token count per item."""
         if self.ec_role not in ("ec_producer", "ec_both"):
             raise EngineError(f"produce() needs an EC producer engine (role {self.ec_role!r})")
-        messages = [{"role": "user", "content": [{"type": "image"}]}]
         sp = self.sampling_params(SamplingParams(max_tokens=1, temperature=0.0), final_only=True)
         counts = []
         for item in images:  # one request per image: per-item results, errors stay per image
+            part = "video" if isinstance(item, MediaVideo) else "image"
+            messages = [{"role": "user", "content": [{"type": part}]}]
             final = await self._final_output(self.build_prompt(messages, [item]), sp)
             info = ec_items_of(final.ec_transfer_params if final is not None else None).get(item.item_hash)
             if not info:
