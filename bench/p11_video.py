@@ -1,0 +1,160 @@
+"""P11: video (issue 43): a repeated clip's TTFT / its cold TTFT (E|PD), and a burst of video requests,
+E|PD against agg (request throughput), on the bench model (~130M Qwen2-VL).
+
+Clips are made here: a coloured square moving across a plain background (``--size`` px, ``--frames``
+frames at ``--clip-fps``), each clip its own start, direction and colours (distinct content: cold);
+requests ask ``media_io_kwargs.video.fps`` = ``--clip-fps``, so every frame is sampled (``--frames``).
+
+* repeat: per repetition, ``--requests`` pairs sent one at a time to the E|PD stack - a new clip (cold:
+  decode + sample in the API, encode, store, load), then the same request again (its features stored:
+  on vLLM the PD engine may also hold it in its encoder cache). Ratio: p50 TTFT stored / p50 TTFT cold.
+  Target <= 0.3 (issue 43, on the vLLM engine).
+* burst: per repetition, ``--burst`` requests with distinct clips sent at once to each stack (E|PD and
+  agg take turns); ratio: E|PD req/s / agg req/s. Target >= 1.3 (on 2 cores the PD worker and the encoder
+  share them: the encoder's work overlaps the PD's only where a core is free).
+
+Run: ``.venv/bin/python bench/p11_video.py [--engine vllm|transformers] [--reps 3] [--requests 4]
+[--burst 16] [--frames 16] [--size 224]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness as h
+
+
+def clip_bytes(seed: int, frames: int, size: int, fps: float) -> bytes:
+    """An mp4 (mp4v) of a square moving across a plain background; ``seed`` picks colours, start and direction."""
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    background = rng.integers(0, 256, 3).tolist()
+    colour = rng.integers(0, 256, 3).tolist()
+    side = size // 4
+    x, y = (int(v) for v in rng.integers(0, size - side, 2))
+    dx, dy = (int(v) for v in rng.choice([-1, 1], 2) * rng.integers(2, 6, 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "clip.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
+        for _ in range(frames):
+            frame = np.empty((size, size, 3), np.uint8)
+            frame[:] = background
+            frame[y : y + side, x : x + side] = colour
+            writer.write(frame)
+            x = min(max(x + dx, 0), size - side)
+            y = min(max(y + dy, 0), size - side)
+        writer.release()
+        return path.read_bytes()
+
+
+def body(args: argparse.Namespace, model: str, clip: bytes) -> dict:
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": "Which way is the square moving?"},
+                ],
+            }
+        ],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        "media_io_kwargs": {"video": {"fps": args.clip_fps}},
+    }
+
+
+async def repeat(args: argparse.Namespace, stack: h.BenchStack, http) -> h.Ratio:
+    ratio = h.Ratio("P11 repeated clip: stored/cold TTFT p50 (E|PD)", target=0.3)
+    for rep in range(args.reps):
+        cold: list[float] = []
+        stored: list[float] = []
+        for i in range(args.requests):
+            clip = clip_bytes(1000 * (rep + 1) + i, args.frames, args.size, args.clip_fps)
+            for out in (cold, stored):
+                await h.wait_quiet()
+                probe = await h.chat(http, stack.url, body(args, stack.model, clip))
+                if not probe.ok or probe.ttft_s is None:
+                    raise SystemExit(f"request failed: {probe.error}")
+                out.append(probe.ttft_s)
+        c50, s50 = h.pct(cold, 50), h.pct(stored, 50)
+        ratio.add(s50 / c50)
+        print(f"  repeat rep {rep}: TTFT p50 cold {c50 * 1e3:.0f} ms, stored {s50 * 1e3:.0f} ms -> {s50 / c50:.2f}")
+    return ratio
+
+
+async def burst(args: argparse.Namespace, stacks: dict[str, h.BenchStack], http) -> h.Ratio:
+    ratio = h.Ratio(f"P11 burst of {args.burst} video requests: E|PD/agg req/s", target=1.3, at_least=True)
+    for rep in range(args.reps):
+        rates = {}
+        for k, side in enumerate(("epd", "agg") if rep % 2 == 0 else ("agg", "epd")):  # taking turns
+            clips = [
+                clip_bytes(500_000 + 10_000 * rep + 1000 * k + i, args.frames, args.size, args.clip_fps)
+                for i in range(args.burst)
+            ]
+            await h.wait_quiet()
+            started = time.perf_counter()
+            probes = await asyncio.gather(
+                *(h.chat(http, stacks[side].url, body(args, stacks[side].model, c)) for c in clips)
+            )
+            elapsed = time.perf_counter() - started
+            failed = [p.error for p in probes if not p.ok]
+            if failed:
+                raise SystemExit(f"{side}: {len(failed)} requests failed: {failed[:2]}")
+            rates[side] = len(probes) / elapsed
+            ttft = h.pct([p.ttft_s for p in probes if p.ttft_s is not None], 50)
+            print(f"  burst rep {rep} {side}: {rates[side]:.2f} req/s, TTFT p50 {ttft:.2f} s")
+        ratio.add(rates["epd"] / rates["agg"])
+    return ratio
+
+
+async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
+    async with h.client() as http:
+        for side in stacks:  # warm-up, not counted
+            probe = await h.chat(
+                http,
+                stacks[side].url,
+                body(args, stacks[side].model, clip_bytes(7, args.frames, args.size, args.clip_fps)),
+            )
+            if not probe.ok:
+                raise SystemExit(f"warm-up on {side} failed: {probe.error}")
+        figures = [await repeat(args, stacks["epd"], http)]
+        if args.burst:
+            figures.append(await burst(args, stacks, http))
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    h.common_args(parser, reps=3, requests=4)
+    parser.add_argument("--engine", default="vllm", choices=["vllm", "transformers"])
+    parser.add_argument("--frames", type=int, default=16, help="frames of a clip (every one sampled)")
+    parser.add_argument("--clip-fps", type=float, default=8.0)
+    parser.add_argument("--size", type=int, default=224, help="a clip's side, px")
+    parser.add_argument("--burst", type=int, default=16, help="requests of a burst (0: no burst)")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    env = {"EPD_ENGINE": args.engine, "EPD_MAX_VIDEO_FRAMES": str(max(64, args.frames))}
+    specs = {"epd": ("e-pd", env)}
+    if args.burst:
+        specs["agg"] = ("agg", env)
+    return h.run_stacks("p11", args, specs, measure, ready_timeout=1200)
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
