@@ -110,7 +110,6 @@ def test_video_is_served_only_where_a_test_holds_it():
     from shared.errors import UnsupportedContent
     from shared.families import VIDEO_FAMILIES, check_video
     from tests.test_video_engine import FAMILIES as ENGINE_VIDEO_FAMILIES
-
     from tests.test_vllm_families import FAMILIES as VLLM_FAMILIES
 
     assert set(VIDEO_FAMILIES["transformers"]) == set(ENGINE_VIDEO_FAMILIES)

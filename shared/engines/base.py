@@ -103,14 +103,15 @@ class EncodedImage:
 
     ``features`` is ``[n_tokens, hidden]``; ``grid_thw`` is the (t, h, w) patch grid for
     models with M-RoPE (Qwen2-VL; a video's t counts its temporal patches), ``None`` for models
-    with 1-D positions (LLaVA). ``second_per_grid_t``: a video's seconds per temporal patch
-    (Qwen2.5-VL's temporal positions follow it), None for an image.
+    with 1-D positions (LLaVA). ``fps``: a video's sampled rate (frames a second; the family
+    derives its temporal positions from it, e.g. Qwen2.5-VL's seconds per temporal patch), None for
+    an image.
     """
 
     features: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
     kind: str = "image"  # a shared.protocol.MediaKind value
-    second_per_grid_t: float | None = None
+    fps: float | None = None
 
     @property
     def n_tokens(self) -> int:

@@ -12,21 +12,21 @@ from shared.store.tensors import raw_to_tensor
 
 
 def encoded_to_extra(item: EncodedImage) -> dict:
-    """The EC object's extras: the grid, and for a video its kind and seconds per temporal patch
-    (an image's object is what it always was)."""
+    """The EC object's extras: the grid, and for a video its kind and sampled rate (an image's
+    object is what it always was)."""
     extra: dict = {"grid_thw": list(item.grid_thw)} if item.grid_thw is not None else {}
     if item.kind != "image":
         extra["kind"] = item.kind
-        extra["second_per_grid_t"] = item.second_per_grid_t
+        extra["fps"] = item.fps
     return extra
 
 
 def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
     grid = obj.extra.get("grid_thw")
-    second = obj.extra.get("second_per_grid_t")
+    fps = obj.extra.get("fps")
     return EncodedImage(
         features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
         grid_thw=cast("tuple[int, int, int]", tuple(int(x) for x in grid)) if grid else None,
         kind=str(obj.extra.get("kind", "image")),
-        second_per_grid_t=float(second) if second is not None else None,
+        fps=float(fps) if fps is not None else None,
     )

@@ -46,11 +46,7 @@ class QwenVL(VisionFamily):
         )
         (features,) = res.pooler_output
         t, h, w = (int(x) for x in grid[0].tolist())
-        # (Qwen2.5-VL's processor: temporal_patch_size / the sampled clip's fps)
-        second_per_grid_t = float(self.processor.video_processor.temporal_patch_size) / fps if fps > 0 else None
-        return EncodedImage(
-            features=features, grid_thw=(t, h, w), kind=MediaKind.VIDEO, second_per_grid_t=second_per_grid_t
-        )
+        return EncodedImage(features=features, grid_thw=(t, h, w), kind=MediaKind.VIDEO, fps=fps)
 
     def expected_tokens(self, item: EncodedImage) -> int | None:
         if item.grid_thw is None:
@@ -87,7 +83,13 @@ class QwenVL(VisionFamily):
             types = types + 2 * (input_ids == self.video_placeholder_id).to(torch.int32)
         videos = [im for im in images if im.kind == MediaKind.VIDEO]
         if videos and self.uses_second_per_grid_t:
-            kwargs["second_per_grid_ts"] = torch.tensor([im.second_per_grid_t for im in videos], dtype=torch.float32)
+            # (Qwen2.5-VL's processor: temporal_patch_size / the sampled clip's fps)
+            temporal = float(self.processor.video_processor.temporal_patch_size)
+            for i, im in enumerate(videos):
+                if not (im.fps and im.fps > 0):
+                    raise InvalidRequest(f"video {i} has no sampled rate (fps): its temporal positions are unknown")
+            seconds = [temporal / im.fps for im in videos]  # type: ignore[operator]  # checked just above
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         vision_pos, deltas = self.model.model.get_rope_index(input_ids, mm_token_type_ids=types, **kwargs)
         return torch.cat([text_pos, vision_pos], dim=0), int(deltas.reshape(-1)[0])
 
