@@ -467,6 +467,24 @@ class RequestClient:
                 raise RuntimeError("RequestClient: a loaded image needs a store to put its bytes in")
             media_key = await asyncio.to_thread(self.store.put_media, img.content_hash, img.data)
             ref = ImageRef(item_hash=img.content_hash, media_key=media_key, width=img.width, height=img.height)
+        elif isinstance(img, SampledVideo) and img.segments:
+            # a video in segments: each segment its own item (stored, encoded once fleet-wide); the
+            # video is their features joined, at the video's rate
+            segments = [
+                await self._image_ref(request_id, seg, encode=encode, deadline=deadline) for seg in img.segments
+            ]
+            n, height, width, _ = img.frames.shape
+            return ImageRef(
+                item_hash=img.item_hash,
+                media_key="",
+                width=width,
+                height=height,
+                kind=MediaKind.VIDEO,
+                frames=n,
+                fps=img.sampled_fps,
+                segments=tuple(segments),
+                encode_queued=any(seg.encode_queued for seg in segments),
+            )
         elif isinstance(img, SampledVideo):
             if self.store is None:
                 raise RuntimeError("RequestClient: a loaded video needs a store to put its frames in")

@@ -242,6 +242,14 @@ class MediaSettings(SettingsGroup):
     max_video_frame_pixels: int = Field(
         1280 * 720, gt=0, description="per video frame, width x height (checked from the header before decoding)"
     )
+    video_segment_frames: int = Field(
+        16,
+        ge=0,
+        description="a video of more sampled frames is encoded in segments of this many (a multiple of the "
+        "model's temporal patch), each its own encode job and EC object, so several encoders share one video and "
+        "a clip that shares a segment with an earlier one reuses it (where the model's vision tower allows: "
+        "docs/models.md); 0: every video encoded whole",
+    )
     video_num_frames: int | None = Field(
         None, gt=0, description="frames sampled from a video when a request says nothing (unset: vLLM's default, 32)"
     )

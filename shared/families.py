@@ -36,6 +36,33 @@ VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: engine name -> the families whose videos are encoded in segments (``EPD_VIDEO_SEGMENT_FRAMES``):
+#: their vision tower attends within a temporal patch (Qwen2-VL and Qwen2.5-VL: ``cu_seqlens`` per
+#: grid row, and Qwen2.5-VL's windows within it), so a segment's features are its part of the whole
+#: video's (tests/test_video_segments.py). The vLLM engine encodes a video whole.
+VIDEO_SEGMENT_FAMILIES: dict[str, tuple[str, ...]] = {
+    "transformers": ("qwen2_5_vl", "qwen2_vl"),
+    "vllm": (),
+}
+
+
+def video_temporal_patch(model_dir: str | Path) -> int:
+    """Frames per temporal patch of the folder's video processor (``temporal_patch_size``; 1 when
+    it says none), read as JSON."""
+    folder = Path(model_dir)
+    for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
+        path = folder / name
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise EngineError(f"{path} does not read as JSON: {exc}") from exc
+            section = config.get(key) if key else config
+            if isinstance(section, dict) and isinstance(section.get("temporal_patch_size"), int):
+                return int(section["temporal_patch_size"])
+    return 1
+
+
 def check_video(engine: str, model_type: str) -> None:
     """Raise :class:`UnsupportedContent` unless ``engine`` serves video for ``model_type`` (the
     API asks before it fetches a video: a 400 naming the families that take video)."""

@@ -405,6 +405,10 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
     #: a video: its sampled frames and the rate they stand for (frames a second); 0 for an image
     frames: int = 0
     fps: float = 0.0
+    #: a video encoded in segments (``EPD_VIDEO_SEGMENT_FRAMES``): one ref per segment, in order,
+    #: each its own item (stored frames, encode job, EC object); the video itself then has no
+    #: media of its own (``media_key`` empty) and is its segments' features joined
+    segments: tuple[ImageRef, ...] = ()
 
 
 #: Schema of the jobs that carry a ``SamplingSpec`` (``GenerationJob``, ``DecodeJob``).

@@ -25,6 +25,7 @@ Samplers (:class:`VideoSampler`), as vLLM picks its loader by the model's video 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 HASH_SCHEMA = b"epd-video-v1"
+SEGMENT_HASH_SCHEMA = b"epd-video-segment-v1"
 
 #: vLLM's ``VideoMediaIO`` default frame count (``uniform``), and its fps-based loaders' defaults
 DEFAULT_NUM_FRAMES = 32
@@ -136,11 +138,18 @@ class SampledVideo:
     sampler: VideoSampler
     sampling: VideoSampling
     item_hash: str
+    #: the video split for encoding (:func:`split_segments`): consecutive runs of its frames, each
+    #: its own item; empty: encoded whole
+    segments: tuple[SampledVideo, ...] = ()
+    #: a segment: the rate of the video it is part of (its own indices are a part of the video's)
+    rate: float | None = None
 
     @property
     def sampled_fps(self) -> float:
         """Frames a second of the sampled clip (the LM's temporal positions follow it), computed as
-        transformers' ``VideoMetadata.sampled_fps`` does (the same float)."""
+        transformers' ``VideoMetadata.sampled_fps`` does (the same float); a segment: its video's."""
+        if self.rate is not None:
+            return self.rate
         if self.info.fps <= 0 or not self.indices:
             return 0.0
         return len(self.indices) / self.info.total_frames * self.info.fps
@@ -407,3 +416,44 @@ async def load_video_url(
         return await asyncio.to_thread(load_video, data, sampler, sampling, limits)
     result: SampledVideo = await budget.run(pixels, load_video, data, sampler, sampling, limits)
     return result
+
+
+def segment_hash(frames: npt.NDArray[np.uint8]) -> str:
+    """The content address of a video segment: its frames' pixels only. What a segment encodes to
+    depends on nothing else (the sampling that picked the frames, and the rate they stand for, act
+    in the LM's positions, which the whole video's item carries), so videos that share a run of
+    frames share its EC object."""
+    h = hashlib.sha256(SEGMENT_HASH_SCHEMA)
+    n, height, width, channels = frames.shape
+    h.update(f"{n}x{height}x{width}x{channels}|".encode())
+    h.update(np.ascontiguousarray(frames).data)
+    return h.hexdigest()
+
+
+def split_segments(video: SampledVideo, segment_frames: int, temporal_patch: int) -> SampledVideo:
+    """``video`` with its frames split into segments of ``segment_frames`` (rounded down to a
+    multiple of ``temporal_patch``, at least one patch; the last may be shorter), when it has more
+    than that. Segment boundaries fall on temporal patches, so a family whose vision tower attends
+    within a temporal patch (Qwen2-VL, Qwen2.5-VL: ``cu_seqlens`` per grid row) encodes each segment
+    to exactly its part of the whole video's features (in the last bits, as batched kernels do)."""
+    if temporal_patch < 1 or segment_frames < 1:
+        raise ValueError("segment_frames and temporal_patch must be >= 1")
+    size = max(temporal_patch, segment_frames // temporal_patch * temporal_patch)
+    n = len(video.frames)
+    if n <= size:
+        return video
+    segments = []
+    for start in range(0, n, size):
+        frames = np.ascontiguousarray(video.frames[start : start + size])
+        segments.append(
+            SampledVideo(
+                frames=frames,
+                indices=video.indices[start : start + size],
+                info=video.info,
+                sampler=video.sampler,
+                sampling=video.sampling,
+                item_hash=segment_hash(frames),
+                rate=video.sampled_fps,
+            )
+        )
+    return dataclasses.replace(video, segments=tuple(segments))

@@ -27,7 +27,14 @@ from shared.client import ChoiceStreams, RequestClient, Submission, item_hash_of
 from shared.config import ApiSettings
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError, ServiceUnavailable
-from shared.families import check_video, max_aspect_ratio, model_type_of, video_processor_of
+from shared.families import (
+    VIDEO_SEGMENT_FAMILIES,
+    check_video,
+    max_aspect_ratio,
+    model_type_of,
+    video_processor_of,
+    video_temporal_patch,
+)
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
@@ -43,6 +50,7 @@ from shared.video import (
     check_sampling,
     load_video_url,
     sampler_of_processor,
+    split_segments,
 )
 
 log = logging.getLogger(__name__)
@@ -134,6 +142,10 @@ class ApiService:
         self.family = family
         #: how this model's videos are sampled (vLLM's loader for its video processor)
         self.video_sampler = sampler_of_processor(video_processor_of(self.identity.model_path))
+        #: frames a video segment holds (0: videos encoded whole): where the family allows segments
+        segments_ok = family in VIDEO_SEGMENT_FAMILIES.get(self.identity.engine, ())
+        self.video_segment_frames = settings.media.video_segment_frames if segments_ok else 0
+        self.video_temporal_patch = video_temporal_patch(self.identity.model_path)
         self.video_limits = VideoLimits(
             max_video_bytes=settings.media.max_video_bytes,
             max_duration_s=settings.media.max_video_duration_s,
@@ -340,11 +352,19 @@ class ApiService:
 
         loads: list[asyncio.Task[LoadedImage | SampledVideo]] = [asyncio.create_task(load(m)) for m in media]
         try:
-            return list(await asyncio.gather(*loads))
+            loaded = list(await asyncio.gather(*loads))
         except BaseException:
             for task in loads:  # one bad item fails the request: stop waiting for the others
                 task.cancel()
             raise
+        if not self.video_segment_frames:
+            return loaded
+        return [
+            split_segments(item, self.video_segment_frames, self.video_temporal_patch)
+            if isinstance(item, SampledVideo)
+            else item
+            for item in loaded
+        ]
 
     @property
     def uses_encoder(self) -> bool:

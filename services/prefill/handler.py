@@ -47,13 +47,13 @@ from shared import metrics, protocol
 from shared.admission import LONG_PROMPTS_AT_ONCE, Admission, long_prompt_tokens
 from shared.config import PrefillSettings, WorkerSettings
 from shared.engines import base
-from shared.engines.base import ConnectorItem, EncodedImage, Engine, MediaVideo
+from shared.engines.base import ConnectorItem, EncodedImage, Engine, MediaVideo, join_segments
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.logs import plain
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
-from shared.protocol import ECSource, FinalResult, GenerationJob, Timing, WorkerHeartbeat
+from shared.protocol import ECSource, FinalResult, GenerationJob, ImageRef, Timing, WorkerHeartbeat
 from shared.routing import RecentItems, RouteClaim, advertised
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
@@ -62,6 +62,19 @@ from shared.topology import Role, Service
 from shared.worker import Delivery, Reject, Superseded, WorkerContext
 
 log = logging.getLogger(__name__)
+
+
+def _joined(
+    ref: ImageRef, by_hash: dict[str, tuple[EncodedImage | ConnectorItem, str]]
+) -> EncodedImage | ConnectorItem:
+    """A job's item as the engine takes it: resolved, or a segmented video's segments joined."""
+    if not ref.segments:
+        return by_hash[ref.item_hash][0]
+    parts = [by_hash[seg.item_hash][0] for seg in ref.segments]
+    encoded = [p for p in parts if isinstance(p, EncodedImage)]
+    if len(encoded) != len(parts):
+        raise InvalidRequest("a video in segments needs an engine whose features pass through the worker")
+    return join_segments(encoded, ref.fps)
 
 
 def _image_tokens(item: EncodedImage | ConnectorItem) -> int:
@@ -226,7 +239,8 @@ class PrefillHandler(ModelHandler):
         assert self.ctx is not None and self.features is not None and self.handoff is not None
         assert self.admission is not None
         t0 = time.perf_counter()
-        distinct = {ref.item_hash: ref for ref in job.images}
+        # the items to resolve: each image or video, or a segmented video's segments
+        distinct = {leaf.item_hash: leaf for ref in job.images for leaf in (ref.segments or (ref,))}
         resolved: list[tuple[EncodedImage | ConnectorItem, str]] = []
         if distinct:
             async with self.admission.waiting():
@@ -236,7 +250,7 @@ class PrefillHandler(ModelHandler):
         by_hash = dict(zip(distinct, resolved))
         for item_hash in distinct:
             self.recent_items.used(item_hash)
-        images = [by_hash[ref.item_hash][0] for ref in job.images]
+        images = [_joined(ref, by_hash) for ref in job.images]
         t_features = time.perf_counter()
         prompt = job_prompt(job)
         announce_steals: Callable[[], Awaitable[None]] | None = None

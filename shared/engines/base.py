@@ -118,6 +118,28 @@ class EncodedImage:
         return int(self.features.shape[0])
 
 
+def join_segments(segments: Sequence[EncodedImage], fps: float) -> EncodedImage:
+    """One video's features from its segments' (in order): their rows concatenated, their
+    temporal patches added up (each segment's (t, h, w) grid has the video's h and w), at the
+    video's sampled ``fps``. Valid for a family whose vision tower attends within a temporal patch
+    (``shared.families.VIDEO_SEGMENT_FAMILIES``: the API segments videos of those only)."""
+    import torch
+
+    if not segments:
+        raise ValueError("join_segments: no segment")
+    grids = [s.grid_thw for s in segments]
+    if any(s.kind != "video" for s in segments) or any(g is None for g in grids):
+        raise ValueError("join_segments: every segment must be a video item with a grid")
+    hw = {(g[1], g[2]) for g in grids if g is not None}
+    if len(hw) != 1:
+        raise ValueError(f"join_segments: the segments' frame grids differ: {sorted(hw)}")
+    ((h, w),) = hw
+    t = sum(g[0] for g in grids if g is not None)
+    return EncodedImage(
+        features=torch.cat([s.features for s in segments], dim=0), grid_thw=(t, h, w), kind="video", fps=fps
+    )
+
+
 @dataclass(frozen=True)
 class VideoFrames:
     """A video for an engine: its sampled frames (``[n, height, width, 3]`` RGB ``uint8``, as

@@ -1,0 +1,149 @@
+"""Video segments (issue 43, ``EPD_VIDEO_SEGMENT_FRAMES``): a video of more sampled frames is split at
+temporal-patch boundaries into segments, each its own item (stored frames, encode job, EC object);
+the PD worker joins their features into the one video the LM sees. Qwen2-VL's and Qwen2.5-VL's vision
+towers attend within a temporal patch, so the joined features are the whole video's (within the
+last bits of batched kernels) and the greedy tokens are the unsegmented request's; a later clip whose
+sampled frames share a segment reuses its EC object (no encode job)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from shared.engines.base import SamplingParams, VideoFrames, join_segments
+from shared.protocol import EncodeJob, GenerationJob
+from shared.video import VideoSampler, VideoSampling, load_video, split_segments
+from tests.stackutil import GREEDY, final_result, run_sync, start_stack
+from tests.test_video import write_clip
+from tests.test_video_engine import _hf_tokens
+
+#: the features of a segment against its part of the whole video's forward: equal but for the
+#: last bits of a matmul of another row count (seen: 0 here; bounded for any CPU)
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, bytes]:
+    """Intra-coded clips (MJPG: every frame decodes alone, so a shorter clip's frames are the longer
+    one's): ``long`` 3 s at 10 fps (6 sampled frames, 3 temporal patches), ``short`` its first 2 s
+    (4 sampled frames: the long clip's first 4)."""
+    root = tmp_path_factory.mktemp("segclips")
+    return {
+        "long": write_clip(root / "long.avi", 30, 10.0, size=(84, 56), fourcc="MJPG", seed=3),
+        "short": write_clip(root / "short.avi", 20, 10.0, size=(84, 56), fourcc="MJPG", seed=3),
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_joined_segments_are_the_whole_video(tmp_path, clips, arch):
+    from shared.engines.transformers_engine import TransformersEngine
+    from shared.tools.models.tiny import build_tiny_model
+
+    video = load_video(clips["long"], VideoSampler.QWEN2_VL, VideoSampling())
+    split = split_segments(video, 2, 2)
+    assert [len(s.frames) for s in split.segments] == [2, 2, 2]
+    assert len({s.item_hash for s in split.segments}) == 3 and video.item_hash not in {
+        s.item_hash for s in split.segments
+    }
+    engine = TransformersEngine(build_tiny_model(tmp_path / arch, arch=arch, size="tiny", seed=0), dtype="float32")
+    try:
+        (whole,) = run_sync(engine.encode_videos([VideoFrames(video.frames, video.sampled_fps)]))
+        parts = run_sync(engine.encode_videos([VideoFrames(s.frames, s.sampled_fps) for s in split.segments]))
+        joined = join_segments(parts, video.sampled_fps)
+        assert joined.grid_thw == whole.grid_thw and joined.n_tokens == whole.n_tokens
+        assert torch.allclose(joined.features, whole.features, rtol=0, atol=ATOL)
+        # the negative control: segments in another order are not the video
+        assert not torch.allclose(join_segments(parts[::-1], video.sampled_fps).features, whole.features, atol=ATOL)
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+        async def tokens(item):
+            return [e.token_id async for e in engine.generate(messages, [item], params)]
+
+        assert run_sync(tokens(joined)) == run_sync(tokens(whole))
+    finally:
+        run_sync(engine.aclose())
+
+
+def test_a_short_video_is_not_split():
+    from shared.video import SampledVideo, VideoInfo
+
+    frames = torch.zeros((4, 8, 8, 3), dtype=torch.uint8).numpy()
+    info = VideoInfo(width=8, height=8, total_frames=4, fps=2.0, codec="MJPG")
+    v = SampledVideo(frames, (0, 1, 2, 3), info, VideoSampler.QWEN2_VL, VideoSampling(), "h")
+    assert split_segments(v, 4, 2) is v and not split_segments(v, 4, 2).segments
+    assert [len(s.frames) for s in split_segments(v, 3, 2).segments] == [2, 2]  # rounded down to the patch
+    assert all(s.sampled_fps == v.sampled_fps for s in split_segments(v, 2, 2).segments)
+
+
+@pytest.fixture(scope="module")
+def segment_stack(nats_server, s3_server, tmp_path_factory):
+    from shared.tools.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("segstack")
+    model = build_tiny_model(root / "qwen2_vl", arch="qwen2_vl", size="tiny", seed=0)
+    running = start_stack(
+        nats_server,
+        s3_server,
+        model,
+        root / "logs",
+        topology="e-pd",
+        EPD_VIDEO_SEGMENT_FRAMES="2",  # a segment a temporal patch: the 6-frame clip in 3
+        EPD_ENCODE_STEALS="0",
+        EPD_STREAM_MAX_BYTES=str(4 * 1024**2),
+    )
+    try:
+        yield model, running
+    finally:
+        running.stack.stop()
+
+
+def _ask(stack, clip: bytes):
+    url = "data:video/avi;base64," + base64.b64encode(clip).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": "Describe the video."},
+            ],
+        }
+    ]
+    resp = stack.chat(messages, **GREEDY)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_segmented_request_equals_the_unsegmented_generate(segment_stack, clips):
+    model, stack = segment_stack
+    video = load_video(clips["long"], VideoSampler.QWEN2_VL, VideoSampling())
+    want = _hf_tokens(model, "Describe the video.", ["video"], [], [video], max_tokens=GREEDY["max_tokens"])
+
+    def segment_jobs() -> list:
+        return [m.image for _, _, m in stack.stream_messages("stream_encode") if isinstance(m, EncodeJob)]
+
+    before = len(segment_jobs())
+    body = _ask(stack, clips["long"])
+    assert body["choices"][0]["token_ids"] == want
+    (job,) = stack.messages_of("stream_generate", GenerationJob, body["id"])
+    (ref,) = job.images
+    assert ref.kind == "video" and ref.frames == 6 and ref.media_key == "" and len(ref.segments) == 3
+    jobs = segment_jobs()[before:]
+    assert sorted(j.item_hash for j in jobs) == sorted(s.item_hash for s in ref.segments)  # one job a segment
+    assert all(j.frames == 2 for j in jobs)
+    sources = final_result(stack, body["id"]).ec_sources
+    assert set(sources) == {s.item_hash for s in ref.segments} and set(sources.values()) == {"store"}
+
+    # a shorter clip whose sampled frames are the long one's first four: its two segments are
+    # stored already - no encode job - and its answer is its own
+    before = len(segment_jobs())
+    short = _ask(stack, clips["short"])
+    (short_job,) = stack.messages_of("stream_generate", GenerationJob, short["id"])
+    assert [s.item_hash for s in short_job.images[0].segments] == [s.item_hash for s in ref.segments[:2]]
+    assert len(segment_jobs()) == before
+    short_video = load_video(clips["short"], VideoSampler.QWEN2_VL, VideoSampling())
+    assert short["choices"][0]["token_ids"] == _hf_tokens(
+        model, "Describe the video.", ["video"], [], [short_video], max_tokens=GREEDY["max_tokens"]
+    )
