@@ -75,6 +75,11 @@ def _video_url(data: bytes) -> str:
     return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
+def _video_messages(data: bytes) -> list[dict]:
+    parts = [{"type": "video_url", "video_url": {"url": _video_url(data)}}, {"type": "text", "text": VIDEO_TEXT}]
+    return [{"role": "user", "content": parts}]
+
+
 def _takes_video(family_dir: Path) -> bool:
     from shared.families import VIDEO_FAMILIES, model_type_of
 
@@ -227,10 +232,15 @@ def test_e_pd_stack_equals_plain_vllm(family_dir, plain_tokens, family_stack):
 
 
 @pytest.mark.matrix
-def test_e_p_d_stack_equals_plain_vllm(family_dir, plain_tokens, family_e_p_d_stack):
-    """E|P|D on the vLLM engine: the same cases, the KV cache handed from the prefill worker to the
-    decode worker through the store, give the plain run's tokens."""
+def test_e_p_d_stack_equals_plain_vllm(family_dir, plain_tokens, family_e_p_d_stack, clip):
+    """E|P|D on the vLLM engine: the same cases (and the video, where the family takes one), the KV
+    cache handed from the prefill worker to the decode worker through the store, give the plain
+    run's tokens."""
     _holds_plain_tokens(family_dir, plain_tokens, family_e_p_d_stack)
+    if _takes_video(family_dir):
+        resp = family_e_p_d_stack.chat(_video_messages(clip), **STACK_GREEDY)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == plain_tokens["video"], family_dir.name
 
 
 def _holds_plain_tokens(family_dir: Path, plain_tokens: dict[str, list[int]], stack) -> None:
@@ -248,16 +258,7 @@ def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_ans
     e-pd stack (the encoder's video features through our EC connector) give a plain vLLM run's
     tokens for the clip (vLLM's loader sampling the file; ours the frames the API sampled); for
     every other family the API refuses a video before fetching it, naming where video is served."""
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "video_url", "video_url": {"url": _video_url(clip)}},
-                {"type": "text", "text": VIDEO_TEXT},
-            ],
-        }
-    ]
-    resp = family_stack.chat(messages, **STACK_GREEDY)
+    resp = family_stack.chat(_video_messages(clip), **STACK_GREEDY)
     if not _takes_video(family_dir):
         assert "video" not in plain_tokens
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_content", resp.text
