@@ -255,8 +255,9 @@ class ApiService:
             await self.router.stop()
         if self.ec is not None:
             await self.ec.close()
-        if self.fetcher is not None:
-            await self.fetcher.aclose()
+        for fetcher in (self.fetcher, self.video_fetcher):
+            if fetcher is not None:
+                await fetcher.aclose()
         if self.nc is not None:  # drained, or closed at once when the server stalls
             await close_connection(self.nc)
 
