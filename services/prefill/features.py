@@ -78,9 +78,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A request's image from the store, checked against its item hash (``ModelHandler.image``).
-ImageLoader = Callable[[ImageRef], Awaitable["Image.Image"]]
-#: a request's media item from the store: an image, or a video's sampled frames
+#: A request's media item from the store, checked against its item hash (``ModelHandler.media``):
+#: an image, or a video's sampled frames.
 MediaLoader = Callable[[ImageRef], Awaitable["Image.Image | base.VideoFrames"]]
 
 
