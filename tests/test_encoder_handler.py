@@ -159,3 +159,45 @@ async def test_jobs_in_flight_hold_decoded_images_within_the_pixel_budget(tmp_pa
     assert [v.action for v in verdicts] == [Action.ACK] * 8
     assert 0 < most <= budget, most
     assert most > 56 * 56  # negative control: more than one at a time when the budget allows
+
+
+async def test_a_job_stored_by_another_worker_while_it_waited_is_not_encoded_again(
+    tmp_path, tiny_model_dir, reference_engine
+):
+    """A job waiting for the pixel budget (a burst) whose item another worker stored meanwhile (a PD
+    worker that stole the encode, then released its claim) announces the stored object and encodes
+    nothing (seen in P11: the encoder encoded 18 stolen videos again)."""
+    import asyncio
+
+    h = await _handler(tmp_path, tiny_model_dir, reference_engine, encode_pixel_budget=56 * 56)
+    produced: list[str] = []
+    original_produce = h.producer.produce
+
+    async def counting_produce(item, image):
+        produced.append(item)
+        return await original_produce(item, image)
+
+    h.producer.produce = counting_produce
+    image = noise_image(77, (56, 56))
+    job = _job(h, image)
+    try:
+        held = await h.pixel_budget.acquire(56 * 56)  # the budget is taken: the job waits
+        waiting = asyncio.create_task(settle(h, _delivery(job)))
+        deadline = time.monotonic() + 30
+        while not h.pixel_budget._waiters:  # the job looked in the store (nothing) and waits for the budget
+            assert time.monotonic() < deadline, "the job never waited for the pixel budget"
+            await asyncio.sleep(0.01)
+        # another worker stores the item meanwhile (its own encode, written to the same store)
+        other = await _handler(tmp_path / "other", tiny_model_dir, reference_engine)
+        other.store = h.store
+        other.producer.store = h.store
+        await other.producer.produce(job.image.item_hash, image)
+        await other.close()
+        h.pixel_budget.release(held)
+        verdict = await asyncio.wait_for(waiting, 60)
+    finally:
+        await h.close()
+    assert verdict.action == Action.ACK
+    assert produced == []  # not encoded again
+    (ready,) = [m for _, m in h.publisher.sent if isinstance(m, ECReady)]
+    assert ready.item_hash == job.image.item_hash

@@ -173,16 +173,7 @@ class EncoderHandler(ModelHandler):
             raise Reject(FingerprintMismatch(f"worker fingerprint {self.fingerprint} != job {job.fingerprint}"))
         assert self.store is not None and self.producer is not None and self.pixel_budget is not None  # (setup)
         item = job.image.item_hash
-        existing = None
-        if await asyncio.to_thread(self.store.exists, item):
-            try:
-                existing = await asyncio.to_thread(self.store.load, item, request_id=job.request_id)
-            except ObjectValidationError:
-                pass  # invalid object: recompute and overwrite it
-        if existing is not None:
-            log.info("item %s already stored by %s: announcing, not recomputing", item[:12], existing.producer)
-            await self._ready(job, existing.n_tokens, len(existing.data), 0.0)
-            metrics.ENCODE_JOBS.labels(JobOutcome.ALREADY_STORED).inc()
+        if await self._announced_stored(job):
             return
 
         # Decoded images held at once are bounded by pixels, however many jobs are in flight.
@@ -191,6 +182,12 @@ class EncoderHandler(ModelHandler):
             if (stealer := await self._claim(job)) is not None:
                 log.info("item %s stolen by %s: not encoding", item[:12], stealer)
                 metrics.ENCODE_JOBS.labels(JobOutcome.STOLEN).inc()
+                return
+            # A job can wait long for the budget (a burst of videos): a worker that stole the item
+            # meanwhile may have stored it and released its claim - look again before encoding.
+            if await self._announced_stored(job):
+                if self.claims is not None:
+                    await self.claims.release(job.fingerprint, item)
                 return
             image = await self.media(job.image)  # MediaMissing / InvalidImage: the job cannot succeed
             started_at = time.time()
@@ -216,6 +213,21 @@ class EncoderHandler(ModelHandler):
         metrics.ENCODE_JOBS.labels(JobOutcome.ENCODED).inc()
         if self.claims is not None:
             await self.claims.release(job.fingerprint, item)
+
+    async def _announced_stored(self, job: EncodeJob) -> bool:
+        """When the item's EC object is stored (and valid), announce it instead of encoding: True."""
+        assert self.store is not None
+        item = job.image.item_hash
+        if not await asyncio.to_thread(self.store.exists, item):
+            return False
+        try:
+            existing = await asyncio.to_thread(self.store.load, item, request_id=job.request_id)
+        except ObjectValidationError:
+            return False  # invalid object: recompute and overwrite it
+        log.info("item %s already stored by %s: announcing, not recomputing", item[:12], existing.producer)
+        await self._ready(job, existing.n_tokens, len(existing.data), 0.0)
+        metrics.ENCODE_JOBS.labels(JobOutcome.ALREADY_STORED).inc()
+        return True
 
     async def _claim(self, job: EncodeJob) -> str | None:
         """Claim the item before encoding it: the stealer's worker id when a generating worker
