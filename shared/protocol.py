@@ -513,8 +513,9 @@ def effective_seed(request_id: str, seed: int | None) -> int:
 
 
 class ChatRequestRecord(_Msg, frozen=True, kw_only=True, tag="chat_request"):
-    """The request as the API received it, with image payloads replaced by ``image_ref`` parts
-    (``{"type": "image_ref", "item_hash": ...}``) so it stays small. Kept for replay."""
+    """The request as the API received it, with image and video payloads replaced by ``image_ref``
+    / ``video_ref`` parts (``{"type": "image_ref", "item_hash": ...}``) so it stays small. Kept for
+    replay."""
 
     request_id: str
     received_at: float
