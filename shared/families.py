@@ -46,21 +46,30 @@ VIDEO_SEGMENT_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _video_processor_setting(model_dir: str | Path, name: str, kind: type) -> Any:
+    """Setting ``name`` of the folder's video processor - ``video_preprocessor_config.json``, else the
+    ``video_processor`` entry of ``processor_config.json`` - read as JSON; None when neither has it
+    (as a ``kind``)."""
+    folder = Path(model_dir)
+    for file, section_key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
+        path = folder / file
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"{path} does not read as JSON: {exc}") from exc
+        section = config.get(section_key) if section_key else config
+        if isinstance(section, dict) and isinstance(section.get(name), kind):
+            return section[name]
+    return None
+
+
 def video_temporal_patch(model_dir: str | Path) -> int:
     """Frames per temporal patch of the folder's video processor (``temporal_patch_size``; 1 when
-    it says none), read as JSON."""
-    folder = Path(model_dir)
-    for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
-        path = folder / name
-        if path.is_file():
-            try:
-                config = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise EngineError(f"{path} does not read as JSON: {exc}") from exc
-            section = config.get(key) if key else config
-            if isinstance(section, dict) and isinstance(section.get("temporal_patch_size"), int):
-                return int(section["temporal_patch_size"])
-    return 1
+    it says none)."""
+    patch = _video_processor_setting(model_dir, "temporal_patch_size", int)
+    return 1 if patch is None else int(patch)
 
 
 def check_video(engine: str, model_type: str) -> None:
@@ -76,21 +85,9 @@ def check_video(engine: str, model_type: str) -> None:
 
 
 def video_processor_of(model_dir: str | Path) -> str | None:
-    """The class name of the folder's video processor (``video_preprocessor_config.json``, or the
-    ``video_processor`` entry of ``processor_config.json``), read as JSON; None when it has none."""
-    folder = Path(model_dir)
-    for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"{path} does not read as JSON: {exc}") from exc
-        section = config.get(key) if key else config
-        if isinstance(section, dict) and isinstance(section.get("video_processor_type"), str):
-            return str(section["video_processor_type"])
-    return None
+    """The class name of the folder's video processor (``video_processor_type``); None when it has none."""
+    name = _video_processor_setting(model_dir, "video_processor_type", str)
+    return None if name is None else str(name)
 
 
 def model_config_of(model_dir: str | Path) -> dict[str, Any]:

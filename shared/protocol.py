@@ -646,6 +646,12 @@ class GenerationJob(_Msg, frozen=True, kw_only=True, tag="generation_job"):
     route_reason: str = ""
     route_detail: str = ""
 
+    @property
+    def stored_items(self) -> tuple[ImageRef, ...]:
+        """The items stored and encoded for this job, in order (duplicates kept): each image or
+        video, a segmented video's segments in its place."""
+        return tuple(leaf for ref in self.images for leaf in (ref.segments or (ref,)))
+
     def __post_init__(self) -> None:
         # Checked on construction and on decoding (msgspec turns the error into a ValidationError).
         if len(self.tools) > MAX_TOOLS:

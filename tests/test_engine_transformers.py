@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from shared.engines.base import EncodedImage, GenerationStats, KVStateMismatch, SamplingParams
-from shared.engines.prompts import check_image_count, count_image_placeholders
+from shared.engines.prompts import check_media, media_kinds
 from shared.engines.transformers_engine import TransformersEngine
 from shared.engines.transformers_state import DecodeState, IncrementalDetokenizer, StopStringMatcher, ids_decoder
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
@@ -463,10 +463,10 @@ async def test_placeholder_count_mismatch_raises(engine):
     one = CASES["one-image"][0]
     two = CASES["two-images"][0]
     encoded = await engine.encode([IMAGES["wide"], IMAGES["square"]])
-    assert count_image_placeholders(two) == 2
-    assert count_image_placeholders([{"role": "user", "content": "hi"}]) == 0
+    assert media_kinds(two) == ["image", "image"]
+    assert media_kinds([{"role": "user", "content": "hi"}]) == []
     with pytest.raises(InvalidRequest):
-        check_image_count(one, 2)
+        check_media(one, ["image", "image"])
     with pytest.raises(InvalidRequest):
         await _drain(engine.generate(one, encoded, GREEDY))
     with pytest.raises(InvalidRequest):

@@ -188,7 +188,7 @@ class Router:
             return Decision("", RouteReason.NO_AFFINITY, "no images" if not job.images else "re-prefill")
         return choose(
             self.candidates(),
-            [leaf.item_hash for ref in job.images for leaf in (ref.segments or (ref,))],
+            [ref.item_hash for ref in job.stored_items],
             affinity_weight=self.settings.routing_affinity_weight,
             load_weight=self.settings.routing_load_weight,
         )
@@ -222,7 +222,7 @@ class Router:
         w = self.workers.get(target)
         if w is not None:
             w.pending += 1
-        self._learn(target, [leaf.item_hash for ref in job.images for leaf in (ref.segments or (ref,))])
+        self._learn(target, [ref.item_hash for ref in job.stored_items])
         task = asyncio.ensure_future(self._watch(routed, key))
         self._watchdogs.add(task)
         task.add_done_callback(self._watchdogs.discard)
@@ -315,8 +315,8 @@ class Router:
         w = self.workers.get(job.routed_to)
         if w is not None:
             w.pending = max(0, w.pending - 1)
-            for leaf in (leaf for ref in job.images for leaf in (ref.segments or (ref,))):
-                w.learned.pop(short_hash(leaf.item_hash), None)
+            for ref in job.stored_items:
+                w.learned.pop(short_hash(ref.item_hash), None)
         await self._retrying(
             job,
             functools.partial(

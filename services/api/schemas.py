@@ -272,7 +272,7 @@ def _tool_fields(message: dict[str, Any], role: str, i: int, tools_ok: bool) -> 
     return {"tool_calls": calls, "tool_call_id": call_id if role == "tool" else None}
 
 
-def parse_media_io_kwargs(value: Any, media: list[MediaURL]) -> VideoSampling:
+def parse_media_io_kwargs(value: Any) -> VideoSampling:
     """vLLM's ``media_io_kwargs``: ``{"video": {"num_frames": N, "fps": F}}`` (either or both; the
     server's defaults fill what is not given). Any other key is refused by name."""
     if value is None:
@@ -310,20 +310,18 @@ def parse_messages(
     (``tool`` messages and an assistant's ``tool_calls``); without it they are refused."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    image_urls: list[MediaURL] = []
+    media: list[MediaURL] = []
     normalized: list[ChatMessage] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
         role = check_role(message.get("role"), f"messages[{i}]")
         tool_fields = _tool_fields(message, role, i, tools_ok)
-        content = _parse_content(
-            message.get("content"), i, image_urls if role != "tool" else [], max_images, max_videos
-        )
+        content = _parse_content(message.get("content"), i, media if role != "tool" else [], max_images, max_videos)
         if role == "tool" and not isinstance(content, str) and any(not isinstance(p, TextPart) for p in content):
             raise UnsupportedContent(f"messages[{i}]: a tool message holds text only", param="messages")
         normalized.append(ChatMessage(role=role, content=content, **tool_fields))
-    return normalized, image_urls
+    return normalized, media
 
 
 def check_model(model: str, served_model: str) -> None:
@@ -629,7 +627,7 @@ def parse_chat_request(
     messages, media = parse_messages(
         req.messages, max_images=max_images, max_videos=max_videos, tools_ok=tool_parser is not None
     )
-    video_sampling = parse_media_io_kwargs(req.media_io_kwargs, media)
+    video_sampling = parse_media_io_kwargs(req.media_io_kwargs)
     n, stream, include_usage = _common(req)
     top_logprobs = _logprobs(req.top_logprobs, "top_logprobs")
     if top_logprobs and not req.logprobs:

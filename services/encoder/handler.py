@@ -79,10 +79,7 @@ class WorkerStoresFeatures(FeatureProducer):
         from shared.engines.ec_objects import encoded_to_extra
         from shared.store.tensors import tensor_to_raw
 
-        if isinstance(image, base.VideoFrames):
-            (encoded,) = await self.engine.encode_videos([image])
-        else:
-            (encoded,) = await self.engine.encode([image])
+        encoded = await base.encode_item(self.engine, image)
         raw, dtype, shape = tensor_to_raw(encoded.features)
         _key, nbytes = await asyncio.to_thread(
             self.store.save, item_hash, raw, dtype=dtype, shape=shape, extra=encoded_to_extra(encoded)
@@ -97,12 +94,7 @@ class ConnectorStoresFeatures(FeatureProducer):
     engine: base.FeaturesThroughConnector  # type: ignore[assignment]  # a mixin: the Engine also stores features itself
 
     async def produce(self, item_hash: str, image: Image.Image | base.VideoFrames) -> tuple[int, int]:
-        item: base.ConnectorItem = (
-            base.MediaVideo(video=image, item_hash=item_hash)
-            if isinstance(image, base.VideoFrames)
-            else base.MediaImage(image=image, item_hash=item_hash)
-        )
-        (n_tokens,) = await self.engine.produce([item])
+        (n_tokens,) = await self.engine.produce([base.connector_item(image, item_hash)])
         info = await asyncio.to_thread(self.store.stored, item_hash)
         if info is None:  # e.g. the store was down during the save: retried, then ECFailed
             raise StoreError(f"the engine's EC connector did not store item {item_hash[:12]}")

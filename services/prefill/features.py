@@ -61,7 +61,7 @@ from shared import metrics, protocol
 from shared.ec_lifecycle.claims import STEAL_LEASE_S, STEAL_RENEW_S, EncodeClaims
 from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
-from shared.engines.base import EncodedImage, MediaImage
+from shared.engines.base import EncodedImage
 from shared.errors import StoreError
 from shared.jetstream import TypedSubscription, subscribe_typed
 from shared.protocol import ECFailed, ECReady, ECSource, ImageRef, WorkerHeartbeat, recomputed
@@ -489,11 +489,7 @@ class LocalFeatures(FeatureSource):
         return cached
 
     async def encode(self, ref: ImageRef) -> EncodedImage:
-        source = await self.image(ref)
-        if isinstance(source, base.VideoFrames):
-            (item,) = await self.engine.encode_videos([source])
-        else:
-            (item,) = await self.engine.encode([source])
+        item = await base.encode_item(self.engine, await self.image(ref))
         self.cache.put(ref.item_hash, item)
         return item
 
@@ -609,10 +605,7 @@ class ConnectorFeatures(FeatureSource):
 
     async def _item(self, ref: ImageRef) -> base.ConnectorItem:
         """The item as the engine takes it: the image, or the video's frames, with its hash."""
-        source = await self.image(ref)
-        if isinstance(source, base.VideoFrames):
-            return base.MediaVideo(video=source, item_hash=ref.item_hash)
-        return MediaImage(image=source, item_hash=ref.item_hash)
+        return base.connector_item(await self.image(ref), ref.item_hash)
 
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[base.ConnectorItem, str]:
         if self.encoder is None or self.lifecycle is None:

@@ -240,7 +240,7 @@ class PrefillHandler(ModelHandler):
         assert self.admission is not None
         t0 = time.perf_counter()
         # the items to resolve: each image or video, or a segmented video's segments
-        distinct = {leaf.item_hash: leaf for ref in job.images for leaf in (ref.segments or (ref,))}
+        distinct = {ref.item_hash: ref for ref in job.stored_items}
         resolved: list[tuple[EncodedImage | ConnectorItem, str]] = []
         if distinct:
             async with self.admission.waiting():

@@ -171,6 +171,22 @@ class MediaVideo:
 ConnectorItem: TypeAlias = "MediaImage | MediaVideo"
 
 
+def connector_item(source: Image.Image | VideoFrames, item_hash: str) -> ConnectorItem:
+    """A stored media item (an image, or a video's frames) as a connector engine takes it."""
+    if isinstance(source, VideoFrames):
+        return MediaVideo(video=source, item_hash=item_hash)
+    return MediaImage(image=source, item_hash=item_hash)
+
+
+async def encode_item(engine: FeaturesThroughWorker, source: Image.Image | VideoFrames) -> EncodedImage:
+    """An engine's features for one media item: an image's, or a video's frames'."""
+    if isinstance(source, VideoFrames):
+        (item,) = await engine.encode_videos([source])
+    else:
+        (item,) = await engine.encode([source])
+    return item
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token. ``text`` is the newly decodable text (may be empty mid-codepoint).

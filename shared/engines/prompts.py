@@ -62,11 +62,6 @@ def media_kinds(messages: list[dict[str, Any]]) -> list[MediaKind]:
     ]
 
 
-def count_image_placeholders(messages: list[dict[str, Any]]) -> int:
-    """Number of image parts in ``messages`` (validates the message shape on the way)."""
-    return sum(1 for kind in media_kinds(messages) if kind is MediaKind.IMAGE)
-
-
 def check_media(messages: list[dict[str, Any]], kinds: Sequence[str]) -> None:
     """Raise :class:`InvalidRequest` unless the media parts of ``messages`` are, in order, of
     ``kinds`` (the items given: one per part)."""
@@ -76,18 +71,6 @@ def check_media(messages: list[dict[str, Any]], kinds: Sequence[str]) -> None:
             f"messages hold media parts {[str(k) for k in parts]} but the items given are {[str(k) for k in kinds]}",
             param="messages",
         )
-
-
-def check_image_count(messages: list[dict[str, Any]], n_images: int) -> int:
-    """Raise :class:`InvalidRequest` unless ``messages`` hold exactly ``n_images`` media parts,
-    every one an image (an engine that takes no video)."""
-    n = count_image_placeholders(messages)
-    if n != n_images:
-        raise InvalidRequest(
-            f"messages contain {n} image placeholder(s) but {n_images} image(s) were given", param="messages"
-        )
-    check_media(messages, [MediaKind.IMAGE] * n_images)
-    return n
 
 
 def check_placeholder_tokens(ids: Sequence[int], token_id: int, n_items: int, what: str = "image") -> None:
