@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import base64
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,30 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness as h
 
+from shared.tools.bench.workload import video_clip
+
 
 def clip_bytes(seed: int, frames: int, size: int, fps: float) -> bytes:
-    """An mp4 (mp4v) of a square moving across a plain background; ``seed`` picks colours, start and direction."""
-    import cv2
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    background = rng.integers(0, 256, 3).tolist()
-    colour = rng.integers(0, 256, 3).tolist()
-    side = size // 4
-    x, y = (int(v) for v in rng.integers(0, size - side, 2))
-    dx, dy = (int(v) for v in rng.choice([-1, 1], 2) * rng.integers(2, 6, 2))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "clip.mp4"
-        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
-        for _ in range(frames):
-            frame = np.empty((size, size, 3), np.uint8)
-            frame[:] = background
-            frame[y : y + side, x : x + side] = colour
-            writer.write(frame)
-            x = min(max(x + dx, 0), size - side)
-            y = min(max(y + dy, 0), size - side)
-        writer.release()
-        return path.read_bytes()
+    """An mp4 of a square moving across a plain background (``shared.tools.bench.workload.video_clip``,
+    which ``epd bench run``'s video workload draws too); ``seed`` picks colours, start and direction."""
+    return video_clip(seed, frames, size, size, fps)
 
 
 def body(args: argparse.Namespace, model: str, clip: bytes) -> dict:

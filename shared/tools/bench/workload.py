@@ -25,7 +25,7 @@ import base64
 import functools
 import io
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,3 +357,37 @@ def image_data_url(seed: int, run_index: int, image: ImageSpec) -> str:
         "data:image/jpeg;base64,"
         + base64.b64encode(image_bytes(seed, run_index, image.id, image.width, image.height)).decode()
     )
+
+
+# -- video clips --------------------------------------------------------------------------------
+def video_clip(seed: int | Sequence[int], frames: int, width: int, height: int, fps: float) -> bytes:
+    """A deterministic mp4 (``mp4v``, written by OpenCV's FFmpeg - the decoder the API reads it
+    with): a coloured square moving across a plain background, ``frames`` frames of ``width`` x
+    ``height`` at ``fps``; ``seed`` (an int or a sequence of ints, as numpy's ``default_rng``
+    takes) picks the colours, the start and the direction, so two seeds give two distinct clips.
+    Used by the bench's video workload and ``bench/p11_video.py``."""
+    import tempfile
+
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    background = rng.integers(0, 256, 3).tolist()
+    colour = rng.integers(0, 256, 3).tolist()
+    side = max(1, min(width, height) // 4)
+    x = int(rng.integers(0, width - side + 1))
+    y = int(rng.integers(0, height - side + 1))
+    dx, dy = (int(v) for v in rng.choice([-1, 1], 2) * rng.integers(2, 6, 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "clip.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        if not writer.isOpened():
+            raise RuntimeError("OpenCV cannot write an mp4v clip here (no FFmpeg in its build?)")
+        for _ in range(frames):
+            frame = np.empty((height, width, 3), np.uint8)
+            frame[:] = background
+            frame[y : y + side, x : x + side] = colour
+            writer.write(frame)
+            x = min(max(x + dx, 0), width - side)
+            y = min(max(y + dy, 0), height - side)
+        writer.release()
+        return path.read_bytes()
