@@ -53,7 +53,7 @@ from services.api.schemas import (
     parse_tokenize_request,
 )
 from services.api.service import ApiService, StopSignal
-from services.api.tokenizer import Tokenizer
+from services.api.tokenizer import MediaCounter, Tokenizer
 from services.api.tool_parsers import parser_for_model
 from shared import history, metrics, timeline
 from shared.client import ChoiceStreams
@@ -292,6 +292,8 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
     )
     #: /tokenize, /detokenize, echo of a token-id prompt (loaded on first use)
     tokenizer = Tokenizer(service.identity.model_path)
+    #: /tokenize of a chat with images or videos: their placeholder tokens (loaded on first use)
+    media_counter = MediaCounter(service.identity.model_path)
     # The context served (EPD_MAX_MODEL_LEN, which both engines honour, or the model's): max_tokens
     # is refused above it here; prompt + max_tokens over it is refused by the worker that
     # tokenized the prompt (a 400 naming the same limit).
@@ -454,12 +456,17 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (text parts) -> token ids."""
+        """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` -> token ids. A chat's image and
+        video parts are loaded as a chat request's (``media_io_kwargs`` included) and stand as the
+        placeholder tokens the engine expands them to (``MediaCounter``): ``count`` is the chat's
+        ``usage.prompt_tokens``."""
         check_auth(request)
         req = parse_tokenize_request(
             parse_json_body(await _read_body(request, settings.max_body_bytes)),
             served_model=service.model_name,
             tool_parser=tool_parser,
+            max_images=settings.max_images_per_request,
+            max_videos=settings.max_videos_per_request,
         )
         if req.messages is not None:
             text = await tokenizer.render_chat(
@@ -472,6 +479,14 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
             assert req.prompt is not None
             text = req.prompt
         tokens = await tokenizer.encode_prompt(text, add_special_tokens=req.add_special_tokens)
+        if req.media:
+            try:
+                media = await asyncio.wait_for(
+                    service.load_media(req.media, req.video_sampling), timeout=settings.request_timeout_s
+                )
+            except TimeoutError:
+                raise DeadlineExceeded("the request passed its deadline while loading its media") from None
+            tokens = await media_counter.expand(text, tokens, media, add_special_tokens=req.add_special_tokens)
         body: dict[str, Any] = {"count": len(tokens), "max_model_len": context_len, "tokens": tokens}
         if req.return_token_strs:
             body["token_strs"] = await tokenizer.token_strs(tokens)

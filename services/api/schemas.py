@@ -755,6 +755,10 @@ class TokenizeRequest:
     return_token_strs: bool
     #: ``tools`` for the chat template (:func:`parse_tools`)
     tools: list[dict[str, Any]] = field(default_factory=list)
+    #: the chat's image and video parts, in placeholder order (loaded and counted as a chat request's)
+    media: list[MediaURL] = field(default_factory=list)
+    #: how its videos are sampled (``media_io_kwargs``, :func:`parse_media_io_kwargs`, as in a chat request)
+    video_sampling: VideoSampling = field(default_factory=VideoSampling)
 
 
 #: ``/tokenize`` fields: honoured ones -> their type; refused ones (vLLM's chat-template knobs) are
@@ -768,11 +772,11 @@ _TOKENIZE_FIELDS: dict[str, Any] = {
     "continue_final_message": (bool, type(None)),
     "return_token_strs": (bool, type(None)),
     "tools": (list, type(None)),
+    "media_io_kwargs": (dict, type(None)),
 }
 _TOKENIZE_REFUSED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "media_io_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
 }
 
@@ -789,30 +793,36 @@ def _check_fields(body: dict[str, Any], fields: dict[str, Any], refused_fields: 
 
 
 def parse_tokenize_request(
-    body: dict[str, Any], *, served_model: str, tool_parser: ToolParser | None = None
+    body: dict[str, Any],
+    *,
+    served_model: str,
+    tool_parser: ToolParser | None = None,
+    max_images: int = 1 << 30,
+    max_videos: int = 1 << 30,
 ) -> TokenizeRequest:
     """A ``/tokenize`` body: ``prompt`` (text; special tokens added unless ``add_special_tokens``
     is false) or ``messages`` (the chat template, with ``tools`` when given - as a chat request
-    renders them; text parts only: an image's token count depends on the image, which is not
-    fetched here). Tool conversations need a model with a tool parser, as in a chat request."""
+    renders them). A chat's image and video parts are parsed as a chat request's (the same limits,
+    ``media_io_kwargs`` the same way): the route loads them and counts each one's placeholder tokens
+    as the engine expands them. ``media_io_kwargs`` is for a chat only. Tool conversations need a
+    model with a tool parser, as in a chat request."""
     _check_fields(body, _TOKENIZE_FIELDS, _TOKENIZE_REFUSED)
     check_model(body.get("model") or served_model, served_model)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
     chat = "messages" in body
     messages = None
+    media: list[MediaURL] = []
     if chat:
-        parsed, urls = parse_messages(
-            body["messages"], max_images=1 << 30, max_videos=1 << 30, tools_ok=tool_parser is not None
+        parsed, media = parse_messages(
+            body["messages"], max_images=max_images, max_videos=max_videos, tools_ok=tool_parser is not None
         )
-        if urls:
-            raise UnsupportedContent(
-                "image and video parts cannot be tokenized here (their token count depends on the media)",
-                param="messages",
-            )
         messages = [m.to_wire() for m in parsed]
     elif body.get("tools"):
         raise InvalidRequest("'tools' are for 'messages' (the chat template)", param="tools")
+    elif body.get("media_io_kwargs"):
+        raise InvalidRequest("'media_io_kwargs' is for 'messages' (a prompt has no media)", param="media_io_kwargs")
+    video_sampling = parse_media_io_kwargs(body.get("media_io_kwargs"))
     tools = parse_tools(body.get("tools") or None)
     add_generation_prompt = body.get("add_generation_prompt")
     continue_final = bool(body.get("continue_final_message"))
@@ -829,6 +839,8 @@ def parse_tokenize_request(
         continue_final_message=continue_final,
         return_token_strs=bool(body.get("return_token_strs")),
         tools=tools,
+        media=media,
+        video_sampling=video_sampling,
     )
 
 

@@ -83,7 +83,7 @@ from shared.engines.transformers_state import (
     sample_into,
     special_token_ids_of,
 )
-from shared.errors import EngineError, InvalidImage, InvalidRequest, InvalidVideo
+from shared.errors import EngineError, InvalidImage, InvalidRequest
 from shared.families import check_family
 from shared.identity import ModelIdentity
 from shared.topology import Role
@@ -316,10 +316,7 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
         return [await self._call(self._encode_video, video) for video in videos]
 
     def _encode_video(self, video: VideoFrames) -> EncodedImage:
-        try:
-            pixels = self.processor.video_processor(videos=[video.frames], return_tensors="pt", do_sample_frames=False)
-        except (ValueError, TypeError) as exc:
-            raise InvalidVideo(f"video cannot be preprocessed: {exc}") from exc
+        pixels = self.family.video_pixels(video.frames)
         try:
             with torch.no_grad():
                 item = self.family.video_features(pixels, video.fps)
@@ -522,9 +519,9 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             if img.mode != "RGB":
                 img = img.convert("RGB")
             try:
-                out.append(self.processor.image_processor(images=[img], return_tensors="pt"))
-            except (ValueError, TypeError) as exc:
-                raise InvalidImage(f"images[{i}] cannot be preprocessed: {exc}") from exc
+                out.append(self.family.image_pixels(img))
+            except InvalidImage as exc:
+                raise InvalidImage(f"images[{i}]: {exc.message}") from exc
         return out
 
     def _encode_pixels(self, pixels: Sequence[Any]) -> list[EncodedImage]:

@@ -19,14 +19,15 @@ family-blind.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from shared.engines.base import EncodedImage
-from shared.errors import InvalidRequest
+from shared.errors import InvalidImage, InvalidRequest, InvalidVideo
 from shared.families import feature_width
 from shared.protocol import MediaKind
 
@@ -56,6 +57,37 @@ class VisionFamily(ABC):
         """Columns of an image's feature tensor (:func:`shared.families.feature_width`: the LM's
         hidden size, unless the family packs more than one tensor per image)."""
         return feature_width(self.config.to_dict())
+
+    def image_pixels(self, image: Any) -> dict[str, Any]:
+        """The image processor's outputs for one RGB PIL image (what :meth:`image_features` takes);
+        :class:`InvalidImage` when the processor refuses it."""
+        try:
+            return self.processor.image_processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise InvalidImage(f"image cannot be preprocessed: {exc}") from exc
+
+    def video_pixels(self, frames: Any) -> dict[str, Any]:
+        """The video processor's outputs for one video's sampled frames (``[n, h, w, 3]`` RGB, taken
+        as sampled: no sampling here), what :meth:`video_features` takes; :class:`InvalidVideo` when
+        the processor refuses them."""
+        try:
+            return self.processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+        except (ValueError, TypeError) as exc:
+            raise InvalidVideo(f"video cannot be preprocessed: {exc}") from exc
+
+    def grid_of(self, kind: str, pixels: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        """The (t, h, w) patch grid of one item from its processor outputs (None: the family has
+        none - 1-D positions)."""
+        return None
+
+    def prompt_item(self, kind: str, pixels: Mapping[str, Any]) -> EncodedImage | None:
+        """One item as the prompt sees it, without encoding it: its grid (:meth:`grid_of`) and a
+        features tensor of no columns with as many rows as the family's processor gives it
+        placeholder tokens (:meth:`expected_tokens`) - what :meth:`expand` needs to count it (the
+        API's ``/tokenize``). None when the count is not knowable before encoding."""
+        item = EncodedImage(features=torch.empty(0, 0), grid_thw=self.grid_of(kind, pixels), kind=kind)
+        n = self.expected_tokens(item)
+        return None if n is None else dataclasses.replace(item, features=torch.empty(n, 0))
 
     @abstractmethod
     def image_features(self, pixels: Sequence[dict[str, Any]]) -> list[EncodedImage]:

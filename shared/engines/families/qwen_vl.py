@@ -4,7 +4,7 @@ MLP are inside its vision tower: the same calls serve both."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,13 +40,17 @@ class QwenVL(VisionFamily):
     def video_features(self, pixels: dict[str, Any], fps: float) -> EncodedImage:
         if not self.takes_video:
             return super().video_features(pixels, fps)
-        grid = pixels["video_grid_thw"]
         res = self.model.get_video_features(
-            pixel_values_videos=pixels["pixel_values_videos"], video_grid_thw=grid, return_dict=True
+            pixel_values_videos=pixels["pixel_values_videos"], video_grid_thw=pixels["video_grid_thw"], return_dict=True
         )
         (features,) = res.pooler_output
-        t, h, w = (int(x) for x in grid[0].tolist())
-        return EncodedImage(features=features, grid_thw=(t, h, w), kind=MediaKind.VIDEO, fps=fps)
+        grid = self.grid_of(MediaKind.VIDEO, pixels)
+        return EncodedImage(features=features, grid_thw=grid, kind=MediaKind.VIDEO, fps=fps)
+
+    def grid_of(self, kind: str, pixels: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        """The processor's ``image_grid_thw`` / ``video_grid_thw`` of the (one) item."""
+        t, h, w = (int(x) for x in pixels[f"{kind}_grid_thw"][0].tolist())
+        return (t, h, w)
 
     def expected_tokens(self, item: EncodedImage) -> int | None:
         if item.grid_thw is None:
