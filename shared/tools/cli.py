@@ -10,6 +10,7 @@ epd replay list|show|run|export|import   recorded requests: timelines, re-runs, 
 epd ec ls|purge                          EC store per model version, purges (shared.tools.ec_cli)
 epd bench run|compare   load any OpenAI-compatible endpoint with a multimodal workload; compare results
 epd plan RESULT.json --rate R   worker counts per role from measured stage costs (shared.tools.bench)
+epd kube render                 the Kubernetes manifests of deploy/kubernetes/ (shared.tools.kubernetes)
 """
 
 from __future__ import annotations
@@ -539,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.tools import config_docs
 
     config_docs.add_parser(sub)  # epd config docs [--check]
+    from shared.tools import kubernetes
+
+    kubernetes.add_parser(sub)  # epd kube render [--check]
     from shared.tools import config_show
 
     [config_sub] = [a for a in sub.choices["config"]._actions if isinstance(a, argparse._SubParsersAction)]

@@ -804,6 +804,42 @@ def judge(plan: Plan, small: Plan, result: BenchResult) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
+# -- Kubernetes ------------------------------------------------------------------------------------
+def wait_budget_s(plan: Plan, role: RolePlan) -> float:
+    """The queue wait ``role`` may have: for each SLO bound on its path, its share of the bound (as
+    :func:`make_plan` shares it) less its service there, the tightest; without an SLO, one service
+    time. Never below a tenth of the service time (an SLO the plan cannot meet)."""
+    budgets = []
+    for key, bound_ms in plan.slo_ms.items():
+        per = plan.mix.output_tokens if key == "tpot" else 1.0
+        path = [p for p in plan.paths.get(key, []) if p.service_s > 0]
+        total = sum(p.service_s for p in path)
+        for p in path:
+            if p.role == role.role and p.waits and total > 0 and per > 0:
+                budgets.append(bound_ms / 1e3 * per * p.service_s / total - p.service_s)
+    budget = min(budgets) if budgets else role.service_s
+    return max(budget, 0.1 * role.service_s)
+
+
+def emit_kubernetes(plan: Plan, out: Path, accelerator: str) -> list[Path]:
+    """``--emit kubernetes DIR``: the plan's KEDA bounds and thresholds as an overlay of the committed
+    ``deploy/kubernetes/<topology>-<accelerator>`` (shared.tools.kubernetes.scaling_from_plan)."""
+    from shared.tools import kubernetes as kube
+
+    scaling = {
+        kube.PLAN_ROLE_SERVICE[r.role]: kube.scaling_from_plan(
+            r.role, workers=r.workers, jobs_per_s=r.arrival, wait_s=wait_budget_s(plan, r)
+        )
+        for r in plan.roles
+    }
+    note = (
+        f"# From `epd plan`: {plan.topology} at {plan.rate:g} req/s, ratio {plan.ratio}, utilisation target "
+        f"{plan.target:g}{', SLO ' + str(plan.slo_ms) if plan.slo_ms else ''}; costs: {plan.costs.source}.\n"
+    )
+    name = kube.overlay_name(plan.topology, accelerator)
+    return kube.write_plan_overlay(out / name, plan.topology, accelerator, scaling, note=note)
+
+
 # -- CLI -------------------------------------------------------------------------------------------
 def _parse_duration(text: str) -> float:
     from shared.tools.replay_cli import parse_duration
@@ -863,6 +899,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--text-only-share", type=float, help="share of requests without images")
     p.add_argument("--output-tokens", type=float, help="output tokens per request")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument(
+        "--emit",
+        nargs=2,
+        metavar=("kubernetes", "DIR"),
+        help="write each plan as a Kubernetes overlay DIR/<topology>-<accelerator>: KEDA bounds and thresholds "
+        "over deploy/kubernetes/ (docs/kubernetes.md)",
+    )
+    p.add_argument(
+        "--accelerator", choices=["cpu", "gpu"], default="cpu", help="with --emit: the overlay's (default cpu)"
+    )
     v = p.add_argument_group("--validate", "start the recommended topology locally at small scale and run the workload")
     v.add_argument("--validate", action="store_true", help="check the (first) plan on this machine")
     v.add_argument("--max-workers", type=int, default=3, help="workers to scale the plan down to (default 3)")
@@ -923,6 +969,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
         print("\n\n".join(format_plan(p) for p in plans))
+    if args.emit:
+        fmt, out = args.emit
+        if fmt != "kubernetes":
+            print(f"epd plan: --emit {fmt}: the one format is kubernetes", file=sys.stderr)
+            return EXIT_ERROR
+        for p in plans:
+            for path in emit_kubernetes(p, Path(out), args.accelerator):
+                print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     ok = all(p.feasible for p in plans)
     if args.validate:
         from shared.tools.infra import InfraError
