@@ -56,6 +56,17 @@ def no_separators(v: str) -> str:
     return v
 
 
+#: What a deployment's stop grace period adds to ``EPD_DRAIN_S``: the process's own shutdown after
+#: its drain (closing the engine, the NATS connection) before the orchestrator's SIGKILL.
+GRACE_MARGIN_S = 15
+
+
+def grace_period_s(drain_s: float) -> int:
+    """The stop grace period a deployment gives a process draining for ``drain_s`` (Compose's
+    ``stop_grace_period``, Kubernetes' ``terminationGracePeriodSeconds``), whole seconds."""
+    return int(-(-drain_s // 1)) + GRACE_MARGIN_S
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
 
@@ -388,6 +399,14 @@ class ServiceSettings(BaseSettings):
     """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
     ec_use_flush_s: float = Field(
         2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
+    )
+    drain_s: float = Field(
+        60,
+        ge=0,
+        le=3600,
+        description="on SIGTERM, how long the process finishes what it runs before it exits (workers: "
+        "the jobs they started - the others go back to the queue at once; the API: its open requests); "
+        "the deployments' stop grace period is this + 15 s (docker-compose.yml, deploy/kubernetes)",
     )
 
     @classmethod

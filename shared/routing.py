@@ -50,6 +50,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import (
     BadRequestError,
@@ -74,6 +75,17 @@ _DONE = "@done:"
 
 _ERR_CONSUMER_EXISTS_DIFFERENT = 10148
 _KEY_OK = re.compile(r"^[-_=a-zA-Z0-9]+$")
+
+
+def fallback_copy(job: GenerationJob, detail: str) -> GenerationJob:
+    """The shared queue's copy of a routed job, published once by whoever won its claim as
+    :data:`CLAIM_FALLBACK` (the API's watchdog, or its target as it stops), with message id
+    :func:`fallback_msg_id`."""
+    return msgspec.structs.replace(job, routed_to="", route_reason=RouteReason.FALLBACK, route_detail=detail)
+
+
+def fallback_msg_id(request_id: str) -> str:
+    return f"{request_id}-fallback"
 
 
 def takeover_value(worker_id: str) -> str:

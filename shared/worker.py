@@ -49,9 +49,12 @@ The runner:
   ``Epd-Received-At``; ``shared.jetstream.set_trace``), the request id on every log line, the
   ``epd:requests_in_flight{service=...}`` gauge, and consumer lag (``epd:consumer_num_pending``)
   from the liveness round trip;
-* SIGTERM / SIGINT: stop fetching at once (an outstanding pull is given up, and a job the server
-  delivered to it meanwhile is handed back with a ``nak``, so another worker takes it now, not
-  after the ack wait), finish what is in flight (up to ``drain_timeout_s``), close.
+* SIGTERM / SIGINT (a scale-down): stop fetching at once (an outstanding pull is given up, and a
+  job the server delivered to it meanwhile is handed back with a ``nak``, so another worker takes
+  it now, not after the ack wait); hand back the jobs held but not started (``Delivery.start``:
+  waiting for an engine slot, an encoder's pixels or their inputs) and move the jobs routed to
+  this worker to the shared queue; heartbeats say "draining" (no new route, and a draining encoder
+  counts as gone); finish the started jobs (up to ``EPD_DRAIN_S``), close.
 
 **Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
 runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room
@@ -75,6 +78,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import msgspec
 from nats.aio.client import Client as NATS
 
 from shared import metrics, protocol
@@ -96,8 +100,15 @@ from shared.jetstream import (
 )
 from shared.logs import REQUEST_ID
 from shared.metrics import JobOutcome
-from shared.protocol import Subjects, WorkerHeartbeat, WorkQueue
-from shared.routing import RouteClaim, RoutingClaims, ensure_routed_consumer
+from shared.protocol import GenerationJob, RouteReason, Subjects, WorkerHeartbeat, WorkQueue
+from shared.routing import (
+    CLAIM_FALLBACK,
+    RouteClaim,
+    RoutingClaims,
+    ensure_routed_consumer,
+    fallback_copy,
+    fallback_msg_id,
+)
 from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
@@ -105,6 +116,9 @@ log = logging.getLogger(__name__)
 #: How often a worker proves it can pull (a JetStream round trip), then beats and refreshes its
 #: health file and the consumer lag gauges (``WorkerRunner._liveness``).
 HEARTBEAT_INTERVAL_S = 2.0
+#: How long one pull of a stopping worker's routed consumer waits (``_hand_over_routed``: until
+#: one finds nothing).
+ROUTED_HANDOVER_PULL_S = 0.5
 #: Exit code of a worker that could not reach its consumer for ``EPD_UNREACHABLE_EXIT_S``.
 EXIT_UNREACHABLE = 3
 #: ``in_progress`` beats a running job sends per ack wait: a live worker's job is redelivered only if
@@ -144,6 +158,10 @@ class Superseded(Exception):
     drop it without sending anything (ack)."""
 
 
+#: The reason of a :class:`Settlement` of a job a stopping worker gave back before starting it.
+HANDED_BACK = "handed back: the worker is stopping"
+
+
 class Action(enum.Enum):
     ACK = "ack"
     NAK = "nak"
@@ -178,6 +196,12 @@ class Delivery:
     def is_last_attempt(self) -> bool:
         return self.num_delivered >= self.max_deliver
 
+    def start(self) -> None:
+        """The handler's mark that the job's work begins (an engine slot granted, an encode
+        begun): from now on a stopping worker finishes the job (within ``EPD_DRAIN_S``); until
+        then it hands the job back to the queue for another worker (``JobCancel.hand_back``)."""
+        self.cancel.started = True
+
     @property
     def request_id(self) -> str:
         return self.headers.get(protocol.HDR_REQUEST_ID, "-")
@@ -200,6 +224,12 @@ class JobCancel:
     def __init__(self) -> None:
         self.requested = False
         self.seen = False
+        #: The worker is stopping and the job has not started (:meth:`Delivery.start`): it is
+        #: stopped and handed back to the queue (``nak`` now), not acked.
+        self.handing_back = False
+        #: Set by :meth:`Delivery.start`: the job's work began (an engine slot, an encode), so a
+        #: stopping worker finishes it instead of handing it back.
+        self.started = False
         self._task: asyncio.Task | None = None
 
     def bind(self, task: asyncio.Task) -> None:
@@ -209,9 +239,20 @@ class JobCancel:
         self.requested = True
         self._cancel_task()
 
+    def hand_back(self) -> bool:
+        """The worker is stopping: stop the job and give it back to its queue, unless it has
+        started (then it is finished within the drain). True when it is being handed back."""
+        if self.started or self.seen or self.requested or self._task is None or self._task.done():
+            return False
+        self.handing_back = True
+        self._cancel_task()
+        return True
+
     def _cancel_task(self) -> None:
         if self.seen or self._task is None or self._task.done():
             return
+        if self.handing_back and not self.requested and self.started:
+            return  # (a re-cancel after the job started: it runs to its end now)
         self._task.cancel()
         asyncio.get_running_loop().call_later(self.RECANCEL_S, self._cancel_task)
 
@@ -356,6 +397,13 @@ async def settle(handler: Handler, delivery: Delivery, records: RequestRecords |
         await handler.handle(job, delivery)
         return Settlement(Action.ACK)
     except asyncio.CancelledError:
+        if delivery.cancel.handing_back and not delivery.cancel.requested:
+            delivery.cancel.seen = True
+            task = asyncio.current_task()
+            while task is not None and task.cancelling():  # (one per repeated cancel)
+                task.uncancel()
+            log.info("job handed back: the worker is stopping and had not started it")
+            return Settlement(Action.NAK, 0.0, HANDED_BACK)
         if not delivery.cancel.requested:
             raise  # shutdown: not acked, redelivered to another worker
         delivery.cancel.seen = True
@@ -406,7 +454,7 @@ class WorkerRunner:
         settings: WorkerSettings,
         *,
         concurrency: int = 1,
-        drain_timeout_s: float = 60.0,
+        drain_timeout_s: float | None = None,
         freeze_heap: bool = False,
         pull_timeout_s: float = 1.0,
     ):
@@ -417,10 +465,12 @@ class WorkerRunner:
         self.freeze_heap = freeze_heap
         self.subjects = Subjects(settings.nats.subject_prefix)
         self.concurrency = concurrency
-        self.drain_timeout_s = drain_timeout_s
+        #: how long a stop waits for the jobs in flight (``EPD_DRAIN_S`` unless given)
+        self.drain_timeout_s = settings.drain_s if drain_timeout_s is None else drain_timeout_s
         #: how long one pull request waits for a job (then the loop checks its room and pulls again)
         self.pull_timeout_s = pull_timeout_s
         self.stopping = asyncio.Event()
+        self._publisher: Publisher | None = None
         #: The process's exit code once ``run`` returns (``EXIT_UNREACHABLE``: lost its consumer).
         self.exit_code = 0
         self._tasks: set[asyncio.Task] = set()
@@ -446,7 +496,7 @@ class WorkerRunner:
         js = nc.jetstream()
         try:
             await ensure_topology(js, self.settings.nats, self.subjects, nc=nc)
-            publisher = JetStreamPublisher.for_settings(js, self.settings.nats)
+            publisher = self._publisher = JetStreamPublisher.for_settings(js, self.settings.nats)
             ctx = WorkerContext(self.settings, self.subjects, publisher, nc)
             await self.handler.setup(ctx)
             if self.freeze_heap:  # started: the engine is loaded
@@ -465,15 +515,22 @@ class WorkerRunner:
             try:
                 await asyncio.gather(self._consume(psub), *([self._consume(rsub, routed=True)] if rsub else []))
             finally:
-                liveness.cancel()
                 if self.health is not None:  # not consuming any more: unhealthy while draining
                     self.health.remove()
-                # Before the drain (which may take a while): no pull of ours takes a job any more,
-                # and a job delivered to the pull the stop gave up goes back to the queue now.
-                for sub in (psub, rsub):
-                    if sub is not None:
-                        await self._stop_pulling(sub)
-                await self._drain()
+                # Before the drain (which may take a while): the jobs not started go back to the
+                # queue now, no pull of ours takes a job any more, a job delivered to the pull the
+                # stop gave up goes back too, and the jobs routed to this worker go to the shared
+                # queue - all taken by other workers at once, not after the ack wait.
+                try:
+                    self._hand_back_unstarted()
+                    for sub in (psub, rsub):
+                        if sub is not None:
+                            await self._stop_pulling(sub)
+                    if rsub is not None:
+                        await self._hand_over_routed(js, stream)
+                    await self._drain()
+                finally:  # it beats "draining" until now: no takeover of the jobs this worker finishes
+                    liveness.cancel()
                 try:  # before the connection drains
                     await cancel_sub.unsubscribe()
                 except Exception as exc:  # noqa: BLE001 - shutting down anyway
@@ -591,6 +648,72 @@ class WorkerRunner:
             except Exception as exc:  # noqa: BLE001 - redelivered after the ack wait instead
                 log.debug("nak of an unstarted job failed: %s", exc)
 
+    def _hand_back_unstarted(self) -> None:
+        """Stop every job that has not started (``Delivery.start``) and give it back: ``settle``
+        naks it (a routed one goes to the shared queue: :meth:`_reroute`)."""
+        handed = sum(job.hand_back() for jobs in list(self._running.values()) for job in list(jobs))
+        if handed:
+            log.info("handing back %d job(s) not started", handed)
+
+    async def _hand_over_routed(self, js: Any, stream: str) -> None:
+        """Move the jobs waiting in this worker's routed consumer to the shared queue (each once:
+        the routing claim decides, as the API's watchdog does; ``shared.routing``)."""
+        try:
+            sub = await js.pull_subscribe_bind(
+                durable=self.subjects.routed_consumer(self.settings.worker_id), stream=stream
+            )
+        except Exception as exc:  # noqa: BLE001 - the API's watchdog falls back once the heartbeat stops
+            log.warning("cannot hand over the routed jobs (%s: %s)", type(exc).__name__, exc)
+            return
+        moved = 0
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(16, timeout=ROUTED_HANDOVER_PULL_S)
+                except TimeoutError:
+                    break
+                for msg in msgs:
+                    moved += await self._reroute(msg, None)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("handing over the routed jobs failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.debug("unsubscribe: %s", exc)
+        if moved:
+            log.info("handed %d routed job(s) over to the shared queue", moved)
+
+    async def _reroute(self, msg: Any, claim: RouteClaim | None) -> bool:
+        """A routed job this stopping worker will not run: win its claim as ``@fallback`` (from
+        this worker's own claim, ``claim``, or a fresh one), publish the shared queue's copy, ack.
+        Lost to someone else: ack only (they run it). True when this worker published the copy."""
+        assert self._claims is not None and self._publisher is not None
+        try:
+            job = protocol.decode(msg.data, GenerationJob)
+        except protocol.ProtocolError:
+            await msg.term()
+            return False
+        rid = job.request_id
+        if claim is not None:
+            won = await self._claims.replace(rid, CLAIM_FALLBACK, claim.revision)
+        else:
+            won, state = await self._claims.claim(rid, CLAIM_FALLBACK)
+            if not won and state is not None and state.value == self.settings.worker_id:
+                won = await self._claims.replace(rid, CLAIM_FALLBACK, state.revision)  # ours, not run
+        if won:
+            detail = f"{self.settings.worker_id} stopping"
+            await self._publisher.publish(
+                self.subjects.generate_jobs,
+                fallback_copy(job, detail),
+                request_id=rid,
+                msg_id=fallback_msg_id(rid),
+                deadline=job.deadline,
+            )
+            metrics.ROUTING_DECISIONS.labels(RouteReason.FALLBACK).inc()
+        await msg.ack()
+        return won
+
     async def _drain(self) -> None:
         if self._tasks:
             log.info("waiting for %d in-flight job(s)", len(self._tasks))
@@ -667,7 +790,9 @@ class WorkerRunner:
             ticker.cancel()
             if claim is not None and settlement.action is not Action.NAK:
                 await claim.finish()
-            if settlement.action is Action.ACK:
+            if claim is not None and settlement.reason == HANDED_BACK:
+                await self._reroute(msg, claim)  # (its own consumer is not pulled any more)
+            elif settlement.action is Action.ACK:
                 await msg.ack()
             elif settlement.action is Action.NAK:
                 log.info("nak (%s), redeliver in %.1fs", settlement.reason, settlement.delay_s or 0)
@@ -762,11 +887,14 @@ class WorkerRunner:
                     failing_since = None
                 pending.set(info.num_pending or 0)
                 ack_pending.set(info.num_ack_pending or 0)
+                heartbeat = self.handler.heartbeat(self.settings)
+                if self.stopping.is_set():
+                    heartbeat = msgspec.structs.replace(heartbeat, draining=True, free_slots=0)
                 try:
-                    await nc.publish(subject, protocol.encode(self.handler.heartbeat(self.settings)))
+                    await nc.publish(subject, protocol.encode(heartbeat))
                 except Exception as exc:  # noqa: BLE001 - a lost heartbeat is harmless; the next one follows
                     log.debug("heartbeat not published: %s", exc)
-                if self.health is not None:
+                if self.health is not None and not self.stopping.is_set():
                     try:
                         self.health.write(
                             role=self.name, worker_id=self.settings.worker_id, in_flight=self.handler.in_flight

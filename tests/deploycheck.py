@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from shared.config import ServiceSettings, grace_period_s
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_PATH = ROOT / "docker-compose.yml"
 DOCKERFILE_PATH = ROOT / "Dockerfile"
@@ -54,6 +56,15 @@ def var_refs(text: str) -> list[VarRef]:
             continue
         out.append(VarRef(m.group("braced") or m.group("bare"), m.group("op"), m.group("arg") or ""))
     return out
+
+
+def _seconds(duration: object) -> float:
+    """A Compose duration (``75s``, ``1m30s``, ``500ms``) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", str(duration))
+    if not parts:
+        raise ValueError(f"not a duration: {duration!r}")
+    return sum(float(n) * units[u] for n, u in parts)
 
 
 def interpolate(text: str, env: Mapping[str, str]) -> str:
@@ -355,6 +366,13 @@ def compose_problems(
         has_gpu = any(d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or []) for d in devices)
         if has_gpu != spec.gpu_device:
             problems.append(f"{name}: NVIDIA GPU reservation {'missing' if spec.gpu_device else 'unexpected'}")
+        drain_env = interpolate(str(env.get("EPD_DRAIN_S") or ""), {})
+        drain = float(drain_env or ServiceSettings.model_fields["drain_s"].default)
+        if _seconds(svc.get("stop_grace_period", "10s")) < grace_period_s(drain):
+            problems.append(
+                f"{name}: stop_grace_period {svc.get('stop_grace_period', '10s (the default)')} is shorter than "
+                f"grace_period_s(EPD_DRAIN_S={drain:g}) = {grace_period_s(drain)}s: its drain would be cut off"
+            )
         if spec.health_role != "api" and svc.get("ports"):
             problems.append(f"{name}: a worker publishes ports, so it cannot be scaled")
         if spec.health_role == "api":

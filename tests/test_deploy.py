@@ -162,6 +162,8 @@ def test_compose_structure(compose, dockerfile_targets):
         ("api", {"user": "root"}, "runs as root"),
         ("api", {"depends_on": {"nats": {"condition": "service_started"}}}, "without a health/completion condition"),
         ("encoder", {"build": {"context": ".", "target": "gpu"}}, "build target"),
+        ("prefill", {"stop_grace_period": "60s"}, "drain would be cut off"),
+        ("api", {"stop_grace_period": None}, "drain would be cut off"),
     ],
 )
 def test_compose_checker_rejects_broken_copies(compose, dockerfile_targets, service, change, expected):

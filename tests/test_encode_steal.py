@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import types
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import nats
 import pytest
 
-from services.prefill.features import EncoderFleet
+from services.prefill.features import EncoderFleet, Stealer, StealRefused
 from shared import metrics
 from shared.ec_lifecycle.claims import Claim, EncodeClaims
 from shared.media import content_hash_of
-from shared.protocol import ECReady, FinalResult, WorkerHeartbeat
+from shared.protocol import ECReady, FinalResult, ImageRef, WorkerHeartbeat
 from shared.tools.infra import free_port
 from shared.worker import Action, settle
 from tests.fault_workers import ENCODE_DELAY_ENV
@@ -77,6 +79,31 @@ def test_the_encoders_are_the_bound_when_every_live_one_is_full_or_none_is_alive
     assert not fresh.bound()
     now[0] += 6.0
     assert fresh.bound()
+
+
+def test_a_draining_encoder_counts_as_gone_and_with_none_alive_steals_are_not_limited() -> None:
+    """Encoders scaled to zero (issue 44): an encoder's "draining" beat takes it out of the fleet at
+    once (not a stale period later), and with no encoder alive every waiting item may be stolen -
+    the ``EPD_ENCODE_STEALS`` limit would queue each image request behind the others' encodes."""
+    now = [100.0]
+    fleet = EncoderFleet("fp", stale_s=6.0, clock=lambda: now[0])
+    fleet.listening_since = now[0] - 10
+    fleet.beat(_beat("e1", 16, 5))
+    assert not fleet.bound() and not fleet.none_alive()
+    fleet.beat(msgspec.structs.replace(_beat("e1", 16, 5), draining=True))
+    assert fleet.none_alive() and fleet.bound()
+    fleet.beat(_beat("e2", 16, 0))  # another one comes back (full): bound, but alive
+    assert fleet.bound() and not fleet.none_alive()
+
+    ctx = types.SimpleNamespace(settings=types.SimpleNamespace(worker_id="pd"))
+    stealer = Stealer(ctx, store=None, fingerprint="fp", slots=1, after_s=0.0, fleet=fleet)  # type: ignore[arg-type]
+    stealer.running = 1  # its one steal slot taken
+    assert not stealer.has_room()
+    assert asyncio.run(stealer.try_steal(ImageRef(item_hash="0" * 64, media_key="m", width=8, height=8), "r")) is (
+        StealRefused.BUSY
+    )
+    now[0] += 7.0  # e2's beat stale: none alive - the limit is lifted
+    assert fleet.none_alive() and stealer.has_room()
 
 
 def test_an_encoders_heartbeat_says_its_slots_and_how_many_are_free(tmp_path, tiny_model_dir, reference_engine):

@@ -10,9 +10,8 @@ from shared.config import ApiSettings
 from shared.logs import setup_logging
 from shared.topology import Service
 
-#: How long a stopping API waits for requests in flight; those still running ~2 s before that
-#: end with a JSON 503 (uvicorn would cut them off with a plain-text 500).
-GRACEFUL_SHUTDOWN_S = 10
+#: A stopping API waits ``EPD_DRAIN_S`` for the requests in flight; those still running this long
+#: before that end with a JSON 503 (uvicorn would cut them off with a plain-text 500).
 STOP_REQUESTS_BEFORE_S = 2
 
 
@@ -40,9 +39,9 @@ def main() -> None:
         port=settings.port,
         log_config=None,  # keep our log format (request_id on every line)
         access_log=False,  # the app writes its own (epd.access: duration and request id; EPD_ACCESS_LOG)
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=max(1, round(settings.drain_s)),
     )
-    grace = GRACEFUL_SHUTDOWN_S - STOP_REQUESTS_BEFORE_S
+    grace = max(0.0, settings.drain_s - STOP_REQUESTS_BEFORE_S)
     ApiServer(config, on_exit=lambda: app.state.service.begin_shutdown(grace)).run()
 
 

@@ -49,6 +49,8 @@ from shared.routing import (
     RoutingClaims,
     choose,
     claim_key,
+    fallback_copy,
+    fallback_msg_id,
     short_hash,
     takeover_value,
 )
@@ -166,7 +168,7 @@ class Router:
             if now - w.seen_at > FORGET_S:  # gone for good (a restarted worker has a new id)
                 del self.workers[worker_id]
                 continue
-            if not hb.routable or not self.alive(worker_id, min(self.settings.worker_stale_s, stale)):
+            if not hb.routable or hb.draining or not self.alive(worker_id, min(self.settings.worker_stale_s, stale)):
                 continue
             if self.fingerprint and hb.fingerprint and hb.fingerprint != self.fingerprint:
                 continue
@@ -310,7 +312,7 @@ class Router:
         """Having won the claim: the job's copy on the shared queue."""
         rid = job.request_id
         metrics.ROUTING_DECISIONS.labels(RouteReason.FALLBACK).inc()
-        copy = msgspec.structs.replace(job, routed_to="", route_reason=RouteReason.FALLBACK, route_detail=detail)
+        copy = fallback_copy(job, detail)
         log.warning("routed job of %s to the shared queue: %s", rid, detail)
         w = self.workers.get(job.routed_to)
         if w is not None:
@@ -320,6 +322,6 @@ class Router:
         await self._retrying(
             job,
             functools.partial(
-                self.publisher.publish, self.subjects.generate_jobs, copy, request_id=rid, msg_id=f"{rid}-fallback"
+                self.publisher.publish, self.subjects.generate_jobs, copy, request_id=rid, msg_id=fallback_msg_id(rid)
             ),
         )

@@ -237,6 +237,7 @@ class DecodeHandler(ModelHandler):
             raise Reject(
                 DeadlineExceeded("request deadline passed before a decode worker took it"), outcome=JobOutcome.EXPIRED
             )
+        delivery.start()  # a decode job joins the engine's batch at once (one held per batch row)
         out = TokenOutput(self.ctx, job.request_id, delivery.num_delivered, first_seq=job.emitted)
         try:
             decoded = await self.strategy.decode(job, delivery, out)

@@ -170,6 +170,7 @@ class EncoderHandler(ModelHandler):
 
         # Decoded images held at once are bounded by pixels, however many jobs are in flight.
         claim = await self.pixel_budget.acquire(job.image.width * job.image.height * max(1, job.image.frames))
+        delivery.start()  # (until its pixels were granted a stopping encoder hands the job back)
         try:
             if (stealer := await self._claim(job)) is not None:
                 log.info("item %s stolen by %s: not encoding", item[:12], stealer)

@@ -251,18 +251,32 @@ class EncoderFleet:
             return
 
     def beat(self, hb: WorkerHeartbeat) -> None:
-        if hb.fingerprint == self.fingerprint:
-            self._beats[hb.worker_id] = (hb.slots > 0 and hb.free_slots <= 0, self.clock())
+        if hb.fingerprint != self.fingerprint:
+            return
+        if hb.draining:  # stopping: it takes no job of the queue any more
+            self._beats.pop(hb.worker_id, None)
+            return
+        self._beats[hb.worker_id] = (hb.slots > 0 and hb.free_slots <= 0, self.clock())
+
+    def none_alive(self) -> bool:
+        """No encoder is alive (and this worker has listened long enough to tell): every queued
+        encode waits for a steal, so steals are not limited then (``Stealer.try_steal``)."""
+        if self.listening_since is None:
+            return False
+        now = self.clock()
+        if any(now - at < self.stale_s for _, at in self._beats.values()):
+            return False
+        return now - self.listening_since >= self.stale_s
 
     def bound(self) -> bool:
         """Whether the encoders are the bound now (the class docstring)."""
         if self.listening_since is None:
             return False
+        if self.none_alive():
+            return True
         now = self.clock()
         live = [full for full, at in self._beats.values() if now - at < self.stale_s]
-        if not live:
-            return now - self.listening_since >= self.stale_s
-        return all(live)
+        return bool(live) and all(live)
 
 
 class StealRefused(enum.Enum):
@@ -364,12 +378,17 @@ class Stealer:
             self._claims = await EncodeClaims.open(self.ctx.nc.jetstream(), self.ctx.subjects, self.ctx.settings.nats)
         return self._claims
 
+    def has_room(self) -> bool:
+        """A steal slot is free - or no encoder is alive: then every waiting item is stolen at
+        once (encoders scaled to zero: the limit would queue each request behind the others' encodes)."""
+        return self.running < self.slots or self.fleet.none_alive()
+
     async def try_steal(
         self, ref: ImageRef, request_id: str, *, lapsed: int | None = None
     ) -> Steal | StealRefused | StealerHolds:
         """Claim the item for this worker's engine. ``lapsed``: the revision of another stealer's
         claim the caller saw unchanged for ``STEAL_LEASE_S``: take it over."""
-        if self.running >= self.slots:
+        if not self.has_room():
             return StealRefused.BUSY
         if lapsed is None and not self.fleet.bound():
             return await self._stealer_of(ref)

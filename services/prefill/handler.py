@@ -217,7 +217,9 @@ class PrefillHandler(ModelHandler):
 
         self.generating += 1
         try:
-            await self._generate(job, delivery.num_delivered, claim=delivery.claim, answering=answering)
+            await self._generate(
+                job, delivery.num_delivered, claim=delivery.claim, answering=answering, start=delivery.start
+            )
         except InvalidRequest as exc:  # the client's error: its own message
             raise Reject(exc, outcome=JobOutcome.REJECTED) from exc
         finally:
@@ -233,9 +235,11 @@ class PrefillHandler(ModelHandler):
         *,
         claim: RouteClaim | None = None,
         answering: Callable[[], None] | None = None,
+        start: Callable[[], None] | None = None,
     ) -> None:
         """Features (waiting for them holds no engine slot), then an engine slot (the cheapest
-        prompt first), then generate or hand off (``shared.admission``)."""
+        prompt first), then generate or hand off (``shared.admission``). ``start`` is called as
+        the slot is granted (``Delivery.start``: until then a stopping worker hands the job back)."""
         assert self.ctx is not None and self.features is not None and self.handoff is not None
         assert self.admission is not None
         t0 = time.perf_counter()
@@ -259,6 +263,8 @@ class PrefillHandler(ModelHandler):
             announce_steals = functools.partial(self.features.settle, job.request_id, None)
 
         async with self.admission.slot(prompt_cost(prompt, [_image_tokens(item) for item in images])) as slot:
+            if start is not None:
+                start()
 
             async def first_token() -> None:  # the prompt is prefilled: room for the next one's
                 slot.prefilled()
