@@ -66,6 +66,24 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--prompt-words", type=parse_range, metavar="MIN,MAX", help="prompt length in words (16)")
     run.add_argument("--output-tokens", type=parse_range, metavar="MIN,MAX", help="output length in tokens (32)")
     run.add_argument("--turns", type=int, help="turns per conversation about one image (1)")
+    run.add_argument(
+        "--video-share", type=float, metavar="F", help="share of requests with media that send a video clip (0)"
+    )
+    run.add_argument(
+        "--video-frames", type=parse_range, metavar="MIN,MAX", help="frames per clip, all sampled (4-32; default 8)"
+    )
+    run.add_argument(
+        "--video-sizes",
+        type=parse_weights,
+        metavar="WxH[:W],...",
+        help="clip frame size buckets with weights, e.g. 224x224:0.5,448x448:0.5 (default 224x224)",
+    )
+    run.add_argument(
+        "--video-repeat-share",
+        type=float,
+        metavar="F",
+        help="share of video requests that send again one of the last --repeat-window clips (0)",
+    )
     run.add_argument("--seed", type=int, help="workload seed (0)")
     run.add_argument(
         "--slo", type=parse_slo, metavar="ttft=MS,tpot=MS,e2e=MS", help="report goodput under these bounds"
@@ -140,6 +158,10 @@ _SPEC_FLAGS = (
     "prompt_words",
     "output_tokens",
     "turns",
+    "video_share",
+    "video_frames",
+    "video_sizes",
+    "video_repeat_share",
     "seed",
     "model",
 )

@@ -142,6 +142,7 @@ async def send_request(
         index=req.index,
         kind=req.kind,
         images=len(req.images),
+        videos=len(req.videos),
         sent_at=sent - run_t0,
         ok=ok,
         status=status,

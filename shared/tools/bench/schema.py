@@ -43,6 +43,16 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     output_tokens: tuple[int, int] = (32, 32)
     #: turns per conversation about one image (each turn's request carries the history so far)
     turns: int = 1
+    #: share of the requests with media that carry one video clip instead of images
+    video_share: float = 0.0
+    #: frames per clip, [min, max] uniform (4-32): every frame is sampled (``media_io_kwargs.video.fps``
+    #: = the clip's rate); Qwen-VL loaders take an even count (an odd one samples one frame less)
+    video_frames: tuple[int, int] = (8, 8)
+    #: clip frame size buckets "WxH" -> weight
+    video_sizes: dict[str, float] = msgspec.field(default_factory=lambda: {"224x224": 1.0})
+    #: share of video requests that send again a clip among the last ``repeat_window`` clips (the
+    #: case the EC store speeds up); the others send a clip never sent before
+    video_repeat_share: float = 0.0
     ignore_eos: bool = True
     #: the served model name (default: the first of GET /v1/models)
     model: str | None = None
@@ -62,7 +72,9 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One request as the client saw it (and, against our API, as its timeline tells)."""
 
     index: int
-    kind: str  # "text" | "image" | "repeat" (an image request whose images were all seen before)
+    #: "text" | "image" | "repeat" (an image request whose images were all seen before) | "video" |
+    #: "video_repeat" (its clip was sent before)
+    kind: str
     images: int
     sent_at: float  # seconds since the run started
     ok: bool
@@ -83,6 +95,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     exclusive_stages: dict[str, float] = msgspec.field(default_factory=dict)
     #: our API only: item hash -> where its features came from (store, local_cache, recomputed:..., local)
     ec_sources: dict[str, str] = msgspec.field(default_factory=dict)
+    #: video clips the request carried
+    videos: int = 0
 
 
 class Summary(msgspec.Struct, frozen=True, kw_only=True):

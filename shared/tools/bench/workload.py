@@ -16,6 +16,13 @@ Contract:
   plan is made, and only the most recent ones are kept, so a long run does not hold them all.
   Their content depends on (seed, run index, image id, size): a later run of a sweep sees new
   images rather than the earlier run's cache hits; repeats inside a run stay repeats.
+* ``video_share`` of the requests with media carry one video clip instead of images (a stream of
+  its own decides: with ``video_share`` 0 a plan is the one it was without videos). A clip
+  (:func:`video_clip`, mp4 at :data:`CLIP_FPS`) has ``video_frames`` frames of a ``video_sizes``
+  size, drawn from (seed, run index, clip id, frames, size) like an image, and is sent with
+  ``media_io_kwargs.video.fps`` = its rate, so every loader samples all its frames (vLLM's
+  Qwen-VL loaders take no ``num_frames``; the uniform one takes at most 32 by default).
+  ``video_repeat_share`` of the video requests send again one of the last ``repeat_window`` clips.
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ WORDS = (
 
 #: Images kept encoded (per process): a repeat among the last this-many distinct images is not drawn again.
 IMAGE_CACHE = 64
+#: Clips kept encoded (per process), likewise.
+CLIP_CACHE = 16
+#: Frames a second of the bench's clips; requests ask the loader for this rate: every frame is sampled.
+CLIP_FPS = 2.0
+#: The frame counts a video workload may ask for (EPD_MAX_VIDEO_FRAMES bounds what a server takes).
+VIDEO_FRAMES_RANGE = (4, 32)
 
 
 # -- spec from flags / YAML ---------------------------------------------------------------------
@@ -118,17 +131,25 @@ def check_spec(spec: WorkloadSpec) -> WorkloadSpec:
         problems.append("a sweep needs arrival 'poisson'")
     if any(r <= 0 for r in spec.sweep):
         problems.append("sweep rates must be > 0")
-    for name, weights in (("images_per_request", spec.images_per_request), ("image_sizes", spec.image_sizes)):
+    for name, weights in (
+        ("images_per_request", spec.images_per_request),
+        ("image_sizes", spec.image_sizes),
+        ("video_sizes", spec.video_sizes),
+    ):
         if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
             problems.append(f"{name} needs non-negative weights with a positive sum")
     if any(n < 1 for n in spec.images_per_request):
         problems.append("images_per_request keys must be >= 1 (text-only requests: text_only_share)")
-    for size in spec.image_sizes:
+    for size in [*spec.image_sizes, *spec.video_sizes]:
         try:
             parse_size(size)
         except ValueError as exc:
             problems.append(str(exc))
-    for name in ("repeat_share", "text_only_share"):
+    lo, hi = spec.video_frames
+    if not VIDEO_FRAMES_RANGE[0] <= lo <= hi <= VIDEO_FRAMES_RANGE[1]:
+        low, high = VIDEO_FRAMES_RANGE
+        problems.append(f"video_frames must be [min, max] with {low} <= min <= max <= {high}")
+    for name in ("repeat_share", "text_only_share", "video_share", "video_repeat_share"):
         if not 0.0 <= getattr(spec, name) <= 1.0:
             problems.append(f"{name} must be in [0, 1]")
     if spec.repeat_window < 1:
@@ -182,6 +203,17 @@ class ImageSpec:
 
 
 @dataclass(frozen=True)
+class VideoSpec:
+    """One planned clip: its id in the plan, its frame count and frame size. Bytes come from
+    :func:`clip_bytes`."""
+
+    id: int
+    frames: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
 class Turn:
     """One earlier turn of a conversation, as the request's history carries it."""
 
@@ -191,10 +223,10 @@ class Turn:
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """One request of the workload. ``images`` go in the conversation's first user message."""
+    """One request of the workload. ``images`` (or ``videos``) go in the conversation's first user message."""
 
     index: int
-    kind: str  # "text" | "image" | "repeat" (as RequestRecord.kind)
+    kind: str  # "text" | "image" | "repeat" | "video" | "video_repeat" (as RequestRecord.kind)
     images: tuple[ImageSpec, ...]
     prompt: str
     output_tokens: int
@@ -205,12 +237,16 @@ class PlannedRequest:
     history: tuple[Turn, ...] = ()
     seed: int = 0
     run_index: int = 0
+    videos: tuple[VideoSpec, ...] = ()
 
     def messages(self) -> list[dict[str, Any]]:
-        """The OpenAI chat messages (images as JPEG data URLs, built now)."""
+        """The OpenAI chat messages (images as JPEG data URLs, clips as mp4 data URLs, built now)."""
         image_parts = [
             {"type": "image_url", "image_url": {"url": image_data_url(self.seed, self.run_index, im)}}
             for im in self.images
+        ] + [
+            {"type": "video_url", "video_url": {"url": clip_data_url(self.seed, self.run_index, clip)}}
+            for clip in self.videos
         ]
         out: list[dict[str, Any]] = []
         for i, user in enumerate([t.user for t in self.history] + [self.prompt]):
@@ -234,6 +270,8 @@ class PlannedRequest:
         }
         if ignore_eos:
             body["ignore_eos"] = True
+        if self.videos:  # every frame of the clip sampled, whatever the model's loader
+            body["media_io_kwargs"] = {"video": {"fps": CLIP_FPS}}
         body.update(extra or {})
         return body
 
@@ -254,17 +292,34 @@ def iter_plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int =
     offsets (default: ``spec.rate`` when ``spec.arrival`` is "poisson"; none otherwise)."""
     if rate is None and spec.arrival == "poisson":
         rate = spec.rate
-    kinds, images, lengths, arrivals = (np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(4))
+    # (a fifth stream decides videos: spawn(5)'s first four are spawn(4)'s, so image plans stay as they were)
+    streams = np.random.SeedSequence(spec.seed).spawn(5)
+    kinds, images, lengths, arrivals, videos = (np.random.default_rng(s) for s in streams)
     counts, count_p = _weighted(spec.images_per_request)
     sizes, size_p = _weighted(spec.image_sizes)
     sizes = [parse_size(s) for s in sizes]
+    clip_sizes, clip_size_p = _weighted(spec.video_sizes)
+    clip_sizes = [parse_size(s) for s in clip_sizes]
     recent: list[ImageSpec] = []  # distinct images so far, newest last (the last repeat_window kept)
-    next_image = 0
+    recent_clips: list[VideoSpec] = []  # likewise, clips
+    next_image = next_clip = 0
     index = 0
     clock = 0.0
     for conversation in itertools.count():
         text_only = kinds.random() < spec.text_only_share
-        n_images = 0 if text_only else int(counts[kinds.choice(len(counts), p=count_p)])
+        clip: VideoSpec | None = None
+        fresh_clip = False
+        if not text_only and spec.video_share > 0 and videos.random() < spec.video_share:
+            if recent_clips and videos.random() < spec.video_repeat_share:
+                clip = recent_clips[int(videos.integers(len(recent_clips)))]
+            else:
+                w, h = clip_sizes[int(videos.choice(len(clip_sizes), p=clip_size_p))]
+                frames = int(videos.integers(spec.video_frames[0], spec.video_frames[1] + 1))
+                clip = VideoSpec(next_clip, frames, w, h)
+                fresh_clip = True
+                next_clip += 1
+                recent_clips = (recent_clips + [clip])[-spec.repeat_window :]
+        n_images = 0 if text_only or clip else int(counts[kinds.choice(len(counts), p=count_p)])
         repeat = n_images > 0 and bool(recent) and kinds.random() < spec.repeat_share
         chosen: list[ImageSpec] = []
         if repeat:  # among the last repeat_window distinct images (all `recent` holds)
@@ -284,6 +339,8 @@ def iter_plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int =
                 clock += float(arrivals.exponential(1.0 / rate))
             if text_only:
                 kind = "text"
+            elif clip is not None:
+                kind = "video" if turn == 0 and fresh_clip else "video_repeat"
             elif turn > 0 or not fresh:
                 kind = "repeat"
             else:
@@ -300,6 +357,7 @@ def iter_plan(spec: WorkloadSpec, *, rate: float | None = None, run_index: int =
                 history=tuple(history),
                 seed=spec.seed,
                 run_index=run_index,
+                videos=(clip,) if clip is not None else (),
             )
             index += 1
             # The planned reply stands in for the model's: every turn can be sent on its own.
@@ -360,6 +418,18 @@ def image_data_url(seed: int, run_index: int, image: ImageSpec) -> str:
 
 
 # -- video clips --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=CLIP_CACHE)
+def clip_bytes(seed: int, run_index: int, clip_id: int, frames: int, width: int, height: int) -> bytes:
+    """A planned clip's mp4 (:func:`video_clip` at :data:`CLIP_FPS`), its content drawn from
+    (seed, run index, clip id, frames, size) as an image's is."""
+    return video_clip([seed, run_index, clip_id, frames, width, height], frames, width, height, CLIP_FPS)
+
+
+def clip_data_url(seed: int, run_index: int, clip: VideoSpec) -> str:
+    data = clip_bytes(seed, run_index, clip.id, clip.frames, clip.width, clip.height)
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
 def video_clip(seed: int | Sequence[int], frames: int, width: int, height: int, fps: float) -> bytes:
     """A deterministic mp4 (``mp4v``, written by OpenCV's FFmpeg - the decoder the API reads it
     with): a coloured square moving across a plain background, ``frames`` frames of ``width`` x
@@ -379,7 +449,7 @@ def video_clip(seed: int | Sequence[int], frames: int, width: int, height: int, 
     dx, dy = (int(v) for v in rng.choice([-1, 1], 2) * rng.integers(2, 6, 2))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "clip.mp4"
-        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"mp4v"), fps, (width, height))
         if not writer.isOpened():
             raise RuntimeError("OpenCV cannot write an mp4v clip here (no FFmpeg in its build?)")
         for _ in range(frames):
