@@ -424,6 +424,7 @@ class RequestClient:
         source: str = "api",
         retry_s: float = 10.0,
         router: JobRouter | None = None,
+        on_final: Callable[[FinalResult], None] | None = None,
     ):
         self.nc = nc
         self.subjects = subjects
@@ -438,6 +439,8 @@ class RequestClient:
         self.retry_s = retry_s
         #: ``EPD_ROUTING=affinity``: publishes each generation job where it routes it (``shared.routing``)
         self.router = router
+        #: told every final result of the requests it submits (the API's job costs, and the router)
+        self.on_final = on_final
 
     async def image_refs(
         self,
@@ -707,8 +710,14 @@ class RequestClient:
             deadline=job.deadline,
             on_abandon=on_abandon,
             stored=functools.partial(self.stored_events, request_id),
-            on_final=self.router.observe if self.router is not None else None,
+            on_final=self._final,
         )
+
+    def _final(self, final: FinalResult) -> None:
+        if self.router is not None:
+            self.router.observe(final)
+        if self.on_final is not None:
+            self.on_final(final)
 
     async def _send_record(self, record: ChatRequestRecord) -> PendingAck | None:
         try:

@@ -230,6 +230,27 @@ EC_INVALIDATIONS = Counter(
     ["holder"],
 )
 
+# -- scaling signals (the API's ``services.api.scaling``; docs/kubernetes.md, docs/scaling-out.md) --
+#: the names deployments scale on (``shared.tools.kubernetes``'s KEDA triggers)
+PENDING_WORK_METRIC = "epd:pending_work_seconds"
+QUEUE_LAG_METRIC = "epd:queue_lag_jobs"
+PENDING_WORK_SECONDS = Gauge(
+    PENDING_WORK_METRIC,
+    "A worker role's pending work in seconds: its queue's jobs (delivered or not, shared and routed "
+    "consumers alike) x the role's cost per job measured from recent jobs.",
+    ["role"],
+)
+QUEUE_LAG_JOBS = Gauge(
+    QUEUE_LAG_METRIC,
+    "A worker role's queued jobs: num_pending + num_ack_pending of its consumers (what KEDA's "
+    "nats-jetstream scaler reads of the shared one).",
+    ["role"],
+)
+JOB_COST_SECONDS = Gauge(
+    "epd:job_cost_seconds",
+    "A worker role's cost per job: the median busy seconds of its recent jobs (a default before any).",
+    ["role"],
+)
 
 # -- vLLM-compatible metrics (vllm:*) of the whole disaggregated system, measured at the API ------
 #

@@ -17,8 +17,9 @@ from PIL import Image
 
 from shared.history import list_requests
 from shared.protocol import ChatRequestRecord, ErrorEvent
+from shared.topology import Service
 from tests.stackutil import GREEDY as _GREEDY
-from tests.stackutil import data_url, noise_image, png_bytes, user_message
+from tests.stackutil import data_url, noise_image, png_bytes, user_message, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -405,3 +406,19 @@ def test_refused_requests_are_recorded_and_listed(epd_stack, image_server):
     waterfall = httpx.get(f"{epd_stack.url}/debug/requests/{ids[0]}", timeout=30)
     assert waterfall.status_code == 200 and "SECRET123" not in waterfall.text
     assert httpx.get(f"{epd_stack.url}/debug/requests", params={"status": "nope"}, timeout=30).status_code == 400
+
+
+def test_the_api_exports_the_scaling_signal_on_its_metrics(api_only_stack) -> None:
+    """One place to scrape (issue 44; ``services.api.scaling``, tests/test_scaling_signal.py): the
+    API's ``/metrics`` carries every worker role's three scaling gauges."""
+    url = api_only_stack.url
+
+    def exported() -> bool:
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-test-1"}, timeout=10).text
+        return all(
+            f'{name}{{role="{role.value}"}}' in text
+            for name in ("epd:pending_work_seconds", "epd:queue_lag_jobs", "epd:job_cost_seconds")
+            for role in (Service.ENCODER, Service.PREFILL, Service.DECODE)
+        )
+
+    wait_for(exported, 30, "the scaling gauges on /metrics")

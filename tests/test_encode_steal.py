@@ -96,7 +96,7 @@ def test_a_draining_encoder_counts_as_gone_and_with_none_alive_steals_are_not_li
     assert fleet.bound() and not fleet.none_alive()
 
     ctx = types.SimpleNamespace(settings=types.SimpleNamespace(worker_id="pd"))
-    stealer = Stealer(ctx, store=None, fingerprint="fp", slots=1, after_s=0.0, fleet=fleet)  # type: ignore[arg-type]
+    stealer = Stealer(ctx, store=None, fingerprint="fp", slots=1, after_s=0.0, fleet=fleet)  # type: ignore[arg-type]  # no store: has_room reads none
     stealer.running = 1  # its one steal slot taken
     assert not stealer.has_room()
     assert asyncio.run(stealer.try_steal(ImageRef(item_hash="0" * 64, media_key="m", width=8, height=8), "r")) is (

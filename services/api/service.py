@@ -20,6 +20,7 @@ import msgspec
 import nats
 
 from services.api.routing import Router
+from services.api.scaling import ScalingSignal
 from services.api.schemas import MediaURL, ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import protocol
@@ -168,6 +169,8 @@ class ApiService:
         self.js: nats.js.JetStreamContext | None = None
         self.client: RequestClient | None = None
         self.supervisor: DeliverySupervisor | None = None
+        #: the scaling signal per worker role on ``/metrics`` (``services.api.scaling``)
+        self.scaling = ScalingSignal(self.subjects)
         #: ``EPD_ROUTING=affinity``: where generation jobs go (``services.api.routing``)
         self.router: Router | None = None
         self.store: ECStore | None = None
@@ -221,6 +224,7 @@ class ApiService:
             recorder=self.ec.recorder,
             retry_s=self.settings.nats.publish_retry_s,
             router=self.router,
+            on_final=self.scaling.costs.finished,
         )
         self.fetcher = ImageFetcher(self.limits)
         self.video_fetcher = ImageFetcher(
@@ -231,6 +235,7 @@ class ApiService:
             self.nc, self.subjects, publisher, max_deliver=self.settings.nats.max_deliver
         )
         await self.supervisor.start()
+        await self.scaling.start(self.nc)
         log.info(
             "api ready: model %s, encoder fingerprint %s, routing %s",
             self.model_name,
@@ -251,6 +256,7 @@ class ApiService:
             await asyncio.wait(self._background, timeout=5.0)
         if self.supervisor is not None:
             await self.supervisor.stop()
+        await self.scaling.stop()
         if self.router is not None:
             await self.router.stop()
         if self.ec is not None:

@@ -138,11 +138,15 @@ class EncoderWait:
     #: Seconds without an event between two looks in the store.
     LOOK_S = 2.0
 
-    def __init__(self, ctx: WorkerContext, fingerprint: str, wait_s: float, store: ECStore):
+    def __init__(
+        self, ctx: WorkerContext, fingerprint: str, wait_s: float, store: ECStore, fleet: EncoderFleet | None = None
+    ):
         self.ctx = ctx
         self.fingerprint = fingerprint
         self.wait_s = wait_s
         self.store = store
+        #: the encoders' heartbeats: with none alive a job stops waiting (encoders scaled to zero)
+        self.fleet = fleet
 
     @contextlib.asynccontextmanager
     async def watching(self, ref: ImageRef) -> AsyncIterator[TypedSubscription | None]:
@@ -166,7 +170,16 @@ class EncoderWait:
         next_try = deadline if stealer is None else time.time() + stealer.after_s
         next_look = time.time() + self.LOOK_S
         watched: tuple[int, float] | None = None  # another stealer's claim: (revision, unchanged since)
+        if stealer is None and self.fleet is not None:  # (a stealer steals at once when none is alive)
+            next_try = time.time()
         while (event := await sub.next(deadline=min(deadline, next_try, next_look))) is None:
+            if stealer is None and self.fleet is not None and time.time() < deadline:
+                if self.fleet.none_alive():
+                    log.info("no encoder alive: encoding %s here", ref.item_hash[:12])
+                    return MissReason.NO_ENCODER
+                next_try = time.time() + FLEET_RETRY_S
+                if time.time() < next_look:
+                    continue
             if time.time() >= next_look:
                 if await self._stored(ref):
                     log.info(

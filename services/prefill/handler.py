@@ -108,6 +108,8 @@ class PrefillHandler(ModelHandler):
         self.cache = FeatureCache(settings.local_cache_bytes)
         self.features: FeatureSource | None = None
         self.handoff: HandOff | None = None
+        #: the encoders' heartbeats (roles pd and prefill): whether they are the bound, or gone
+        self.fleet: EncoderFleet | None = None
         #: the items this worker's jobs used, most recent first: what it advertises when its engine
         #: keeps the features itself (vLLM's encoder and prefix caches; ``shared.routing``)
         self.recent_items = RecentItems(settings.routing_advertised_items)
@@ -119,6 +121,9 @@ class PrefillHandler(ModelHandler):
     async def setup(self, ctx: WorkerContext) -> None:
         await super().setup(ctx)
         assert self.engine is not None and self.store is not None
+        if self.role is not Role.AGG:
+            self.fleet = EncoderFleet(self.fingerprint, ENCODER_STALE_S)
+            await self.fleet.listen(ctx)
         self.features = self._feature_source(ctx, await self._stealer(ctx))
         self.handoff = await self._handoff(ctx)
         self.admission = self._admission()
@@ -156,16 +161,15 @@ class PrefillHandler(ModelHandler):
         if isinstance(self.engine, base.FeaturesThroughConnector) and not self.engine.stores_encodes:
             log.warning("EPD_ENCODE_STEALS ignored: this engine does not store what it encodes")
             return None
-        fleet = EncoderFleet(self.fingerprint, ENCODER_STALE_S)
-        await fleet.listen(ctx)
+        assert self.fleet is not None  # (setup listens first)
         s = self.settings
-        return Stealer(ctx, self.store, self.fingerprint, s.encode_steals, s.encode_steal_after_s, fleet)
+        return Stealer(ctx, self.store, self.fingerprint, s.encode_steals, s.encode_steal_after_s, self.fleet)
 
     def _feature_source(self, ctx: WorkerContext, stealer: Stealer | None) -> FeatureSource:
         assert self.store is not None  # setup() checked
         encoder = None
         if self.role is not Role.AGG:
-            encoder = EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s, self.store)
+            encoder = EncoderWait(ctx, self.fingerprint, self.settings.ec_wait_s, self.store, self.fleet)
         if isinstance(self.engine, base.FeaturesThroughConnector):
             return ConnectorFeatures(self.media, self.store, encoder, stealer)
         engine = cast(base.FeaturesThroughWorker, self.engine)  # (the role's engine check passed)

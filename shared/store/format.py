@@ -78,6 +78,8 @@ class MissReason(str, enum.Enum):
     STORE_ERROR = "store_error"
     TIMEOUT = "timeout"
     ENCODER_FAILED = "encoder_failed"
+    #: no encoder worker is alive (scaled to zero, or all gone): encoded here, not waited for
+    NO_ENCODER = "no_encoder"
     #: the item's identifier cannot be an object key (vLLM connector: never looked up)
     BAD_IDENTIFIER = "bad_identifier"
 

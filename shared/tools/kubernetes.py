@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from shared import config, protocol
+from shared import config, metrics, protocol
 from shared.protocol import Subjects, WorkQueue
 from shared.topology import TOPOLOGIES, Service, Topology
 
@@ -82,11 +82,11 @@ PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 KEDA_NAMESPACE = "keda"
 PROMETHEUS_NAMESPACE = "monitoring"
 
-# The cost signal the API exports on /metrics (shared.metrics; every API replica exports the same
-# figure, so the query takes the max): seconds of queued work per role (queued jobs of the role's
-# queue, shared and routed consumers, x the live cost of a job), and the jobs themselves.
-PENDING_WORK_METRIC = "epd:pending_work_seconds"
-QUEUE_LAG_METRIC = "epd:queue_lag_jobs"
+# The cost signal the API exports on /metrics (services.api.scaling; every API replica exports the
+# same figure, so the query takes the max): seconds of queued work per role (queued jobs of the
+# role's queue, shared and routed consumers, x the live cost of a job), and the jobs themselves.
+PENDING_WORK_METRIC = metrics.PENDING_WORK_METRIC
+QUEUE_LAG_METRIC = metrics.QUEUE_LAG_METRIC
 
 #: The work queue and durable consumer each worker service pulls from (shared.jetstream binds them).
 #: A generating worker's own routed consumer (``prefill-routed-<token>``) is no KEDA target: the
