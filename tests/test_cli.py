@@ -438,3 +438,28 @@ def test_epd_prints_no_progress_bar_when_its_output_is_not_a_terminal(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "\r" not in done.stdout + done.stderr and "Writing model shards" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.startswith("wrote qwen2_vl/tiny (seed 0) to "), done.stdout
+
+
+def test_the_cli_starts_from_an_installed_copy_without_the_checkout(tmp_path):
+    """An image runs `epd` (its healthchecks: `epd healthcheck`) from site-packages, where there is
+    no pyproject.toml: every subcommand's module must import there (a renderer reading the
+    checkout's pyproject.toml at import once made every container's healthcheck fail)."""
+    import importlib.metadata
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    for package in ("shared", "services"):
+        skip = shutil.ignore_patterns("__pycache__", "*.safetensors")
+        shutil.copytree(root / package, tmp_path / package, ignore=skip)
+    assert not (tmp_path / "pyproject.toml").exists()
+    code = "import shared.tools.cli as c, shared.tools.kubernetes as k; c.build_parser(); print(k.VERSION)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == importlib.metadata.version("epd-serve")

@@ -28,6 +28,7 @@ of these folders whose ScaledObjects carry the plan's replica bounds and thresho
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 import sys
@@ -44,7 +45,18 @@ from shared.topology import TOPOLOGIES, Service, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = Path("deploy/kubernetes")
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _version() -> str:
+    """The image tag's version: the checkout's pyproject.toml (the manifests are rendered from a
+    checkout), else the installed package's (an image runs ``epd`` without the checkout)."""
+    pyproject = ROOT / "pyproject.toml"
+    if pyproject.is_file():
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+    return importlib.metadata.version("epd-serve")
+
+
+VERSION = _version()
 
 ACCELERATORS = ("cpu", "gpu")
 #: The image of each accelerator: the Dockerfile's target ``cpu`` / ``gpu`` (docker-compose.yml's tags).
