@@ -10,12 +10,14 @@ import os
 import time
 from typing import Any, ClassVar
 
+import msgspec
 import pytest
 
+from services.api.service import WorkerView
 from shared import metrics, protocol
 from shared.config import EncoderSettings, PrefillSettings, WorkerSettings
 from shared.jetstream import JetStreamPublisher, connect
-from shared.protocol import EncodeJob, GenerationJob, ImageRef, SamplingSpec, Subjects
+from shared.protocol import EncodeJob, GenerationJob, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.routing import CLAIM_FALLBACK, RoutingClaims
 from shared.topology import Role, Service
 from shared.worker import Delivery, Handler, WorkerContext, WorkerRunner
@@ -235,3 +237,22 @@ def test_a_stopping_worker_sends_its_routed_jobs_to_the_shared_queue(nats_server
             await nc.close()
 
     asyncio.run(scenario())
+
+
+def test_a_draining_worker_leaves_the_health_count_at_once() -> None:
+    """``/health`` counts the workers that take work: a stopping worker's "draining" beat takes it
+    out (not ``EPD_WORKER_STALE_S`` after its last beat); its earlier beat counted."""
+    view = WorkerView(stale_s=10.0)
+    beat = WorkerHeartbeat(
+        role="encoder",
+        worker_id="e1",
+        fingerprint="fp",
+        model="m",
+        engine="transformers",
+        in_flight=0,
+        sent_at=time.time(),
+    )
+    view.update(beat)
+    assert [hb.worker_id for hb in view.live()["encoder"]] == ["e1"]
+    view.update(msgspec.structs.replace(beat, draining=True, sent_at=time.time()))
+    assert view.live() == {}

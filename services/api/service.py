@@ -59,7 +59,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerView:
-    """Live workers seen through their heartbeats."""
+    """Live workers seen through their heartbeats (``/health``): a beat within ``stale_s``, and
+    not draining (a stopping worker takes no new work: it leaves the count at its first
+    "draining" beat, not ``stale_s`` after its last one)."""
 
     stale_s: float
     seen: dict[tuple[str, str], WorkerHeartbeat] = field(default_factory=dict)
@@ -71,7 +73,7 @@ class WorkerView:
         now = time.time()
         out: dict[str, list[WorkerHeartbeat]] = {}
         for (role, _), hb in list(self.seen.items()):
-            if now - hb.sent_at <= self.stale_s:
+            if now - hb.sent_at <= self.stale_s and not hb.draining:
                 out.setdefault(role, []).append(hb)
         return out
 
