@@ -15,6 +15,7 @@ each argument to the group that owns it; the rest comes from the environment.
 from __future__ import annotations
 
 import socket
+import ssl
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -108,6 +109,14 @@ class NatsSettings(SettingsGroup):
     """NATS user name (unset: no authentication)."""
     nats_password: SecretStr | None = None
     """NATS password (never logged)."""
+    nats_tls_ca: Path | None = None
+    """CA certificate file the NATS servers' certificates are verified against: TLS on the
+    connection (`epd certs` writes a development one; unset: plaintext, or the system CAs for a
+    `tls://` URL)."""
+    nats_tls_cert: Path | None = None
+    """Client certificate file presented to NATS (mutual TLS; with `EPD_NATS_TLS_KEY`)."""
+    nats_tls_key: Path | None = None
+    """The client certificate's private key file."""
     subject_prefix: str = "epd"
     """Prefix of every subject and stream (one per deployment)."""
     stream_max_age_s: float = Field(24 * 3600, gt=0, description="how long streams keep messages (replay window)")
@@ -139,6 +148,23 @@ class NatsSettings(SettingsGroup):
     again. A publish that is not safe to repeat waits 5 s, once."""
 
     _check_prefix = field_validator("subject_prefix")(no_separators)
+
+    @model_validator(mode="after")
+    def _client_cert_and_key(self) -> NatsSettings:
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("EPD_NATS_TLS_CERT and EPD_NATS_TLS_KEY go together (a client certificate and its key)")
+        return self
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context of a connection to NATS (None: plaintext): the server verified against
+        ``nats_tls_ca`` (the system CAs for a ``tls://`` URL without one), the client certificate
+        presented when set."""
+        if self.nats_tls_ca is None and self.nats_tls_cert is None and "tls://" not in self.nats_url:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.nats_tls_ca) if self.nats_tls_ca else None)
+        if self.nats_tls_cert is not None and self.nats_tls_key is not None:
+            ctx.load_cert_chain(str(self.nats_tls_cert), str(self.nats_tls_key))
+        return ctx
 
 
 class StoreSettings(SettingsGroup):

@@ -17,6 +17,7 @@ import contextvars
 import functools
 import logging
 import re
+import ssl
 import time
 import types
 import uuid
@@ -179,6 +180,12 @@ async def connect(settings: NatsSettings, *, name: str, connect_timeout: float =
         "max_outstanding_pings": settings.nats_max_outstanding_pings,
         **connection_log.callbacks(),
     }
+    try:
+        tls = settings.tls_context()
+    except (OSError, ssl.SSLError) as exc:  # a missing or unreadable CA / certificate file
+        raise ServiceUnavailable(f"cannot set up TLS to NATS: {type(exc).__name__}: {exc}") from exc
+    if tls is not None:
+        kwargs["tls"] = tls
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
         kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""

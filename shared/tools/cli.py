@@ -540,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.tools import config_docs
 
     config_docs.add_parser(sub)  # epd config docs [--check]
+    from shared.tools import certs
+
+    certs.add_parser(sub)  # epd certs DIR
     from shared.tools import kubernetes
 
     kubernetes.add_parser(sub)  # epd kube render [--check]
