@@ -829,7 +829,7 @@ class WorkerHeartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     #: :data:`ADVERTISED_HASH_CHARS` characters (feature cache; a vLLM engine's recent items)
     items: tuple[str, ...] = ()
     #: stopping (SIGTERM): finishes what it runs, takes nothing new - no routed job is sent to it,
-    #: and a draining encoder counts as gone (a generating worker steals its queue's items)
+    #: and a draining encoder with no job left counts as gone (a generating worker encodes its queue's items)
     draining: bool = False
 
 

@@ -54,7 +54,7 @@ The runner:
   it now, not after the ack wait); hand back the jobs held but not started (``Delivery.start``:
   waiting for an engine slot, an encoder's pixels or their inputs) and move the jobs routed to
   this worker to the shared queue; heartbeats say "draining" (no new route, and a draining encoder
-  counts as gone); finish the started jobs (up to ``EPD_DRAIN_S``), close.
+  counts as gone once it has no job left); finish the started jobs (up to ``EPD_DRAIN_S``), close.
 
 **Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
 runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room

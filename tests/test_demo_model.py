@@ -344,8 +344,10 @@ def test_an_encoder_killed_holding_the_job_is_replaced_and_the_answer_stays_righ
     thread.start()
     wait_for(lambda: "fault injection" in slow.log_path.read_text(), 120, "the slow encoder to hold the job")
     assert thread.is_alive()  # the request is waiting on the encode the killed worker holds
-    slow.stop(signal.SIGKILL)
+    # the replacement first: with no encoder alive the worker would encode the image itself at once
+    # (encoders scaled to zero, issue 44) - the redelivery is what is under test here
     fresh = stack.add("encoder", index=11)
+    slow.stop(signal.SIGKILL)
     thread.join(timeout=300)
     assert not thread.is_alive(), "the request did not complete after the encoder was replaced"
     assert case.correct(result["reply"]), result

@@ -82,15 +82,19 @@ def test_the_encoders_are_the_bound_when_every_live_one_is_full_or_none_is_alive
 
 
 def test_a_draining_encoder_counts_as_gone_and_with_none_alive_steals_are_not_limited() -> None:
-    """Encoders scaled to zero (issue 44): an encoder's "draining" beat takes it out of the fleet at
-    once (not a stale period later), and with no encoder alive every waiting item may be stolen -
+    """Encoders scaled to zero (issue 44): an encoder's "draining" beat with no job left takes it out
+    of the fleet at once (not a stale period later; one still finishing a job counts as full), and
+    with no encoder alive every waiting item may be stolen -
     the ``EPD_ENCODE_STEALS`` limit would queue each image request behind the others' encodes."""
     now = [100.0]
     fleet = EncoderFleet("fp", stale_s=6.0, clock=lambda: now[0])
     fleet.listening_since = now[0] - 10
     fleet.beat(_beat("e1", 16, 5))
     assert not fleet.bound() and not fleet.none_alive()
-    fleet.beat(msgspec.structs.replace(_beat("e1", 16, 5), draining=True))
+    # draining, still finishing a job it started: alive, and full (takes nothing from the queue)
+    fleet.beat(msgspec.structs.replace(_beat("e1", 16, 5), draining=True, in_flight=1))
+    assert fleet.bound() and not fleet.none_alive()
+    fleet.beat(msgspec.structs.replace(_beat("e1", 16, 5), draining=True, in_flight=0))  # done: gone
     assert fleet.none_alive() and fleet.bound()
     fleet.beat(_beat("e2", 16, 0))  # another one comes back (full): bound, but alive
     assert fleet.bound() and not fleet.none_alive()

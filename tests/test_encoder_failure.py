@@ -43,8 +43,10 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(api_tokens, running, TEXT, [image], timeout=600)
             _wait_for_log(slow, "fault injection", timeout=120)  # the slow encoder holds the job
-            slow.stop(sig=signal.SIGKILL)
+            # the replacement first: with no encoder alive the prefill worker would encode the image
+            # itself at once (encoders scaled to zero, issue 44) - the redelivery is under test here
             fast = stack.add("encoder", index=1, extra_env={ENCODE_DELAY_ENV: "0"})
+            slow.stop(sig=signal.SIGKILL)
             tokens, body = future.result(timeout=600)
         assert tokens == reference_tokens(reference_engine, TEXT, [image])
 

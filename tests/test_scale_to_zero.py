@@ -10,7 +10,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import nats
 
 from services.prefill.features import EncoderFleet, EncoderWait
@@ -27,14 +26,14 @@ TEXT = "Describe the image."
 EC_WAIT_S = 120
 
 
-def _beat(worker: str, *, draining: bool = False) -> WorkerHeartbeat:
+def _beat(worker: str, *, draining: bool = False, in_flight: int = 0) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         role="encoder",
         worker_id=worker,
         fingerprint="fp",
         model="m",
         engine="transformers",
-        in_flight=0,
+        in_flight=in_flight,
         sent_at=time.time(),
         slots=4,
         free_slots=4,
@@ -44,8 +43,9 @@ def _beat(worker: str, *, draining: bool = False) -> WorkerHeartbeat:
 
 def test_a_job_stops_waiting_once_no_encoder_is_alive(nats_server) -> None:
     """Without steals (``EPD_ENCODE_STEALS=0``): a job waiting for an encoder gives up at once
-    when the encoders' heartbeats say none is alive (an encoder's "draining" beat included), and
-    waits as before while one is (negative control: it waits out ``wait_s``)."""
+    when the encoders' heartbeats say none is alive (a draining encoder done with its jobs
+    included), and waits as before while one is - also a draining one still finishing what it
+    started (negative controls: it waits out ``wait_s``)."""
     subjects = Subjects(f"zero{uuid.uuid4().hex[:8]}")
     ref = ImageRef(item_hash="1" * 64, media_key="m", width=8, height=8, encode_queued=True)
 
@@ -61,7 +61,10 @@ def test_a_job_stops_waiting_once_no_encoder_is_alive(nats_server) -> None:
                 started = time.monotonic()
                 assert await wait.wait(sub, ref) is MissReason.TIMEOUT  # e1 alive: waited for it
                 assert time.monotonic() - started >= 1.4
-                fleet.beat(msgspec.structs.replace(_beat("e1"), draining=True))
+                # draining but still finishing a job it started (the waited-for item may be it): alive
+                fleet.beat(_beat("e1", draining=True, in_flight=1))
+                assert await wait.wait(sub, ref) is MissReason.TIMEOUT
+                fleet.beat(_beat("e1", draining=True))  # done: gone
                 started = time.monotonic()
                 assert await wait.wait(sub, ref) is MissReason.NO_ENCODER
                 assert time.monotonic() - started < 1.0

@@ -266,10 +266,11 @@ class EncoderFleet:
     def beat(self, hb: WorkerHeartbeat) -> None:
         if hb.fingerprint != self.fingerprint:
             return
-        if hb.draining:  # stopping: it takes no job of the queue any more
+        if hb.draining and hb.in_flight <= 0:  # stopping, and done: it takes no job of the queue any more
             self._beats.pop(hb.worker_id, None)
             return
-        self._beats[hb.worker_id] = (hb.slots > 0 and hb.free_slots <= 0, self.clock())
+        # (a draining one still finishing the jobs it started counts, as full: a waiter's item may be one)
+        self._beats[hb.worker_id] = (hb.draining or (hb.slots > 0 and hb.free_slots <= 0), self.clock())
 
     def none_alive(self) -> bool:
         """No encoder is alive (and this worker has listened long enough to tell): every queued
