@@ -674,6 +674,14 @@ class PrefillSettings(WorkerSettings):
         "the worker's own engine encodes it, stores it and announces it (0: off; roles pd and "
         "prefill; docs/architecture.md, encode stealing)",
     )
+    no_encoder_after_s: float = Field(
+        6.0,
+        gt=0,
+        description="with no encoder heartbeat for this long (one crashed or stalled; or none running), "
+        "a job waiting for an encoder stops waiting and this worker encodes the image itself (an "
+        "encoder stopped on purpose counts as gone at once; roles pd and prefill; encoders scaled to "
+        "zero: docs/kubernetes.md)",
+    )
     encode_steal_after_s: float = Field(
         0.2,
         ge=0,

@@ -142,7 +142,14 @@ def epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         # waiting for features (test_metrics) and count what the encoder produced (test_e2e_epd);
         # the default is the other stacks' (test_demo_model's on every topology and engine,
         # test_routing's, test_epd_up's, the vLLM stacks).
-        service_env={"prefill": {"EPD_METRICS_PORT": str(metrics_port), "EPD_ENCODE_STEALS": "0"}},
+        # and with the encoder paused, the worker keeps waiting for it (no encoder-less shortcut)
+        service_env={
+            "prefill": {
+                "EPD_METRICS_PORT": str(metrics_port),
+                "EPD_ENCODE_STEALS": "0",
+                "EPD_NO_ENCODER_AFTER_S": "300",
+            }
+        },
         EPD_MAX_IMAGES_PER_REQUEST="2",
         EPD_MAX_IMAGE_BYTES=str(512 * 1024),
     )
@@ -196,6 +203,7 @@ def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         EPD_MAX_IMAGE_BYTES=str(512 * 1024),
         EPD_ACK_WAIT_S="15",
         EPD_ENCODE_STEALS="0",  # as epd_stack: test_vllm_metrics pauses the encoder to hold a request
+        EPD_NO_ENCODER_AFTER_S="300",  # ... and the worker keeps waiting for the paused encoder
     )
     try:
         yield running

@@ -281,6 +281,7 @@ def _pd_without_encoder(nats_server, s3_server, model_dir, log_dir, **env):
         EPD_MAX_CONCURRENT_JOBS="1",
         EPD_EC_WAIT_S="300",
         EPD_ENCODE_STEALS="0",  # image jobs wait for the encoder the test starts later, not encode themselves
+        EPD_NO_ENCODER_AFTER_S="300",  # ... also while no encoder runs at all
         EPD_REQUEST_TIMEOUT_S="400",
         **env,
     )

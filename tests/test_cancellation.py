@@ -133,6 +133,7 @@ def e_pd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         EPD_REQUEST_TIMEOUT_S="240",
         # the shared encode job's test pauses the encoder to keep jobs queued: nobody steals them
         EPD_ENCODE_STEALS="0",
+        EPD_NO_ENCODER_AFTER_S="300",  # ... nor encodes them itself while the paused encoder is silent
     )
     running.prefill_metrics_port = port
     try:

@@ -296,3 +296,28 @@ def test_a_killed_stealer_s_item_is_taken_over_once_its_claim_lapses(
         assert [m.producer for m in ready] == [worker_id_of(taker, "prefill")]
     finally:
         stack.stop()
+
+
+def test_a_silent_encoder_is_gone_after_no_encoder_after_s_a_drained_one_at_once() -> None:
+    """``EPD_NO_ENCODER_AFTER_S`` (``absent_s``): an encoder that stops beating (crashed, paused)
+    counts as gone only once no encoder has beaten for that long; one that drained (its last beat
+    says so) at once; a worker that just started waits that long before it calls none alive."""
+    now = [100.0]
+    fleet = EncoderFleet("fp", stale_s=6.0, clock=lambda: now[0], absent_s=30.0)
+    fleet.listening_since = now[0]
+    assert not fleet.none_alive()
+    now[0] += 29.0
+    assert not fleet.none_alive()  # not heard from any yet: 29 s < 30 s
+    now[0] += 1.0
+    assert fleet.none_alive()
+    fleet.beat(_beat("e1", 16, 5))
+    now[0] += 10.0  # e1 silent 10 s: stale, but not absent long enough
+    assert not fleet.none_alive()
+    now[0] += 20.0
+    assert fleet.none_alive()
+    fleet.beat(_beat("e1", 16, 5))  # back
+    assert not fleet.none_alive()
+    fleet.beat(msgspec.structs.replace(_beat("e1", 16, 5), draining=True, in_flight=0))  # drained: gone at once
+    assert fleet.none_alive()
+    fleet.beat(_beat("e2", 16, 5))  # a new one
+    assert not fleet.none_alive()

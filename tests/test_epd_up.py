@@ -639,8 +639,9 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
 
     model = tmp_path / "models" / tiny_model_dir.name  # (the folder's name is the served model's)
     shutil.copytree(tiny_model_dir, model)
-    # the paused encoder must keep the request's encode job: the prefill worker steals none
-    up = EpdUp(tmp_path, "--model", str(model), env={"EPD_ENCODE_STEALS": "0"})
+    # the paused encoder must keep the request's encode job: the prefill worker steals none, and does
+    # not encode the image itself while the paused encoder is silent
+    up = EpdUp(tmp_path, "--model", str(model), env={"EPD_ENCODE_STEALS": "0", "EPD_NO_ENCODER_AFTER_S": "300"})
     try:
         up.wait_ready()
         defaults = ToolSettings.env_fields()

@@ -238,18 +238,32 @@ class EncoderFleet:
     this worker's engine, which E|PD keeps for prefill and decode.
 
     Bound: every live encoder (a beat within ``stale_s``) holds as many jobs as it takes
-    (``free_slots`` 0), or none is alive - once this worker has listened for ``stale_s`` (until
-    then it cannot tell "none" from "not heard yet"). An encoder that says nothing of its slots
-    (an older version) counts as free."""
+    (``free_slots`` 0), or none is alive (:meth:`none_alive`). An encoder that says nothing of its
+    slots (an older version) counts as free.
 
-    def __init__(self, fingerprint: str, stale_s: float, clock: Callable[[], float] = time.monotonic):
+    None alive: the last encoder left deliberately (its "draining" beat with no job left: a
+    scale-down), or no encoder has beaten for ``absent_s`` (``EPD_NO_ENCODER_AFTER_S``; crashed,
+    stalled, or scaled to zero before this worker started - counted from when it began listening:
+    until then it cannot tell "none" from "not heard yet")."""
+
+    def __init__(
+        self,
+        fingerprint: str,
+        stale_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        absent_s: float | None = None,
+    ):
         self.fingerprint = fingerprint
         self.stale_s = stale_s
+        #: how long without any encoder's beat before none is alive (default: ``stale_s``)
+        self.absent_s = stale_s if absent_s is None else absent_s
         self.clock = clock
         #: when :meth:`listen` subscribed to the heartbeats (None: not listening, never bound)
         self.listening_since: float | None = None
         #: worker id -> (full, when its beat came)
         self._beats: dict[str, tuple[bool, float]] = {}
+        #: when an encoder last left by draining (its last beat: no job left)
+        self._drained_at: float | None = None
 
     async def listen(self, ctx: WorkerContext) -> None:
         if ctx.nc is None:
@@ -268,19 +282,24 @@ class EncoderFleet:
             return
         if hb.draining and hb.in_flight <= 0:  # stopping, and done: it takes no job of the queue any more
             self._beats.pop(hb.worker_id, None)
+            self._drained_at = self.clock()
             return
         # (a draining one still finishing the jobs it started counts, as full: a waiter's item may be one)
         self._beats[hb.worker_id] = (hb.draining or (hb.slots > 0 and hb.free_slots <= 0), self.clock())
 
     def none_alive(self) -> bool:
-        """No encoder is alive (and this worker has listened long enough to tell): every queued
-        encode waits for a steal, so steals are not limited then (``Stealer.try_steal``)."""
+        """No encoder is alive (the class docstring): every queued encode waits for a generating
+        worker then, so it stops waiting (``EncoderWait``) and steals are not limited
+        (``Stealer.has_room``)."""
         if self.listening_since is None:
             return False
         now = self.clock()
         if any(now - at < self.stale_s for _, at in self._beats.values()):
             return False
-        return now - self.listening_since >= self.stale_s
+        last = max((at for _, at in self._beats.values()), default=self.listening_since)
+        if self._drained_at is not None and self._drained_at >= last:
+            return True  # the last one left deliberately
+        return now - max(last, self.listening_since) >= self.absent_s
 
     def bound(self) -> bool:
         """Whether the encoders are the bound now (the class docstring)."""

@@ -122,7 +122,7 @@ class PrefillHandler(ModelHandler):
         await super().setup(ctx)
         assert self.engine is not None and self.store is not None
         if self.role is not Role.AGG:
-            self.fleet = EncoderFleet(self.fingerprint, ENCODER_STALE_S)
+            self.fleet = EncoderFleet(self.fingerprint, ENCODER_STALE_S, absent_s=self.settings.no_encoder_after_s)
             await self.fleet.listen(ctx)
         self.features = self._feature_source(ctx, await self._stealer(ctx))
         self.handoff = await self._handoff(ctx)
