@@ -341,7 +341,14 @@ def test_an_api_stopping_with_requests_in_flight_answers_them_with_a_json_503(
     from tests.stackutil import start_stack
 
     running = start_stack(
-        nats_server, s3_server, tiny_model_dir, tmp_path, services=["api"], roles={}, EPD_REQUEST_TIMEOUT_S="300"
+        nats_server,
+        s3_server,
+        tiny_model_dir,
+        tmp_path,
+        services=["api"],
+        roles={},
+        EPD_REQUEST_TIMEOUT_S="300",
+        EPD_DRAIN_S="8",  # the API's drain: the 503s come 2 s before its end (the default 60 s is slow here)
     )
     body = {"model": "qwen2-vl-tiny", "messages": [user_message("hi", [])], "max_tokens": 4}
     out: dict[str, object] = {}

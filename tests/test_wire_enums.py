@@ -125,6 +125,7 @@ EXPECTED_OLD: dict[type[enum.Enum], set[str]] = {
         "store_error",
         "timeout",
         "encoder_failed",
+        "no_encoder",
         "bad_identifier",
     },
     Source: {"store", "engine_cache", "recomputed"},
