@@ -297,6 +297,7 @@ def faulty_stack(nats_server, s3_server, tmp_path_factory):
         EPD_ACK_WAIT_S="10",  # the killed encoder's job is redelivered within it
         EPD_EC_WAIT_S="120",  # ... well before the worker would encode the image itself
         EPD_ENCODE_STEALS="0",  # ... nor steal it: the encoder's own path is under test here
+        EPD_NO_ENCODER_AFTER_S="300",  # ... nor encode it itself while no encoder beats (one loading)
         **demo_stack_env("transformers", work),
     )
     try:
@@ -334,6 +335,13 @@ def test_an_encoder_killed_holding_the_job_is_replaced_and_the_answer_stays_righ
     for proc in [p for p in stack.processes if p.name == "encoder" and p.alive()]:
         proc.stop(signal.SIGTERM)
     slow = stack.add("encoder", index=10, extra_env={fault_workers.ENCODE_DELAY_ENV: "600"})
+    # the slow one beats before the request: with no encoder alive (the others drained) the worker
+    # would encode the image itself at once (encoders scaled to zero, issue 44)
+    wait_for(
+        lambda: httpx.get(f"{faulty_stack.url}/health", timeout=10).json()["workers"].get("encoder") == 1,
+        120,
+        "the slow encoder's heartbeat",
+    )
     case = make_case(Template.SHAPE, 7)
     result: dict = {}
 

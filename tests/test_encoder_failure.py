@@ -34,6 +34,7 @@ def test_killed_encoder_job_is_redelivered(nats_server, s3_server, tiny_model_di
         EPD_MAX_DELIVER="10",
         EPD_EC_WAIT_S="300",
         EPD_ENCODE_STEALS="0",  # the encoder's redelivery under test: the prefill worker does not take its job
+        EPD_NO_ENCODER_AFTER_S="300",  # ... nor encode it itself while no encoder beats (the new one loading)
     )
     stack = running.stack
     try:
