@@ -226,6 +226,16 @@ class WorkQueue(enum.StrEnum):
     DECODE = "decode"
 
 
+#: The work queue and shared durable consumer of each worker service, by its ``Service`` value:
+#: what the API's scaling signal polls and the Kubernetes KEDA triggers name (a generating worker's
+#: own routed consumers, ``CONSUMER_ROUTED_PREFIX``, come on top in the queue ``generate``).
+WORK_CONSUMERS: dict[str, tuple[WorkQueue, str]] = {
+    "encoder": (WorkQueue.ENCODE, CONSUMER_ENCODER),
+    "prefill": (WorkQueue.GENERATE, CONSUMER_PREFILL),
+    "decode": (WorkQueue.DECODE, CONSUMER_DECODE),
+}
+
+
 class RouteReason(enum.StrEnum):
     """Why the API sent a generation job where it did: the ``reason`` label of
     ``epd:routing_decisions_total`` and ``GenerationJob.route_reason`` (``shared.routing``)."""

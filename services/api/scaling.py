@@ -41,11 +41,7 @@ COST_WINDOW = 64
 DEFAULT_JOB_COST_S = 1.0
 
 #: The roles scaled, their work queue and shared consumer.
-ROLES: dict[Service, tuple[WorkQueue, str]] = {
-    Service.ENCODER: (WorkQueue.ENCODE, protocol.CONSUMER_ENCODER),
-    Service.PREFILL: (WorkQueue.GENERATE, protocol.CONSUMER_PREFILL),
-    Service.DECODE: (WorkQueue.DECODE, protocol.CONSUMER_DECODE),
-}
+ROLES: dict[Service, tuple[WorkQueue, str]] = {Service(name): work for name, work in protocol.WORK_CONSUMERS.items()}
 
 
 class JobCosts:

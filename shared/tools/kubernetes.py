@@ -103,11 +103,7 @@ QUEUE_LAG_METRIC = metrics.QUEUE_LAG_METRIC
 #: The work queue and durable consumer each worker service pulls from (shared.jetstream binds them).
 #: A generating worker's own routed consumer (``prefill-routed-<token>``) is no KEDA target: the
 #: cost signal counts its jobs.
-WORK: dict[Service, tuple[WorkQueue, str]] = {
-    Service.ENCODER: (WorkQueue.ENCODE, protocol.CONSUMER_ENCODER),
-    Service.PREFILL: (WorkQueue.GENERATE, protocol.CONSUMER_PREFILL),
-    Service.DECODE: (WorkQueue.DECODE, protocol.CONSUMER_DECODE),
-}
+WORK: dict[Service, tuple[WorkQueue, str]] = {Service(name): work for name, work in protocol.WORK_CONSUMERS.items()}
 
 # -- the settings: ConfigMap and Secret -----------------------------------------------------------
 #: Credentials: the Secret's keys. The ``SecretStr`` settings plus the API keys and the account names
