@@ -6,12 +6,19 @@ The model (docs/benchmarking.md, "epd plan: sizing", explains it for users):
 * Each role is a queue with ``c`` workers; one worker serves one job at a time for the job's
   service time (the measured stage cost, which already contains whatever batching or core sharing
   the measured run had). Arrivals are Poisson.
-* Service times per job: encoder = encode + storing the EC object, per *cold* image (one encode
-  job per distinct image not stored yet: ``images x (1 - text-only share) x (1 - repeat share)``
-  per request); prefill = loading each image's features (cold or not; not the wait for the
-  encoder, which is the encoder's time) + prefill (+ the KV hand-off in E|P|D);
-  decode = decode seconds per output token x output tokens; PD (E|PD) = prefill + decode on one
-  worker; agg = everything on one worker.
+* Service times per job: encoder = encode + storing the EC object, per *cold* item (one encode
+  job per distinct image or video clip not stored yet). Images and clips are two kinds of item,
+  each with its own measured cost (a clip's encode is tens of frames'): per request,
+  ``images x (1 - text-only share) x (1 - video share) x (1 - repeat share)`` cold images and
+  ``(1 - text-only share) x video share x (1 - video repeat share)`` cold clips (as
+  ``workload.iter_plan`` draws them; the later turns of a conversation bring none). The encoder's
+  service time is the mean over its jobs of both kinds. prefill = loading each item's features
+  (cold or not, at the kind's load cost; not the wait for the encoder, which is the encoder's
+  time) + prefill (+ the KV hand-off in E|P|D); decode = decode seconds per output token x output
+  tokens; PD (E|PD) = prefill + decode on one worker; agg = everything on one worker.
+* A mix with a kind of item the costs have no figure for (cold clips, but no measured or given
+  per-clip encode; clips at all, but no per-clip EC load) is refused (:class:`PlanError`, exit 2),
+  never planned as if that kind cost nothing.
 * Utilisation ``rho = lambda x S / c``; the count is the smallest ``c`` (at least 1) with
   ``rho <= target`` (default 0.8, headroom for bursts: waits grow as 1 / (1 - rho)).
 * With an SLO, each bound is shared among the roles on its path in proportion to their service
@@ -23,7 +30,8 @@ The model (docs/benchmarking.md, "epd plan: sizing", explains it for users):
 Measured costs come from a bench result against epd-serve (the per-request stage seconds from the
 timelines, :data:`ENCODER_STAGES` etc.), from the timelines of the last N minutes read from the
 streams (``--from-streams``, through ``shared.history`` and ``shared.timeline``, parsed like the
-bench runner does), or from ``--costs``. ``--validate`` starts the plan's topology scaled down on
+bench runner does; a request's images and clips counted from its record's media refs, as the
+stream summary counts both as images), or from ``--costs``. ``--validate`` starts the plan's topology scaled down on
 this machine and runs the workload (:func:`validate`). Exit codes: 0 a plan (and, with
 ``--validate``, the SLO held); 1 the SLO cannot be met (or failed validation); 2 bad input.
 """
@@ -38,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.protocol import StageName
+from shared.protocol import MediaKind, StageName
 from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec
 
 EXIT_SLO = 1
@@ -81,7 +89,9 @@ class PlanError(Exception):
 @dataclass(frozen=True)
 class StageCosts:
     """Seconds of worker time: encode per cold image, prefill per request, decode per output
-    token, loading features on the prefill side per image, the KV hand-off per request."""
+    token, loading features on the prefill side per image, the KV hand-off per request; and the
+    same two per video clip (encode, EC load): None where not measured or given (a mix with clips
+    then cannot be planned: :func:`check_costs`)."""
 
     encode_s: float
     prefill_s: float
@@ -89,20 +99,34 @@ class StageCosts:
     handoff_s: float = 0.0
     ec_load_s: float = 0.0
     source: str = "given"
+    video_encode_s: float | None = None
+    video_ec_load_s: float | None = None
 
 
 @dataclass(frozen=True)
 class Mix:
     """The workload, per request on average: images that need an encode, output tokens, and all
-    images (cold or not: each is loaded by the prefill side; None: as many as cold ones)."""
+    images (cold or not: each is loaded by the prefill side; None: as many as cold ones); video
+    clips likewise (cold ones and all of them)."""
 
     cold_images: float
     output_tokens: float
     images: float | None = None
+    cold_videos: float = 0.0
+    videos: float | None = None
 
     @property
     def all_images(self) -> float:
         return self.cold_images if self.images is None else self.images
+
+    @property
+    def all_videos(self) -> float:
+        return self.cold_videos if self.videos is None else self.videos
+
+    @property
+    def cold_items(self) -> float:
+        """Encode jobs per request: cold images and cold clips."""
+        return self.cold_images + self.cold_videos
 
 
 def mix_from_spec(
@@ -112,28 +136,44 @@ def mix_from_spec(
     repeat_share: float | None = None,
     text_only_share: float | None = None,
     output_tokens: float | None = None,
+    video_share: float | None = None,
+    video_repeat_share: float | None = None,
 ) -> Mix:
-    """Cold images per request = mean images per image request x (1 - text-only share) x (1 - repeat
-    share) (divided among a conversation's turns, which all carry the images); output tokens = the
-    mean of the spec's uniform range. Keyword arguments override the spec's fields."""
+    """The mix ``workload.iter_plan`` draws from ``spec``, per request. A conversation is text-only
+    (text-only share), else one video clip (video share of those) or images: cold images = mean
+    images per image request x (1 - text-only share) x (1 - video share) x (1 - repeat share),
+    cold clips = (1 - text-only share) x video share x (1 - video repeat share) (the first clip or
+    image of a run is always new: ignored), both divided among a conversation's turns, which all
+    carry its images or clip; output tokens = the mean of the spec's uniform range. Keyword
+    arguments override the spec's fields."""
     if images is None:
         total = sum(spec.images_per_request.values())
         images = sum(k * w for k, w in spec.images_per_request.items()) / total if total > 0 else 0.0
     rs = spec.repeat_share if repeat_share is None else repeat_share
     ts = spec.text_only_share if text_only_share is None else text_only_share
+    vs = spec.video_share if video_share is None else video_share
+    vrs = spec.video_repeat_share if video_repeat_share is None else video_repeat_share
     out = (spec.output_tokens[0] + spec.output_tokens[1]) / 2 if output_tokens is None else output_tokens
-    for name, share in (("repeat share", rs), ("text-only share", ts)):
+    for name, share in (
+        ("repeat share", rs),
+        ("text-only share", ts),
+        ("video share", vs),
+        ("video repeat share", vrs),
+    ):
         if not 0.0 <= share <= 1.0:
             raise PlanError(f"{name} {share:g} is not in [0, 1]")
     if images < 0 or out < 0:
         raise PlanError("images and output tokens must be >= 0")
     # A conversation is one text-only request, or ``turns`` requests of which only the first can
-    # bring new images (the later turns ask about the same ones).
+    # bring new images or a new clip (the later turns ask about the same ones).
+    # (The factors in this order: with no videos, the figures are bit for bit the ones from before.)
     requests_per_conversation = ts + (1.0 - ts) * spec.turns
     return Mix(
-        cold_images=images * (1.0 - ts) * (1.0 - rs) / requests_per_conversation,
+        cold_images=images * (1.0 - ts) * (1.0 - vs) * (1.0 - rs) / requests_per_conversation,
         output_tokens=out,
-        images=images * (1.0 - ts) * spec.turns / requests_per_conversation,
+        images=images * (1.0 - ts) * (1.0 - vs) * spec.turns / requests_per_conversation,
+        cold_videos=(1.0 - ts) * vs * (1.0 - vrs) / requests_per_conversation,
+        videos=(1.0 - ts) * vs * spec.turns / requests_per_conversation or None,
     )
 
 
@@ -141,57 +181,90 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def costs_from_records(records: list[RequestRecord], source: str = "records") -> StageCosts:
-    """Stage costs from completed requests' timeline stages (epd-serve results).
-
-    encode: (encode + EC stored) / images over the requests that encoded (on an agg result: the
-    in-process encode), from single-image requests when there are any. prefill: the mean prefill
-    stage. EC load per image: the loads (store or local cache) of requests that encoded nothing
-    (a load of a fresh image includes waiting for its encoder, which is the encoder's time);
-    without such requests, the loads minus the encoder-side stages they waited for. decode: total
-    decode seconds / total output tokens. KV hand-off: mean over the requests that had one (E|P|D).
-    Requests whose features were recomputed (they waited ``EPD_EC_WAIT_S`` first) are left out of
-    the EC load.
-    """
-    done = [r for r in records if r.ok and r.stages]
-    if not done:
-        raise PlanError(f"{source}: no completed request with stage timings (was it run against epd-serve?)")
+def _item_costs(done: list[RequestRecord], items: Any) -> tuple[float, float, float, float]:
+    """(encode seconds, items encoded, EC load seconds, items loaded) of the requests ``items``
+    (a request -> its items of one kind, 0 for a request that has none or other kinds too) counts:
+    see :func:`costs_from_records`."""
     encoded = [
-        (sum(r.stages.get(s, 0.0) for s in ENCODER_STAGES) + r.stages.get(IN_PROCESS_ENCODE, 0.0), r.images)
+        (sum(r.stages.get(s, 0.0) for s in ENCODER_STAGES) + r.stages.get(IN_PROCESS_ENCODE, 0.0), items(r))
         for r in done
-        if r.images > 0
+        if items(r) > 0
     ]
     encoded = [(s, n) for s, n in encoded if s > 0]
-    # A stage's seconds are the union of its spans (runner.parse_timeline): the images of one
-    # request encoded in parallel overlap, so single-image requests give the per-image cost.
+    # A stage's seconds are the union of its spans (runner.parse_timeline): the items of one
+    # request encoded in parallel overlap, so single-item requests give the per-item cost.
     single = [(s, n) for s, n in encoded if n == 1]
     enc_s, enc_n = sum(s for s, _ in single or encoded), sum(n for _, n in single or encoded)
-    prefills = [r.stages[PREFILL_STAGE] for r in done if PREFILL_STAGE in r.stages]
     loading = [
         r
         for r in done
-        if r.images > 0 and any(s in r.stages for s in LOAD_STAGES) and StageName.EC_RECOMPUTED not in r.stages
+        if items(r) > 0 and any(s in r.stages for s in LOAD_STAGES) and StageName.EC_RECOMPUTED not in r.stages
     ]
     pure = [r for r in loading if not any(s in r.stages for s in ENCODE_WAIT_STAGES)]
     loads = [
         (
             sum(r.stages.get(s, 0.0) for s in LOAD_STAGES)
             - (0.0 if pure else sum(r.stages.get(s, 0.0) for s in ENCODE_WAIT_STAGES)),
-            r.images,
+            items(r),
         )
         for r in pure or loading
     ]
-    load_n = sum(n for _, n in loads)
+    return enc_s, enc_n, sum(max(0.0, s) for s, _ in loads), sum(n for _, n in loads)
+
+
+def _images_only(r: RequestRecord) -> int:
+    return r.images if not r.videos else 0
+
+
+def _videos_only(r: RequestRecord) -> int:
+    return r.videos if not r.images else 0
+
+
+def costs_from_records(records: list[RequestRecord], source: str = "records") -> StageCosts:
+    """Stage costs from completed requests' timeline stages (epd-serve results).
+
+    Per kind of item (images; video clips, ``RequestRecord.videos``), over the requests that
+    carried only that kind (a request with both images and clips is left out of both kinds'
+    encode and EC load: its stages cannot be split between them; the bench workload never sends
+    one): encode = (encode + EC stored) / items over the requests that encoded (on an agg result:
+    the in-process encode), from single-item requests when there are any. EC load per item: the
+    loads (store or local cache) of requests that encoded nothing (a load of a fresh item includes
+    waiting for its encoder, which is the encoder's time); without such requests, the loads minus
+    the encoder-side stages they waited for. Requests whose features were recomputed (they waited
+    ``EPD_EC_WAIT_S`` first) are left out of the EC load. Without any clip request the video costs
+    are None (not measured), and without an encoded clip the per-clip encode is; an image cost not
+    measured is 0, as it always was. A clip encoded in segments (``EPD_VIDEO_SEGMENT_FRAMES``) on
+    several encoders at once counts the union of its segments' spans, less than the encoders' busy
+    time: measure clips of one segment, or with one encoder, for an exact figure.
+
+    prefill: the mean prefill stage (of every request, whatever it carried). decode: total decode
+    seconds / total output tokens. KV hand-off: mean over the requests that had one (E|P|D).
+    """
+    done = [r for r in records if r.ok and r.stages]
+    if not done:
+        raise PlanError(f"{source}: no completed request with stage timings (was it run against epd-serve?)")
+    enc_s, enc_n, load_s, load_n = _item_costs(done, _images_only)
+    v_enc_s, v_enc_n, v_load_s, v_load_n = _item_costs(done, _videos_only)
+    clips = sum(1 for r in done if _videos_only(r) > 0)
+    mixed = sum(1 for r in done if r.images and r.videos)
+    prefills = [r.stages[PREFILL_STAGE] for r in done if PREFILL_STAGE in r.stages]
     dec = [(r.stages[DECODE_STAGE], r.output_tokens) for r in done if DECODE_STAGE in r.stages and r.output_tokens]
     if not prefills or not dec:
         raise PlanError(f"{source}: the timelines have no prefill or decode stage")
+    what = f"{int(enc_n)} encoded images"
+    if clips or mixed:
+        what += f", {int(v_enc_n)} encoded video clips"
+    if mixed:
+        what += f"; {mixed} with both left out of the per-item costs"
     return StageCosts(
         encode_s=enc_s / enc_n if enc_n else 0.0,
         prefill_s=_mean(prefills) or 0.0,
         decode_s_per_token=sum(s for s, _ in dec) / sum(n for _, n in dec),
         handoff_s=_mean([r.stages[HANDOFF_STAGE] for r in done if HANDOFF_STAGE in r.stages]) or 0.0,
-        ec_load_s=sum(max(0.0, s) for s, _ in loads) / load_n if load_n else 0.0,
-        source=f"{source}: {len(done)} requests ({int(enc_n)} encoded images)",
+        ec_load_s=load_s / load_n if load_n else 0.0,
+        source=f"{source}: {len(done)} requests ({what})",
+        video_encode_s=v_enc_s / v_enc_n if v_enc_n else None,
+        video_ec_load_s=(v_load_s / v_load_n if v_load_n else 0.0) if clips else None,
     )
 
 
@@ -208,23 +281,39 @@ def costs_from_result(result: BenchResult, run_index: int | None = None, source:
 
 
 def mix_from_records(records: list[RequestRecord]) -> Mix:
-    """The observed mix: images of the requests whose timeline has an encode (per request), and
-    the mean output tokens, over the completed requests."""
+    """The observed mix: images and video clips of the requests whose timeline has an encode (per
+    request; all of a request's items count as cold then, as all its images always did), all
+    images and clips, and the mean output tokens, over the completed requests."""
     done = [r for r in records if r.ok]
     if not done:
         raise PlanError("no completed requests")
-    cold = sum(r.images for r in done if any(s in r.stages for s in (*ENCODER_STAGES, IN_PROCESS_ENCODE)))
+    encoded = [r for r in done if any(s in r.stages for s in (*ENCODER_STAGES, IN_PROCESS_ENCODE))]
+    videos = sum(r.videos for r in done)
     return Mix(
-        cold_images=cold / len(done),
+        cold_images=sum(r.images for r in encoded) / len(done),
         output_tokens=sum(r.output_tokens for r in done) / len(done),
         images=sum(r.images for r in done) / len(done),
+        cold_videos=sum(r.videos for r in encoded) / len(done),
+        videos=videos / len(done) if videos else None,
     )
+
+
+def media_counts(case: Any, items: int) -> tuple[int, int]:
+    """(images, video clips) of a ``history.RequestCase`` whose summary counts ``items`` media
+    items: the clips are its record's (else its generation job's) refs of kind video."""
+    record, job = case.record, case.generation_job
+    refs = record.images if record is not None else (job.images if job is not None else ())
+    videos = sum(1 for ref in refs if ref.kind == MediaKind.VIDEO)
+    return max(0, items - videos), videos
 
 
 async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit: int) -> list[RequestRecord]:
     """The completed requests of the last ``since_s`` seconds (newest first, at most ``limit``) as
     bench records, their stages read from the streams the way ``/debug/requests`` and the bench
-    runner read them (``shared.history`` -> ``shared.timeline`` -> ``runner.parse_timeline``)."""
+    runner read them (``shared.history`` -> ``shared.timeline`` -> ``runner.parse_timeline``).
+
+    The summary's ``images`` counts every media item (``ChatRequestRecord.images`` holds a ref per
+    image and per clip): the clips are the refs of kind video (:func:`media_counts`)."""
     from shared import history, timeline
     from shared.tools.bench.runner import parse_timeline
 
@@ -236,11 +325,13 @@ async def records_from_streams(nc: Any, subjects: Any, *, since_s: float, limit:
     for i, summ in enumerate(listed):
         case = await history.find_case(nc, subjects, summ.request_id, reader=reader)
         stages, sources = parse_timeline({"case": case.to_json(), "timeline": timeline.build_timeline(case).to_json()})
+        images, videos = media_counts(case, summ.images)
         records.append(
             RequestRecord(
                 index=i,
-                kind="image" if summ.images else "text",
-                images=summ.images,
+                kind="video" if videos else "image" if images else "text",
+                images=images,
+                videos=videos,
                 sent_at=0.0,
                 ok=True,
                 request_id=summ.request_id,
@@ -302,20 +393,27 @@ def read_streams(since_s: float, limit: int, nats_url: str | None, prefix: str |
 
 
 def parse_costs(text: str) -> StageCosts:
-    """``encode=0.2,prefill=0.3,decode=0.05[,handoff=0.01][,ec_load=0.005]`` (seconds; decode per
-    output token, ec_load per image)."""
+    """``encode=0.2,prefill=0.3,decode=0.05[,handoff=0.01][,ec_load=0.005][,video_encode=1.5]
+    [,video_ec_load=0.05]`` (seconds; decode per output token, ec_load per image, the video ones
+    per clip; video_ec_load is 0 when only video_encode is given, as ec_load is; without either,
+    no video cost: a mix with clips is refused)."""
     keys = {
         "encode": "encode_s",
         "prefill": "prefill_s",
         "decode": "decode_s_per_token",
         "handoff": "handoff_s",
         "ec_load": "ec_load_s",
+        "video_encode": "video_encode_s",
+        "video_ec_load": "video_ec_load_s",
     }
     values: dict[str, float] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or key.strip() not in keys:
-            raise argparse.ArgumentTypeError(f"invalid cost {part!r}: use encode=S,prefill=S,decode=S_PER_TOKEN")
+            raise argparse.ArgumentTypeError(
+                f"invalid cost {part!r}: use encode=S,prefill=S,decode=S_PER_TOKEN (optional: handoff, ec_load, "
+                "video_encode, video_ec_load)"
+            )
         try:
             values[keys[key.strip()]] = float(value)
         except ValueError:
@@ -323,6 +421,8 @@ def parse_costs(text: str) -> StageCosts:
     missing = {"encode_s", "prefill_s", "decode_s_per_token"} - values.keys()
     if missing or any(v < 0 for v in values.values()):
         raise argparse.ArgumentTypeError(f"invalid costs {text!r}: need encode, prefill and decode, each >= 0")
+    if "video_encode_s" in values:
+        values.setdefault("video_ec_load_s", 0.0)
     return StageCosts(**values, source="--costs")
 
 
@@ -464,13 +564,39 @@ class Plan:
         }
 
 
+MEASURE_VIDEOS = (
+    "measure a workload with video clips against epd-serve (epd bench run --video-share F, with "
+    "--video-repeat-share below 1 for the encode), or give them: --costs ...,video_encode=S,video_ec_load=S"
+)
+
+
+def check_costs(c: StageCosts, m: Mix) -> None:
+    """PlanError when ``m`` has a kind of item ``c`` has no cost for (clips without video costs)."""
+    if m.cold_videos > 0 and c.video_encode_s is None:
+        raise PlanError(
+            f"the workload has {m.cold_videos:.3g} cold video clip(s) per request but the costs ({c.source}) "
+            f"have no per-clip video encode: {MEASURE_VIDEOS}"
+        )
+    if m.all_videos > 0 and c.video_ec_load_s is None:
+        raise PlanError(
+            f"the workload has {m.all_videos:.3g} video clip(s) per request but the costs ({c.source}) have "
+            f"no per-clip video EC load: {MEASURE_VIDEOS}"
+        )
+
+
 def _roles(topology: str, c: StageCosts, m: Mix, rate: float) -> tuple[list[RolePlan], dict[str, list[PathItem]]]:
     """The role pools of ``topology`` and, per SLO key, the path of a request through them."""
-    enc = m.cold_images * c.encode_s  # per request
+    check_costs(c, m)
+    video_enc = m.cold_videos * (c.video_encode_s or 0.0)
+    enc = m.cold_images * c.encode_s + video_enc  # per request
     dec = m.output_tokens * c.decode_s_per_token
-    pre = c.prefill_s + m.all_images * c.ec_load_s  # the prefill side loads every image's features
-    encoder = RolePlan("encoder", m.cold_images, c.encode_s, 1, rate)
-    e_path = [PathItem("encoder", c.encode_s, True)] if m.cold_images > 0 else []
+    # The prefill side loads every item's features.
+    pre = c.prefill_s + m.all_images * c.ec_load_s + m.all_videos * (c.video_ec_load_s or 0.0)
+    # One encode job per cold item; its service time the mean over both kinds (images only: encode_s).
+    jobs = m.cold_items
+    enc_job = enc / jobs if m.cold_videos > 0 else c.encode_s
+    encoder = RolePlan("encoder", jobs, enc_job, 1, rate)
+    e_path = [PathItem("encoder", enc_job, True)] if jobs > 0 else []
     if topology == "agg":
         agg = RolePlan("agg", 1.0, enc + c.prefill_s + dec, 1, rate)
         return [agg], {
@@ -572,9 +698,13 @@ def make_plan(
                     f"{key} {bound_ms:g} ms{unit}: wait + service {(r.wait_s + p.service_s) / per * 1e3:.1f}"
                     f" ms within its share {share / per * 1e3:.1f} ms"
                 )
-    if mix.cold_images <= 0 and "encoder" in by_name:
-        plan.notes.append("no cold images in this mix: one encoder is kept for images outside it")
+    if mix.cold_items <= 0 and "encoder" in by_name:
+        plan.notes.append("no cold images (or clips) in this mix: one encoder is kept for images outside it")
     return plan
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def format_plan(plan: Plan) -> str:
@@ -584,9 +714,15 @@ def format_plan(plan: Plan) -> str:
         f"== {plan.topology} at {plan.rate:g} req/s (utilisation target {plan.target:g}, SLO {slo}) ==",
         f"costs ({c.source}): encode {c.encode_s * 1e3:.1f} ms/image, prefill {c.prefill_s * 1e3:.1f} ms/request, "
         f"decode {c.decode_s_per_token * 1e3:.2f} ms/token, EC load {c.ec_load_s * 1e3:.1f} ms/image, "
-        f"KV hand-off {c.handoff_s * 1e3:.1f} ms",
-        f"workload: {m.cold_images:.3g} cold of {m.all_images:.3g} image(s) and {m.output_tokens:.3g} output "
-        "tokens per request",
+        f"KV hand-off {c.handoff_s * 1e3:.1f} ms"
+        + (
+            f"; video encode {_ms(c.video_encode_s)} ms/clip, video EC load {_ms(c.video_ec_load_s)} ms/clip"
+            if c.video_encode_s is not None or c.video_ec_load_s is not None
+            else ""
+        ),
+        f"workload: {m.cold_images:.3g} cold of {m.all_images:.3g} image(s)"
+        + (f", {m.cold_videos:.3g} cold of {m.all_videos:.3g} video clip(s)" if m.all_videos > 0 else "")
+        + f" and {m.output_tokens:.3g} output tokens per request",
         "",
     ]
     head = ("role", "workers", "jobs/s", "service ms", "busy", "util", "wait ms", "max req/s")
@@ -658,6 +794,8 @@ def validation_spec(
     repeat_share: float | None = None,
     text_only_share: float | None = None,
     output_tokens: float | None = None,
+    video_share: float | None = None,
+    video_repeat_share: float | None = None,
 ) -> WorkloadSpec:
     """``spec`` as Poisson arrivals at ``rate`` for ``requests`` requests, with the plan's overrides."""
     import msgspec
@@ -677,6 +815,10 @@ def validation_spec(
         changes["text_only_share"] = text_only_share
     if output_tokens is not None:
         changes["output_tokens"] = (round(output_tokens), round(output_tokens))
+    if video_share is not None:
+        changes["video_share"] = video_share
+    if video_repeat_share is not None:
+        changes["video_repeat_share"] = video_repeat_share
     return msgspec.structs.replace(spec, **changes)
 
 
@@ -797,6 +939,12 @@ def judge(plan: Plan, small: Plan, result: BenchResult) -> tuple[bool, str]:
             f"{measured_costs.prefill_s * 1e3:.1f} ms, decode {measured_costs.decode_s_per_token * 1e3:.2f}"
             f" ms/token (planned with {plan.costs.encode_s * 1e3:.1f} / {plan.costs.prefill_s * 1e3:.1f} / "
             f"{plan.costs.decode_s_per_token * 1e3:.2f})"
+            + (
+                f"; video encode {_ms(measured_costs.video_encode_s)} ms/clip (planned with "
+                f"{_ms(plan.costs.video_encode_s)})"
+                if measured_costs.video_encode_s is not None or plan.mix.cold_videos > 0
+                else ""
+            )
         )
     except PlanError as exc:
         lines.append(f"  (no stage costs from the validation run: {exc})")
@@ -867,7 +1015,8 @@ def add_parser(sub: Any) -> None:
         "--costs",
         type=parse_costs,
         metavar="encode=S,prefill=S,decode=S",
-        help="stage costs instead of a result (seconds; decode per output token; optional handoff=S)",
+        help="stage costs instead of a result (seconds; decode per output token; optional handoff=S, "
+        "ec_load=S per image, video_encode=S and video_ec_load=S per clip)",
     )
     p.add_argument(
         "--from-streams",
@@ -898,6 +1047,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeat-share", type=float, help="share of image requests whose images were seen before")
     p.add_argument("--text-only-share", type=float, help="share of requests without images")
     p.add_argument("--output-tokens", type=float, help="output tokens per request")
+    p.add_argument("--video-share", type=float, help="share of requests with media that carry a video clip")
+    p.add_argument("--video-repeat-share", type=float, help="share of video requests whose clip was sent before")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument(
         "--emit",
@@ -947,17 +1098,18 @@ def run(args: argparse.Namespace) -> int:
             spec = result.spec
         else:
             costs = args.costs
-        flags = (args.images, args.repeat_share, args.text_only_share, args.output_tokens)
-        if observed is not None and all(f is None for f in flags):
+        overrides = {
+            "images": args.images,
+            "repeat_share": args.repeat_share,
+            "text_only_share": args.text_only_share,
+            "output_tokens": args.output_tokens,
+            "video_share": args.video_share,
+            "video_repeat_share": args.video_repeat_share,
+        }
+        if observed is not None and all(f is None for f in overrides.values()):
             mix = observed
         else:
-            mix = mix_from_spec(
-                spec,
-                images=args.images,
-                repeat_share=args.repeat_share,
-                text_only_share=args.text_only_share,
-                output_tokens=args.output_tokens,
-            )
+            mix = mix_from_spec(spec, **overrides)
         plans = [
             make_plan(costs, mix, args.rate, t, target=args.target, slo_ms=args.slo)
             for t in (args.topology or ["e-pd", "e-p-d"])
@@ -982,15 +1134,7 @@ def run(args: argparse.Namespace) -> int:
         from shared.tools.infra import InfraError
         from shared.tools.launcher import StackError
 
-        vspec = validation_spec(
-            spec,
-            plans[0].rate,
-            args.validate_requests,
-            images=args.images,
-            repeat_share=args.repeat_share,
-            text_only_share=args.text_only_share,
-            output_tokens=args.output_tokens,
-        )
+        vspec = validation_spec(spec, plans[0].rate, args.validate_requests, **overrides)
         try:
             held, text = validate(
                 plans[0],
