@@ -55,11 +55,13 @@ def record(
     images: int = 1,
     output_tokens: int = 20,
     stages: dict[str, float] | None = None,
+    videos: int = 0,
 ) -> RequestRecord:
     return RequestRecord(
         index=i,
-        kind="image" if images else "text",
+        kind="video" if videos else "image" if images else "text",
         images=images,
+        videos=videos,
         sent_at=0.1 * i,
         ok=ok,
         status=200 if ok else 503,
@@ -616,6 +618,228 @@ def test_plan_cli_from_a_result_file(tmp_path, capsys):
     assert "not an epd-serve result" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--costs", "encode=0.2,prefill=0.3", "--rate", "1"])  # no decode cost
+
+
+# -- plan: video clips -----------------------------------------------------------------------------
+VIDEO_COSTS = plan.StageCosts(
+    encode_s=0.2, prefill_s=0.3, decode_s_per_token=0.05, ec_load_s=0.01, video_encode_s=1.6, video_ec_load_s=0.05
+)
+
+
+def test_a_video_workload_plans_more_encoders_than_the_same_with_images_only():
+    # Half the media requests carry a clip, a quarter of those a clip sent before: per request 0.5
+    # cold images (all of them) and 0.5 x 0.75 = 0.375 cold clips of 0.5 clips.
+    spec = WorkloadSpec(video_share=0.5, video_repeat_share=0.25, output_tokens=(20, 20))
+    m = plan.mix_from_spec(spec)
+    assert (m.cold_images, m.all_images, m.cold_videos, m.all_videos) == pytest.approx((0.5, 0.5, 0.375, 0.5))
+    images_only = plan.mix_from_spec(msgspec_replace(spec, video_share=0.0))
+    assert images_only == plan.Mix(1.0, 20, 1.0)
+    # E|P|D at 10 req/s. Encoder: 0.5 x 0.2 + 0.375 x 1.6 = 0.7 s per request over 0.875 jobs (0.8 s
+    # each): 7 busy -> ceil(8.75) = 9 (images only: 10 x 0.2 / 0.8 -> 3). Prefill: 0.3 + 0.5 x 0.01 +
+    # 0.5 x 0.05 = 0.33 s -> ceil(4.125) = 5 (images only 0.31 s -> 4). Decode 1.0 s -> 13 both.
+    p = plan.make_plan(VIDEO_COSTS, m, 10.0, "e-p-d")
+    assert p.counts == {"encoder": 9, "prefill": 5, "decode": 13}
+    assert p.role("encoder").service_s == pytest.approx(0.8) and p.role("encoder").arrival == pytest.approx(8.75)
+    assert plan.make_plan(VIDEO_COSTS, images_only, 10.0, "e-p-d").counts == {"encoder": 3, "prefill": 4, "decode": 13}
+    # Agg encodes in process: 0.7 + 0.3 + 1.0 = 2.0 s -> 25 workers (images only 1.5 s -> 19).
+    assert plan.make_plan(VIDEO_COSTS, m, 10.0, "agg").counts == {"agg": 25}
+    assert plan.make_plan(VIDEO_COSTS, images_only, 10.0, "agg").counts == {"agg": 19}
+    # A TTFT bound waits for the encoder's mean job (0.8 s), not the image's 0.2 s: 1.0 s cannot be
+    # met (0.8 + prefill 0.33 on the path) where images alone could.
+    assert not plan.make_plan(VIDEO_COSTS, m, 10.0, "e-p-d", slo_ms={"ttft": 1000}).feasible
+    assert plan.make_plan(VIDEO_COSTS, images_only, 10.0, "e-p-d", slo_ms={"ttft": 1000}).feasible
+    text = plan.format_plan(p)
+    assert "video encode 1600.0 ms/clip, video EC load 50.0 ms/clip" in text
+    assert "workload: 0.5 cold of 0.5 image(s), 0.375 cold of 0.5 video clip(s) and 20 output tokens" in text
+    doc = p.to_json()
+    assert doc["costs"]["video_encode_s"] == 1.6 and doc["mix"]["cold_videos"] == pytest.approx(0.375)
+
+
+def test_the_video_mix_is_the_one_the_workload_generator_draws():
+    from shared.tools.bench import workload
+
+    spec = WorkloadSpec(
+        requests=12000, text_only_share=0.2, video_share=0.4, video_repeat_share=0.25, repeat_share=0.3, turns=2
+    )
+    # A conversation is 0.2 + 0.8 x 2 = 1.8 requests; per request: 0.8 x 0.6 x 0.7 / 1.8 cold images of
+    # 0.8 x 0.6 x 2 / 1.8, and 0.8 x 0.4 x 0.75 / 1.8 cold clips of 0.8 x 0.4 x 2 / 1.8.
+    m = plan.mix_from_spec(spec)
+    assert (m.cold_images, m.all_images) == pytest.approx((0.8 * 0.6 * 0.7 / 1.8, 0.8 * 0.6 * 2 / 1.8))
+    assert (m.cold_videos, m.all_videos) == pytest.approx((0.8 * 0.4 * 0.75 / 1.8, 0.8 * 0.4 * 2 / 1.8))
+    reqs = workload.plan(spec)
+    n = len(reqs)
+    # One image per image request: an "image" request's image is new; a "video" request's clip is.
+    drawn = (
+        sum(r.kind == "image" for r in reqs) / n,
+        sum(len(r.images) for r in reqs) / n,
+        sum(r.kind == "video" for r in reqs) / n,
+        sum(len(r.videos) for r in reqs) / n,
+    )
+    # (within 2% for this seed, 3% over seeds 0-5: sampling noise; a share left out is 25-70% off)
+    assert drawn == pytest.approx((m.cold_images, m.all_images, m.cold_videos, m.all_videos), rel=0.05)
+
+
+def video_records() -> tuple[RequestRecord, ...]:
+    return (
+        # fresh clips: encode + EC stored = 1.6 and 1.4 s -> 1.5 s per clip; their loads wait for it
+        record(
+            10,
+            ttft=2.0,
+            e2e=3.0,
+            images=0,
+            videos=1,
+            stages={"encode": 1.5, "EC stored": 0.1, "EC loaded from store": 1.7, "prefill": 0.9, "decode": 1.0},
+        ),
+        record(
+            11,
+            ttft=2.0,
+            e2e=3.0,
+            images=0,
+            videos=1,
+            stages={"encode": 1.3, "EC stored": 0.1, "EC loaded from store": 1.5, "prefill": 0.9, "decode": 1.0},
+        ),
+        # a clip sent before: a pure load of 0.06 s
+        record(
+            12,
+            ttft=1.0,
+            e2e=2.0,
+            images=0,
+            videos=1,
+            stages={"EC loaded from store": 0.06, "prefill": 0.9, "decode": 1.0},
+        ),
+        # an image and a clip in one request: its stages cannot be split, left out of both kinds
+        record(
+            13,
+            ttft=6.0,
+            e2e=7.0,
+            images=1,
+            videos=1,
+            stages={"encode": 5.0, "EC stored": 0.5, "EC loaded from store": 5.6, "prefill": 0.9, "decode": 1.0},
+        ),
+    )
+
+
+def test_costs_from_records_split_per_kind_of_item():
+    recs = [*measured_records(), *video_records()]
+    c = plan.costs_from_records(recs)
+    assert c.encode_s == pytest.approx(0.2) and c.ec_load_s == pytest.approx(0.02)  # the images' as before
+    assert c.video_encode_s == pytest.approx(1.5)  # (1.6 + 1.4) / 2 clips
+    assert c.video_ec_load_s == pytest.approx(0.06)
+    assert c.prefill_s == pytest.approx((6 * 0.3 + 4 * 0.9) / 10)  # every completed request's
+    assert c.decode_s_per_token == pytest.approx(10.0 / 200)
+    assert "2 encoded images, 2 encoded video clips; 1 with both left out" in c.source
+    # Without a pure clip load: the loads minus the encoder stages they waited for, (0.1 + 0.1) / 2.
+    c = plan.costs_from_records([*measured_records(), *video_records()[:2]])
+    assert c.video_ec_load_s == pytest.approx(0.1)
+    # Only repeated clips: their load is measured, their encode is not; no clip at all: neither.
+    c = plan.costs_from_records([*measured_records(), video_records()[2]])
+    assert c.video_encode_s is None and c.video_ec_load_s == pytest.approx(0.06)
+    c = plan.costs_from_records(list(measured_records()))
+    assert (c.video_encode_s, c.video_ec_load_s) == (None, None)
+    assert c.source == "records: 6 requests (2 encoded images)"
+    # The observed mix: 10 completed; encoded r0, r1, r2 (4 images), two clips, the mixed one.
+    observed = plan.mix_from_records(recs)
+    assert observed == plan.Mix(cold_images=5 / 10, output_tokens=20, images=10 / 10, cold_videos=3 / 10, videos=4 / 10)
+
+
+def test_stream_records_count_clips_from_the_media_refs():
+    from types import SimpleNamespace
+
+    from shared.protocol import ImageRef, MediaKind
+
+    image = ImageRef(item_hash="a", media_key="k", width=1, height=1)
+    clip = ImageRef(item_hash="b", media_key="", width=1, height=1, kind=MediaKind.VIDEO, frames=8, fps=2.0)
+    # The summary counts both as images (history.Summary.images = the record's refs).
+    case = SimpleNamespace(record=SimpleNamespace(images=(image, clip, image)), generation_job=None)
+    assert plan.media_counts(case, 3) == (2, 1)
+    case = SimpleNamespace(record=None, generation_job=SimpleNamespace(images=(clip,)))
+    assert plan.media_counts(case, 1) == (0, 1)
+    assert plan.media_counts(SimpleNamespace(record=None, generation_job=None), 2) == (2, 0)
+
+
+def test_old_cost_strings_and_results_without_videos_give_the_plans_they_gave_before(tmp_path, capsys):
+    # The figures epd plan printed for these inputs before it knew videos, pinned.
+    spec = WorkloadSpec(
+        images_per_request={1: 0.5, 3: 0.5}, repeat_share=0.3, text_only_share=0.25, turns=2, output_tokens=(10, 30)
+    )
+    path = tmp_path / "m.json"
+    path.write_bytes(
+        dump(result("m", (run_at(1.0, summary(rps=1, tok=1, ttft=stats(1, 1, 1, 1)), measured_records()),), spec=spec))
+    )
+    old_costs = "encode=0.13,prefill=0.31,decode=0.021,handoff=0.01,ec_load=0.007"
+    mix_flags = ["--images", "2", "--repeat-share", "0.3", "--text-only-share", "0.25", "--output-tokens", "20"]
+    inputs = {"costs": ["--costs", old_costs, *mix_flags], "result": [str(path)]}
+    before = {
+        ("costs", "e-pd"): ("2:7", [("encoder", 2, 7.875, 0.13), ("pd", 7, 7.5, 0.7405)], 738.4149948111975),
+        ("costs", "e-p-d"): (
+            "2:4:4",
+            [("encoder", 2, 7.875, 0.13), ("prefill", 4, 7.5, 0.3305), ("decode", 4, 7.5, 0.42)],
+            564.5992542189315,
+        ),
+        ("result", "e-pd"): (
+            "2:13",
+            [("encoder", 2, 4.5, 0.2), ("pd", 13, 7.5, 1.3342857142857143)],
+            712.7392198038782,
+        ),
+        ("result", "e-p-d"): (
+            "2:4:10",
+            [("encoder", 2, 4.5, 0.2), ("prefill", 4, 7.5, 0.3542857142857143), ("decode", 10, 7.5, 1.0)],
+            683.9907766347912,
+        ),
+    }
+    text_before = {
+        "costs": [
+            "costs (--costs): encode 130.0 ms/image, prefill 310.0 ms/request, decode 21.00 ms/token, EC load 7.0 "
+            "ms/image, KV hand-off 10.0 ms",
+            "workload: 1.05 cold of 1.5 image(s) and 20 output tokens per request",
+        ],
+        "result": [
+            f"costs ({path}: 6 requests (2 encoded images)): encode 200.0 ms/image, prefill 300.0 ms/request, "
+            "decode 50.00 ms/token, EC load 20.0 ms/image, KV hand-off 20.0 ms",
+            "workload: 0.6 cold of 1.71 image(s) and 20 output tokens per request",
+        ],
+    }
+    for (source, topology), (ratio, roles, ttft_ms) in before.items():
+        args = ["plan", *inputs[source], "--rate", "7.5", "--slo", "ttft=900,tpot=80", "--topology", topology]
+        assert main([*args, "--json"]) == 0
+        (doc,) = json.loads(capsys.readouterr().out)
+        assert doc["ratio"] == ratio
+        got = [(r["role"], r["workers"], r["jobs_per_s"], r["service_s"]) for r in doc["roles"]]
+        assert got == [(n, w, pytest.approx(j, rel=1e-12), pytest.approx(s, rel=1e-12)) for n, w, j, s in roles]
+        assert doc["expected_ms"]["ttft"] == pytest.approx(ttft_ms, rel=1e-12)
+        # The video figures are there, empty.
+        assert (doc["costs"]["video_encode_s"], doc["costs"]["video_ec_load_s"]) == (None, None)
+        assert (doc["mix"]["cold_videos"], doc["mix"]["videos"]) == (0.0, None)
+        assert main(args) == 0
+        assert capsys.readouterr().out.splitlines()[1:3] == text_before[source]
+
+
+def test_plan_refuses_a_mix_with_videos_it_has_no_cost_for(tmp_path, capsys):
+    old_costs = "encode=0.2,prefill=0.3,decode=0.05"
+    base = ["plan", "--rate", "10", "--output-tokens", "20", "--topology", "e-p-d"]
+    # Cold clips in the mix, no per-clip encode: exit 2, naming what to measure (never a plan without it).
+    assert main([*base, "--costs", old_costs, "--video-share", "0.5"]) == plan.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "0.5 cold video clip(s) per request" in err and "no per-clip video encode" in err
+    assert "epd bench run --video-share" in err and "video_encode=S" in err
+    # Only repeated clips: no encode needed, but their loads are prefill time.
+    assert main([*base, "--costs", old_costs, "--video-share", "0.5", "--video-repeat-share", "1"]) == plan.EXIT_ERROR
+    assert "no per-clip video EC load" in capsys.readouterr().err
+    # Given: 10 x (0.5 x 0.2 + 0.5 x 1.4) / 0.8 = 10 encoders; video_ec_load defaults to 0, like ec_load.
+    assert main([*base, "--costs", old_costs + ",video_encode=1.4", "--video-share", "0.5", "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["roles"][0]["workers"] == 10 and doc["costs"]["video_ec_load_s"] == 0.0
+    assert plan.parse_costs("encode=0,prefill=0,decode=0,video_ec_load=0.1").video_encode_s is None
+    # A result whose workload had clips but no clip request among its records (a hand-made file, a
+    # run whose clips all failed): refused too, not planned as if clips cost nothing.
+    path = tmp_path / "v.json"
+    run = run_at(1.0, summary(rps=1, tok=1, ttft=stats(1, 1, 1, 1)), measured_records())
+    path.write_bytes(dump(result("v", (run,), spec=WorkloadSpec(video_share=0.3))))
+    assert main(["plan", str(path), "--rate", "10"]) == plan.EXIT_ERROR
+    assert f"the costs ({path}: 6 requests (2 encoded images)) have no per-clip video encode" in capsys.readouterr().err
+    assert main(["plan", str(path), "--rate", "10", "--video-share", "0"]) == 0  # the images alone: planned
+    with pytest.raises(plan.PlanError, match="no per-clip video encode"):
+        plan.make_plan(BRIEF, plan.Mix(cold_images=1.0, output_tokens=20, cold_videos=0.1), 1.0)
 
 
 # -- plan: --validate pieces (the stack run itself is checked by hand, see docs/benchmarking.md) --------------
