@@ -8,7 +8,7 @@ The model (docs/benchmarking.md, "epd plan: sizing", explains it for users):
   the measured run had). Arrivals are Poisson.
 * Service times per job: encoder = encode + storing the EC object, per *cold* item (one encode
   job per distinct image or video clip not stored yet). Images and clips are two kinds of item,
-  each with its own measured cost (a clip's encode is tens of frames'): per request,
+  each with its own measured cost (a clip's encode covers all its sampled frames): per request,
   ``images x (1 - text-only share) x (1 - video share) x (1 - repeat share)`` cold images and
   ``(1 - text-only share) x video share x (1 - video repeat share)`` cold clips (as
   ``workload.iter_plan`` draws them; the later turns of a conversation bring none). The encoder's
@@ -31,8 +31,8 @@ Measured costs come from a bench result against epd-serve (the per-request stage
 timelines, :data:`ENCODER_STAGES` etc.), from the timelines of the last N minutes read from the
 streams (``--from-streams``, through ``shared.history`` and ``shared.timeline``, parsed like the
 bench runner does; a request's images and clips counted from its record's media refs, as the
-stream summary counts both as images), or from ``--costs``. ``--validate`` starts the plan's topology scaled down on
-this machine and runs the workload (:func:`validate`). Exit codes: 0 a plan (and, with
+stream summary counts both as images), or from ``--costs``. ``--validate`` starts the plan's
+topology scaled down on this machine and runs the workload (:func:`validate`). Exit codes: 0 a plan (and, with
 ``--validate``, the SLO held); 1 the SLO cannot be met (or failed validation); 2 bad input.
 """
 
