@@ -32,8 +32,9 @@ timelines, :data:`ENCODER_STAGES` etc.), from the timelines of the last N minute
 streams (``--from-streams``, through ``shared.history`` and ``shared.timeline``, parsed like the
 bench runner does; a request's images and clips counted from its record's media refs, as the
 stream summary counts both as images), or from ``--costs``. ``--validate`` starts the plan's
-topology scaled down on this machine and runs the workload (:func:`validate`). Exit codes: 0 a plan (and, with
-``--validate``, the SLO held); 1 the SLO cannot be met (or failed validation); 2 bad input.
+topology scaled down on this machine and runs the workload (:func:`validate`). Exit codes: 0 a
+plan (and, with ``--validate``, the SLO held); 1 the SLO cannot be met (or failed validation); 2
+bad input.
 """
 
 from __future__ import annotations
