@@ -82,7 +82,7 @@ from shared.protocol import (
 )
 from shared.routing import JobRouter
 from shared.store.ec import ECStore
-from shared.store.format import RawTensor, encode_video_frames
+from shared.store.format import RawTensor, VideoSource, encode_video_frames
 from shared.video import SampledVideo
 
 log = logging.getLogger(__name__)
@@ -532,8 +532,16 @@ class RequestClient:
         """Store a video's sampled frames (content-addressed; what the workers read)."""
         assert self.store is not None
         frames = RawTensor(video.frames.tobytes(), "U8", tuple(video.frames.shape))
+        # (which frames of the source they are: Qwen3-VL writes their times into the prompt)
+        source = VideoSource(
+            indices=tuple(video.indices), fps=float(video.info.fps), total_frames=video.info.total_frames
+        )
         blob = encode_video_frames(
-            frames, item_hash=video.item_hash, sampled_fps=video.sampled_fps, producer=self.store.producer
+            frames,
+            item_hash=video.item_hash,
+            sampled_fps=video.sampled_fps,
+            producer=self.store.producer,
+            source=source,
         )
         return self.store.put_media(video.item_hash, blob)
 

@@ -31,8 +31,8 @@ SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
 #: ``generate`` on the same frames - tests/test_video_engine.py, tests/test_video_stack.py -, and
 #: against a plain vLLM run on the file - tests/test_vllm_families.py)
 VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
-    "transformers": ("qwen2_5_vl", "qwen2_vl"),
-    "vllm": ("qwen2_5_vl", "qwen2_vl"),
+    "transformers": ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    "vllm": ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
 }
 
 

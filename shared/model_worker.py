@@ -17,7 +17,7 @@ from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPromp
 from shared.errors import EngineError, InvalidImage, InvalidVideo, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.protocol import MediaKind
-from shared.store.format import ObjectValidationError, decode_video_frames
+from shared.store.format import ObjectValidationError, decode_video_frames_with_source
 from shared.topology import Role, service_of
 from shared.worker import Handler, WorkerContext
 
@@ -62,11 +62,15 @@ def video_from_bytes(data: bytes, item_hash: str) -> VideoFrames:
     import numpy as np
 
     try:
-        frames, fps = decode_video_frames(data, item_hash=item_hash)
+        frames, fps, source = decode_video_frames_with_source(data, item_hash=item_hash)
     except ObjectValidationError as exc:
         raise InvalidVideo(f"stored video frames of item {item_hash[:12]} are not usable: {exc}") from None
     array = np.frombuffer(frames.data, dtype=np.uint8).reshape(frames.shape)
-    return VideoFrames(frames=array, fps=fps)
+    if source is None:
+        return VideoFrames(frames=array, fps=fps)
+    return VideoFrames(
+        frames=array, fps=fps, indices=source.indices, source_fps=source.fps, total_frames=source.total_frames
+    )
 
 
 def image_from_bytes(data: bytes, item_hash: str, limits: MediaLimits) -> Image.Image:

@@ -117,6 +117,6 @@ def test_video_is_served_only_where_a_test_holds_it():
     assert set(VIDEO_FAMILIES["vllm"]) <= set(VLLM_FAMILIES)
     check_video("transformers", "qwen2_vl")
     check_video("vllm", "qwen2_5_vl")
-    for engine, family in (("transformers", "llava"), ("transformers", "qwen3_vl"), ("vllm", "internvl")):
+    for engine, family in (("transformers", "llava"), ("transformers", "gemma3"), ("vllm", "internvl")):
         with pytest.raises(UnsupportedContent, match=f"{family} on the {engine} engine"):
             check_video(engine, family)

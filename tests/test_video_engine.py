@@ -4,6 +4,9 @@ tower, placed at the video placeholder, with M-RoPE over its temporal patches (Q
 their seconds). Greedy tokens equal transformers' own ``generate`` with the folder's processor on
 the same frames (none of the project's code), for a video alone, a video beside an image, and two
 videos; another clip gives other tokens (the negative control); a family without video refuses one.
+Qwen3-VL (its own sampler, vLLM's Qwen3-VL loader's frames): each temporal patch written into the
+prompt as its time in the source (``<t seconds>``, from the frames' indices and the source's rate),
+its deepstack features beside the video's, each patch its own M-RoPE grid.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from shared.video import VideoSampler, VideoSampling, load_video
 from tests.stackutil import noise_image, run_sync
 from tests.test_video import write_clip
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -29,16 +32,26 @@ def _messages(text: str, kinds: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> dict[str, object]:
-    """Sampled clips (Qwen-VL's loader: 2 frames a second, at least 4) of noise frames: 3 s at 10
-    fps (6 frames: 3 temporal patches, 1 s each), another of the same size, and a 1 s one of
-    another size (4 frames: 2 patches of 0.5 s - Qwen2.5-VL's temporal positions then differ
-    from the 1 s a patch transformers assumes without it)."""
+def clip_files(tmp_path_factory) -> dict[str, bytes]:
+    """Clips of noise frames: 3 s at 10 fps, another of the same size, and a 1 s one of another size."""
     root = tmp_path_factory.mktemp("clips")
-    out = {}
-    for name, frames, size, seed in (("a", 30, (84, 56), 0), ("b", 30, (84, 56), 1), ("c", 10, (56, 84), 2)):
-        data = write_clip(root / f"{name}.mp4", frames, 10.0, size=size, seed=seed)
-        out[name] = load_video(data, VideoSampler.QWEN2_VL, VideoSampling())
+    return {
+        name: write_clip(root / f"{name}.mp4", frames, 10.0, size=size, seed=seed)
+        for name, frames, size, seed in (("a", 30, (84, 56), 0), ("b", 30, (84, 56), 1), ("c", 10, (56, 84), 2))
+    }
+
+
+#: the family's sampler (vLLM's loader for its video processor)
+SAMPLERS = {"qwen2_vl": VideoSampler.QWEN2_VL, "qwen2_5_vl": VideoSampler.QWEN2_VL, "qwen3_vl": VideoSampler.QWEN3_VL}
+
+
+@pytest.fixture(scope="module")
+def clips(family, clip_files) -> dict[str, object]:
+    """The clips sampled for the family (its loader: 2 frames a second, at least 4): "a" 6 frames
+    (3 temporal patches, 1 s each), "c" 4 (2 patches of 0.5 s - Qwen2.5-VL's temporal positions then
+    differ from the 1 s a patch transformers assumes without it). Qwen3-VL's loader spreads them
+    over the source (a: frames 0, 6, 12, 17, 23, 29 - patches at 0.3, 1.45 and 2.6 s)."""
+    out = {name: load_video(data, SAMPLERS[family[0]], VideoSampling()) for name, data in clip_files.items()}
     assert len(out["a"].indices) == 6 and len(out["c"].indices) == 4 and out["c"].sampled_fps == 4.0
     return out
 
@@ -85,7 +98,7 @@ def _hf_tokens(path: Path, text: str, kinds: list[str], images, videos, max_toke
 def _ours(engine, text: str, kinds: list[str], images, videos) -> list[int]:
     async def run():
         encoded_images = iter(await engine.encode(images))
-        encoded_videos = iter(await engine.encode_videos([VideoFrames(v.frames, v.sampled_fps) for v in videos]))
+        encoded_videos = iter(await engine.encode_videos([VideoFrames.of(v) for v in videos]))
         items = [next(encoded_videos) if k == "video" else next(encoded_images) for k in kinds]
         return [e.token_id async for e in engine.generate(_messages(text, kinds), items, GREEDY, GenerationStats())]
 
@@ -120,16 +133,17 @@ def test_the_video_is_its_temporal_patches(family, clips):
     """The features are the clip's: 6 frames make 3 temporal patches (Qwen-VL's 2 a patch), at
     the sampled rate (2 fps)."""
     _, _, engine = family
-    (item,) = run_sync(engine.encode_videos([VideoFrames(clips["a"].frames, clips["a"].sampled_fps)]))
+    (item,) = run_sync(engine.encode_videos([VideoFrames.of(clips["a"])]))
     assert item.kind == "video" and item.grid_thw[0] == 3
     assert item.n_tokens == item.grid_thw[0] * item.grid_thw[1] * item.grid_thw[2] // 4
     assert item.fps == 2.0
 
 
-def test_a_family_without_video_refuses_one(tmp_path, clips):
+def test_a_family_without_video_refuses_one(tmp_path, clip_files):
     from shared.engines.transformers_engine import TransformersEngine
     from shared.tools.models.tiny import build_tiny_model
 
+    clips = {"a": load_video(clip_files["a"], VideoSampler.QWEN2_VL, VideoSampling())}
     folder = build_tiny_model(tmp_path / "llava", arch="llava", size="tiny", seed=0)
     engine = TransformersEngine(folder, dtype="float32")
     try:
@@ -185,7 +199,7 @@ def test_video_positions_equal_transformers(family, clips, case):
 
     async def items():
         encoded_images = iter(await engine.encode(images))
-        encoded_videos = iter(await engine.encode_videos([VideoFrames(v.frames, v.sampled_fps) for v in videos]))
+        encoded_videos = iter(await engine.encode_videos([VideoFrames.of(v) for v in videos]))
         return [next(encoded_videos) if k == "video" else next(encoded_images) for k in kinds]
 
     encoded = run_sync(items())

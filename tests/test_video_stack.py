@@ -4,7 +4,9 @@ frames stored content-addressed; the encoder (e-pd, e-p-d) or the PD worker (agg
 the answer's greedy tokens equal transformers' own ``generate`` with the folder's processor on the
 same frames (none of the project's code), for a video alone, a video beside an image and two
 videos; another clip gives other tokens. Bad videos are 400s naming their limit, before any job
-is queued."""
+is queued. Qwen3-VL (e-pd): the frames' indices in the source travel with them (the frames object),
+so the encoder's EC object carries each temporal patch's time and the PD worker writes it into the
+prompt, with the video's deepstack features from the store."""
 
 from __future__ import annotations
 
@@ -15,12 +17,18 @@ import pytest
 import torch
 
 from shared.protocol import EncodeJob, GenerationJob
-from shared.video import VideoSampler, VideoSampling, load_video
+from shared.video import VideoSampling, load_video
 from tests.stackutil import GREEDY, data_url, final_result, noise_image, start_stack
 from tests.test_video import write_clip
-from tests.test_video_engine import _hf_tokens
+from tests.test_video_engine import SAMPLERS, _hf_tokens
 
-COMBOS = [("qwen2_vl", "agg"), ("qwen2_vl", "e-pd"), ("qwen2_vl", "e-p-d"), ("qwen2_5_vl", "e-pd")]
+COMBOS = [
+    ("qwen2_vl", "agg"),
+    ("qwen2_vl", "e-pd"),
+    ("qwen2_vl", "e-p-d"),
+    ("qwen2_5_vl", "e-pd"),
+    ("qwen3_vl", "e-pd"),
+]
 
 
 def _video_url(data: bytes) -> str:
@@ -67,9 +75,10 @@ def families(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(families, clip_files) -> dict[str, dict[str, list[int]]]:
-    sampled = {n: load_video(d, VideoSampler.QWEN2_VL, VideoSampling()) for n, d in clip_files.items()}
     out = {}
     for family, path in families.items():
+        # (the frames the API samples for the family: vLLM's loader's for its video processor)
+        sampled = {n: load_video(d, SAMPLERS[family], VideoSampling()) for n, d in clip_files.items()}
         out[family] = {}
         for name, (text, parts) in CASES.items():
             kinds = [k for k, _ in parts]

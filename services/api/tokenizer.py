@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.engines.base import VideoFrames
 from shared.engines.prompts import check_placeholder_tokens, normalize_messages
 from shared.errors import EngineError, InvalidRequest, UnsupportedContent
 from shared.families import model_type_of
@@ -150,11 +151,13 @@ class MediaCounter:
                 check_placeholder_tokens(ids, token, kinds.count(kind), kind)
             items = []
             for m in media:
+                video = None
                 if isinstance(m, SampledVideo):
+                    video = VideoFrames.of(m)  # (its frames' metadata: Qwen3-VL writes their times in the prompt)
                     kind, pixels = MediaKind.VIDEO, family.video_pixels(m.frames)
                 else:
                     kind, pixels = MediaKind.IMAGE, family.image_pixels(m.to_rgb())
-                item = family.prompt_item(kind, pixels)
+                item = family.prompt_item(kind, pixels, video)
                 if item is None:
                     raise UnsupportedContent(
                         f"this model's {kind} parts cannot be counted before they are encoded "

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     from shared.store.format import RawTensor
     from shared.store.kv import KVObject
     from shared.topology import Role
+    from shared.video import SampledVideo
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,15 @@ class EncodedImage:
     models with M-RoPE (Qwen2-VL; a video's t counts its temporal patches), ``None`` for models
     with 1-D positions (LLaVA). ``fps``: a video's sampled rate (frames a second; the family
     derives its temporal positions from it, e.g. Qwen2.5-VL's seconds per temporal patch), None for
-    an image.
+    an image. ``timestamps``: a video's time of each temporal patch in the source video (seconds),
+    for a family that writes them into the prompt (Qwen3-VL's ``<t seconds>``), else None.
     """
 
     features: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
     kind: str = "image"  # a shared.protocol.MediaKind value
     fps: float | None = None
+    timestamps: tuple[float, ...] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -143,10 +146,27 @@ def join_segments(segments: Sequence[EncodedImage], fps: float) -> EncodedImage:
 @dataclass(frozen=True)
 class VideoFrames:
     """A video for an engine: its sampled frames (``[n, height, width, 3]`` RGB ``uint8``, as
-    ``shared.video.load_video`` gives them) and the rate they stand for (frames a second)."""
+    ``shared.video.load_video`` gives them) and the rate they stand for (frames a second); where
+    known, which frames of the source they are (``indices``), the source's rate (``source_fps``)
+    and frame count (``total_frames``) - the metadata vLLM's loader returns beside its frames, from
+    which Qwen3-VL times each temporal patch in the prompt."""
 
     frames: Any
     fps: float
+    indices: tuple[int, ...] | None = None
+    source_fps: float | None = None
+    total_frames: int | None = None
+
+    @classmethod
+    def of(cls, video: SampledVideo) -> VideoFrames:
+        """A sampled video (``shared.video.load_video``'s) as an engine takes it, metadata and all."""
+        return cls(
+            frames=video.frames,
+            fps=video.sampled_fps,
+            indices=tuple(video.indices),
+            source_fps=video.info.fps,
+            total_frames=video.info.total_frames,
+        )
 
 
 @dataclass(frozen=True)

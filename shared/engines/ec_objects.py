@@ -18,15 +18,19 @@ def encoded_to_extra(item: EncodedImage) -> dict:
     if item.kind != "image":
         extra["kind"] = item.kind
         extra["fps"] = item.fps
+    if item.timestamps is not None:  # (Qwen3-VL: each temporal patch's time, written into the prompt)
+        extra["timestamps"] = list(item.timestamps)
     return extra
 
 
 def ec_object_to_encoded(obj: ECObject) -> EncodedImage:
     grid = obj.extra.get("grid_thw")
     fps = obj.extra.get("fps")
+    timestamps = obj.extra.get("timestamps")
     return EncodedImage(
         features=raw_to_tensor(obj.data, obj.dtype, obj.shape),
         grid_thw=cast("tuple[int, int, int]", tuple(int(x) for x in grid)) if grid else None,
         kind=str(obj.extra.get("kind", "image")),
         fps=float(fps) if fps is not None else None,
+        timestamps=tuple(float(t) for t in timestamps) if isinstance(timestamps, list) else None,
     )

@@ -322,7 +322,8 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
                 item = self.family.video_features(pixels, video.fps)
         except (RuntimeError, ValueError, IndexError) as exc:
             raise EngineError(f"encoding a video failed: {exc}") from exc
-        return dataclasses.replace(item, features=item.features.detach().to("cpu").contiguous())
+        features = item.features.detach().to("cpu").contiguous()
+        return dataclasses.replace(item, features=features, timestamps=self.family.video_timestamps(video))
 
     async def generate(  # type: ignore[override]  # encoded images only: its features come through the worker
         self,

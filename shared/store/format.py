@@ -392,13 +392,38 @@ def decode_ec_object(blob: bytes, *, fingerprint: str, item_hash: str) -> ECObje
 
 
 #: A video's sampled frames, stored content-addressed under its media key (the workers read these,
-#: never the container file): one ``U8`` tensor ``[n, height, width, 3]`` (RGB) and the rate the
-#: frames stand for.
+#: never the container file): one ``U8`` tensor ``[n, height, width, 3]`` (RGB), the rate the
+#: frames stand for and, where given, which frames of the source they are (:class:`VideoSource`).
 VIDEO_FRAMES_SCHEMA = "epd-video-frames-v1"
 _FRAMES_TENSOR = "frames"
 
 
-def encode_video_frames(frames: RawTensor, *, item_hash: str, sampled_fps: float, producer: str) -> bytes:
+@dataclass(frozen=True)
+class VideoSource:
+    """Which frames of the source video the sampled ones are (``indices``, one per frame), the
+    source's rate and frame count: the metadata vLLM's loader returns beside the frames (Qwen3-VL
+    writes each temporal patch's time in the source into its prompt)."""
+
+    indices: tuple[int, ...]
+    fps: float
+    total_frames: int
+
+    def check(self, n_frames: int) -> None:
+        """ValueError unless this describes ``n_frames`` sampled frames."""
+        idx = self.indices
+        if len(idx) != n_frames or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in idx):
+            raise ValueError(f"frame indices must be {n_frames} non-negative ints, got {list(idx)[:8]}")
+        if any(b < a for a, b in zip(idx, idx[1:])) or not (
+            isinstance(self.total_frames, int) and idx[-1] < self.total_frames
+        ):
+            raise ValueError(f"frame indices must be ascending and below the source's {self.total_frames} frames")
+        if not (isinstance(self.fps, float) and math.isfinite(self.fps) and self.fps >= 0):
+            raise ValueError(f"the source's fps must be a finite float >= 0, got {self.fps!r}")
+
+
+def encode_video_frames(
+    frames: RawTensor, *, item_hash: str, sampled_fps: float, producer: str, source: VideoSource | None = None
+) -> bytes:
     """Serialize a video's sampled frames (``U8 [n, h, w, 3]``) into a tensor object."""
     if frames.dtype != "U8" or len(frames.shape) != 4 or frames.shape[3] != 3 or min(frames.shape) < 1:
         raise ValueError(f"video frames must be U8 [n, height, width, 3], got {frames.dtype}{list(frames.shape)}")
@@ -411,13 +436,19 @@ def encode_video_frames(frames: RawTensor, *, item_hash: str, sampled_fps: float
         id_field="item_hash",
         object_id=item_hash,
         producer=producer,
-        metadata={"sampled_fps": repr(float(sampled_fps))},
+        metadata=metadata,
     )
 
 
 def decode_video_frames(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float]:
     """A video's sampled frames and their rate, validated (schema, item, layout, checksum).
     Raises :class:`ObjectValidationError`."""
+    metadata = {"sampled_fps": repr(float(sampled_fps))}
+    if source is not None:
+        source.check(frames.shape[0])
+        metadata["source_frames_indices"] = json.dumps(list(source.indices))
+        metadata["source_fps"] = repr(float(source.fps))
+        metadata["source_total_frames"] = str(source.total_frames)
     obj = decode_tensor_object(
         blob, schema=VIDEO_FRAMES_SCHEMA, fingerprint="", id_field="item_hash", object_id=item_hash
     )
@@ -428,4 +459,21 @@ def decode_video_frames(blob: bytes, *, item_hash: str) -> tuple[RawTensor, floa
         fps = float(obj.metadata["sampled_fps"])
     except (KeyError, ValueError):
         raise ObjectValidationError(MissReason.CORRUPT, "video frames without a sampled_fps") from None
+    source = None
+    if "source_frames_indices" in obj.metadata:
+        try:
+            source = VideoSource(
+                indices=tuple(json.loads(obj.metadata["source_frames_indices"])),
+                fps=float(obj.metadata["source_fps"]),
+                total_frames=int(obj.metadata["source_total_frames"]),
+            )
+            source.check(frames.shape[0])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ObjectValidationError(MissReason.CORRUPT, f"video frames with a bad source ({exc})") from None
+    return frames, fps, source
+    frames, fps, _ = decode_video_frames_with_source(blob, item_hash=item_hash)
     return frames, fps
+
+
+def decode_video_frames_with_source(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float, VideoSource | None]:
+    """:func:`decode_video_frames` and the frames' :class:`VideoSource` (None: stored without it)."""

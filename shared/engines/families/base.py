@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shared.engines.base import EncodedImage
+from shared.engines.base import EncodedImage, VideoFrames
 from shared.errors import InvalidImage, InvalidRequest, InvalidVideo
 from shared.families import feature_width
 from shared.protocol import MediaKind
@@ -80,12 +80,18 @@ class VisionFamily(ABC):
         none - 1-D positions)."""
         return None
 
-    def prompt_item(self, kind: str, pixels: Mapping[str, Any]) -> EncodedImage | None:
-        """One item as the prompt sees it, without encoding it: its grid (:meth:`grid_of`) and a
-        features tensor of no columns with as many rows as the family's processor gives it
-        placeholder tokens (:meth:`expected_tokens`) - what :meth:`expand` needs to count it (the
-        API's ``/tokenize``). None when the count is not knowable before encoding."""
-        item = EncodedImage(features=torch.empty(0, 0), grid_thw=self.grid_of(kind, pixels), kind=kind)
+    def prompt_item(
+        self, kind: str, pixels: Mapping[str, Any], video: VideoFrames | None = None
+    ) -> EncodedImage | None:
+        """One item as the prompt sees it, without encoding it: its grid (:meth:`grid_of`), a
+        video's :meth:`video_timestamps` (``video``: its frames and their metadata), and a features
+        tensor of no columns with as many rows as the family's processor gives it placeholder
+        tokens (:meth:`expected_tokens`) - what :meth:`expand` needs to count it (the API's
+        ``/tokenize``). None when the count is not knowable before encoding."""
+        timestamps = self.video_timestamps(video) if video is not None else None
+        item = EncodedImage(
+            features=torch.empty(0, 0), grid_thw=self.grid_of(kind, pixels), kind=kind, timestamps=timestamps
+        )
         n = self.expected_tokens(item)
         return None if n is None else dataclasses.replace(item, features=torch.empty(n, 0))
 
@@ -98,6 +104,11 @@ class VisionFamily(ABC):
         """One vision-tower forward over one video (the video processor's outputs for its sampled
         frames, which stand for ``fps`` frames a second): its :class:`EncodedImage`, ``kind`` video."""
         raise InvalidRequest(f"this model ({type(self).__name__}) takes no video")
+
+    def video_timestamps(self, video: VideoFrames) -> tuple[float, ...] | None:
+        """What the prompt says of a video's time (:attr:`EncodedImage.timestamps`), from its frames'
+        metadata: None here (a family that writes no time into the prompt)."""
+        return None
 
     @abstractmethod
     def expected_tokens(self, item: EncodedImage) -> int | None:
