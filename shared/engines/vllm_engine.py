@@ -141,10 +141,34 @@ def _make_private_dir(path: Path) -> None:
 OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def sampled_video_metadata(video: VideoFrames) -> dict[str, Any]:
+#: the families whose vLLM processor reads which frames of the source a video's are (Qwen3-VL: each
+#: temporal patch's time, ``frames_indices / fps``, written into the prompt)
+VIDEO_SOURCE_FAMILIES = ("qwen3_vl",)
+
+
+def sampled_video_metadata(video: VideoFrames, *, source: bool = False) -> dict[str, Any]:
     """vLLM's metadata of already-sampled frames (what its loader returns beside them): every
     frame kept (no sampling again), at the sampled rate - so the processor's ``sampled_fps``
-    (``len(indices) / total * fps``) is the rate the frames stand for."""
+    (``len(indices) / total * fps``) is the rate the frames stand for. ``source``: the loader's
+    own metadata instead - the source's rate and frame count, the sampled frames' indices in it
+    (:class:`InvalidRequest` for frames without them)."""
+    if source:
+        if video.indices is None or video.source_fps is None or video.total_frames is None:
+            raise InvalidRequest(
+                "this model writes each video frame's time into the prompt: the video's frame indices in its "
+                "source are needed (frames stored without them cannot be served)",
+                param="messages",
+            )
+        # (vLLM's Qwen3-VL loader takes an unknown source rate for 24 fps, as transformers' processor)
+        fps = video.source_fps if video.source_fps > 0 else 24.0
+        return {
+            "total_num_frames": int(video.total_frames),
+            "fps": float(fps),
+            "duration": video.total_frames / fps,
+            "video_backend": "opencv",
+            "frames_indices": [int(i) for i in video.indices],
+            "do_sample_frames": False,
+        }
     n = int(video.frames.shape[0])
     return {
         "total_num_frames": n,
@@ -523,7 +547,8 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             data["image"] = [item.image for item in stills]
             uuids["image"] = [item.item_hash for item in stills]
         if videos:
-            data["video"] = [(v.video.frames, sampled_video_metadata(v.video)) for v in videos]
+            source = self.arch in VIDEO_SOURCE_FAMILIES
+            data["video"] = [(v.video.frames, sampled_video_metadata(v.video, source=source)) for v in videos]
             uuids["video"] = [v.item_hash for v in videos]
         if data:
             prompt["multi_modal_data"] = data
