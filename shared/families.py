@@ -39,10 +39,12 @@ VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
 #: engine name -> the families whose videos are encoded in segments (``EPD_VIDEO_SEGMENT_FRAMES``):
 #: their vision tower attends within a temporal patch (Qwen2-VL and Qwen2.5-VL: ``cu_seqlens`` per
 #: grid row, and Qwen2.5-VL's windows within it), so a segment's features are its part of the whole
-#: video's (tests/test_video_segments.py). The vLLM engine encodes a video whole.
+#: video's (tests/test_video_segments.py; vLLM's towers as well, vllm/model_executor/models/qwen2_vl.py
+#: and qwen2_5_vl.py). On the vLLM engine the PD worker joins the segments' EC objects into the video's
+#: own for its connector (tests/test_vllm_families.py).
 VIDEO_SEGMENT_FAMILIES: dict[str, tuple[str, ...]] = {
     "transformers": ("qwen2_5_vl", "qwen2_vl"),
-    "vllm": (),
+    "vllm": ("qwen2_5_vl", "qwen2_vl"),
 }
 
 

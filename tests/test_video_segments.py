@@ -147,3 +147,54 @@ def test_segmented_request_equals_the_unsegmented_generate(segment_stack, clips)
     assert short["choices"][0]["token_ids"] == _hf_tokens(
         model, "Describe the video.", ["video"], [], [short_video], max_tokens=GREEDY["max_tokens"]
     )
+
+
+def test_segments_are_joined_in_the_store_in_order_or_not_at_all(s3_server, caplog):
+    """The vLLM engine's path (its connector loads one EC object per item): the PD worker joins a
+    segmented video's EC objects, in order, into the video's own - against a real S3 store. A
+    missing segment joins nothing (the engine then encodes the video whole); a second join finds
+    the video stored. Negative control: segments in another order give another object."""
+    import uuid
+
+    import numpy as np
+
+    from services.prefill.features import join_in_store
+    from shared.protocol import ImageRef
+    from shared.store.ec import ECStore
+    from shared.store.objects import S3ObjectStore
+
+    raw = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, f"seg-{uuid.uuid4().hex[:12]}")
+    raw.ensure_bucket()
+    store = ECStore(raw, namespace="epd", fingerprint="f" * 24, producer="encoder")
+    rows = {
+        h: np.random.default_rng(i).standard_normal((n, 8)).astype(np.float32)
+        for i, (h, n) in enumerate([("a" * 64, 4), ("b" * 64, 4), ("c" * 64, 2)])
+    }
+    for h, r in rows.items():
+        store.save(h, r.tobytes(), dtype="F32", shape=r.shape, extra={"engine": "vllm"})
+
+    def video(item: str, order: str) -> ImageRef:
+        segs = tuple(
+            ImageRef(item_hash=h * 64, media_key="m", width=8, height=8, kind="video", frames=2) for h in order
+        )
+        return ImageRef(item_hash=item, media_key="", width=8, height=8, kind="video", frames=6, fps=2.0, segments=segs)
+
+    whole = video("d" * 64, "abc")
+    size = join_in_store(store, whole, "r1")
+    assert size and size > 0
+    obj = store.load(whole.item_hash)
+    assert obj.shape == (10, 8) and obj.extra["segments"] == 3
+    got = np.frombuffer(obj.data, dtype=np.float32).reshape(obj.shape)
+    assert np.array_equal(got, np.concatenate([rows["a" * 64], rows["b" * 64], rows["c" * 64]]))
+    assert join_in_store(store, whole, "r2") == 0  # stored already: nothing read or written
+
+    reordered = video("e" * 64, "cba")
+    assert join_in_store(store, reordered, "r3")
+    assert store.load(reordered.item_hash).data != obj.data  # (the order is the video's)
+
+    raw.delete(store.key("b" * 64))
+    caplog.set_level("WARNING", logger="services.prefill.features")
+    missing = video("f" * 64, "abc")
+    assert join_in_store(store, missing, "r4") is None
+    assert not store.exists(missing.item_hash)
+    assert "not joined" in caplog.text and "encodes it whole" in caplog.text

@@ -18,11 +18,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image
 
 from shared.engines.base import GenerationStats, MediaImage
+from shared.families import VIDEO_SEGMENT_FAMILIES, model_type_of
 from shared.media import content_hash_of
+from shared.protocol import GenerationJob
+from shared.store.objects import S3ObjectStore
 from tests.stackutil import GREEDY as STACK_GREEDY
 from tests.stackutil import (
     api_tokens,
@@ -178,6 +182,7 @@ def family_stack(our_answers, nats_server, s3_server, family_dir, tmp_path_facto
         EPD_MAX_IMAGES_PER_REQUEST="2",
         EPD_ENCODE_STEALS="0",  # every image's features through the store (what the test holds)
         EPD_STREAM_MAX_BYTES=str(4 * 1024**2),  # (JetStream reserves it per stream on the session's server)
+        EPD_VIDEO_SEGMENT_FRAMES="2",  # the clip's 6 sampled frames in 3 segments, where the family allows
     )
     try:
         yield running
@@ -253,10 +258,11 @@ def _holds_plain_tokens(family_dir: Path, plain_tokens: dict[str, list[int]], st
     assert all(sources) and all(v == "store" for s in sources for v in s.values()), sources
 
 
-def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_answers, family_stack, clip):
+def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_answers, family_stack, clip, s3_server):
     """Video (issue 43): where the vLLM engine serves the family's video, our engine (agg) and the
-    e-pd stack (the encoder's video features through our EC connector) give a plain vLLM run's
-    tokens for the clip (vLLM's loader sampling the file; ours the frames the API sampled); for
+    e-pd stack (the encoder's video features through our EC connector; Qwen2-VL and Qwen2.5-VL's in
+    3 segments, joined by the PD worker) give a plain vLLM run's tokens for the clip (vLLM's loader
+    sampling the file; ours the frames the API sampled); for
     every other family the API refuses a video before fetching it, naming where video is served."""
     resp = family_stack.chat(_video_messages(clip), **STACK_GREEDY)
     if not _takes_video(family_dir):
@@ -269,6 +275,28 @@ def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_ans
     assert our_answers["video"][1].strip()
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == plain_tokens["video"], family_dir.name
-    (source,) = final_result(family_stack, resp.json()["id"]).ec_sources.values()
-    assert source == "store"
+
+    # usage counts the video's tokens as /tokenize does (the API's count of the same messages)
+    def count(messages: list[dict]) -> int:
+        body = {"model": "qwen2-vl-tiny", "messages": messages}
+        tok = httpx.post(f"{family_stack.url}/tokenize", json=body, timeout=120)
+        assert tok.status_code == 200, tok.text
+        return tok.json()["count"]
+
+    text_only = [{"role": "user", "content": [{"type": "text", "text": VIDEO_TEXT}]}]
+    video_count = count(_video_messages(clip))
+    assert resp.json()["usage"]["prompt_tokens"] == video_count >= count(text_only) + 3  # (3 temporal patches)
+    sources = final_result(family_stack, resp.json()["id"]).ec_sources
+    assert set(sources.values()) == {"store"}, sources
+    if model_type_of(family_dir) in VIDEO_SEGMENT_FAMILIES["vllm"]:
+        # segmented: each segment encoded by the encoder and stored, joined by the PD worker into
+        # the video's own EC object, which our connector loaded
+        (job,) = family_stack.messages_of("stream_generate", GenerationJob, resp.json()["id"])
+        (ref,) = job.images
+        assert len(ref.segments) == 3 and set(sources) == {s.item_hash for s in ref.segments}
+        store = S3ObjectStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, family_stack.bucket)
+        (joined,) = [o for o in store.list("") if o.key.endswith("/" + ref.item_hash)]
+        assert "segments joined in the store" in family_stack.log_of("prefill"), joined
+    else:
+        assert len(sources) == 1
     assert plain_tokens["video"] != plain_tokens["image"]  # (the video is seen: not the image's answer)

@@ -62,11 +62,11 @@ from shared.ec_lifecycle.claims import STEAL_LEASE_S, STEAL_RENEW_S, EncodeClaim
 from shared.ec_lifecycle.worker import WorkerLifecycle
 from shared.engines import base
 from shared.engines.base import EncodedImage
-from shared.errors import StoreError
+from shared.errors import EPDError, StoreError
 from shared.jetstream import TypedSubscription, subscribe_typed
 from shared.protocol import ECFailed, ECReady, ECSource, ImageRef, WorkerHeartbeat, recomputed
 from shared.store.ec import ECStore
-from shared.store.format import MissReason, ObjectValidationError
+from shared.store.format import MissReason, ObjectValidationError, join_rows
 from shared.topology import Service
 from shared.worker import HEARTBEAT_INTERVAL_S
 
@@ -498,6 +498,27 @@ class Stealer:
             await self._claims.release(self.fingerprint, steal.ref.item_hash, steal.revision)
 
 
+def join_in_store(store: ECStore, ref: ImageRef, request_id: str) -> int | None:
+    """(Blocking.) The EC object of a segmented video (``ref.segments``) under its own item,
+    its segments' objects' rows joined in order, for an engine whose connector loads one object
+    per item. Returns the object's size when written here, 0 when it was stored already, None when
+    not joined: a segment's object missing or unreadable (logged; the engine then encodes the
+    video whole - a miss, never a wrong feature)."""
+    item = ref.item_hash[:12]
+    try:
+        if store.exists(ref.item_hash):
+            return 0
+        objects = [store.load(seg.item_hash, request_id=request_id) for seg in ref.segments]
+        data, dtype, shape = join_rows(objects)
+        extra = {**objects[0].extra, "segments": len(objects)}
+        _key, nbytes = store.save(ref.item_hash, data, dtype=dtype, shape=shape, extra=extra)
+    except (EPDError, ValueError) as exc:  # (ObjectValidationError: a segment's object missing or bad)
+        log.warning("video %s: its segments' features not joined (%s): the engine encodes it whole", item, exc)
+        return None
+    log.info("video %s: %d segments joined in the store (%d bytes)", item, len(objects), nbytes)
+    return nbytes
+
+
 class FeatureSource(abc.ABC):
     #: The worker's part in the EC store lifecycle (sources that use the store).
     lifecycle: WorkerLifecycle | None = None
@@ -505,6 +526,16 @@ class FeatureSource(abc.ABC):
     @abc.abstractmethod
     async def resolve(self, ref: ImageRef, request_id: str) -> tuple[EncodedImage | base.ConnectorItem, str]:
         """The engine's item for one image and where it came from."""
+
+    async def join(
+        self, ref: ImageRef, parts: list[EncodedImage | base.ConnectorItem], request_id: str
+    ) -> EncodedImage | base.ConnectorItem:
+        """A segmented video (``ref.segments``) as the engine takes it, from its segments' resolved
+        items (in order): here their features joined."""
+        encoded = [p for p in parts if isinstance(p, EncodedImage)]
+        if len(encoded) != len(parts):
+            raise TypeError("a video in segments: every segment's features must be resolved here")
+        return base.join_segments(encoded, ref.fps)
 
     async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
         """After a request's generation (``stats``; None when it failed): announce the items its
@@ -682,6 +713,26 @@ class ConnectorFeatures(FeatureSource):
                     if reason is not None:
                         log.warning("item %s not stored (%s): the engine encodes it", ref.item_hash[:12], reason.value)
         return await self._item(ref), ECSource.CONNECTOR
+
+    async def join(
+        self, ref: ImageRef, parts: list[EncodedImage | base.ConnectorItem], request_id: str
+    ) -> base.ConnectorItem:
+        """The segments' frames as one video under the video's item hash; with encoders, its
+        features joined from the segments' EC objects into the video's own object first (the
+        engine's connector loads one object per item). Where a segment's object is missing or
+        unreadable nothing is joined: the engine encodes the video whole (a miss, never a wrong
+        feature)."""
+        media = [p for p in parts if not isinstance(p, EncodedImage)]
+        if len(media) != len(parts):
+            raise TypeError("a video in segments: the segments must be media items")
+        video = base.join_video_media(media, ref.fps, ref.item_hash)
+        if self.encoder is not None and self.lifecycle is not None:
+            nbytes = await asyncio.to_thread(join_in_store, self.store, ref, request_id)
+            if nbytes == 0:
+                self.lifecycle.used(ref.item_hash)
+            elif nbytes is not None:
+                self.lifecycle.used(ref.item_hash, size=nbytes, created=True)
+        return video
 
     async def settle(self, request_id: str, stats: base.GenerationStats | None) -> None:
         """The engine stored what it encoded in its step (an EC producer as well): announce each

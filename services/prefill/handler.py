@@ -47,13 +47,13 @@ from shared import metrics, protocol
 from shared.admission import LONG_PROMPTS_AT_ONCE, Admission, long_prompt_tokens
 from shared.config import PrefillSettings, WorkerSettings
 from shared.engines import base
-from shared.engines.base import ConnectorItem, EncodedImage, Engine, MediaVideo, join_segments
+from shared.engines.base import ConnectorItem, EncodedImage, Engine, MediaVideo
 from shared.engines.prompts import image_token_estimate, prompt_cost
 from shared.errors import DeadlineExceeded, EPDError, InvalidRequest
 from shared.logs import plain
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
-from shared.protocol import ECSource, FinalResult, GenerationJob, ImageRef, Timing, WorkerHeartbeat
+from shared.protocol import ECSource, FinalResult, GenerationJob, Timing, WorkerHeartbeat
 from shared.routing import RecentItems, RouteClaim, advertised
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
@@ -62,19 +62,6 @@ from shared.topology import Role, Service
 from shared.worker import Delivery, Reject, Superseded, WorkerContext
 
 log = logging.getLogger(__name__)
-
-
-def _joined(
-    ref: ImageRef, by_hash: dict[str, tuple[EncodedImage | ConnectorItem, str]]
-) -> EncodedImage | ConnectorItem:
-    """A job's item as the engine takes it: resolved, or a segmented video's segments joined."""
-    if not ref.segments:
-        return by_hash[ref.item_hash][0]
-    parts = [by_hash[seg.item_hash][0] for seg in ref.segments]
-    encoded = [p for p in parts if isinstance(p, EncodedImage)]
-    if len(encoded) != len(parts):
-        raise InvalidRequest("a video in segments needs an engine whose features pass through the worker")
-    return join_segments(encoded, ref.fps)
 
 
 def _image_tokens(item: EncodedImage | ConnectorItem) -> int:
@@ -258,7 +245,13 @@ class PrefillHandler(ModelHandler):
         by_hash = dict(zip(distinct, resolved))
         for item_hash in distinct:
             self.recent_items.used(item_hash)
-        images = [_joined(ref, by_hash) for ref in job.images]
+        # (a segmented video: its segments' items joined by the feature source)
+        images = [
+            by_hash[ref.item_hash][0]
+            if not ref.segments
+            else await self.features.join(ref, [by_hash[seg.item_hash][0] for seg in ref.segments], job.request_id)
+            for ref in job.images
+        ]
         t_features = time.perf_counter()
         prompt = job_prompt(job)
         announce_steals: Callable[[], Awaitable[None]] | None = None
@@ -302,11 +295,7 @@ class PrefillHandler(ModelHandler):
     async def _final(self, gen: Generation) -> None:
         assert self.ctx is not None
         job, out, stats = gen.job, gen.out, gen.stats
-        if stats.extra.get("ec_sources"):  # connector engines report where each item's features came from
-            # (a stolen item stays "stolen": the engine saw a miss in the store, by design)
-            gen.sources.update(
-                {h: src for h, src in stats.extra["ec_sources"].items() if gen.sources.get(h) != ECSource.STOLEN}
-            )
+        gen.take_engine_sources()
         t_end = time.perf_counter()
         final = FinalResult(
             request_id=job.request_id,

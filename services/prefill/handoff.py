@@ -32,7 +32,7 @@ from shared.engines.base import ConnectorItem, EncodedImage, Engine, GenerationS
 from shared.errors import EngineError, StoreError
 from shared.logs import plain
 from shared.metrics import KVHandoffOutcome
-from shared.protocol import DecodeJob, GenerationJob, Timing
+from shared.protocol import DecodeJob, ECSource, GenerationJob, Timing
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectTooLarge
 from shared.token_stream import TokenOutput
@@ -63,6 +63,18 @@ class Generation:
     async def stream(self, events) -> None:
         """Stream ``events`` (an engine iterator) to the client until the request's deadline."""
         await self.out.stream(events, deadline=self.job.deadline)
+
+    def take_engine_sources(self) -> None:
+        """Where the engine says each item's features came from (a connector engine reports it
+        after generating) over the provisional sources: a stolen item stays "stolen" (the engine
+        saw a miss in the store, by design); a segmented video's source becomes each of its
+        segments' (the engine saw the video, whose object was joined from theirs)."""
+        reported = dict(self.stats.extra.get("ec_sources") or {})
+        for ref in self.job.images:
+            if ref.segments and ref.item_hash in reported:
+                source = reported.pop(ref.item_hash)
+                reported.update(dict.fromkeys((seg.item_hash for seg in ref.segments), source))
+        self.sources.update({h: src for h, src in reported.items() if self.sources.get(h) != ECSource.STOLEN})
 
 
 class HandOff(abc.ABC):
@@ -223,8 +235,7 @@ class KVConnectorHandOff(KVHandOff):
             metrics.KV_HANDOFFS.labels(KVHandoffOutcome.LOCAL_ENGINE_ERROR).inc()
             await self.generate_here(gen)
             return False
-        if gen.stats.extra.get("ec_sources"):
-            gen.sources.update(gen.stats.extra["ec_sources"])
+        gen.take_engine_sources()
         await self.publish(
             self.decode_job(
                 gen,

@@ -191,6 +191,21 @@ class MediaVideo:
 ConnectorItem: TypeAlias = "MediaImage | MediaVideo"
 
 
+def join_video_media(segments: Sequence[ConnectorItem], fps: float, item_hash: str) -> MediaVideo:
+    """A segmented video as a :class:`FeaturesThroughConnector` engine takes it: its segments'
+    frames in order, at the video's sampled ``fps``, under the video's own item hash (the
+    connector loads one EC object per item: the video's, joined from its segments' in the store)."""
+    import numpy as np
+
+    if not segments:
+        raise ValueError("join_video_media: no segment")
+    videos = [s for s in segments if isinstance(s, MediaVideo)]
+    if len(videos) != len(segments):
+        raise ValueError("join_video_media: every segment must be a video")
+    frames = np.concatenate([v.video.frames for v in videos], axis=0)
+    return MediaVideo(video=VideoFrames(frames=frames, fps=fps), item_hash=item_hash)
+
+
 def connector_item(source: Image.Image | VideoFrames, item_hash: str) -> ConnectorItem:
     """A stored media item (an image, or a video's frames) as a connector engine takes it."""
     if isinstance(source, VideoFrames):

@@ -37,7 +37,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +300,20 @@ class ECObject:
     @property
     def n_tokens(self) -> int:
         return self.shape[0]
+
+
+def join_rows(objects: Sequence[ECObject]) -> tuple[bytes, str, tuple[int, ...]]:
+    """The tensors of ``objects`` concatenated along their first axis, in order, as (raw bytes,
+    dtype, shape): a segmented video's features from its segments' (row-major raw bytes, so the
+    data one after another). Raises ValueError when there is none or their dtypes or row shapes
+    differ."""
+    if not objects:
+        raise ValueError("join_rows: no object")
+    kinds = {(o.dtype, tuple(o.shape[1:])) for o in objects}
+    if len(kinds) != 1:
+        raise ValueError(f"join_rows: the objects' dtypes or row shapes differ: {sorted(kinds)}")
+    ((dtype, row),) = kinds
+    return b"".join(o.data for o in objects), dtype, (sum(o.shape[0] for o in objects), *row)
 
 
 def ec_key(namespace: str, fingerprint: str, item_hash: str) -> str:
