@@ -49,6 +49,7 @@ from shared.tools.bench.lean_http import LeanClient  # noqa: E402 - after the sy
 from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402 - after the sys.path setup above
 from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402 - after the sys.path setup above
 from shared.tools.launcher import Stack  # noqa: E402 - after the sys.path setup above
+from shared.topology import Service  # noqa: E402 - after the sys.path setup above
 
 log = logging.getLogger("bench")
 
@@ -151,11 +152,13 @@ class Bench:
         *,
         timeout: float = 600.0,
         service_env: dict[str, dict[str, dict[str, str]]] | None = None,
+        replicas: dict[str, dict[str, int]] | None = None,
     ) -> dict[str, BenchStack]:
         """Start one stack per ``label -> (topology, EPD_* overrides)``, all at once (they load their
         engines in parallel), and wait until every one is ready (an API heartbeat from each worker).
         ``service_env``: label -> service (``encoder``, ``prefill``, ...) -> more environment for
-        that service only (e.g. one engine's core binding)."""
+        that service only (e.g. one engine's core binding); ``replicas``: label -> service -> how
+        many workers of it (default one each)."""
         started: dict[str, BenchStack] = {}
         for label, (topology, overrides) in specs.items():
             stack = Stack(
@@ -164,6 +167,7 @@ class Bench:
                 topology=topology,
                 api_port=free_port(),
                 service_env=dict((service_env or {}).get(label, {})),
+                replicas={Service(k): n for k, n in (replicas or {}).get(label, {}).items()},
             )
             bs = BenchStack(label, stack, model.name)
             self.stacks.append(bs)
@@ -562,15 +566,16 @@ def run_stacks(
     *,
     ready_timeout: float = 600.0,
     service_env: dict[str, dict[str, dict[str, str]]] | None = None,
+    replicas: dict[str, dict[str, int]] | None = None,
 ) -> int:
     """A script's body: start ``specs`` (:meth:`Bench.start`) on the ``--model-size`` model, run
     ``asyncio.run(measure(args, stacks))``, stop everything, print the figures (:func:`finish`).
     ``ready_timeout``: a hang bound on the stacks' start (vLLM engines take minutes on 2 cores);
-    ``service_env``: per-service environment (:meth:`Bench.start`)."""
+    ``service_env``, ``replicas``: per-service environment and worker counts (:meth:`Bench.start`)."""
     model = model_dir(args.model_size)
     print(f"load average at start: {load_average()}", flush=True)
     with Bench(name, keep=args.keep) as bench:
-        stacks = bench.start(specs, model, timeout=ready_timeout, service_env=service_env)
+        stacks = bench.start(specs, model, timeout=ready_timeout, service_env=service_env, replicas=replicas)
         figures = asyncio.run(measure(args, stacks))
     return finish(figures)
 

@@ -13,8 +13,15 @@ requests ask ``media_io_kwargs.video.fps`` = ``--clip-fps``, so every frame is s
   agg take turns); ratio: E|PD req/s / agg req/s. Target >= 1.3 (on 2 cores the PD worker and the encoder
   share them: the encoder's work overlaps the PD's only where a core is free).
 
+* long (``--long N``, instead of the two above): one N-frame video at a time (``--requests`` distinct
+  clips a repetition, cold), on an E|PD stack with two encoders and segments of ``--segment`` frames
+  (each segment its own encode job: both encoders work on the one video) against one with one encoder
+  encoding it whole (``EPD_VIDEO_SEGMENT_FRAMES=0``), taking turns; ratio: TTFT p50 segmented / whole,
+  and where each side's time goes (the timeline's stages, medians). No target: on 2 cores the two
+  encoders and the PD worker share the same cores.
+
 Run: ``.venv/bin/python bench/p11_video.py [--engine vllm|transformers] [--reps 3] [--requests 4]
-[--burst 16] [--frames 16] [--size 224]``
+[--burst 16] [--frames 16] [--size 224] [--long 32 --segment 16]``
 """
 
 from __future__ import annotations
@@ -105,6 +112,35 @@ async def burst(args: argparse.Namespace, stacks: dict[str, h.BenchStack], http)
     return ratio
 
 
+async def long_video(args: argparse.Namespace, stacks: dict[str, h.BenchStack], http) -> h.Ratio:
+    from shared.tools.bench.runner import parse_timeline
+
+    ratio = h.Ratio(f"P11 one {args.long}-frame video: TTFT p50 2 encoders + segments / 1 encoder whole")
+    stages: dict[str, dict[str, list[float]]] = {side: {} for side in stacks}
+    for rep in range(args.reps):
+        ttft: dict[str, list[float]] = {side: [] for side in stacks}
+        for k, side in enumerate(("seg", "whole") if rep % 2 == 0 else ("whole", "seg")):
+            for i in range(args.requests):
+                clip = clip_bytes(900_000 + 10_000 * rep + 1000 * k + i, args.long, args.size, args.clip_fps)
+                await h.wait_quiet()
+                probe = await h.chat(http, stacks[side].url, body(args, stacks[side].model, clip))
+                if not probe.ok or probe.ttft_s is None:
+                    raise SystemExit(f"{side}: request failed: {probe.error}")
+                ttft[side].append(probe.ttft_s)
+                seconds, _ = parse_timeline(await h.timeline(http, stacks[side].url, probe.request_id))
+                for name, sec in seconds.items():
+                    stages[side].setdefault(name, []).append(sec)
+        seg, whole = h.pct(ttft["seg"], 50), h.pct(ttft["whole"], 50)
+        ratio.add(seg / whole)
+        print(f"  long rep {rep}: TTFT p50 segmented {seg:.2f} s, whole {whole:.2f} s -> {seg / whole:.2f}")
+    for side, by_stage in stages.items():
+        parts = ", ".join(
+            f"{name} {h.pct(v, 50):.2f}" for name, v in sorted(by_stage.items(), key=lambda kv: -max(kv[1]))
+        )
+        print(f"  where the time goes ({side}, s, medians): {parts}")
+    return ratio
+
+
 async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> list[h.Ratio]:
     async with h.client() as http:
         for side in stacks:  # warm-up, not counted
@@ -115,6 +151,8 @@ async def measure(args: argparse.Namespace, stacks: dict[str, h.BenchStack]) -> 
             )
             if not probe.ok:
                 raise SystemExit(f"warm-up on {side} failed: {probe.error}")
+        if args.long:
+            return [await long_video(args, stacks, http)]
         figures = [await repeat(args, stacks["epd"], http)]
         if args.burst:
             figures.append(await burst(args, stacks, http))
@@ -130,8 +168,16 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=224, help="a clip's side, px")
     parser.add_argument("--burst", type=int, default=16, help="requests of a burst (0: no burst)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--long", type=int, default=0, help="frames of the long-video comparison (0: not run)")
+    parser.add_argument("--segment", type=int, default=16, help="--long: frames a segment holds")
     args = parser.parse_args()
-    env = {"EPD_ENGINE": args.engine, "EPD_MAX_VIDEO_FRAMES": str(max(64, args.frames))}
+    env = {"EPD_ENGINE": args.engine, "EPD_MAX_VIDEO_FRAMES": str(max(64, args.frames, args.long))}
+    if args.long:
+        specs = {
+            "seg": ("e-pd", {**env, "EPD_VIDEO_SEGMENT_FRAMES": str(args.segment)}),
+            "whole": ("e-pd", {**env, "EPD_VIDEO_SEGMENT_FRAMES": "0"}),
+        }
+        return h.run_stacks("p11", args, specs, measure, ready_timeout=1200, replicas={"seg": {"encoder": 2}})
     specs = {"epd": ("e-pd", env)}
     if args.burst:
         specs["agg"] = ("agg", env)
