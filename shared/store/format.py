@@ -443,6 +443,12 @@ def encode_video_frames(
         raise ValueError(f"video frames must be U8 [n, height, width, 3], got {frames.dtype}{list(frames.shape)}")
     if not (math.isfinite(sampled_fps) and sampled_fps >= 0):
         raise ValueError(f"sampled_fps must be a finite number >= 0, got {sampled_fps!r}")
+    metadata = {"sampled_fps": repr(float(sampled_fps))}
+    if source is not None:
+        source.check(frames.shape[0])
+        metadata["source_frames_indices"] = json.dumps(list(source.indices))
+        metadata["source_fps"] = repr(float(source.fps))
+        metadata["source_total_frames"] = str(source.total_frames)
     return encode_tensor_object(
         {_FRAMES_TENSOR: frames},
         schema=VIDEO_FRAMES_SCHEMA,
@@ -457,12 +463,12 @@ def encode_video_frames(
 def decode_video_frames(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float]:
     """A video's sampled frames and their rate, validated (schema, item, layout, checksum).
     Raises :class:`ObjectValidationError`."""
-    metadata = {"sampled_fps": repr(float(sampled_fps))}
-    if source is not None:
-        source.check(frames.shape[0])
-        metadata["source_frames_indices"] = json.dumps(list(source.indices))
-        metadata["source_fps"] = repr(float(source.fps))
-        metadata["source_total_frames"] = str(source.total_frames)
+    frames, fps, _ = decode_video_frames_with_source(blob, item_hash=item_hash)
+    return frames, fps
+
+
+def decode_video_frames_with_source(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float, VideoSource | None]:
+    """:func:`decode_video_frames` and the frames' :class:`VideoSource` (None: stored without it)."""
     obj = decode_tensor_object(
         blob, schema=VIDEO_FRAMES_SCHEMA, fingerprint="", id_field="item_hash", object_id=item_hash
     )
@@ -485,9 +491,3 @@ def decode_video_frames(blob: bytes, *, item_hash: str) -> tuple[RawTensor, floa
         except (KeyError, ValueError, TypeError) as exc:
             raise ObjectValidationError(MissReason.CORRUPT, f"video frames with a bad source ({exc})") from None
     return frames, fps, source
-    frames, fps, _ = decode_video_frames_with_source(blob, item_hash=item_hash)
-    return frames, fps
-
-
-def decode_video_frames_with_source(blob: bytes, *, item_hash: str) -> tuple[RawTensor, float, VideoSource | None]:
-    """:func:`decode_video_frames` and the frames' :class:`VideoSource` (None: stored without it)."""
