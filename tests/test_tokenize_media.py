@@ -149,3 +149,69 @@ def test_tokenize_of_a_video_for_a_family_without_video_is_a_400_naming_those_wi
     err = resp.json()["error"]
     assert err["code"] == "unsupported_content" and err["param"] == "messages"
     assert "llava" in err["message"] and "qwen2_vl" in err["message"] and "qwen2_5_vl" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_api(nats_server, s3_server, tmp_path_factory):
+    """Just the API of a tiny Qwen3-VL (its video prompt times each temporal patch)."""
+    from shared.tools.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3-vl", arch="qwen3_vl", size="tiny", seed=0)
+    running = start_stack(
+        nats_server,
+        s3_server,
+        model,
+        tmp_path_factory.mktemp("tokenize-qwen3-vl"),
+        services=["api"],
+        roles={},
+        EPD_MAX_VIDEOS_PER_REQUEST="2",
+        EPD_MAX_VIDEO_FRAMES="16",
+    )
+    try:
+        yield model, running
+    finally:
+        running.stack.stop()
+
+
+def test_tokenize_writes_a_qwen3_vl_videos_timestamps(qwen3_vl_api):
+    """Qwen3-VL: each temporal patch of a video is ``<t seconds>`` + its vision tokens; the count
+    equals the HF processor's ``input_ids`` on the frames vLLM's Qwen3-VL loader samples, with their
+    metadata (frame indices, source fps: the times); another fps gives other times and fewer tokens
+    (the negative control). (The count equals a vLLM engine's ``usage``: tests/test_vllm_families.py.)"""
+    from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    model, stack = qwen3_vl_api
+    processor = AutoProcessor.from_pretrained(model)
+
+    def reference(images: list, fps: float | None) -> list[int]:
+        video = load_video(CLIP, VideoSampler.QWEN3_VL, VideoSampling(fps=fps))
+        kinds = [{"type": "image"}] * len(images) + [{"type": "video"}, {"type": "text", "text": "What happens?"}]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": kinds}], add_generation_prompt=True, tokenize=False
+        )
+        meta = VideoMetadata(
+            total_num_frames=video.info.total_frames, fps=video.info.fps, frames_indices=list(video.indices)
+        )
+        out = processor(
+            text=[text],
+            images=images or None,
+            videos=[video.frames],
+            video_metadata=[meta],
+            do_sample_frames=False,
+            return_tensors="np",
+        )
+        return out["input_ids"][0].tolist()
+
+    got = {}
+    for images, fps in (([], None), ([], 1.0), ([IMAGE], None)):
+        parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images] + [_video_part(CLIP)]
+        body: dict = {"messages": _messages(*parts, text="What happens?")}
+        if fps:
+            body["media_io_kwargs"] = {"video": {"fps": fps}}
+        resp = httpx.post(f"{stack.url}/tokenize", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        got[(len(images), fps)] = resp.json()["tokens"]
+        assert got[(len(images), fps)] == reference(images, fps), (len(images), fps)
+    assert b"seconds>" in processor.tokenizer.decode(got[(0, None)]).encode()
+    assert len(got[(0, 1.0)]) < len(got[(0, None)])  # the negative control: fewer patches, other times
