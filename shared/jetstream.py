@@ -42,6 +42,7 @@ from nats.js.errors import ServiceUnavailableError as JSServiceUnavailableError
 from shared import metrics, protocol
 from shared.config import NatsSettings
 from shared.errors import ConfigError, ServiceUnavailable
+from shared.nats_auth import creates_topology, inbox_prefix
 from shared.protocol import Message, Subjects
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,11 @@ async def connect(settings: NatsSettings, *, name: str, connect_timeout: float =
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
         kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""
+        # replies to this identity's requests come below an inbox only it may subscribe to
+        try:
+            kwargs["inbox_prefix"] = inbox_prefix(settings.nats_user)
+        except ValueError as exc:
+            raise ConfigError(f"EPD_NATS_USER: {exc}") from exc
     try:
         nc = await nats.connect(
             # A comma-separated list seeds a NATS cluster; the client also learns the other members.
@@ -282,16 +288,64 @@ def replicas_error(exc: BaseException, nc: NATS | None, replicas: int, what: str
     )
 
 
+def connection_user(js_or_nc: Any) -> str | None:
+    """The NATS user a JetStream context's (or a connection's) connection authenticated as."""
+    nc = getattr(js_or_nc, "_nc", js_or_nc)
+    options = getattr(nc, "options", None)
+    return options.get("user") if isinstance(options, dict) else None
+
+
+#: How long a process whose identity does not create streams / buckets waits for them to appear
+#: (the API creates them at its start) before it gives up, and how often it looks.
+TOPOLOGY_WAIT_S = 600.0
+TOPOLOGY_POLL_S = 0.25
+_WAIT_LOG_S = 15.0
+
+
+async def _wait_created(lookup: Callable[[], Awaitable[T]], what: str, user: str | None, wait_s: float) -> T:
+    """``lookup()`` again until it finds ``what`` (NotFoundError while it does not), logging
+    while it waits; a ServiceUnavailable after ``wait_s``."""
+    started = time.monotonic()
+    logged = -_WAIT_LOG_S
+    while True:
+        try:
+            return await lookup()
+        except (BucketNotFoundError, NotFoundError):
+            waited = time.monotonic() - started
+            if waited >= wait_s:
+                raise ServiceUnavailable(
+                    f"{what} does not exist after {waited:.0f}s and NATS identity {user!r} may not create it: "
+                    "start the API (it creates the streams and buckets) or run this process as a role that may"
+                ) from None
+            if waited - logged >= _WAIT_LOG_S:
+                logged = waited
+                log.info(
+                    "%s does not exist yet; NATS identity %r binds only: waiting for the API to create it", what, user
+                )
+            await asyncio.sleep(TOPOLOGY_POLL_S)
+
+
 async def open_bucket(
-    js: Any, bucket: str, *, replicas: int, what: str, description: str, ttl: float | None = None
+    js: Any,
+    bucket: str,
+    *,
+    replicas: int,
+    what: str,
+    description: str,
+    ttl: float | None = None,
+    wait_s: float = TOPOLOGY_WAIT_S,
 ) -> Any:
     """A key-value bucket of one revision per key, on disk, created when missing (safe from several
     processes at once). More ``replicas`` than the cluster has: a ``ConfigError`` that says so,
-    naming ``what`` (e.g. "the EC index")."""
+    naming ``what`` (e.g. "the EC index"). A process whose NATS identity binds only
+    (:func:`shared.nats_auth.creates_topology`) waits up to ``wait_s`` for the API to create it."""
     try:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         pass
+    user = connection_user(js)
+    if not creates_topology(user):
+        return await _wait_created(lambda: js.key_value(bucket), f"{what} bucket {bucket}", user, wait_s)
     config = KeyValueConfig(
         bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE, replicas=replicas, description=description
     )
@@ -353,12 +407,34 @@ async def kv_latest(js: Any, bucket: str, keys: str = ">", *, timeout: float = 3
 
 
 async def ensure_topology(
-    js: JetStreamContext, settings: NatsSettings, subjects: Subjects, *, nc: NATS | None = None
+    js: JetStreamContext,
+    settings: NatsSettings,
+    subjects: Subjects,
+    *,
+    nc: NATS | None = None,
+    consumer: tuple[str, str] | None = None,
+    wait_s: float = TOPOLOGY_WAIT_S,
 ) -> None:
     """Create (or update) every stream and durable consumer, with ``EPD_STREAM_REPLICAS``
     replicas. Safe to call from every service. Raises :class:`~shared.errors.ConfigError` when
     the server cannot hold that many replicas (``nc``: the connection, to name the cluster size
-    and to refuse replicas > 1 on a server without a cluster before creating anything)."""
+    and to refuse replicas > 1 on a server without a cluster before creating anything).
+
+    A process whose NATS identity binds only (a worker's role identity,
+    :func:`shared.nats_auth.creates_topology`) creates nothing: it waits (up to ``wait_s``, with
+    a log line) until every stream and ``consumer`` (``(stream, durable)``, its own) exist."""
+    if not creates_topology(settings.nats_user):
+        for name in subjects.streams():
+            await _wait_created(functools.partial(js.stream_info, name), f"stream {name}", settings.nats_user, wait_s)
+        if consumer is not None:
+            stream, durable = consumer
+            await _wait_created(
+                functools.partial(js.consumer_info, stream, durable),
+                f"consumer {stream}/{durable}",
+                settings.nats_user,
+                wait_s,
+            )
+        return
     if nc is not None:
         check_replicas(nc, settings.stream_replicas)
     until = time.monotonic() + TOPOLOGY_RETRY_S

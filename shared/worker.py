@@ -495,13 +495,13 @@ class WorkerRunner:
         nc = await connect(self.settings.nats, name=f"epd-{self.name}-{self.settings.worker_id}")
         js = nc.jetstream()
         try:
-            await ensure_topology(js, self.settings.nats, self.subjects, nc=nc)
+            stream = self.subjects.work_stream(self.handler.queue)
+            await ensure_topology(js, self.settings.nats, self.subjects, nc=nc, consumer=(stream, self.handler.durable))
             publisher = self._publisher = JetStreamPublisher.for_settings(js, self.settings.nats)
             ctx = WorkerContext(self.settings, self.subjects, publisher, nc)
             await self.handler.setup(ctx)
             if self.freeze_heap:  # started: the engine is loaded
                 freeze_startup_heap()
-            stream = self.subjects.work_stream(self.handler.queue)
             self._records = RequestRecords(js, self.subjects, nc)
             cancel_sub = await nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel)
             # Once the server has the subscription, every cancellation is heard (unconfirmed: never

@@ -182,7 +182,8 @@ def api_only_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
-    """E|P|D: api + encoder + prefill (role ``prefill``) + decode processes, tiny Qwen2-VL.
+    """E|P|D: api + encoder + prefill (role ``prefill``) + decode processes, tiny Qwen2-VL, on a
+    NATS server of its own where each service connects as its role's identity (``shared.nats_auth``).
 
     An ack wait of 15 s: a killed decode worker's job is redelivered within it, and a worker
     starved of CPU on a loaded machine (it sends ``in_progress`` every ack_wait/3) keeps its job.
@@ -204,8 +205,10 @@ def epd_stack_epd(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         EPD_ACK_WAIT_S="15",
         EPD_ENCODE_STEALS="0",  # as epd_stack: test_vllm_metrics pauses the encoder to hold a request
         EPD_NO_ENCODER_AFTER_S="300",  # ... and the worker keeps waiting for the paused encoder
+        # each service as its own NATS role identity (shared.nats_auth), as `epd up` runs them
+        nats_identities=True,
     )
     try:
         yield running
     finally:
-        running.stack.stop()
+        running.stop()

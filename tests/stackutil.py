@@ -26,6 +26,7 @@ from shared import protocol
 from shared.protocol import ErrorEvent, FinalResult, Subjects, TokenChunk
 from shared.tools.infra import EmbeddedNats, EmbeddedS3
 from shared.tools.launcher import Stack
+from shared.tools.nats_identities import NatsIdentities
 
 #: Greedy request parameters of the equality tests (the API's extension returns token ids).
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=True)
@@ -123,6 +124,18 @@ class RunningStack:
     env: dict[str, str]
     prefill_metrics_port: int | None = None
     request_timeout_s: float | None = None
+    #: a NATS server of this stack's own (``start_stack(nats_identities=True)``), stopped by :meth:`stop`
+    own_nats: EmbeddedNats | None = None
+    #: its role identities (``shared.tools.nats_identities``)
+    identities: NatsIdentities | None = None
+
+    def stop(self) -> None:
+        """Stop the services (and the stack's own NATS server)."""
+        try:
+            self.stack.stop()
+        finally:
+            if self.own_nats is not None:
+                self.own_nats.stop()
 
     @property
     def url(self) -> str:
@@ -150,6 +163,10 @@ class RunningStack:
         return "\n".join(p.log_path.read_text() for p in self.stack.processes if p.name == service)
 
 
+#: The user the tests' own connections without credentials are, on a stack's own NATS server.
+TEST_USER = "tests"
+
+
 def start_stack(
     nats_server,
     s3_server,
@@ -162,16 +179,32 @@ def start_stack(
     service_env=None,
     service_modules=None,
     ready_timeout=300,
+    nats_identities=False,
     **env_overrides,
 ) -> RunningStack:
     """A ready stack on the session's NATS and S3: every service of ``topology``
     (``shared.topology.TOPOLOGIES``), or just ``services``; ``roles`` are the worker roles
     to wait for. ``env_overrides`` are ``EPD_*`` settings for every service, ``service_env`` per
     service; ``service_modules`` runs a service through another module (``tests.fault_workers``).
-    The caller stops it (``running.stack.stop()``)."""
+    ``nats_identities``: on a NATS server of its own (under ``log_dir``) that knows only the
+    role identities of ``shared.nats_auth`` (as ``epd up``'s), each service connecting as its
+    role; the tests' own connections without credentials are an unrestricted ``TEST_USER``.
+    The caller stops it (``running.stop()``)."""
     from shared.tools.infra import free_port
 
     env, prefix, namespace, bucket = stack_env(nats_server, s3_server, model_dir, **env_overrides)
+    own_nats, identities = None, None
+    if nats_identities:
+        identities = NatsIdentities.under(Path(log_dir) / "nats-identities", Subjects(prefix))
+        own_nats = EmbeddedNats(
+            Path(log_dir) / "nats", extra_config=identities.server_config(no_auth_user=TEST_USER)
+        ).start()
+        nats_server = own_nats
+        env["EPD_NATS_URL"] = own_nats.url
+        service_env = {
+            name: {**identities.service_env().get(name, {}), **values}
+            for name, values in {**{n: {} for n in identities.service_env()}, **(service_env or {})}.items()
+        }
     if "vllm" in {env.get("EPD_ENGINE"), *(e.get("EPD_ENGINE") for e in (service_env or {}).values())}:
         require_vllm_tier("a stack with EPD_ENGINE=vllm")
     stack = Stack(
@@ -182,7 +215,9 @@ def start_stack(
         service_env=service_env or {},
         service_modules=service_modules or {},
     )
-    running = RunningStack(stack, nats_server.url, prefix, namespace, bucket, env)
+    running = RunningStack(
+        stack, nats_server.url, prefix, namespace, bucket, env, own_nats=own_nats, identities=identities
+    )
     try:
         if services is None:
             stack.start()
@@ -191,7 +226,7 @@ def start_stack(
                 stack.add(name)
         stack.wait_ready(timeout=ready_timeout, roles=roles)
     except BaseException:
-        stack.stop()
+        running.stop()
         raise
     return running
 
@@ -322,14 +357,32 @@ def stack_env(
     return env, prefix, namespace, bucket
 
 
+async def connect_url(nats_url: str):
+    """A plain nats-py connection to ``nats_url``; credentials in the URL (``nats://user:pw@host``,
+    e.g. :func:`admin_url`) connect as that identity, with the inbox only it may read."""
+    import urllib.parse
+
+    import nats
+
+    from shared.nats_auth import inbox_prefix
+
+    user = urllib.parse.urlsplit(nats_url).username
+    return await nats.connect(nats_url, **({"inbox_prefix": inbox_prefix(user)} if user else {}))
+
+
+def admin_url(data_dir: Path, port: int) -> str:
+    """The URL of the NATS of an ``epd up`` with ``data_dir``, as its admin identity."""
+    password = (data_dir / "nats" / "identities" / "admin").read_text().strip()
+    return f"nats://admin:{password}@127.0.0.1:{port}"
+
+
 def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Message]]:
     """Every message still in ``stream``: (subject, headers, decoded message), in order."""
 
     async def main():
-        import nats
         from nats.js.errors import NotFoundError
 
-        nc = await nats.connect(nats_url)
+        nc = await connect_url(nats_url)
         try:
             js = nc.jetstream()
             info = await js.stream_info(stream)
@@ -370,7 +423,7 @@ async def publish_and_collect(
     and collect chunks until the terminal event (or fail after ``timeout``)."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await connect_url(nats_url)
     try:
         sub = await nc.subscribe(subjects.tokens(request_id))
         await nc.jetstream().publish(subject, protocol.encode(msg), headers=protocol.headers_for(msg, request_id))
@@ -426,10 +479,9 @@ def work_consumers(nats_url: str, subjects: Subjects) -> dict[str, Any]:
     durable name; a consumer the stack does not have (no such stage) is left out."""
 
     async def main():
-        import nats
         from nats.js.errors import NotFoundError
 
-        nc = await nats.connect(nats_url)
+        nc = await connect_url(nats_url)
         try:
             js = nc.jetstream()
             infos = {}

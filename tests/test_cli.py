@@ -67,7 +67,7 @@ def epd_up_output(monkeypatch, capsys, tmp_path: Path, env: dict[str, str]) -> s
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli, "EmbeddedNats", lambda data_dir, port: FakeServer("nats", data_dir, port))
+    monkeypatch.setattr(cli, "EmbeddedNats", lambda data_dir, port, **kw: FakeServer("nats", data_dir, port))
     monkeypatch.setattr(cli, "EmbeddedS3", lambda data_dir, port, **kw: FakeServer("s3", data_dir, port))
     monkeypatch.setattr(launcher, "Stack", FakeStack)
     monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)
@@ -253,7 +253,7 @@ def test_epd_up_flags_set_the_api_settings(monkeypatch, capsys, tmp_path, flags,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     RecordingStack.envs = []
-    monkeypatch.setattr(cli, "EmbeddedNats", lambda data_dir, port: FakeServer("nats", data_dir, port))
+    monkeypatch.setattr(cli, "EmbeddedNats", lambda data_dir, port, **kw: FakeServer("nats", data_dir, port))
     monkeypatch.setattr(cli, "EmbeddedS3", lambda data_dir, port, **kw: FakeServer("s3", data_dir, port))
     monkeypatch.setattr(launcher, "Stack", RecordingStack)
     monkeypatch.setattr(launcher, "Supervisor", StopAtOnce)

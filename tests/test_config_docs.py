@@ -7,12 +7,13 @@ from pathlib import Path
 
 from shared.tools import config_docs
 from shared.tools.cli import main
+from shared.tools.nats_identities import SECURITY_DOC
 
 ROOT = config_docs.ROOT
 
 
 def _copy(tmp_path: Path) -> Path:
-    for rel in (config_docs.CONFIG_DOC, config_docs.ENV_EXAMPLE, config_docs.COMPOSE_FILE):
+    for rel in (config_docs.CONFIG_DOC, config_docs.ENV_EXAMPLE, config_docs.COMPOSE_FILE, SECURITY_DOC):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     return tmp_path

@@ -42,7 +42,16 @@ from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import EXAMPLE
 from shared.topology import Topology
 from tests.epdup import EPD, EXITED, HEALTHY, READY, REPO, RESTARTED, EpdUp, Proc, descendants, distinct_free_ports
-from tests.stackutil import GREEDY, RunningStack, engine_encode, engine_tokens, final_result, noise_image, wait_for
+from tests.stackutil import (
+    GREEDY,
+    RunningStack,
+    admin_url,
+    engine_encode,
+    engine_tokens,
+    final_result,
+    noise_image,
+    wait_for,
+)
 from tests.test_e2e_epd import REF_PARAMS
 
 log = logging.getLogger(__name__)
@@ -366,7 +375,7 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         defaults = ToolSettings.env_fields()
         running = RunningStack(
             Stack(env={}, log_dir=tmp_path, topology=expected, api_port=api_port),
-            f"nats://127.0.0.1:{nats_port}",
+            admin_url(data_dir, nats_port),  # (epd up's NATS knows only its role identities)
             defaults["subject_prefix"].field.default,
             defaults["namespace"].field.default,
             defaults["s3_bucket"].field.default,
@@ -647,7 +656,7 @@ def test_epd_up_restarts_killed_workers_and_requests_in_flight_complete(tiny_mod
         defaults = ToolSettings.env_fields()
         running = RunningStack(
             Stack(env={}, log_dir=tmp_path, topology="e-pd", api_port=up.api_port),
-            f"nats://127.0.0.1:{up.nats_port}",
+            admin_url(up.data_dir, up.nats_port),
             defaults["subject_prefix"].field.default,
             defaults["namespace"].field.default,
             defaults["s3_bucket"].field.default,

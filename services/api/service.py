@@ -26,6 +26,7 @@ from services.api.supervisor import DeliverySupervisor
 from shared import protocol
 from shared.client import ChoiceStreams, RequestClient, Submission, item_hash_of
 from shared.config import ApiSettings
+from shared.ec_lifecycle.claims import EncodeClaims
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError, ServiceUnavailable
 from shared.families import (
@@ -40,6 +41,7 @@ from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
 from shared.protocol import ChatRequestRecord, ImageRef, MediaKind, SamplingSpec, Subjects, WorkerHeartbeat
+from shared.routing import RoutingClaims
 from shared.store.ec import ECStore
 from shared.store.factory import open_stores
 from shared.topology import TOPOLOGIES
@@ -193,6 +195,10 @@ class ApiService:
         self.nc = await connect(self.settings.nats, name=f"epd-api-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.settings.nats, self.subjects, nc=self.nc)
+        # The claims buckets too: the workers' NATS identities bind to them, create nothing
+        # (``shared.nats_auth``; the EC index is opened below).
+        await EncodeClaims.open(self.js, self.subjects, self.settings.nats)
+        await RoutingClaims.open(self.js, self.subjects, self.settings.nats)
         publisher = JetStreamPublisher.for_settings(self.js, self.settings.nats)
         settings = self.settings
         stores = await asyncio.to_thread(

@@ -28,6 +28,7 @@ from typing import Any
 
 from shared import protocol
 from shared.jetstream import confirm_subscriptions
+from shared.nats_auth import inbox_prefix
 from shared.protocol import ECInvalidated, Subjects
 from shared.store.ec import ECStore
 
@@ -201,7 +202,11 @@ class ConnectorLifecycle:
             reconnect_time_wait=0.5,
             ping_interval=self.ping_interval_s,
             max_outstanding_pings=self.max_outstanding_pings,
-            **({"user": self.user, "password": self.password or ""} if self.user else {}),
+            **(
+                {"user": self.user, "password": self.password or "", "inbox_prefix": inbox_prefix(self.user)}
+                if self.user
+                else {}
+            ),
         )
         try:
             sub = await subscribe_invalidations(nc, self.subjects, self._on_event)

@@ -136,13 +136,24 @@ def _example_answer() -> str:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ApiSettings, ModelSettings, StoreSettings, env_var
+    from shared.config import (
+        S3_ACCESS_KEY_ENV,
+        S3_SECRET_KEY_ENV,
+        ApiSettings,
+        ModelSettings,
+        NatsSettings,
+        StoreSettings,
+        env_var,
+    )
+    from shared.nats_auth import Role
+    from shared.protocol import Subjects
     from shared.tools.forkserver import ForkServer, default_fork_server, not_forkable
     from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
+    from shared.tools.nats_identities import NatsIdentities
 
     started = time.perf_counter()
     try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
-        model, store, api = ModelSettings(), StoreSettings(), ApiSettings()
+        model, store, api, nats_settings = ModelSettings(), StoreSettings(), ApiSettings(), NatsSettings()
     except ValidationError as exc:
         print(f"epd up: invalid settings in the environment: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +173,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     access_key = store.s3_access_key.get_secret_value()
     secret_key = store.s3_secret_key.get_secret_value()
-    nats = EmbeddedNats(data_dir / "nats", port=args.nats_port)
+    # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode 0600),
+    # the server knows only them, each service connects as its role (docs/security.md).
+    identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
+    nats = EmbeddedNats(data_dir / "nats", port=args.nats_port, extra_config=identities.server_config())
     s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
     stack: Stack | None = None
     fork_server: ForkServer | None = None  # the one this run asked for: closed with its services
@@ -219,6 +233,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         service_env = _service_env(args, Topology(args.topology))
         for name, values in service_env.items():
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
+        for name, values in identities.service_env().items():  # (after the print: never shown)
+            service_env[name] = {**values, **service_env.get(name, {})}
         stack = Stack(
             env=env,
             log_dir=data_dir / "logs",
@@ -255,6 +271,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             )
             + "\nPoint epd ec / epd replay (another shell) at it:\n"
             + connect_exports(nats.url, s3.endpoint, access_key, secret_key)
+            + identities.exports(Role.ADMIN)
             + "\n"
             "Try it:\n"
             + (

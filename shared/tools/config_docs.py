@@ -385,7 +385,9 @@ def env_example(root: Path = ROOT) -> str:
 
 # -- the command ----------------------------------------------------------------------------------
 def generated(root: Path = ROOT) -> dict[Path, str]:
-    return {CONFIG_DOC: configuration_md(), ENV_EXAMPLE: env_example(root)}
+    from shared.tools.nats_identities import SECURITY_DOC, security_md
+
+    return {CONFIG_DOC: configuration_md(), ENV_EXAMPLE: env_example(root), SECURITY_DOC: security_md()}
 
 
 def stale_files(root: Path = ROOT) -> list[Path]:
@@ -430,7 +432,7 @@ def add_parser(sub: Any) -> None:
     csub = cfg.add_subparsers(dest="config_command", required=True)
     docs = csub.add_parser(
         "docs",
-        help="write docs/configuration.md and .env.example from shared/config.py",
+        help="write docs/configuration.md, .env.example (shared/config.py) and docs/security.md (shared/nats_auth.py)",
     )
     docs.add_argument(
         "--check",
