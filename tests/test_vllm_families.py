@@ -75,6 +75,14 @@ def clip(tmp_path_factory) -> bytes:
     return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4", 30, 10.0, size=(84, 56), seed=0)
 
 
+@pytest.fixture(scope="module")
+def other_clip(tmp_path_factory) -> bytes:
+    """Another clip of the same size and length (other noise): the video's negative control."""
+    from tests.test_video import write_clip
+
+    return write_clip(tmp_path_factory.mktemp("clip") / "other.mp4", 30, 10.0, size=(84, 56), seed=1)
+
+
 def _video_url(data: bytes) -> str:
     return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
@@ -90,6 +98,12 @@ def _takes_video(family_dir: Path) -> bool:
     return model_type_of(family_dir) in VIDEO_FAMILIES["vllm"]
 
 
+def _model_type(family_dir: Path) -> str:
+    from shared.families import model_type_of
+
+    return model_type_of(family_dir)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory) -> Path:
     from shared.tools.models.tiny import build_tiny_model
@@ -98,7 +112,7 @@ def family_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip) -> dict[str, list[int]]:
+def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip, other_clip) -> dict[str, list[int]]:
     """Every case's greedy token ids from a plain vLLM run (its own process, ended before ours starts)."""
     from shared.engines.vllm_engine import vllm_folders
 
@@ -109,12 +123,13 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip) -> dict[str,
         for name, (text, images) in CASES.items()
     }
     if _takes_video(family_dir):
-        cases["video"] = {
-            "text": VIDEO_TEXT,
-            "images": [],
-            "videos": [_video_url(clip)],
-            "max_tokens": GREEDY.max_tokens,
-        }
+        for name, data in (("video", clip), ("other-video", other_clip)):
+            cases[name] = {
+                "text": VIDEO_TEXT,
+                "images": [],
+                "videos": [_video_url(data)],
+                "max_tokens": GREEDY.max_tokens,
+            }
     (work / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, **vllm_folders(Path(vllm_work_dir)), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     args = [str(family_dir), str(work / "cases.json"), str(work / "out.json")]
@@ -130,7 +145,7 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def our_answers(plain_tokens, family_dir, vllm_work_dir, clip) -> dict[str, tuple[list[int], str]]:
+def our_answers(plain_tokens, family_dir, vllm_work_dir, clip, other_clip) -> dict[str, tuple[list[int], str]]:
     """Every case's greedy token ids and text from our vLLM engine (agg: no connector) on the
     family's folder, started once the plain run ended and closed before the family's stack starts."""
     from shared.engines.vllm_engine import VllmEngine
@@ -144,12 +159,15 @@ def our_answers(plain_tokens, family_dir, vllm_work_dir, clip) -> dict[str, tupl
         assert events and events[-1].finish_reason == "length"
         return [e.token_id for e in events], "".join(e.text for e in events)
 
-    async def video_answer() -> tuple[list[int], str]:
+    async def video_answer(data: bytes) -> tuple[list[int], str]:
         from shared.engines.base import MediaVideo, VideoFrames
-        from shared.video import VideoSampler, VideoSampling, load_video
+        from shared.families import video_processor_of
+        from shared.video import VideoSampling, load_video, sampler_of_processor
 
-        sampled = load_video(clip, VideoSampler.QWEN2_VL, VideoSampling())
-        item = MediaVideo(video=VideoFrames(sampled.frames, sampled.sampled_fps), item_hash=sampled.item_hash)
+        # the frames the API samples for the family (vLLM's loader's: Qwen3-VL's its own), with
+        # their indices in the source (Qwen3-VL's prompt times each temporal patch from them)
+        sampled = load_video(data, sampler_of_processor(video_processor_of(family_dir)), VideoSampling())
+        item = MediaVideo(video=VideoFrames.of(sampled), item_hash=sampled.item_hash)
         messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_TEXT}]}]
         events = [e async for e in ours.generate(messages, [item], GREEDY, GenerationStats())]
         return [e.token_id for e in events], "".join(e.text for e in events)
@@ -157,7 +175,8 @@ def our_answers(plain_tokens, family_dir, vllm_work_dir, clip) -> dict[str, tupl
     async def all_cases():
         out = {name: await answer(text, images) for name, (text, images) in CASES.items()}
         if _takes_video(family_dir):
-            out["video"] = await video_answer()
+            out["video"] = await video_answer(clip)
+            out["other-video"] = await video_answer(other_clip)
         return out
 
     try:
@@ -299,4 +318,19 @@ def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_ans
         assert "segments joined in the store" in family_stack.log_of("prefill"), joined
     else:
         assert len(sources) == 1
-    assert plain_tokens["video"] != plain_tokens["image"]  # (the video is seen: not the image's answer)
+    if _model_type(family_dir) != "qwen3_vl":  # (the tiny Qwen3-VL answers noise clips and images alike)
+        assert plain_tokens["video"] != plain_tokens["image"]  # (the video is seen: not the image's answer)
+
+
+def test_another_clip_gives_other_video_tokens(family_dir, plain_tokens, our_answers, family_stack, other_clip):
+    """The video's negative control: another clip of the same size and length gives the plain run
+    other tokens, and our engine (agg) and the e-pd stack the plain run's for it."""
+    if not _takes_video(family_dir):
+        pytest.skip(
+            f"{family_dir.name}: no video on the vllm engine (refused: test_video_equals_plain_vllm_or_is_refused)"
+        )
+    assert plain_tokens["other-video"] != plain_tokens["video"], family_dir.name
+    assert our_answers["other-video"][0] == plain_tokens["other-video"], family_dir.name
+    resp = family_stack.chat(_video_messages(other_clip), **STACK_GREEDY)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == plain_tokens["other-video"], family_dir.name
