@@ -13,7 +13,17 @@ import msgspec
 
 from shared.config import EngineSettings, MediaSettings, ModelSettings, WorkerSettings
 from shared.engines import check_role, engine_class, load_engine
-from shared.engines.base import ChatPrompt, Engine, MediaImage, Prompt, RawPrompt, SamplingParams, VideoFrames
+from shared.engines.base import (
+    ChatPrompt,
+    ConnectorItem,
+    Engine,
+    Prompt,
+    RawPrompt,
+    SamplingParams,
+    VideoFrames,
+    connector_item,
+    join_video_media,
+)
 from shared.errors import EngineError, InvalidImage, InvalidVideo, MediaMissing
 from shared.media import MediaLimits, decode_image
 from shared.protocol import MediaKind
@@ -197,9 +207,13 @@ class ModelHandler(Handler):
         data = await self.media_bytes(ref)
         return await asyncio.to_thread(video_from_bytes, data, ref.item_hash)
 
-    async def media_image(self, ref: ImageRef) -> MediaImage:
-        """A request's image as :class:`FeaturesThroughConnector` engines take it."""
-        return MediaImage(image=await self.image(ref), item_hash=ref.item_hash)
+    async def connector_media(self, ref: ImageRef) -> ConnectorItem:
+        """A request's media item as :class:`FeaturesThroughConnector` engines take it: an image, a
+        video's frames, or a segmented video's segments' frames joined under the video's item."""
+        if ref.segments:
+            parts = await asyncio.gather(*(self.connector_media(seg) for seg in ref.segments))
+            return join_video_media(parts, ref.fps, ref.item_hash)
+        return connector_item(await self.media(ref), ref.item_hash)
 
     async def close(self) -> None:
         if self._owned_engine is not None:

@@ -24,6 +24,7 @@ from shared.store.format import media_key
 from shared.store.objects import S3ObjectStore
 from shared.tools.infra import free_port
 from tests.stackutil import (
+    GREEDY,
     api_tokens,
     chat_body,
     decoders,
@@ -67,6 +68,7 @@ def vllm_epd_stack(nats_server, s3_server, tiny_model_dir, tmp_path_factory):
         EPD_MAX_IMAGE_BYTES=str(512 * 1024),
         EPD_ACK_WAIT_S="15",
         EPD_REQUEST_TIMEOUT_S="600",  # a killed decode worker's replacement's vLLM takes a while to start
+        EPD_VIDEO_SEGMENT_FRAMES="4",  # a 6-frame clip in 2 segments (a 4-frame one whole)
     )
     running.decode_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
@@ -112,6 +114,47 @@ def test_epd_on_vllm_equals_aggregated_vllm(vllm_epd_stack, vllm_reference, stor
     assert final.worker != job.prefill_worker
     # The decode worker deletes the object when the request ends.
     wait_for(lambda: not any(rid in k for k in kv_keys(store, vllm_epd_stack)), 120, "KV cleanup")
+
+
+@pytest.mark.parametrize("seconds,segments", [(2, 0), (3, 2)], ids=["whole", "segmented"])
+def test_a_video_through_epd_on_vllm_equals_aggregated_vllm(
+    vllm_epd_stack, vllm_reference, tmp_path, seconds, segments
+):
+    """A video (issue 43) through E|P|D on vLLM: encoded by the encoder (a 6-frame clip in two
+    segments, joined in the store by the prefill worker), prefilled, its KV handed to the decode
+    worker - which gives its vLLM the video's frames again (a segmented one's joined) - equals the
+    aggregated engine on the same frames; another clip gives other tokens."""
+    import base64
+
+    from shared.engines.base import MediaVideo, VideoFrames
+    from shared.video import VideoSampler, VideoSampling, load_video
+    from tests.test_video import write_clip
+
+    def ask(seed: int) -> tuple[list[int], dict, list[int]]:
+        clip = write_clip(tmp_path / f"clip{seed}.mp4", 10 * seconds, 10.0, size=(84, 56), seed=seed)
+        url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+        parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "Describe the video."}]
+        resp = vllm_epd_stack.chat([{"role": "user", "content": parts}], **GREEDY)
+        assert resp.status_code == 200, resp.text
+        sampled = load_video(clip, VideoSampler.QWEN2_VL, VideoSampling())
+        item = MediaVideo(video=VideoFrames.of(sampled), item_hash=sampled.item_hash)
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        return (
+            resp.json()["choices"][0]["token_ids"],
+            resp.json(),
+            engine_tokens(vllm_reference, messages, [item], params),
+        )
+
+    got, body, want = ask(seconds)
+    assert got == want
+    other, _, other_want = ask(seconds + 100)
+    assert other == other_want and other != got  # the negative control
+    (job,) = vllm_epd_stack.messages_of("stream_decode", DecodeJob, body["id"])
+    (ref,) = job.generation.images
+    assert ref.kind == "video" and len(ref.segments) == segments
+    final = final_result(vllm_epd_stack, body["id"])
+    assert final.kv_source == "store" and set(final.ec_sources.values()) == {"store"}, final
 
 
 BATCH = [

@@ -150,7 +150,7 @@ class KVConnectorDecode(DecodeStrategy):
         h = self.handler
         engine: base.KVConnectorHandoff = h.engine  # type: ignore[assignment]  # the role check ensured the engine has this mixin
         gen = job.generation
-        images = await asyncio.gather(*(h.media_image(ref) for ref in gen.images))
+        images = await asyncio.gather(*(h.connector_media(ref) for ref in gen.images))
         params = sampling_params(job.sampling, seed=protocol.effective_seed(job.request_id, job.sampling.seed))
         handoff = KVHandoff(key=job.kv_key, request=job.request_id, attempt=job.kv_attempt)
         stats = GenerationStats()
