@@ -27,7 +27,7 @@ COMBOS = [
     ("qwen2_vl", "e-pd"),
     ("qwen2_vl", "e-p-d"),
     ("qwen2_5_vl", "e-p-d"),  # (the KV hand-off of a prompt whose positions follow seconds per patch)
-    ("qwen3_vl", "e-pd"),
+    ("qwen3_vl", "e-p-d"),  # (the KV hand-off of a prompt with timestamps and deepstack features)
 ]
 
 
