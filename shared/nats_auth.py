@@ -43,10 +43,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from shared import protocol
-from shared.protocol import Subjects, kv_key_subject_prefix, kv_stream
-
-#: The JetStream API prefix (the default domain).
-JS_API = "$JS.API"
+from shared.protocol import JS_ACK, JS_API, JS_FC, Subjects, kv_key_subject_prefix, kv_stream
 
 
 class Role(enum.StrEnum):
@@ -138,7 +135,7 @@ def _consume(stream: str, consumer: str) -> Permissions:
         publish=[
             f"{JS_API}.CONSUMER.INFO.{stream}.{consumer}",
             f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
-            f"$JS.ACK.{stream}.{consumer}.>",
+            f"{JS_ACK}.{stream}.{consumer}.>",
         ]
     )
 
@@ -156,7 +153,7 @@ def _scan(subjects: Subjects, *streams: str) -> Permissions:
                 f"{JS_API}.CONSUMER.MSG.NEXT.{s}.*",
                 f"{JS_API}.CONSUMER.DELETE.{s}.*",
                 # an ordered consumer's flow control (key-value purges, watches)
-                f"$JS.FC.{s}.>",
+                f"{JS_FC}.{s}.>",
             ]
         )
     return perms.add(deny=_protect_work_consumers(subjects, streams))
@@ -398,19 +395,32 @@ def _conf_list(values: Iterable[str]) -> str:
     return "[" + ", ".join(json.dumps(v) for v in values) + "]"
 
 
-def server_authorization(subjects: Subjects, passwords: Mapping[Role, str], *, no_auth_user: str = "") -> str:
+def server_authorization(
+    subjects: Subjects,
+    passwords: Mapping[Role, str],
+    *,
+    no_auth_user: str = "",
+    password_variables: bool = False,
+) -> str:
     """The ``authorization`` block of a nats-server configuration: one user per role in
     ``passwords`` with its permissions. ``no_auth_user``: an unrestricted user (no password) that
     connections without credentials are taken as - the test servers' own clients; never in a
-    deployment."""
+    deployment. ``password_variables``: the values are names of environment variables that
+    nats-server reads the passwords from (``password: $NAME``; Compose's ``deploy/nats-auth.conf``)."""
     lines = ["authorization {", "  users = ["]
     for role, password in passwords.items():
         perms = permissions(role, subjects)
         publish = f"allow: {_conf_list(perms.publish)}"
         if perms.publish_deny:
             publish += f", deny: {_conf_list(perms.publish_deny)}"
+        if password_variables:
+            if not re.fullmatch(r"[A-Z][A-Z0-9_]*", password):
+                raise ValueError(f"not an environment variable name: {password!r}")
+            secret = "$" + password
+        else:
+            secret = json.dumps(password)
         lines += [
-            f"    {{user: {json.dumps(Role(role).value)}, password: {json.dumps(password)}, permissions: {{",
+            f"    {{user: {json.dumps(Role(role).value)}, password: {secret}, permissions: {{",
             f"      publish: {{{publish}}}",
             f"      subscribe: {{allow: {_conf_list(perms.subscribe)}}}",
             "    }}",

@@ -273,6 +273,13 @@ def kv_key_subject_prefix(bucket: str) -> str:
     return f"$KV.{bucket}."
 
 
+#: NATS's own subject spaces that the per-role permissions name (``shared.nats_auth``): the
+#: JetStream API, acknowledgements, flow control.
+JS_API = "$JS.API"
+JS_ACK = "$JS.ACK"
+JS_FC = "$JS.FC"
+
+
 class Subjects:
     """Subject and stream names for one deployment prefix."""
 
