@@ -622,9 +622,8 @@ def _mounted_file(service: Mapping, target: str, read_file) -> str | None:
     return None
 
 
-def nats_node(name: str, service: Mapping, read_file) -> tuple[NatsNode, list[str]]:
-    """A NATS service's settings as nats-server sees them: its configuration file (read from the
-    mount, includes too), overridden by its command line."""
+def nats_node_conf(name: str, service: Mapping, read_file) -> tuple[dict[str, Any], list[str]]:
+    """A NATS service's configuration file as nats-server reads it: from the mount, includes too."""
     import posixpath
 
     problems = []
@@ -650,6 +649,14 @@ def nats_node(name: str, service: Mapping, read_file) -> tuple[NatsNode, list[st
                 conf = parse_nats_conf(text, read_include)
             except FileNotFoundError as exc:
                 problems.append(str(exc))
+    return conf, problems
+
+
+def nats_node(name: str, service: Mapping, read_file) -> tuple[NatsNode, list[str]]:
+    """A NATS service's settings as nats-server sees them: its configuration file (read from the
+    mount, includes too), overridden by its command line."""
+    command = [str(a) for a in service.get("command") or []]
+    conf, problems = nats_node_conf(name, service, read_file)
     cluster = conf.get("cluster") if isinstance(conf.get("cluster"), Mapping) else {}
     js = conf.get("jetstream")
     listen = _flag(command, "--cluster")
@@ -743,10 +750,6 @@ def nats_cluster_problems(compose: Mapping, read_file=read_repo_file) -> list[st
                     problems.append(
                         f"{name}: route credential {ref.name} must be ${{{ref.name}:?...}} (required, no default)"
                     )
-        command = [str(a) for a in svc.get("command") or []]
-        for flag, var in (("--user", "EPD_NATS_USER"), ("--pass", "EPD_NATS_PASSWORD")):
-            if not (_flag(command, flag) or "").startswith("${" + var + ":?"):
-                problems.append(f"{name}: {flag} is not ${{{var}:?...}} (the services' account)")
         hc = _healthcheck_args(svc) or []
         if not any("/healthz" in a for a in hc):
             problems.append(f"{name}: the healthcheck does not ask /healthz")
@@ -917,4 +920,89 @@ def object_store_problems(compose: Mapping, apps: Iterable[str], dotenv: Mapping
                 problems.append(f"{name}: {copies} copies need {copies} volume servers, it has {volume_servers}")
     else:
         problems.append("no replicated object store: neither distributed MinIO nodes nor a SeaweedFS master")
+    return problems
+
+
+# -- NATS identities (one per role, docs/security.md) ----------------------------------------------
+NATS_AUTH_CONF = "deploy/nats-auth.conf"
+#: The NATS identity (EPD_NATS_USER) of an epd-serve service, by the module it runs.
+NATS_ROLE_OF_MODULE = {
+    "services.api": "api",
+    "services.encoder": "encoder",
+    "services.prefill": "prefill",
+    "services.decode": "decode",
+}
+#: Command-line flags that would replace the configuration's users with one account.
+_AUTH_FLAGS = ("--user", "--pass", "--auth")
+
+
+def nats_auth_conf_problems(text: str | None) -> list[str]:
+    """The committed deploy/nats-auth.conf is what shared/nats_auth.py generates."""
+    from shared.tools.nats_identities import compose_nats_auth
+
+    if text is None:
+        return [f"{NATS_AUTH_CONF} is missing (`epd config docs` writes it)"]
+    if text != compose_nats_auth():
+        return [f"{NATS_AUTH_CONF} differs from shared/nats_auth.py's permissions: regenerate it (`epd config docs`)"]
+    return []
+
+
+def nats_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_repo_file) -> list[str]:
+    """Every NATS node knows every deployed role as a user with permissions, its password read
+    from a required variable of the node's environment (none on the command line, which would
+    replace them); every epd-serve service connects as its own role with that role's password;
+    no other service is handed a NATS password."""
+    from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
+
+    services = compose["services"]
+    variables = {role.value: password_variable(role) for role in DEPLOYED_ROLES}
+    problems = []
+    nodes = nats_nodes(compose)
+    if not nodes:
+        problems.append("no NATS node")
+    for name in nodes:
+        svc = services[name]
+        conf, conf_problems = nats_node_conf(name, svc, read_file)
+        problems += conf_problems
+        auth = conf.get("authorization") if isinstance(conf.get("authorization"), Mapping) else {}
+        users = {str(u.get("user")): u for u in auth.get("users") or [] if isinstance(u, Mapping)}
+        if sorted(users) != sorted(variables):
+            problems.append(f"{name}: NATS users {sorted(users)}, expected one per role {sorted(variables)}")
+        for user, var in variables.items():
+            entry = users.get(user)
+            if entry is None:
+                continue
+            if entry.get("password") != "$" + var:
+                problems.append(f"{name}: user {user}'s password is {entry.get('password')!r}, not ${var}")
+            if not isinstance(entry.get("permissions"), Mapping):
+                problems.append(f"{name}: user {user} has no permissions (it could do anything)")
+        command = [str(a) for a in svc.get("command") or []]
+        for flag in _AUTH_FLAGS:
+            if _flag(command, flag) is not None:
+                problems.append(f"{name}: {flag} on the command line replaces the per-role users")
+        env = environment(svc)
+        for var in variables.values():
+            refs = var_refs(str(env.get(var, "")))
+            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
+                problems.append(f"{name}: {var}={env.get(var)!r} is not ${{{var}:?...}} (required, no default)")
+    for name, spec in apps.items():
+        svc = services.get(name)
+        if svc is None:
+            continue
+        role = NATS_ROLE_OF_MODULE[spec.module]
+        env = environment(svc)
+        if env.get("EPD_NATS_USER") != role:
+            problems.append(f"{name}: EPD_NATS_USER={env.get('EPD_NATS_USER')!r}, expected its role {role!r}")
+        refs = var_refs(str(env.get("EPD_NATS_PASSWORD", "")))
+        if [(r.name, r.op) for r in refs] != [(variables[role], ":?")]:
+            problems.append(
+                f"{name}: EPD_NATS_PASSWORD={env.get('EPD_NATS_PASSWORD')!r} is not its role's "
+                f"${{{variables[role]}:?...}}"
+            )
+    for name, svc in services.items():
+        if name in apps or "EPD_NATS_IMAGE" in str(svc.get("image", "")):  # a NATS server, switched off or not
+            continue
+        given = sorted({r.name for r in var_refs(str(environment(svc))) if r.name in variables.values()})
+        if given:
+            problems.append(f"{name}: is handed NATS passwords {given}")
     return problems

@@ -7,13 +7,19 @@ from pathlib import Path
 
 from shared.tools import config_docs
 from shared.tools.cli import main
-from shared.tools.nats_identities import SECURITY_DOC
+from shared.tools.nats_identities import COMPOSE_NATS_AUTH, SECURITY_DOC
 
 ROOT = config_docs.ROOT
 
 
 def _copy(tmp_path: Path) -> Path:
-    for rel in (config_docs.CONFIG_DOC, config_docs.ENV_EXAMPLE, config_docs.COMPOSE_FILE, SECURITY_DOC):
+    for rel in (
+        config_docs.CONFIG_DOC,
+        config_docs.ENV_EXAMPLE,
+        config_docs.COMPOSE_FILE,
+        SECURITY_DOC,
+        COMPOSE_NATS_AUTH,
+    ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     return tmp_path

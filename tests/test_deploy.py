@@ -27,6 +27,7 @@ from shared.health import run as health_run
 from shared.tools.cli import build_parser
 from shared.tools.launcher import service_command
 from shared.tools.models.demo import SHIPPED_DIR
+from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
 from tests import deploycheck as dc
 
 ROOT = dc.ROOT
@@ -62,14 +63,15 @@ SETTINGS_OF = {
     "services.prefill": "PrefillSettings",
     "services.decode": "DecodeSettings",
 }
+#: The NATS password of each deployed role (deploy/nats-auth.conf), in .env.
+NATS_PASSWORDS = {password_variable(role) for role in DEPLOYED_ROLES}
 SECRETS = {
     "EPD_API_KEYS",
-    "EPD_NATS_PASSWORD",
     "EPD_S3_SECRET_KEY",
     "MINIO_ROOT_PASSWORD",
-    "EPD_NATS_USER",
     "EPD_S3_ACCESS_KEY",
     "MINIO_ROOT_USER",
+    *NATS_PASSWORDS,
 }
 # Settings compose deliberately leaves to the defaults, with the reason.
 NOT_FROM_COMPOSE = {
@@ -83,11 +85,17 @@ COMPOSE_DEFAULTS = {
     "EPD_S3_ENDPOINT": "minio:9000",
     "EPD_MODEL_NAME": "qwen2-vl-shapes",
 }
-COMPOSE_ONLY_VARS = {"EPD_MODEL_DIR", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "EPD_NATS_IMAGE", "EPD_MINIO_IMAGE"}
+COMPOSE_ONLY_VARS = {
+    "EPD_MODEL_DIR",
+    "MINIO_ROOT_USER",
+    "MINIO_ROOT_PASSWORD",
+    "EPD_NATS_IMAGE",
+    "EPD_MINIO_IMAGE",
+    *NATS_PASSWORDS,
+}
 TEST_SECRETS = {
     "EPD_API_KEYS": "sk-deploy-1,sk-deploy-2",
-    "EPD_NATS_USER": "epd",
-    "EPD_NATS_PASSWORD": "0f3c9a7d1e5b",
+    **{var: f"0f3c9a7d1e5b{i}c" for i, var in enumerate(sorted(NATS_PASSWORDS))},
     "MINIO_ROOT_USER": "epd-admin",
     "MINIO_ROOT_PASSWORD": "a" * 24,
     "EPD_S3_ACCESS_KEY": "epd-services",
@@ -338,7 +346,9 @@ def test_resolved_env_is_valid_settings(compose, name, monkeypatch):
         monkeypatch.setenv(key, value)
     settings = settings_class(APPS[name].module)()
     assert str(settings.model.model_path) == MODEL_PATH
-    assert settings.nats.nats_password.get_secret_value() == TEST_SECRETS["EPD_NATS_PASSWORD"]
+    role = dc.NATS_ROLE_OF_MODULE[APPS[name].module]
+    assert settings.nats.nats_user == role
+    assert settings.nats.nats_password.get_secret_value() == TEST_SECRETS[password_variable(role)]
     assert settings.store.s3_secret_key.get_secret_value() == TEST_SECRETS["EPD_S3_SECRET_KEY"]
     assert settings.model.engine == ("vllm" if APPS[name].target == "gpu" else "transformers")
     if APPS[name].role:
@@ -363,7 +373,7 @@ def test_secrets_are_required_and_never_defaulted(compose):
         assert var in variables, var
         assert all(ref.op == ":?" for ref in variables[var]), f"{var} must be ${{{var}:?...}} everywhere"
     example = env_example_values()
-    for var in ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD"):
+    for var in ("EPD_API_KEYS", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD", *NATS_PASSWORDS):
         assert example[var] == "", f".env.example must not ship a value for {var}"
     # Compose refuses to start with .env.example as it is (secrets empty) ...
     with pytest.raises(dc.MissingVariable) as err:
@@ -437,6 +447,111 @@ def test_nats_minio_ports_and_healthchecks(compose):
     env = dc.environment(svcs["minio"])
     assert env["MINIO_ROOT_USER"].startswith("${MINIO_ROOT_USER:?")
     assert dc.environment(svcs["api"])["EPD_S3_ACCESS_KEY"].startswith("${EPD_S3_ACCESS_KEY:?")
+
+
+# -- NATS identities: one per role (deploy/nats-auth.conf, docs/security.md) -------------------------
+def test_nats_auth_conf_is_the_generated_one():
+    text = (ROOT / dc.NATS_AUTH_CONF).read_text()
+    assert dc.nats_auth_conf_problems(text) == []
+    # Negative controls: a permission edited by hand, a file not there.
+    edited = text.replace('"$JS.API.INFO", ', "", 1)
+    assert edited != text
+    assert dc.nats_auth_conf_problems(edited) == [
+        "deploy/nats-auth.conf differs from shared/nats_auth.py's permissions: regenerate it (`epd config docs`)"
+    ]
+    assert dc.nats_auth_conf_problems(None) == ["deploy/nats-auth.conf is missing (`epd config docs` writes it)"]
+
+
+def test_each_service_connects_as_its_own_role(compose, cluster, cluster_test):
+    for merged in (compose, cluster, cluster_test):
+        assert dc.nats_identity_problems(merged, APPS) == []
+    env = dc.environment(compose["services"]["encoder-gpu"])
+    assert (env["EPD_NATS_USER"], env["EPD_NATS_PASSWORD"][:25]) == ("encoder", "${NATS_ENCODER_PASSWORD:?")
+    nats = dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))
+    assert {u["user"] for u in nats["authorization"]["users"]} == {r.value for r in DEPLOYED_ROLES}
+
+
+def _env_edit(compose: dict, service: str, **changes: str | None) -> dict:
+    env = {**dc.environment(compose["services"][service]), **changes}
+    return dc.broken(compose, service, environment={k: v for k, v in env.items() if v is not None})
+
+
+def _without_auth_include(relative: str) -> str | None:
+    text = dc.read_repo_file(relative)
+    return text.replace("include ./nats-auth.conf", "") if relative == "deploy/nats.conf" and text else text
+
+
+def _unrestricted_admin(relative: str) -> str | None:
+    text = dc.read_repo_file(relative)
+    if relative == dc.NATS_AUTH_CONF and text:
+        return re.sub(
+            r'\{user: "admin", password: \$NATS_ADMIN_PASSWORD, permissions: \{.*?\n    \}\}',
+            '{user: "admin", password: $NATS_ADMIN_PASSWORD}',
+            text,
+            flags=re.S,
+        )
+    return text
+
+
+BROKEN_IDENTITIES = {
+    "the encoder connecting with the prefill's password": (
+        lambda c: _env_edit(c, "encoder", EPD_NATS_PASSWORD="${NATS_PREFILL_PASSWORD:?x}"),
+        "encoder: EPD_NATS_PASSWORD='${NATS_PREFILL_PASSWORD:?x}' is not its role's ${NATS_ENCODER_PASSWORD:?...}",
+    ),
+    "a GPU decode worker connecting as the api": (
+        lambda c: _env_edit(c, "decode-gpu", EPD_NATS_USER="api"),
+        "decode-gpu: EPD_NATS_USER='api', expected its role 'decode'",
+    ),
+    "a service without an identity": (
+        lambda c: _env_edit(c, "prefill-only", EPD_NATS_USER=None, EPD_NATS_PASSWORD=None),
+        "prefill-only: EPD_NATS_USER=None, expected its role 'prefill'",
+    ),
+    "a default password": (
+        lambda c: _env_edit(c, "api", EPD_NATS_PASSWORD="${NATS_API_PASSWORD:-changeme}"),
+        "api: EPD_NATS_PASSWORD='${NATS_API_PASSWORD:-changeme}' is not its role's ${NATS_API_PASSWORD:?...}",
+    ),
+    "nats without a role's password": (
+        lambda c: _env_edit(c, "nats", NATS_VIEWER_PASSWORD=None),
+        "nats: NATS_VIEWER_PASSWORD=None is not ${NATS_VIEWER_PASSWORD:?...}",
+    ),
+    "one account on the command line": (
+        lambda c: dc.broken(c, "nats", command=[*c["services"]["nats"]["command"], "--user", "epd", "--pass", "x"]),
+        "nats: --user on the command line replaces the per-role users",
+    ),
+    "the identities not mounted": (
+        lambda c: dc.broken(c, "nats", volumes=c["services"]["nats"]["volumes"][:2]),
+        "nats: the configuration includes /etc/nats/nats-auth.conf, which is not mounted",
+    ),
+    "another service handed a password": (
+        lambda c: _env_edit(c, "minio-init", NATS_ADMIN_PASSWORD="${NATS_ADMIN_PASSWORD:?x}"),
+        "minio-init: is handed NATS passwords ['NATS_ADMIN_PASSWORD']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_IDENTITIES))
+def test_identity_checker_rejects_broken_copies(compose, case):
+    mutate, expected = BROKEN_IDENTITIES[case]
+    problems = dc.nats_identity_problems(mutate(compose), APPS)
+    assert any(expected in p for p in problems), problems
+
+
+def test_identity_checker_rejects_broken_nats_configurations(compose, cluster):
+    missing = dc.nats_identity_problems(compose, APPS, read_file=_without_auth_include)
+    assert "nats: NATS users [], expected one per role ['admin', 'api', 'decode', 'encoder', 'prefill', 'viewer']" in (
+        missing
+    )
+    assert "nats-2: NATS users [], expected one per role" in " ".join(
+        dc.nats_identity_problems(cluster, APPS, read_file=_without_auth_include)
+    )
+    assert dc.nats_identity_problems(compose, APPS, read_file=_unrestricted_admin) == [
+        "nats: user admin has no permissions (it could do anything)"
+    ]
+    # The cluster nodes: a node given the services' old single account on its command line.
+    one_account = with_command(cluster, "nats-3", lambda cmd: [*cmd, "--pass", "epd"])
+    assert dc.nats_identity_problems(one_account, APPS) == [
+        "nats-3: --pass on the command line replaces the per-role users"
+    ]
 
 
 FAKE_MC = """#!/bin/sh
@@ -685,10 +800,6 @@ BROKEN_NATS = {
             c, "nats-3", lambda cmd: [a.replace("NATS_ROUTE_PASSWORD", "NATS_ROUTE_PASSWORD_3") for a in cmd]
         ),
         "route credentials differ between the nodes",
-    ),
-    "a client port without the services' account": (
-        lambda c: with_command(c, "nats-1", lambda cmd: with_flag(cmd, "--pass", "epd")),
-        "nats-1: --pass is not ${EPD_NATS_PASSWORD:?...}",
     ),
     "a node waiting for another": (
         lambda c: dc.broken(c, "nats-2", depends_on={"nats-1": {"condition": "service_healthy"}}),
@@ -1112,9 +1223,10 @@ def run_healthcheck(test: list[str], env: dict[str, str], *extra: str) -> subpro
 
 
 class ComposeNats:
-    """nats-server started with the compose service's config file and --user/--pass arguments."""
+    """nats-server started with the compose service's config files (the per-role identities
+    included), command line and environment (the roles' passwords)."""
 
-    def __init__(self, command: list[str], data_dir: Path):
+    def __init__(self, command: list[str], data_dir: Path, env: dict[str, str]):
         from shared.tools.infra import find_binary, free_port
 
         self.port, self.http_port = free_port(), free_port()
@@ -1123,6 +1235,8 @@ class ComposeNats:
         assert "store_dir: /data" in conf
         conf_path = data_dir / "nats.conf"
         conf_path.write_text(conf.replace("store_dir: /data", f'store_dir: "{data_dir / "jetstream"}"'))
+        (data_dir / "nats-auth.conf").write_text((ROOT / dc.NATS_AUTH_CONF).read_text())
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("NATS_")}, **env}
         args = list(command)
         args[args.index("--config") + 1] = str(conf_path)
         self.argv = [
@@ -1146,7 +1260,9 @@ class ComposeNats:
         from tests.stackutil import wait_for
 
         with self.log.open("ab") as fh:
-            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+            )
 
         def healthy() -> bool:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
@@ -1171,8 +1287,13 @@ class ComposeNats:
 async def _nats_connects(url: str, **creds: str) -> bool:
     import nats
 
+    from shared.nats_auth import inbox_prefix
+
+    inbox = {"inbox_prefix": inbox_prefix(creds["user"])} if "user" in creds else {}
     try:
-        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds)
+        nc = await nats.connect(
+            url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds, **inbox
+        )
     except Exception:  # noqa: BLE001 - any failure means: not reachable
         return False
     await nc.close()
@@ -1186,23 +1307,28 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
     from tests.stackutil import data_url, noise_image, user_message, wait_for
 
     tag = uuid.uuid4().hex[:8]
-    # What a user's .env would hold: .env.example + secrets + a private bucket/prefix.
+    # What a user's .env would hold: .env.example + secrets + a private bucket (the subject prefix
+    # stays `epd`, which deploy/nats-auth.conf is generated for; the NATS server is this test's own).
     dotenv = {
         **env_example_values(),
         **TEST_SECRETS,
         "EPD_S3_BUCKET": f"epd-deploy-{tag}",
-        "EPD_SUBJECT_PREFIX": f"d{tag}",
         "EPD_NAMESPACE": f"ns{tag}",
     }
     nats_svc = resolved_service(compose, "nats", dotenv)
     (tmp_path / "nats").mkdir()
-    nats = ComposeNats(nats_svc["command"], tmp_path / "nats")
+    nats = ComposeNats(nats_svc["command"], tmp_path / "nats", dc.environment(nats_svc))
     nats.start()
     stack = Stack(env={}, log_dir=tmp_path / "logs", api_port=free_port())
     try:
-        # NATS security as compose configures it: credentials required.
+        # NATS security as compose configures it: each role's own password, nothing else.
         assert not asyncio.run(_nats_connects(nats.url))
-        assert asyncio.run(_nats_connects(nats.url, user="epd", password=TEST_SECRETS["EPD_NATS_PASSWORD"]))
+        for role in DEPLOYED_ROLES:
+            password = TEST_SECRETS[password_variable(role)]
+            assert asyncio.run(_nats_connects(nats.url, user=role.value, password=password)), role
+        # (negative controls: another role's password, the old single account)
+        assert not asyncio.run(_nats_connects(nats.url, user="encoder", password=TEST_SECRETS["NATS_API_PASSWORD"]))
+        assert not asyncio.run(_nats_connects(nats.url, user="epd", password=TEST_SECRETS["NATS_API_PASSWORD"]))
 
         envs, healthchecks = {}, {}
         for name in sorted(PROFILES["e-pd"]):

@@ -83,7 +83,7 @@ CHOICES = {"role": [r.value for r in PREFILL_SERVICE_ROLES]}
 # Secrets: .env.example never carries a value for them (compose refuses to start until they are set).
 SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY")
 # Account names .env.example proposes (names, not secrets; compose requires them set).
-ACCOUNT_NAMES = {"EPD_NATS_USER": "epd", "EPD_S3_ACCESS_KEY": "epd-services"}
+ACCOUNT_NAMES = {"EPD_S3_ACCESS_KEY": "epd-services"}
 # Compose-side defaults that differ from shared/config.py on purpose (container network, mount point).
 COMPOSE_DEFAULTS = {
     "EPD_NATS_URL": "nats://nats:4222",
@@ -106,6 +106,16 @@ COMPOSE_ONLY = (
         "MINIO_ROOT_USER` / `MINIO_ROOT_PASSWORD",
         "required",
         ("MinIO root account (used by `minio` and `minio-init` only, never by the services)"),
+    ),
+    (
+        "NATS_API_PASSWORD`, `NATS_ENCODER_PASSWORD`, `NATS_PREFILL_PASSWORD`, `NATS_DECODE_PASSWORD`,"
+        " `NATS_VIEWER_PASSWORD`, `NATS_ADMIN_PASSWORD",
+        "required",
+        (
+            "one NATS identity per role ([Security](security.md)): nats-server reads them all"
+            " (`deploy/nats-auth.conf`); each service gets its own role's as `EPD_NATS_USER` /"
+            " `EPD_NATS_PASSWORD`; viewer and admin are the operator's (`epd replay`, `epd ec` from the host)"
+        ),
     ),
     (
         "NATS_ROUTE_USER` / `NATS_ROUTE_PASSWORD",
@@ -266,8 +276,9 @@ def configuration_md() -> str:
         "`EPD_STORE_BACKEND=s3`, `EPD_HOST=0.0.0.0` / `EPD_PORT=8000` (api), `EPD_ROLE` (per prefill service),",
         "`EPD_ENGINE=vllm` (GPU services), `EPD_METRICS_PORT=9100` and `EPD_HEALTH_FILE=/tmp/epd-health.json`",
         "(workers). `EPD_WORKER_ID` stays the container's host name plus a random suffix, so replicas differ.",
-        "`EPD_API_KEYS`, `EPD_NATS_USER`, `EPD_NATS_PASSWORD`, `EPD_S3_ACCESS_KEY` and `EPD_S3_SECRET_KEY` are",
-        "required under compose.",
+        "`EPD_NATS_USER` / `EPD_NATS_PASSWORD` are set per service from its role (`api`, `encoder`, `prefill`,",
+        "`decode`) and that role's `NATS_<ROLE>_PASSWORD`. `EPD_API_KEYS`, the `NATS_<ROLE>_PASSWORD`s,",
+        "`EPD_S3_ACCESS_KEY` and `EPD_S3_SECRET_KEY` are required under compose.",
         "",
     ]
     return "\n".join(out)
@@ -296,9 +307,17 @@ EPD_MODEL_NAME=qwen2-vl-shapes
 # ---- secrets (required: compose refuses to start while one is empty) ------------------------------
 # Bearer keys clients must send (comma-separated): Authorization: Bearer <key>
 EPD_API_KEYS=
-# NATS account of the services (nats-server is started with exactly this user and password).
-EPD_NATS_USER=epd
-EPD_NATS_PASSWORD=
+# One NATS identity per role (docs/security.md). nats-server reads every password
+# (deploy/nats-auth.conf); each service gets only its own role's, as EPD_NATS_USER=<role> /
+# EPD_NATS_PASSWORD. viewer and admin are yours, for `epd replay` / `epd ec` from this host
+# (EPD_NATS_USER=admin EPD_NATS_PASSWORD=<NATS_ADMIN_PASSWORD>). Use letters and digits (hex):
+# nats-server reads a value that looks like a number as one and refuses to start.
+NATS_API_PASSWORD=
+NATS_ENCODER_PASSWORD=
+NATS_PREFILL_PASSWORD=
+NATS_DECODE_PASSWORD=
+NATS_VIEWER_PASSWORD=
+NATS_ADMIN_PASSWORD=
 # MinIO root account: used only by minio and the one-shot minio-init, never by the services.
 MINIO_ROOT_USER=epd-admin
 MINIO_ROOT_PASSWORD=
@@ -327,8 +346,6 @@ COMPOSE_NOTES = {
 WRITTEN_IN_HEADER = {
     "EPD_MODEL_NAME",
     "EPD_API_KEYS",
-    "EPD_NATS_USER",
-    "EPD_NATS_PASSWORD",
     "EPD_S3_ACCESS_KEY",
     "EPD_S3_SECRET_KEY",
 }
@@ -385,9 +402,14 @@ def env_example(root: Path = ROOT) -> str:
 
 # -- the command ----------------------------------------------------------------------------------
 def generated(root: Path = ROOT) -> dict[Path, str]:
-    from shared.tools.nats_identities import SECURITY_DOC, security_md
+    from shared.tools.nats_identities import COMPOSE_NATS_AUTH, SECURITY_DOC, compose_nats_auth, security_md
 
-    return {CONFIG_DOC: configuration_md(), ENV_EXAMPLE: env_example(root), SECURITY_DOC: security_md()}
+    return {
+        CONFIG_DOC: configuration_md(),
+        ENV_EXAMPLE: env_example(root),
+        SECURITY_DOC: security_md(),
+        COMPOSE_NATS_AUTH: compose_nats_auth(),
+    }
 
 
 def stale_files(root: Path = ROOT) -> list[Path]:
@@ -432,7 +454,10 @@ def add_parser(sub: Any) -> None:
     csub = cfg.add_subparsers(dest="config_command", required=True)
     docs = csub.add_parser(
         "docs",
-        help="write docs/configuration.md, .env.example (shared/config.py) and docs/security.md (shared/nats_auth.py)",
+        help=(
+            "write docs/configuration.md, .env.example (shared/config.py), docs/security.md and"
+            " deploy/nats-auth.conf (shared/nats_auth.py)"
+        ),
     )
     docs.add_argument(
         "--check",

@@ -41,6 +41,9 @@ import pytest
 
 from shared import protocol
 from shared.config import NatsSettings
+from shared.nats_auth import inbox_prefix
+from shared.protocol import kv_stream
+from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
 from tests import deploycheck as dc
 from tests.epdup import EpdUp, descendants
 from tests.stackutil import GREEDY, chat_body, noise_image, parse_sse, read_stream, wait_for, work_consumers
@@ -59,7 +62,9 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 NATS_IMAGE = "epd-test/nats:2.15.1"
 S3_IMAGE = "epd-test/seaweedfs-s3:4.48"
 API_KEY = "sk-compose-" + uuid.uuid4().hex
-NATS_USER, NATS_PASSWORD = "epd", uuid.uuid4().hex
+# One NATS identity per role (deploy/nats-auth.conf): the test reads the streams as the admin.
+NATS_PASSWORDS = {role.value: "pw" + uuid.uuid4().hex for role in DEPLOYED_ROLES}  # never read as a number
+NATS_USER, NATS_PASSWORD = "admin", NATS_PASSWORDS["admin"]
 UP_TIMEOUT_S = 600  # `up --wait`: model loads on a loaded 2-core machine take minutes
 REQUEST_TIMEOUT_S = 300
 STATE_TIMEOUT_S = 240  # a container reaching a state (restarted, unhealthy, healthy)
@@ -280,8 +285,7 @@ def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
     """What a user's .env holds: fresh secrets, the model, the stand-in images."""
     values = {
         "EPD_API_KEYS": API_KEY,
-        "EPD_NATS_USER": NATS_USER,
-        "EPD_NATS_PASSWORD": NATS_PASSWORD,
+        **{password_variable(role): password for role, password in NATS_PASSWORDS.items()},
         "MINIO_ROOT_USER": "epd-admin",
         "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
         "EPD_S3_ACCESS_KEY": "epd-services",
@@ -375,6 +379,22 @@ def test_published_ports_bind_loopback_only(compose):
     ]
     assert {service for service, _, _ in published} == {"nats", "minio", "api"}, published
     assert all(ip == "127.0.0.1" for _, ip, _ in published), published
+
+
+def test_each_service_connects_as_its_own_role(compose):
+    """The server's own view (/connz with the authorized user of each connection): the services
+    connect as their roles. Each role's password from .env opens its identity and no other; the
+    single services' account of before is gone."""
+    out = compose.run(
+        "exec", "-T", "nats", "wget", "-q", "-O", "-", "http://127.0.0.1:8222/connz?auth=1&limit=1024"
+    ).stdout
+    users = {c.get("authorized_user") for c in json.loads(out)["connections"]}
+    assert {"api", "encoder", "prefill"} <= users <= {"api", "encoder", "prefill", "admin"}, users
+    port = compose.port("nats", 4222)
+    for role, password in NATS_PASSWORDS.items():
+        assert asyncio.run(nats_connects(port, role, password)), role
+    assert not asyncio.run(nats_connects(port, "encoder", NATS_PASSWORDS["api"]))
+    assert not asyncio.run(nats_connects(port, "epd", NATS_PASSWORDS["api"]))
 
 
 def test_encoder_hung_then_killed_mid_request(compose, expected):
@@ -649,9 +669,11 @@ def test_cluster_comes_up_clustered(cluster):
         import nats
 
         seeds = [f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{cluster.port(n, 4222)}" for n in NATS_NODES]
-        nc = await nats.connect(seeds)
-        try:
-            return await nc.jetstream().streams_info()
+        nc = await nats.connect(seeds, inbox_prefix=inbox_prefix(NATS_USER))
+        s = protocol.Subjects()
+        names = [*s.streams(), *(kv_stream(b) for b in (s.ec_index_bucket, s.routing_bucket, s.ec_claims_bucket))]
+        try:  # (the admin identity may ask for each stream's information, not list them)
+            return [await nc.jetstream().stream_info(name) for name in names]
         finally:
             await nc.close()
 
@@ -667,10 +689,11 @@ def test_cluster_comes_up_clustered(cluster):
         )
 
     wait_for(all_r3, 60, "every stream R3 with a leader and two current followers", interval=0.5)
-    # The route account is no client account (and the services' account works on every node).
+    # The route account is no client account (and the role identities work on every node).
     for node in NATS_NODES:
         port = cluster.port(node, 4222)
-        assert asyncio.run(nats_connects(port, NATS_USER, NATS_PASSWORD)), node
+        for role, password in NATS_PASSWORDS.items():
+            assert asyncio.run(nats_connects(port, role, password)), (node, role)
         assert not asyncio.run(nats_connects(port, ROUTE_USER, ROUTE_PASSWORD)), node
     names = {s.config.name for s in asyncio.run(streams())}
     subjects = protocol.Subjects()
