@@ -9,10 +9,13 @@ table of the share answered correctly (the bare word, a final period allowed), a
 stack and generator. Generators: ``train`` - held-out cases of the training generator
 (:mod:`shared.tools.models.shapes`, seeds 0..N-1; training draws seeds from 1e6 up); ``test`` - the
 same scenes drawn by a generator written apart from it (:mod:`tests.shapes_testgen`: other drawing
-code and randomisation), which a model that only fits its generator's quirks fails.
+code and randomisation), which a model that only fits its generator's quirks fails. The video
+templates (direction, moving_colour) send one clip each (an mp4, or the test generator's MJPG AVI),
+sampled at its own rate (every frame).
 
 Run: ``.venv/bin/python bench/demo_accuracy.py [--cases 200] [--generators train test] [--engines
-transformers vllm] [--topologies agg e-pd e-p-d]`` or ``... --url http://127.0.0.1:8000``
+transformers vllm] [--topologies agg e-pd e-p-d] [--templates direction moving_colour]`` or ``...
+--url http://127.0.0.1:8000``
 """
 
 from __future__ import annotations
@@ -45,14 +48,17 @@ def ask(url: str, case: Case) -> str:
     return resp.json()["choices"][0]["message"]["content"]
 
 
-def measure(url: str, n: int, generator: str) -> tuple[dict[str, float], dict[str, list[str]]]:
+def measure(
+    url: str, n: int, generator: str, templates: list[Template] | None = None
+) -> tuple[dict[str, float], dict[str, list[str]]]:
     """The share of ``n`` cases per template answered right, and the misses (answer -> reply)."""
     make = GENERATORS[generator]
-    cases = [make(t, seed) for t in Template for seed in range(n)]
+    templates = templates or list(Template)
+    cases = [make(t, seed) for t in templates for seed in range(n)]
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda c: ask(url, c), cases))
-    right = {t.value: 0 for t in Template}
-    misses: dict[str, list[str]] = {t.value: [] for t in Template}
+    right = {t.value: 0 for t in templates}
+    misses: dict[str, list[str]] = {t.value: [] for t in templates}
     for case, reply in zip(cases, replies, strict=True):
         right[case.template.value] += case.correct(reply)
         if not case.correct(reply):
@@ -60,9 +66,9 @@ def measure(url: str, n: int, generator: str) -> tuple[dict[str, float], dict[st
     return {t: r / n for t, r in right.items()}, misses
 
 
-def measure_row(url: str, n: int, generator: str, **labels: str) -> dict:
+def measure_row(url: str, n: int, generator: str, templates: list[Template], **labels: str) -> dict:
     started = time.perf_counter()
-    accuracy, misses = measure(url, n, generator)
+    accuracy, misses = measure(url, n, generator, templates)
     row = {**labels, "generator": generator, "cases_per_template": n, **accuracy}
     print(json.dumps(row), f"({time.perf_counter() - started:.0f} s)", json.dumps(misses), flush=True)
     return row
@@ -74,14 +80,21 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"])
     parser.add_argument("--topologies", nargs="+", default=["agg", "e-pd", "e-p-d"])
     parser.add_argument("--generators", nargs="+", choices=sorted(GENERATORS), default=["train", "test"])
+    parser.add_argument(
+        "--templates", nargs="+", choices=[t.value for t in Template], default=[t.value for t in Template]
+    )
     parser.add_argument("--url", help="measure this running stack (e.g. make run's) instead of starting stacks")
     args = parser.parse_args()
+    args.templates = [Template(t) for t in args.templates]
     rows = []
     if args.url:
-        rows = [measure_row(args.url, args.cases, g, engine="(running)", topology="(running)") for g in args.generators]
+        rows = [
+            measure_row(args.url, args.cases, g, args.templates, engine="(running)", topology="(running)")
+            for g in args.generators
+        ]
     else:
         rows = bench_stacks(args)
-    templates = [t.value for t in Template]
+    templates = [t.value for t in args.templates]
     print("\n| generator | engine | topology | " + " | ".join(templates) + " |")
     print("|---|---|---|" + "---|" * len(templates))
     for row in rows:
@@ -105,7 +118,9 @@ def bench_stacks(args: argparse.Namespace) -> list[dict]:
                 (bs,) = bench.start({label: (topology, overrides)}, SHIPPED_DIR, timeout=900).values()
                 try:
                     for generator in args.generators:
-                        rows.append(measure_row(bs.url, args.cases, generator, engine=engine, topology=topology))
+                        rows.append(
+                            measure_row(bs.url, args.cases, generator, args.templates, engine=engine, topology=topology)
+                        )
                 finally:
                     bs.stack.stop()
     return rows

@@ -6,8 +6,11 @@ another way. This module draws them another way, sharing nothing with it but the
 and the answer words: numpy rasterisation with 4x4 supersampled coverage (soft edges), equilateral
 triangles, log-uniform image sides 64-448 px (any aspect ratio), shapes 15-55% of the short side
 across, colours drawn in HSV around each colour's hue, light backgrounds with a tint, a shade
-gradient and Gaussian noise. ``bench/demo_accuracy.py --generator test`` and
-``tests/test_demo_model.py`` ask the model these cases.
+gradient and Gaussian noise. The video templates' clips (:class:`Movie`): such a picture's one
+shape gliding at a constant velocity (a small drift across its main axis allowed), 112-224 px
+frames, each frame its own noise, written as Motion-JPEG in AVI (the training clips are mp4v in
+mp4). ``bench/demo_accuracy.py --generator test`` and ``tests/test_demo_model.py`` ask the model
+these cases.
 
 Same ``(template, seed)`` -> the same case (numpy's PCG64 seeded from both).
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.tools.models.shapes import NUMBER_WORDS, QUESTIONS, SHAPES, Case, Template
+from shared.tools.models.shapes import DIRECTIONS, NUMBER_WORDS, QUESTIONS, SHAPES, VIDEO_TEMPLATES, Case, Template
 
 #: colour -> (hue in degrees, +- spread, lowest value): a named colour is any fill in that range
 HUES: dict[str, tuple[float, float, float]] = {
@@ -130,15 +133,101 @@ def picture(rng: np.random.Generator, colours: list[str], kinds: list[str]) -> P
                 break
         if len(placed) == n:
             break
+    return Picture(width, height, *_backdrop(rng), tuple(placed))
+
+
+def _backdrop(rng: np.random.Generator) -> tuple[tuple[int, int, int], tuple[float, float], float, int]:
+    """A light tinted background, its shade gradient, the noise's sigma and the noise seed."""
     grey = rng.uniform(195, 255)
     r, g, b = (int(min(255, max(0, grey + rng.uniform(-12, 12)))) for _ in range(3))
-    background = (r, g, b)
     gradient = (float(rng.uniform(-12, 12)), float(rng.uniform(-12, 12)))
     sigma = float(rng.choice([0.0, 2.0, 4.0, 6.0]))
-    return Picture(width, height, background, gradient, sigma, int(rng.integers(2**31)), tuple(placed))
+    return (r, g, b), gradient, sigma, int(rng.integers(2**31))
 
 
-def make_test_case(template: Template, seed: int) -> Case[Picture]:
+@dataclass(frozen=True)
+class Movie:
+    """A clip: ``first``'s one shape moving ``velocity`` (dx, dy) pixels a frame for ``frames``
+    frames at ``fps``; each frame's noise is drawn anew."""
+
+    first: Picture
+    velocity: tuple[float, float]
+    frames: int
+    fps: float
+
+    @property
+    def direction(self) -> str:
+        """Where the shape goes: the axis it moves most along, and the sign there."""
+        dx, dy = self.velocity
+        if abs(dx) >= abs(dy):
+            return "right" if dx > 0 else "left"
+        return "down" if dy > 0 else "up"
+
+    def picture(self, k: int) -> Picture:
+        (shape,) = self.first.shapes
+        moved = Shape(
+            shape.kind,
+            shape.colour,
+            shape.cx + k * self.velocity[0],
+            shape.cy + k * self.velocity[1],
+            shape.size,
+            shape.rgb,
+        )
+        p = self.first
+        return Picture(p.width, p.height, p.background, p.gradient, p.noise_sigma, p.noise_seed + 7919 * k, (moved,))
+
+    def render(self) -> list[Any]:
+        return [self.picture(k).render() for k in range(self.frames)]
+
+    def avi(self) -> bytes:
+        """The clip as Motion-JPEG in AVI, written by OpenCV."""
+        import tempfile
+        from pathlib import Path
+
+        import cv2
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "movie.avi"
+            out = cv2.VideoWriter(
+                str(path), cv2.VideoWriter.fourcc(*"MJPG"), self.fps, (self.first.width, self.first.height)
+            )
+            assert out.isOpened(), "OpenCV cannot write MJPG/AVI here"
+            for frame in self.render():
+                out.write(cv2.cvtColor(np.asarray(frame), cv2.COLOR_RGB2BGR))
+            out.release()
+            return path.read_bytes()
+
+    def data_url(self) -> str:
+        return "data:video/x-msvideo;base64," + base64.b64encode(self.avi()).decode("ascii")
+
+
+def movie(rng: np.random.Generator, colour: str, kind: str, direction: str) -> Movie:
+    """A clip of one shape of ``kind`` and ``colour`` going ``direction``: 4, 6 or 8 frames of an
+    even size, log-uniform 112-224 px a side; it travels 25-55% of the frame along its axis (at
+    most all the room the shape has), drifting up to a fifth of that across, inside throughout."""
+    while True:
+        width, height = (2 * int(round(math.exp(rng.uniform(math.log(112), math.log(224))) / 2)) for _ in range(2))
+        frames = int(rng.choice([4, 6, 8]))
+        size = min(width, height) * rng.uniform(0.15, 0.4)
+        reach = size / 2 * (math.sqrt(2) if kind == "square" else 1.0) + 2
+        horizontal = direction in ("left", "right")
+        along, across = (width, height) if horizontal else (height, width)
+        travel = min(along * rng.uniform(0.25, 0.55), along - 2 * reach - 1)
+        drift = travel * rng.uniform(-0.2, 0.2)
+        if travel < 0.2 * along or abs(drift) > across - 2 * reach - 1:
+            continue
+        lo = rng.uniform(reach, along - reach - travel)
+        start, end = (lo + travel, lo) if direction in ("left", "up") else (lo, lo + travel)
+        c_lo = rng.uniform(reach + max(0.0, -drift), across - reach - max(0.0, drift))
+        x0, x1, y0, y1 = (start, end, c_lo, c_lo + drift) if horizontal else (c_lo, c_lo + drift, start, end)
+        break
+    shape = Shape(kind, colour, float(x0), float(y0), float(size), _fill(rng, colour))
+    first = Picture(width, height, *_backdrop(rng), (shape,))
+    step = ((x1 - x0) / (frames - 1), (y1 - y0) / (frames - 1))
+    return Movie(first, (float(step[0]), float(step[1])), frames, float(rng.choice([3.0, 5.0, 10.0])))
+
+
+def make_test_case(template: Template, seed: int) -> Case[Any]:
     """Test case ``seed`` of ``template`` (deterministic)."""
     rng = np.random.default_rng([seed, list(Template).index(template), 0x5EED])
     question = str(rng.choice(QUESTIONS[template]))
@@ -150,6 +239,11 @@ def make_test_case(template: Template, seed: int) -> Case[Picture]:
 
     def some_kinds(k: int) -> list[str]:
         return [str(rng.choice(SHAPES)) for _ in range(k)]
+
+    if template in VIDEO_TEMPLATES:
+        clip = movie(rng, some_colours(1, colour_names)[0], some_kinds(1)[0], str(rng.choice(DIRECTIONS)))
+        answer = clip.direction if template is Template.DIRECTION else clip.first.shapes[0].colour
+        return Case(template, (clip,), question, text_last, answer)
 
     if template is Template.COLOUR or template is Template.SHAPE:
         pic = picture(rng, some_colours(1, colour_names), some_kinds(1))

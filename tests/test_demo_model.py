@@ -22,14 +22,32 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
-from shared.tools.models.shapes import ANSWERS, QUESTIONS, Case, Scene, Template, make_case, swapped
+from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR, clip_frames
+from shared.tools.models.shapes import (
+    ANSWERS,
+    CLIP_FRAMES,
+    CLIP_MAX_SIDE,
+    CLIP_MIN_SIDE,
+    COLOURS,
+    DIRECTIONS,
+    EXAMPLE_VIDEO,
+    IMAGE_ANSWERS,
+    QUESTIONS,
+    VIDEO_TEMPLATES,
+    Case,
+    Scene,
+    Template,
+    make_case,
+    swapped,
+)
 from tests import fault_workers
 from tests.shapes_testgen import HUES, make_test_case
 from tests.stackutil import epd_cli, final_result, start_stack, wait_for
 
 #: held-out cases per template here (seeds 0..SAMPLE-1; training uses seeds >= 1e6)
 SAMPLE = 20
+#: the templates about images (the others ask about a video clip)
+IMAGE_TEMPLATES = [t for t in Template if t not in VIDEO_TEMPLATES]
 #: the share of SAMPLE each template must get right: the training generator's held-out cases; the
 #: test generator's (the bench's 200 a template are >= 96% there; 20 cases cannot tell 95% from 90%:
 #: at 95.5% a sample of 20 misses 2 or more a quarter of the time - this catches a model that lost it)
@@ -52,7 +70,7 @@ COMBOS = [
 
 
 def test_cases_are_deterministic_and_follow_the_spec():
-    for template in Template:
+    for template in IMAGE_TEMPLATES:
         for seed in range(40):
             case = make_case(template, seed)
             assert case == make_case(template, seed)  # same seed, same case
@@ -75,12 +93,72 @@ def test_cases_are_deterministic_and_follow_the_spec():
                 assert case.answer == ["one", "two", "three"][len(case.scenes[0].items) - 1]
             else:
                 assert len(case.scenes[0].items) == 1
-    cases = [make_case(t, s) for t in Template for s in range(100)]
+    cases = [make_case(t, s) for t in IMAGE_TEMPLATES for s in range(100)]
     # both orders of question and image, both spellings, every answer occur
     assert {c.text_last for c in cases} == {True, False}
-    assert {c.question for c in cases} == {q for qs in QUESTIONS.values() for q in qs}
-    assert {c.answer for c in cases} == set(ANSWERS)
+    assert {c.question for c in cases} == {q for t in IMAGE_TEMPLATES for q in QUESTIONS[t]}
+    assert {c.answer for c in cases} == set(IMAGE_ANSWERS)
     assert len({(s.width, s.height) for c in cases for s in c.scenes}) > 100  # not only squares
+
+
+def _foreground_centre(frame, background, threshold: int = 60) -> tuple[float, float]:
+    """The centre of the pixels of ``frame`` (``[h, w, 3]``) far from ``background``: where the shape is."""
+    import numpy as np
+
+    far = np.abs(np.asarray(frame, np.int16) - np.asarray(background, np.int16)).max(axis=2) > threshold
+    ys, xs = np.nonzero(far)
+    assert len(xs) > 20, "no shape in the frame"
+    return float(xs.mean()), float(ys.mean())
+
+
+#: a direction's unit step in image coordinates
+STEP = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+
+
+def test_clips_move_their_shape_the_way_their_answer_says():
+    """The video templates: deterministic clips (the mp4 too) of one shape moving towards the answer
+    (DIRECTION) in the answer's colour (MOVING_COLOUR), inside every frame; the frames the API
+    decodes from the mp4 - what training sees (``demo.clip_frames``) - are every frame, close to the
+    drawn ones, the shape moving the same way; a clip played backwards moves the other way."""
+    import numpy as np
+
+    cases = [make_case(t, seed) for t in VIDEO_TEMPLATES for seed in range(16)]
+    for case in cases:
+        assert case == make_case(case.template, cases.index(case) % 16) and case.video
+        (clip,) = case.scenes
+        assert clip.mp4() == clip.mp4()
+        assert case.answer == (clip.direction if case.template is Template.DIRECTION else clip.scene.items[0].colour)
+        assert case.question in QUESTIONS[case.template] and case.correct(case.answer)
+        assert clip.frames in CLIP_FRAMES and clip.width % 2 == 0 == clip.height % 2
+        assert CLIP_MIN_SIDE <= clip.width <= CLIP_MAX_SIDE and CLIP_MIN_SIDE <= clip.height <= CLIP_MAX_SIDE
+        body = case.chat_request(MODEL_NAME)
+        parts = body["messages"][0]["content"]
+        assert [p["type"] for p in parts] == (["video_url", "text"] if case.text_last else ["text", "video_url"])
+        assert body["media_io_kwargs"] == {"video": {"fps": clip.fps}}  # every frame sampled
+        drawn = clip.render()
+        for k, image in enumerate(drawn):
+            (item,) = clip.frame(k).items
+            assert item.r <= item.cx <= clip.width - item.r and item.r <= item.cy <= clip.height - item.r
+            pixel = image.getpixel((int(item.cx), int(item.cy + item.r / 2)))
+            fill = Scene.fill(item, clip.scene.jitter[0])
+            assert max(abs(p - c) for p, c in zip(pixel, fill, strict=True)) <= clip.scene.noise, (case, k, pixel)
+        first, last = clip.frame(0).items[0], clip.frame(clip.frames - 1).items[0]
+        ux, uy = STEP[clip.direction]
+        travel = (last.cx - first.cx) * ux + (last.cy - first.cy) * uy
+        assert travel > 0.25 * (min(clip.width, clip.height) - 2 * first.r) and (last.cx - first.cx) * uy == 0
+        decoded = clip_frames(clip)
+        assert decoded.shape == (clip.frames, clip.height, clip.width, 3)
+        error = float(np.abs(decoded.astype(np.int16) - np.stack([np.asarray(d) for d in drawn])).mean())
+        assert error < 6 + clip.scene.noise, (case, error)  # the codec's loss (it smooths the noise away)
+        (x0, y0), (x1, y1) = (_foreground_centre(decoded[i], clip.scene.background) for i in (0, -1))
+        assert (x1 - x0) * ux + (y1 - y0) * uy > 0.8 * travel, (case, (x0, y0), (x1, y1))
+        back = clip.reversed()
+        assert back.direction != clip.direction and STEP[back.direction] == (-ux, -uy)
+        assert back.frame(0).items == clip.frame(clip.frames - 1).items
+    assert {c.answer for c in cases} == set(DIRECTIONS) | set(COLOURS)
+    assert {c.question for c in cases} == {q for t in VIDEO_TEMPLATES for q in QUESTIONS[t]}
+    assert {c.scenes[0].frames for c in cases} == set(CLIP_FRAMES) and {c.text_last for c in cases} == {True, False}
+    assert set(ANSWERS) == set(IMAGE_ANSWERS) | set(DIRECTIONS)
 
 
 def test_log_uniform_sides_draw_more_small_pictures_within_the_bounds():
@@ -125,7 +203,7 @@ def test_the_test_generator_draws_what_its_answers_say():
     """The generator written apart from the training one: deterministic, its sides 64-448 px with
     strips and squares, its shapes inside and apart, and each drawn where it is in its colour's
     hue range (its pixels are what the answer says)."""
-    for template in Template:
+    for template in IMAGE_TEMPLATES:
         for seed in range(20):
             case = make_test_case(template, seed)
             assert case == make_test_case(template, seed)
@@ -174,10 +252,36 @@ def test_the_test_generator_draws_what_its_answers_say():
                 assert case.answer == case.scenes[0].shapes[0].kind
             else:
                 assert case.answer == case.scenes[0].shapes[0].colour
-    cases = [make_test_case(t, s) for t in Template for s in range(50)]
-    assert {c.answer for c in cases} == set(ANSWERS) and {c.text_last for c in cases} == {True, False}
+    cases = [make_test_case(t, s) for t in IMAGE_TEMPLATES for s in range(50)]
+    assert {c.answer for c in cases} == set(IMAGE_ANSWERS) and {c.text_last for c in cases} == {True, False}
     sides = [(p.width, p.height) for c in cases for p in c.scenes]
     assert any(max(s) > 3 * min(s) for s in sides) and any(max(s) < 1.1 * min(s) for s in sides)
+
+
+def test_the_test_generators_clips_move_the_way_their_answer_says():
+    """Its clips (Motion-JPEG in AVI), decoded as the API decodes them at their own rate: every
+    frame, the shape's pixels moving mostly along the answer's direction, its middle frame's shape
+    in the answer colour's hue range; deterministic."""
+    from shared.video import VideoSampling, load_video, sampler_of_processor
+
+    cases = [make_test_case(t, seed) for t in VIDEO_TEMPLATES for seed in range(20)]
+    for case in cases:
+        assert case == make_test_case(case.template, cases.index(case) % 20) and case.video
+        (clip,) = case.scenes
+        assert case.question in QUESTIONS[case.template] and case.correct(case.answer)
+        assert case.answer == (clip.direction if case.template is Template.DIRECTION else clip.first.shapes[0].colour)
+        frames = load_video(clip.avi(), sampler_of_processor("Qwen2VLVideoProcessor"), VideoSampling(fps=clip.fps))
+        assert frames.frames.shape == (clip.frames, clip.first.height, clip.first.width, 3)
+        (x0, y0), (x1, y1) = (_foreground_centre(frames.frames[i], clip.first.background) for i in (0, -1))
+        ux, uy = STEP[clip.direction]
+        along, across = (x1 - x0) * ux + (y1 - y0) * uy, abs((x1 - x0) * uy + (y1 - y0) * ux)
+        assert along > 0.15 * min(clip.first.width, clip.first.height) and across < 0.5 * along, (case, along, across)
+        middle = clip.picture(clip.frames // 2)
+        (shape,) = middle.shapes
+        pixel = middle.render().getpixel((int(shape.cx), int(shape.cy)))
+        hue, spread, _ = HUES[shape.colour]
+        assert abs((_hue_of(pixel) - hue + 180) % 360 - 180) <= spread + 8, (case, pixel)
+    assert {c.answer for c in cases} == set(DIRECTIONS) | set(COLOURS)
 
 
 def test_the_shipped_folder_is_the_demo_architecture_of_the_tiny_models_kind(tiny_model_dir):
@@ -281,6 +385,29 @@ def test_swapping_the_two_images_flips_the_answer(demo_stack):
     assert flipped == 4
 
 
+def test_a_clip_played_backwards_flips_the_direction(demo_stack):
+    """Frame order survives the fabric: the same clip played backwards gets the other direction (a
+    path that reordered or dropped frames, or lost the temporal positions, would not), and the
+    video ``epd up`` prints (``_example_request``: the clip inline, sampled at its rate) gets the
+    answer it promises - its reversal the other one."""
+    import dataclasses
+
+    from shared.tools.cli import _example_request
+
+    cases = [make_case(Template.DIRECTION, seed) for seed in range(3)]
+    printed = json.loads(_example_request(MODEL_NAME, True, video=True))
+    assert printed["messages"][0]["content"] == EXAMPLE_VIDEO.content()
+    assert printed["media_io_kwargs"] == {"video": {"fps": EXAMPLE_VIDEO.scenes[0].fps}}
+    reply = httpx.post(f"{demo_stack.url}/v1/chat/completions", json=printed, timeout=300).json()
+    assert EXAMPLE_VIDEO.correct(reply["choices"][0]["message"]["content"]), reply
+    for case in [EXAMPLE_VIDEO, *cases]:
+        clip = case.scenes[0].reversed()
+        back = dataclasses.replace(case, scenes=(clip,), answer=clip.direction)
+        reply, _ = ask(demo_stack, case)
+        reply_back, _ = ask(demo_stack, back)
+        assert case.correct(reply) and back.correct(reply_back), (case.answer, reply, reply_back)
+
+
 # -- the fabric under faults: E|PD on the transformers engine, encoders run through the fault module
 
 
@@ -363,6 +490,20 @@ def test_an_encoder_killed_holding_the_job_is_replaced_and_the_answer_stays_righ
     # encoded locally after EPD_EC_WAIT_S, the fallback that would also answer right).
     assert set(final_result(faulty_stack, result["body"]["id"]).ec_sources.values()) == {"store"}
     assert re.search(r"encoded \w+: .*\(attempt [2-9]\)", fresh.log_path.read_text()), fresh.log_tail(20)
+
+
+def test_getting_started_shows_the_video_request_epd_up_prints():
+    """docs/getting-started.md shows the video request ``epd up`` prints for the demo model (the
+    clip inline, sampled at its own rate) and its answer (tests/test_docs_examples.py runs it)."""
+    from pathlib import Path
+
+    from shared.tools.cli import _example_answer, _example_request
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
+    body = json.loads(_example_request(MODEL_NAME, True, video=True))
+    assert EXAMPLE_VIDEO.scenes[0].data_url() in doc and f'"text": "{EXAMPLE_VIDEO.question}"' in doc
+    assert '"media_io_kwargs": {"video": {"fps": 4.0}}' in doc and body["media_io_kwargs"]["video"]["fps"] == 4.0
+    assert f'"content": "{EXAMPLE_VIDEO.answer}"' in doc and _example_answer(video=True).startswith("'right'")
 
 
 def test_the_readme_asks_what_epd_up_prints():

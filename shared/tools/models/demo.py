@@ -11,8 +11,10 @@ The trained folder is committed (:data:`SHIPPED_DIR`, 8.9 MB) so ``make run`` se
 training. ``epd model train-demo`` trains a model from scratch (1800 steps, one torch thread: ~25
 minutes on a free core); ``--init DIR`` (``python -m shared.tools.models.demo``) fine-tunes an
 existing one instead, which is how the shipped folder was made: the model trained from scratch on
-the narrower scenes of an earlier generator, fine-tuned on the current, wider ones
-(docs/getting-started.md, "Demo model accuracy", has the recipe and the figures).
+the narrower scenes of an earlier generator, fine-tuned on the current, wider ones, then on video
+clips mixed with the images (docs/getting-started.md, "Demo model accuracy", has the recipe and the
+figures). A clip is trained on the frames the API gives the encoder (:func:`clip_frames`: its mp4
+decoded and sampled by :mod:`shared.video`), not on the drawn ones: the codec changes the pixels.
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ SPEC = SizeSpec(
     max_pixels=224 * 224,
 )
 
-# The tokenizer's merges are learned on the questions and answers (so each answer is one token
-# or two) plus the chat template's words.
+# The tokenizer's merges are learned on the image questions and answers (so each answer is one
+# token or two) plus the chat template's words. The video templates came later: their words are
+# left out so the shipped model's tokenizer (and its embedding rows) stay as they are - a byte-level
+# BPE encodes them in more pieces ("left" is three tokens).
 _CORPUS = "\n".join(
     [
-        *(q for qs in shapes.QUESTIONS.values() for q in qs),
-        *(f"{a} {a}. {a.capitalize()}" for a in shapes.ANSWERS),
+        *(q for t, qs in shapes.QUESTIONS.items() if t not in shapes.VIDEO_TEMPLATES for q in qs),
+        *(f"{a} {a}. {a.capitalize()}" for a in shapes.IMAGE_ANSWERS),
         "system user assistant You are a helpful assistant.",
     ]
     * 4
@@ -72,8 +76,9 @@ _NUM_MERGES = 160
 
 #: training seeds start here; held-out cases (tests, docs, ``epd up``'s example) use seeds below
 TRAIN_SEED_BASE = 1_000_000
-#: how often each template is drawn for training (shape and count questions are the hard ones)
-TEMPLATE_WEIGHTS = (0.12, 0.33, 0.38, 0.17)
+#: how often each template is drawn for training, in :class:`shapes.Template` order (shape and
+#: count questions are the hard ones of the images; the clips' direction and colour come last)
+TEMPLATE_WEIGHTS = (0.08, 0.22, 0.26, 0.10, 0.22, 0.12)
 AUX_WEIGHT = 0.5
 #: the share of training scenes whose sides are drawn log-uniformly (more small, elongated pictures)
 LOG_SIDES_SHARE = 0.5
@@ -82,7 +87,18 @@ DEFAULT_STEPS = 1800
 
 
 def _messages(case: shapes.Case) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": case.content(image_part=lambda _s: {"type": "image"})}]
+    part = {"type": "video" if case.video else "image"}
+    return [{"role": "user", "content": case.content(image_part=lambda _s: part)}]
+
+
+def clip_frames(clip: shapes.Clip) -> Any:
+    """A clip's frames as the API hands them to the encoder: its mp4 decoded and sampled by
+    :func:`shared.video.load_video` at the clip's own rate (what ``Case.chat_request`` asks),
+    with the sampler of the folder's video processor - so training sees the codec's pixels."""
+    from shared.video import VideoSampling, load_video, sampler_of_processor
+
+    sampler = sampler_of_processor("Qwen2VLVideoProcessor")
+    return load_video(clip.mp4(), sampler, VideoSampling(fps=clip.fps)).frames
 
 
 def _batch(processor: Any, cases: list[shapes.Case], eos: str) -> dict[str, Any]:
@@ -91,11 +107,23 @@ def _batch(processor: Any, cases: list[shapes.Case], eos: str) -> dict[str, Any]
 
     texts: list[str] = []
     images: list[Any] = []
+    videos: list[Any] = []
     for case in cases:
         prompt = processor.apply_chat_template(_messages(case), add_generation_prompt=True, tokenize=False)
         texts.append(prompt + case.answer + eos)
-        images.extend(s.render() for s in case.scenes)
-    inputs = processor(text=texts, images=images, padding=True, padding_side="right", return_tensors="pt")
+        if case.video:
+            videos.extend(clip_frames(s) for s in case.scenes)
+        else:
+            images.extend(s.render() for s in case.scenes)
+    inputs = processor(
+        text=texts,
+        images=images or None,
+        videos=videos or None,
+        padding=True,
+        padding_side="right",
+        return_tensors="pt",
+        do_sample_frames=False,
+    )
     labels = torch.full_like(inputs["input_ids"], -100)
     lengths = inputs["attention_mask"].sum(dim=1)
     for i, case in enumerate(cases):
@@ -111,6 +139,8 @@ def _scene_labels(cases: list[shapes.Case]) -> tuple[list[int], list[int], list[
     its number of shapes - 1, and which colours it holds (multi-hot, :data:`shapes.COLOURS` order)."""
     shape_ids, counts, colours = [], [], []
     for case in cases:
+        if case.video:
+            continue
         for scene in case.scenes:
             one = len(scene.items) == 1
             shape_ids.append(shapes.SHAPES.index(scene.items[0].shape) if one else -100)
@@ -122,10 +152,11 @@ def _scene_labels(cases: list[shapes.Case]) -> tuple[list[int], list[int], list[
 
 class _AuxHeads:
     """Auxiliary classifiers on the vision tower's output (training only, not saved): each
-    image's pooled tokens predict its shape, its number of shapes and the colours it holds. They
-    give the vision tower a direct signal for everything the LM must read off it (without them
-    shape questions sat at chance for hundreds of steps while colour questions were solved; with
-    shape and count alone, a run that drew fewer colour questions lost colour, 48%)."""
+    image's pooled tokens predict its shape, its number of shapes and the colours it holds; each
+    clip's, its shape's direction and colour. They give the vision tower a direct signal for
+    everything the LM must read off it (without them shape questions sat at chance for hundreds of
+    steps while colour questions were solved; with shape and count alone, a run that drew fewer
+    colour questions lost colour, 48%)."""
 
     def __init__(self, model: Any, dim: int):
         import torch
@@ -133,35 +164,54 @@ class _AuxHeads:
         self.shape = torch.nn.Linear(2 * dim, len(shapes.SHAPES))
         self.count = torch.nn.Linear(2 * dim, 3)
         self.colours = torch.nn.Linear(2 * dim, len(shapes.COLOURS))
-        self.captured: Any = None
+        self.direction = torch.nn.Linear(2 * dim, len(shapes.DIRECTIONS))
+        self.clip_colour = torch.nn.Linear(2 * dim, len(shapes.COLOURS))
+        #: the vision tower's outputs of this step, in call order (images first, then videos)
+        self.captured: list[Any] = []
         model.model.visual.register_forward_hook(self._hook)
 
     def _hook(self, _module: Any, _args: Any, output: Any) -> None:
-        self.captured = output.pooler_output if hasattr(output, "pooler_output") else output
+        self.captured.append(output.pooler_output if hasattr(output, "pooler_output") else output)
 
     def parameters(self) -> list[Any]:
-        return [*self.shape.parameters(), *self.count.parameters(), *self.colours.parameters()]
+        heads = (self.shape, self.count, self.colours, self.direction, self.clip_colour)
+        return [p for head in heads for p in head.parameters()]
 
-    def loss(self, grid_thw: Any, cases: list[shapes.Case]) -> Any:
+    @staticmethod
+    def _pooled(tokens: Any, grid_thw: Any) -> Any:
         import torch
 
-        tokens = self.captured
         if isinstance(tokens, (tuple, list)):
             tokens = torch.cat(list(tokens))
         sizes = (grid_thw.prod(dim=1) // 4).tolist()
-        pooled = torch.stack([torch.cat([t.mean(0), t.amax(0)]) for t in torch.split(tokens, sizes)])
-        shape_ids, counts, colours = _scene_labels(cases)
+        return torch.stack([torch.cat([t.mean(0), t.amax(0)]) for t in torch.split(tokens, sizes)])
+
+    def loss(self, inputs: dict[str, Any], cases: list[shapes.Case]) -> Any:
+        import torch
+
+        captured, self.captured = self.captured, []
         ce = torch.nn.functional.cross_entropy
         bce = torch.nn.functional.binary_cross_entropy_with_logits
-        return (
-            ce(self.shape(pooled), torch.tensor(shape_ids), ignore_index=-100)
-            + ce(self.count(pooled), torch.tensor(counts))
-            + bce(self.colours(pooled), torch.tensor(colours))
-        )
+        total = torch.zeros(())
+        if "image_grid_thw" in inputs:
+            pooled = self._pooled(captured.pop(0), inputs["image_grid_thw"])
+            shape_ids, counts, colours = _scene_labels(cases)
+            total = total + (
+                ce(self.shape(pooled), torch.tensor(shape_ids), ignore_index=-100)
+                + ce(self.count(pooled), torch.tensor(counts))
+                + bce(self.colours(pooled), torch.tensor(colours))
+            )
+        if "video_grid_thw" in inputs:
+            pooled = self._pooled(captured.pop(0), inputs["video_grid_thw"])
+            clips = [clip for case in cases if case.video for clip in case.scenes]
+            directions = torch.tensor([shapes.DIRECTIONS.index(c.direction) for c in clips])
+            colours_of = torch.tensor([list(shapes.COLOURS).index(c.scene.items[0].colour) for c in clips])
+            total = total + ce(self.direction(pooled), directions) + ce(self.clip_colour(pooled), colours_of)
+        return total
 
 
-def _answer_accuracy(model: Any, processor: Any, cases: list[shapes.Case], eos: str) -> float:
-    """Teacher-forced: the share of cases whose every answer token is the argmax."""
+def _answer_accuracy(model: Any, processor: Any, cases: list[shapes.Case], eos: str) -> list[bool]:
+    """Teacher-forced: per case, whether its every answer token is the argmax."""
     import torch
 
     inputs = _batch(processor, cases, eos)
@@ -172,7 +222,7 @@ def _answer_accuracy(model: Any, processor: Any, cases: list[shapes.Case], eos: 
     target = labels[:, 1:]
     mask = target != -100
     ok = ((pred == target) | ~mask).all(dim=1)
-    return float(ok.float().mean())
+    return [bool(x) for x in ok]
 
 
 def _new_model(seed: int, init: Path | None = None) -> tuple[Any, Any]:
@@ -206,13 +256,15 @@ def train_demo_model(
     lr: float = 2e-3,
     threads: int = 1,
     init: str | Path | None = None,
+    template_weights: tuple[float, ...] = TEMPLATE_WEIGHTS,
 ) -> Path:
     """Train the demo model and write its folder into ``out_dir``; returns the folder.
 
     ``threads``: torch's intra-op threads. One by default: the result then does not depend on how
     many cores the machine has, and on a busy 2-core machine one thread trained 3-5x faster than
     two (measured: 0.8 vs 4 s a step while tests ran beside it). ``init``: start from this demo
-    model folder's weights instead of random ones (fine-tuning it)."""
+    model folder's weights instead of random ones (fine-tuning it). ``template_weights``: how often
+    each template is drawn (:class:`shapes.Template` order)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -253,14 +305,15 @@ def train_demo_model(
     rng = random.Random(seed)
     model.train()
     for step in range(steps):
+        aux.captured.clear()
         cases = []
         for _ in range(batch_size):
-            template = rng.choices(templates, TEMPLATE_WEIGHTS)[0]
+            template = rng.choices(templates, template_weights)[0]
             cases.append(shapes.make_case(template, case_no, log_sides=rng.random() < LOG_SIDES_SHARE))
             case_no += 1
         inputs = _batch(processor, cases, eos)
         loss = model(**inputs).loss
-        loss = loss + AUX_WEIGHT * aux.loss(inputs["image_grid_thw"], cases)
+        loss = loss + AUX_WEIGHT * aux.loss(inputs, cases)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,14 +321,16 @@ def train_demo_model(
         sched.step()
         if step % 100 == 0 or step == steps - 1:
             model.eval()
-            acc = _answer_accuracy(model, processor, held_out, eos)
+            ok = _answer_accuracy(model, processor, held_out, eos)
             model.train()
+            by_template = {t.value: sum(o for o, c in zip(ok, held_out) if c.template is t) / 16 for t in templates}
             logger.info(
-                "step %d/%d loss %.4f held-out answer accuracy %.3f (%.0f s)",
+                "step %d/%d loss %.4f held-out answer accuracy %.3f %s (%.0f s)",
                 step,
                 steps,
                 float(loss.detach()),
-                acc,
+                sum(ok) / len(ok),
+                " ".join(f"{t}={a:.2f}" for t, a in by_template.items()),
                 time.monotonic() - started,
             )
     model.eval()
@@ -306,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--init", help="start from this demo model folder's weights (fine-tune it)")
+    parser.add_argument(
+        "--weights",
+        type=float,
+        nargs=len(TEMPLATE_WEIGHTS),
+        default=TEMPLATE_WEIGHTS,
+        help="how often each template is drawn, in order: " + " ".join(t.value for t in shapes.Template),
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(
@@ -317,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             lr=args.lr,
             threads=args.threads,
             init=args.init,
+            template_weights=tuple(args.weights),
         )
     )
     return 0

@@ -5,11 +5,15 @@ on each side (any aspect ratio), with 1-3 non-overlapping filled shapes of varie
 :data:`SHAPES`, colour in :data:`COLOURS` (each colour's shade varies widely: jittered around its RGB, or
 drawn in HSV around its hue), edges hard or anti-aliased, triangles of varied height. A
 :class:`Case` is one chat turn about one or two scenes, from one of four templates
-(:class:`Template`): the question text comes before or after the image part(s), "color" and
+(:class:`Template`) about images: the question text comes before or after the image part(s), "color" and
 "colour" both occur, and the answer is one bare word.
 
-Same ``(template, seed)`` -> the same case, byte for byte (``random.Random`` and PIL only), so the
-training script, the accuracy test and ``epd up``'s printed example all draw from one generator.
+The two video templates ask about a :class:`Clip`: one such shape moving left, right, up or down
+over 4, 6 or 8 frames of 112-196 px, sent as an mp4 (``mp4v``, written by OpenCV's FFmpeg: the
+decoder the API reads it with).
+
+Same ``(template, seed)`` -> the same case, byte for byte (``random.Random``, PIL and the codec only), so the
+training script, the accuracy test and ``epd up``'s printed examples all draw from one generator.
 """
 
 from __future__ import annotations
@@ -44,12 +48,21 @@ MIN_SIDE, MAX_SIDE = 64, 448
 
 
 class Template(enum.StrEnum):
-    """The four question templates (their exact texts are :data:`QUESTIONS`)."""
+    """The question templates (their exact texts are :data:`QUESTIONS`): four about images, two
+    about video clips (:data:`VIDEO_TEMPLATES`)."""
 
     COLOUR = "colour"
     SHAPE = "shape"
     COUNT = "count"
     WHICH_RED = "which_red"
+    DIRECTION = "direction"
+    MOVING_COLOUR = "moving_colour"
+
+
+#: the templates whose case is one video clip (:class:`Clip`); the others ask about images
+VIDEO_TEMPLATES = (Template.DIRECTION, Template.MOVING_COLOUR)
+#: which way a clip's shape moves (image coordinates: up is towards the top edge)
+DIRECTIONS = ("left", "right", "up", "down")
 
 
 #: the question texts; COLOUR has both spellings
@@ -58,10 +71,14 @@ QUESTIONS: dict[Template, tuple[str, ...]] = {
     Template.SHAPE: ("What shape is it?",),
     Template.COUNT: ("How many shapes are there?",),
     Template.WHICH_RED: ("Which image has the red shape, the first or the second?",),
+    Template.DIRECTION: ("Which way is the shape moving?",),
+    Template.MOVING_COLOUR: ("What color is the moving shape?", "What colour is the moving shape?"),
 }
 
+#: every answer word the image templates have
+IMAGE_ANSWERS = (*COLOURS, *SHAPES, *NUMBER_WORDS, "first", "second")
 #: every answer word the templates have
-ANSWERS = (*COLOURS, *SHAPES, *NUMBER_WORDS, "first", "second")
+ANSWERS = (*IMAGE_ANSWERS, *DIRECTIONS)
 
 
 @dataclass(frozen=True)
@@ -205,6 +222,112 @@ def random_scene(
     return Scene(width, height, background, tuple(items), jitter, noise, noise_seed, supersample)
 
 
+#: a clip's frame sides (even: the mp4 codec's), frame counts and rates
+CLIP_MIN_SIDE, CLIP_MAX_SIDE = 112, 196
+CLIP_FRAMES = (4, 6, 8)
+CLIP_FPS = (2.0, 4.0, 8.0)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A short video: ``scene``'s one shape moving ``step`` pixels a frame towards ``direction``
+    over ``frames`` frames at ``fps`` (frame 0 is ``scene``; each frame's pixel noise is its own)."""
+
+    scene: Scene
+    direction: str
+    step: float
+    frames: int
+    fps: float
+
+    @property
+    def width(self) -> int:
+        return self.scene.width
+
+    @property
+    def height(self) -> int:
+        return self.scene.height
+
+    def frame(self, k: int) -> Scene:
+        """Frame ``k`` as a scene (the shape moved ``k`` steps)."""
+        dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[self.direction]
+        item = self.scene.items[0]
+        moved = Item(
+            item.shape, item.colour, item.cx + dx * k * self.step, item.cy + dy * k * self.step, item.r, item.h
+        )
+        return Scene(
+            self.scene.width,
+            self.scene.height,
+            self.scene.background,
+            (moved,),
+            self.scene.jitter,
+            self.scene.noise,
+            (self.scene.noise_seed + k) % 2**32,
+            self.scene.supersample,
+        )
+
+    def render(self) -> list[Any]:
+        """The frames as PIL RGB images."""
+        return [self.frame(k).render() for k in range(self.frames)]
+
+    def mp4(self) -> bytes:
+        """The clip as an mp4 (:func:`mp4_bytes`)."""
+        return mp4_bytes(self.render(), self.fps)
+
+    def data_url(self) -> str:
+        return "data:video/mp4;base64," + base64.b64encode(self.mp4()).decode("ascii")
+
+    def reversed(self) -> Clip:
+        """The same clip played backwards: the shape moves the other way."""
+        other = {"left": "right", "right": "left", "up": "down", "down": "up"}[self.direction]
+        last = self.frame(self.frames - 1)
+        return Clip(last, other, self.step, self.frames, self.fps)
+
+
+def mp4_bytes(frames: list[Any], fps: float, fourcc: str = "mp4v", suffix: str = ".mp4") -> bytes:
+    """``frames`` (PIL RGB images of one size, its sides even) as a video file written by OpenCV's
+    FFmpeg (the build the API decodes with): ``mp4v`` in mp4 by default. Deterministic."""
+    import tempfile
+    from pathlib import Path
+
+    import cv2
+    import numpy as np
+
+    width, height = frames[0].size
+    with tempfile.TemporaryDirectory(prefix="epd-clip-") as tmp:
+        path = Path(tmp) / f"clip{suffix}"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*fourcc), fps, (width, height))
+        if not writer.isOpened():
+            raise RuntimeError(f"OpenCV cannot write a {fourcc} clip here (no FFmpeg in its build?)")
+        for image in frames:
+            writer.write(np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1]))
+        writer.release()
+        return path.read_bytes()
+
+
+def random_clip(rng: random.Random) -> Clip:
+    """A clip of one shape (drawn as :func:`random_scene` draws one) moving in a straight line
+    over 30-60% of the room it has along its axis, inside the frame throughout."""
+    width, height = (2 * rng.randint(CLIP_MIN_SIDE // 2, CLIP_MAX_SIDE // 2) for _ in range(2))
+    frames, fps = rng.choice(CLIP_FRAMES), rng.choice(CLIP_FPS)
+    direction = rng.choice(DIRECTIONS)
+    side = min(width, height)
+    r = side * rng.uniform(0.08, 0.2)
+    along, across = (width, height) if direction in ("left", "right") else (height, width)
+    room = along - 2 * r - 2
+    travel = room * rng.uniform(0.3, 0.6)
+    start = rng.uniform(r + 1, along - r - 1 - travel)  # the lowest coordinate the shape is at
+    if direction in ("left", "up"):
+        start += travel  # it starts at the high end and moves down the axis
+    other = rng.uniform(r + 1, across - r - 1)
+    cx, cy = (start, other) if direction in ("left", "right") else (other, start)
+    item = Item(rng.choice(SHAPES), rng.choice(list(COLOURS)), cx, cy, r, rng.uniform(0.8, 1.0))
+    jitter = (_jitter(rng, item.colour),)
+    background = _background(rng)
+    noise = rng.choice((0, 0, 0, 4, 8))
+    scene = Scene(width, height, background, (item,), jitter, noise, rng.randrange(2**32), rng.choice((1, 3)))
+    return Clip(scene, direction, travel / (frames - 1), frames, fps)
+
+
 class Drawing(Protocol):
     """What a case asks about: a picture drawn by a generator (this module's :class:`Scene`, or the
     independent test generator's, ``tests/shapes_testgen.py``)."""
@@ -228,35 +351,48 @@ class Case(Generic[D]):
     text_last: bool
     answer: str
 
+    @property
+    def video(self) -> bool:
+        """Whether the case asks about a video clip (:data:`VIDEO_TEMPLATES`), not images."""
+        return self.template in VIDEO_TEMPLATES
+
     def content(self, image_part: Any = None) -> list[dict[str, Any]]:
         """The user message's content parts in order: OpenAI ``image_url`` parts with inline PNG
-        data URLs (or ``image_part(scene)`` parts) and the question text."""
-        images = [
-            image_part(s) if image_part else {"type": "image_url", "image_url": {"url": s.data_url()}}
-            for s in self.scenes
-        ]
+        data URLs (a video case: one ``video_url`` part, an inline mp4) - or ``image_part(scene)``
+        parts - and the question text."""
+        kind = "video_url" if self.video else "image_url"
+        media = [image_part(s) if image_part else {"type": kind, kind: {"url": s.data_url()}} for s in self.scenes]
         text = [{"type": "text", "text": self.question}]
-        return [*images, *text] if self.text_last else [*text, *images]
+        return [*media, *text] if self.text_last else [*text, *media]
 
-    def chat_request(self, model: str, *, max_tokens: int = 4) -> dict[str, Any]:
-        """A greedy ``/v1/chat/completions`` body asking this case (one user turn, :meth:`content`)."""
-        return {
+    def chat_request(self, model: str, *, max_tokens: int = 8) -> dict[str, Any]:
+        """A greedy ``/v1/chat/completions`` body asking this case (one user turn, :meth:`content`);
+        a video case samples its clip at the clip's own rate (``media_io_kwargs``): every frame."""
+        body: dict[str, Any] = {
             "model": model,
             "messages": [{"role": "user", "content": self.content()}],
             "temperature": 0,
             "max_tokens": max_tokens,
         }
+        if self.video:
+            body["media_io_kwargs"] = {"video": {"fps": self.scenes[0].fps}}  # type: ignore[attr-defined]  # a clip
+        return body
 
     def correct(self, reply: str) -> bool:
         """Whether a model's reply is the answer: the bare word, a final period allowed."""
         return reply.strip().rstrip(".").strip().lower() == self.answer
 
 
-def make_case(template: Template, seed: int, *, log_sides: bool = False) -> Case[Scene]:
-    """The case of ``template`` number ``seed`` (deterministic; ``log_sides``: see :func:`random_scene`)."""
+def make_case(template: Template, seed: int, *, log_sides: bool = False) -> Case[Any]:
+    """The case of ``template`` number ``seed`` (deterministic; ``log_sides``: see :func:`random_scene`;
+    a video template's clip, :func:`random_clip`, does not take it)."""
     rng = random.Random(f"epd-shapes|{template.value}|{seed}")
     question = rng.choice(QUESTIONS[template])
     text_last = rng.random() < 0.5
+    if template in VIDEO_TEMPLATES:
+        clip = random_clip(rng)
+        answer = clip.direction if template is Template.DIRECTION else clip.scene.items[0].colour
+        return Case(template, (clip,), question, text_last, answer)
     if template is Template.COLOUR:
         scene = random_scene(rng, 1, log_sides=log_sides)
         return Case(template, (scene,), question, text_last, scene.items[0].colour)
@@ -296,7 +432,33 @@ EXAMPLE = Case(
 )
 
 
-def describe(scene: Scene) -> str:
-    """``scene`` in words, e.g. "a green triangle on a 160x120 image"."""
+#: the video example ``epd up`` prints for the demo model: a red circle moving right on light grey,
+#: 8 frames of 160x120 at 4 fps
+EXAMPLE_VIDEO = Case(
+    Template.DIRECTION,
+    (
+        Clip(
+            Scene(160, 120, (235, 235, 235), (Item("circle", "red", 44.0, 60.0, 22.0),), ((0, 0, 0),)),
+            "right",
+            10.0,
+            8,
+            4.0,
+        ),
+    ),
+    "Which way is the shape moving?",
+    text_last=True,
+    answer="right",
+)
+
+
+def describe(scene: Scene | Clip) -> str:
+    """``scene`` in words, e.g. "a green triangle on a 160x120 image", "a red circle moving right
+    in a 160x120 clip of 8 frames at 4 fps"."""
+    if isinstance(scene, Clip):
+        (item,) = scene.scene.items
+        return (
+            f"a {item.colour} {item.shape} moving {scene.direction} in a {scene.width}x{scene.height} clip "
+            f"of {scene.frames} frames at {scene.fps:g} fps"
+        )
     things = ", ".join(f"a {i.colour} {i.shape}" for i in scene.items)
     return f"{things} on a {scene.width}x{scene.height} image"
