@@ -73,13 +73,17 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _example_request(model_name: str, demo: bool) -> str:
+def _example_request(model_name: str, demo: bool, *, video: bool = False) -> str:
     """The body of the curl ``epd up`` prints: for the demo model a question it answers (about a
-    generated image, inline), else any image with a generic question."""
+    generated image, inline; ``video``: about a generated clip, sampled at its own rate), else any
+    image with a generic question."""
+    extra: dict[str, object] = {}
     if demo:
-        from shared.tools.models.shapes import EXAMPLE
+        from shared.tools.models.shapes import EXAMPLE, EXAMPLE_VIDEO
 
-        content = EXAMPLE.content()
+        content = (EXAMPLE_VIDEO if video else EXAMPLE).content()
+        if video:
+            extra = {"media_io_kwargs": EXAMPLE_VIDEO.chat_request(model_name)["media_io_kwargs"]}
     else:
         from PIL import Image
 
@@ -90,7 +94,13 @@ def _example_request(model_name: str, demo: bool) -> str:
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
         content = [{"type": "text", "text": "Describe this image."}, {"type": "image_url", "image_url": {"url": url}}]
     # Greedy: the answer it promises is the one a paste gets (a sampled one could differ).
-    body = {"model": model_name, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    body = {
+        "model": model_name,
+        "max_tokens": 16,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
     return json.dumps(body, separators=(", ", ": "))
 
 
@@ -127,9 +137,11 @@ def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key
     )
 
 
-def _example_answer() -> str:
-    from shared.tools.models.shapes import EXAMPLE, describe
+def _example_answer(*, video: bool = False) -> str:
+    from shared.tools.models.shapes import EXAMPLE, EXAMPLE_VIDEO, describe
 
+    if video:
+        return f"{EXAMPLE_VIDEO.answer!r}: the video is {describe(EXAMPLE_VIDEO.scenes[0])}"
     return f"{EXAMPLE.answer!r}: the image is {describe(EXAMPLE.scenes[0])}"
 
 
@@ -281,6 +293,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
             )
             + f"  {example_curl(url, _example_request(model_name, demo), api_keys=bool(api_keys))}\n"
             + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
+            + (
+                "And a video (every frame: media_io_kwargs' fps is the clip's rate):\n"
+                f"  {example_curl(url, _example_request(model_name, demo, video=True), api_keys=bool(api_keys))}\n"
+                f"  (the answer is {_example_answer(video=True)})\n\n"
+                if demo
+                else ""
+            )
             + "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
             flush=True,
         )
