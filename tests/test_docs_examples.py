@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.tools.models.shapes import EXAMPLE
+from shared.tools.models.shapes import EXAMPLE, EXAMPLE_VIDEO
 from tests.epdup import READY, EpdUp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -364,12 +364,14 @@ def test_epd_up_api_key_the_printed_curl_sends_it_from_the_environment(dev_stack
     (and gets a 401 without); the key is nowhere in epd up's output."""
     out = dev_stack.output()
     assert READY.search(out) and API_KEY not in out
-    [curl] = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("curl ")]
-    assert '-H "Authorization: Bearer $OPENAI_API_KEY"' in curl
-    block = Block(dev_stack.out_path, 0, "bash", curl + " -w '\\n%{http_code}'\n", "")
-    printed = run_example(block, dev_stack.url, {"OPENAI_API_KEY": API_KEY})
-    body, status = printed.rsplit("\n", 1)
-    assert status == "200" and json.loads(body)["choices"][0]["message"]["content"] == EXAMPLE.answer, printed
+    curls = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("curl ")]
+    assert len(curls) == 2  # the image request, then the video one
+    for curl, answer in zip(curls, (EXAMPLE.answer, EXAMPLE_VIDEO.answer), strict=True):
+        assert '-H "Authorization: Bearer $OPENAI_API_KEY"' in curl
+        block = Block(dev_stack.out_path, 0, "bash", curl + " -w '\\n%{http_code}'\n", "")
+        printed = run_example(block, dev_stack.url, {"OPENAI_API_KEY": API_KEY})
+        body, status = printed.rsplit("\n", 1)
+        assert status == "200" and json.loads(body)["choices"][0]["message"]["content"] == answer, printed
     printed = run_example(block, dev_stack.url)  # no key in the environment
     assert printed.rsplit("\n", 1)[1] == "401", printed
 
