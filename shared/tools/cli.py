@@ -185,10 +185,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     access_key = store.s3_access_key.get_secret_value()
     secret_key = store.s3_secret_key.get_secret_value()
-    # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode 0600),
-    # the server knows only them, each service connects as its role (docs/security.md).
-    identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
-    nats = EmbeddedNats(data_dir / "nats", port=args.nats_port, extra_config=identities.server_config())
+    nats: EmbeddedNats | None = None  # (made once the ports are checked: nothing is written before)
     s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
     stack: Stack | None = None
     fork_server: ForkServer | None = None  # the one this run asked for: closed with its services
@@ -218,6 +215,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 held.append(PortReservation(metrics_ports, args.host))
             except PortInUseError as exc:
                 raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
+        # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode
+        # 0600), the server knows only them, each service connects as its role (docs/security.md).
+        identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
+        nats = EmbeddedNats(data_dir / "nats", port=args.nats_port, extra_config=identities.server_config())
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
             fork_server = default_fork_server(data_dir / "logs")
         nats.start()
