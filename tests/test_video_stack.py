@@ -22,12 +22,17 @@ from tests.stackutil import GREEDY, data_url, final_result, noise_image, start_s
 from tests.test_video import write_clip
 from tests.test_video_engine import SAMPLERS, _hf_tokens
 
-COMBOS = [
+_CI = [
     ("qwen2_vl", "agg"),
     ("qwen2_vl", "e-pd"),
     ("qwen2_vl", "e-p-d"),
     ("qwen2_5_vl", "e-p-d"),  # (the KV hand-off of a prompt whose positions follow seconds per patch)
     ("qwen3_vl", "e-p-d"),  # (the KV hand-off of a prompt with timestamps and deepstack features)
+]
+#: the cells whose path the ones above already hold (make test-matrix)
+_MATRIX = [("qwen2_5_vl", "agg"), ("qwen2_5_vl", "e-pd"), ("qwen3_vl", "agg"), ("qwen3_vl", "e-pd")]
+COMBOS = [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in _CI] + [
+    pytest.param(c, id=f"{c[0]}-{c[1]}", marks=pytest.mark.matrix) for c in _MATRIX
 ]
 
 
@@ -70,7 +75,7 @@ def families(tmp_path_factory) -> dict[str, Path]:
     from shared.tools.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("video-families")
-    return {f: build_tiny_model(root / f, arch=f, size="tiny", seed=0) for f in {f for f, _ in COMBOS}}
+    return {f: build_tiny_model(root / f, arch=f, size="tiny", seed=0) for f in {f for f, _ in (*_CI, *_MATRIX)}}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +94,7 @@ def references(families, clip_files) -> dict[str, dict[str, list[int]]]:
     return out
 
 
-@pytest.fixture(scope="module", params=COMBOS, ids=[f"{f}-{t}" for f, t in COMBOS])
+@pytest.fixture(scope="module", params=COMBOS)
 def video_stack(request, nats_server, s3_server, families, tmp_path_factory):
     family, topology = request.param
     running = start_stack(
