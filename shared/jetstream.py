@@ -56,6 +56,9 @@ _ERR_NO_PEERS = 10005
 _ERR_INSUFFICIENT_RESOURCES = 10023
 _ERR_REPLICAS_NOT_CLUSTERED = 10074
 _REPLICA_ERRORS = (_ERR_NO_PEERS, _ERR_INSUFFICIENT_RESOURCES, _ERR_REPLICAS_NOT_CLUSTERED)
+# "insufficient storage resources available": the server's file store limit (``max_file_store``)
+# cannot hold one more stream's ``max_bytes`` reservation.
+_ERR_INSUFFICIENT_STORAGE = 10047
 # "duplicate message id is in process": a repeat of a publish whose earlier try the stream is still
 # storing (a retry right after a leader change); the next try gets its ack or a duplicate ack.
 _ERR_MSG_ID_IN_PROCESS = 10158
@@ -275,6 +278,28 @@ def check_replicas(nc: NATS, replicas: int) -> None:
         )
 
 
+def file_store_reserved(settings: NatsSettings, subjects: Subjects) -> int:
+    """Bytes of a NATS server's file store (``max_file_store``) the streams reserve up front:
+    each holds its ``max_bytes`` (EPD_STREAM_MAX_BYTES) on every server that has a replica of it."""
+    return sum(cfg.max_bytes or 0 for cfg in stream_configs(settings, subjects))
+
+
+def storage_error(exc: BaseException, settings: NatsSettings, subjects: Subjects, what: str) -> ConfigError | None:
+    """The :class:`ConfigError` for a JetStream refusal to reserve ``what``'s ``max_bytes``
+    (None when ``exc`` is something else)."""
+    if not isinstance(exc, APIError) or exc.err_code != _ERR_INSUFFICIENT_STORAGE:
+        return None
+    gib = 2**30
+    return ConfigError(
+        f"NATS JetStream cannot reserve {settings.stream_max_bytes / gib:.3g} GiB for {what} ({exc.description}): "
+        f"the {len(subjects.streams())} streams reserve EPD_STREAM_MAX_BYTES each, "
+        f"{file_store_reserved(settings, subjects) / gib:.3g} GiB in all, and the server's file store limit "
+        f"(jetstream max_file_store; 75% of the free disk at its start when unset) is smaller or spent. "
+        f"Raise max_file_store (the NATS server's configuration; epd up sets it), free disk on the server, "
+        f"or lower EPD_STREAM_MAX_BYTES"
+    )
+
+
 def replicas_error(exc: BaseException, nc: NATS | None, replicas: int, what: str) -> ConfigError | None:
     """The :class:`ConfigError` for a JetStream refusal to place ``replicas`` replicas of ``what``
     (None when ``exc`` is something else)."""
@@ -448,7 +473,9 @@ async def ensure_topology(
                 log.info("updating stream %s to the configured limits", cfg.name)
                 await _patiently(functools.partial(js.update_stream, cfg), f"stream {cfg.name}", until)
         except APIError as exc:
-            error = replicas_error(exc, nc, settings.stream_replicas, f"stream {cfg.name}")
+            error = replicas_error(exc, nc, settings.stream_replicas, f"stream {cfg.name}") or storage_error(
+                exc, settings, subjects, f"stream {cfg.name}"
+            )
             if error is not None:
                 raise error from exc
             raise

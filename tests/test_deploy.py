@@ -738,7 +738,26 @@ def test_nats_cluster(cluster, cluster_test):
     conf = dc.parse_nats_conf((ROOT / "deploy" / "nats-cluster.conf").read_text(), dc.read_repo_file_in("deploy"))
     single = dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))
     assert conf == {**single, "cluster": {"name": "epd", "port": "6222"}}
-    assert single["max_payload"] == "8MB" and single["jetstream"] == {"store_dir": "/data"}
+    assert single["max_payload"] == "8MB" and single["jetstream"]["store_dir"] == "/data"
+
+
+def test_compose_nats_holds_the_streams_reservations_whatever_the_free_disk(compose):
+    """CI once failed on a disk with 4 GB free: the NATS server's default file store limit (75% of
+    the free disk) could not hold the 7 streams' 1 GiB reservations, and the API exited. Compose's
+    server sets the limit; it holds the reservations at Compose's EPD_STREAM_MAX_BYTES."""
+    from shared.config import NatsSettings
+    from shared.jetstream import file_store_reserved
+    from shared.protocol import Subjects
+
+    env = dc.environment(compose["services"]["api"])
+    assert env["EPD_STREAM_MAX_BYTES"] == "${EPD_STREAM_MAX_BYTES:-}"  # unset: the default
+    settings = NatsSettings(stream_max_bytes=config.NatsSettings.model_fields["stream_max_bytes"].default)
+    reserved = file_store_reserved(settings, Subjects(settings.subject_prefix))
+    assert reserved == 7 * 2**30
+    limit = int(
+        dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))["jetstream"]["max_file_store"]
+    )
+    assert limit >= reserved + 2**30  # (and room for the key-value buckets)
 
 
 def _no_jetstream(relative: str) -> str | None:

@@ -295,6 +295,46 @@ async def test_session_nats_reserves_past_the_free_disk(nats_server, tmp_path: P
         assert await reserve(small.url, 6) == 4
 
 
+async def test_a_stack_s_streams_fit_an_embedded_server_whatever_the_free_disk(tmp_path: Path, capsys) -> None:
+    """CI failed on a disk with 4 GB free: ``epd up``'s server, at NATS's default limit (75% of the
+    free disk), refused the 7 streams' 1 GiB reservations and the API exited with NATS's words only.
+    An embedded server's limit is set (epd up's grows with EPD_STREAM_MAX_BYTES and warns when the
+    disk has less free); a server too small for them gives a ConfigError naming what to change."""
+    from shared.config import NatsSettings
+    from shared.errors import ConfigError
+    from shared.jetstream import ensure_topology, file_store_reserved
+    from shared.protocol import Subjects
+    from shared.tools.cli import _jetstream_file_store
+    from shared.tools.infra import DEFAULT_MAX_FILE_STORE
+
+    settings = NatsSettings(subject_prefix=f"fs{uuid.uuid4().hex[:6]}")
+    subjects = Subjects(settings.subject_prefix)
+    reserved = file_store_reserved(settings, subjects)
+    assert reserved == 7 * settings.stream_max_bytes
+    default = EmbeddedNats(tmp_path / "default")
+    default._prepare()
+    assert f"max_file_store: {DEFAULT_MAX_FILE_STORE}" in default.config_path.read_text()
+    assert _jetstream_file_store(settings, tmp_path) == DEFAULT_MAX_FILE_STORE
+    assert capsys.readouterr().err == ""
+    huge = settings.model_copy(update={"stream_max_bytes": shutil.disk_usage(tmp_path).free})
+    assert _jetstream_file_store(huge, tmp_path) == file_store_reserved(huge, subjects) + 2**30
+    assert "GiB free under" in capsys.readouterr().err  # the warning
+
+    async def create(server: EmbeddedNats) -> None:
+        nc = await nats.connect(server.url)
+        try:
+            await ensure_topology(nc.jetstream(), settings, subjects, nc=nc)
+        finally:
+            await nc.close()
+
+    with default:
+        await create(default)  # (whatever the free disk: nothing is written)
+    with EmbeddedNats(tmp_path / "small", max_file_store=reserved - settings.stream_max_bytes) as small:
+        with pytest.raises(ConfigError, match="EPD_STREAM_MAX_BYTES") as refused:
+            await create(small)
+    assert "max_file_store" in str(refused.value) and "7 GiB in all" in str(refused.value)
+
+
 async def test_nats_cluster_replicates_and_survives_a_killed_leader(tmp_path: Path) -> None:
     """Three nodes through a command prefix (``env``, which execs like ``ip netns exec``): an R3
     stream has a leader on one node; SIGKILL of that node elects another, the data stays, the node

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.tools.infra import (
     DEFAULT_NATS_PORT,
@@ -37,6 +38,9 @@ from shared.tools.infra import (
 from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
 from shared.tools.models.tiny import ARCHS, default_model_dir
 from shared.topology import TOPOLOGIES, Service, Topology
+
+if TYPE_CHECKING:
+    from shared.config import NatsSettings
 
 DEFAULT_DATA_DIR = Path("var")
 
@@ -218,7 +222,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
         # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode
         # 0600), the server knows only them, each service connects as its role (docs/security.md).
         identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
-        nats = EmbeddedNats(data_dir / "nats", port=args.nats_port, extra_config=identities.server_config())
+        nats = EmbeddedNats(
+            data_dir / "nats",
+            port=args.nats_port,
+            extra_config=identities.server_config(),
+            max_file_store=_jetstream_file_store(nats_settings, data_dir),
+        )
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
             fork_server = default_fork_server(data_dir / "logs")
         nats.start()
@@ -347,6 +356,28 @@ def model_folder_problem(path: Path, engine: str) -> str | None:
     except EngineError as exc:
         return exc.message
     return None
+
+
+def _jetstream_file_store(settings: NatsSettings, data_dir: Path) -> int:
+    """The embedded NATS server's JetStream file store limit: the default, or more when the streams
+    reserve more (EPD_STREAM_MAX_BYTES x streams, plus 1 GiB for the key-value buckets). Says so
+    when the disk under ``data_dir`` has less free than the streams may fill."""
+    import shutil
+
+    from shared.jetstream import file_store_reserved
+    from shared.protocol import Subjects
+    from shared.tools.infra import DEFAULT_MAX_FILE_STORE
+
+    gib = 2**30
+    reserved = file_store_reserved(settings, Subjects(settings.subject_prefix))
+    free = shutil.disk_usage(data_dir).free
+    if free < reserved:
+        print(
+            f"epd up: warning: {free / gib:.1f} GiB free under {data_dir}; the message streams may hold up to "
+            f"{reserved / gib:.1f} GiB (EPD_STREAM_MAX_BYTES each): free disk or lower EPD_STREAM_MAX_BYTES",
+            file=sys.stderr,
+        )
+    return max(DEFAULT_MAX_FILE_STORE, reserved + gib)
 
 
 def _flag_env(args: argparse.Namespace, api_keys: tuple[str, ...]) -> dict[str, str]:

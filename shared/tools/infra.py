@@ -654,6 +654,11 @@ def _describe_exit(code: int) -> str:
 
 
 # -- NATS --------------------------------------------------------------------------------------
+#: JetStream's file storage limit of an embedded server (see :class:`EmbeddedNats`): room for the
+#: reservations of several stacks' streams at their default 1 GiB each.
+DEFAULT_MAX_FILE_STORE = 64 * 2**30
+
+
 class EmbeddedNats(_EmbeddedServer):
     """``nats-server`` with JetStream, configured by a generated config file.
 
@@ -672,9 +677,12 @@ class EmbeddedNats(_EmbeddedServer):
       requires them, and the routes carry them).
     * ``sync_interval``: JetStream's fsync policy (``"always"``, or a duration such as ``"2m"``,
       the server's default when None).
-    * ``max_file_store``: JetStream's file storage limit in bytes (the server's default when None:
-      75% of the free disk at start). Every file stream reserves its ``max_bytes`` against it up
-      front, so a server shared by many short-lived prefixes (the test session's) sets it high.
+    * ``max_file_store``: JetStream's file storage limit in bytes, :data:`DEFAULT_MAX_FILE_STORE`
+      unless given (None: the server's own default, 75% of the free disk at start). Every file
+      stream reserves its ``max_bytes`` against it up front: at the server's default a nearly full
+      disk refused the 7 streams of one stack (1 GiB each, nothing written yet; seen in CI with
+      4 GB free). A limit, not space taken: the streams' own ``max_bytes`` bound what is written.
+      A server shared by many short-lived prefixes (the test session's) sets it higher.
     * ``wrap``: a command prefix the binary is launched through, e.g. ``["ip", "netns", "exec",
       "h1"]``. It must exec the server (as ``ip netns exec`` does) so the pid / process group
       signalled by :meth:`stop`, :meth:`pause` and :meth:`kill` is the server's. Fixed ports are
@@ -703,7 +711,7 @@ class EmbeddedNats(_EmbeddedServer):
         route_user: str | None = None,
         route_password: str | None = None,
         sync_interval: str | None = None,
-        max_file_store: int | None = None,
+        max_file_store: int | None = DEFAULT_MAX_FILE_STORE,
         wrap: Sequence[str] = (),
     ):
         super().__init__(data_dir, binary=binary)

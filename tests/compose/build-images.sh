@@ -26,6 +26,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run it niced and bounded, its output i
     echo "build-images: $name took $((SECONDS - t0)) s"
 }
 
+images=("epd-serve:$version-cpu" epd-test/nats:2.15.1 epd-test/seaweedfs-s3:4.48)
+before=$(docker image inspect -f '{{.Id}}' "${images[@]}" 2>/dev/null || true)
+
 step base 1200 deploy/build-local-base.sh "$base"
 step epd-serve 2400 deploy/docker-build.sh --progress=plain --build-arg "PYTHON_IMAGE=$base" --target cpu \
     -t "epd-serve:$version-cpu" .
@@ -33,3 +36,15 @@ step nats 900 deploy/docker-build.sh --progress=plain --build-arg "BASE_IMAGE=$b
     -t epd-test/nats:2.15.1 tests/compose
 step s3 900 deploy/docker-build.sh --progress=plain --build-arg "BASE_IMAGE=$base" --target s3 \
     -t epd-test/seaweedfs-s3:4.48 tests/compose
+
+# A rebuild leaves the image a tag named before untagged (7 GB for epd-serve), and the build cache
+# grows with every changed layer: CI's disk once filled to 4 GB free, and NATS's default JetStream
+# limit (75% of the free disk) then refused the streams. The images these tags named before go
+# (unless a container still uses one), and the build cache is capped (EPD_TEST_BUILD_CACHE).
+now=$(docker image inspect -f '{{.Id}}' "${images[@]}")
+for id in $before; do
+    if ! grep -qx "$id" <<<"$now"; then
+        docker rmi "$id" >/dev/null 2>&1 && echo "build-images: removed the replaced image ${id:7:12}" || true
+    fi
+done
+docker builder prune -f --keep-storage "${EPD_TEST_BUILD_CACHE:-12GB}" >/dev/null 2>&1 || true
