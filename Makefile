@@ -1,8 +1,8 @@
 # make run  : create .venv, install what is missing, start everything (epd up) on http://127.0.0.1:8000
 #             (options of epd up in ARGS: make run ARGS="--port 8001 --nats-port 14222")
 # make test : create .venv, install what is missing, run the test suite but the vLLM engine tier
-#             and the multi-host tests (pytest -m "not vllm and not multihost"; keeps a vLLM smoke,
-#             tests marked vllm_smoke, and the support matrix's extra cells); pytest options in PYTEST_ARGS: make test PYTEST_ARGS="-x tests/test_api_params.py"
+#             and the multi-host tests and the support matrix's extra cells (pytest -m "not vllm and not
+#             multihost and not matrix"); pytest options in PYTEST_ARGS: make test PYTEST_ARGS="-x tests/test_api_params.py"
 # make test-vllm: the vLLM engine tier (pytest -m "vllm and not multihost": tests that start vLLM engines
 #             or stacks with EPD_ENGINE=vllm, ~1 min of start-up per engine here); .ci/run runs it after make test
 # make test-matrix: the support matrix's cells CI leaves out (tests marked matrix: each family's

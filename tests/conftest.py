@@ -19,8 +19,8 @@ from tests.stackutil import VLLM_TIERS, require_vllm_tier, set_running_test_mark
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Keep the tiers honest: a test that starts vLLM must be marked ``vllm`` (``make test-vllm``)
-    or ``vllm_smoke`` (kept in ``make test``). Checked before the test's fixtures are set up, by the
+    """Keep the tiers honest: a test that starts vLLM must be marked ``vllm``
+    (``make test-vllm``; ``make test`` starts none). Checked before the test's fixtures are set up, by the
     fixtures it needs (a fixture that starts vLLM is named ``vllm_*`` or needs one, and
     ``item.fixturenames`` lists them all), and then by the helpers that start vLLM
     (``require_vllm_tier``, from the markers recorded here), which also catch a test starting it
@@ -30,7 +30,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if not markers & VLLM_TIERS:
         used = sorted(name for name in item.fixturenames if name.startswith("vllm_"))
         if used:
-            pytest.fail(f"uses {', '.join(used)} (vLLM) but is marked neither `vllm` nor `vllm_smoke`", pytrace=False)
+            pytest.fail(f"uses {', '.join(used)} (vLLM) but is not marked `vllm`", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,8 @@ GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=Tr
 
 # -- test tiers -----------------------------------------------------------------------------------
 #: The markers that put a test starting vLLM in a tier (pyproject.toml): ``vllm`` runs in
-#: ``make test-vllm`` only, ``vllm_smoke`` in ``make test`` (the few vLLM tests it keeps).
-VLLM_TIERS = frozenset({"vllm", "vllm_smoke"})
+#: ``make test-vllm`` only (``make test`` starts no vLLM).
+VLLM_TIERS = frozenset({"vllm"})
 #: The running test's marker names, set by ``tests/conftest.py`` before its fixtures are set up.
 _running_markers: set[str] = set()
 
@@ -47,12 +47,12 @@ def set_running_test_markers(names: Iterable[str]) -> None:
 
 def require_vllm_tier(what: str) -> None:
     """Refuse to start vLLM (an engine, or services with ``EPD_ENGINE=vllm``) for a test marked
-    neither ``vllm`` nor ``vllm_smoke``: such a test would land in ``make test`` unnoticed, and
+    ``vllm``: such a test would land in ``make test`` unnoticed, and
     each vLLM engine costs it ~1 min of start-up on 2 cores."""
     if not _running_markers & VLLM_TIERS:
         raise RuntimeError(
-            f"{what}: starts vLLM, but the test is marked neither `vllm` (make test-vllm) nor `vllm_smoke` "
-            "(the few make test keeps): mark it (pytest.mark.vllm, module-level pytestmark or pytest.param marks)"
+            f"{what}: starts vLLM, but the test is not marked `vllm` (make test-vllm): "
+            "mark it (pytest.mark.vllm, module-level pytestmark or pytest.param marks)"
         )
 
 
