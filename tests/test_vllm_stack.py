@@ -78,10 +78,7 @@ def _ec_ready(stack, item: str) -> list[ECReady]:
 
 @pytest.mark.parametrize(
     "name,text,specs",
-    [
-        pytest.param(*c, id=c[0], marks=pytest.mark.vllm)
-        for c in CASES
-    ],
+    [pytest.param(*c, id=c[0], marks=pytest.mark.vllm) for c in CASES],
 )
 def test_api_output_equals_aggregated_vllm(vllm_stack, vllm_reference, name, text, specs):
     images = [noise_image(seed, size) for seed, size in specs]
