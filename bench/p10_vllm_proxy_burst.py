@@ -104,7 +104,7 @@ class VllmEpd:
         self.ec_dir = work / "ec_cache"
         #: ``--spare-pd``: a second PD server on the encoder's core(s), at that nice value
         self.spare_nice: int | None = args.spare_pd
-        self.servers = ("encoder", "pd", "pd2") if self.spare_nice is not None else ("encoder", "pd")
+        self.servers: tuple[str, ...] = ("encoder", "pd", "pd2") if self.spare_nice is not None else ("encoder", "pd")
         self.ports = {name: free_port() for name in (*self.servers, "proxy")}
         self.procs: dict[str, ServiceProcess] = {}
 
