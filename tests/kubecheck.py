@@ -11,7 +11,10 @@ No cluster runs here, so the manifests are read the way the API server and kusto
 * :func:`policy_problems` checks what a schema cannot: non-root, pinned images, probes through
   ``epd healthcheck``, credentials only from the Secret, no secret in a ConfigMap, grace >= drain,
   read-only model volumes, resources, PodDisruptionBudgets, NetworkPolicies, and a ScaledObject per
-  worker role naming a stream and durable consumer the workers really bind (``shared.jetstream``).
+  worker role naming a stream and durable consumer the workers really bind (``shared.jetstream``);
+* :func:`nats_identity_problems` checks that each pod connects to NATS as its own role (the user is the
+  role, the password that role's key of the Secret, no shared account), :func:`secret_problems` the
+  Secret's keys and :func:`nats_values_problems` the NATS chart's users (deploy/kubernetes/nats-values.yaml).
 
 Each ``*_problems`` function returns human-readable problems (empty = fine), so a test can show that
 a deliberately broken copy is rejected.
@@ -32,8 +35,10 @@ import yaml
 from shared import config
 from shared.config import NatsSettings
 from shared.jetstream import consumer_configs
+from shared.nats_auth import SERVICE_ROLES, permissions
 from shared.protocol import Subjects
 from shared.tools import kubernetes as kube
+from shared.tools.nats_identities import DEPLOYED_ROLES, PASSWORD_ENV, USER_ENV, password_variable
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / kube.OUT_DIR
@@ -274,6 +279,131 @@ def policy_problems(objs: list[dict[str, Any]]) -> list[str]:
 
     problems += _scaledobject_problems(objs, deployments)
     problems += _network_problems(objs, deployments)
+    problems += nats_identity_problems(objs)
+    return problems
+
+
+# -- NATS identities ------------------------------------------------------------------------------
+#: The Secret's keys of the one account every pod used to share: no manifest may read them.
+SHARED_NATS_KEYS = (USER_ENV, PASSWORD_ENV)
+#: The role of each deployed role's password key (``NATS_ENCODER_PASSWORD`` -> ``encoder``).
+PASSWORD_KEYS = {password_variable(role): role.value for role in DEPLOYED_ROLES}
+
+
+def _pod_templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs of a workload (a Pod, a Job, a CronJob, a Deployment, ...); none for other kinds."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    if kind == "Pod":
+        return [spec]
+    if kind == "CronJob":
+        spec = (spec.get("jobTemplate") or {}).get("spec") or {}
+    template = (spec.get("template") or {}).get("spec")
+    return [template] if isinstance(template, dict) else []
+
+
+def nats_identity_problems(objs: list[dict[str, Any]]) -> list[str]:
+    """Every container connects to NATS as its own role, as each Compose service does: an epd-serve
+    Deployment's ``EPD_NATS_USER`` is its role (a literal: the Secret no longer holds a shared user)
+    and its ``EPD_NATS_PASSWORD`` that role's key of the Secret (``NATS_<ROLE>_PASSWORD``); any other
+    workload (a Job, an init container) that connects names a deployed role and takes that role's key.
+    No container reads the old shared keys (``EPD_NATS_USER`` / ``EPD_NATS_PASSWORD``), another role's
+    password, or the whole Secret (``envFrom``: every role's password)."""
+    problems = []
+    for obj in objs:
+        kind, name = key(obj)
+        component = _component(obj) if kind == "Deployment" else ""
+        for pod in _pod_templates(obj):
+            for c in (pod.get("initContainers") or []) + (pod.get("containers") or []):
+                where = f"{kind}/{name}/{c.get('name')}"
+                env = _env(c)
+                for src in c.get("envFrom") or []:
+                    ref = (src.get("secretRef") or {}).get("name")
+                    if ref == kube.SECRET:
+                        problems.append(f"{where}: reads the whole Secret {ref} (envFrom: every role's NATS password)")
+                refs = {
+                    var: (e.get("valueFrom") or {}).get("secretKeyRef") or {}
+                    for var, e in env.items()
+                    if (e.get("valueFrom") or {}).get("secretKeyRef")
+                }
+                for var, ref in refs.items():
+                    if ref.get("key") in SHARED_NATS_KEYS:
+                        problems.append(
+                            f"{where}: {var} reads the shared key {ref.get('key')} of Secret {ref.get('name')}"
+                            " (one NATS account for every role)"
+                        )
+                role = SERVICE_ROLES[component].value if component in SERVICE_ROLES else None
+                user = env.get(USER_ENV)
+                if role is None and user is None and PASSWORD_ENV not in env:  # no NATS client
+                    given = sorted({str(r.get("key")) for r in refs.values() if r.get("key") in PASSWORD_KEYS})
+                    if given:
+                        problems.append(f"{where}: is handed NATS passwords {given} without connecting as a role")
+                    continue
+                if user is None:
+                    literal = None
+                elif "valueFrom" in user:
+                    literal = "(from " + ", ".join(f"{k} {v}" for k, v in sorted(user["valueFrom"].items())) + ")"
+                else:
+                    literal = user.get("value")
+                if role is None:  # another workload (a Job, ...): it connects as some deployed role
+                    if literal is None or literal not in PASSWORD_KEYS.values():
+                        problems.append(f"{where}: EPD_NATS_USER={literal!r} is no deployed NATS role")
+                        continue
+                    role = literal
+                elif literal != role:
+                    problems.append(f"{where}: EPD_NATS_USER={literal!r}, expected its role {role!r} (a literal)")
+                want = {"name": kube.SECRET, "key": password_variable(role)}
+                got = refs.get(PASSWORD_ENV)
+                if got is None or {k: got.get(k) for k in want} != want or got.get("optional"):
+                    problems.append(
+                        f"{where}: EPD_NATS_PASSWORD reads {got or env.get(PASSWORD_ENV)}, not its role's key "
+                        f"{want['key']} of Secret {want['name']}"
+                    )
+                keys = {str(r.get("key")) for r in refs.values() if r.get("key") in PASSWORD_KEYS}
+                others = sorted(keys - {want["key"]})
+                if others:
+                    problems.append(f"{where}: is handed other roles' NATS passwords {others}")
+    return problems
+
+
+def secret_problems(secret: dict[str, Any]) -> list[str]:
+    """The Secret (secret.example.yaml) holds one NATS password per deployed role and no shared account."""
+    keys = set(secret.get("stringData") or {}) | set(secret.get("data") or {})
+    problems = [f"Secret: no key {k} (role {r}'s NATS password)" for k, r in PASSWORD_KEYS.items() if k not in keys]
+    problems += [f"Secret: key {k} is the old shared NATS account" for k in SHARED_NATS_KEYS if k in keys]
+    return problems
+
+
+def nats_values_problems(values: dict[str, Any], prefix: str = "epd") -> list[str]:
+    """The NATS chart's values: one user per deployed role, with that role's permissions of
+    shared/nats_auth.py, its password the server's variable NATS_<ROLE>_PASSWORD, which the NATS
+    container reads from that role's key of the Secret; no other user (a shared account)."""
+    problems = []
+    merge = ((values.get("config") or {}).get("merge")) or {}
+    auth = merge.get("authorization") or {}
+    if set(auth) - {"users", "timeout"}:
+        problems.append(f"authorization: {sorted(set(auth) - {'users', 'timeout'})} besides the per-role users")
+    users = {str(u.get("user")): u for u in auth.get("users") or []}
+    want = {role.value: password_variable(role) for role in DEPLOYED_ROLES}
+    if sorted(users) != sorted(want):
+        problems.append(f"NATS users {sorted(users)}, expected one per deployed role {sorted(want)}")
+    subjects = Subjects(prefix)
+    for user, var in want.items():
+        entry = users.get(user)
+        if entry is None:
+            continue
+        if entry.get("password") != f"<< ${var} >>":
+            problems.append(f"user {user}: password {entry.get('password')!r}, not << ${var} >>")
+        perms = permissions(user, subjects)
+        publish = {"allow": perms.publish, **({"deny": perms.publish_deny} if perms.publish_deny else {})}
+        expected = {"publish": publish, "subscribe": {"allow": perms.subscribe}}
+        if entry.get("permissions") != expected:
+            problems.append(f"user {user}: permissions differ from shared/nats_auth.py's {user} role")
+    env = (values.get("container") or {}).get("env") or {}
+    for var in want.values():
+        entry = env.get(var)
+        ref = ((entry.get("valueFrom") or {}).get("secretKeyRef") or {}) if isinstance(entry, dict) else {}
+        if ref != {"name": kube.SECRET, "key": var}:
+            problems.append(f"NATS container: {var} is {env.get(var)!r}, not key {var} of Secret {kube.SECRET}")
     return problems
 
 

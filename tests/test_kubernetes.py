@@ -8,18 +8,23 @@ held to the deployment policies. Every check has a broken copy it must reject.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from shared import config
+from shared.nats_auth import SERVICE_ROLES
 from shared.tools import kubernetes as kube
 from shared.tools.bench import plan as bench_plan
 from shared.tools.cli import main as epd_main
 from shared.tools.config_docs import SECTIONS
+from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
 from shared.topology import Service, Topology
 from tests import kubecheck as kc
 
@@ -63,9 +68,20 @@ def test_overlay_passes_schemas_and_policies(name: str) -> None:
 def test_secret_example_is_a_valid_secret_with_every_credential() -> None:
     [secret] = kc.load(kc.DEPLOY / "base" / "secret.example.yaml")
     assert kc.schema_problems(secret) == []
-    assert set(secret["stringData"]) == {"EPD_API_KEYS", "EPD_NATS_USER", "EPD_NATS_PASSWORD", "EPD_S3_ACCESS_KEY",
-                                         "EPD_S3_SECRET_KEY"}  # fmt: skip
+    assert set(secret["stringData"]) == {"EPD_API_KEYS", "EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY",
+                                         *(password_variable(r) for r in DEPLOYED_ROLES)}  # fmt: skip
     assert "secret.example.yaml" not in (kc.DEPLOY / "base" / "kustomization.yaml").read_text()
+    assert kc.secret_problems(secret) == []
+    # broken copies: the old shared account back, a role's password missing
+    shared = copy.deepcopy(secret)
+    shared["stringData"].update(EPD_NATS_USER="CHANGE-ME", EPD_NATS_PASSWORD="CHANGE-ME")
+    assert kc.secret_problems(shared) == [
+        "Secret: key EPD_NATS_USER is the old shared NATS account",
+        "Secret: key EPD_NATS_PASSWORD is the old shared NATS account",
+    ]
+    missing = copy.deepcopy(secret)
+    del missing["stringData"]["NATS_VIEWER_PASSWORD"]
+    assert kc.secret_problems(missing) == ["Secret: no key NATS_VIEWER_PASSWORD (role viewer's NATS password)"]
 
 
 def test_every_setting_is_in_the_configmap_the_secret_or_set_per_pod() -> None:
@@ -229,6 +245,230 @@ def test_policy_rejects_broken_copy(what: str, breaks: Callable, expect: str) ->
     breaks(objs)
     problems = kc.policy_problems(objs)
     assert any(expect in p for p in problems), problems
+
+
+# -- NATS identities: each Deployment connects as its own role -----------------------------------------
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_each_deployment_connects_as_its_own_role(name: str) -> None:
+    objs = kc.kustomize(kc.DEPLOY / name)
+    assert kc.nats_identity_problems(objs) == []
+    for dep in (o for o in objs if o["kind"] == DEP):
+        role = SERVICE_ROLES[kc._component(dep)].value
+        env = kc._env(_container(dep))
+        assert env["EPD_NATS_USER"] == {"name": "EPD_NATS_USER", "value": role}
+        assert env["EPD_NATS_PASSWORD"]["valueFrom"] == {
+            "secretKeyRef": {"name": kube.SECRET, "key": f"NATS_{role.upper()}_PASSWORD"}
+        }
+        keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in env.values() if "valueFrom" in e}
+        assert keys & set(kc.PASSWORD_KEYS) == {f"NATS_{role.upper()}_PASSWORD"}  # no other role's password
+
+
+def test_no_manifest_reads_the_shared_nats_account() -> None:
+    """The Secret's old shared keys EPD_NATS_USER / EPD_NATS_PASSWORD are gone from every file."""
+    for path in sorted(kc.DEPLOY.rglob("*.yaml")):
+        for doc in kc.load(path):
+            refs = [m for m in _walk(doc) if isinstance(m, dict) and "secretKeyRef" in m]
+            keys = {r["secretKeyRef"]["key"] for r in refs}
+            assert not keys & {"EPD_NATS_USER", "EPD_NATS_PASSWORD"}, (path, keys)
+            if doc.get("kind") == "Secret":
+                assert not set(doc.get("stringData") or {}) & {"EPD_NATS_USER", "EPD_NATS_PASSWORD"}, path
+
+
+def _walk(node: Any) -> Any:
+    yield node
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else []
+    for child in children:
+        yield from _walk(child)
+
+
+def _set_env_from(container: dict[str, Any], name: str, key: str, secret: str = kube.SECRET) -> None:
+    ref = {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+    container["env"] = [e for e in container["env"] if e["name"] != name] + [ref]
+
+
+def _job(env: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "epd-setup"},
+            "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [
+                {"name": "setup", "image": "epd-serve:0.1.0-cpu", "env": env}]}}}}  # fmt: skip
+
+
+def _as_api(container: dict[str, Any]) -> None:
+    _set_env(container, "EPD_NATS_USER", "api")
+    _set_env_from(container, "EPD_NATS_PASSWORD", "NATS_API_PASSWORD")
+
+
+_SHARED_ACCOUNT = [
+    {"name": "EPD_NATS_USER", "valueFrom": {"secretKeyRef": {"name": kube.SECRET, "key": "EPD_NATS_USER"}}},
+    {"name": "EPD_NATS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": kube.SECRET, "key": "EPD_NATS_PASSWORD"}}},
+]
+IDENTITY_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], object], list[str]]] = [
+    ("a worker given the api user", lambda o: _set_env(_container(_get(o, DEP, "epd-decode")), "EPD_NATS_USER",
+                                                       "api"),
+     ["Deployment/epd-decode/decode: EPD_NATS_USER='api', expected its role 'decode' (a literal)"]),
+    ("a worker given the api user and password", lambda o: _as_api(_container(_get(o, DEP, "epd-encoder"))),
+     ["Deployment/epd-encoder/encoder: EPD_NATS_USER='api', expected its role 'encoder' (a literal)",
+      "Deployment/epd-encoder/encoder: EPD_NATS_PASSWORD reads {'name': 'epd-credentials', 'key': "
+      "'NATS_API_PASSWORD'}, not its role's key NATS_ENCODER_PASSWORD of Secret epd-credentials",
+      "Deployment/epd-encoder/encoder: is handed other roles' NATS passwords ['NATS_API_PASSWORD']"]),
+    ("a shared password key", lambda o: _set_env_from(_container(_get(o, DEP, "epd-prefill")), "EPD_NATS_PASSWORD",
+                                                      "EPD_NATS_PASSWORD"),
+     ["Deployment/epd-prefill/prefill: EPD_NATS_PASSWORD reads the shared key EPD_NATS_PASSWORD of Secret "
+      "epd-credentials (one NATS account for every role)",
+      "Deployment/epd-prefill/prefill: EPD_NATS_PASSWORD reads {'name': 'epd-credentials', 'key': "
+      "'EPD_NATS_PASSWORD'}, not its role's key NATS_PREFILL_PASSWORD of Secret epd-credentials"]),
+    ("the old shared account", lambda o: _container(_get(o, DEP, "epd-api")).update(env=[
+        e for e in _container(_get(o, DEP, "epd-api"))["env"] if not e["name"].startswith("EPD_NATS_")
+    ] + _SHARED_ACCOUNT),
+     ["Deployment/epd-api/api: EPD_NATS_USER reads the shared key EPD_NATS_USER of Secret epd-credentials (one "
+      "NATS account for every role)",
+      "Deployment/epd-api/api: EPD_NATS_PASSWORD reads the shared key EPD_NATS_PASSWORD of Secret epd-credentials "
+      "(one NATS account for every role)",
+      "Deployment/epd-api/api: EPD_NATS_USER=\"(from secretKeyRef {'name': 'epd-credentials', 'key': "
+      "'EPD_NATS_USER'})\", expected its role 'api' (a literal)",
+      "Deployment/epd-api/api: EPD_NATS_PASSWORD reads {'name': 'epd-credentials', 'key': 'EPD_NATS_PASSWORD'}, "
+      "not its role's key NATS_API_PASSWORD of Secret epd-credentials"]),
+    ("a worker without an identity", lambda o: _container(_get(o, DEP, "epd-decode")).update(env=[
+        e for e in _container(_get(o, DEP, "epd-decode"))["env"] if not e["name"].startswith("EPD_NATS_")]),
+     ["Deployment/epd-decode/decode: EPD_NATS_USER=None, expected its role 'decode' (a literal)",
+      "Deployment/epd-decode/decode: EPD_NATS_PASSWORD reads None, not its role's key NATS_DECODE_PASSWORD of "
+      "Secret epd-credentials"]),
+    ("the whole Secret as env", lambda o: _container(_get(o, DEP, "epd-api"))["envFrom"].append(
+        {"secretRef": {"name": kube.SECRET}}),
+     ["Deployment/epd-api/api: reads the whole Secret epd-credentials (envFrom: every role's NATS password)"]),
+    ("a Job on the shared account", lambda o: o.append(_job(_SHARED_ACCOUNT)),
+     ["Job/epd-setup/setup: EPD_NATS_USER reads the shared key EPD_NATS_USER of Secret epd-credentials (one NATS "
+      "account for every role)",
+      "Job/epd-setup/setup: EPD_NATS_PASSWORD reads the shared key EPD_NATS_PASSWORD of Secret epd-credentials "
+      "(one NATS account for every role)",
+      "Job/epd-setup/setup: EPD_NATS_USER=\"(from secretKeyRef {'name': 'epd-credentials', 'key': "
+      "'EPD_NATS_USER'})\" is no deployed NATS role"]),
+    ("a Job as admin with the api's password", lambda o: o.append(_job([
+        {"name": "EPD_NATS_USER", "value": "admin"},
+        {"name": "EPD_NATS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": kube.SECRET,
+                                                                     "key": "NATS_API_PASSWORD"}}}])),
+     ["Job/epd-setup/setup: EPD_NATS_PASSWORD reads {'name': 'epd-credentials', 'key': 'NATS_API_PASSWORD'}, not "
+      "its role's key NATS_ADMIN_PASSWORD of Secret epd-credentials",
+      "Job/epd-setup/setup: is handed other roles' NATS passwords ['NATS_API_PASSWORD']"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what,breaks,expect", IDENTITY_BREAKS, ids=[b[0] for b in IDENTITY_BREAKS])
+def test_identity_check_rejects_broken_copy(what: str, breaks: Callable, expect: list[str]) -> None:
+    objs = copy.deepcopy(_objs())
+    assert kc.nats_identity_problems(objs) == []
+    breaks(objs)
+    assert kc.nats_identity_problems(objs) == expect
+    assert set(expect) <= set(kc.policy_problems(objs))  # part of every overlay's policy check
+
+
+def test_a_job_with_its_own_role_passes() -> None:
+    objs = _objs()
+    objs.append(_job([{"name": "EPD_NATS_USER", "value": "admin"}, {"name": "EPD_NATS_PASSWORD", "valueFrom": {
+        "secretKeyRef": {"name": kube.SECRET, "key": "NATS_ADMIN_PASSWORD"}}}]))  # fmt: skip
+    assert kc.nats_identity_problems(objs) == []
+
+
+# -- the NATS chart's values ---------------------------------------------------------------------------
+def _nats_values() -> dict[str, Any]:
+    [values] = kc.load(kc.DEPLOY / kube.NATS_VALUES)
+    return values
+
+
+def test_nats_values_know_every_role_with_its_permissions() -> None:
+    values = _nats_values()
+    assert values == kube.nats_values()
+    assert kc.nats_values_problems(values) == []
+    users = values["config"]["merge"]["authorization"]["users"]
+    assert [u["user"] for u in users] == [r.value for r in DEPLOYED_ROLES]
+    assert users[1]["password"] == "<< $NATS_ENCODER_PASSWORD >>"
+    # the server reads every role's password from the Secret: the keys secret.example.yaml lists
+    [secret] = kc.load(kc.DEPLOY / "base" / "secret.example.yaml")
+    env = values["container"]["env"]
+    assert {e["valueFrom"]["secretKeyRef"]["key"] for e in env.values()} == set(kc.PASSWORD_KEYS)
+    assert set(kc.PASSWORD_KEYS) <= set(secret["stringData"])
+
+
+def _users(values: dict[str, Any]) -> list[dict[str, Any]]:
+    return values["config"]["merge"]["authorization"]["users"]
+
+
+NATS_VALUES_BREAKS: list[tuple[str, Callable[[dict[str, Any]], object], str]] = [
+    ("the old shared user", lambda v: v["config"]["merge"]["authorization"].update(
+        user="<< $EPD_NATS_USER >>", password="<< $EPD_NATS_PASSWORD >>"), "besides the per-role users"),
+    ("a role missing", lambda v: _users(v).pop(), "expected one per deployed role"),
+    ("a user without permissions", lambda v: _users(v)[2].pop("permissions"),
+     "user prefill: permissions differ"),
+    ("a worker with the api's permissions", lambda v: _users(v)[3].update(permissions=_users(v)[0]["permissions"]),
+     "user decode: permissions differ"),
+    ("a literal password", lambda v: _users(v)[0].update(password="hunter2"), "user api: password 'hunter2'"),
+    ("a password not from the Secret", lambda v: v["container"]["env"].update(NATS_ADMIN_PASSWORD="hunter2"),
+     "NATS container: NATS_ADMIN_PASSWORD"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what,breaks,expect", NATS_VALUES_BREAKS, ids=[b[0] for b in NATS_VALUES_BREAKS])
+def test_nats_values_check_rejects_broken_copy(what: str, breaks: Callable, expect: str) -> None:
+    values = copy.deepcopy(_nats_values())
+    breaks(values)
+    problems = kc.nats_values_problems(values)
+    assert any(expect in p for p in problems), problems
+
+
+# -- docs/kubernetes.md: the chart values and the Secret's command --------------------------------------
+DOC = kc.ROOT / "docs" / "kubernetes.md"
+
+
+def _doc_nats_values(text: str) -> dict[str, Any]:
+    """The NATS chart values block of docs/kubernetes.md (the fenced yaml block with ``authorization``)."""
+
+    blocks = [textwrap.dedent(b) for b in re.findall(r"^ *```yaml\n(.*?)^ *```$", text, flags=re.S | re.M)]
+    [block] = [b for b in blocks if "authorization:" in b]
+    return yaml.safe_load(block)
+
+
+def _without_permissions(values: dict[str, Any]) -> dict[str, Any]:
+    values = copy.deepcopy(values)
+    for user in _users(values):
+        user.pop("permissions", None)
+    return values
+
+
+def test_docs_nats_values_are_the_generated_ones() -> None:
+    """The docs show the generated values less each user's permissions (400+ lines: they are in
+    deploy/kubernetes/nats-values.yaml, which the docs install); users, passwords and the Secret's keys
+    cannot drift from shared/nats_auth.py and shared/tools/nats_identities.py."""
+    text = DOC.read_text()
+    assert _doc_nats_values(text) == _without_permissions(kube.nats_values())
+    assert "-f deploy/kubernetes/nats-values.yaml" in text
+    # broken copies: a role dropped from the docs, the old shared account
+    dropped = re.sub(r"\n *- user: viewer\n *password: << \$NATS_VIEWER_PASSWORD >>", "", text)
+    assert dropped != text and _doc_nats_values(dropped) != _without_permissions(kube.nats_values())
+    shared = text.replace("key: NATS_API_PASSWORD", "key: EPD_NATS_PASSWORD")
+    assert shared != text and _doc_nats_values(shared) != _without_permissions(kube.nats_values())
+
+
+def test_docs_create_the_secret_with_every_key(tmp_path: Path) -> None:
+    """The docs' command is kube.secret_command(); run with a stand-in kubectl, it creates every key of
+    secret.example.yaml, each NATS password random and different."""
+    import os
+    import subprocess
+
+    command = kube.secret_command()
+    assert command in DOC.read_text()
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl")
+    fake = tmp_path / "kubectl"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, check=True).stdout
+    args = out.splitlines()
+    assert args[:5] == ["-n", "epd", "create", "secret", "generic"] and args[5] == kube.SECRET
+    literals = dict(a.removeprefix("--from-literal=").split("=", 1) for a in args[6:])
+    [secret] = kc.load(kc.DEPLOY / "base" / "secret.example.yaml")
+    assert list(literals) == list(secret["stringData"]) == kube.secret_keys()
+    passwords = [literals[k] for k in kc.PASSWORD_KEYS]
+    assert len(set(passwords)) == len(passwords) and all(len(p) == 48 for p in passwords)
 
 
 def test_scaledobjects_name_the_consumers_the_workers_bind() -> None:

@@ -4,15 +4,20 @@ The manifests are derived, like docker-compose.yml's settings and ``.env.example
 the ConfigMap from the settings reference (``shared/config.py`` through ``shared.tools.config_docs``:
 every non-secret ``EPD_*`` setting at its default, the Kubernetes connection points in place of the
 compose ones), the credentials from a Secret (the ``SecretStr`` settings, the API keys and the
-account names), the workers and their roles from the topology table (``shared/topology.py``), the
-KEDA triggers from the streams and durable consumers the workers bind (``shared/protocol.py``),
-and ``terminationGracePeriodSeconds`` from ``EPD_DRAIN_S`` (``config.grace_period_s``). Nothing else
-is needed to render them (plain Python and PyYAML), so they render and are checked offline.
+store's account name), each Deployment's NATS identity from its role (``shared/nats_auth.py``: the
+user is the role, the password that role's key of the Secret, as each Compose service gets it), the
+NATS chart's users and their permissions from the same module, the workers and their roles from the
+topology table (``shared/topology.py``), the KEDA triggers from the streams and durable consumers the
+workers bind (``shared/protocol.py``), and ``terminationGracePeriodSeconds`` from ``EPD_DRAIN_S``
+(``config.grace_period_s``). Nothing else is needed to render them (plain Python and PyYAML), so they
+render and are checked offline.
 
 Layout (``deploy/kubernetes/``)::
 
     base/                   ConfigMap, the API's Service, ServiceAccount, NetworkPolicies
                             (secret.example.yaml: the Secret's keys; not applied)
+    nats-values.yaml        the NATS Helm chart's values: one user per deployed role with its
+                            permissions, each password read from the Secret (not applied)
     <topology>-<cpu|gpu>/   one overlay per topology and accelerator: a Deployment per role from
                             the one image, PodDisruptionBudgets, a KEDA ScaledObject per worker role
 
@@ -40,7 +45,9 @@ from typing import Any
 import yaml
 
 from shared import config, metrics, protocol
+from shared.nats_auth import SERVICE_ROLES, Role, permissions
 from shared.protocol import Subjects, WorkQueue
+from shared.tools.nats_identities import DEPLOYED_ROLES, PASSWORD_ENV, USER_ENV, password_variable
 from shared.topology import TOPOLOGIES, Service, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,11 +113,17 @@ QUEUE_LAG_METRIC = metrics.QUEUE_LAG_METRIC
 WORK: dict[Service, tuple[WorkQueue, str]] = {Service(name): work for name, work in protocol.WORK_CONSUMERS.items()}
 
 # -- the settings: ConfigMap and Secret -----------------------------------------------------------
-#: Credentials: the Secret's keys. The ``SecretStr`` settings plus the API keys and the account names
-#: (compose requires them in .env the same way).
-CREDENTIAL_NAMES = ("EPD_API_KEYS", "EPD_NATS_USER", "EPD_S3_ACCESS_KEY")
+#: Credentials: the Secret's keys. The ``SecretStr`` settings plus the API keys and the store's account
+#: name (compose requires them in .env the same way). The NATS identity is not one of them: each
+#: Deployment connects as its own role (:data:`NATS_IDENTITY`).
+CREDENTIAL_NAMES = ("EPD_API_KEYS", "EPD_S3_ACCESS_KEY")
+#: The settings of a pod's NATS identity, set per Deployment: ``EPD_NATS_USER`` = its role (a literal),
+#: ``EPD_NATS_PASSWORD`` = that role's key of the Secret (:func:`nats_password_key`).
+NATS_IDENTITY = (USER_ENV, PASSWORD_ENV)
 #: Set per container, not in the ConfigMap (value: why).
 PER_POD = {
+    USER_ENV: "the Deployment's role: each role connects to NATS as its own user (its password: that role's"
+    " key of the Secret)",
     "EPD_WORKER_ID": "per replica: the pod name plus a random suffix",
     "EPD_HOST": "the API's container",
     "EPD_PORT": "the API's container",
@@ -130,11 +143,34 @@ KUBE_DEFAULTS = {
 
 
 def secret_settings() -> list[str]:
-    """The settings that go to the Secret, never to the ConfigMap."""
+    """The settings that come from the Secret, never from the ConfigMap (``EPD_NATS_PASSWORD`` too:
+    from its role's key, :func:`nats_password_key`)."""
     from shared.tools.config_docs import SECTIONS, type_name
 
     secret = {config.env_var(n) for s in SECTIONS for n, f in s.fields.items() if type_name(f.annotation) == "secret"}
     return sorted(secret | set(CREDENTIAL_NAMES))
+
+
+def shared_secret_keys() -> list[str]:
+    """The Secret's keys a pod reads under the setting's own name (``EPD_API_KEYS``: the API only)."""
+    return [var for var in secret_settings() if var not in NATS_IDENTITY]
+
+
+def nats_password_key(role: Role | str) -> str:
+    """The Secret's key that holds ``role``'s NATS password: Compose's variable (``NATS_ENCODER_PASSWORD``),
+    also the NATS server's environment variable its configuration reads it from."""
+    return password_variable(role)
+
+
+def secret_keys() -> list[str]:
+    """Every key of the Secret: the shared credentials, then one NATS password per deployed role
+    (the services' and the operator's ``viewer`` / ``admin``, as Compose's .env)."""
+    return shared_secret_keys() + [nats_password_key(role) for role in DEPLOYED_ROLES]
+
+
+def nats_role(service: Service) -> Role:
+    """The NATS identity ``service``'s pods connect as."""
+    return SERVICE_ROLES[str(service)]
 
 
 def settings_data() -> dict[str, str]:
@@ -168,7 +204,7 @@ def secret_example(namespace: str) -> dict[str, Any]:
         "kind": "Secret",
         "metadata": {"name": SECRET, "namespace": namespace, "labels": _labels()},
         "type": "Opaque",
-        "stringData": {var: "CHANGE-ME" for var in secret_settings()},
+        "stringData": {var: "CHANGE-ME" for var in secret_keys()},
     }
 
 
@@ -292,7 +328,12 @@ def _env(service: Service, topology: Topology, accelerator: str) -> list[dict[st
         env.append({"name": "EPD_ROLE", "value": str(TOPOLOGIES[topology].prefill_role)})
     if accelerator == "gpu":  # the API too: the engine is part of the encoder fingerprint
         env.append({"name": "EPD_ENGINE", "value": "vllm"})
-    for var in secret_settings():
+    role = nats_role(service)  # its own NATS identity, as each Compose service's
+    env += [
+        {"name": USER_ENV, "value": role.value},
+        {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": nats_password_key(role)}}},
+    ]
+    for var in shared_secret_keys():
         if var == "EPD_API_KEYS" and service is not Service.API:
             continue
         env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": var}}})
@@ -568,6 +609,70 @@ def network_policies(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
+# -- the NATS chart's values ------------------------------------------------------------------------
+#: The NATS Helm chart's values (``helm install nats nats/nats -f deploy/kubernetes/nats-values.yaml``).
+NATS_VALUES = Path("nats-values.yaml")
+
+
+def nats_users(prefix: str | None = None) -> list[dict[str, Any]]:
+    """One user per deployed role (``shared.tools.nats_identities.DEPLOYED_ROLES``) with its permissions
+    (``shared.nats_auth``) for the ConfigMap's subject prefix; each password is the nats-server's
+    environment variable (``<< $NATS_API_PASSWORD >>``: the chart writes it unquoted, nats-server reads
+    the variable), which the NATS container takes from the role's key of the Secret."""
+    subjects = Subjects(prefix or settings_data().get("EPD_SUBJECT_PREFIX") or "epd")
+    users = []
+    for role in DEPLOYED_ROLES:
+        perms = permissions(role, subjects)
+        publish: dict[str, list[str]] = {"allow": perms.publish}
+        if perms.publish_deny:
+            publish["deny"] = perms.publish_deny
+        users.append(
+            {
+                "user": role.value,
+                "password": f"<< ${password_variable(role)} >>",
+                "permissions": {"publish": publish, "subscribe": {"allow": perms.subscribe}},
+            }
+        )
+    return users
+
+
+def nats_values(prefix: str | None = None) -> dict[str, Any]:
+    """The NATS chart's (nats-io/k8s, chart 1.x) values: 3 nodes with JetStream, the monitoring port
+    for KEDA, deploy/nats.conf's payload limit, the per-role users, and the NATS container's
+    environment: every role's password from the Secret (the server checks them all)."""
+    return {
+        "config": {
+            "cluster": {"enabled": True, "replicas": 3},
+            "jetstream": {"enabled": True, "fileStore": {"pvc": {"size": "20Gi"}}},
+            "monitor": {"enabled": True},
+            "merge": {"max_payload": "<< 8MB >>", "authorization": {"users": nats_users(prefix)}},
+        },
+        "container": {
+            "env": {
+                password_variable(role): {
+                    "valueFrom": {"secretKeyRef": {"name": SECRET, "key": nats_password_key(role)}}
+                }
+                for role in DEPLOYED_ROLES
+            }
+        },
+        # its default client has no identity: the operator's tools are `epd replay` / `epd ec` as viewer / admin
+        "natsBox": {"enabled": False},
+    }
+
+
+def secret_command(namespace: str = NAMESPACE) -> str:
+    """The command that creates the Secret with random credentials (docs/kubernetes.md): every key of
+    :func:`secret_keys`, ``EPD_S3_ACCESS_KEY`` the store's account name of the MinIO values."""
+    fixed = {"EPD_S3_ACCESS_KEY": "epd-services"}
+    shared = " ".join(
+        f"--from-literal={k}={fixed[k]}" if k in fixed else f'--from-literal={k}="$(openssl rand -hex 24)"'
+        for k in shared_secret_keys()
+    )
+    keys = " ".join(nats_password_key(role) for role in DEPLOYED_ROLES)
+    loop = f'$(for k in {keys}; do echo "--from-literal=$k=$(openssl rand -hex 24)"; done)'
+    return f"kubectl -n {namespace} create secret generic {SECRET} {shared} {loop}"
+
+
 # -- files -----------------------------------------------------------------------------------------
 HEADER = (
     "# Generated by `epd kube render` (shared/tools/kubernetes.py) from shared/config.py, shared/topology.py\n"
@@ -620,7 +725,17 @@ def render_base(namespace: str = NAMESPACE) -> dict[Path, str]:
         base / "serviceaccount.yaml": dump([service_account(namespace)]),
         base / "service.yaml": dump([api_service(namespace)]),
         base / "networkpolicies.yaml": dump(network_policies(namespace)),
+        NATS_VALUES: dump([nats_values()], NATS_VALUES_HEADER),
     }
+
+
+NATS_VALUES_HEADER = (
+    "# The NATS Helm chart's values (nats-io/k8s, chart 1.x; docs/kubernetes.md), NOT applied by a kustomization:\n"
+    "#   helm install nats nats/nats -n epd -f deploy/kubernetes/nats-values.yaml\n"
+    "# One NATS user per role (shared/nats_auth.py, subject prefix of the ConfigMap), each with only the\n"
+    "# subjects its role needs; every password is the nats-server's environment variable NATS_<ROLE>_PASSWORD,\n"
+    "# which the NATS container reads from the Secret epd-credentials (each epd-serve pod reads only its own).\n"
+)
 
 
 def render_overlay(
