@@ -185,7 +185,10 @@ class StoreSettings(SettingsGroup):
     s3_secret_key: SecretStr = SecretStr("minioadmin")
     """S3 secret key (never logged)."""
     s3_secure: bool = False
-    """Talk TLS to the S3 endpoint."""
+    """Talk TLS to the S3 endpoint (its certificate verified against `EPD_S3_TLS_CA`, else the system CAs)."""
+    s3_tls_ca: Path | None = None
+    """CA certificate file the S3 server's certificate is verified against (with `EPD_S3_SECURE=true`;
+    `epd certs` writes a development one; unset: the system CAs)."""
     s3_region: str | None = None
     """S3 region (unset: the server's default)."""
     s3_bucket: str = "epd"
@@ -200,10 +203,22 @@ class StoreSettings(SettingsGroup):
 
     _check_namespace = field_validator("namespace")(no_separators)
 
+    @model_validator(mode="after")
+    def _ca_only_with_tls(self) -> StoreSettings:
+        if self.s3_tls_ca is not None and not self.s3_secure and not self.s3_endpoint.lower().startswith("https://"):
+            raise ValueError(
+                "EPD_S3_TLS_CA is set but the store is reached in plaintext: set EPD_S3_SECURE=true (or unset the CA)"
+            )
+        return self
+
     def connector_dump(self) -> dict[str, Any]:
-        """This group as JSON values, credentials left out and the `fs` root made absolute (another
-        process may resolve relative paths elsewhere): a vLLM connector's extra config."""
-        resolved = self.model_copy(update={"store_fs_root": self.store_fs_root.resolve()})
+        """This group as JSON values, credentials left out and the paths (the `fs` root, the S3 CA)
+        made absolute (another process may resolve relative paths elsewhere): a vLLM connector's
+        extra config."""
+        paths: dict[str, Any] = {"store_fs_root": self.store_fs_root.resolve()}
+        if self.s3_tls_ca is not None:
+            paths["s3_tls_ca"] = self.s3_tls_ca.resolve()
+        resolved = self.model_copy(update=paths)
         return resolved.model_dump(mode="json", exclude=set(self.SECRET_FIELDS))
 
     @classmethod
@@ -534,6 +549,14 @@ class ApiSettings(ServiceSettings):
     """CORS: comma-separated request headers allowed cross-origin (`*`: any; with `EPD_ALLOWED_ORIGINS` only)."""
     allow_credentials: bool = False
     """CORS: allow credentials (cookies, `Authorization`) cross-origin (with `EPD_ALLOWED_ORIGINS` only)."""
+    tls_cert: Path | None = None
+    """Certificate file (PEM, with its chain) the API serves HTTPS with, with `EPD_TLS_KEY` (both or neither;
+    unset: plain HTTP - a TLS proxy in front, or `epd up --tls`)."""
+    tls_key: Path | None = None
+    """The API certificate's private key file (read at start-up, never logged; keep it mode 0600)."""
+    tls_ca: Path | None = None
+    """CA file the API's certificate is verified against by its health probe (`epd healthcheck --role api`),
+    with `EPD_TLS_CERT` (unset: the system CAs)."""
     access_log: bool = True
     """One log line per HTTP request (method, path, status, duration; logger `epd.access`), as uvicorn's
     access log; off: none (vLLM's `--disable-uvicorn-access-log`)."""
@@ -592,6 +615,14 @@ class ApiSettings(ServiceSettings):
         "allowed_headers",
         mode="before",
     )(_split_csv)
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> ApiSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("EPD_TLS_CERT and EPD_TLS_KEY go together (the API's certificate and its key): set both")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("EPD_TLS_CA is the CA of the API's HTTPS certificate: set EPD_TLS_CERT / EPD_TLS_KEY too")
+        return self
 
     @model_validator(mode="after")
     def _no_credentials_for_any_origin(self) -> ApiSettings:

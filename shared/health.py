@@ -14,7 +14,8 @@ while the file names its role, its process is alive and it is younger than ``--m
 same tick publishes the NATS heartbeat that the API's ``/health`` counts, so "healthy" here and
 "listed by the API" mean the same thing.
 
-The API's check is its ``/health`` endpoint (200 once connected to NATS).
+The API's check is its ``/health`` endpoint (200 once connected to NATS); over https, verified
+against ``EPD_TLS_CA``, when the API serves TLS (``EPD_TLS_CERT`` / ``EPD_TLS_KEY``).
 
 ``epd healthcheck --role api|encoder|prefill|decode`` (or ``python -m shared.health``) exits 0
 when healthy, 1 otherwise, printing one line either way. It reads the same ``EPD_*`` variables
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -111,10 +113,21 @@ def check_worker(
     return True, f"{file_role} worker {info.get('worker_id', '?')} healthy (heartbeat {max(age, 0):.1f}s ago)"
 
 
-def check_api(url: str, *, timeout: float = 3.0) -> tuple[bool, str]:
-    """(healthy, reason) from the API's ``/health``: 200 means up and connected to NATS."""
+def tls_client_context(cafile: str | os.PathLike[str] | None) -> ssl.SSLContext:
+    """A client's TLS context: the server's certificate and name verified against ``cafile``
+    (None: the system CAs)."""
+    return ssl.create_default_context(cafile=os.fspath(cafile) if cafile is not None else None)
+
+
+def check_api(url: str, *, timeout: float = 3.0, cafile: str | os.PathLike[str] | None = None) -> tuple[bool, str]:
+    """(healthy, reason) from the API's ``/health``: 200 means up and connected to NATS. An https
+    ``url`` is verified against ``cafile`` (None: the system CAs)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        context = tls_client_context(cafile) if url.lower().startswith("https://") else None
+    except OSError as exc:  # (ssl.SSLError is one) a missing or unreadable CA file
+        return False, f"cannot read the CA file {cafile}: {exc}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
             body = json.loads(resp.read() or b"{}")
             status = resp.status
     except urllib.error.HTTPError as exc:
@@ -126,12 +139,13 @@ def check_api(url: str, *, timeout: float = 3.0) -> tuple[bool, str]:
     return True, f"api healthy: workers {body.get('workers', {})}"
 
 
-def api_health_url(host: str, port: int) -> str:
-    """Where to probe an API bound to ``host:port`` from the same machine / container."""
+def api_health_url(host: str, port: int, *, tls: bool = False) -> str:
+    """Where to probe an API bound to ``host:port`` from the same machine / container (``tls``:
+    it serves https)."""
     probe = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     if ":" in probe:
         probe = f"[{probe}]"
-    return f"http://{probe}:{port}/health"
+    return f"{'https' if tls else 'http'}://{probe}:{port}/health"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,19 +163,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_AGE_S,
         help=f"seconds a worker heartbeat stays fresh (default {DEFAULT_MAX_AGE_S:g})",
     )
-    parser.add_argument("--url", help="API health URL (default: from EPD_HOST / EPD_PORT)")
+    parser.add_argument("--url", help="API health URL (default: from EPD_HOST / EPD_PORT; https with EPD_TLS_CERT)")
+    parser.add_argument("--cacert", help="CA file an https URL is verified against (default: EPD_TLS_CA)")
     parser.add_argument("--timeout", type=float, default=3.0, help="API request timeout, seconds")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.role == Service.API:
-        url = args.url
-        if url is None:
+        url, cafile = args.url, args.cacert
+        if url is None or (cafile is None and url.lower().startswith("https://")):
             from shared.config import ApiSettings
 
             settings = ApiSettings()
-            url = api_health_url(settings.host, settings.port)
-        ok, reason = check_api(url, timeout=args.timeout)
+            url = url or api_health_url(settings.host, settings.port, tls=settings.tls_cert is not None)
+            cafile = cafile or settings.tls_ca
+        ok, reason = check_api(url, timeout=args.timeout, cafile=cafile)
     else:
         path = args.file
         if path is None:

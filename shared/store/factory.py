@@ -39,6 +39,7 @@ def _object_store(store: StoreSettings) -> ObjectStore:
             bucket=store.s3_bucket,
             secure=store.s3_secure,
             region=store.s3_region,
+            ca_file=store.s3_tls_ca,
         )
     if store.store_backend == "fs":
         return make_object_store("fs", root=store.store_fs_root)

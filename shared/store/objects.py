@@ -252,9 +252,11 @@ class S3ObjectStore(ObjectStore):
     """An S3 bucket through the ``minio`` SDK.
 
     ``endpoint`` is ``host:port``; an ``http://`` / ``https://`` prefix is accepted and sets
-    ``secure``. ``region=None`` lets the SDK ask the server (GetBucketLocation, once per
-    bucket). No network I/O happens in the constructor. Timeouts and retries are bounded:
-    connection errors and 5xx answers are retried ``max_retries`` times with a short backoff.
+    ``secure``. With ``secure`` the server's certificate is verified against ``ca_file`` (None:
+    ``SSL_CERT_FILE``, else certifi's CAs). ``region=None`` lets the SDK ask the server
+    (GetBucketLocation, once per bucket). No network I/O happens in the constructor. Timeouts and
+    retries are bounded: connection errors and 5xx answers are retried ``max_retries`` times with a
+    short backoff.
     """
 
     def __init__(
@@ -270,6 +272,7 @@ class S3ObjectStore(ObjectStore):
         read_timeout: float = 60.0,
         max_retries: int = 2,
         max_connections: int = 16,
+        ca_file: str | os.PathLike[str] | None = None,
     ):
         import certifi
         import urllib3
@@ -285,6 +288,8 @@ class S3ObjectStore(ObjectStore):
         if not access_key or not secret_key:
             raise ValueError("S3 access_key and secret_key must be non-empty")
         check_bucket_name(bucket, strict=True)  # ValueError for names S3 would refuse
+        if ca_file is not None and not os.path.isfile(ca_file):  # (urllib3 would say so at the first request)
+            raise ValueError(f"S3 CA file {os.fspath(ca_file)!r} is not a file")
         self.endpoint = endpoint
         self.bucket = bucket
         self.secure = secure
@@ -295,7 +300,7 @@ class S3ObjectStore(ObjectStore):
             timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
             maxsize=max_connections,
             cert_reqs="CERT_REQUIRED",
-            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            ca_certs=os.fspath(ca_file) if ca_file is not None else os.environ.get("SSL_CERT_FILE") or certifi.where(),
             retries=urllib3.Retry(
                 total=max_retries,
                 backoff_factor=0.1,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.health import check_worker
+from shared.health import check_worker, tls_client_context
 from shared.tools.forkserver import ForkedProcess, ForkServer, default_fork_server, not_forkable
 from shared.tools.infra import _describe_exit, _EmbeddedServer, _spawn, stop_servers
 from shared.topology import TOPOLOGIES, Service, Topology
@@ -186,9 +186,12 @@ def start_service(
     return ServiceProcess(module_name, popen, log_path, argv=argv, env=full_env, cwd=cwd, fork_server=fork_server)
 
 
-def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+def http_json(url: str, timeout: float = 2.0, *, cafile: str | os.PathLike[str] | None = None) -> tuple[int, dict]:
+    """GET ``url``'s JSON: (status, body). An https ``url`` is verified against ``cafile`` (None:
+    the system CAs)."""
+    context = tls_client_context(cafile) if url.lower().startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
         return exc.code, {}
@@ -227,9 +230,20 @@ class Stack:
     #: Held by :meth:`stop` while it marks the processes stopped and by ``Supervisor.check``.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    def api_env(self) -> dict[str, str]:
+        """The settings the API process gets (this process's environment, the stack's, the API's own;
+        :meth:`add` adds the port): whether it serves HTTPS and the CA of its certificate are read here."""
+        return {**os.environ, **self.env, **self.service_env.get(Service.API.value, {})}
+
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        """The API's URL from this host: https when it serves TLS (``EPD_TLS_CERT``)."""
+        return f"{'https' if self.api_env().get('EPD_TLS_CERT') else 'http'}://127.0.0.1:{self.api_port}"
+
+    @property
+    def api_ca(self) -> str | None:
+        """The CA the API's certificate is verified against (``EPD_TLS_CA``; None: the system CAs)."""
+        return self.api_env().get("EPD_TLS_CA") or None
 
     def __post_init__(self) -> None:
         try:
@@ -301,7 +315,7 @@ class Stack:
 
     def health(self) -> dict | None:
         try:
-            status, body = http_json(f"{self.base_url}/health")
+            status, body = http_json(f"{self.base_url}/health", cafile=self.api_ca)
         except (OSError, ValueError):
             return None
         return body if status == 200 else None
