@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 EPD = Path(sys.executable).parent / "epd"  # the console script `make run` calls
 READY = re.compile(
-    r"^epd-serve ready in [\d.]+s: (?P<url>http://\S+)\s+"
+    r"^epd-serve ready in [\d.]+s: (?P<url>https?://\S+)\s+"
     r"\(model (?P<model>\S+), engine (?P<engine>\S+), "
     r"topology (?P<topology>\S+)\)$",
     re.M,

@@ -25,7 +25,7 @@ EPD = Path(sys.executable).parent / "epd"  # the console script
 class FakeServer:
     def __init__(self, name: str, data_dir: Path, port: int, **_: object):
         self.name, self.port, self.pid = name, port, 1
-        self.url = f"nats://127.0.0.1:{port}"
+        self.url = f"{'nats' if name == 'nats' else 'http'}://127.0.0.1:{port}"
         self.endpoint = f"127.0.0.1:{port}"
 
     def start(self) -> None: ...
@@ -42,6 +42,7 @@ class FakeStack:
     def __init__(self, **kwargs: object):
         self.env = kwargs["env"]
         self.metrics_ports: dict[str, int] = {}
+        self.base_url, self.api_ca = "http://127.0.0.1:8000", None
 
     def start(self, **_: object) -> None: ...
 

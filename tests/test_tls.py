@@ -1,21 +1,34 @@
-"""TLS between hosts, first part (issue 45 item 1): ``epd certs`` and TLS on the NATS client
-connection, against a real nats-server that requires TLS."""
+"""TLS (issue 45): ``epd certs``, TLS on the NATS client connection against a real nats-server that
+requires TLS (EmbeddedNats' ``tls``), the store over TLS against a real SeaweedFS serving HTTPS only
+(EmbeddedS3's ``tls``, ``EPD_S3_TLS_CA`` in the store client and the vLLM connectors' config), the
+API's TLS settings and start-up errors, and ``epd up --tls``'s certificates (its whole stack:
+tests/test_epd_up_tls.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 from cryptography import x509
+from pydantic import ValidationError
 
-from shared.config import NatsSettings
-from shared.errors import ServiceUnavailable
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, ApiSettings, NatsSettings, StoreSettings
+from shared.connectors.common import ConnectorConfig
+from shared.errors import ServiceUnavailable, StoreError
+from shared.health import api_health_url
 from shared.jetstream import close_connection, connect
-from shared.tools.certs import SERVERS, make_certs
-from shared.tools.infra import EmbeddedNats
+from shared.store.factory import open_stores
+from shared.tools.certs import SERVERS, Written, ensure_certs, make_certs
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, ServerTLS
+from tests.epdup import REPO
 
 
 def test_epd_certs_writes_a_ca_and_server_certificates_it_signed(tmp_path) -> None:
@@ -49,12 +62,17 @@ def test_epd_certs_writes_a_ca_and_server_certificates_it_signed(tmp_path) -> No
 
 
 @pytest.fixture(scope="module")
-def tls_nats(tmp_path_factory):
-    """A nats-server whose client port requires TLS, with a certificate of ``epd certs``."""
-    certs = make_certs(tmp_path_factory.mktemp("certs"))
+def certs(tmp_path_factory) -> Written:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def tls_nats(tmp_path_factory, certs):
+    """A nats-server whose client port requires TLS (EmbeddedNats' ``tls``), with a certificate of ``epd certs``."""
     crt, key = certs.servers["nats"]
-    conf = f'tls {{\n  cert_file: "{crt}"\n  key_file: "{key}"\n  timeout: 5\n}}\n'
-    server = EmbeddedNats(tmp_path_factory.mktemp("tls-nats"), extra_config=conf, max_file_store=2**30)
+    server = EmbeddedNats(
+        tmp_path_factory.mktemp("tls-nats"), tls=ServerTLS(crt, key, certs.ca_cert), max_file_store=2**30
+    )
     server.start()
     try:
         yield server, certs
@@ -82,6 +100,10 @@ def _try(settings: NatsSettings) -> str:
 
 def test_a_client_verifies_the_nats_server_against_the_configured_ca(tls_nats, tmp_path) -> None:
     server, certs = tls_nats
+    assert server.url.startswith("tls://"), server.url
+    assert _try(NatsSettings(nats_url=server.url, nats_tls_ca=certs.ca_cert)) == "ok"
+    # Its readiness probe is the monitoring port, plain HTTP on loopback (not for other hosts).
+    assert server.monitor_url.startswith("http://127.0.0.1:"), server.monitor_url
     url = server.url.replace("tls://", "nats://")
     assert _try(NatsSettings(nats_url=url, nats_tls_ca=certs.ca_cert)) == "ok"
     # no TLS configured: the server refuses the plaintext client
@@ -99,3 +121,140 @@ def test_tls_settings_are_checked() -> None:
     unreadable = NatsSettings(nats_tls_ca="/nonexistent/ca.crt")
     with pytest.raises(FileNotFoundError):
         unreadable.tls_context()
+
+
+# -- the store over TLS: EmbeddedS3's tls, EPD_S3_TLS_CA in every S3 client --------------------------
+@pytest.fixture(scope="module")
+def tls_s3(tmp_path_factory, certs):
+    """SeaweedFS whose S3 port serves HTTPS only, with a certificate of ``epd certs``."""
+    crt, key = certs.servers["s3"]
+    server = EmbeddedS3(tmp_path_factory.mktemp("tls-s3"), tls=ServerTLS(crt, key, certs.ca_cert))
+    server.start()  # (ready: its /healthz answered over https, verified against the CA)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _objects(server: EmbeddedS3, **settings: object):
+    store = StoreSettings(
+        s3_endpoint=server.endpoint,
+        s3_access_key=server.access_key,
+        s3_secret_key=server.secret_key,
+        s3_bucket="tls",
+        **settings,
+    )
+    return open_stores(store).objects
+
+
+def test_the_store_talks_tls_verified_against_the_configured_ca(tls_s3, certs, tmp_path, monkeypatch) -> None:
+    assert tls_s3.url == f"https://{tls_s3.endpoint}"
+    objects = _objects(tls_s3, s3_secure=True, s3_tls_ca=certs.ca_cert)
+    objects.ensure_bucket()
+    objects.put("k", b"over tls")
+    assert objects.get("k", 100) == b"over tls"
+    # The S3 port speaks TLS only: a plain HTTP request is answered 400 (Go's "HTTP request to an
+    # HTTPS server"), never served.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError) as plain:
+        opener.open(f"http://{tls_s3.endpoint}/healthz", timeout=10)
+    assert plain.value.code == 400
+    # Negative controls: plaintext, the system CAs, another CA - none reads the object.
+    other = make_certs(tmp_path / "other")
+    for settings in ({}, {"s3_secure": True}, {"s3_secure": True, "s3_tls_ca": other.ca_cert}):
+        with pytest.raises(StoreError):
+            _objects(tls_s3, **settings).get("k", 100)
+    # The vLLM connectors build their store from their extra config, the store group's dump: the CA
+    # travels in it (absolute) and their client verifies against it too.
+    monkeypatch.setenv(S3_ACCESS_KEY_ENV, tls_s3.access_key)
+    monkeypatch.setenv(S3_SECRET_KEY_ENV, tls_s3.secret_key)
+    dump = StoreSettings(s3_endpoint=tls_s3.endpoint, s3_bucket="tls", s3_secure=True, s3_tls_ca=certs.ca_cert)
+    extra = json.loads(json.dumps(dump.connector_dump()))  # (as vLLM passes it on)
+    connector_store = ConnectorConfig.from_extra(extra).ec_store("f" * 16).store
+    assert connector_store.get("k", 100) == b"over tls"
+    without_ca = ConnectorConfig.from_extra({**extra, "s3_tls_ca": None}).ec_store("f" * 16).store
+    with pytest.raises(StoreError):
+        without_ca.get("k", 100)
+
+
+def test_the_store_ca_needs_tls_and_travels_to_the_connectors_absolute(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValidationError, match="EPD_S3_TLS_CA is set but the store is reached in plaintext"):
+        StoreSettings(s3_tls_ca=tmp_path / "ca.crt")
+    assert StoreSettings(s3_endpoint="https://s3.example", s3_tls_ca="ca.crt").s3_tls_ca == Path("ca.crt")
+    dump = StoreSettings(s3_secure=True, s3_tls_ca="rel/ca.crt").connector_dump()
+    assert dump["s3_tls_ca"] == str(tmp_path / "rel" / "ca.crt")
+    assert StoreSettings().connector_dump()["s3_tls_ca"] is None
+    with pytest.raises(ValueError, match="reached in plaintext"):  # a connector's config is checked alike
+        ConnectorConfig.from_extra({"s3_tls_ca": "/ca.crt"})
+    with pytest.raises(ValueError, match="is not a file"):  # said when the store is opened, not at a request
+        _objects_at("127.0.0.1:9", s3_secure=True, s3_tls_ca=tmp_path / "missing.crt")
+
+
+def _objects_at(endpoint: str, **settings: object):
+    return open_stores(StoreSettings(s3_endpoint=endpoint, s3_bucket="tls", **settings)).objects
+
+
+# -- the API over HTTPS: EPD_TLS_CERT / EPD_TLS_KEY / EPD_TLS_CA -------------------------------------
+def test_api_tls_settings_go_together(tmp_path) -> None:
+    crt, key, ca = tmp_path / "api.crt", tmp_path / "api.key", tmp_path / "ca.crt"
+    for half in ({"tls_cert": crt}, {"tls_key": key}):
+        with pytest.raises(ValidationError, match="EPD_TLS_CERT and EPD_TLS_KEY go together"):
+            ApiSettings(**half)
+    with pytest.raises(ValidationError, match="EPD_TLS_CA is the CA of the API's HTTPS certificate"):
+        ApiSettings(tls_ca=ca)
+    settings = ApiSettings(tls_cert=crt, tls_key=key, tls_ca=ca, port=8443)
+    assert (settings.tls_cert, settings.tls_key, settings.tls_ca) == (crt, key, ca)
+    assert ApiSettings().tls_cert is None  # plain HTTP by default
+    assert api_health_url("0.0.0.0", 8443, tls=True) == "https://127.0.0.1:8443/health"
+    assert api_health_url("::", 8000) == "http://[::1]:8000/health"
+
+
+def test_the_api_refuses_to_start_with_half_a_tls_pair_or_a_key_of_another_certificate(certs) -> None:
+    """Said at start-up in one line naming the settings (never the key's contents), before anything starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+
+    def start(**tls: Path) -> subprocess.CompletedProcess[str]:
+        run_env = {**env, "PYTHONPATH": str(REPO), "EPD_NATS_URL": "nats://127.0.0.1:9", "EPD_PORT": "9"}
+        run_env.update({k: str(v) for k, v in tls.items()})
+        argv = [sys.executable, "-m", "services.api"]
+        return subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120)
+
+    api_crt, api_key = certs.servers["api"]
+    half = start(EPD_TLS_CERT=api_crt)
+    assert half.returncode != 0 and "EPD_TLS_CERT and EPD_TLS_KEY go together" in half.stderr, half.stderr[-2000:]
+    wrong = start(EPD_TLS_CERT=api_crt, EPD_TLS_KEY=certs.servers["nats"][1])
+    assert wrong.returncode == 1, wrong.stderr[-2000:]
+    assert f"epd api: cannot serve HTTPS with EPD_TLS_CERT={api_crt}" in wrong.stderr, wrong.stderr[-2000:]
+    assert "Traceback" not in wrong.stderr and "PRIVATE KEY" not in wrong.stderr
+
+
+# -- epd up --tls: its certificates -------------------------------------------------------------------
+def test_epd_up_makes_its_certificates_once_and_reuses_them(tmp_path, capsys) -> None:
+    from shared.tools.cli import _tls_certs
+    from shared.tools.infra import InfraError
+
+    folder = tmp_path / "tls"
+    first = _tls_certs(folder, "127.0.0.1")
+    assert "made development certificates in" in capsys.readouterr().out
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    made = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert sorted(made) == sorted(f"{n}.{ext}" for n in ("ca", *SERVERS) for ext in ("crt", "key"))
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(made, 0o600)
+    # the next start reuses them as they are (a client keeps the CA it saved)
+    assert _tls_certs(folder, "localhost") == first
+    assert "reusing the certificates in" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == made
+    # another --host they do not name is said, not served with a certificate a client refuses
+    with pytest.raises(InfraError, match="not valid for 10.1.2.3"):
+        _tls_certs(folder, "10.1.2.3")
+    named = _tls_certs(tmp_path / "named", "10.1.2.3")
+    sans = x509.load_pem_x509_certificate(named.servers["api"][0].read_bytes()).extensions
+    ips = sans.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.IPAddress)
+    assert "10.1.2.3" in {str(ip) for ip in ips}
+    # a folder with some of them lost: said, not half replaced
+    (folder / "s3.key").unlink()
+    with pytest.raises(InfraError, match="incomplete"):
+        _tls_certs(folder, "127.0.0.1")
+    with pytest.raises(ValueError, match="incomplete"):
+        ensure_certs(folder)

@@ -124,6 +124,51 @@ def make_certs(out: Path, *, hosts: tuple[str, ...] = (), days: int = 365, force
     return Written(out / f"{CA}.crt", out / f"{CA}.key", servers)
 
 
+def _paths(out: Path) -> Written:
+    servers = {name: (out / f"{name}.crt", out / f"{name}.key") for name in SERVERS}
+    return Written(out / f"{CA}.crt", out / f"{CA}.key", servers)
+
+
+def ensure_certs(out: Path, *, hosts: tuple[str, ...] = ()) -> tuple[Written, bool]:
+    """The certificates under ``out``: made once (:func:`make_certs`), then reused as they are
+    (``epd up --tls``: clients that saved the CA keep working across restarts). Returns them and
+    whether they were made now. Reused ones must be complete, unexpired and valid for every name
+    in ``hosts``; else ``ValueError`` says what is wrong (remove ``out`` to make new ones)."""
+    from cryptography import x509
+
+    written = _paths(out)
+    files = [written.ca_cert, written.ca_key, *(f for pair in written.servers.values() for f in pair)]
+    present = [f for f in files if f.exists()]
+    if not present:
+        return make_certs(out, hosts=hosts), True
+    redo = f"remove {out} to make new ones"
+    if len(present) < len(files):
+        missing = ", ".join(f.name for f in files if not f.exists())
+        raise ValueError(f"the certificates in {out} are incomplete (no {missing}): {redo}")
+    now = datetime.datetime.now(datetime.UTC)
+    for crt in (written.ca_cert, *(crt for crt, _key in written.servers.values())):
+        cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        if cert.not_valid_after_utc <= now:
+            raise ValueError(f"{crt} expired on {cert.not_valid_after_utc:%Y-%m-%d}: {redo}")
+        if crt == written.ca_cert:
+            continue
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        valid = set(names.get_values_for_type(x509.DNSName))
+        valid |= {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+        lacking = [h for h in hosts if _normal(h) not in valid]
+        if lacking:
+            raise ValueError(f"{crt} is not valid for {', '.join(lacking)}: {redo}")
+    return written, False
+
+
+def _normal(host: str) -> str:
+    """A host name as a certificate's names list it (an address in its canonical form)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
 def _cmd(args: argparse.Namespace) -> int:
     try:
         written = make_certs(Path(args.dir), hosts=tuple(args.host), days=args.days, force=args.force)

@@ -34,6 +34,7 @@ from shared.tools.infra import (
     InfraError,
     PortInUseError,
     PortReservation,
+    ServerTLS,
 )
 from shared.tools.models.demo import DEFAULT_STEPS, SHIPPED_DIR
 from shared.tools.models.tiny import ARCHS, default_model_dir
@@ -41,6 +42,7 @@ from shared.topology import TOPOLOGIES, Service, Topology
 
 if TYPE_CHECKING:
     from shared.config import NatsSettings
+    from shared.tools.certs import Written
 
 DEFAULT_DATA_DIR = Path("var")
 
@@ -115,23 +117,29 @@ CLIENT_API_KEY_ENV = "OPENAI_API_KEY"
 LOCAL_URL_NETWORKS = "127.0.0.0/8,::1/128"
 
 
-def example_curl(url: str, body: str, *, api_keys: bool) -> str:
+def example_curl(url: str, body: str, *, api_keys: bool, cacert: Path | None = None) -> str:
     """The ``curl`` line ``epd up`` prints; with API keys on, its ``Authorization`` header reads
-    the key from :data:`CLIENT_API_KEY_ENV` (the shell expands it; nothing secret is printed)."""
+    the key from :data:`CLIENT_API_KEY_ENV` (the shell expands it; nothing secret is printed);
+    ``cacert``: the CA an https ``url`` is verified against (``epd up --tls``)."""
     auth = f'-H "Authorization: Bearer ${CLIENT_API_KEY_ENV}" ' if api_keys else ""
-    return f"curl -s {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'"
+    ca = f"--cacert {cacert} " if cacert is not None else ""
+    return f"curl -s {ca}{url}/v1/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'"
 
 
-def connect_exports(nats_url: str, s3_endpoint: str, access_key: str, secret_key: str) -> str:
+def connect_exports(
+    nats_url: str, s3_endpoint: str, access_key: str, secret_key: str, *, tls_ca: Path | None = None
+) -> str:
     """The banner's lines that point ``epd ec`` / ``epd replay`` (and other shells) at a stack
-    ``epd up`` started. The S3 keys are printed only when they are the embedded dev defaults;
-    other keys came from the environment (EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY) and are never
-    printed."""
+    ``epd up`` started (``tls_ca``: NATS and S3 serve TLS, verified against it). The S3 keys are
+    printed only when they are the embedded dev defaults; other keys came from the environment
+    (EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY) and are never printed."""
     from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, StoreSettings, env_var
 
     fields = StoreSettings.model_fields
     dev = tuple(fields[name].default.get_secret_value() for name in StoreSettings.SECRET_FIELDS)
     exports = f"export {env_var('nats_url')}={nats_url} {env_var('s3_endpoint')}={s3_endpoint}"
+    if tls_ca is not None:
+        exports += " " + " ".join(f"{k}={v}" for k, v in _tls_client_env(tls_ca).items())
     if (access_key, secret_key) == dev:
         return f"  {exports} {S3_ACCESS_KEY_ENV}={access_key} {S3_SECRET_KEY_ENV}={secret_key}\n"
     return (
@@ -189,8 +197,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     access_key = store.s3_access_key.get_secret_value()
     secret_key = store.s3_secret_key.get_secret_value()
-    nats: EmbeddedNats | None = None  # (made once the ports are checked: nothing is written before)
-    s3 = EmbeddedS3(data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key)
+    # (made once the ports are checked: nothing is written before)
+    nats: EmbeddedNats | None = None
+    s3: EmbeddedS3 | None = None
     stack: Stack | None = None
     fork_server: ForkServer | None = None  # the one this run asked for: closed with its services
     replicas = {Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders}
@@ -219,6 +228,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 held.append(PortReservation(metrics_ports, args.host))
             except PortInUseError as exc:
                 raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
+        # --tls: development certificates made once under the data dir (keys mode 0600) and reused;
+        # NATS, S3 and the API serve TLS with them and every client verifies against their CA.
+        certs = _tls_certs(data_dir / TLS_DIR, args.host) if args.tls else None
+        server_tls = {n: ServerTLS(crt, key, certs.ca_cert) for n, (crt, key) in certs.servers.items()} if certs else {}
         # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode
         # 0600), the server knows only them, each service connects as its role (docs/security.md).
         identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
@@ -227,6 +240,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             port=args.nats_port,
             extra_config=identities.server_config(),
             max_file_store=_jetstream_file_store(nats_settings, data_dir),
+            tls=server_tls.get("nats"),
+        )
+        s3 = EmbeddedS3(
+            data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key, tls=server_tls.get("s3")
         )
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
             fork_server = default_fork_server(data_dir / "logs")
@@ -245,6 +262,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             "EPD_HOST": args.host,
             # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
             "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
+            **(_tls_client_env(certs.ca_cert) if certs else {}),
         }
         env.update(_flag_env(args, api_keys))
         if args.allow_local_urls:
@@ -257,6 +275,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
         for name, values in identities.service_env().items():  # (after the print: never shown)
             service_env[name] = {**values, **service_env.get(name, {})}
+        if certs is not None:  # the API's certificate and key (files): for its service only
+            api_tls = {
+                env_var("tls_cert"): str(certs.servers["api"][0]),
+                env_var("tls_key"): str(certs.servers["api"][1]),
+                env_var("tls_ca"): str(certs.ca_cert),
+            }
+            service_env[Service.API.value] = {**api_tls, **service_env.get(Service.API.value, {})}
         stack = Stack(
             env=env,
             log_dir=data_dir / "logs",
@@ -280,19 +305,32 @@ def _cmd_up(args: argparse.Namespace) -> int:
         stack.start(staggered=staggered, timeout=timeout, progress=progress)
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
-        url = f"http://{args.host}:{args.port}"
+        https = stack.base_url.startswith("https://")
+        url = f"{'https' if https else 'http'}://{args.host}:{args.port}"
+        cacert = Path(stack.api_ca) if https and stack.api_ca else None
         model_name = args.served_model_name or model.model_name or model_path.name
+
+        def curl(video: bool) -> str:
+            body = _example_request(model_name, demo, video=video)
+            return example_curl(url, body, api_keys=bool(api_keys), cacert=cacert)
+
         print(
             f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
             f"topology {args.topology})\n"
-            f"  NATS {nats.url}   S3 http://{s3.endpoint}   logs {data_dir / 'logs'}\n"
+            f"  NATS {nats.url}   S3 {s3.url}   logs {data_dir / 'logs'}\n"
+            + (
+                f"  TLS: NATS, S3 and the API, verified against the CA {certs.ca_cert} "
+                f"(development certificates in {certs.ca_cert.parent})\n"
+                if certs
+                else ""
+            )
             + (
                 f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
                 if stack.metrics_ports
                 else ""
             )
             + "\nPoint epd ec / epd replay (another shell) at it:\n"
-            + connect_exports(nats.url, s3.endpoint, access_key, secret_key)
+            + connect_exports(nats.url, s3.endpoint, access_key, secret_key, tls_ca=certs.ca_cert if certs else None)
             + identities.exports(Role.ADMIN)
             + "\n"
             "Try it:\n"
@@ -301,11 +339,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 if api_keys
                 else ""
             )
-            + f"  {example_curl(url, _example_request(model_name, demo), api_keys=bool(api_keys))}\n"
+            + f"  {curl(False)}\n"
             + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
             + (
                 "And a video (every frame: media_io_kwargs' fps is the clip's rate):\n"
-                f"  {example_curl(url, _example_request(model_name, demo, video=True), api_keys=bool(api_keys))}\n"
+                f"  {curl(True)}\n"
                 f"  (the answer is {_example_answer(video=True)})\n\n"
                 if demo
                 else ""
@@ -378,6 +416,33 @@ def _jetstream_file_store(settings: NatsSettings, data_dir: Path) -> int:
             file=sys.stderr,
         )
     return max(DEFAULT_MAX_FILE_STORE, reserved + gib)
+
+
+#: ``epd up --tls``: the folder of its certificates, under the data dir
+TLS_DIR = "tls"
+#: the names a certificate of ``epd certs`` is always valid for; a wildcard listen address is none
+_NO_EXTRA_NAME = ("", "0.0.0.0", "::", "localhost", "127.0.0.1", "::1")
+
+
+def _tls_certs(folder: Path, host: str) -> Written:
+    """``epd up --tls``'s certificates in ``folder``: made at the first start (valid for the
+    loopback names and ``--host``), reused at the next ones (a client keeps the CA it saved)."""
+    from shared.tools.certs import ensure_certs
+
+    hosts = () if host in _NO_EXTRA_NAME else (host,)
+    try:
+        certs, made = ensure_certs(folder, hosts=hosts)
+    except ValueError as exc:
+        raise InfraError(f"--tls: {exc}") from None
+    print(f"--tls: {'made development certificates in' if made else 'reusing the certificates in'} {folder}")
+    return certs
+
+
+def _tls_client_env(ca: Path) -> dict[str, str]:
+    """The settings that make a client of ``epd up --tls``'s NATS and S3 use TLS, verified against ``ca``."""
+    from shared.config import env_var
+
+    return {env_var("nats_tls_ca"): str(ca), env_var("s3_secure"): "true", env_var("s3_tls_ca"): str(ca)}
 
 
 def _flag_env(args: argparse.Namespace, api_keys: tuple[str, ...]) -> dict[str, str]:
@@ -558,6 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="development set-up: image URLs on this host (http://127.0.0.1:..., http://localhost:...) "
         f"are fetched (adds {LOCAL_URL_NETWORKS} to EPD_URL_ALLOW_NETWORKS); by default a URL that "
         "resolves to a loopback or private address is refused (400 url_not_allowed)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help=f"TLS on every link: NATS, S3 and the API serve TLS with development certificates made at the "
+        f"first start under DATA_DIR/{TLS_DIR} (a CA, keys mode 0600; reused at the next starts) and every "
+        "client verifies them against that CA; the printed URL is https and the curl says --cacert. For a stack "
+        "reached from other hosts (with --host) or to try TLS; the default, plaintext, is for one host on loopback",
     )
     up.set_defaults(func=_cmd_up)
 

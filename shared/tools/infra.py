@@ -34,6 +34,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -56,6 +58,7 @@ __all__ = [
     "NatsCluster",
     "PortInUseError",
     "PortReservation",
+    "ServerTLS",
     "find_binary",
     "free_port",
     "free_ports",
@@ -347,9 +350,25 @@ def _stop_all_at_exit() -> None:
             log.exception("failed to stop %s at exit", server.name)
 
 
-def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    """GET without any proxy from the environment (these are always loopback URLs)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+@dataclass(frozen=True)
+class ServerTLS:
+    """The TLS files of an embedded server: its certificate (PEM, with its chain) and private key,
+    and the CA that signed it - what its clients, and its own readiness probe, verify it against
+    (``epd certs`` / :func:`shared.tools.certs.make_certs` write all three)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client's context that verifies this server (certificate and name) against :attr:`ca`."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def _http_get(url: str, timeout: float, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """GET without any proxy from the environment (these are always loopback URLs); an https
+    ``url`` verified with ``context``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     try:
         with opener.open(url, timeout=timeout) as resp:
             return int(resp.status), resp.read(64 * 1024)
@@ -683,6 +702,10 @@ class EmbeddedNats(_EmbeddedServer):
       disk refused the 7 streams of one stack (1 GiB each, nothing written yet; seen in CI with
       4 GB free). A limit, not space taken: the streams' own ``max_bytes`` bound what is written.
       A server shared by many short-lived prefixes (the test session's) sets it higher.
+    * ``tls``: the client port serves TLS only (a ``tls { cert_file, key_file }`` block; a
+      plaintext client is refused) and :attr:`url` is ``tls://HOST:PORT``. The monitoring port
+      stays plain HTTP (readiness is probed there) on ``host``, loopback unless a cluster node is
+      given another address: it is not for other hosts.
     * ``wrap``: a command prefix the binary is launched through, e.g. ``["ip", "netns", "exec",
       "h1"]``. It must exec the server (as ``ip netns exec`` does) so the pid / process group
       signalled by :meth:`stop`, :meth:`pause` and :meth:`kill` is the server's. Fixed ports are
@@ -713,6 +736,7 @@ class EmbeddedNats(_EmbeddedServer):
         sync_interval: str | None = None,
         max_file_store: int | None = DEFAULT_MAX_FILE_STORE,
         wrap: Sequence[str] = (),
+        tls: ServerTLS | None = None,
     ):
         super().__init__(data_dir, binary=binary)
         if max_file_store is not None and max_file_store <= 0:
@@ -742,6 +766,7 @@ class EmbeddedNats(_EmbeddedServer):
         self.sync_interval = sync_interval
         self.max_file_store = max_file_store
         self.wrap = list(wrap)
+        self.tls = tls
         self._url: str | None = None
         self._monitor_url: str | None = None
 
@@ -761,7 +786,7 @@ class EmbeddedNats(_EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """Client URL, ``nats://HOST:PORT`` (only once started)."""
+        """Client URL, ``nats://HOST:PORT`` (``tls://`` with ``tls``; only once started)."""
         if self._url is None:
             raise InfraError("nats-server is not running")
         return self._url
@@ -872,6 +897,14 @@ class EmbeddedNats(_EmbeddedServer):
             routes = ", ".join(json.dumps(f"nats-route://{cred}{r}") for r in self.routes)
             cluster.append(f"  routes: [{routes}]")
             lines += ["cluster {", *cluster, "}"]
+        if self.tls is not None:  # the client port only; monitoring stays HTTP (see the class docstring)
+            lines += [
+                "tls {",
+                f"  cert_file: {json.dumps(str(self.tls.cert))}",
+                f"  key_file: {json.dumps(str(self.tls.key))}",
+                "  timeout: 5",
+                "}",
+            ]
         conf = "\n".join([*lines, self.extra_config, ""])
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold route secrets
         with os.fdopen(fd, "w") as f:
@@ -894,6 +927,8 @@ class EmbeddedNats(_EmbeddedServer):
             except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 return f"ports file {ports_file.name} not readable yet ({exc!r})"
             self._url = client.replace("0.0.0.0", self.host)
+            if self.tls is not None:  # (the server lists its TLS client port as nats:// or tls:// by version)
+                self._url = "tls://" + self._url.split("://", 1)[-1]
             self._monitor_url = monitor.replace("0.0.0.0", self.host)
         # A cluster node answers js-enabled-only as soon as JetStream runs; whether the cluster
         # has a meta leader is NatsCluster's check (a lone node of three never gets one).
@@ -1173,6 +1208,10 @@ class EmbeddedS3(_EmbeddedServer):
     defaults are switched to S3 behaviour: deleting a non-empty bucket is refused, and a PUT
     into a missing bucket fails instead of creating it. Data lives under
     ``data_dir/weed`` and survives a restart on the same ``data_dir``.
+
+    ``tls``: the S3 port serves HTTPS only (``weed``'s ``-s3.cert.file`` / ``-s3.key.file``
+    without ``-s3.port.https``: the one port, TLS; a plain HTTP request gets 400), :attr:`url` is
+    ``https://``, and readiness is probed over HTTPS, verified against ``tls.ca``.
     """
 
     name = "seaweedfs-s3"
@@ -1197,6 +1236,7 @@ class EmbeddedS3(_EmbeddedServer):
         port: int | None = None,
         extra_args: Sequence[str] = (),
         binary: str | None = None,
+        tls: ServerTLS | None = None,
     ):
         super().__init__(data_dir, binary=binary)
         import secrets
@@ -1210,6 +1250,7 @@ class EmbeddedS3(_EmbeddedServer):
             raise ValueError(f"port must be 1..65535 or None, got {port}")
         self.requested_port = port
         self.extra_args = list(extra_args)
+        self.tls = tls
         self.ports: dict[str, int] = {}
 
     def __repr__(self) -> str:  # never show the secret
@@ -1231,7 +1272,7 @@ class EmbeddedS3(_EmbeddedServer):
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls is not None else 'http'}://{self.endpoint}"
 
     @property
     def weed_dir(self) -> Path:
@@ -1314,13 +1355,15 @@ class EmbeddedS3(_EmbeddedServer):
             # a fixed count costs nothing until the data is there.
             f"-volume.max={SEAWEED_MAX_VOLUMES}",
             f"-s3.config={self.identities_path}",
+            *([f"-s3.cert.file={self.tls.cert}", f"-s3.key.file={self.tls.key}"] if self.tls is not None else []),
             *self.extra_args,
         ]
 
     def _probe(self) -> str | None:
-        url = f"http://{HOST}:{self.ports['s3.port']}/healthz"
+        url = f"{self.url}/healthz"
         try:
-            status, body = _http_get(url, timeout=2.0)
+            context = self.tls.client_context() if self.tls is not None else None
+            status, body = _http_get(url, timeout=2.0, context=context)
         except (OSError, urllib.error.URLError) as exc:
             return f"GET {url}: {exc}"
         if status != 200:
