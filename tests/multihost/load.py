@@ -6,6 +6,9 @@ error), ``lost`` (any other answer: another status, an unshaped error, a broken 
 ``hung`` (no answer within the client's timeout). :class:`Load` keeps a fixed number of requests in
 flight, alternating over the API replicas, until told to stop; every request is a fresh image
 (new EC to compute and store) or a text-only one, with its clean tokens computed beforehand.
+
+What the streams say is read with a NATS identity (:class:`Login`): the site's NATS knows no
+other (``site.Site.login``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,29 @@ TEXT = "Describe this image."
 TEXT_ONLY = "Count the colours of the rainbow."
 IMAGE_SIZE = (64, 64)
 _seeds = count(20_000)
+
+
+# -- the tests' own NATS connections ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Login:
+    """A NATS identity the tests connect as (the password is never shown)."""
+
+    user: str
+    password: str = field(repr=False)
+
+    def options(self) -> dict[str, Any]:
+        """nats-py's options: the credentials and the inbox only this identity may read."""
+        from shared.nats_auth import inbox_prefix
+
+        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
+
+
+async def _connect(urls: list[str], login: Login):
+    import nats
+
+    return await nats.connect(
+        servers=urls, connect_timeout=3, max_reconnect_attempts=3, reconnect_time_wait=0.2, **login.options()
+    )
 
 
 # -- the single-node run --------------------------------------------------------------------------
@@ -225,11 +251,12 @@ async def _answered(call, timeout: float = 30.0):
             await asyncio.sleep(0.3)
 
 
-async def _finals(urls: list[str], stream: str, first_seq: int) -> tuple[dict[str, list[tuple[int, str]]], int]:
-    import nats
+async def _finals(
+    urls: list[str], login: Login, stream: str, first_seq: int
+) -> tuple[dict[str, list[tuple[int, str]]], int]:
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(servers=urls, connect_timeout=3, max_reconnect_attempts=3, reconnect_time_wait=0.2)
+    nc = await _connect(urls, login)
     try:
         js = nc.jetstream()
         info = await _answered(lambda: js.stream_info(stream))
@@ -247,19 +274,20 @@ async def _finals(urls: list[str], stream: str, first_seq: int) -> tuple[dict[st
         await nc.close()
 
 
-def finals_since(urls: list[str], stream: str, first_seq: int) -> tuple[dict[str, list[tuple[int, str]]], int]:
+def finals_since(
+    urls: list[str], stream: str, first_seq: int, *, login: Login
+) -> tuple[dict[str, list[tuple[int, str]]], int]:
     """FinalResults in ``stream`` from ``first_seq`` on: request id -> [(attempt, worker)], and
-    the stream's last sequence."""
+    the stream's last sequence (``login``: the viewer reads every stream)."""
     from tests.multihost.site import run_async
 
-    return run_async(_finals(urls, stream, first_seq))
+    return run_async(_finals(urls, login, stream, first_seq))
 
 
-async def _work_busy(urls: list[str], pairs: list[tuple[str, str]]) -> dict[str, tuple[int, int]]:
-    import nats
+async def _work_busy(urls: list[str], login: Login, pairs: list[tuple[str, str]]) -> dict[str, tuple[int, int]]:
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(servers=urls, connect_timeout=3, max_reconnect_attempts=3, reconnect_time_wait=0.2)
+    nc = await _connect(urls, login)
     try:
         js = nc.jetstream()
         busy = {}
@@ -275,24 +303,30 @@ async def _work_busy(urls: list[str], pairs: list[tuple[str, str]]) -> dict[str,
         await nc.close()
 
 
-def work_busy(urls: list[str], subjects: protocol.Subjects) -> dict[str, tuple[int, int]]:
-    """Work consumers still holding a job: durable -> (pending, delivered not acked)."""
+def work_busy(urls: list[str], subjects: protocol.Subjects, *, login: Login) -> dict[str, tuple[int, int]]:
+    """Work consumers still holding a job: durable -> (pending, delivered not acked) (``login``:
+    the viewer may look at any consumer of the streams, not pull from the work ones)."""
     from tests.multihost.site import run_async
 
     pairs = [
         (subjects.stream_encode, protocol.CONSUMER_ENCODER),
         (subjects.stream_generate, protocol.CONSUMER_PREFILL),
     ]
-    return run_async(_work_busy(urls, pairs))
+    return run_async(_work_busy(urls, login, pairs))
 
 
-async def _replicas(urls: list[str]) -> dict[str, tuple[int, int]]:
-    import nats
+async def _replicas(urls: list[str], login: Login, names: list[str]) -> dict[str, tuple[int, int]]:
+    from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(servers=urls, connect_timeout=3, max_reconnect_attempts=3, reconnect_time_wait=0.2)
+    nc = await _connect(urls, login)
     try:
         out = {}
-        for info in await nc.jetstream().streams_info():
+        js = nc.jetstream()
+        for name in names:
+            try:
+                info = await _answered(lambda name=name: js.stream_info(name))
+            except NotFoundError:
+                continue
             peers = 1 + len(info.cluster.replicas or []) if info.cluster else 1
             out[info.config.name or "?"] = (info.config.num_replicas or 1, peers)
         return out
@@ -300,12 +334,16 @@ async def _replicas(urls: list[str]) -> dict[str, tuple[int, int]]:
         await nc.close()
 
 
-def stream_replicas(urls: list[str]) -> dict[str, tuple[int, int]]:
-    """Every stream of the account (work queues, results, KV buckets): name -> (configured
-    replicas, leader + replicas the cluster reports)."""
+def stream_replicas(urls: list[str], subjects: protocol.Subjects, *, login: Login) -> dict[str, tuple[int, int]]:
+    """Every stream of the site (work queues, results, the KV buckets' streams) that exists: name
+    -> (configured replicas, leader + replicas the cluster reports). By name: no role may list the
+    account's streams; ``login``: the admin, which may look up each of them (the viewer may not look
+    at the routing and claims buckets)."""
     from tests.multihost.site import run_async
 
-    return run_async(_replicas(urls))
+    buckets = [subjects.ec_index_bucket, subjects.routing_bucket, subjects.ec_claims_bucket]
+    names = [*subjects.streams(), subjects.stream_imported, *(protocol.kv_stream(b) for b in buckets)]
+    return run_async(_replicas(urls, login, names))
 
 
 # -- the results file ------------------------------------------------------------------------------

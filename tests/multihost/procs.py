@@ -49,7 +49,7 @@ class HostProc:
     host: Host
     argv: list[str]
     log_path: Path
-    env: dict[str, str] | None = None
+    env: dict[str, str] | None = field(default=None, repr=False)  # (it holds secrets)
     cwd: Path | None = None
     popen: subprocess.Popen | None = None
     starts: int = 0

@@ -7,6 +7,14 @@ and a volume server, ``s2`` and ``s3`` a volume server each; ``a1`` / ``a2`` an 
 ``w1`` / ``w2`` an encoder and a prefill (role pd) worker each. Every service gets every NATS
 seed (``EPD_NATS_URL``), ``EPD_STREAM_REPLICAS=3`` and the S3 gateway on ``s1``; it runs with
 this interpreter through ``ip netns exec``.
+
+NATS runs with one identity per role (``shared.nats_auth``, as ``epd up``'s): every node's
+configuration holds the identities' ``authorization`` block (no user without a password), the
+routes between the nodes their own credentials (a client ``authorization`` block does not cover
+the cluster port), and each service connects as its role (``EPD_NATS_USER`` /
+``EPD_NATS_PASSWORD``). The tests' own connections are the viewer (reads: results, consumer
+state) or the admin (stream and bucket information): :meth:`Site.login`. :meth:`Site.probe` runs
+a client with a given identity inside a host.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import asyncio
 import json
 import logging
 import os
+import secrets
+import subprocess
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.nats_auth import SERVICE_ROLES, Role
 from shared.protocol import Subjects
 from shared.tools.infra import NatsCluster
+from shared.tools.nats_identities import PASSWORD_ENV, USER_ENV, NatsIdentities
 from shared.topology import TOPOLOGIES, Topology
 from tests.faultutil import FAULT_DIR_ENV
 from tests.faultutil import MODULE as FAULT_MODULE
+from tests.multihost import probe
 from tests.multihost.lab import Host, Lab
+from tests.multihost.load import Login
 from tests.multihost.procs import HostProc, WeedStore, http_get
 from tests.stackutil import wait_for
 
@@ -44,6 +58,8 @@ SERVICE_HOSTS: dict[str, tuple[str, ...]] = {
     "w1": ("encoder", "prefill"),
     "w2": ("encoder", "prefill"),
 }
+#: The user the NATS nodes' routes authenticate as (its password is generated per site).
+ROUTE_USER = "epd-route"
 
 
 @dataclass
@@ -75,18 +91,25 @@ class Site:
     services: list[Service] = field(default_factory=list)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     env: dict[str, str] = field(default_factory=dict)
+    #: every role's NATS password (``shared.nats_auth``), kept under the data dir
+    identities: NatsIdentities | None = None
+    route_password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     # -- start-up
     def start(self) -> Site:
         for name in (*NATS_HOSTS, *STORE_HOSTS, *SERVICE_HOSTS):
             self.lab.add_host(name)
         nats_hosts = [self.lab.hosts[n] for n in NATS_HOSTS]
+        self.identities = NatsIdentities.under(self.data_dir / "nats-identities", Subjects(self.prefix))
         self.nats = NatsCluster(
             self.data_dir / "nats",
             len(nats_hosts),
             hosts=[h.address for h in nats_hosts],
             wraps=[h.wrap for h in nats_hosts],
             server_names=list(NATS_HOSTS),
+            extra_config=self.identities.server_config(),
+            route_user=ROUTE_USER,
+            route_password=self.route_password,
         )
         with ThreadPoolExecutor(2) as pool:
             nats_started = pool.submit(self.nats.start, timeout=60)
@@ -109,9 +132,15 @@ class Site:
         self.wait_workers()
         return self
 
+    @property
+    def prefix(self) -> str:
+        """The subject prefix of this site (``EPD_SUBJECT_PREFIX``)."""
+        return f"m{self.tag}"
+
     def _service_env(self) -> dict[str, str]:
+        """What every service gets (its NATS identity is added per service: :meth:`start_service`)."""
         assert self.nats is not None and self.store is not None
-        prefix, namespace, bucket = f"m{self.tag}", f"ns{self.tag}", f"epd-{self.tag}"
+        prefix, namespace, bucket = self.prefix, f"ns{self.tag}", f"epd-{self.tag}"
         topology = Topology.E_PD
         env = {
             "EPD_NATS_URL": self.nats.seeds,
@@ -137,7 +166,13 @@ class Site:
     def start_service(self, host: str, name: str) -> Service:
         h = self.lab.hosts[host]
         label = f"{name}@{host}"
-        env = {**os.environ, **self.env, "EPD_WORKER_ID": f"{name}-{host}"}
+        assert self.identities is not None
+        env = {
+            **os.environ,
+            **self.env,
+            "EPD_WORKER_ID": f"{name}-{host}",
+            **self.identities.env(SERVICE_ROLES[name]),  # its role's identity, no other
+        }
         argv = [sys.executable, "-m", f"services.{name}"]
         if name == "api":
             env["EPD_HOST"] = h.address
@@ -217,25 +252,122 @@ class Site:
     def services_on(self, host: str) -> list[Service]:
         return [s for s in self.services if s.host.name == host]
 
-    def nats_clients(self, skip: tuple[int, ...] = ()) -> dict[str, set[str]]:
-        """Which NATS nodes each of our services is connected to now: service label -> node names
-        (from every running node's ``/connz``; a client's name ends with its worker id)."""
+    def connections(self, skip: tuple[int, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+        """Every client connection of the running nodes (less ``skip``): (node name, the
+        connection as ``/connz?auth=true`` gives it: ``ip``, ``name``, ``authorized_user``, ...)."""
         assert self.nats is not None
-        out: dict[str, set[str]] = {}
+        out = []
         for i in self.nats.running():
             if i in skip:
                 continue
             try:
-                status, body = http_get(f"{self.nats.monitor_url(i)}/connz?limit=1024", timeout=2)
+                status, body = http_get(f"{self.nats.monitor_url(i)}/connz?auth=true&limit=1024", timeout=2)
             except OSError:
                 continue
             if status != 200:
                 continue
-            for conn in json.loads(body).get("connections") or []:
-                for s in self.services:
-                    if conn.get("ip") == s.host.address and (conn.get("name") or "").endswith(s.worker_id):
-                        out.setdefault(s.label, set()).add(self.nats.nodes[i].server_name)
+            out += [(self.nats.nodes[i].server_name, c) for c in json.loads(body).get("connections") or []]
         return out
+
+    def service_of(self, conn: dict[str, Any]) -> Service | None:
+        """The service a connection is of (its host's address, a name ending with its worker id)."""
+        for s in self.services:
+            if conn.get("ip") == s.host.address and (conn.get("name") or "").endswith(s.worker_id):
+                return s
+        return None
+
+    def nats_clients(self, skip: tuple[int, ...] = ()) -> dict[str, set[str]]:
+        """Which NATS nodes each of our services is connected to now: service label -> node names
+        (from every running node's ``/connz``; a client's name ends with its worker id)."""
+        out: dict[str, set[str]] = {}
+        for node, conn in self.connections(skip):
+            if (s := self.service_of(conn)) is not None:
+                out.setdefault(s.label, set()).add(node)
+        return out
+
+    # -- NATS identities
+    def login(self, role: Role) -> Login:
+        """``role``'s identity for the tests' own connections."""
+        assert self.identities is not None
+        return Login(role.value, self.identities.passwords[role])
+
+    @property
+    def nats_secrets(self) -> list[str]:
+        """The NATS passwords of this site: every role's and the routes'."""
+        assert self.identities is not None
+        return [*self.identities.passwords.values(), self.route_password]
+
+    def nats_logs(self) -> list[tuple[str, Path]]:
+        """Every NATS node's logs, (node name, path): the current one and the one a restart
+        rotated to ``*.log.1`` (a second restart of a node drops its oldest)."""
+        assert self.nats is not None
+        return [
+            (node.server_name, path)
+            for node in self.nats.nodes
+            for path in sorted(node.data_dir.glob(f"{node.log_path.name}*"))
+        ]
+
+    def violations(self) -> list[str]:
+        """The lines of the NATS nodes' logs where a node refused a client something (``Publish
+        Violation``, ``Subscription Violation``, an authentication error), each led by the node's
+        name and a colon."""
+        out = []
+        for node, path in self.nats_logs():
+            for line in path.read_text(errors="replace").splitlines():
+                if "Violation" in line or "authentication error" in line.lower():
+                    out.append(f"{node}: {line}")
+        return out
+
+    def written_logs(self) -> list[Path]:
+        """Every log the site writes: the services' (and their health files), the NATS nodes', the
+        store's (not the configuration files, which hold the passwords they must)."""
+        logs = [p for p in (self.data_dir / "logs").glob("*") if p.is_file()]
+        logs += [path for _, path in self.nats_logs()]
+        logs += [p for p in (self.data_dir / "weed").glob("*.log") if p.is_file()]
+        return sorted(logs)
+
+    def probe(
+        self,
+        host: str,
+        role: Role | None,
+        *,
+        password: str | None = None,
+        nodes: list[int] | None = None,
+        publish: dict[str, str] | None = None,
+        stream_info: list[str] | None = None,
+        routes: bool = False,
+    ) -> dict[str, Any]:
+        """Run ``tests.multihost.probe`` inside ``host`` as ``role`` (None: no identity;
+        ``password`` instead of the role's own), against each node of ``nodes`` (default: the
+        running ones) in turn; ``routes``: also knock on every node's cluster port. The password
+        goes through the environment, never the command line."""
+        assert self.nats is not None and self.identities is not None
+        h = self.lab.hosts[host]
+        indexes = self.nats.running() if nodes is None else nodes
+        spec = {
+            "urls": [self.nats.url(i) for i in indexes],
+            "user": None if role is None else role.value,
+            "prefix": self.prefix,
+            "publish": publish or {},
+            "stream_info": stream_info or [],
+            "routes": [f"{self.nats.nodes[i].host}:{self.nats.nodes[i].cluster_port}" for i in indexes]
+            if routes
+            else [],
+        }
+        env = {k: v for k, v in os.environ.items() if k not in (USER_ENV, PASSWORD_ENV)}
+        if role is not None:
+            env[probe.PASSWORD_ENV] = self.identities.passwords[role] if password is None else password
+        done = subprocess.run(
+            [*h.wrap, sys.executable, "-m", probe.__name__, json.dumps(spec)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"the probe in {host} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout)
 
     def client_urls(self, skip: tuple[int, ...] = ()) -> list[str]:
         """NATS URLs the test process may use now (running nodes, less ``skip``)."""

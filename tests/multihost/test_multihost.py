@@ -8,18 +8,25 @@ printed at the end), and restores what it broke.
 The strict contract of every fault case: no request lost, wrong or hung, no job run again after
 its request completed (two FinalResults for one request), no 503 while a quorum of NATS nodes
 is up.
+
+NATS runs with one identity per role (issue 45): case 0 checks that every service is connected
+as its role's identity and nothing it did was refused; case 8, after the faults, that a role's
+limits hold on every node from any host (a client run inside a worker host and an API host).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
 import time
+import uuid
 from collections import Counter
 
 import pytest
 
+from shared.nats_auth import SERVICE_ROLES, Role
 from tests.faultutil import post_chat
 from tests.multihost.load import (
     GREEDY,
@@ -38,6 +45,7 @@ from tests.multihost.load import (
     stream_replicas,
     work_busy,
 )
+from tests.multihost.procs import http_get
 from tests.multihost.site import Site
 from tests.stackutil import chat_body, noise_image, wait_for
 
@@ -65,7 +73,7 @@ CONCURRENCY = 4
 
 # -- helpers ---------------------------------------------------------------------------------------
 def last_result_seq(site: Site) -> int:
-    return finals_since(site.client_urls(), site.subjects.stream_results, 1 << 62)[1]
+    return finals_since(site.client_urls(), site.subjects.stream_results, 1 << 62, login=site.login(Role.VIEWER))[1]
 
 
 def settle(site: Site, timeout: float = 90) -> None:
@@ -75,7 +83,7 @@ def settle(site: Site, timeout: float = 90) -> None:
 
     def idle():
         busy.clear()
-        busy.update(work_busy(site.client_urls(), site.subjects))
+        busy.update(work_busy(site.client_urls(), site.subjects, login=site.login(Role.VIEWER)))
         return not busy
 
     try:
@@ -88,7 +96,7 @@ def judge(site: Site, results: Results, case: str, sent: list[Sent], first_seq: 
     """Settle, count fates and final results per request, record the case; returns what the
     assertions need."""
     settle(site)
-    finals, _ = finals_since(site.client_urls(), site.subjects.stream_results, first_seq)
+    finals, _ = finals_since(site.client_urls(), site.subjects.stream_results, first_seq, login=site.login(Role.VIEWER))
     ids = {s.request_id for s in sent if s.request_id}
     twice = {rid: f for rid, f in finals.items() if rid in ids and len(f) > 1}
     counted = fates(sent)
@@ -143,6 +151,60 @@ def node_of(site: Site, labels: list[str]) -> tuple[int, dict[str, set[str]]]:
     return max(scores)[2], clients
 
 
+def assert_nothing_refused(site: Site) -> None:
+    """No NATS node refused a service anything: a permission its role lacks would show as a
+    violation in the node's log."""
+    refused = site.violations()
+    assert not refused, "the NATS nodes refused something:\n" + "\n".join(refused[:20])
+
+
+def assert_no_password_written(site: Site, results: Results | None = None) -> None:
+    """No NATS password (a role's, the routes') is in a log the site wrote, nor in the results."""
+    written = site.written_logs()
+    if results is not None:
+        written += [p for p in (results.path, results.path.with_suffix(".md")) if p.exists()]
+    assert len(written) > 10, written  # (a negative control: the logs are there to read)
+    shown = [str(p) for p in written if any(pw in p.read_text(errors="replace") for pw in site.nats_secrets)]
+    assert not shown, f"a NATS password is written in {shown}"
+
+
+# -- 0. identities ------------------------------------------------------------------------------------
+def test_every_service_connects_as_its_role(site: Site, results: Results):
+    """Every service's connection, on whichever node it landed, is authenticated as its role's
+    identity (the servers say who: ``/connz?auth=true``); no connection without one; nothing a
+    service did while the site started was refused; no password in a log. Every node requires
+    authentication (without it, ``authorized_user`` is only what a client claims). Mutations: the
+    APIs given the admin's identity, or the cluster without the identities' authorization block,
+    fail here."""
+    assert site.nats is not None
+    auth_required = {}
+    for i in site.nats.running():
+        status, body = http_get(f"{site.nats.monitor_url(i)}/varz", timeout=2)
+        auth_required[site.nats.nodes[i].server_name] = status == 200 and json.loads(body).get("auth_required")
+    users: dict[str, set[str]] = {}
+    others = []
+    conns = site.connections()
+    for node, conn in conns:
+        service = site.service_of(conn)
+        if service is None:
+            others.append((node, conn.get("ip"), conn.get("name"), conn.get("authorized_user")))
+        else:
+            users.setdefault(service.label, set()).add(conn.get("authorized_user") or "")
+    results.record(
+        "0 identities",
+        connections=len(conns),
+        users={label: sorted(u) for label, u in sorted(users.items())},
+        other_connections=len(others),
+        auth_required=auth_required,
+    )
+    assert auth_required == {node.server_name: True for node in site.nats.nodes}, auth_required
+    want = {s.label: {SERVICE_ROLES[s.name].value} for s in site.services}
+    assert users == want, f"connected as {users}, want {want}"
+    assert all(user for *_, user in others), f"connections without an identity: {others}"
+    assert_nothing_refused(site)
+    assert_no_password_written(site)
+
+
 # -- 1. equality ------------------------------------------------------------------------------------
 def test_cluster_equals_single_node(site: Site, reference: Reference, results: Results):
     """Image and text-only requests through either API replica give the single-node run's tokens;
@@ -161,7 +223,7 @@ def test_cluster_equals_single_node(site: Site, reference: Reference, results: R
             assert out.status == 200, (url, what, out.status, out.body, out.error)
             row[what] = out.tokens
         got[url] = row
-    replicas = stream_replicas(site.client_urls())
+    replicas = stream_replicas(site.client_urls(), site.subjects, login=site.login(Role.ADMIN))
     results.record("1 equality", apis=len(got), requests=3 * len(got), streams=replicas)
     for url, row in got.items():
         assert row["image_a"] == want_a, f"{url}: image tokens {row['image_a']} != single-node {want_a}"
@@ -422,3 +484,65 @@ def test_rolling_restart_of_the_nats_nodes(site: Site, reference: Reference, res
         pause_s=largest_gap(sent, began),
     )
     assert_contract(sent, judged, load.origin, site)
+
+
+# -- 8. a role's limits across hosts ----------------------------------------------------------------------
+def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: Results):
+    """After every fault case: nothing a service did was refused and no password is in a log. Then a
+    client inside worker host w1 as the encoder's identity, on each NATS node in turn, is refused a
+    generation job (shared and routed) and a cancel (the node reports a permissions violation),
+    while it may look up its own stream; the API's identity inside a1 publishes the same (the
+    negative control). Inside w2, no identity and the encoder's name with another role's password
+    are refused, and so is a route connection with a wrong password on every cluster port. The
+    publishes name no stream (``Nats-Expected-Stream``): nothing is stored or run. Mutations: the
+    encoder given the API's permissions fails here; so does the cluster without route credentials
+    (a stranger joins as a route) or without the identities (anyone connects)."""
+    assert site.nats is not None and site.identities is not None
+    restore_nats(site)
+    assert_nothing_refused(site)
+    assert_no_password_written(site, results)
+    s = site.subjects
+    publish = {
+        "generation job": s.generate_jobs,
+        "routed generation job": s.generate_routed("prefill-w2"),
+        "cancel": s.cancel(f"mh-probe-{uuid.uuid4().hex[:12]}"),
+    }
+    info = [s.stream_encode]
+    encoder = site.probe("w1", Role.ENCODER, publish=publish, stream_info=info, routes=True)
+    api = site.probe("a1", Role.API, publish=publish, stream_info=info)
+    anonymous = site.probe("w2", None)
+    wrong = site.probe("w2", Role.ENCODER, password=site.identities.passwords[Role.API])
+    refusals = [line for line in site.violations() if "Violation" in line]
+    results.record(
+        "8 role limits across hosts",
+        encoder_from_w1={n["server_name"]: n.get("refused") for n in encoder["nodes"]},
+        api_from_a1={n["server_name"]: n.get("refused") for n in api["nodes"]},
+        no_identity_connected=[n["connected"] for n in anonymous["nodes"]],
+        wrong_password_connected=[n["connected"] for n in wrong["nodes"]],
+        route_ports=encoder["routes"],
+    )
+    nodes = {node.server_name for node in site.nats.nodes}
+    for who, probed, host in (("encoder@w1", encoder, "w1"), ("api@a1", api, "a1")):
+        assert {n.get("server_name") for n in probed["nodes"]} == nodes, (who, probed)
+        for n in probed["nodes"]:
+            assert n["connected"], (who, n)
+            assert n["client_ip"] == site.lab.hosts[host].address, (who, n)  # from that host
+            assert n["info"] == {s.stream_encode: True}, (who, n)  # what its role may: it works
+    for n in encoder["nodes"]:
+        assert n["refused"] == {label: True for label in publish}, f"the encoder on {n['server_name']}: {n}"
+    for n in api["nodes"]:
+        assert n["refused"] == {label: False for label in publish}, f"the API on {n['server_name']}: {n}"
+    for who, probed in (("no identity", anonymous), ("the encoder with the API's password", wrong)):
+        for n in probed["nodes"]:
+            assert not n["connected"] and "Authorization Violation" in n["error"], (who, n)
+    for address, knock in encoder["routes"].items():
+        assert knock["auth_required"] and "Authorization Violation" in knock["answer"], (address, knock)
+    # each node refused the encoder's publishes itself, and nobody else's
+    for node in nodes:
+        mine = [line for line in refusals if line.startswith(f"{node}: ")]
+        assert any('user:encoder" - Publish Violation' in line and s.generate_jobs in line for line in mine), (
+            node,
+            mine,
+        )
+    assert all("user:encoder" in line for line in refusals if "Publish Violation" in line), refusals
+    assert_no_password_written(site, results)
