@@ -111,8 +111,10 @@ class NatsSettings(SettingsGroup):
     """NATS password (never logged)."""
     nats_tls_ca: Path | None = None
     """CA certificate file the NATS servers' certificates are verified against: TLS on the
-    connection (`epd certs` writes a development one; unset: plaintext, or the system CAs for a
-    `tls://` URL)."""
+    connection, from its first byte (`epd certs` writes a development one; unset: plaintext, or the
+    system CAs for a `tls://` URL). The server's `tls` block needs `handshake_first: true`
+    (nats-server 2.10.4+): a client that waited for the server's word that TLS is required would
+    send its credentials in the clear to a server, or a man in the middle, that does not say so."""
     nats_tls_cert: Path | None = None
     """Client certificate file presented to NATS (mutual TLS; with `EPD_NATS_TLS_KEY`)."""
     nats_tls_key: Path | None = None
@@ -165,6 +167,14 @@ class NatsSettings(SettingsGroup):
         if self.nats_tls_cert is not None and self.nats_tls_key is not None:
             ctx.load_cert_chain(str(self.nats_tls_cert), str(self.nats_tls_key))
         return ctx
+
+    def tls_options(self) -> dict[str, Any]:
+        """nats-py's connect options for :meth:`tls_context`: TLS from the first byte
+        (``tls_handshake_first``; nats-py would otherwise start in plaintext and upgrade only when
+        the server's INFO says ``tls_required`` - a plaintext server or a man in the middle that does
+        not say it gets the CONNECT, credentials included, in the clear). Empty: plaintext."""
+        ctx = self.tls_context()
+        return {} if ctx is None else {"tls": ctx, "tls_handshake_first": True}
 
 
 class StoreSettings(SettingsGroup):

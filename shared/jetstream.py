@@ -185,11 +185,9 @@ async def connect(settings: NatsSettings, *, name: str, connect_timeout: float =
         **connection_log.callbacks(),
     }
     try:
-        tls = settings.tls_context()
+        kwargs.update(settings.tls_options())  # (TLS from the first byte: NatsSettings.tls_options)
     except (OSError, ssl.SSLError) as exc:  # a missing or unreadable CA / certificate file
         raise ServiceUnavailable(f"cannot set up TLS to NATS: {type(exc).__name__}: {exc}") from exc
-    if tls is not None:
-        kwargs["tls"] = tls
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
         kwargs["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""

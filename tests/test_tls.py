@@ -114,6 +114,89 @@ def test_a_client_verifies_the_nats_server_against_the_configured_ca(tls_nats, t
     assert refused != "ok" and "certificate" in refused.lower(), refused
 
 
+async def _first_bytes_sent(options: dict) -> bytes:
+    """What a nats-py client given ``options`` (user "u", password "secret") sends to a server that,
+    as a plaintext nats-server or a man in the middle would, greets it with an INFO line that does
+    not say ``tls_required``: the first bytes it writes (a real socket, a listener of this test)."""
+    import nats
+
+    received = asyncio.get_running_loop().create_future()
+
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"x","version":"2.15.1","max_payload":1048576,"auth_required":true}\r\n')
+        await writer.drain()
+        data = b""
+        try:
+            data = await asyncio.wait_for(reader.read(4096), 3)
+        except TimeoutError:
+            pass
+        if not received.done():
+            received.set_result(data)
+        writer.close()
+
+    listener = await asyncio.start_server(greet, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        try:
+            nc = await nats.connect(
+                f"nats://127.0.0.1:{port}",
+                user="u",
+                password="secret",
+                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                **options,
+            )
+        except Exception:  # noqa: BLE001 - nats-py raises several types here; the bytes sent are the point
+            pass
+        else:
+            await nc.close()
+        return await asyncio.wait_for(received, 5)
+    finally:
+        listener.close()
+
+
+async def test_a_client_with_tls_never_sends_its_credentials_in_the_clear(tls_nats) -> None:
+    """``NatsSettings.tls_options``: TLS from the first byte. The negative control is nats-py's
+    default, which starts in plaintext and upgrades only when the INFO says ``tls_required``: a
+    server (or a man in the middle) that does not say it gets the CONNECT, password included."""
+    _, certs = tls_nats
+    options = NatsSettings(nats_tls_ca=certs.ca_cert).tls_options()
+    assert options["tls_handshake_first"] is True
+    sent = await _first_bytes_sent(options)
+    assert sent[:1] == b"\x16" and b"secret" not in sent  # a TLS ClientHello
+    downgraded = await _first_bytes_sent({"tls": options["tls"]})  # the control: TLS, not first
+    assert downgraded.startswith(b"CONNECT") and b"secret" in downgraded
+    assert NatsSettings().tls_options() == {}  # plaintext by default
+
+
+def test_the_ec_connector_s_nats_link_is_tls_too(tls_nats, tmp_path) -> None:
+    """The vLLM EC connector's own NATS connection (invalidations, use records) gets the
+    deployment's NATS TLS settings through its extra config (absolute paths) and connects."""
+    from shared.config import WorkerSettings
+    from shared.ec_lifecycle.invalidation import ConnectorLifecycle
+    from shared.engines.vllm_engine import connector_extra_config
+
+    server, certs = tls_nats
+    worker = WorkerSettings.model_validate({"nats": {"nats_url": server.url, "nats_tls_ca": certs.ca_cert}})
+    extra = connector_extra_config(worker)
+    assert extra["nats_tls_ca"] == str(certs.ca_cert.resolve())
+    config = ConnectorConfig.from_extra(extra)
+    store = ConnectorConfig.from_extra({"store_backend": "fs", "store_fs_root": str(tmp_path)}).ec_store("f" * 16)
+
+    def connected(options: dict) -> bool:
+        lifecycle = ConnectorLifecycle.launch(store, nats_url=server.url, prefix="tlsconn", tls_options=options)
+        assert lifecycle is not None
+        try:
+            return lifecycle.ready.wait(15)
+        finally:
+            lifecycle.close()
+
+    assert connected(config.nats_tls_options())
+    # the control: without them the connector's client cannot talk to the TLS-only server
+    assert not connected(ConnectorConfig.from_extra({**extra, "nats_tls_ca": None}).nats_tls_options())
+
+
 def test_tls_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="go together"):
         NatsSettings(nats_tls_cert="/x.crt")

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, StoreSettings, env_var, no_separators
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, NatsSettings, StoreSettings, env_var, no_separators
 from shared.identity import ModelIdentity
 from shared.store.ec import ECStore
 from shared.store.factory import open_stores
@@ -81,6 +81,10 @@ class ConnectorConfig(BaseModel):
     stream_replicas: int = Field(1, ge=1, le=5)
     nats_ping_interval_s: float = Field(2.0, gt=0)
     nats_max_outstanding_pings: int = Field(2, ge=1)
+    #: TLS to that NATS (the deployment's ``EPD_NATS_TLS_CA`` / ``_CERT`` / ``_KEY``, absolute paths)
+    nats_tls_ca: Path | None = None
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
 
     _check_prefix = field_validator("subject_prefix")(no_separators)
 
@@ -140,6 +144,16 @@ class ConnectorConfig(BaseModel):
     def nats_credentials(self) -> tuple[str | None, str | None]:
         """NATS user and password from the named env vars (None, None: no authentication)."""
         return os.environ.get(self.nats_user_env) or None, os.environ.get(self.nats_password_env) or None
+
+    def nats_tls_options(self) -> dict[str, Any]:
+        """nats-py's TLS options for ``nats_url`` (``NatsSettings.tls_options``: TLS from the first
+        byte, verified against ``nats_tls_ca``; empty: plaintext)."""
+        return NatsSettings(
+            nats_url=self.nats_url or "nats://127.0.0.1:4222",
+            nats_tls_ca=self.nats_tls_ca,
+            nats_tls_cert=self.nats_tls_cert,
+            nats_tls_key=self.nats_tls_key,
+        ).tls_options()
 
     def ec_store(self, fingerprint: str) -> ECStore:
         """The EC store of an encoder fingerprint."""

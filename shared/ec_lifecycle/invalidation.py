@@ -104,8 +104,11 @@ class ConnectorLifecycle:
         replicas: int = 1,
         ping_interval_s: float = 2.0,
         max_outstanding_pings: int = 2,
+        tls_options: dict[str, Any] | None = None,
     ):
         self.nats_url = nats_url
+        #: nats-py's TLS options (``NatsSettings.tls_options``; empty: plaintext)
+        self.tls_options = dict(tls_options or {})
         self.user = user
         self.password = password
         self.replicas = replicas
@@ -135,6 +138,7 @@ class ConnectorLifecycle:
         replicas: int = 1,
         ping_interval_s: float = 2.0,
         max_outstanding_pings: int = 2,
+        tls_options: dict[str, Any] | None = None,
     ) -> ConnectorLifecycle | None:
         """Started, or None (with a log line) when no ``nats_url`` is configured. ``replicas``:
         of the EC index bucket, should this connector be the one creating it."""
@@ -150,6 +154,7 @@ class ConnectorLifecycle:
             replicas=replicas,
             ping_interval_s=ping_interval_s,
             max_outstanding_pings=max_outstanding_pings,
+            tls_options=tls_options,
         )
         lifecycle.start()
         return lifecycle
@@ -202,6 +207,7 @@ class ConnectorLifecycle:
             reconnect_time_wait=0.5,
             ping_interval=self.ping_interval_s,
             max_outstanding_pings=self.max_outstanding_pings,
+            **self.tls_options,
             **(
                 {"user": self.user, "password": self.password or "", "inbox_prefix": inbox_prefix(self.user)}
                 if self.user

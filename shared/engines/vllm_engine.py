@@ -228,6 +228,12 @@ def connector_extra_config(settings: WorkerSettings) -> dict[str, Any]:
         "stream_replicas": settings.nats.stream_replicas,
         "nats_ping_interval_s": settings.nats.nats_ping_interval_s,
         "nats_max_outstanding_pings": settings.nats.nats_max_outstanding_pings,
+        # (absolute: vLLM's processes may run elsewhere than this one's working directory)
+        **{
+            name: str(path.resolve())
+            for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key")
+            if (path := getattr(settings.nats, name)) is not None
+        },
     }
 
 

@@ -902,6 +902,9 @@ class EmbeddedNats(_EmbeddedServer):
                 "tls {",
                 f"  cert_file: {json.dumps(str(self.tls.cert))}",
                 f"  key_file: {json.dumps(str(self.tls.key))}",
+                # the TLS handshake first (the project's clients start with it: no plaintext INFO
+                # or CONNECT, no downgrade by a man in the middle; NatsSettings.tls_options)
+                "  handshake_first: true",
                 "  timeout: 5",
                 "}",
             ]

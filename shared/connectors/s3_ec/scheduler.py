@@ -91,6 +91,7 @@ class ECScheduler:
             replicas=config.stream_replicas,
             ping_interval_s=config.nats_ping_interval_s,
             max_outstanding_pings=config.nats_max_outstanding_pings,
+            tls_options=config.nats_tls_options(),
         )
 
     def load_item(self, identifier: str) -> ECObject:
