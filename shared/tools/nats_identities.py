@@ -156,6 +156,9 @@ def security_md() -> str:
             " is read from the NATS container's environment, which takes every role's key of the Secret"
             " `epd-credentials` | `EPD_NATS_USER=<role>` (a literal in the Deployment) and `EPD_NATS_PASSWORD` from"
             " the Secret's key `NATS_<ROLE>_PASSWORD`: each pod holds its own role's password only |",
+            "| the multi-host test (`tests/multihost/`) | the same generated users on each of the three nodes, plus"
+            " route credentials of its own (a client `authorization` block does not cover the cluster port) | its"
+            " role's `EPD_NATS_USER` / `EPD_NATS_PASSWORD`, set by the test's launcher |",
             "",
             "**Set your own passwords.** Compose's `.env.example` ships every `NATS_<ROLE>_PASSWORD` empty and",
             "Compose refuses to start until each is set ([Deployment](deployment.md#start) fills them with",
