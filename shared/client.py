@@ -487,6 +487,9 @@ class RequestClient:
                 fps=img.sampled_fps,
                 segments=tuple(segments),
                 encode_queued=any(seg.encode_queued for seg in segments),
+                source_indices=tuple(img.indices),
+                source_fps=float(img.info.fps),
+                source_frames=img.info.total_frames,
             )
         elif isinstance(img, SampledVideo):
             if self.store is None:

@@ -212,7 +212,7 @@ class ModelHandler(Handler):
         video's frames, or a segmented video's segments' frames joined under the video's item."""
         if ref.segments:
             parts = await asyncio.gather(*(self.connector_media(seg) for seg in ref.segments))
-            return join_video_media(parts, ref.fps, ref.item_hash)
+            return join_video_media(parts, ref)
         return connector_item(await self.media(ref), ref.item_hash)
 
     async def close(self) -> None:

@@ -426,6 +426,14 @@ class ImageRef(msgspec.Struct, frozen=True, kw_only=True):
     #: each its own item (stored frames, encode job, EC object); the video itself then has no
     #: media of its own (``media_key`` empty) and is its segments' features joined
     segments: tuple[ImageRef, ...] = ()
+    #: a video in segments: which frames of the source its sampled frames are, the source's rate and
+    #: frame count (vLLM's loader's metadata, from which Qwen3-VL times each temporal patch in its
+    #: prompt) - the whole video's, for the LM after the join: a segment's stored frames and EC
+    #: object are keyed by its pixels alone, so theirs may be another video's (or another segment's
+    #: of this one: a still clip). Empty / 0 otherwise (a video's stored frames carry its own).
+    source_indices: tuple[int, ...] = ()
+    source_fps: float = 0.0
+    source_frames: int = 0
 
 
 #: Schema of the jobs that carry a ``SamplingSpec`` (``GenerationJob``, ``DecodeJob``).

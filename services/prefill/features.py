@@ -576,6 +576,19 @@ class LocalFeatures(FeatureSource):
         self.cache.put(ref.item_hash, item)
         return item
 
+    async def join(
+        self, ref: ImageRef, parts: list[EncodedImage | base.ConnectorItem], request_id: str
+    ) -> EncodedImage:
+        """The segments' features joined (:meth:`FeatureSource.join`), with what the engine's prompt
+        says of the whole video's time (Qwen3-VL's ``<t seconds>`` per temporal patch) from the
+        video's own metadata in its ref - not the segments' EC objects' times: keyed by their pixels
+        alone, a segment's object may have been encoded for another video, or another segment of
+        this one (a still clip)."""
+        joined = await super().join(ref, parts, request_id)
+        assert isinstance(joined, EncodedImage)
+        timestamps = self.engine.video_timestamps(base.video_metadata_of(ref))
+        return dataclasses.replace(joined, timestamps=timestamps)
+
 
 class StoredFeatures(LocalFeatures):
     """Cache -> store -> wait for the encoder -> encode here with write-back (module docstring)."""
@@ -725,7 +738,7 @@ class ConnectorFeatures(FeatureSource):
         media = [p for p in parts if not isinstance(p, EncodedImage)]
         if len(media) != len(parts):
             raise TypeError("a video in segments: the segments must be media items")
-        video = base.join_video_media(media, ref.fps, ref.item_hash)
+        video = base.join_video_media(media, ref)
         if self.encoder is not None and self.lifecycle is not None:
             nbytes = await asyncio.to_thread(join_in_store, self.store, ref, request_id)
             if nbytes == 0:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # keep torch / PIL out of modules that only need the types
     from shared.config import WorkerSettings
     from shared.connectors.params import KVHandoff
     from shared.identity import ModelIdentity
-    from shared.protocol import StructuredOutput, TokenLogprob
+    from shared.protocol import ImageRef, StructuredOutput, TokenLogprob
     from shared.store.format import RawTensor
     from shared.store.kv import KVObject
     from shared.topology import Role
@@ -121,11 +121,16 @@ class EncodedImage:
         return int(self.features.shape[0])
 
 
-def join_segments(segments: Sequence[EncodedImage], fps: float) -> EncodedImage:
-    """One video's features from its segments' (in order): their rows concatenated, their
-    temporal patches added up (each segment's (t, h, w) grid has the video's h and w), at the
-    video's sampled ``fps``. Valid for a family whose vision tower attends within a temporal patch
-    (``shared.families.VIDEO_SEGMENT_FAMILIES``: the API segments videos of those only)."""
+def join_segments(
+    segments: Sequence[EncodedImage], fps: float, timestamps: tuple[float, ...] | None = None
+) -> EncodedImage:
+    """One video's features from its segments' (in order): their rows concatenated - every column,
+    so Qwen3-VL's deepstack layers' features beside the main ones too -, their temporal patches
+    added up (each segment's (t, h, w) grid has the video's h and w), at the video's sampled
+    ``fps``, with the video's ``timestamps`` (the family's, from the whole video's metadata:
+    :func:`video_metadata_of`; never the segments', whose EC objects are keyed by their pixels alone
+    and may carry another video's times). Valid for a family whose vision tower attends within a
+    temporal patch (``shared.families.VIDEO_SEGMENT_FAMILIES``: the API segments videos of those only)."""
     import torch
 
     if not segments:
@@ -139,7 +144,11 @@ def join_segments(segments: Sequence[EncodedImage], fps: float) -> EncodedImage:
     ((h, w),) = hw
     t = sum(g[0] for g in grids if g is not None)
     return EncodedImage(
-        features=torch.cat([s.features for s in segments], dim=0), grid_thw=(t, h, w), kind="video", fps=fps
+        features=torch.cat([s.features for s in segments], dim=0),
+        grid_thw=(t, h, w),
+        kind="video",
+        fps=fps,
+        timestamps=timestamps,
     )
 
 
@@ -191,10 +200,31 @@ class MediaVideo:
 ConnectorItem: TypeAlias = "MediaImage | MediaVideo"
 
 
-def join_video_media(segments: Sequence[ConnectorItem], fps: float, item_hash: str) -> MediaVideo:
-    """A segmented video as a :class:`FeaturesThroughConnector` engine takes it: its segments'
-    frames in order, at the video's sampled ``fps``, under the video's own item hash (the
-    connector loads one EC object per item: the video's, joined from its segments' in the store)."""
+def video_metadata_of(ref: ImageRef, frames: Any = None) -> VideoFrames:
+    """A segmented video (``ref``) as an engine takes it: ``frames`` (its segments' joined; None:
+    its metadata only, ``ref.frames`` frames of no pixels) with the whole video's metadata from its
+    ref - its sampled rate, which frames of the source they are, the source's rate and frame count
+    (None where the ref has none: an older API's)."""
+    import numpy as np
+
+    if frames is None:
+        frames = np.zeros((ref.frames, 0, 0, 3), dtype=np.uint8)
+    known = bool(ref.source_indices)
+    return VideoFrames(
+        frames=frames,
+        fps=ref.fps,
+        indices=tuple(ref.source_indices) if known else None,
+        source_fps=ref.source_fps if known else None,
+        total_frames=ref.source_frames if known else None,
+    )
+
+
+def join_video_media(segments: Sequence[ConnectorItem], ref: ImageRef) -> MediaVideo:
+    """A segmented video (``ref``) as a :class:`FeaturesThroughConnector` engine takes it: its
+    segments' frames in order, with the whole video's metadata (:func:`video_metadata_of`: its
+    sampled rate, and the source's indices from which Qwen3-VL's prompt times each temporal patch),
+    under the video's own item hash (the connector loads one EC object per item: the video's,
+    joined from its segments' in the store)."""
     import numpy as np
 
     if not segments:
@@ -203,7 +233,7 @@ def join_video_media(segments: Sequence[ConnectorItem], fps: float, item_hash: s
     if len(videos) != len(segments):
         raise ValueError("join_video_media: every segment must be a video")
     frames = np.concatenate([v.video.frames for v in videos], axis=0)
-    return MediaVideo(video=VideoFrames(frames=frames, fps=fps), item_hash=item_hash)
+    return MediaVideo(video=video_metadata_of(ref, frames), item_hash=ref.item_hash)
 
 
 def connector_item(source: Image.Image | VideoFrames, item_hash: str) -> ConnectorItem:
@@ -344,6 +374,12 @@ class FeaturesThroughWorker(abc.ABC):
         from shared.errors import InvalidRequest
 
         raise InvalidRequest(f"this engine ({type(self).__name__}) takes no video", param="messages")
+
+    def video_timestamps(self, video: VideoFrames) -> tuple[float, ...] | None:
+        """What the model's prompt says of a video's time (:attr:`EncodedImage.timestamps`), from its
+        frames' metadata (a segmented video's joined features get the whole video's). Here: None
+        (a model that writes no time into its prompt)."""
+        return None
 
 
 class FeaturesThroughConnector(abc.ABC):

@@ -315,6 +315,10 @@ class TransformersEngine(Engine, FeaturesThroughWorker, KVStateHandoff):
             raise InvalidRequest(f"this model ({self.arch}) takes no video", param="messages")
         return [await self._call(self._encode_video, video) for video in videos]
 
+    def video_timestamps(self, video: VideoFrames) -> tuple[float, ...] | None:
+        """The family's (Qwen3-VL: each temporal patch's time in the source)."""
+        return self.family.video_timestamps(video)
+
     def _encode_video(self, video: VideoFrames) -> EncodedImage:
         pixels = self.family.video_pixels(video.frames)
         try:
