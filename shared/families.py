@@ -41,7 +41,15 @@ VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
 #: grid row, and Qwen2.5-VL's windows within it), so a segment's features are its part of the whole
 #: video's (tests/test_video_segments.py; vLLM's towers as well, vllm/model_executor/models/qwen2_vl.py
 #: and qwen2_5_vl.py). On the vLLM engine the PD worker joins the segments' EC objects into the video's
-#: own for its connector (tests/test_vllm_families.py).
+#: own for its connector (tests/test_vllm_families.py). Not Qwen3-VL, though its tower attends within a
+#: temporal patch too (``cu_seqlens`` per frame, its learned position embedding interpolated per frame
+#: grid: transformers' modeling_qwen3_vl.py ``Qwen3VLVisionModel.forward``, vLLM's qwen3_vl.py
+#: ``prepare_encoder_metadata``): its video processor sizes every frame by the whole video's length
+#: (``smart_resize(num_frames, ...)`` in video_processing_qwen3_vl.py: ``size``'s min and max pixels
+#: are the video's budget over all its frames), so a segment encoded alone has another frame size -
+#: another grid - than its part of the whole video (tests/test_video_segments.py
+#: ``test_qwen3_vl_frame_size_depends_on_the_video_length``). Its joins are ready (deepstack columns,
+#: the whole video's timestamps); what it lacks is a segment encoded at its video's frame size.
 VIDEO_SEGMENT_FAMILIES: dict[str, tuple[str, ...]] = {
     "transformers": ("qwen2_5_vl", "qwen2_vl"),
     "vllm": ("qwen2_5_vl", "qwen2_vl"),

@@ -1,23 +1,30 @@
 """Video segments (issue 43, ``EPD_VIDEO_SEGMENT_FRAMES``): a video of more sampled frames is split at
 temporal-patch boundaries into segments, each its own item (stored frames, encode job, EC object);
-the PD worker joins their features into the one video the LM sees. Qwen2-VL's and Qwen2.5-VL's vision
-towers attend within a temporal patch, so the joined features are the whole video's (within the
-last bits of batched kernels) and the greedy tokens are the unsegmented request's; a later clip whose
-sampled frames share a segment reuses its EC object (no encode job)."""
+the PD worker joins their features into the one video the LM sees. Qwen2-VL's, Qwen2.5-VL's and
+Qwen3-VL's vision towers attend within a temporal patch, so the joined features are the whole video's
+(within the last bits of batched kernels; Qwen3-VL's deepstack layers' too) and the greedy tokens are
+the unsegmented request's; Qwen3-VL's prompt times each temporal patch from the whole video's metadata
+(never a segment's EC object's, which may be another video's); a later clip whose sampled frames share
+a segment reuses its EC object (no encode job)."""
 
 from __future__ import annotations
 
 import base64
+import json
+from dataclasses import replace as dataclasses_replace
 
+import numpy as np
 import pytest
 import torch
 
-from shared.engines.base import SamplingParams, VideoFrames, join_segments
-from shared.protocol import EncodeJob, GenerationJob
-from shared.video import VideoSampler, VideoSampling, load_video, split_segments
+from services.prefill.features import FeatureCache, LocalFeatures
+from shared.engines.base import EncodedImage, SamplingParams, VideoFrames, join_segments
+from shared.families import feature_width
+from shared.protocol import EncodeJob, GenerationJob, ImageRef
+from shared.video import SampledVideo, VideoSampler, VideoSampling, load_video, split_segments
 from tests.stackutil import GREEDY, final_result, run_sync, start_stack
 from tests.test_video import write_clip
-from tests.test_video_engine import _hf_tokens
+from tests.test_video_engine import SAMPLERS, _hf_tokens
 
 #: the features of a segment against its part of the whole video's forward: equal but for the
 #: last bits of a matmul of another row count (seen: 0 here; bounded for any CPU)
@@ -28,43 +35,150 @@ ATOL = 1e-5
 def clips(tmp_path_factory) -> dict[str, bytes]:
     """Intra-coded clips (MJPG: every frame decodes alone, so a shorter clip's frames are the longer
     one's): ``long`` 3 s at 10 fps (6 sampled frames, 3 temporal patches), ``short`` its first 2 s
-    (4 sampled frames: the long clip's first 4)."""
+    (4 sampled frames: the long clip's first 4); ``small`` the long one at 64x32, a frame size the tiny
+    Qwen3-VL's video processor keeps for 2 to 8 frames (its pixel budget binds for none of them:
+    :func:`test_qwen3_vl_frame_size_depends_on_the_video_length`)."""
     root = tmp_path_factory.mktemp("segclips")
     return {
         "long": write_clip(root / "long.avi", 30, 10.0, size=(84, 56), fourcc="MJPG", seed=3),
         "short": write_clip(root / "short.avi", 20, 10.0, size=(84, 56), fourcc="MJPG", seed=3),
+        "small": write_clip(root / "small.avi", 30, 10.0, size=(64, 32), fourcc="MJPG", seed=3),
     }
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def _ref(video: SampledVideo) -> ImageRef:
+    """A segmented video's ref as the API's client makes it (``shared.client``), its segments' refs
+    in order and the whole video's source metadata."""
+
+    def one(v: SampledVideo, media_key: str, **kw) -> ImageRef:
+        n, height, width, _ = v.frames.shape
+        return ImageRef(
+            item_hash=v.item_hash,
+            media_key=media_key,
+            width=width,
+            height=height,
+            kind="video",
+            frames=n,
+            fps=v.sampled_fps,
+            **kw,
+        )
+
+    return one(
+        video,
+        "",
+        segments=tuple(one(seg, "m/" + seg.item_hash) for seg in video.segments),
+        source_indices=tuple(video.indices),
+        source_fps=float(video.info.fps),
+        source_frames=video.info.total_frames,
+    )
+
+
+def _through_the_worker(engine, video: SampledVideo) -> tuple[list[EncodedImage], EncodedImage]:
+    """The PD worker's path (agg: ``LocalFeatures``): each segment resolved - its stored frames
+    content-addressed (the first stored stays), encoded, cached by its item -, then joined."""
+    stored: dict[str, VideoFrames] = {}
+    for seg in video.segments:
+        stored.setdefault(seg.item_hash, VideoFrames.of(seg))
+
+    async def load(ref: ImageRef) -> VideoFrames:
+        return stored[ref.item_hash]
+
+    source = LocalFeatures(engine, FeatureCache(1 << 30), load)
+    ref = _ref(video)
+
+    async def run() -> tuple[list[EncodedImage], EncodedImage]:
+        parts = [(await source.resolve(seg, "r"))[0] for seg in ref.segments]
+        joined = await source.join(ref, list(parts), "r")
+        assert isinstance(joined, EncodedImage)
+        return parts, joined
+
+    return run_sync(run())
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_joined_segments_are_the_whole_video(tmp_path, clips, arch):
+    """The PD worker's join: every column of the features (Qwen3-VL: the main ones and each deepstack
+    layer's) the whole video's, the prompt's times the whole video's (Qwen3-VL's ``<t seconds>``),
+    the greedy tokens the whole video's - also for a still clip, whose segments are one item (the
+    same EC object thrice, with the first segment's times). Qwen3-VL on a frame size its processor
+    keeps whatever the frame count (not yet segmented in service: see ``VIDEO_SEGMENT_FAMILIES``)."""
     from shared.engines.transformers_engine import TransformersEngine
     from shared.tools.models.tiny import build_tiny_model
 
-    video = load_video(clips["long"], VideoSampler.QWEN2_VL, VideoSampling())
+    video = load_video(clips["small" if arch == "qwen3_vl" else "long"], SAMPLERS[arch], VideoSampling())
     split = split_segments(video, 2, 2)
     assert [len(s.frames) for s in split.segments] == [2, 2, 2]
     assert len({s.item_hash for s in split.segments}) == 3 and video.item_hash not in {
         s.item_hash for s in split.segments
     }
-    engine = TransformersEngine(build_tiny_model(tmp_path / arch, arch=arch, size="tiny", seed=0), dtype="float32")
+    # a still clip: its three segments the same pixels, one item (one EC object for all three)
+    still_frames = np.concatenate([video.frames[:2]] * 3)
+    still = split_segments(dataclasses_replace(video, frames=still_frames, item_hash="still"), 2, 2)
+    assert len({s.item_hash for s in still.segments}) == 1
+    model = build_tiny_model(tmp_path / arch, arch=arch, size="tiny", seed=0)
+    config = json.loads((model / "config.json").read_text())
+    # the feature columns: the main features, then (Qwen3-VL) each deepstack layer's
+    blocks = 1 + len(config.get("vision_config", {}).get("deepstack_visual_indexes") or ())
+    assert blocks == (3 if arch == "qwen3_vl" else 1)
+    hidden = feature_width(config) // blocks
+    engine = TransformersEngine(model, dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def tokens(item):
+        return [e.token_id async for e in engine.generate(messages, [item], params)]
+
     try:
-        (whole,) = run_sync(engine.encode_videos([VideoFrames(video.frames, video.sampled_fps)]))
-        parts = run_sync(engine.encode_videos([VideoFrames(s.frames, s.sampled_fps) for s in split.segments]))
-        joined = join_segments(parts, video.sampled_fps)
-        assert joined.grid_thw == whole.grid_thw and joined.n_tokens == whole.n_tokens
-        assert torch.allclose(joined.features, whole.features, rtol=0, atol=ATOL)
-        # the negative control: segments in another order are not the video
-        assert not torch.allclose(join_segments(parts[::-1], video.sampled_fps).features, whole.features, atol=ATOL)
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-        async def tokens(item):
-            return [e.token_id async for e in engine.generate(messages, [item], params)]
-
-        assert run_sync(tokens(joined)) == run_sync(tokens(whole))
+        for clip in (split, still):
+            (whole,) = run_sync(engine.encode_videos([VideoFrames.of(clip)]))
+            parts, joined = _through_the_worker(engine, clip)
+            assert joined.grid_thw == whole.grid_thw and joined.n_tokens == whole.n_tokens
+            assert joined.features.shape == whole.features.shape == (whole.n_tokens, hidden * blocks)
+            for b in range(blocks):  # every layer's features, each the whole video's
+                cols = slice(b * hidden, (b + 1) * hidden)
+                assert torch.allclose(joined.features[:, cols], whole.features[:, cols], rtol=0, atol=ATOL), b
+                assert whole.features[:, cols].abs().sum() > 0
+            # the prompt's times are the whole video's (Qwen3-VL: one a temporal patch; else none)
+            assert joined.timestamps == whole.timestamps
+            assert (whole.timestamps is not None) == (arch == "qwen3_vl")
+            if clip is still and arch == "qwen3_vl":  # (the segments' own times would be the first's thrice)
+                assert sum((p.timestamps or () for p in parts), ()) != whole.timestamps
+            # the negative control: segments in another order are not the video
+            if clip is split:
+                reordered = join_segments(parts[::-1], video.sampled_fps)
+                assert not torch.allclose(reordered.features, whole.features, atol=ATOL)
+            assert run_sync(tokens(joined)) == run_sync(tokens(whole))
     finally:
         run_sync(engine.aclose())
+
+
+def test_qwen3_vl_frame_size_depends_on_the_video_length(tmp_path, clips):
+    """Why Qwen3-VL's videos are not segmented yet: its video processor sizes every frame by the
+    whole video's frame count (``smart_resize(num_frames, ...)``: min and max pixels are the video's
+    budget), so a segment of the 84x56 clip processed alone gets another frame size - another grid,
+    other features - than its part of the whole video. (Qwen2-VL's sizes a frame alone: the same.)"""
+    from transformers import AutoProcessor
+
+    from shared.families import VIDEO_SEGMENT_FAMILIES
+    from shared.tools.models.tiny import build_tiny_model
+
+    def grids(arch: str, clip: str) -> tuple[list[int], list[int]]:
+        processor = AutoProcessor.from_pretrained(build_tiny_model(tmp_path / arch, arch=arch, size="tiny", seed=0))
+        video = load_video(clips[clip], SAMPLERS[arch], VideoSampling())
+
+        def grid(frames) -> list[int]:
+            out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+            return out["video_grid_thw"][0].tolist()
+
+        return grid(video.frames), grid(video.frames[:2])
+
+    whole, segment = grids("qwen3_vl", "long")
+    assert whole[1:] != segment[1:], (whole, segment)
+    whole, segment = grids("qwen3_vl", "small")  # (the size the join test uses: kept for 2 and 6 frames)
+    assert whole[1:] == segment[1:], (whole, segment)
+    whole, segment = grids("qwen2_vl", "long")
+    assert whole[1:] == segment[1:], (whole, segment)
+    assert all("qwen3_vl" not in families for families in VIDEO_SEGMENT_FAMILIES.values())
 
 
 def test_a_short_video_is_not_split():
