@@ -1006,3 +1006,121 @@ def nats_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_f
         if given:
             problems.append(f"{name}: is handed NATS passwords {given}")
     return problems
+
+
+# -- TLS on every link (docs/security.md; docker-compose.yml's one-shot `certs`) --------------------
+#: Where the services find the CA, and the settings that point at it.
+TLS_CLIENT_SETTINGS = ("EPD_NATS_TLS_CA", "EPD_S3_TLS_CA")
+
+
+def _mount_targets(service: Mapping) -> list[str]:
+    targets = []
+    for vol in service.get("volumes") or []:
+        if isinstance(vol, Mapping):
+            targets.append(str(vol.get("target", "")))
+        else:
+            parts = str(vol).split(":")
+            if len(parts) >= 2:
+                targets.append(parts[1])
+    return targets
+
+
+def _mounted(service: Mapping, path: str) -> bool:
+    """Whether ``path`` lies in one of the service's mounts (a file of a volume or a bind)."""
+    return any(t and (path == t or path.startswith(t.rstrip("/") + "/")) for t in _mount_targets(service))
+
+
+def _after(services: Mapping, name: str, dep: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether ``name`` starts only after ``dep`` (its depends_on, followed through)."""
+    deps = services.get(name, {}).get("depends_on") or {}
+    return dep in deps or any(_after(services, d, dep, seen | {name}) for d in deps if d not in seen)
+
+
+def tls_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_repo_file) -> list[str]:
+    """Every link TLS, verified: each NATS node's client port requires TLS from the first byte
+    (a ``tls`` block with its certificate and key, mounted, and ``handshake_first``), a cluster
+    node's routes TLS verified against a CA; each MinIO server HTTPS (``--certs-dir``, mounted; a
+    distributed one's drives https://); every epd-serve service verifies NATS and S3 against a CA
+    file it has mounted, and S3 is secure; the API serves HTTPS; minio-init trusts the CA; and
+    everything that reads the certificates starts after the one-shot ``certs`` that makes them."""
+    services = compose["services"]
+    problems = []
+    readers = []
+    for name in nats_nodes(compose):
+        svc = services[name]
+        conf, conf_problems = nats_node_conf(name, svc, read_file)
+        problems += conf_problems
+        tls = conf.get("tls") if isinstance(conf.get("tls"), Mapping) else None
+        if tls is None:
+            problems.append(f"{name}: the client port does not require TLS (no tls block)")
+        else:
+            for key in ("cert_file", "key_file"):
+                if not tls.get(key):
+                    problems.append(f"{name}: its tls block has no {key}")
+                elif not _mounted(svc, str(tls[key])):
+                    problems.append(f"{name}: tls {key} {tls[key]} is not in a mount")
+            if str(tls.get("handshake_first", "")).lower() != "true":
+                problems.append(f"{name}: tls without handshake_first (a client could send its password in the clear)")
+        node, _ = nats_node(name, svc, read_file)
+        if node.cluster_port is not None:
+            cluster = conf.get("cluster") if isinstance(conf.get("cluster"), Mapping) else {}
+            route_tls = cluster.get("tls") if isinstance(cluster.get("tls"), Mapping) else None
+            if route_tls is None:
+                problems.append(f"{name}: its cluster routes are plaintext (no cluster tls block)")
+            else:
+                for key in ("cert_file", "key_file", "ca_file"):
+                    if not route_tls.get(key) or not _mounted(svc, str(route_tls[key])):
+                        problems.append(f"{name}: cluster tls {key} {route_tls.get(key)!r} is not a mounted file")
+        readers.append(name)
+    for name, svc in services.items():
+        command = [str(a) for a in svc.get("command") or []]
+        if not (_is_active(svc) and "EPD_MINIO_IMAGE" in str(svc.get("image", "")) and command[:1] == ["server"]):
+            continue
+        certs_dir = _flag(command, "--certs-dir", "-S")
+        if certs_dir is None:
+            problems.append(f"{name}: MinIO serves plain HTTP (no --certs-dir)")
+        elif not _mounted(svc, certs_dir):
+            problems.append(f"{name}: --certs-dir {certs_dir} is not in a mount")
+        plain = [e for e in minio_endpoints(command) if e.startswith("http://")]
+        if plain:
+            problems.append(f"{name}: MinIO nodes talk plain HTTP to each other: {plain}")
+        readers.append(name)
+    init = services.get("minio-init")
+    if init is not None:
+        env = environment(init)
+        if interpolate(str(env.get("EPD_S3_SECURE", "")), {}).lower() != "true":
+            problems.append("minio-init: EPD_S3_SECURE is not true by default (mc would talk plain HTTP)")
+        ca = interpolate(str(env.get("EPD_S3_TLS_CA", "")), {})
+        if not ca or not _mounted(init, ca):
+            problems.append(f"minio-init: its CA {ca!r} is not a mounted file")
+        script = " ".join(str(c) for c in init.get("command") or [])
+        if "mc " in script and "certs/CAs" not in script:  # (the test stand-in's init reads EPD_S3_TLS_CA)
+            problems.append("minio-init: mc is not given the CA (its config folder's certs/CAs)")
+    for name, spec in apps.items():
+        svc = services.get(name)
+        if svc is None:
+            continue
+        env = {
+            k: interpolate(str(v), {})
+            for k, v in environment(svc).items()
+            if k in (*TLS_CLIENT_SETTINGS, "EPD_S3_SECURE", "EPD_TLS_CERT", "EPD_TLS_KEY", "EPD_TLS_CA")
+        }  # the defaults
+        for var in TLS_CLIENT_SETTINGS:
+            if not env.get(var):
+                problems.append(f"{name}: {var} is empty by default: it would not verify the server")
+            elif not _mounted(svc, env[var]):
+                problems.append(f"{name}: {var}={env[var]} is not in a mount")
+        if env.get("EPD_S3_SECURE", "").lower() != "true":
+            problems.append(f"{name}: EPD_S3_SECURE is not true by default (plain HTTP to the store)")
+        if spec.health_role == "api":
+            for var in ("EPD_TLS_CERT", "EPD_TLS_KEY", "EPD_TLS_CA"):
+                if not env.get(var) or not _mounted(svc, env[var]):
+                    problems.append(f"{name}: {var}={env.get(var)!r} is not a mounted file (the API would serve HTTP)")
+        readers.append(name)
+    if "certs" not in services:
+        problems.append("no one-shot `certs` service makes the certificates")
+    else:
+        for name in readers:
+            if not _after(services, name, "certs"):
+                problems.append(f"{name}: starts without waiting for `certs`")
+    return problems

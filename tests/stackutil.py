@@ -11,6 +11,7 @@ import io
 import json
 import re
 import signal
+import ssl
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -357,9 +358,10 @@ def stack_env(
     return env, prefix, namespace, bucket
 
 
-async def connect_url(nats_url: str):
+async def connect_url(nats_url: str, tls: ssl.SSLContext | None = None):
     """A plain nats-py connection to ``nats_url``; credentials in the URL (``nats://user:pw@host``,
-    e.g. :func:`admin_url`) connect as that identity, with the inbox only it may read."""
+    e.g. :func:`admin_url`) connect as that identity, with the inbox only it may read. ``tls``:
+    TLS from the first byte with that context (a server with ``handshake_first``)."""
     import urllib.parse
 
     import nats
@@ -367,7 +369,10 @@ async def connect_url(nats_url: str):
     from shared.nats_auth import inbox_prefix
 
     user = urllib.parse.urlsplit(nats_url).username
-    return await nats.connect(nats_url, **({"inbox_prefix": inbox_prefix(user)} if user else {}))
+    options: dict[str, Any] = {"inbox_prefix": inbox_prefix(user)} if user else {}
+    if tls is not None:
+        options.update(tls=tls, tls_handshake_first=True)
+    return await nats.connect(nats_url, **options)
 
 
 def admin_url(data_dir: Path, port: int) -> str:
@@ -376,13 +381,15 @@ def admin_url(data_dir: Path, port: int) -> str:
     return f"nats://admin:{password}@127.0.0.1:{port}"
 
 
-def read_stream(nats_url: str, stream: str) -> list[tuple[str, dict, protocol.Message]]:
+def read_stream(
+    nats_url: str, stream: str, tls: ssl.SSLContext | None = None
+) -> list[tuple[str, dict, protocol.Message]]:
     """Every message still in ``stream``: (subject, headers, decoded message), in order."""
 
     async def main():
         from nats.js.errors import NotFoundError
 
-        nc = await connect_url(nats_url)
+        nc = await connect_url(nats_url, tls)
         try:
             js = nc.jetstream()
             info = await js.stream_info(stream)
@@ -474,14 +481,14 @@ def stream_tokens(chunks: Iterable[TokenChunk], final: FinalResult | ErrorEvent 
     return [t for seq in sorted(by_seq) for t in by_seq[seq]]
 
 
-def work_consumers(nats_url: str, subjects: Subjects) -> dict[str, Any]:
+def work_consumers(nats_url: str, subjects: Subjects, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
     """JetStream consumer info of the stack's work consumers (encode, generate, decode), by
     durable name; a consumer the stack does not have (no such stage) is left out."""
 
     async def main():
         from nats.js.errors import NotFoundError
 
-        nc = await connect_url(nats_url)
+        nc = await connect_url(nats_url, tls)
         try:
             js = nc.jetstream()
             infos = {}

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import ssl
 import subprocess
 import sys
 import tomllib
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -48,7 +50,7 @@ APPS = {
     "prefill-only-gpu": dc.AppSpec("services.prefill", "prefill", "gpu", role="prefill", gpu_device=True),
     "decode-gpu": dc.AppSpec("services.decode", "decode", "gpu", gpu_device=True),
 }
-INFRA = {"nats", "minio", "minio-init"}
+INFRA = {"certs", "nats", "minio", "minio-init"}
 #: profile `observability` (added to a topology profile): Prometheus and Grafana (tests/test_observability.py)
 OBSERVABILITY = {"prometheus", "grafana"}
 PROFILES = {
@@ -81,9 +83,16 @@ NOT_FROM_COMPOSE = {
 }
 # Compose defaults that differ from shared/config.py on purpose (container network, mount point).
 COMPOSE_DEFAULTS = {
-    "EPD_NATS_URL": "nats://nats:4222",
+    "EPD_NATS_URL": "tls://nats:4222",
     "EPD_S3_ENDPOINT": "minio:9000",
     "EPD_MODEL_NAME": "qwen2-vl-shapes",
+    # TLS on every link, with the certificates of the one-shot `certs` (volumes tls and api-tls)
+    "EPD_NATS_TLS_CA": "/tls/ca.crt",
+    "EPD_S3_SECURE": "true",
+    "EPD_S3_TLS_CA": "/tls/ca.crt",
+    "EPD_TLS_CERT": "/api-tls/api.crt",
+    "EPD_TLS_KEY": "/api-tls/api.key",
+    "EPD_TLS_CA": "/tls/ca.crt",
 }
 COMPOSE_ONLY_VARS = {
     "EPD_MODEL_DIR",
@@ -91,6 +100,7 @@ COMPOSE_ONLY_VARS = {
     "MINIO_ROOT_PASSWORD",
     "EPD_NATS_IMAGE",
     "EPD_MINIO_IMAGE",
+    "TLS_CERT_HOSTS",
     *NATS_PASSWORDS,
 }
 TEST_SECRETS = {
@@ -432,7 +442,7 @@ def test_nats_minio_ports_and_healthchecks(compose):
     client, http = dc.nats_conf_ports()
     assert dc.port_mappings(svcs["nats"]) == [("127.0.0.1", client, client), ("127.0.0.1", http, http)]
     assert f"127.0.0.1:{http}/healthz" in " ".join(svcs["nats"]["healthcheck"]["test"])
-    assert COMPOSE_DEFAULTS["EPD_NATS_URL"] == f"nats://nats:{client}"
+    assert COMPOSE_DEFAULTS["EPD_NATS_URL"] == f"tls://nats:{client}"
     assert "nats-data:/data" in svcs["nats"]["volumes"]
     assert "store_dir: /data" in dc.NATS_CONF_PATH.read_text()
     assert ("127.0.0.1", 9000, 9000) in dc.port_mappings(svcs["minio"])
@@ -440,7 +450,8 @@ def test_nats_minio_ports_and_healthchecks(compose):
     init_env = dc.environment(svcs["minio-init"])
     assert init_env["EPD_S3_ENDPOINT"] == "${EPD_S3_ENDPOINT:-minio:9000}"
     assert "://$$EPD_S3_ENDPOINT" in svcs["minio-init"]["command"][0]
-    assert svcs["minio"]["healthcheck"]["test"] == ["CMD", "mc", "ready", "local"]
+    assert svcs["minio"]["healthcheck"]["test"][-1].endswith("mc ready local")
+    assert dc.environment(svcs["minio"])["MC_HOST_local"] == "https://localhost:9000"
     assert "minio-data:/data" in svcs["minio"]["volumes"]
     assert svcs["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
     # the services' S3 account is not the MinIO root account
@@ -554,6 +565,106 @@ def test_identity_checker_rejects_broken_nats_configurations(compose, cluster):
     ]
 
 
+# -- TLS on every link (the one-shot `certs`, deploy/nats.conf's tls blocks, MinIO's --certs-dir) ---
+def test_compose_requires_tls_on_every_link(compose, cluster, cluster_test):
+    """docker-compose.yml (and the cluster files on top) keep TLS required: NATS's client port
+    TLS from the first byte, the cluster routes TLS verified against the CA, MinIO HTTPS (between
+    its nodes too), every service verifying both against the CA and the API on HTTPS, all of it
+    after the one-shot `certs`."""
+    for merged in (compose, cluster, cluster_test):
+        assert dc.tls_problems(merged, APPS) == []
+    nats = dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))
+    assert nats["tls"] == {
+        "cert_file": "/tls/nats.crt",
+        "key_file": "/tls/nats.key",
+        "handshake_first": "true",
+        "timeout": "5",
+    }
+    assert compose["services"]["certs"]["restart"] == "no"
+    assert "tls:/tls:ro" in compose["services"]["nats"]["volumes"]
+
+
+def _conf_edit(relative: str, old: str, new: str):
+    """``read_file`` with one edit in one of this repository's files."""
+
+    def read(path: str) -> str | None:
+        text = dc.read_repo_file(path)
+        if path == relative and text is not None:
+            assert old in text, (relative, old)
+            return text.replace(old, new)
+        return text
+
+    return read
+
+
+_NATS_TLS = "tls {\n  cert_file: /tls/nats.crt\n  key_file: /tls/nats.key\n  handshake_first: true\n  timeout: 5\n}\n"
+BROKEN_TLS = {
+    "nats.conf without its tls block": (
+        "single",
+        lambda c: (c, _conf_edit("deploy/nats.conf", _NATS_TLS, "")),
+        "nats: the client port does not require TLS (no tls block)",
+    ),
+    "nats.conf without handshake_first": (
+        "single",
+        lambda c: (c, _conf_edit("deploy/nats.conf", "  handshake_first: true\n", "")),
+        "nats: tls without handshake_first",
+    ),
+    "the certificates not mounted into nats": (
+        "single",
+        lambda c: (dc.broken(c, "nats", volumes=[v for v in c["services"]["nats"]["volumes"] if "tls" not in v]), None),
+        "nats: tls cert_file /tls/nats.crt is not in a mount",
+    ),
+    "plaintext cluster routes": (
+        "cluster",
+        lambda c: (c, _conf_edit("deploy/nats-cluster.conf", "  tls {", "  notls {")),
+        "nats-2: its cluster routes are plaintext (no cluster tls block)",
+    ),
+    "MinIO on plain HTTP": (
+        "single",
+        lambda c: (with_command(c, "minio", lambda cmd: cmd[: cmd.index("--certs-dir")]), None),
+        "minio: MinIO serves plain HTTP (no --certs-dir)",
+    ),
+    "MinIO nodes on plain HTTP among themselves": (
+        "cluster",
+        lambda c: (_minio_list(c, "minio-1", "http://minio-{1...4}:9000/data"), None),
+        "minio-1: MinIO nodes talk plain HTTP to each other",
+    ),
+    "a worker not verifying NATS": (
+        "single",
+        lambda c: (_env_edit(c, "encoder", EPD_NATS_TLS_CA="${EPD_NATS_TLS_CA:-}"), None),
+        "encoder: EPD_NATS_TLS_CA is empty by default",
+    ),
+    "the store on plain HTTP": (
+        "single",
+        lambda c: (_env_edit(c, "decode", EPD_S3_SECURE="${EPD_S3_SECURE:-false}"), None),
+        "decode: EPD_S3_SECURE is not true by default",
+    ),
+    "the API on plain HTTP": (
+        "single",
+        lambda c: (_env_edit(c, "api-gpu", EPD_TLS_CERT=None), None),
+        "api-gpu: EPD_TLS_CERT=None is not a mounted file (the API would serve HTTP)",
+    ),
+    "mc not trusting the CA": (
+        "single",
+        lambda c: (_env_edit(c, "minio-init", EPD_S3_TLS_CA=None), None),
+        "minio-init: its CA '' is not a mounted file",
+    ),
+    "nats not waiting for the certificates": (
+        "single",
+        lambda c: (dc.broken(c, "nats", depends_on=None), None),
+        "nats: starts without waiting for `certs`",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_TLS))
+def test_tls_checker_rejects_broken_copies(compose, cluster, case):
+    which, mutate, expected = BROKEN_TLS[case]
+    merged, read_file = mutate(compose if which == "single" else cluster)
+    problems = dc.tls_problems(merged, APPS, read_file=read_file or dc.read_repo_file)
+    assert any(expected in p for p in problems), problems
+
+
 FAKE_MC = """#!/bin/sh
 echo "$*" >> "$MC_LOG"
 case "$*" in
@@ -578,8 +689,13 @@ def run_minio_init(compose, tmp_path, dotenv, **fake):
     log = tmp_path / "mc.log"
     log.unlink(missing_ok=True)
     script = svc["command"][0].replace("/tmp/epd-policy.json", str(tmp_path / "policy.json"))
+    ca = tmp_path / "ca.crt"
+    ca.write_text("the CA\n")
     env = {
         **dc.environment(svc),
+        # the CA of the tls volume, and mc's config folder, in this test's folder
+        "EPD_S3_TLS_CA": str(ca) if dc.environment(svc)["EPD_S3_TLS_CA"] else "",
+        "MC_CONFIG_DIR": str(tmp_path / "mc"),
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "MC_LOG": str(log),
         "FAKE_ATTACH": fake.get("attach", "ok"),
@@ -597,7 +713,7 @@ def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
     assert proc.returncode == 0, proc.stderr
     pw = TEST_SECRETS["MINIO_ROOT_PASSWORD"]
     assert calls == [
-        f"alias set epd http://minio:9000 epd-admin {pw}",
+        f"alias set epd https://minio:9000 epd-admin {pw}",
         "mb --ignore-existing epd/epd-b1",
         f"admin policy create epd epd-services {tmp_path / 'policy.json'}",
         f"admin user add epd epd-services {TEST_SECRETS['EPD_S3_SECRET_KEY']}",
@@ -607,6 +723,10 @@ def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
     (statement,) = policy["Statement"]
     assert statement["Resource"] == ["arn:aws:s3:::epd-b1", "arn:aws:s3:::epd-b1/*"]  # that bucket only
     assert pw not in proc.stdout + proc.stderr
+    # mc trusts the CA (its config folder's certs/CAs); without TLS, no CA is given
+    assert (tmp_path / "mc" / "certs" / "CAs" / "epd-ca.crt").read_text() == "the CA\n"
+    _, calls, _ = run_minio_init(compose, tmp_path, {**dotenv, "EPD_S3_SECURE": "false", "EPD_S3_TLS_CA": ""})
+    assert calls[0].startswith("alias set epd http://minio:9000 ")
     # A second `up`: the policy is attached already, and that is fine ...
     proc, calls, _ = run_minio_init(compose, tmp_path, dotenv, attach="already")
     assert proc.returncode == 0, proc.stderr
@@ -720,8 +840,9 @@ def test_cluster_compose_structure(cluster, dockerfile_targets):
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_cluster_starts_the_cluster_instead_of_the_single_nodes(cluster, cluster_test, profile):
-    assert set(dc.active_services(cluster, [profile])) == NATS_NODES | MINIO_NODES | {"minio-init"} | PROFILES[profile]
-    assert set(dc.active_services(cluster_test, [profile])) == NATS_NODES | SEAWEED | {"minio-init"} | PROFILES[profile]
+    one_shots = {"certs", "minio-init"}
+    assert set(dc.active_services(cluster, [profile])) == NATS_NODES | MINIO_NODES | one_shots | PROFILES[profile]
+    assert set(dc.active_services(cluster_test, [profile])) == NATS_NODES | SEAWEED | one_shots | PROFILES[profile]
     # Negative control: the profile that switches the single nodes off brings them back.
     assert {"nats", "minio"} <= set(dc.active_services(cluster, [profile, "single-node"]))
 
@@ -737,7 +858,11 @@ def test_nats_cluster(cluster, cluster_test):
     # A cluster node has the single node's limits (deploy/nats-cluster.conf includes deploy/nats.conf).
     conf = dc.parse_nats_conf((ROOT / "deploy" / "nats-cluster.conf").read_text(), dc.read_repo_file_in("deploy"))
     single = dc.parse_nats_conf(dc.NATS_CONF_PATH.read_text(), dc.read_repo_file_in("deploy"))
-    assert conf == {**single, "cluster": {"name": "epd", "port": "6222"}}
+    route_tls = {"cert_file": "/tls/nats.crt", "key_file": "/tls/nats.key", "ca_file": "/tls/ca.crt"}
+    assert conf == {
+        **single,
+        "cluster": {"name": "epd", "port": "6222", "tls": {**route_tls, "verify": "true", "timeout": "5"}},
+    }
     assert single["max_payload"] == "8MB" and single["jetstream"]["store_dir"] == "/data"
 
 
@@ -859,13 +984,13 @@ def test_cluster_services_know_every_node(cluster, cluster_test):
     assert dc.cluster_app_problems(cluster, cluster_apps(cluster), CLUSTER_DOTENV) == []
     assert dc.cluster_app_problems(cluster_test, sorted(PROFILES["e-pd"]), CLUSTER_DOTENV) == []
     env = dc.environment(resolved_service(cluster, "decode", CLUSTER_DOTENV))
-    assert env["EPD_NATS_URL"] == "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+    assert env["EPD_NATS_URL"] == "tls://nats-1:4222,tls://nats-2:4222,tls://nats-3:4222"
     assert env["EPD_STREAM_REPLICAS"] == "3"
     # The settings read it as three seeds and R3.
     from shared.config import NatsSettings
 
     settings = NatsSettings(nats_url=env["EPD_NATS_URL"], stream_replicas=int(env["EPD_STREAM_REPLICAS"]))
-    assert settings.stream_replicas == 3 and settings.nats_url.count("nats://") == 3
+    assert settings.stream_replicas == 3 and settings.nats_url.count("tls://") == 3
 
 
 BROKEN_APPS = {
@@ -920,7 +1045,7 @@ def test_cluster_object_store_is_replicated(cluster, cluster_test):
     assert dc.object_store_problems(cluster, cluster_apps(cluster), CLUSTER_DOTENV) == []
     assert dc.object_store_problems(cluster_test, sorted(PROFILES["e-pd"]), CLUSTER_DOTENV) == []
     command = cluster["services"]["minio-1"]["command"]
-    assert dc.expand_minio(command[1]) == [f"http://minio-{i}:9000/data" for i in range(1, 5)]
+    assert dc.expand_minio(command[1]) == [f"https://minio-{i}:9000/data" for i in range(1, 5)]
     # The single-node deployment is not: one drive (the negative control of the whole check).
     single = {**cluster, "services": {**cluster["services"]}}
     for name in MINIO_NODES:
@@ -930,7 +1055,7 @@ def test_cluster_object_store_is_replicated(cluster, cluster_test):
 
 
 def _minio_list(c: dict, name: str, servers: str) -> dict:
-    return with_command(c, name, lambda cmd: [servers if a.startswith("http://") else a for a in cmd])
+    return with_command(c, name, lambda cmd: [servers if a.startswith("https://") else a for a in cmd])
 
 
 BROKEN_STORE = {
@@ -949,7 +1074,7 @@ BROKEN_STORE = {
         "MinIO with 2 drive(s) on 2 node(s): distributed needs 4+ drives on 2+ nodes",
     ),
     "one node's own server list": (
-        lambda c: _minio_list(c, "minio-3", "http://minio-{1...3}:9000/data"),
+        lambda c: _minio_list(c, "minio-3", "https://minio-{1...3}:9000/data"),
         "the MinIO nodes run different server lists",
     ),
     "a node not in the list": (
@@ -1232,6 +1357,12 @@ ALLOWED_REWRITES = {
     "EPD_PORT",
     "EPD_METRICS_PORT",
     "EPD_HEALTH_FILE",
+    # the certificates' files: the container's /tls and /api-tls mounts, pointed at a test folder
+    "EPD_NATS_TLS_CA",
+    "EPD_S3_TLS_CA",
+    "EPD_TLS_CERT",
+    "EPD_TLS_KEY",
+    "EPD_TLS_CA",
 }
 
 
@@ -1245,15 +1376,17 @@ class ComposeNats:
     """nats-server started with the compose service's config files (the per-role identities
     included), command line and environment (the roles' passwords)."""
 
-    def __init__(self, command: list[str], data_dir: Path, env: dict[str, str]):
+    def __init__(self, command: list[str], data_dir: Path, env: dict[str, str], tls_dir: Path):
         from shared.tools.infra import find_binary, free_port
 
         self.port, self.http_port = free_port(), free_port()
-        # The file compose mounts, with the container's /data volume pointed at a test folder.
+        # The file compose mounts, with the container's /data volume and the tls volume (nats.crt,
+        # nats.key: `epd certs`' names, as Compose's `certs` writes them) pointed at test folders.
         conf = dc.NATS_CONF_PATH.read_text()
-        assert "store_dir: /data" in conf
+        assert "store_dir: /data" in conf and "/tls/nats.crt" in conf
         conf_path = data_dir / "nats.conf"
-        conf_path.write_text(conf.replace("store_dir: /data", f'store_dir: "{data_dir / "jetstream"}"'))
+        conf = conf.replace("store_dir: /data", f'store_dir: "{data_dir / "jetstream"}"')
+        conf_path.write_text(conf.replace("/tls/", f"{tls_dir}/"))
         (data_dir / "nats-auth.conf").write_text((ROOT / dc.NATS_AUTH_CONF).read_text())
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("NATS_")}, **env}
         args = list(command)
@@ -1303,15 +1436,16 @@ class ComposeNats:
         self.proc = None
 
 
-async def _nats_connects(url: str, **creds: str) -> bool:
+async def _nats_connects(url: str, tls: ssl.SSLContext | None, **creds: str) -> bool:
     import nats
 
     from shared.nats_auth import inbox_prefix
 
     inbox = {"inbox_prefix": inbox_prefix(creds["user"])} if "user" in creds else {}
+    options: dict[str, Any] = {"tls": tls, "tls_handshake_first": True} if tls is not None else {}
     try:
         nc = await nats.connect(
-            url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds, **inbox
+            url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **creds, **inbox, **options
         )
     except Exception:  # noqa: BLE001 - any failure means: not reachable
         return False
@@ -1320,8 +1454,9 @@ async def _nats_connects(url: str, **creds: str) -> bool:
 
 
 @pytest.mark.slow
-def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, tiny_model_dir, tmp_path):
-    from shared.tools.infra import free_port
+def test_compose_services_start_and_pass_their_healthchecks(compose, tiny_model_dir, tmp_path):
+    from shared.tools.certs import make_certs
+    from shared.tools.infra import EmbeddedS3, ServerTLS, free_port
     from shared.tools.launcher import Stack
     from tests.stackutil import data_url, noise_image, user_message, wait_for
 
@@ -1336,18 +1471,36 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
     }
     nats_svc = resolved_service(compose, "nats", dotenv)
     (tmp_path / "nats").mkdir()
-    nats = ComposeNats(nats_svc["command"], tmp_path / "nats", dc.environment(nats_svc))
+    # The certificates Compose's `certs` makes (the same command, `epd certs`), in a test folder
+    # standing for its volumes; the S3 store serves HTTPS with them, as MinIO does.
+    certs = make_certs(tmp_path / "tls")
+    tls = ssl.create_default_context(cafile=str(certs.ca_cert))
+    nats = ComposeNats(nats_svc["command"], tmp_path / "nats", dc.environment(nats_svc), tmp_path / "tls")
     nats.start()
+    s3_server = EmbeddedS3(
+        tmp_path / "s3",
+        access_key="epd-services",
+        secret_key=uuid.uuid4().hex,
+        tls=ServerTLS(*certs.servers["s3"], certs.ca_cert),
+    )
+    s3_server.start()
     stack = Stack(env={}, log_dir=tmp_path / "logs", api_port=free_port())
+    where = {
+        "/tls/ca.crt": str(certs.ca_cert),
+        "/api-tls/api.crt": str(certs.servers["api"][0]),
+        "/api-tls/api.key": str(certs.servers["api"][1]),
+    }
     try:
         # NATS security as compose configures it: each role's own password, nothing else.
-        assert not asyncio.run(_nats_connects(nats.url))
+        assert not asyncio.run(_nats_connects(nats.url, tls))
         for role in DEPLOYED_ROLES:
             password = TEST_SECRETS[password_variable(role)]
-            assert asyncio.run(_nats_connects(nats.url, user=role.value, password=password)), role
-        # (negative controls: another role's password, the old single account)
-        assert not asyncio.run(_nats_connects(nats.url, user="encoder", password=TEST_SECRETS["NATS_API_PASSWORD"]))
-        assert not asyncio.run(_nats_connects(nats.url, user="epd", password=TEST_SECRETS["NATS_API_PASSWORD"]))
+            assert asyncio.run(_nats_connects(nats.url, tls, user=role.value, password=password)), role
+        # (negative controls: another role's password, the old single account, a plaintext client)
+        api_password = TEST_SECRETS["NATS_API_PASSWORD"]
+        assert not asyncio.run(_nats_connects(nats.url, tls, user="encoder", password=api_password))
+        assert not asyncio.run(_nats_connects(nats.url, tls, user="epd", password=api_password))
+        assert not asyncio.run(_nats_connects(nats.url, None, user="api", password=api_password))
 
         envs, healthchecks = {}, {}
         for name in sorted(PROFILES["e-pd"]):
@@ -1355,7 +1508,7 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
             env = dc.environment(svc)
             env = {k: v for k, v in env.items() if v != ""}  # as pydantic-settings sees them
             rewritten = dict(env)
-            assert env["EPD_NATS_URL"] == f"nats://nats:{dc.nats_conf_ports()[0]}"
+            assert env["EPD_NATS_URL"] == f"tls://nats:{dc.nats_conf_ports()[0]}"
             assert env["EPD_S3_ENDPOINT"] == "minio:9000"
             rewritten.update(
                 EPD_NATS_URL=nats.url,
@@ -1363,9 +1516,12 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
                 EPD_S3_ACCESS_KEY=s3_server.access_key,
                 EPD_S3_SECRET_KEY=s3_server.secret_key,
                 EPD_MODEL_PATH=str(tiny_model_dir),
+                **{k: where[v] for k, v in env.items() if v in where},
             )
             if name == "api":
                 rewritten.update(EPD_HOST="127.0.0.1", EPD_PORT=str(stack.api_port))
+                # (the launcher reads whether the API serves HTTPS, and its CA, from here)
+                stack.service_env["api"] = {k: v for k, v in rewritten.items() if k.startswith("EPD_TLS_")}
             else:
                 rewritten.update(
                     EPD_METRICS_PORT=str(free_port()), EPD_HEALTH_FILE=str(tmp_path / f"{name}{env['EPD_HEALTH_FILE']}")
@@ -1393,8 +1549,9 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
             "messages": [user_message("Describe.", [data_url(noise_image(5, (56, 56)))])],
         }
         url = f"{stack.base_url}/v1/chat/completions"
-        assert httpx.post(url, json=body, timeout=120).status_code == 401
-        resp = httpx.post(url, json=body, timeout=120, headers={"Authorization": "Bearer sk-deploy-2"})
+        assert url.startswith("https://")  # the API serves HTTPS, with the certificate of `certs`
+        assert httpx.post(url, json=body, timeout=120, verify=tls).status_code == 401
+        resp = httpx.post(url, json=body, timeout=120, headers={"Authorization": "Bearer sk-deploy-2"}, verify=tls)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 4
 
@@ -1433,3 +1590,4 @@ def test_compose_services_start_and_pass_their_healthchecks(compose, s3_server, 
     finally:
         stack.stop()
         nats.stop()
+        s3_server.stop()

@@ -86,9 +86,16 @@ SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY")
 ACCOUNT_NAMES = {"EPD_S3_ACCESS_KEY": "epd-services"}
 # Compose-side defaults that differ from shared/config.py on purpose (container network, mount point).
 COMPOSE_DEFAULTS = {
-    "EPD_NATS_URL": "nats://nats:4222",
+    "EPD_NATS_URL": "tls://nats:4222",
     "EPD_S3_ENDPOINT": "minio:9000",
     "EPD_MODEL_NAME": "qwen2-vl-shapes",
+    # TLS on every link: the certificates the one-shot `certs` makes (volumes tls and api-tls)
+    "EPD_NATS_TLS_CA": "/tls/ca.crt",
+    "EPD_S3_SECURE": "true",
+    "EPD_S3_TLS_CA": "/tls/ca.crt",
+    "EPD_TLS_CERT": "/api-tls/api.crt",
+    "EPD_TLS_KEY": "/api-tls/api.key",
+    "EPD_TLS_CA": "/tls/ca.crt",
 }
 # Variables docker-compose.yml reads that are no setting of the services.
 COMPOSE_ONLY = (
@@ -121,6 +128,15 @@ COMPOSE_ONLY = (
         "NATS_ROUTE_USER` / `NATS_ROUTE_PASSWORD",
         "required with `docker-compose.cluster.yml`",
         "the account the three NATS nodes of the cluster deployment use on their routes (never the services')",
+    ),
+    (
+        "TLS_CERT_HOSTS",
+        "empty",
+        (
+            "more names or addresses (comma-separated) the certificates the one-shot `certs` makes are valid"
+            " for, besides the service names and localhost: the names clients elsewhere reach the API, NATS or"
+            " MinIO by (read at the first `up` only; [Deployment](deployment.md#tls))"
+        ),
     ),
     (
         "EPD_NATS_IMAGE",
@@ -271,8 +287,11 @@ def configuration_md() -> str:
         "|---|---|---|",
         *(f"| `{var}` | {default} | {text} |" for var, default, text in COMPOSE_ONLY),
         "",
-        "Compose sets per container: `EPD_NATS_URL` (default `nats://nats:4222`), `EPD_S3_ENDPOINT` (default",
+        "Compose sets per container: `EPD_NATS_URL` (default `tls://nats:4222`), `EPD_S3_ENDPOINT` (default",
         "`minio:9000`), `EPD_MODEL_NAME` (default `qwen2-vl-shapes`), `EPD_MODEL_PATH=/models/model`,",
+        "TLS with the certificates of the one-shot `certs` (defaults: `EPD_NATS_TLS_CA`, `EPD_S3_TLS_CA` and",
+        "`EPD_TLS_CA` `/tls/ca.crt`, `EPD_S3_SECURE=true`, `EPD_TLS_CERT` / `EPD_TLS_KEY`",
+        "`/api-tls/api.crt` / `/api-tls/api.key`, the API's only),",
         "`EPD_STORE_BACKEND=s3`, `EPD_HOST=0.0.0.0` / `EPD_PORT=8000` (api), `EPD_ROLE` (per prefill service),",
         "`EPD_ENGINE=vllm` (GPU services), `EPD_METRICS_PORT=9100` and `EPD_HEALTH_FILE=/tmp/epd-health.json`",
         "(workers). `EPD_WORKER_ID` stays the container's host name plus a random suffix, so replicas differ.",
@@ -331,6 +350,12 @@ EPD_S3_SECRET_KEY=
 # The NATS nodes' route account (required there; a secret: openssl rand -hex 24).
 # NATS_ROUTE_USER=epd-route
 # NATS_ROUTE_PASSWORD=
+
+# ---- TLS (docs/deployment.md, "TLS") ----------------------------------------------------------------
+# Every link is TLS: the one-shot `certs` makes a development CA and the certificates of nats, minio
+# and api at the first `up` (volumes tls and api-tls; kept at later ones). More names they are valid
+# for (comma-separated), for clients that reach the servers by another name: the host's, say.
+# TLS_CERT_HOSTS=
 
 # ---- infrastructure images (defaults: the upstream images; point them at a mirror when air-gapped) --
 # EPD_NATS_IMAGE=nats:2.15.0-alpine

@@ -157,8 +157,10 @@ def security_md() -> str:
             " `epd-credentials` | `EPD_NATS_USER=<role>` (a literal in the Deployment) and `EPD_NATS_PASSWORD` from"
             " the Secret's key `NATS_<ROLE>_PASSWORD`: each pod holds its own role's password only |",
             "| the multi-host test (`tests/multihost/`) | the same generated users on each of the three nodes, plus"
-            " route credentials of its own (a client `authorization` block does not cover the cluster port) | its"
-            " role's `EPD_NATS_USER` / `EPD_NATS_PASSWORD`, set by the test's launcher |",
+            " route credentials of its own (a client `authorization` block does not cover the cluster port), every"
+            " link TLS (client ports from the first byte, routes verified against the test CA both ways) | its"
+            " role's `EPD_NATS_USER` / `EPD_NATS_PASSWORD`, set by the test's launcher, verifying the nodes against"
+            " the test CA (`EPD_NATS_TLS_CA`) |",
             "",
             "**Set your own passwords.** Compose's `.env.example` ships every `NATS_<ROLE>_PASSWORD` empty and",
             "Compose refuses to start until each is set ([Deployment](deployment.md#start) fills them with",
@@ -169,6 +171,21 @@ def security_md() -> str:
             "`EPD_SUBJECT_PREFIX`, render `deploy/nats-auth.conf` for that prefix",
             "(`server_authorization(Subjects(prefix), ..., password_variables=True)`): the committed file names",
             "the `epd.*` subjects only, and a service on another prefix is refused its subjects.",
+            "",
+            "## TLS under Docker Compose",
+            "",
+            "The passwords travel inside TLS: Compose runs TLS on every link by default. The one-shot `certs`",
+            "(`epd certs` in the project image) makes a development CA and the certificates of NATS, MinIO and the",
+            "API at the first `up`, into the volumes `tls` (`ca.crt` 0644; `nats.key`, `minio/private.key` 0600,",
+            "root's, as which those servers run) and `api-tls` (`api.key` 0600, uid 10001's, mounted into the API",
+            "only), and keeps them at every later `up`; the CA's key is not kept. The services mount `tls`",
+            "read-only and can read the CA certificate but no key. NATS requires TLS from the first byte",
+            "(`handshake_first`, so no password is sent before the handshake; a plaintext client is refused), and",
+            "the cluster file's routes TLS verified both ways; MinIO serves HTTPS only; every service verifies both",
+            "against the CA (`EPD_NATS_TLS_CA`, `EPD_S3_TLS_CA`); the API serves HTTPS. How to use your own",
+            "certificates: [Deployment](deployment.md#tls). Checked by `make test` (`tests/test_deploy.py`:",
+            "the files keep TLS required, each with a broken copy) and `make test-compose` (the running stack:",
+            "every NATS connection TLS, a plaintext NATS client and a plaintext or CA-less S3 client refused).",
             "",
             "## Who creates streams, consumers and buckets",
             "",

@@ -15,6 +15,10 @@ Last, the cluster deployment (docker-compose.cluster.yml, with compose.cluster.t
 NATS nodes as in production, SeaweedFS with replicated volumes standing in for the distributed
 MinIO), as a second project once the first is down: clustered, R3, and answering like `epd up`.
 
+TLS is on as Compose ships it: the one-shot `certs` makes the CA and the servers' certificates into
+the project's volumes; the test reads the CA from there and verifies the API (https), NATS (TLS from
+the first byte) and the S3 stand-in (https) against it, as the services do.
+
 Worker crashes are SIGKILLs of the service's process from the host, as the OOM killer would send
 them: `docker compose kill` counts as a deliberate stop for Docker's restart policy (the container
 stays down; checked below), so it cannot show the policy bringing a worker back.
@@ -28,6 +32,7 @@ import logging
 import os
 import re
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -43,6 +48,7 @@ from shared import protocol
 from shared.config import NatsSettings
 from shared.nats_auth import inbox_prefix
 from shared.protocol import kv_stream
+from shared.tools.certs import SERVERS
 from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
 from tests import deploycheck as dc
 from tests.epdup import EpdUp, descendants
@@ -67,6 +73,8 @@ NATS_PASSWORDS = {role.value: "pw" + uuid.uuid4().hex for role in DEPLOYED_ROLES
 NATS_USER, NATS_PASSWORD = "admin", NATS_PASSWORDS["admin"]
 UP_TIMEOUT_S = 600  # `up --wait`: model loads on a loaded 2-core machine take minutes
 REQUEST_TIMEOUT_S = 300
+#: The TLS context each API URL of this test is verified with (its project's CA), by URL.
+VERIFY: dict[str, ssl.SSLContext] = {}
 STATE_TIMEOUT_S = 240  # a container reaching a state (restarted, unhealthy, healthy)
 
 # The requests: one image each, greedy, 12 token ids back (the API's extension). A check that
@@ -97,6 +105,7 @@ class Compose:
         # Only the env file speaks: no EPD_* / COMPOSE_* / MINIO_* of this process leaks in.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "COMPOSE_", "MINIO_"))}
         self.profile = "e-pd"
+        self.nats_service = "nats-1" if files == CLUSTER_FILES else "nats"
 
     def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         argv = [
@@ -159,13 +168,29 @@ class Compose:
             found[kind] = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.split()
         return found
 
+    def tls_file(self, path: str, service: str | None = None) -> str:
+        """A file of the TLS volumes, as a running service sees it."""
+        return self.run("exec", "-T", service or self.nats_service, "cat", path).stdout
+
+    @property
+    def ca_pem(self) -> str:
+        return self.tls_file("/tls/ca.crt")
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        """A client context that trusts this project's CA only (what the services verify against)."""
+        return ssl.create_default_context(cadata=self.ca_pem)
+
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port('api', 8000)}"
+        url = f"https://127.0.0.1:{self.port('api', 8000)}"
+        if url not in VERIFY:
+            VERIFY[url] = self.tls
+        return url
 
     @property
     def nats_url(self) -> str:
-        return f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{self.port('nats', 4222)}"
+        return f"tls://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{self.port(self.nats_service, 4222)}"
 
 
 def state(container: dict[str, Any]) -> tuple[str, str | None, int]:
@@ -189,8 +214,15 @@ def headers(key: str | None = API_KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def verify(url: str) -> ssl.SSLContext | bool:
+    """How an API URL of this test is verified: its project's CA (:data:`VERIFY`), else the system CAs."""
+    return VERIFY.get(url, True)
+
+
 def chat(url: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers(key), timeout=REQUEST_TIMEOUT_S)
+    return httpx.post(
+        f"{url}/v1/chat/completions", json=body, headers=headers(key), timeout=REQUEST_TIMEOUT_S, verify=verify(url)
+    )
 
 
 def tokens_of(resp: httpx.Response) -> list[int]:
@@ -207,6 +239,7 @@ def stream_tokens(url: str, body: dict, on_event=None) -> list[int]:
         json={**body, "stream": True},
         headers=headers(),
         timeout=REQUEST_TIMEOUT_S,
+        verify=verify(url),
     ) as resp:
         assert resp.status_code == 200, resp.read()
         for event in parse_sse(resp.iter_lines()):
@@ -285,6 +318,8 @@ def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
     """What a user's .env holds: fresh secrets, the model, the stand-in images."""
     values = {
         "EPD_API_KEYS": API_KEY,
+        # more names the certificates are valid for (the host's, for clients elsewhere)
+        "TLS_CERT_HOSTS": "epd.example.internal,10.11.12.13",
         **{password_variable(role): password for role, password in NATS_PASSWORDS.items()},
         "MINIO_ROOT_USER": "epd-admin",
         "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
@@ -349,6 +384,7 @@ def test_e_pd_comes_up_healthy(compose, expected):
     compose.up()
     running = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c) for c in compose.containers()}
     assert running == {
+        "certs": ("exited", None, 0),
         "nats": ("running", "healthy", 0),
         "minio": ("running", "healthy", 0),
         "minio-init": ("exited", None, 0),
@@ -357,7 +393,9 @@ def test_e_pd_comes_up_healthy(compose, expected):
         "prefill": ("running", "healthy", 0),
     }, running
     assert compose.container("minio-init")["State"]["ExitCode"] == 0
-    health = httpx.get(f"{compose.api_url}/health", timeout=30).json()
+    assert compose.container("certs")["State"]["ExitCode"] == 0
+    url = compose.api_url
+    health = httpx.get(f"{url}/health", timeout=30, verify=verify(url)).json()
     assert health["workers"] == {"encoder": 1, "prefill": 1}, health
 
 
@@ -381,20 +419,134 @@ def test_published_ports_bind_loopback_only(compose):
     assert all(ip == "127.0.0.1" for _, ip, _ in published), published
 
 
+def connz(compose: Compose, node: str | None = None) -> list[dict[str, Any]]:
+    """The NATS server's own view of its client connections (with the authorized user of each)."""
+    out = compose.run(
+        "exec",
+        "-T",
+        node or compose.nats_service,
+        "wget",
+        "-q",
+        "-O",
+        "-",
+        "http://127.0.0.1:8222/connz?auth=1&limit=1024",
+    ).stdout
+    return json.loads(out)["connections"]
+
+
 def test_each_service_connects_as_its_own_role(compose):
     """The server's own view (/connz with the authorized user of each connection): the services
     connect as their roles. Each role's password from .env opens its identity and no other; the
     single services' account of before is gone."""
-    out = compose.run(
-        "exec", "-T", "nats", "wget", "-q", "-O", "-", "http://127.0.0.1:8222/connz?auth=1&limit=1024"
-    ).stdout
-    users = {c.get("authorized_user") for c in json.loads(out)["connections"]}
+    users = {c.get("authorized_user") for c in connz(compose)}
     assert {"api", "encoder", "prefill"} <= users <= {"api", "encoder", "prefill", "admin"}, users
-    port = compose.port("nats", 4222)
+    port, tls = compose.port("nats", 4222), compose.tls
     for role, password in NATS_PASSWORDS.items():
-        assert asyncio.run(nats_connects(port, role, password)), role
-    assert not asyncio.run(nats_connects(port, "encoder", NATS_PASSWORDS["api"]))
-    assert not asyncio.run(nats_connects(port, "epd", NATS_PASSWORDS["api"]))
+        assert asyncio.run(nats_connects(port, role, password, tls)), role
+    assert not asyncio.run(nats_connects(port, "encoder", NATS_PASSWORDS["api"], tls))
+    assert not asyncio.run(nats_connects(port, "epd", NATS_PASSWORDS["api"], tls))
+
+
+def _cert_names(pem: str) -> set[str]:
+    from cryptography import x509
+
+    names = x509.load_pem_x509_certificate(pem.encode()).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    return {*names.value.get_values_for_type(x509.DNSName), *map(str, names.value.get_values_for_type(x509.IPAddress))}
+
+
+def _stat(compose: Compose, service: str, *paths: str) -> dict[str, str]:
+    out = compose.run("exec", "-T", service, "stat", "-c", "%n %a %u", *paths).stdout
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines()}
+
+
+def test_certificates_are_made_once_with_private_keys(compose):
+    """The one-shot `certs` wrote a CA and a certificate per server into the volumes: keys 0600,
+    owned by the user the server runs as (NATS and the S3 store: root; the API: 10001), the CA's
+    key nowhere; each certificate signed by the CA and valid for the names the services and the
+    cluster file reach the server by, plus TLS_CERT_HOSTS from .env. A worker sees no key: not
+    the API's (not mounted), not NATS's (root's, 0600: permission denied)."""
+    from cryptography import x509
+
+    assert _stat(compose, "nats", "/tls", "/tls/ca.crt", "/tls/nats.key", "/tls/minio/private.key") == {
+        "/tls": "755 0",
+        "/tls/ca.crt": "644 0",
+        "/tls/nats.key": "600 0",
+        "/tls/minio/private.key": "600 0",
+    }
+    assert _stat(compose, "api", "/api-tls", "/api-tls/api.key", "/api-tls/api.crt") == {
+        "/api-tls": "755 0",
+        "/api-tls/api.key": "600 10001",
+        "/api-tls/api.crt": "644 10001",
+    }
+    listed = compose.run("exec", "-T", "nats", "find", "/tls", "-name", "*.key").stdout.split()
+    assert sorted(listed) == ["/tls/minio/private.key", "/tls/nats.key"], listed  # no ca.key
+    denied = compose.run("exec", "-T", "encoder", "cat", "/tls/nats.key", check=False)
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    assert not compose.run("exec", "-T", "encoder", "test", "-e", "/api-tls", check=False).returncode == 0
+    ca = x509.load_pem_x509_certificate(compose.ca_pem.encode())
+    extra = {"epd.example.internal", "10.11.12.13", "localhost", "127.0.0.1"}
+    expected = {
+        "nats": {*SERVERS["nats"], "nats-1", "nats-2", "nats-3"},
+        "minio": {*SERVERS["s3"], "minio-1", "minio-2", "minio-3", "minio-4"},
+        "api": {*SERVERS["api"], "api-gpu"},
+    }
+    for server, path, service in (
+        ("nats", "/tls/nats.crt", "nats"),
+        ("minio", "/tls/minio/public.crt", "nats"),
+        ("api", "/api-tls/api.crt", "api"),
+    ):
+        pem = compose.tls_file(path, service)
+        x509.load_pem_x509_certificate(pem.encode()).verify_directly_issued_by(ca)
+        assert expected[server] | extra <= _cert_names(pem), (server, _cert_names(pem))
+    log = compose.run("logs", "--no-color", "certs").stdout
+    assert "made a CA" in log and "BEGIN" not in log, log
+
+
+def test_every_link_is_tls_and_plaintext_is_refused(compose):
+    """Every NATS connection of the services is TLS (the server's /connz), the API answers over
+    https verified against the CA; negative controls: a plaintext NATS client with the right
+    password is refused (the server waits for a TLS handshake), and so is one with TLS that
+    trusts only the system CAs; a plaintext S3 client and one without the CA are refused by the
+    store, whose https verified against the CA works; the API refuses plain http and a client
+    without the CA."""
+    import urllib3
+    from minio import Minio
+
+    conns = connz(compose)
+    assert conns and all(c.get("tls_version") for c in conns), [
+        (c.get("authorized_user"), c.get("tls_version")) for c in conns
+    ]
+    port, password = compose.port("nats", 4222), NATS_PASSWORDS["admin"]
+    assert asyncio.run(nats_connects(port, "admin", password, compose.tls))
+    assert not asyncio.run(nats_connects(port, "admin", password))  # plaintext
+    assert not asyncio.run(nats_connects(port, "admin", password, ssl.create_default_context()))  # no CA
+    # S3: the services' account, over https with the CA (positive control), then without it / plain.
+    env = dict(line.split("=", 1) for line in compose.env_file.read_text().splitlines() if "=" in line)
+    endpoint = f"127.0.0.1:{compose.port('minio', 9000)}"
+
+    def s3(secure: bool, ca: str | None) -> bool:
+        pool = urllib3.PoolManager(
+            cert_reqs="CERT_REQUIRED", retries=urllib3.Retry(total=0), timeout=10, **({"ca_certs": ca} if ca else {})
+        )
+        client = Minio(endpoint, env["EPD_S3_ACCESS_KEY"], env["EPD_S3_SECRET_KEY"], secure=secure, http_client=pool)
+        try:
+            return client.bucket_exists("epd")
+        except Exception as exc:  # noqa: BLE001 - refused, whatever the error
+            log.info("S3 client (secure=%s, CA %s) refused: %s", secure, bool(ca), exc)
+            return False
+
+    ca_file = compose.env_file.parent / "ca.crt"
+    ca_file.write_text(compose.ca_pem)
+    assert s3(True, str(ca_file))
+    assert not s3(False, None)
+    assert not s3(True, None)
+    # The API: https with the CA (the other checks), not http, not without the CA.
+    url = compose.api_url
+    assert httpx.get(f"{url}/health", timeout=30, verify=verify(url)).status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://") + "/health", timeout=30)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"{url}/health", timeout=30)
 
 
 def test_encoder_hung_then_killed_mid_request(compose, expected):
@@ -409,7 +561,7 @@ def test_encoder_hung_then_killed_mid_request(compose, expected):
         request = Background(lambda: tokens_of(chat(url, BODIES["encoder-fault"])))
 
         def job_waits():
-            info = work_consumers(compose.nats_url, protocol.Subjects()).get(protocol.CONSUMER_ENCODER)
+            info = work_consumers(compose.nats_url, protocol.Subjects(), compose.tls).get(protocol.CONSUMER_ENCODER)
             return info is not None and (info.num_pending + info.num_ack_pending) >= 1
 
         wait_for(job_waits, 60, "the request's encode job on the encoder consumer", interval=0.2)
@@ -508,7 +660,8 @@ class Load:
 
 
 def _health_count(compose: Compose, role: str) -> int:
-    return httpx.get(f"{compose.api_url}/health", timeout=30).json()["workers"].get(role, 0)
+    url = compose.api_url
+    return httpx.get(f"{url}/health", timeout=30, verify=verify(url)).json()["workers"].get(role, 0)
 
 
 def test_scale_every_role_under_load_loses_nothing(compose, reference_engine):
@@ -546,7 +699,7 @@ def test_scale_every_role_under_load_loses_nothing(compose, reference_engine):
     assert not wrong, f"{len(wrong)} of {len(results)} requests answered wrong: seeds {wrong[:10]}"
     finals: dict[str, int] = {}
     stream = protocol.Subjects(NatsSettings.model_fields["subject_prefix"].default).stream_results
-    for _, _, msg in read_stream(compose.nats_url, stream):
+    for _, _, msg in read_stream(compose.nats_url, stream, compose.tls):
         if isinstance(msg, protocol.FinalResult):
             finals[msg.request_id] = finals.get(msg.request_id, 0) + 1
     twice = {r["id"]: finals.get(r["id"], 0) for r in results if finals.get(r["id"], 0) != 1}
@@ -556,9 +709,14 @@ def test_scale_every_role_under_load_loses_nothing(compose, reference_engine):
 
 
 def test_e_p_d_answers_too(compose, expected):
+    """After `down` (the volumes kept) and `up` with the other topology: `certs` keeps the
+    certificates it made (clients that saved the CA keep working), and E|P|D answers."""
+    ca_before = compose.ca_pem
     compose.run("down", "--timeout", "30", timeout=300)
     compose.profile = "e-p-d"
     compose.up()
+    assert compose.ca_pem == ca_before
+    assert compose.run("logs", "--no-color", "certs").stdout.count("kept the certificates") == 1
     services = {
         c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2] for c in compose.containers(all_states=False)
     }
@@ -602,12 +760,21 @@ def monitor(c: Compose, node: str, endpoint: str) -> dict[str, Any]:
     return httpx.get(f"http://127.0.0.1:{c.port(node, 8222)}/{endpoint}", timeout=10).json()
 
 
-async def nats_connects(port: int, user: str, password: str) -> bool:
+async def nats_connects(port: int, user: str, password: str, tls: ssl.SSLContext | None = None) -> bool:
+    """Whether ``user`` gets in: with ``tls``, TLS from the first byte (as the services); without,
+    a plaintext client."""
     import nats
 
+    options: dict[str, Any] = {"tls": tls, "tls_handshake_first": True} if tls is not None else {}
     try:
         nc = await nats.connect(
-            f"nats://127.0.0.1:{port}", user=user, password=password, allow_reconnect=False, connect_timeout=5
+            f"nats://127.0.0.1:{port}",
+            user=user,
+            password=password,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=5,
+            **options,
         )
     except Exception:  # noqa: BLE001 - any failure means: refused
         return False
@@ -649,6 +816,7 @@ def test_cluster_comes_up_clustered(cluster):
     took = cluster.up(limit_s=CLUSTER_UP_TIMEOUT_S)
     running = {c["Config"]["Labels"]["com.docker.compose.service"]: state(c)[:2] for c in cluster.containers()}
     assert running == {
+        "certs": ("exited", None),
         **{node: ("running", "healthy") for node in NATS_NODES},
         **{s: ("running", "healthy") for s in ("seaweed-master", "seaweed-volume-1", "seaweed-volume-2", "seaweed-s3")},
         "minio-init": ("exited", None),
@@ -664,12 +832,13 @@ def test_cluster_comes_up_clustered(cluster):
     assert len(leaders) == 1 and leaders <= set(NATS_NODES), metas
     assert {m["cluster_size"] for m in metas.values()} == {3}, metas
     log.info("cluster up in %.0f s; meta leader %s", took, leaders.pop())
+    tls = cluster.tls
 
     async def streams() -> list:
         import nats
 
         seeds = [f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{cluster.port(n, 4222)}" for n in NATS_NODES]
-        nc = await nats.connect(seeds, inbox_prefix=inbox_prefix(NATS_USER))
+        nc = await nats.connect(seeds, inbox_prefix=inbox_prefix(NATS_USER), tls=tls, tls_handshake_first=True)
         s = protocol.Subjects()
         names = [*s.streams(), *(kv_stream(b) for b in (s.ec_index_bucket, s.routing_bucket, s.ec_claims_bucket))]
         try:  # (the admin identity may ask for each stream's information, not list them)
@@ -693,8 +862,10 @@ def test_cluster_comes_up_clustered(cluster):
     for node in NATS_NODES:
         port = cluster.port(node, 4222)
         for role, password in NATS_PASSWORDS.items():
-            assert asyncio.run(nats_connects(port, role, password)), (node, role)
-        assert not asyncio.run(nats_connects(port, ROUTE_USER, ROUTE_PASSWORD)), node
+            assert asyncio.run(nats_connects(port, role, password, tls)), (node, role)
+        assert not asyncio.run(nats_connects(port, ROUTE_USER, ROUTE_PASSWORD, tls)), node
+        assert not asyncio.run(nats_connects(port, "admin", NATS_PASSWORD)), node  # plaintext
+        assert all(c.get("tls_version") for c in connz(cluster, node)), node
     names = {s.config.name for s in asyncio.run(streams())}
     subjects = protocol.Subjects()
     assert {subjects.stream_encode, subjects.stream_generate} <= names, names

@@ -2,11 +2,15 @@
 """Test-only S3 service for docker-compose.yml's ``minio`` / ``minio-init`` (tests/compose/):
 SeaweedFS (``weed mini``) with the same two accounts MinIO gets there.
 
-  epd-test-s3 serve   the S3 server on :9000, data in /data. Accounts: MINIO_ROOT_USER (admin) and
-                      EPD_S3_ACCESS_KEY, limited to EPD_S3_BUCKET (like minio-init's policy).
-  epd-test-s3 ready [URL]  exit 0 once URL (default: the S3 server's /healthz) answers 200 (the healthcheck)
+  epd-test-s3 serve [--certs-dir DIR]   the S3 server on :9000, data in /data. Accounts:
+                      MINIO_ROOT_USER (admin) and EPD_S3_ACCESS_KEY, limited to EPD_S3_BUCKET (like
+                      minio-init's policy). With --certs-dir (MinIO's flag and layout): HTTPS only,
+                      with DIR/public.crt and DIR/private.key.
+  epd-test-s3 ready [URL [CA]]  exit 0 once URL (default: the S3 server's /healthz) answers 200 (the
+                      healthcheck); an https URL is verified against the CA file
   epd-test-s3 init    create EPD_S3_BUCKET with the root account and check that the services'
-                      account reaches it (minio-init's job); idempotent
+                      account reaches it (minio-init's job), over HTTPS verified against
+                      EPD_S3_TLS_CA when EPD_S3_SECURE; idempotent
 
 The cluster stand-in (tests/compose/compose.cluster.test.yml, in place of a distributed MinIO): the
 same S3 store split into SeaweedFS's parts, one per container, with replicated volumes. Arguments
@@ -16,7 +20,8 @@ replication, e.g. ``master -ip=seaweed-master -defaultReplication=001``):
   epd-test-s3 master ARGS    the master on :9333 (its state in /data)
   epd-test-s3 volume ARGS    a volume server on :8080 (data in /data); ARGS name the master (-mserver=)
   epd-test-s3 gateway ARGS   a filer (metadata in /data) with its S3 gateway on :9000 and the two
-                             accounts above; ARGS name the master (-master=)
+                             accounts above; ARGS name the master (-master=); --certs-dir DIR among
+                             them: HTTPS only, as with serve
 """
 
 from __future__ import annotations
@@ -77,7 +82,21 @@ def write_identities() -> str:
     return path
 
 
-def serve() -> None:
+def tls_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(weed's TLS flags for MinIO's ``--certs-dir DIR`` among ``args``, the other args)."""
+    if "--certs-dir" not in args:
+        return [], args
+    i = args.index("--certs-dir")
+    certs = args[i + 1]
+    for name in ("public.crt", "private.key"):
+        if not os.path.isfile(os.path.join(certs, name)):
+            sys.exit(f"epd-test-s3: no {name} in {certs}")
+    flags = [f"-s3.cert.file={certs}/public.crt", f"-s3.key.file={certs}/private.key"]
+    return flags, args[:i] + args[i + 2 :]
+
+
+def serve(*args: str) -> None:
+    tls, _ = tls_args(list(args))
     path = write_identities()
     argv = [
         "weed",
@@ -97,6 +116,7 @@ def serve() -> None:
         "-s3.allowDeleteBucketNotEmpty=false",
         "-s3.autoCreateBucket=false",
         f"-s3.config={path}",
+        *tls,
     ]
     os.execvp(argv[0], argv)
 
@@ -122,6 +142,7 @@ def volume(args: list[str]) -> None:
 
 
 def gateway(args: list[str]) -> None:
+    tls, args = tls_args(args)
     path = write_identities()
     weed(
         "filer",
@@ -137,13 +158,17 @@ def gateway(args: list[str]) -> None:
         "-s3.allowDeleteBucketNotEmpty=false",
         "-s3.autoCreateBucket=false",
         f"-s3.config={path}",
+        *tls,
         *args,
     )
 
 
-def ready(url: str = f"http://127.0.0.1:{S3_PORT}/healthz") -> None:
+def ready(url: str = f"http://127.0.0.1:{S3_PORT}/healthz", ca: str | None = None) -> None:
+    import ssl
+
+    context = ssl.create_default_context(cafile=ca) if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=3) as resp:
+        with urllib.request.urlopen(url, timeout=3, context=context) as resp:
             sys.exit(0 if resp.status == 200 else 1)
     except OSError as exc:
         print(f"epd-test-s3: not ready: {exc}", file=sys.stderr)
@@ -151,6 +176,7 @@ def ready(url: str = f"http://127.0.0.1:{S3_PORT}/healthz") -> None:
 
 
 def init() -> None:
+    import urllib3
     from minio import Minio
     from minio.error import S3Error
 
@@ -158,8 +184,11 @@ def init() -> None:
         sys.exit("EPD_S3_ACCESS_KEY must differ from MINIO_ROOT_USER: the services get their own account")
     endpoint, bucket = env("EPD_S3_ENDPOINT"), env("EPD_S3_BUCKET")
     secure = os.environ.get("EPD_S3_SECURE", "").lower() in ("true", "1", "yes", "on")
-    root = Minio(endpoint, env("MINIO_ROOT_USER"), env("MINIO_ROOT_PASSWORD"), secure=secure)
-    services = Minio(endpoint, env("EPD_S3_ACCESS_KEY"), env("EPD_S3_SECRET_KEY"), secure=secure)
+    ca = os.environ.get("EPD_S3_TLS_CA") or None
+    # (the certificate verified against the CA: what minio-init's mc does with it)
+    http = urllib3.PoolManager(cert_reqs="CERT_REQUIRED", ca_certs=ca) if secure and ca else None
+    root = Minio(endpoint, env("MINIO_ROOT_USER"), env("MINIO_ROOT_PASSWORD"), secure=secure, http_client=http)
+    services = Minio(endpoint, env("EPD_S3_ACCESS_KEY"), env("EPD_S3_SECRET_KEY"), secure=secure, http_client=http)
     deadline = time.monotonic() + 120
     while True:  # the filer behind the S3 gateway can lag its /healthz by a moment
         try:
