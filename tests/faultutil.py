@@ -27,6 +27,7 @@ import importlib
 import json
 import logging
 import os
+import ssl
 import sys
 import threading
 import time
@@ -134,14 +135,15 @@ class Outcome:
         return f"{self.what}: sent at {self.started - origin:+.1f}s, {self.status} after {self.seconds:.1f}s ({detail})"
 
 
-def post_chat(url: str, body: dict, *, what: str, timeout: float) -> Outcome:
+def post_chat(url: str, body: dict, *, what: str, timeout: float, verify: ssl.SSLContext | bool = True) -> Outcome:
     """POST a (non-streaming) chat completion; never raises for the request's own failure (no
-    answer within ``timeout``: ``error`` starts with ``hung:``)."""
+    answer within ``timeout``: ``error`` starts with ``hung:``). ``verify``: what an https
+    ``url``'s certificate is verified with (httpx's: True, the system CAs)."""
     import httpx
 
     out = Outcome(what, time.monotonic(), 0.0)
     try:
-        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout, verify=verify)
         out.status = resp.status_code
         try:
             out.body = resp.json()

@@ -341,3 +341,45 @@ def test_epd_up_makes_its_certificates_once_and_reuses_them(tmp_path, capsys) ->
         _tls_certs(folder, "127.0.0.1")
     with pytest.raises(ValueError, match="incomplete"):
         ensure_certs(folder)
+
+
+def test_a_tls_cluster_s_routes_verify_their_peers_and_monitoring_is_https(certs, tmp_path) -> None:
+    """``NatsCluster(tls=...)``: the nodes form a cluster over TLS routes (a JetStream meta leader),
+    a client reaches them by ``tls://`` URLs verified against the CA, monitoring is HTTPS only.
+    Each cluster port starts with the TLS handshake and refuses a certificate another CA signed
+    (the site's own passes the handshake and is refused the wrong route password: the control)."""
+    import socket
+    import ssl
+
+    from shared.tools.infra import NatsCluster
+
+    crt, key = certs.servers["nats"]
+    stranger = make_certs(tmp_path / "stranger")
+    cluster = NatsCluster(
+        tmp_path / "nats", 3, tls=ServerTLS(crt, key, certs.ca_cert), route_user="r", route_password="route-secret"
+    )
+    with cluster:
+        assert cluster.meta_leader() is not None  # the routes are up
+        assert all(u.startswith("tls://") for u in cluster.urls)
+        assert _try(NatsSettings(nats_url=cluster.seeds, nats_tls_ca=certs.ca_cert)) == "ok"
+        assert cluster.monitor_url(0).startswith("https://")
+        with pytest.raises(urllib.error.URLError):  # plain HTTP to the monitoring port
+            urllib.request.urlopen("http://" + cluster.monitor_url(0).split("://", 1)[1] + "/varz", timeout=3)
+        port = cluster.nodes[0].cluster_port
+        assert port is not None
+
+        def knock(pair: tuple[Path, Path]) -> str:
+            ctx = ssl.create_default_context(cafile=str(certs.ca_cert))
+            ctx.load_cert_chain(*pair)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                try:
+                    with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                        reader = sock.makefile("rb")
+                        assert reader.readline().startswith(b"INFO ")
+                        sock.sendall(b'CONNECT {"user":"r","pass":"wrong","tls_required":true}\r\nPING\r\n')
+                        return reader.readline().decode()
+                except ssl.SSLError as exc:
+                    return str(exc)
+
+        assert "Authorization Violation" in knock((crt, key))
+        assert "unknown ca" in knock(stranger.servers["nats"]).lower()

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import re
+import ssl
 import threading
 import time
 from collections import Counter
@@ -43,16 +44,21 @@ _seeds = count(20_000)
 # -- the tests' own NATS connections ---------------------------------------------------------------
 @dataclass(frozen=True)
 class Login:
-    """A NATS identity the tests connect as (the password is never shown)."""
+    """A NATS identity the tests connect as (the password is never shown); ``ca``: the servers
+    are TLS, verified against it, from the first byte (as the services' ``NatsSettings.tls_options``)."""
 
     user: str
     password: str = field(repr=False)
+    ca: Path | None = None
 
     def options(self) -> dict[str, Any]:
-        """nats-py's options: the credentials and the inbox only this identity may read."""
+        """nats-py's options: the credentials, the inbox only this identity may read, TLS."""
         from shared.nats_auth import inbox_prefix
 
-        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
+        tls: dict[str, Any] = {}
+        if self.ca is not None:
+            tls = {"tls": ssl.create_default_context(cafile=str(self.ca)), "tls_handshake_first": True}
+        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user), **tls}
 
 
 async def _connect(urls: list[str], login: Login):
@@ -157,8 +163,17 @@ class Load:
     """``concurrency`` requests in flight over ``apis`` (round robin) until :meth:`stop`, from
     the ``planned`` list (cycled when used up: then images repeat, EC hits)."""
 
-    def __init__(self, apis: list[str], planned: list[Planned], *, concurrency: int, timeout: float):
+    def __init__(
+        self,
+        apis: list[str],
+        planned: list[Planned],
+        *,
+        concurrency: int,
+        timeout: float,
+        verify: ssl.SSLContext | bool = True,
+    ):
         self.apis = apis
+        self.verify = verify
         self.planned = planned
         self.timeout = timeout
         self.sent: list[Sent] = []
@@ -181,7 +196,7 @@ class Load:
     def _loop(self) -> None:
         while (job := self._take()) is not None:
             planned, api = job
-            outcome = post_chat(api, planned.body, what=planned.kind, timeout=self.timeout)
+            outcome = post_chat(api, planned.body, what=planned.kind, timeout=self.timeout, verify=self.verify)
             with self._lock:
                 self.sent.append(Sent(planned, api, outcome))
 

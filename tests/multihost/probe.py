@@ -1,13 +1,16 @@
 """A NATS client run inside a lab host (``python -m tests.multihost.probe SPEC``): what one identity
 may do from there, node by node. ``site.Site.probe`` runs it through the host's ``ip netns exec``.
 
-SPEC (JSON, argv[1]): ``urls`` (the nodes to try, one connection each), ``user`` (None: no
-identity; the password comes from :data:`PASSWORD_ENV`, never the command line), ``publish``
-(label -> subject), ``stream_info`` (streams to look up), ``routes`` (``host:port`` cluster ports
-to knock on with a wrong route password). Prints one JSON object: per URL whether it connected (the
-error if not), the client address and server name the server saw, per label whether the server
-refused the publish (a permissions violation), per stream whether its info was answered; per route
-port its ``auth_required`` and the answer to the wrong password.
+SPEC (JSON, argv[1]): ``urls`` (the nodes to try, one connection each, all at once), ``user``
+(None: no identity; the password comes from :data:`PASSWORD_ENV`, never the command line), ``ca``
+(the CA the servers are verified against: TLS from the first byte, as the services connect; None:
+plaintext), ``publish`` (label -> subject), ``stream_info`` (streams to look up), ``routes``
+(``host:port`` cluster ports to knock on with a wrong route password) and ``route_certs`` (label ->
+[certificate, key] a knock presents; each route port is also knocked on in plaintext). Prints one
+JSON object: per URL whether it connected (the error if not), the client address and server name
+the server saw, per label whether the server refused the publish (a permissions violation), per
+stream whether its info was answered; per route port and knock whether the TLS handshake was
+accepted and the answer to the wrong password.
 
 Every publish carries ``Nats-Expected-Stream`` naming no stream: a publish the server lets through
 reaches the subscribers of that subject, but JetStream stores nothing (a generation job allowed by
@@ -20,6 +23,7 @@ import asyncio
 import json
 import os
 import socket
+import ssl
 import sys
 from typing import Any
 
@@ -47,6 +51,7 @@ async def _one(url: str, spec: dict[str, Any]) -> dict[str, Any]:
         subject_prefix=spec["prefix"],
         nats_user=user,
         nats_password=os.environ.get(PASSWORD_ENV) if user else None,
+        nats_tls_ca=spec.get("ca"),
     )
     out: dict[str, Any] = {"url": url, "user": user}
     try:
@@ -88,33 +93,69 @@ async def _one(url: str, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _knock(address: str) -> dict[str, Any]:
-    """Open a route connection to ``address`` (a cluster port) with a wrong password."""
+def _route_connect(cluster: str) -> bytes:
+    connect = {
+        "user": "mh-probe",
+        "pass": "not-the-route-password",
+        "verbose": False,
+        "pedantic": False,
+        "tls_required": True,
+        "name": "mh-probe",
+        "cluster": cluster,
+    }
+    return f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode()
+
+
+def _knock(address: str, ca: str | None, cert: list[str] | None) -> dict[str, Any]:
+    """Open a route connection to ``address`` (a cluster port) with a wrong password: over TLS
+    presenting ``cert`` (the server verified against ``ca``), or in plaintext (``cert`` None).
+    Returns whether the TLS handshake was accepted (``tls``: ``ok`` or the error), the first line
+    the server sent (its INFO's ``auth_required``) and its answer to the CONNECT."""
     host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        reader = sock.makefile("rb")
-        line = reader.readline().decode(errors="replace")
+    out: dict[str, Any] = {"tls": None, "auth_required": None, "answer": ""}
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        sock: socket.socket = raw
+        if cert is not None:
+            ctx = ssl.create_default_context(cafile=ca)
+            ctx.load_cert_chain(*cert)
+            try:
+                sock = ctx.wrap_socket(raw, server_hostname=host)
+                reader = sock.makefile("rb")
+                # (TLS 1.3: the server refuses a client certificate after the handshake: the first read)
+                line = reader.readline().decode(errors="replace")
+            except (ssl.SSLError, OSError) as exc:
+                return {**out, "tls": f"{type(exc).__name__}: {exc}"}
+            out["tls"] = "ok"
+        else:  # what a plaintext client (or route) sends first; a TLS-first port takes it for a bad handshake
+            raw.sendall(_route_connect(""))
+            try:
+                out["answer"] = raw.recv(4096).decode(errors="replace")
+            except OSError as exc:
+                out["answer"] = f"{type(exc).__name__}"
+            return out
         info = json.loads(line.split(" ", 1)[1]) if line.startswith("INFO ") else {}
-        connect = {
-            "user": "mh-probe",
-            "pass": "not-the-route-password",
-            "verbose": False,
-            "pedantic": False,
-            "tls_required": False,
-            "name": "mh-probe",
-            "cluster": info.get("cluster", ""),
-        }
-        sock.sendall(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+        out["auth_required"] = bool(info.get("auth_required"))
+        sock.sendall(_route_connect(info.get("cluster", "")))
         try:
-            answer = reader.readline().decode(errors="replace").strip()
+            answer = ""
+            while not answer or answer.startswith("INFO"):  # (gossip)
+                got = reader.readline().decode(errors="replace").strip()
+                if not got:
+                    break
+                answer = got
         except OSError as exc:
             answer = f"{type(exc).__name__}"
-    return {"auth_required": bool(info.get("auth_required")), "answer": answer}
+        out["answer"] = answer
+    return out
 
 
 async def main(spec: dict[str, Any]) -> dict[str, Any]:
-    nodes = [await _one(url, spec) for url in spec.get("urls") or []]
-    routes = {address: _knock(address) for address in spec.get("routes") or []}
+    nodes = list(await asyncio.gather(*(_one(url, spec) for url in spec.get("urls") or [])))
+    knocks: dict[str, list[str] | None] = {"plaintext": None, **(spec.get("route_certs") or {})}
+    routes = {
+        address: {label: _knock(address, spec.get("ca"), cert) for label, cert in knocks.items()}
+        for address in spec.get("routes") or []
+    }
     return {"nodes": nodes, "routes": routes}
 
 

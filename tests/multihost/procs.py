@@ -4,7 +4,9 @@
 it, so the pid is the program's), its own process group, output to a log file, killed with this
 process (the launcher's ``_spawn``). :class:`WeedStore` is SeaweedFS as a replicated S3 store:
 a ``weed master`` (default replication ``001``: a second copy on another server of the rack),
-two ``weed volume`` servers on different hosts, and a ``weed filer`` with the S3 gateway.
+two ``weed volume`` servers on different hosts, and a ``weed filer`` with the S3 gateway - HTTPS
+only with ``tls`` (the flags of ``epd up --tls``'s store: ``infra.weed_s3_tls_args``). The links
+between the store's own hosts (master, volume servers, filer: HTTP and gRPC) stay plaintext.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -20,13 +23,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.tools.infra import _spawn, find_binary
+from shared.tools.infra import ServerTLS, _spawn, find_binary, weed_s3_tls_args
 from tests.multihost.lab import Host
 from tests.stackutil import wait_for
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def http_get(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """GET without a proxy; an https ``url`` verified with ``context``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     try:
         with opener.open(url, timeout=timeout) as resp:
             return int(resp.status), resp.read()
@@ -34,9 +38,9 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return int(exc.code), b""
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> bool:
     try:
-        return http_get(url, timeout)[0] == 200
+        return http_get(url, timeout, context)[0] == 200
     except OSError:
         return False
 
@@ -112,6 +116,8 @@ class WeedStore:
     hosts: list[Host]
     data_dir: Path
     replication: str = "001"
+    #: the S3 gateway's certificate (None: plain HTTP)
+    tls: ServerTLS | None = None
     access_key: str = field(default_factory=lambda: "epdmh" + secrets.token_hex(4))
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     master: HostProc | None = None
@@ -126,6 +132,10 @@ class WeedStore:
     def endpoint(self) -> str:
         """``host:port`` of the S3 gateway (what EPD_S3_ENDPOINT takes)."""
         return f"{self.head.address}:{S3_PORT}"
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls is not None else 'http'}://{self.endpoint}"
 
     def _weed(self, label: str, host: Host, args: list[str]) -> HostProc:
         folder = self.data_dir / label
@@ -211,9 +221,11 @@ class WeedStore:
                 "-s3.allowDeleteBucketNotEmpty=false",  # the default deletes non-empty buckets!
                 "-s3.autoCreateBucket=false",
                 f"-s3.config={ident}",
+                *weed_s3_tls_args(self.tls),
             ],
         ).start()
-        wait_for(lambda: http_ok(f"http://{self.endpoint}/healthz"), 60, "the weed S3 gateway")
+        context = self.tls.client_context() if self.tls is not None else None
+        wait_for(lambda: http_ok(f"{self.url}/healthz", context=context), 60, "the weed S3 gateway")
         return self
 
     def data_nodes(self) -> int:

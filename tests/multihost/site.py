@@ -15,6 +15,15 @@ the cluster port), and each service connects as its role (``EPD_NATS_USER`` /
 ``EPD_NATS_PASSWORD``). The tests' own connections are the viewer (reads: results, consumer
 state) or the admin (stream and bucket information): :meth:`Site.login`. :meth:`Site.probe` runs
 a client with a given identity inside a host.
+
+Every link between hosts is TLS, verified against one test CA (``shared.tools.certs.make_certs``,
+as ``epd certs``; under ``<data dir>/tls``) whose certificates name every host's address: the NATS
+client ports (TLS from the first byte: ``handshake_first``), the routes between the nodes (each
+peer's certificate verified against the CA), the nodes' monitoring ports (HTTPS), the S3 gateway
+(HTTPS only) and the API replicas (HTTPS); services and the tests verify every server against the
+CA (``EPD_NATS_TLS_CA``, ``EPD_S3_TLS_CA``, :attr:`Site.client_tls`). ``<data dir>/tls-stranger``
+holds certificates of another CA (a stranger's, for the refusals). Not TLS: the store's own links
+between ``s1``-``s3`` (weed master, volume servers, filer).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import ssl
 import subprocess
 import sys
 import uuid
@@ -34,7 +44,8 @@ from typing import Any
 
 from shared.nats_auth import SERVICE_ROLES, Role
 from shared.protocol import Subjects
-from shared.tools.infra import NatsCluster
+from shared.tools.certs import Written, make_certs
+from shared.tools.infra import NatsCluster, ServerTLS
 from shared.tools.nats_identities import PASSWORD_ENV, USER_ENV, NatsIdentities
 from shared.topology import TOPOLOGIES, Topology
 from tests.faultutil import FAULT_DIR_ENV
@@ -94,11 +105,17 @@ class Site:
     #: every role's NATS password (``shared.nats_auth``), kept under the data dir
     identities: NatsIdentities | None = None
     route_password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    #: the test CA and the servers' certificates (every host's address); a stranger CA's
+    certs: Written | None = None
+    stranger: Written | None = None
 
     # -- start-up
     def start(self) -> Site:
         for name in (*NATS_HOSTS, *STORE_HOSTS, *SERVICE_HOSTS):
             self.lab.add_host(name)
+        addresses = tuple(h.address for h in self.lab.hosts.values())
+        self.certs = make_certs(self.data_dir / "tls", hosts=addresses)
+        self.stranger = make_certs(self.data_dir / "tls-stranger", hosts=addresses)
         nats_hosts = [self.lab.hosts[n] for n in NATS_HOSTS]
         self.identities = NatsIdentities.under(self.data_dir / "nats-identities", Subjects(self.prefix))
         self.nats = NatsCluster(
@@ -110,11 +127,13 @@ class Site:
             extra_config=self.identities.server_config(),
             route_user=ROUTE_USER,
             route_password=self.route_password,
+            tls=self.server_tls("nats"),
         )
+        store_hosts = [self.lab.hosts[n] for n in STORE_HOSTS]
         with ThreadPoolExecutor(2) as pool:
             nats_started = pool.submit(self.nats.start, timeout=60)
             store_started = pool.submit(
-                lambda: WeedStore([self.lab.hosts[n] for n in STORE_HOSTS], self.data_dir / "weed").start()
+                lambda: WeedStore(store_hosts, self.data_dir / "weed", tls=self.server_tls("s3")).start()
             )
             nats_started.result()
             self.store = store_started.result()
@@ -132,6 +151,22 @@ class Site:
         self.wait_workers()
         return self
 
+    def server_tls(self, server: str) -> ServerTLS:
+        """The certificate of ``server`` (``nats``, ``s3``, ``api``), its key and the test CA."""
+        assert self.certs is not None
+        return ServerTLS(*self.certs.servers[server], self.certs.ca_cert)
+
+    @property
+    def ca(self) -> Path:
+        """The test CA every client verifies every server against."""
+        assert self.certs is not None
+        return self.certs.ca_cert
+
+    @property
+    def client_tls(self) -> ssl.SSLContext:
+        """A client's context verifying the site's servers (certificate and address) against the CA."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
     @property
     def prefix(self) -> str:
         """The subject prefix of this site (``EPD_SUBJECT_PREFIX``)."""
@@ -143,9 +178,12 @@ class Site:
         prefix, namespace, bucket = self.prefix, f"ns{self.tag}", f"epd-{self.tag}"
         topology = Topology.E_PD
         env = {
-            "EPD_NATS_URL": self.nats.seeds,
+            "EPD_NATS_URL": self.nats.seeds,  # tls://...
+            "EPD_NATS_TLS_CA": str(self.ca),
             "EPD_STREAM_REPLICAS": "3",
             "EPD_S3_ENDPOINT": self.store.endpoint,
+            "EPD_S3_SECURE": "true",
+            "EPD_S3_TLS_CA": str(self.ca),
             "EPD_S3_ACCESS_KEY": self.store.access_key,
             "EPD_S3_SECRET_KEY": self.store.secret_key,
             "EPD_S3_BUCKET": bucket,
@@ -176,6 +214,8 @@ class Site:
         argv = [sys.executable, "-m", f"services.{name}"]
         if name == "api":
             env["EPD_HOST"] = h.address
+            api = self.server_tls("api")  # HTTPS; its own probes verify it against the CA
+            env.update(EPD_TLS_CERT=str(api.cert), EPD_TLS_KEY=str(api.key), EPD_TLS_CA=str(api.ca))
         else:
             env["EPD_HEALTH_FILE"] = str(self.data_dir / "logs" / f"{label}.health")
             # workers run through the fault suite's switches (a delay a case turns on per host)
@@ -206,7 +246,7 @@ class Site:
     # -- addresses and state
     @property
     def api_urls(self) -> list[str]:
-        return [f"http://{self.lab.hosts[h].address}:{API_PORT}" for h, s in SERVICE_HOSTS.items() if "api" in s]
+        return [f"https://{self.lab.hosts[h].address}:{API_PORT}" for h, s in SERVICE_HOSTS.items() if "api" in s]
 
     @property
     def subjects(self) -> Subjects:
@@ -214,7 +254,7 @@ class Site:
 
     def health(self, url: str) -> dict[str, Any] | None:
         try:
-            status, body = http_get(f"{url}/health", timeout=2)
+            status, body = http_get(f"{url}/health", timeout=2, context=self.client_tls)
         except OSError:
             return None
         return json.loads(body) if status == 200 else None
@@ -261,7 +301,11 @@ class Site:
             if i in skip:
                 continue
             try:
-                status, body = http_get(f"{self.nats.monitor_url(i)}/connz?auth=true&limit=1024", timeout=2)
+                status, body = http_get(
+                    f"{self.nats.monitor_url(i)}/connz?auth=true&limit=1024",
+                    timeout=2,
+                    context=self.nats.monitor_context(),
+                )
             except OSError:
                 continue
             if status != 200:
@@ -289,7 +333,7 @@ class Site:
     def login(self, role: Role) -> Login:
         """``role``'s identity for the tests' own connections."""
         assert self.identities is not None
-        return Login(role.value, self.identities.passwords[role])
+        return Login(role.value, self.identities.passwords[role], ca=self.ca)
 
     @property
     def nats_secrets(self) -> list[str]:
@@ -336,16 +380,24 @@ class Site:
         publish: dict[str, str] | None = None,
         stream_info: list[str] | None = None,
         routes: bool = False,
+        plaintext: bool = False,
+        ca: Path | None = None,
     ) -> dict[str, Any]:
         """Run ``tests.multihost.probe`` inside ``host`` as ``role`` (None: no identity;
         ``password`` instead of the role's own), against each node of ``nodes`` (default: the
-        running ones) in turn; ``routes``: also knock on every node's cluster port. The password
-        goes through the environment, never the command line."""
+        running ones); over TLS verified against the CA, as the services connect (``plaintext``:
+        a ``nats://`` client without TLS; ``ca``: another CA than the site's). ``routes``: also
+        knock on every node's cluster port, in plaintext and over TLS presenting the site's NATS
+        certificate (``ca``) and a stranger CA's (``stranger``). The password goes through the
+        environment, never the command line."""
         assert self.nats is not None and self.identities is not None
+        assert self.certs is not None and self.stranger is not None
         h = self.lab.hosts[host]
         indexes = self.nats.running() if nodes is None else nodes
+        urls = [self.nats.url(i) for i in indexes]
         spec = {
-            "urls": [self.nats.url(i) for i in indexes],
+            "urls": ["nats://" + u.split("://", 1)[1] for u in urls] if plaintext else urls,
+            "ca": None if plaintext else str(ca or self.ca),
             "user": None if role is None else role.value,
             "prefix": self.prefix,
             "publish": publish or {},
@@ -353,6 +405,12 @@ class Site:
             "routes": [f"{self.nats.nodes[i].host}:{self.nats.nodes[i].cluster_port}" for i in indexes]
             if routes
             else [],
+            "route_certs": {
+                "ca": [str(p) for p in self.certs.servers["nats"]],
+                "stranger": [str(p) for p in self.stranger.servers["nats"]],
+            }
+            if routes
+            else {},
         }
         env = {k: v for k, v in os.environ.items() if k not in (USER_ENV, PASSWORD_ENV)}
         if role is not None:

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +56,7 @@ from tests.stackutil import chat_body, noise_image, wait_for
 
 log = logging.getLogger(__name__)
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 #: A client call with no answer after this long hung (the services' request deadline is 60 s).
@@ -179,7 +185,7 @@ def test_every_service_connects_as_its_role(site: Site, results: Results):
     assert site.nats is not None
     auth_required = {}
     for i in site.nats.running():
-        status, body = http_get(f"{site.nats.monitor_url(i)}/varz", timeout=2)
+        status, body = http_get(f"{site.nats.monitor_url(i)}/varz", timeout=2, context=site.nats.monitor_context())
         auth_required[site.nats.nodes[i].server_name] = status == 200 and json.loads(body).get("auth_required")
     users: dict[str, set[str]] = {}
     others = []
@@ -219,7 +225,7 @@ def test_cluster_equals_single_node(site: Site, reference: Reference, results: R
             ("image_b", chat_body(TEXT, [image_b], **GREEDY)),
             ("text", chat_body(TEXT_ONLY, [], **GREEDY)),
         ):
-            out = post_chat(url, body, what=what, timeout=CLIENT_TIMEOUT_S)
+            out = post_chat(url, body, what=what, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
             assert out.status == 200, (url, what, out.status, out.body, out.error)
             row[what] = out.tokens
         got[url] = row
@@ -245,7 +251,7 @@ def test_sigkill_of_the_generate_stream_leader(site: Site, reference: Reference,
     leader = site.nats.wait_stream_leader(stream, timeout=30)
     planned = plan(reference, 24)
     first_seq = last_result_seq(site) + 1
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     load.wait_done(3, 120)
     killed_at = time.monotonic()
     site.nats.kill(leader)
@@ -289,7 +295,7 @@ def test_sigstop_of_the_node_an_api_and_a_worker_use(site: Site, reference: Refe
         api_restarts += 1
     planned = plan(reference, 40)
     first_seq = last_result_seq(site) + 1
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     load.wait_done(3, 120)
     stopped_at = time.monotonic()
     site.nats.pause(node)
@@ -334,7 +340,7 @@ def test_minority_partition_of_one_nats_node(site: Site, reference: Reference, r
     moved = sorted(label for label, nodes in clients.items() if name in nodes)
     planned = plan(reference, 60)
     first_seq = last_result_seq(site) + 1
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     load.wait_done(3, 120)
     cut_at = time.monotonic()
     lab.cut(name)
@@ -396,7 +402,7 @@ def test_a_whole_worker_host_lost(site: Site, reference: Reference, results: Res
 
     first_seq = last_result_seq(site) + 1
     site.switch(host, "encoder", 3.0)  # w1's encoder holds each job 3 s: it has jobs when it dies
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     try:
         wait_for(held, 60, f"an encode job held on {host}", interval=0.1)
         killed_at = time.monotonic()
@@ -437,7 +443,7 @@ def test_a_store_volume_server_lost(site: Site, reference: Reference, results: R
     victim = site.store.volumes[1]
     planned = plan(reference, 24, text_every=0)  # fresh images: EC written and read
     first_seq = last_result_seq(site) + 1
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     load.wait_done(3, 120)
     killed_at = time.monotonic()
     victim.stop(signal.SIGKILL)
@@ -463,7 +469,7 @@ def test_rolling_restart_of_the_nats_nodes(site: Site, reference: Reference, res
     assert site.nats is not None
     planned = plan(reference, 80)
     first_seq = last_result_seq(site) + 1
-    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S)
+    load = Load(site.api_urls, planned, concurrency=CONCURRENCY, timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
     load.wait_done(3, 120)
     began = time.monotonic()
     per_node = {}
@@ -496,7 +502,14 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
     are refused, and so is a route connection with a wrong password on every cluster port. The
     publishes name no stream (``Nats-Expected-Stream``): nothing is stored or run. Mutations: the
     encoder given the API's permissions fails here; so does the cluster without route credentials
-    (a stranger joins as a route) or without the identities (anyone connects)."""
+    (a stranger joins as a route) or without the identities (anyone connects).
+
+    TLS (every link between hosts): from w2, the encoder's own identity in plaintext (a
+    ``nats://`` client) and over TLS verifying another CA is refused by every node (the same
+    identity over TLS with the site's CA, from w1, is the control). Every cluster port refuses a
+    plaintext route and a TLS one presenting a certificate another CA signed (the handshake);
+    with the site's certificate the handshake passes and the wrong password is what is refused
+    (the control). Mutations: routes without TLS, or TLS without ``verify``, fail here."""
     assert site.nats is not None and site.identities is not None
     restore_nats(site)
     assert_nothing_refused(site)
@@ -512,6 +525,9 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
     api = site.probe("a1", Role.API, publish=publish, stream_info=info)
     anonymous = site.probe("w2", None)
     wrong = site.probe("w2", Role.ENCODER, password=site.identities.passwords[Role.API])
+    assert site.stranger is not None
+    plaintext = site.probe("w2", Role.ENCODER, plaintext=True)
+    other_ca = site.probe("w2", Role.ENCODER, ca=site.stranger.ca_cert)
     refusals = [line for line in site.violations() if "Violation" in line]
     results.record(
         "8 role limits across hosts",
@@ -519,6 +535,8 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
         api_from_a1={n["server_name"]: n.get("refused") for n in api["nodes"]},
         no_identity_connected=[n["connected"] for n in anonymous["nodes"]],
         wrong_password_connected=[n["connected"] for n in wrong["nodes"]],
+        plaintext_client={n["url"]: n["error"] for n in plaintext["nodes"]},
+        other_ca_client={n["url"]: n["error"] for n in other_ca["nodes"]},
         route_ports=encoder["routes"],
     )
     nodes = {node.server_name for node in site.nats.nodes}
@@ -535,8 +553,19 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
     for who, probed in (("no identity", anonymous), ("the encoder with the API's password", wrong)):
         for n in probed["nodes"]:
             assert not n["connected"] and "Authorization Violation" in n["error"], (who, n)
-    for address, knock in encoder["routes"].items():
-        assert knock["auth_required"] and "Authorization Violation" in knock["answer"], (address, knock)
+    for who, probed in (("a plaintext client", plaintext), ("a client verifying another CA", other_ca)):
+        assert len(probed["nodes"]) == len(nodes), (who, probed)
+        for n in probed["nodes"]:
+            assert not n["connected"], (who, n)
+    for n in other_ca["nodes"]:
+        assert "CERTIFICATE_VERIFY_FAILED" in n["error"], n
+    assert len(encoder["routes"]) == len(nodes), encoder["routes"]
+    for address, knocks in encoder["routes"].items():
+        ca, stranger, plain = knocks["ca"], knocks["stranger"], knocks["plaintext"]
+        # the control: the site's certificate passes the handshake; the wrong password is refused
+        assert ca["tls"] == "ok" and ca["auth_required"] and "Authorization Violation" in ca["answer"], (address, ca)
+        assert stranger["tls"] != "ok" and "unknown ca" in stranger["tls"].lower(), (address, stranger)
+        assert "INFO" not in plain["answer"] and "PONG" not in plain["answer"], (address, plain)
     # each node refused the encoder's publishes itself, and nobody else's
     for node in nodes:
         mine = [line for line in refusals if line.startswith(f"{node}: ")]
@@ -546,3 +575,162 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
         )
     assert all("user:encoder" in line for line in refusals if "Publish Violation" in line), refusals
     assert_no_password_written(site, results)
+
+
+# -- 9. what a worker host's wire holds ---------------------------------------------------------------
+#: the negative control's plaintext NATS server (in w2)
+CONTROL_NATS_PORT, CONTROL_MONITOR_PORT = 4333, 8333
+#: the most bytes of a TLS stream outside its records: the head of a stream captured from its middle
+TLS_HEAD = (1 << 14) + 2048 + 5
+
+
+def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, results: Results):
+    """A capture of worker host w1's wire (every frame of its interface, both ways) while image
+    requests run - each with a prompt of its own, until w1's prefill worker has run one (its job,
+    prompt included, came to w1, and the encoders read the images from the store) - holds, in no
+    TCP stream, a NATS password (a role's, the routes'), the S3 secret or access key or a SigV4
+    signature header, NATS's protocol in the clear (CONNECT, INFO, PUB, MSG, SUB) or a prompt; and
+    every TCP stream of w1 is TLS records (at most one record's worth of head outside them: a
+    connection captured from its middle). The negative control, in the same capture: a plaintext
+    NATS connection from w1 (to a plaintext server in w2) as the encoder, with the encoder's own
+    password, that publishes a prompt, and a plaintext S3 PUT signed with the site's keys - the
+    same check finds the password, the protocol and the prompt, the access key and the signature,
+    and the TLS check finds them not TLS. Mutations: the services' S3 without TLS, or the NATS
+    client ports without TLS, fail here."""
+    assert site.nats is not None and site.store is not None and site.identities is not None
+    from shared.tools.infra import EmbeddedNats
+    from tests.multihost import capture as cap
+    from tests.multihost.procs import MASTER_PORT
+
+    w1, w2 = site.lab.hosts["w1"], site.lab.hosts["w2"]
+    tag = uuid.uuid4().hex[:12]
+    prompts = {f"prompt {i}": f"Describe this image, mh-prompt-{tag}-{i}." for i in range(8)}
+    control_prompt = f"Describe this image, mh-control-{tag}."
+    role = Role.ENCODER
+    password = site.identities.passwords[role]
+    control_nats = EmbeddedNats(
+        site.data_dir / "control-nats",
+        host=w2.address,
+        port=CONTROL_NATS_PORT,
+        monitor_port=CONTROL_MONITOR_PORT,
+        server_name="control",
+        wrap=w2.wrap,
+        extra_config=f"authorization {{ users: [ {{ user: {json.dumps(role.value)}, "
+        f"password: {json.dumps(password)} }} ] }}",
+    )
+    control_nats.start(timeout=30)
+    control_s3 = f"{site.store.head.address}:{MASTER_PORT}"  # plain HTTP, not S3: the request is on the wire
+    capture = cap.Capture(w1, site.data_dir / "w1.pcap").start()
+    sent: list = []
+    on_w1: list[str] = []
+    try:
+        env = {
+            **os.environ,
+            cap.CONTROL_USER_ENV: role.value,
+            cap.CONTROL_PASSWORD_ENV: password,
+            cap.CONTROL_PROMPT_ENV: control_prompt,
+            cap.CONTROL_S3_KEYS_ENV: f"{site.store.access_key}:{site.store.secret_key}",
+        }
+        done = subprocess.run(
+            [*w1.wrap, sys.executable, "-m", cap.__name__, "control", control_nats.url, "mh.control", control_s3],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"the control client failed ({done.returncode}):\n{done.stderr[-2000:]}"
+        first_seq = last_result_seq(site) + 1
+        items = list(prompts.values())
+        for round_ in range(2):  # 4 requests at once over both APIs, again if w1's prefill ran none
+            batch = items[4 * round_ : 4 * round_ + 4]
+            bodies = [
+                chat_body(p, [noise_image(9100 + 4 * round_ + i, IMAGE_SIZE)], **GREEDY) for i, p in enumerate(batch)
+            ]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                outs = list(
+                    pool.map(
+                        lambda ib: post_chat(
+                            site.api_urls[ib[0] % 2],
+                            ib[1],
+                            what="capture",
+                            timeout=CLIENT_TIMEOUT_S,
+                            verify=site.client_tls,
+                        ),
+                        enumerate(bodies),
+                    )
+                )
+            sent += outs
+            finals, _ = finals_since(
+                site.client_urls(), site.subjects.stream_results, first_seq, login=site.login(Role.VIEWER)
+            )
+            on_w1 = [rid for rid, runs in finals.items() if any(worker == "prefill-w1" for _, worker in runs)]
+            if on_w1:
+                break
+    finally:
+        capture.stop()
+        control_nats.stop()
+    assert all(o.status == 200 for o in sent), [(o.status, o.error) for o in sent]
+    streams = cap.tcp_streams(capture.path)
+    secrets = {f"nats password of {r.value}": pw.encode() for r, pw in site.identities.passwords.items()}
+    secrets |= {
+        "nats route password": site.route_password.encode(),
+        "s3 secret key": site.store.secret_key.encode(),
+        "s3 access key": site.store.access_key.encode(),
+        "s3 signature": b"AWS4-HMAC-SHA256",
+        "control prompt": control_prompt.encode(),
+        **{label: text.encode() for label, text in prompts.items()},
+    }
+
+    store_head = site.store.head.address
+
+    def control_of(flow: tuple[str, int, str, int]) -> str | None:
+        ends = {(flow[0], flow[1]), (flow[2], flow[3])}
+        if (w2.address, CONTROL_NATS_PORT) in ends:
+            return "nats"
+        if (store_head, MASTER_PORT) in ends:
+            return "s3"
+        return None
+
+    found: dict[str, set[str]] = {"nats": set(), "s3": set()}
+    control_tls: dict[str, tuple[int, int]] = {}
+    leaks: dict[str, list[str]] = {}
+    not_tls: dict[str, tuple[int, int, int, bytes]] = {}
+    peers: Counter[str] = Counter()
+    for flow, stream in streams.items():
+        what = cap.exposed(stream, secrets)
+        records, outside = cap.tls_coverage(stream)
+        if (kind := control_of(flow)) is not None:
+            found[kind] |= set(what)
+            control_tls[f"{kind} {flow}"] = (records, outside)
+            continue
+        peer = flow[2:] if flow[0] == w1.address else flow[:2]
+        peers[f"{peer[0]}:{peer[1]}"] += len(stream)
+        if what:
+            leaks[str(flow)] = what
+        if records == 0 or outside > TLS_HEAD:
+            not_tls[str(flow)] = (len(stream), records, outside, stream[:80])
+    results.record(
+        "9 capture on a worker host",
+        capture_bytes=capture.path.stat().st_size,
+        tcp_streams=len(streams),
+        bytes_per_peer=dict(peers),
+        requests=len(sent),
+        run_by_prefill_w1=len(on_w1),
+        control_found={k: sorted(v) for k, v in found.items()},
+        leaks=leaks,
+        not_tls=len(not_tls),
+    )
+    assert on_w1, "no request was run by w1's prefill worker: the capture saw no job"
+    # the negative control: the same checks on the plaintext connections of the same capture
+    want_nats = {f"nats password of {role.value}", "nats protocol", "control prompt"}
+    assert want_nats <= found["nats"], f"the plaintext NATS control: found {found['nats']}, want {want_nats}"
+    assert {"s3 access key", "s3 signature"} <= found["s3"], f"the plaintext S3 control: found {found['s3']}"
+    assert control_tls and all(records == 0 or outside > TLS_HEAD for records, outside in control_tls.values()), (
+        control_tls
+    )
+    # what crossed w1's wire: the NATS nodes (client ports) and the S3 gateway, TLS only, nothing in the clear
+    nats_peers = {f"{site.nats.nodes[i].host}:{site.nats.nodes[i].requested_port}" for i in range(len(site.nats.nodes))}
+    assert set(peers) & nats_peers and f"{site.store.endpoint}" in peers, peers
+    assert not leaks, f"in the clear on w1's wire: {leaks}"
+    assert not not_tls, f"streams of w1 that are not TLS (bytes, records, bytes outside, head): {not_tls}"
