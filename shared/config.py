@@ -547,7 +547,11 @@ class ApiSettings(ServiceSettings):
     """Largest `max_tokens` a request may ask for (400 above; unset: the context length, `EPD_MAX_MODEL_LEN` or
     the model's)."""
     default_max_tokens: int = Field(256, ge=1)
-    """`max_tokens` of a request that sets none."""
+    """`max_tokens` of a chat request that sets none, unless the model's generation config sets `max_new_tokens`."""
+    generation_config: str = "auto"
+    """Where a request's left-out sampling fields (temperature, top_p, top_k, min_p, the penalties, max_tokens) take
+    their defaults from, as vLLM's `--generation-config`: `auto` (the model folder's `generation_config.json`, as a
+    plain vLLM server does), `vllm` (none: OpenAI's defaults), or a folder holding a `generation_config.json`."""
     fetch_timeout_s: float = Field(10, gt=0)
     """Image URL fetch timeout (504 after it)."""
     allowed_origins: CSV = ()

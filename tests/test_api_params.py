@@ -159,6 +159,130 @@ def test_honoured_fields_map_into_the_sampling_spec():
         assert err.value.param == param, body
 
 
+#: the sampling defaults a checkpoint's generation_config.json may carry (Qwen2.5-VL's Instruct
+#: checkpoints: repetition_penalty 1.05, top_k 1, top_p 0.001), and every other field vLLM reads
+MODEL_DEFAULTS = {
+    "do_sample": True,
+    "repetition_penalty": 1.05,
+    "temperature": 0.1,
+    "top_k": 1,
+    "top_p": 0.001,
+    "min_p": 0.02,
+    "presence_penalty": 0.25,
+    "frequency_penalty": 0.5,
+    "max_new_tokens": 20,
+    "eos_token_id": [3, 4],
+}
+
+
+def _model_with_defaults(folder, defaults=MODEL_DEFAULTS):
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps(defaults))
+    return folder
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"temperature": 0},
+        {"temperature": 0, "repetition_penalty": 1.0},
+        {"top_k": 5, "top_p": 0.9},
+        {"max_tokens": 7},
+    ],
+)
+def test_left_out_sampling_fields_take_the_model_s_defaults_as_on_vllm_s_server(tmp_path, endpoint, body):
+    """A field the request leaves out takes the model's generation_config.json value (the issue's
+    Qwen2.5-VL: a plain vLLM server applied its repetition_penalty 1.05 to a ``temperature: 0``
+    request, we did not), a field it gives wins: each field as vLLM's own server code resolves it
+    (``ModelConfig.get_diff_sampling_param``, the requests' ``to_sampling_params``)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from services.api.sampling_defaults import load_sampling_defaults
+
+    folder = _model_with_defaults(tmp_path / "model")
+    # vLLM's reading of the folder (its own method; ``self`` holds what it reads)
+    model_config = SimpleNamespace(
+        generation_config="auto",
+        override_generation_config={},
+        try_get_generation_config=lambda: GenerationConfig.from_pretrained(folder).to_diff_dict(),
+    )
+    theirs_defaults = ModelConfig.get_diff_sampling_param(model_config)
+    if endpoint == Endpoint.CHAT:
+        ours = parse_chat_request({"messages": MESSAGES, **body}, **CHAT_KW, defaults=load_sampling_defaults(folder))
+        request = ChatCompletionRequest(model="m", messages=MESSAGES, **body)
+    else:
+        ours = parse_completion_request(
+            {"prompt": "hi", **body}, **COMPLETION_KW, defaults=load_sampling_defaults(folder)
+        )
+        request = CompletionRequest(model="m", prompt="hi", **body)
+    theirs = request.to_sampling_params(ours.sampling.max_tokens, theirs_defaults)
+    names = ["temperature", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+    if ours.sampling.temperature > 0:  # (greedy: vLLM resets top_p / top_k / min_p, which no engine applies then)
+        names += ["top_p", "top_k", "min_p"]
+    for name in names:
+        assert getattr(ours.sampling, name) == pytest.approx(getattr(theirs, name)), name
+    # the negative control: the same body without the model's defaults is OpenAI's
+    plain = _parse(endpoint, body).sampling
+    if "repetition_penalty" not in body:
+        assert ours.sampling.repetition_penalty == 1.05 != plain.repetition_penalty
+    # max_tokens: the request's, else (chat, or completions' explicit null) the model's max_new_tokens
+    if endpoint == Endpoint.CHAT:
+        assert ours.sampling.max_tokens == body.get("max_tokens", 20)
+    else:
+        assert ours.sampling.max_tokens == body.get("max_tokens", 16)  # (16: OpenAI's and vLLM's completions default)
+        null = parse_completion_request(
+            {"prompt": "hi", "max_tokens": None}, **COMPLETION_KW, defaults=load_sampling_defaults(folder)
+        )
+        assert null.sampling.max_tokens == 20
+
+
+def test_the_sampling_defaults_source_is_chosen_and_checked(tmp_path):
+    """``EPD_GENERATION_CONFIG``: ``vllm`` takes none, a folder its file, a folder without one or a
+    default no request could give stops the API's start-up (not a 400 on every request)."""
+    from services.api.sampling_defaults import load_sampling_defaults
+    from services.api.schemas import check_sampling_defaults
+    from shared.errors import ConfigError
+
+    folder = _model_with_defaults(tmp_path / "model")
+    assert load_sampling_defaults(folder).given() == {
+        "temperature": 0.1,
+        "top_p": 0.001,
+        "top_k": 1,
+        "min_p": 0.02,
+        "presence_penalty": 0.25,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.05,
+        "max_tokens": 20,
+    }
+    assert load_sampling_defaults(folder, "vllm").given() == {}
+    other = _model_with_defaults(tmp_path / "other", {"temperature": 0.7})
+    assert load_sampling_defaults(folder, str(other)).given() == {"temperature": 0.7}
+    # no generation_config.json: config.json's generation fields (vLLM's from_model_config), else none
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert load_sampling_defaults(bare).given() == {}
+    (bare / "config.json").write_text('{"model_type": "qwen2_vl", "repetition_penalty": 1.1}')
+    assert load_sampling_defaults(bare).given() == {"repetition_penalty": 1.1}
+    with pytest.raises(ConfigError, match="no generation_config.json"):
+        load_sampling_defaults(folder, str(tmp_path / "nowhere"))
+    check_sampling_defaults(load_sampling_defaults(folder))
+    hot = _model_with_defaults(tmp_path / "hot", {"temperature": 5.0})
+    with pytest.raises(ConfigError, match=r"generation_config.json.*'temperature' must be between 0.0 and 2.0"):
+        check_sampling_defaults(load_sampling_defaults(hot))
+    typo = _model_with_defaults(tmp_path / "typo", {"top_k": "many"})
+    with pytest.raises(ConfigError, match="wrong type"):
+        load_sampling_defaults(typo)
+
+
 def test_chat_echo_is_the_last_assistant_message():
     assistant = {"role": "assistant", "content": [{"type": "text", "text": "Once"}, {"type": "text", "text": "upon"}]}
     parsed = parse_chat_request({"messages": [*MESSAGES, assistant], "echo": True}, **CHAT_KW)

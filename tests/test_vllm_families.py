@@ -3,8 +3,10 @@ tokens equal a plain vLLM run's (``tests.vllm_plain_reference``: ``vllm.LLM.chat
 folder, none of the project's code) for an image, another image, two images and text only; the
 answers are not empty and another image gives other tokens (the negative control).
 
-The issue saw a tiny Qwen2.5-VL answer every request with twelve empty tokens on our engine; the
-plain run is the reference it was held against. Per family: the plain run (its own process),
+The issue saw a tiny Qwen2.5-VL answer every request with twelve empty tokens on our engine and real
+ones on a plain vLLM server: the server applied the folder's generation_config.json sampling
+defaults (Qwen2.5-VL's repetition_penalty 1.05) to what the requests left out, our API did not
+(``test_a_request_gets_the_model_s_sampling_defaults_as_on_a_plain_vllm_server``). Per family: the plain run (its own process),
 then our engine (module-scoped, shared by the cases), one vLLM at a time.
 """
 
@@ -27,15 +29,17 @@ from shared.families import VIDEO_SEGMENT_FAMILIES, model_type_of
 from shared.media import content_hash_of
 from shared.protocol import GenerationJob
 from shared.store.objects import S3ObjectStore
-from tests.stackutil import GREEDY as STACK_GREEDY
+from tests.stackutil import GREEDY as STACK_GREEDY_ANY
 from tests.stackutil import (
     api_tokens,
+    data_url,
     engine_messages,
     final_result,
     noise_image,
     png_bytes,
     require_vllm_tier,
     start_stack,
+    user_message,
 )
 from tests.vllmutil import GREEDY, close_engine
 
@@ -43,6 +47,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 #: every family the vLLM engine serves (``shared.families.SUPPORTED_FAMILIES["vllm"]``: a test below holds it)
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl"]
+
+#: the sampling defaults a family's published checkpoints carry in generation_config.json, written
+#: into its tiny build here (a plain vLLM server applies them to what a request leaves out: the
+#: issue's Qwen2.5-VL answered other tokens on ours, which ignored them). Qwen2.5-VL's Instruct
+#: checkpoints: repetition_penalty 1.05 with top_k 1 and top_p 0.001.
+PUBLISHED_SAMPLING_DEFAULTS: dict[str, dict] = {
+    "qwen2_5_vl": {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.1, "top_k": 1, "top_p": 0.001},
+}
+#: greedy with every sampling field the defaults above set given (the plain run's neutral greedy:
+#: what the engine-level cases compare); ``test_a_request_gets_the_model_s_sampling_defaults``
+#: sends only ``temperature: 0``
+STACK_GREEDY = {**STACK_GREEDY_ANY, "repetition_penalty": 1.0}
+#: the cases a request with only ``temperature: 0`` is sent as, to the plain run (as vLLM's server
+#: samples it) and to the stack
+SERVER_CASES = ("text-only", "image")
+SERVER_REQUEST = {"temperature": 0, "ignore_eos": True}
 
 
 def _white(size: tuple[int, int]) -> Image.Image:
@@ -108,7 +128,12 @@ def _model_type(family_dir: Path) -> str:
 def family_dir(request, tmp_path_factory) -> Path:
     from shared.tools.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, size="tiny", seed=0)
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, size="tiny", seed=0)
+    published = PUBLISHED_SAMPLING_DEFAULTS.get(request.param)
+    if published:
+        config = folder / "generation_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **published}, indent=2))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +147,8 @@ def plain_tokens(family_dir, vllm_work_dir, tmp_path_factory, clip, other_clip) 
         name: {"text": text, "images": [_data_url(i) for i in images], "max_tokens": GREEDY.max_tokens}
         for name, (text, images) in CASES.items()
     }
+    for name in SERVER_CASES:
+        cases[f"{name}@server"] = {**cases[name], "request": SERVER_REQUEST}
     if _takes_video(family_dir):
         for name, data in (("video", clip), ("other-video", other_clip)):
             cases[name] = {
@@ -268,13 +295,37 @@ def test_e_p_d_stack_equals_plain_vllm(family_dir, plain_tokens, family_e_p_d_st
 
 
 def _holds_plain_tokens(family_dir: Path, plain_tokens: dict[str, list[int]], stack) -> None:
-    got = {name: api_tokens(stack, text, images) for name, (text, images) in CASES.items()}
+    got = {name: api_tokens(stack, text, images, **STACK_GREEDY) for name, (text, images) in CASES.items()}
     for name, (ids, body) in got.items():
         assert ids == plain_tokens[name], (family_dir.name, name)
         assert body["choices"][0]["message"]["content"].strip(), f"{family_dir.name} {name}: an empty answer"
     assert got["image"][0] != got["other-image"][0]
     sources = [final_result(stack, body["id"]).ec_sources for name, (_, body) in got.items() if name != "text-only"]
     assert all(sources) and all(v == "store" for s in sources for v in s.values()), sources
+
+
+def test_a_request_gets_the_model_s_sampling_defaults_as_on_a_plain_vllm_server(family_dir, plain_tokens, family_stack):
+    """The issue's Qwen2.5-VL answer (other tokens than a plain vLLM server's; empty ones on the
+    filer's build): a request with only ``temperature: 0`` gets the fields it leaves out from the
+    model's generation_config.json, as on a plain vLLM server (``--generation-config auto``) - for
+    Qwen2.5-VL its repetition_penalty 1.05. The negative control: those defaults change the plain
+    server's tokens (else this test could not fail), and a request that gives the field wins."""
+    for name in SERVER_CASES:
+        text, images = CASES[name]
+        resp = family_stack.chat(
+            [user_message(text, [data_url(im) for im in images])],
+            **SERVER_REQUEST,
+            max_tokens=GREEDY.max_tokens,
+            return_token_ids=True,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == plain_tokens[f"{name}@server"], (family_dir.name, name)
+    if model_type_of(family_dir) in PUBLISHED_SAMPLING_DEFAULTS:
+        assert any(plain_tokens[f"{n}@server"] != plain_tokens[n] for n in SERVER_CASES), "the defaults change nothing"
+        # the request's own field wins over the model's default
+        text, images = CASES["text-only"]
+        ids, _ = api_tokens(family_stack, text, images, **STACK_GREEDY)
+        assert ids == plain_tokens["text-only"]
 
 
 def test_video_equals_plain_vllm_or_is_refused(family_dir, plain_tokens, our_answers, family_stack, clip, s3_server):

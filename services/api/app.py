@@ -43,9 +43,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.api.conventions import HttpConventions, client_request_id, with_cors
 from services.api.params import Endpoint
 from services.api.responses import ChoiceResult, StreamShaper, response_body
+from services.api.sampling_defaults import load_sampling_defaults
 from services.api.schemas import (
     ParsedRequest,
     check_model,
+    check_sampling_defaults,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
@@ -315,6 +317,11 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
         "tool calling (tool_choice auto): %s",
         f"the {tool_parser.name} parser" if tool_parser else "off (the chat template renders no tool calls)",
     )
+    # what a request that leaves a sampling field out gets: the model's generation config, as on
+    # vLLM's server (EPD_GENERATION_CONFIG), checked here once (a bad default stops the start-up)
+    sampling_defaults = load_sampling_defaults(service.identity.model_path, settings.generation_config)
+    check_sampling_defaults(sampling_defaults)
+    log.info("sampling defaults: %s from %s", sampling_defaults.given() or "OpenAI's", sampling_defaults.source)
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError):
@@ -550,6 +557,7 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
                     max_tokens_source=max_tokens_source,
                     default_max_tokens=settings.default_max_tokens,
                     tool_parser=tool_parser,
+                    defaults=sampling_defaults,
                 )
             else:
                 parsed = parse_completion_request(
@@ -558,6 +566,7 @@ def create_app(settings: ApiSettings, *, freeze_heap: bool = False) -> EpdApp:
                     max_tokens_limit=max_tokens_limit,
                     max_tokens_source=max_tokens_source,
                     default_max_tokens=settings.default_max_tokens,
+                    defaults=sampling_defaults,
                 )
                 if parsed.echo and isinstance(parsed.prompt, tuple):
                     parsed.echo_text = await tokenizer.decode(parsed.prompt, param="prompt")

@@ -100,18 +100,26 @@ PARAMS: dict[str, Param] = {
     # -- sampling (SamplingSpec: both engines apply them) ---------------------------------------------
     "max_tokens": honoured(
         BOTH,
-        "[1, `EPD_MAX_TOKENS_LIMIT`]; default chat `EPD_DEFAULT_MAX_TOKENS`, completions 16 (null: the chat default)",
+        "[1, `EPD_MAX_TOKENS_LIMIT`]; default chat: the model's `max_new_tokens`, else `EPD_DEFAULT_MAX_TOKENS`; "
+        "completions 16 (null: the chat default)",
         engine=True,
     ),
     "max_completion_tokens": honoured(CHAT, "as `max_tokens`, and wins over it", engine=True),
-    "temperature": honoured(BOTH, "[0, 2]; default 1; 0 = greedy", engine=True),
-    "top_p": honoured(BOTH, "(0, 1]; default 1", engine=True),
-    "top_k": honoured(BOTH, "an integer >= 1, or -1 / 0 / null = off", engine=True, source=("vllm",)),
-    "min_p": honoured(BOTH, "[0, 1]; 0 = off", engine=True, source=("vllm",)),
-    "presence_penalty": honoured(BOTH, "[-2, 2]; 0 = off", engine=True),
-    "frequency_penalty": honoured(BOTH, "[-2, 2]; 0 = off", engine=True),
+    "temperature": honoured(
+        BOTH, "[0, 2]; default: the model's (`EPD_GENERATION_CONFIG`), else 1; 0 = greedy", engine=True
+    ),
+    "top_p": honoured(BOTH, "(0, 1]; default: the model's, else 1", engine=True),
+    "top_k": honoured(
+        BOTH, "an integer >= 1, or -1 / 0 = off; default: the model's, else off", engine=True, source=("vllm",)
+    ),
+    "min_p": honoured(BOTH, "[0, 1]; 0 = off; default: the model's, else 0", engine=True, source=("vllm",)),
+    "presence_penalty": honoured(BOTH, "[-2, 2]; 0 = off; default: the model's, else 0", engine=True),
+    "frequency_penalty": honoured(BOTH, "[-2, 2]; 0 = off; default: the model's, else 0", engine=True),
     "repetition_penalty": honoured(
-        BOTH, "> 0 (at most 2); 1 = off; over prompt and output tokens", engine=True, source=("vllm",)
+        BOTH,
+        "> 0 (at most 2); 1 = off; over prompt and output tokens; default: the model's, else 1",
+        engine=True,
+        source=("vllm",),
     ),
     "logit_bias": honoured(
         BOTH,

@@ -28,10 +28,12 @@ from services.api.params import (
     RequestModel,
     fields_of,
 )
+from services.api.sampling_defaults import SamplingDefaults
 from services.api.tool_parsers import ToolParser
 from shared.chat import ChatMessage, FunctionCall, ImagePart, Part, TextPart, ToolCall, VideoPart, check_role
 from shared.engines.grammar import structured_output
 from shared.errors import (
+    ConfigError,
     InvalidRequest,
     InvalidVideo,
     ModelNotFound,
@@ -335,6 +337,43 @@ def _check_model(req: RequestModel, served_model: str) -> None:
     check_model(served_model if req.model is None else req.model, served_model)
 
 
+#: no model defaults: OpenAI's for every field
+NO_DEFAULTS = SamplingDefaults()
+
+
+def _with_defaults(req: RequestModel, defaults: SamplingDefaults) -> RequestModel:
+    """``req`` with each sampling field it leaves out set to the model's default (vLLM's priority:
+    the request, then the server's default, then OpenAI's)."""
+    fills = {
+        name: value
+        for name in _DEFAULTED
+        if getattr(req, name) is None and (value := getattr(defaults, name)) is not None
+    }
+    return msgspec.structs.replace(req, **fills) if fills else req
+
+
+#: the request fields a model's generation config gives a default for (``max_tokens`` apart: its
+#: default is resolved with the endpoint's own rule)
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def check_sampling_defaults(defaults: SamplingDefaults) -> None:
+    """The model's defaults pass the checks a request's values do (at API start-up): else
+    :class:`ConfigError` naming the file and the field, not a 400 on every request."""
+    try:
+        _sampling(
+            ChatCompletionRequest(),
+            max_tokens=None,
+            max_tokens_limit=2**31,
+            max_tokens_source="",
+            default_max_tokens=1,
+            logprobs=None,
+            defaults=defaults,
+        )
+    except InvalidRequest as exc:
+        raise ConfigError(f"{defaults.source}: the model's sampling default is not accepted: {exc}") from None
+
+
 def _sampling(
     req: RequestModel,
     *,
@@ -343,10 +382,14 @@ def _sampling(
     max_tokens_source: str,
     default_max_tokens: int,
     logprobs: int | None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingSpec:
-    """The ``SamplingSpec`` of a typed request (ranges checked here, with the existing messages)."""
+    """The ``SamplingSpec`` of a typed request (ranges checked here, with the existing messages). A
+    field the request leaves out takes the model's default (``defaults``: its generation config, as
+    vLLM's server does), else OpenAI's."""
+    req = _with_defaults(req, defaults)
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_tokens_limit)
+        max_tokens = min(defaults.max_tokens or default_max_tokens, max_tokens_limit)
     if not 1 <= max_tokens <= max_tokens_limit:
         raise InvalidRequest(
             f"'max_tokens' must be an integer in [1, {max_tokens_limit}]: {max_tokens_limit} is {max_tokens_source}",
@@ -617,10 +660,12 @@ def parse_chat_request(
     tool_parser: ToolParser | None = None,
     max_tokens_source: str = "EPD_MAX_TOKENS_LIMIT",
     max_videos: int = 0,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. ``tool_parser``: the served model's
     (``services.api.tool_parsers.parser_for_model``; None: its chat template renders no tool calls
-    parsed here - ``tool_choice: "auto"`` and tool conversations are refused)."""
+    parsed here - ``tool_choice: "auto"`` and tool conversations are refused). ``defaults``: the
+    model's sampling defaults (``services.api.sampling_defaults``)."""
     req = typed_request(body, Endpoint.CHAT)
     assert isinstance(req, ChatCompletionRequest)
     _check_model(req, served_model)
@@ -640,6 +685,7 @@ def parse_chat_request(
         max_tokens_source=max_tokens_source,
         default_max_tokens=default_max_tokens,
         logprobs=(top_logprobs or 0) if req.logprobs else None,
+        defaults=defaults,
     )
     tools = parse_tools(req.tools)
     tool_name, auto = parse_tool_choice(req.tool_choice, tools, given="tool_choice" in body, parser=tool_parser)
@@ -697,9 +743,10 @@ def parse_completion_request(
     max_tokens_limit: int,
     default_max_tokens: int,
     max_tokens_source: str = "EPD_MAX_TOKENS_LIMIT",
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> ParsedRequest:
     """A ``/v1/completions`` body (``default_max_tokens``: what an explicit ``max_tokens: null``
-    means; absent, it is 16 as in OpenAI and vLLM)."""
+    means, unless the model's ``defaults`` set one; absent, it is 16 as in OpenAI and vLLM)."""
     req = typed_request(body, Endpoint.COMPLETIONS)
     assert isinstance(req, CompletionRequest)
     _check_model(req, served_model)
@@ -723,6 +770,7 @@ def parse_completion_request(
         max_tokens_source=max_tokens_source,
         default_max_tokens=default_max_tokens,
         logprobs=logprobs,
+        defaults=defaults,
     )
     sampling = _constrain(sampling, req.response_format, [], None)
     return ParsedRequest(
