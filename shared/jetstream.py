@@ -39,7 +39,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NoStreamResponseError, NotFoundError
 from nats.js.errors import ServiceUnavailableError as JSServiceUnavailableError
 
-from shared import metrics, protocol
+from shared import metrics, natsclient, protocol
 from shared.config import NatsSettings
 from shared.errors import ConfigError, ServiceUnavailable
 from shared.nats_auth import creates_topology, inbox_prefix
@@ -197,7 +197,7 @@ async def connect(settings: NatsSettings, *, name: str, connect_timeout: float =
         except ValueError as exc:
             raise ConfigError(f"EPD_NATS_USER: {exc}") from exc
     try:
-        nc = await nats.connect(
+        nc = await natsclient.connect(
             # A comma-separated list seeds a NATS cluster; the client also learns the other members.
             [url.strip() for url in settings.nats_url.split(",") if url.strip()],
             name=name,

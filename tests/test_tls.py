@@ -383,3 +383,42 @@ def test_a_tls_cluster_s_routes_verify_their_peers_and_monitoring_is_https(certs
 
         assert "Authorization Violation" in knock((crt, key))
         assert "unknown ca" in knock(stranger.servers["nats"]).lower()
+
+
+def test_a_client_leaves_a_stalled_tls_server_for_another_at_once(certs, tmp_path) -> None:
+    """A client on a TLS cluster whose server stops answering (SIGSTOP: its connections stay open,
+    as behind a partition) is on another node within a few ping intervals. nats-py's reconnect
+    waited for the old connection's TLS shutdown - asyncio's 30 s for the peer's close_notify -
+    before trying the next server (the multi-host test's minority partition: an API replica off
+    NATS for 27 s); ``shared.natsclient.Client`` drops it (mutation: its ``_attempt_reconnect``
+    removed -> the client is still off NATS after the bound)."""
+    from shared.tools.infra import NatsCluster
+
+    crt, key = certs.servers["nats"]
+    cluster = NatsCluster(tmp_path / "nats", 3, tls=ServerTLS(crt, key, certs.ca_cert))
+    with cluster:
+        settings = NatsSettings(nats_url=cluster.seeds, nats_tls_ca=certs.ca_cert)
+
+        async def main() -> tuple[str, str | None, float]:
+            nc = await connect(settings, name="stall-probe")
+            try:
+                before = nc.connected_url.netloc if nc.connected_url else ""
+                (stalled,) = [i for i, url in enumerate(cluster.urls) if url.endswith(before)]
+                cluster.pause(stalled)
+                try:
+                    t0 = asyncio.get_running_loop().time()
+                    # pings every 1 s, 2 unanswered: gone after ~3 s; then another node at once
+                    while asyncio.get_running_loop().time() - t0 < 15:
+                        url = nc.connected_url.netloc if nc.connected_url else None
+                        if nc.is_connected and url != before:
+                            return before, url, asyncio.get_running_loop().time() - t0
+                        await asyncio.sleep(0.1)
+                    return before, None, asyncio.get_running_loop().time() - t0
+                finally:
+                    cluster.resume(stalled)
+            finally:
+                await close_connection(nc)
+
+        before, after, took = asyncio.run(main())
+        assert after is not None, f"still off NATS {took:.1f}s after {before} stalled"
+        assert after != before and any(u.endswith(after) for u in cluster.urls)

@@ -193,14 +193,13 @@ class ConnectorLifecycle:
             log.warning("EC connector lifecycle thread ended: %s: %s", type(exc).__name__, exc)
 
     async def _main(self) -> None:
-        import nats
-
+        from shared import natsclient
         from shared.ec_lifecycle.index import ECIndex
         from shared.ec_lifecycle.uses import UseRecorder
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        nc = await nats.connect(
+        nc = await natsclient.connect(
             [u.strip() for u in self.nats_url.split(",") if u.strip()],
             name="epd-ec-connector",
             max_reconnect_attempts=-1,
