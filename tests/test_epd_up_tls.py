@@ -198,3 +198,17 @@ def test_the_keys_are_private_and_their_contents_are_in_no_log_and_not_in_health
     texts.update({"epd up's output": up.output(), "/health": health.text})
     leaked = {where: "PRIVATE KEY" in text or any(s in text for s in secrets) for where, text in texts.items()}
     assert not any(leaked.values()), [where for where, bad in leaked.items() if bad]
+
+
+def test_epd_bench_runs_against_the_https_api_with_its_ca(tls_up, tmp_path):
+    """``epd bench run --cacert``: the workload runs against ``epd up --tls``'s API verified against
+    its CA; without it (the system CAs) the benchmark cannot run: exit 2 naming the certificate
+    (the negative control)."""
+    argv = [str(EPD), "bench", "run", "--url", tls_up.url, "--requests", "2", "--no-progress"]
+    argv += ["--text-only-share", "1", "--output-tokens", "2,2", "--out", str(tmp_path / "bench.json")]
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}  # (epd up sets no API key)
+    ran = subprocess.run([*argv, "--cacert", str(tls_up.ca)], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]["completed"] == 2
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused.stderr[-3000:]

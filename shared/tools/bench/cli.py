@@ -38,6 +38,12 @@ def add_parser(sub: Any) -> None:
         help="sent as 'Authorization: Bearer KEY' (default: OPENAI_API_KEY from the environment, as the openai "
         "client; never printed)",
     )
+    run.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="CA file an https URL's certificate is verified against (curl's flag; `epd up --tls` prints its "
+        "CA's path; default: the system CAs)",
+    )
     run.add_argument("--workload", metavar="FILE.yaml", help="WorkloadSpec fields (shared/tools/bench/schema.py)")
     run.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     run.add_argument("--requests", type=int, help="requests per run (default 50)")
@@ -197,6 +203,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {}
     if args.timeout is not None:
         kwargs["request_timeout_s"] = args.timeout
+    if args.cacert is not None:
+        from shared.health import tls_client_context
+
+        try:
+            kwargs["verify"] = tls_client_context(args.cacert)
+        except OSError as exc:  # (ssl.SSLError is one) a missing or unreadable CA file
+            print(f"epd bench run: cannot read the CA file {args.cacert}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     try:
         result = asyncio.run(
             runner.run(

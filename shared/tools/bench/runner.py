@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import ssl
 import sys
 import time
 from collections.abc import Iterable
@@ -435,15 +436,19 @@ async def run(
     slo_ms: dict[str, float] | None = None,
     timelines: bool = True,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    verify: ssl.SSLContext | bool = True,
 ) -> BenchResult:
     """Run ``spec`` against ``url`` (an OpenAI-compatible server's base URL, without ``/v1``):
     one :class:`RunResult` per load point (one, or one per sweep rate). Raises :class:`BenchError`
-    only when nothing can run (the server does not answer ``/v1/models`` and no model is given)."""
+    only when nothing can run (the server does not answer ``/v1/models`` and no model is given).
+    ``verify``: an https server's certificate check (a context with the CA; True: the system CAs)."""
     check_spec(spec)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(spec.concurrency, 32))
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits, verify=verify
+    ) as client:
         epd = await detect_epd(client)
         model = spec.model or await served_model(client)
         started_at = time.time()
