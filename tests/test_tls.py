@@ -422,3 +422,25 @@ def test_a_client_leaves_a_stalled_tls_server_for_another_at_once(certs, tmp_pat
         before, after, took = asyncio.run(main())
         assert after is not None, f"still off NATS {took:.1f}s after {before} stalled"
         assert after != before and any(u.endswith(after) for u in cluster.urls)
+
+
+def test_epd_up_tls_on_every_interface_prints_a_url_its_certificate_names(tmp_path) -> None:
+    """``epd up --tls --host 0.0.0.0``: the printed URL is the loopback address (0.0.0.0 is no
+    address to connect to, nor a name a certificate can hold) and the certificates name it and this
+    machine's host name (what other machines reach it by); a given address is named as it is."""
+    import socket
+
+    from cryptography.x509 import DNSName, IPAddress, SubjectAlternativeName, load_pem_x509_certificate
+
+    from shared.tools.cli import api_url, cert_hosts
+
+    assert api_url("0.0.0.0", 8000, https=True) == "https://127.0.0.1:8000"
+    assert api_url("::", 8000, https=False) == "http://[::1]:8000"
+    assert api_url("10.1.2.3", 8443, https=True) == "https://10.1.2.3:8443"
+    assert cert_hosts("0.0.0.0") == (socket.gethostname(),)
+    assert cert_hosts("10.1.2.3") == ("10.1.2.3",) and cert_hosts("127.0.0.1") == ()
+    crt, _key = make_certs(tmp_path / "wild", hosts=cert_hosts("0.0.0.0")).servers["api"]
+    names = load_pem_x509_certificate(crt.read_bytes()).extensions.get_extension_for_class(SubjectAlternativeName)
+    valid = set(names.value.get_values_for_type(DNSName)) | {str(a) for a in names.value.get_values_for_type(IPAddress)}
+    assert {"127.0.0.1", socket.gethostname()} <= valid
+    assert api_url("0.0.0.0", 8000, https=True).split("//")[1].split(":")[0] in valid

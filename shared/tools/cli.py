@@ -306,7 +306,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         stack.wait_ready(timeout=timeout, progress=progress)
         elapsed = time.perf_counter() - started
         https = stack.base_url.startswith("https://")
-        url = f"{'https' if https else 'http'}://{args.host}:{args.port}"
+        url = api_url(args.host, args.port, https=https)
         cacert = Path(stack.api_ca) if https and stack.api_ca else None
         model_name = args.served_model_name or model.model_name or model_path.name
 
@@ -420,16 +420,35 @@ def _jetstream_file_store(settings: NatsSettings, data_dir: Path) -> int:
 
 #: ``epd up --tls``: the folder of its certificates, under the data dir
 TLS_DIR = "tls"
-#: the names a certificate of ``epd certs`` is always valid for; a wildcard listen address is none
-_NO_EXTRA_NAME = ("", "0.0.0.0", "::", "localhost", "127.0.0.1", "::1")
+#: the names a certificate of ``epd certs`` is always valid for
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+#: wildcard listen addresses -> the loopback address a URL on this machine names instead
+_WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}
+
+
+def cert_hosts(host: str) -> tuple[str, ...]:
+    """The names besides the loopback ones ``epd up --tls``'s certificates must be valid for with
+    ``--host host``: that address, or for a wildcard (every interface) this machine's host name,
+    which other machines reach it by (a certificate cannot name 0.0.0.0)."""
+    import socket
+
+    if host in _WILDCARDS:
+        return (socket.gethostname(),)
+    return () if host in _LOOPBACK_NAMES else (host,)
+
+
+def api_url(host: str, port: int, *, https: bool) -> str:
+    """The API's URL to print for ``--host host``: a wildcard listen address is no address to
+    connect to (nor a name a certificate holds), the loopback one is."""
+    return f"{'https' if https else 'http'}://{_WILDCARDS.get(host, host)}:{port}"
 
 
 def _tls_certs(folder: Path, host: str) -> Written:
     """``epd up --tls``'s certificates in ``folder``: made at the first start (valid for the
-    loopback names and ``--host``), reused at the next ones (a client keeps the CA it saved)."""
+    loopback names and :func:`cert_hosts`), reused at the next ones (a client keeps the CA it saved)."""
     from shared.tools.certs import ensure_certs
 
-    hosts = () if host in _NO_EXTRA_NAME else (host,)
+    hosts = cert_hosts(host)
     try:
         certs, made = ensure_certs(folder, hosts=hosts)
     except ValueError as exc:
