@@ -6,8 +6,10 @@ answers are not empty and another image gives other tokens (the negative control
 The issue saw a tiny Qwen2.5-VL answer every request with twelve empty tokens on our engine and real
 ones on a plain vLLM server: the server applied the folder's generation_config.json sampling
 defaults (Qwen2.5-VL's repetition_penalty 1.05) to what the requests left out, our API did not
-(``test_a_request_gets_the_model_s_sampling_defaults_as_on_a_plain_vllm_server``). Per family: the plain run (its own process),
-then our engine (module-scoped, shared by the cases), one vLLM at a time.
+(``test_a_request_gets_the_model_s_sampling_defaults_as_on_a_plain_vllm_server``).
+
+Per family: the plain run (its own process), then our engine (module-scoped, shared by the cases),
+one vLLM at a time.
 """
 
 from __future__ import annotations
