@@ -7,6 +7,10 @@ loader, so a plain vLLM server given the same file decodes the same pixels - a c
 greedy tokens equal to it. (PyAV bundles another FFmpeg build, whose colour conversion can differ
 by a step; torchcodec needs the system's FFmpeg libraries, which many images lack.)
 
+This module decodes, samples and hashes; a ``video_url`` is fetched and handed to it by
+:func:`shared.fetch.load_video_url` (the API's side, as images are: :mod:`shared.media` decodes,
+:mod:`shared.fetch` fetches, :mod:`shared.decode_budget` bounds the pixels decoded at once).
+
 Every bound is checked from the container's header before any frame is decoded - the file's
 bytes, its frame size (a header declaring a huge frame is a decompression bomb), its duration and
 frame count - and again on what decoding yields. Errors are :class:`shared.errors.InvalidVideo`
@@ -380,42 +384,6 @@ def video_hash(frames: npt.NDArray[np.uint8], sampler: VideoSampler, sampling: V
     h.update(f"|{n}x{height}x{width}x{channels}|".encode())
     h.update(np.ascontiguousarray(frames).data)
     return h.hexdigest()
-
-
-async def load_video_url(
-    url: str,
-    fetcher: Any,
-    *,
-    sampler: VideoSampler,
-    sampling: VideoSampling,
-    limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
-    budget: Any = None,
-) -> SampledVideo:
-    """Load a ``video_url`` (``data:video/...`` or ``http(s):``, fetched by ``fetcher``: a
-    ``shared.media.ImageFetcher`` built for videos, its byte limit the video's) and sample it
-    (:func:`load_video`), in a worker thread after ``budget`` (a ``shared.media.DecodeBudget``)
-    grants the frames' pixels (the header is read first: the claim is what decoding will hold)."""
-    import asyncio
-
-    from shared.errors import InvalidRequest, UnsupportedContent
-    from shared.media import MediaLimits, parse_data_url
-
-    if not isinstance(url, str) or not url:
-        raise InvalidRequest("video_url.url must be a non-empty string", param="messages")
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        data = parse_data_url(url, MediaLimits(max_image_bytes=limits.max_video_bytes), kind="video")
-    elif scheme in ("http", "https"):
-        data = await fetcher.fetch(url)
-    else:
-        raise UnsupportedContent(f"unsupported video URL scheme {scheme or '(none)'!r}; use http(s) or a data: URL")
-    info = await asyncio.to_thread(probe, data, limits)
-    check_sampling(sampler, sampling)
-    pixels = min(len(frame_indices(info, sampler, sampling)), limits.max_sampled_frames) * info.width * info.height
-    if budget is None:
-        return await asyncio.to_thread(load_video, data, sampler, sampling, limits)
-    result: SampledVideo = await budget.run(pixels, load_video, data, sampler, sampling, limits)
-    return result
 
 
 def segment_hash(frames: npt.NDArray[np.uint8]) -> str:

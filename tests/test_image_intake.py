@@ -1,7 +1,7 @@
 """Bounded image intake in the API process (issue 12): a request with many large images must not
 decode them all at once, nor keep full-size copies of their pixels, nor keep the memory afterwards.
 
-The :class:`~shared.media.DecodeBudget` tests are pure logic on one event loop. The end-to-end
+The :class:`~shared.decode_budget.DecodeBudget` tests are pure logic on one event loop. The end-to-end
 test sends eight 6000x6000 PNGs (~120 KB each: solid colours compress well, so the whole body is
 ~1.3 MB) to a real API process with no workers and reads that process's memory from ``/proc``:
 the peak while the images are taken in (the kernel's high-water mark, reset just before the
@@ -24,8 +24,10 @@ import httpx
 import pytest
 from PIL import Image
 
+from shared.decode_budget import DecodeBudget
 from shared.errors import InvalidImage
-from shared.media import DecodeBudget, ImageFetcher, MediaLimits, load_image
+from shared.fetch import ImageFetcher, load_image
+from shared.media import MediaLimits
 from shared.protocol import EncodeJob
 from tests.stackutil import data_url, start_stack, user_message
 

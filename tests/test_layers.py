@@ -4,8 +4,9 @@
   check-layers``) hold: the layers of the whole tree (tools > services > model workers > engines >
   connectors > EC lifecycle > store > transport > schema / settings > core), the engines
   independent inside ``shared.engines``, the services independent of each other, ``shared`` never
-  importing a service, only the tools importing the tools, no cycle between the subpackages of a
-  package. Each contract gets a synthetic violation (a copy of the tree with one import added);
+  importing a service, only the tools importing the tools, no worker importing the URL fetcher or
+  httpx, no cycle between the subpackages of a package. Each contract gets a synthetic violation
+  (a copy of the tree with one import added);
 * (b) no import cycle between any two modules of ``shared`` / ``services`` (grimp's graph; type-only
   imports under ``TYPE_CHECKING`` count: they couple the modules all the same), and every module
   sits in a layer of the layers contract, so a new module cannot slip past it;
@@ -212,6 +213,8 @@ VIOLATIONS = {
     "services-independent": ("services/api/app.py", "from services.prefill import handler\n"),
     "library-below-services": ("shared/tools/launcher.py", "import services.api.app\n"),
     "tools-on-top": ("shared/worker.py", "def f():\n    from shared.tools import replay\n"),
+    # the encoder decodes images; fetching their URLs is the API's (the layers allow the import)
+    "workers-do-not-fetch": ("services/encoder/handler.py", "def f():\n    from shared.fetch import ImageFetcher\n"),
     # a type-only import back: index <- janitor already imports the other way
     "acyclic": (
         "shared/ec_lifecycle/index.py",

@@ -1,4 +1,4 @@
-"""Tests for shared.media: decoding, data URLs and the SSRF-guarded fetcher.
+"""Tests for shared.media (decoding, data URLs) and shared.fetch (the SSRF-guarded fetcher, the loaders).
 
 Network tests use real sockets, but only on 127.0.0.1. Every fetcher here is built with
 ``_LoopbackOnlyBackend`` under the pinning backend: it records each TCP connect and refuses
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shared import media
+from shared import fetch, media
 from shared.errors import (
     FetchFailed,
     FetchTimeout,
@@ -42,16 +42,8 @@ from shared.errors import (
     UnsupportedContent,
     URLNotAllowed,
 )
-from shared.media import (
-    ImageFetcher,
-    LoadedImage,
-    MediaLimits,
-    check_address,
-    decode_image,
-    load_image,
-    non_public_reason,
-    parse_data_url,
-)
+from shared.fetch import ImageFetcher, check_address, load_image, non_public_reason
+from shared.media import LoadedImage, MediaLimits, decode_image, parse_data_url
 from tests.stackutil import noise_image, wait_for
 
 LOOPBACK_OK = MediaLimits(allowed_networks=("127.0.0.0/8",))
@@ -238,7 +230,7 @@ class _LoopbackOnlyBackend(httpcore.AsyncNetworkBackend):
 
 
 def make_fetcher(
-    limits: MediaLimits = LOOPBACK_OK, resolver: media.Resolver | None = None, verify: ssl.SSLContext | bool = True
+    limits: MediaLimits = LOOPBACK_OK, resolver: fetch.Resolver | None = None, verify: ssl.SSLContext | bool = True
 ) -> tuple[ImageFetcher, _LoopbackOnlyBackend]:
     backend = _LoopbackOnlyBackend()
     return ImageFetcher(limits, resolver=resolver, verify=verify, network_backend=backend), backend
@@ -429,15 +421,15 @@ async def test_dns_rebinding_is_refused_even_with_a_pooled_connection(server: Se
 
 
 async def test_pinned_backend_fails_closed_without_a_pin() -> None:
-    backend = media._PinnedNetworkBackend(_LoopbackOnlyBackend())
+    backend = fetch._PinnedNetworkBackend(_LoopbackOnlyBackend())
     with pytest.raises(httpcore.ConnectError):
         await backend.connect_tcp("127.0.0.1", 9)
-    token = media._PIN.set(media._Pin(host="a.example", addresses=("127.0.0.1",)))
+    token = fetch._PIN.set(fetch._Pin(host="a.example", addresses=("127.0.0.1",)))
     try:
         with pytest.raises(httpcore.ConnectError):  # pinned for another host
             await backend.connect_tcp("b.example", 9)
     finally:
-        media._PIN.reset(token)
+        fetch._PIN.reset(token)
 
 
 async def test_allowed_hosts_lets_a_named_private_host_through(server: Server) -> None:
@@ -509,7 +501,7 @@ async def test_a_temporary_dns_failure_stays_fetch_failed() -> None:
 def test_a_private_address_names_the_allow_list_settings() -> None:
     # issue 23.7: the 400 tells the operator which settings open a private network
     with pytest.raises(URLNotAllowed) as info:
-        media.check_address("10.1.2.3", MediaLimits(), host="intranet.example")
+        fetch.check_address("10.1.2.3", MediaLimits(), host="intranet.example")
     assert "EPD_URL_ALLOW_NETWORKS" in info.value.message and "EPD_URL_ALLOW_HOSTS" in info.value.message
     assert "epd up --allow-local-urls" in info.value.message
     assert "10.1.2.3" not in info.value.message  # which internal address a name maps to stays in the log

@@ -26,6 +26,7 @@ from services.api.supervisor import DeliverySupervisor
 from shared import protocol
 from shared.client import ChoiceStreams, RequestClient, Submission, item_hash_of
 from shared.config import ApiSettings
+from shared.decode_budget import DecodeBudget
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
 from shared.errors import EPDError, ServiceUnavailable
@@ -37,9 +38,10 @@ from shared.families import (
     video_processor_of,
     video_temporal_patch,
 )
+from shared.fetch import ImageFetcher, load_image, load_video_url
 from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
-from shared.media import DecodeBudget, ImageFetcher, LoadedImage, MediaLimits, load_image
+from shared.media import LoadedImage, MediaLimits
 from shared.protocol import ChatRequestRecord, ImageRef, MediaKind, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.routing import RoutingClaims
 from shared.store.ec import ECStore
@@ -51,7 +53,6 @@ from shared.video import (
     VideoSampler,
     VideoSampling,
     check_sampling,
-    load_video_url,
     sampler_of_processor,
     split_segments,
 )

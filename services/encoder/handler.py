@@ -34,11 +34,11 @@ from shared import metrics, protocol
 from shared.admission import Admission
 from shared.cancellation import Ended, RequestRecords
 from shared.config import EncoderSettings, WorkerSettings
+from shared.decode_budget import DecodeBudget
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.engines import base
 from shared.engines.base import Engine
 from shared.errors import EngineError, EPDError, StoreError
-from shared.media import DecodeBudget
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler
 from shared.protocol import ECFailed, ECReady, EncodeJob, WorkerHeartbeat
