@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tomllib
@@ -35,6 +36,7 @@ from shared.config import ToolSettings
 from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
+from shared.store_auth import load_or_create_keys
 from shared.tools.cli import DEFAULT_DATA_DIR, build_parser
 from shared.tools.infra import free_port_block, port_available
 from shared.tools.launcher import Stack
@@ -424,6 +426,14 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         (run,) = load_bench(out_json.read_bytes()).runs
         assert [(r.ok, r.output_tokens) for r in run.requests] == [(True, 4)] * 4, run.requests
         assert all("prefill" in r.stages for r in run.requests) and run.summary.ec_counts, run.summary
+
+        # One store identity per role (shared.store_auth): the keys kept 0600, no secret in a log or
+        # the banner (the requests above: each service did its part with its own role's key).
+        role_keys = load_or_create_keys(data_dir / "s3" / "roles")
+        assert {stat.S_IMODE(f.stat().st_mode) for f in (data_dir / "s3" / "roles").iterdir()} == {0o600}
+        secrets = [secret for _, secret in role_keys.values()]
+        texts = [output()] + [f.read_text(errors="replace") for f in (data_dir / "logs").glob("*.log")]
+        assert len(texts) > len(workers) and not [s for s in secrets if any(s in t for t in texts)]
 
         # Ctrl-C: it stops every process it started, and their ports are free again.
         proc.send_signal(signal.SIGINT)

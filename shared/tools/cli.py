@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from shared.tools.infra import (
     DEFAULT_NATS_PORT,
     DEFAULT_S3_PORT,
+    SEAWEED_REGION,
     EmbeddedNats,
     EmbeddedS3,
     InfraError,
@@ -169,8 +170,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         StoreSettings,
         env_var,
     )
-    from shared.nats_auth import Role
+    from shared.nats_auth import SERVICE_ROLES, Role
     from shared.protocol import Subjects
+    from shared.store_auth import load_or_create_keys
     from shared.tools.forkserver import ForkServer, default_fork_server, not_forkable
     from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
     from shared.tools.nats_identities import NatsIdentities
@@ -242,8 +244,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
             max_file_store=_jetstream_file_store(nats_settings, data_dir),
             tls=server_tls.get("nats"),
         )
+        # One store identity per role (shared.store_auth): keys generated once under the data dir
+        # (mode 0600), each allowed its role's object prefixes only; the services get their role's
+        # keys, the admin's stay with epd up (it makes the bucket) and the operator's tools.
+        s3_role_keys = load_or_create_keys(data_dir / "s3" / "roles")
         s3 = EmbeddedS3(
-            data_dir / "s3", port=args.s3_port, access_key=access_key, secret_key=secret_key, tls=server_tls.get("s3")
+            data_dir / "s3",
+            port=args.s3_port,
+            access_key=access_key,
+            secret_key=secret_key,
+            tls=server_tls.get("s3"),
+            role_keys=s3_role_keys,
+            bucket=store.s3_bucket,
+            namespace=store.namespace,
         )
         if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
             fork_server = default_fork_server(data_dir / "logs")
@@ -252,8 +265,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         env = {
             "EPD_NATS_URL": nats.url,
             "EPD_S3_ENDPOINT": s3.endpoint,
-            S3_ACCESS_KEY_ENV: access_key,
-            S3_SECRET_KEY_ENV: secret_key,
+            # (a role's key may not ask the bucket's location: the region is given)
+            env_var("s3_region"): store.s3_region or SEAWEED_REGION,
             "EPD_MODEL_PATH": str(model_path),
             "EPD_ENGINE": args.engine,
             # (--served-model-name / --max-model-len: every service, so the API and both engines agree)
@@ -275,6 +288,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
         for name, values in identities.service_env().items():  # (after the print: never shown)
             service_env[name] = {**values, **service_env.get(name, {})}
+        for name, role in SERVICE_ROLES.items():  # each service's store identity (never shown)
+            role_access, role_secret = s3_role_keys[role]
+            keys = {S3_ACCESS_KEY_ENV: role_access, S3_SECRET_KEY_ENV: role_secret}
+            service_env[name] = {**keys, **service_env.get(name, {})}
         if certs is not None:  # the API's certificate and key (files): for its service only
             api_tls = {
                 env_var("tls_cert"): str(certs.servers["api"][0]),

@@ -44,8 +44,12 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
+
+if TYPE_CHECKING:
+    from shared.nats_auth import Role
+    from shared.store.objects import S3ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -1244,6 +1248,10 @@ def weed_s3_tls_args(tls: ServerTLS | None) -> list[str]:
     return [] if tls is None else [f"-s3.cert.file={tls.cert}", f"-s3.key.file={tls.key}"]
 
 
+#: SeaweedFS's S3 region (a client given it needs no GetBucketLocation, which a role may not ask)
+SEAWEED_REGION = "us-east-1"
+
+
 class EmbeddedS3(_EmbeddedServer):
     """SeaweedFS ``weed mini`` (master + volume + filer + S3 in one process) as an S3 server.
 
@@ -1282,9 +1290,19 @@ class EmbeddedS3(_EmbeddedServer):
         extra_args: Sequence[str] = (),
         binary: str | None = None,
         tls: ServerTLS | None = None,
+        role_keys: Mapping[Role, tuple[str, str]] | None = None,
+        bucket: str = "epd",
+        namespace: str = "epd",
     ):
         super().__init__(data_dir, binary=binary)
         import secrets
+
+        #: one identity per role (``shared.store_auth``), besides the admin: each may touch only its
+        #: role's object prefixes of ``bucket`` / ``namespace``; ``start`` creates the bucket and
+        #: sets the bucket policy that narrows SeaweedFS's ``Write`` (never shown by ``repr``)
+        self.role_keys = dict(role_keys) if role_keys is not None else None
+        self.bucket = bucket
+        self.namespace = namespace
 
         self.access_key = access_key if access_key is not None else "epd" + secrets.token_hex(6)
         self.secret_key = secret_key if secret_key is not None else secrets.token_urlsafe(30)
@@ -1329,7 +1347,31 @@ class EmbeddedS3(_EmbeddedServer):
 
     def start(self, timeout: float | None = None) -> EmbeddedS3:
         super().start(timeout)
+        if self.role_keys is not None:
+            try:
+                self.provision()
+            except BaseException:
+                self.stop()
+                raise
         return self
+
+    def admin_store(self) -> S3ObjectStore:
+        """The object store of :attr:`bucket` as the admin identity."""
+        from shared.store.objects import S3ObjectStore
+
+        ca = self.tls.ca if self.tls is not None else None
+        return S3ObjectStore(self.url, self.access_key, self.secret_key, self.bucket, region=SEAWEED_REGION, ca_file=ca)
+
+    def provision(self) -> None:
+        """As the admin: create :attr:`bucket` (the role identities cannot) and set its policy
+        (``shared.store_auth.seaweed_bucket_policy``)."""
+        from shared.store_auth import seaweed_bucket_policy
+
+        store = self.admin_store()
+        store.ensure_bucket()
+        roles = tuple(self.role_keys or ())
+        policy = seaweed_bucket_policy(self.bucket, self.namespace, roles)
+        store._client.set_bucket_policy(self.bucket, json.dumps(policy))
 
     def __enter__(self) -> EmbeddedS3:
         super().__enter__()
@@ -1374,6 +1416,10 @@ class EmbeddedS3(_EmbeddedServer):
                 }
             ]
         }
+        if self.role_keys is not None:
+            from shared.store_auth import seaweed_identities
+
+            identities["identities"] += seaweed_identities(self.role_keys, self.bucket, self.namespace)
         fd = os.open(self.identities_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(identities, f)

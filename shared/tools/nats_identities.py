@@ -228,5 +228,58 @@ def security_md() -> str:
             "",
             permission_table(),
             "",
+            *_store_section(),
         ]
     )
+
+
+def _store_section() -> list[str]:
+    """docs/security.md's store identities (``shared.store_auth``)."""
+    from shared.store_auth import permission_table as store_table
+
+    return [
+        "## Store identities",
+        "",
+        "Each service reaches the object store (S3) with the key of its role, allowed only the object",
+        "prefixes and actions its data flows need (`shared/store_auth.py`, the one place they are stated;",
+        "the prefixes come from the key builders). `epd up` generates one key pair per role once under",
+        "`<data dir>/s3/roles/<role>.json` (mode 0600, the folder 0700), writes the identities into SeaweedFS's",
+        "`-s3.config` (mode 0600), creates the bucket and its policy as the admin, and gives each service its",
+        "own role's `EPD_S3_ACCESS_KEY` / `EPD_S3_SECRET_KEY` (and `EPD_S3_REGION`: a role may not ask the",
+        "bucket's location); the admin key stays with `epd up` and the operator's tools (`epd ec`,",
+        "`epd replay`). A role's key may not look the bucket up either: a service's `ensure_bucket` takes the",
+        'refusal as "the deployment made it".',
+        "",
+        "EC objects sit right under the namespace (`<namespace>/<encoder fingerprint>/<item>`) beside the",
+        "`media/` and `kv/` folders; a fingerprint is lower-case hex, so the EC objects are exactly the keys",
+        "below `<namespace>/0` ... `<namespace>/f`, sixteen prefixes no media or KV key starts with (checked",
+        "when the table is built). One bucket per kind of object is not needed: SeaweedFS scopes an identity's",
+        "`Read` / `List` / `Write` to a prefix (`Write:<bucket>/<prefix>*`, measured), and its `Write` also",
+        "allows DELETE, which the bucket's policy narrows (a Deny of `s3:DeleteObject` for a role that only",
+        "writes a kind, of `s3:PutObject` for one that only deletes it; principal",
+        "`arn:aws:iam::*:user/epd-<role>`, measured). Checked against a real SeaweedFS by",
+        "`tests/test_store_auth.py`: the whole role x kind x action matrix, and the refusals with their controls",
+        "(an encoder cannot read a KV object - decode and prefill can; nor delete an EC object - the API's",
+        "janitor can; the API cannot write an EC object - an encoder can; a decode worker cannot write EC or KV",
+        "objects - a prefill worker can). Compose's MinIO still runs one account for every service.",
+        "",
+        "What a role can still do with its own permissions:",
+        "",
+        "* An encoder can write bad features for the items it encodes, and for any other item of its",
+        "  fingerprint (EC keys hold the item's content hash, not who may write it): a PD worker injects them",
+        "  into prompts; it cannot read KV hand-offs or delete anything.",
+        "* A generating worker can do the same with EC objects (it encodes locally and steals encode jobs),",
+        "  write a bad KV hand-off for any request id (a decode worker loads it), and read every request's",
+        "  media and KV hand-offs.",
+        "* A decode worker can read and delete any KV hand-off (it deletes each one it loaded and sweeps old",
+        "  ones): it can make a request fail, not change one's prompt.",
+        "* The API can write any media object (content-addressed: a wrong one under an item's hash is read by",
+        "  the encoders), list every key of the namespace (names and sizes) and delete any EC or KV object (the",
+        "  janitor): it can make items be recomputed and requests fail. It reads EC objects (it looks an item's",
+        "  object up before queueing an encode job; a HEAD is a read in S3), not KV hand-offs.",
+        "",
+        "### Role x store permission (namespace `epd`)",
+        "",
+        store_table(),
+        "",
+    ]

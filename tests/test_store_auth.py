@@ -1,0 +1,201 @@
+"""One store identity per role (issue 45, item 3), against a real SeaweedFS (``weed mini``).
+
+Each refusal has its control: the same action by the role that owns it succeeds. The whole
+role x kind x action matrix is run against the server and must equal ``shared.store_auth``'s
+table, so a role given another's permissions (or a policy that stops narrowing ``Write``) fails.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from shared.errors import StoreError
+from shared.nats_auth import Role
+from shared.store.format import ec_key, media_key
+from shared.store.kv import kv_key
+from shared.store.objects import S3ObjectStore
+from shared.store_auth import (
+    PERMISSIONS,
+    STORE_ROLES,
+    Action,
+    Kind,
+    allowed,
+    load_or_create_keys,
+    permission_table,
+    prefixes,
+    seaweed_bucket_policy,
+)
+from shared.tools.infra import SEAWEED_REGION, EmbeddedS3
+
+BUCKET, NS = "epd-auth", "epd"
+FP = "0123456789abcdef01234567"  # an encoder / model fingerprint: 24 hex characters
+MAX = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[Role, tuple[str, str]]:
+    return load_or_create_keys(tmp_path_factory.mktemp("s3roles") / "roles")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys):
+    with EmbeddedS3(tmp_path_factory.mktemp("s3auth"), role_keys=keys, bucket=BUCKET, namespace=NS) as s3:
+        yield s3
+
+
+def role_store(server: EmbeddedS3, keys, role: Role) -> S3ObjectStore:
+    access, secret = keys[role]
+    return S3ObjectStore(server.url, access, secret, BUCKET, region=SEAWEED_REGION, max_retries=0)
+
+
+def sample_key(kind: Kind, name: str) -> str:
+    """A key of ``kind`` from the key builders (the janitor's listing: any key of the namespace)."""
+    if kind is Kind.MEDIA:
+        return media_key(NS, name)
+    if kind is Kind.KV:
+        return kv_key(NS, FP, name, 0)
+    return ec_key(NS, FP, name)  # EC, and NAMESPACE's sample (an EC object is a key of the namespace)
+
+
+def attempt(server, keys, role: Role, kind: Kind, action: Action, name: str) -> bool:
+    """Whether ``role`` may take ``action`` on a ``kind`` object (True: done; False: refused),
+    checked on the server's side through the admin for writes and deletes."""
+    store, admin = role_store(server, keys, role), server.admin_store()
+    key = sample_key(kind, name)
+    admin.put(key, b"seeded")
+    try:
+        if action is Action.READ:
+            return store.get(key, max_bytes=MAX) == b"seeded"
+        if action is Action.LIST:
+            listed = [info.key for info in store.list(prefixes(kind, NS)[0] if kind is not Kind.EC else key)]
+            return key in listed
+        if action is Action.WRITE:
+            store.put(key, b"overwritten")
+            assert admin.get(key, max_bytes=MAX) == b"overwritten"
+            return True
+        store.delete(key)
+        assert admin.get(key, max_bytes=MAX) is None, "a delete answered without an error must have removed the object"
+        return True
+    except StoreError as exc:
+        assert "AccessDenied" in str(exc), exc
+        if action in (Action.WRITE, Action.DELETE):  # refused, and nothing changed
+            assert admin.get(key, max_bytes=MAX) == b"seeded"
+        return False
+
+
+@pytest.mark.parametrize("role", STORE_ROLES, ids=str)
+def test_each_role_may_do_exactly_what_the_table_says(server, keys, role):
+    """Every kind x action for the role, against the server: done iff the table allows it."""
+    seen = {}
+    for kind in (Kind.MEDIA, Kind.EC, Kind.KV):
+        for action in Action:
+            seen[(kind.value, action.value)] = attempt(server, keys, role, kind, action, f"m-{role}-{kind}-{action}")
+    expected = {(k.value, a.value): allowed(role, k, a) for k in (Kind.MEDIA, Kind.EC, Kind.KV) for a in Action}
+    if allowed(role, Kind.NAMESPACE, Action.LIST):  # the janitor lists every kind's keys
+        expected.update({(k.value, Action.LIST.value): True for k in (Kind.MEDIA, Kind.EC, Kind.KV)})
+    assert seen == expected
+
+
+# -- the issue's cases, each refusal with its control -------------------------------------------------
+def test_an_encoder_cannot_read_a_kv_object_the_roles_that_own_it_can(server, keys):
+    assert not attempt(server, keys, Role.ENCODER, Kind.KV, Action.READ, "c1")
+    assert attempt(server, keys, Role.DECODE, Kind.KV, Action.READ, "c1")  # control
+    assert attempt(server, keys, Role.PREFILL, Kind.KV, Action.READ, "c1")  # control
+
+
+def test_an_encoder_cannot_delete_an_ec_object_the_janitor_can(server, keys):
+    """SeaweedFS's ``Write`` covers DELETE: the bucket policy's Deny takes it from the encoder."""
+    assert attempt(server, keys, Role.ENCODER, Kind.EC, Action.WRITE, "c2")  # it may write ...
+    assert not attempt(server, keys, Role.ENCODER, Kind.EC, Action.DELETE, "c2")  # ... not delete
+    assert attempt(server, keys, Role.API, Kind.EC, Action.DELETE, "c2")  # control: the janitor
+
+
+def test_the_api_cannot_write_an_ec_object_an_encoder_can(server, keys):
+    assert not attempt(server, keys, Role.API, Kind.EC, Action.WRITE, "c3")
+    assert attempt(server, keys, Role.ENCODER, Kind.EC, Action.WRITE, "c3")  # control
+
+
+def test_a_decode_worker_cannot_write_ec_objects_a_prefill_worker_can(server, keys):
+    assert not attempt(server, keys, Role.DECODE, Kind.EC, Action.WRITE, "c4")
+    assert not attempt(server, keys, Role.DECODE, Kind.KV, Action.WRITE, "c4")  # nor KV hand-offs
+    assert attempt(server, keys, Role.PREFILL, Kind.EC, Action.WRITE, "c4")  # control
+    assert attempt(server, keys, Role.PREFILL, Kind.KV, Action.WRITE, "c4")  # control
+
+
+def test_a_roles_list_stays_within_its_prefixes(server, keys):
+    decode = role_store(server, keys, Role.DECODE)
+    with pytest.raises(StoreError, match="AccessDenied"):
+        list(decode.list(f"{NS}/"))  # the whole namespace: the janitor's
+    assert isinstance(list(role_store(server, keys, Role.API).list(f"{NS}/")), list)  # control
+
+
+def test_a_stranger_and_a_wrong_secret_are_refused(server, keys):
+    access, _ = keys[Role.ENCODER]
+    store = S3ObjectStore(server.url, access, "0" * 48, BUCKET, region=SEAWEED_REGION, max_retries=0)
+    with pytest.raises(StoreError, match="SignatureDoesNotMatch|AccessDenied|InvalidAccessKeyId"):
+        store.get(media_key(NS, "x"), max_bytes=MAX)
+
+
+def test_the_services_code_paths_work_with_their_role_keys(server, keys):
+    """The stores a worker opens (ensure_bucket tolerated: a role may not look the bucket up),
+    and an EC object saved by an encoder and fetched by a prefill worker."""
+    from shared.store.ec import ECStore
+
+    def ec(role: Role) -> ECStore:
+        store = role_store(server, keys, role)
+        store.ensure_bucket()  # AccessDenied on HeadBucket: the deployment made it
+        return ECStore(store, namespace=NS, fingerprint=FP, producer=role.value)
+
+    data = bytes(range(16))
+    ec(Role.ENCODER).save("item-1", data, dtype="F32", shape=(2, 2))
+    assert ec(Role.PREFILL).exists("item-1")
+    assert ec(Role.PREFILL).fetch("item-1").data == data
+    api = role_store(server, keys, Role.API)
+    api.put(media_key(NS, "img-1"), b"jpeg")
+    assert role_store(server, keys, Role.ENCODER).get(media_key(NS, "img-1"), max_bytes=MAX) == b"jpeg"
+
+
+# -- the table itself ---------------------------------------------------------------------------------
+def test_the_ec_prefixes_are_the_hex_fingerprints_and_miss_media_and_kv():
+    ec = prefixes(Kind.EC, NS)
+    assert len(ec) == 16 and all(ec_key(NS, FP, "i").startswith(p) for p in ec if p.endswith(FP[0]))
+    for key in (media_key(NS, "abc"), kv_key(NS, FP, "r", 0)):
+        assert not any(key.startswith(p) for p in ec), key
+
+
+def test_the_bucket_policy_narrows_write_only_where_the_table_does():
+    sids = {s["Sid"] for s in seaweed_bucket_policy(BUCKET, NS)["Statement"]}
+    # write without delete: deny delete; delete without write: deny write
+    assert sids == {"api-media", "api-ec", "api-kv", "encoder-ec", "prefill-ec", "prefill-kv", "decode-kv"}, sids
+
+
+def test_keys_are_random_kept_0600_and_reused(tmp_path):
+    first = load_or_create_keys(tmp_path / "roles")
+    assert set(first) == set(STORE_ROLES) and len({k for pair in first.values() for k in pair}) == 8
+    for role in STORE_ROLES:
+        path = tmp_path / "roles" / f"{role.value}.json"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "roles").stat().st_mode) == 0o700
+    assert load_or_create_keys(tmp_path / "roles") == first
+
+
+def test_no_key_in_the_servers_log_or_repr(server, keys):
+    log = server.log_path.read_text(errors="replace")
+    assert log, "the server logged nothing: the check below would pass vacuously"
+    secrets = [secret for _, secret in keys.values()] + [server.secret_key]
+    assert not [s for s in secrets if s in log or s in repr(server)]
+    assert json.loads(server.identities_path.read_text())  # (they are there, mode 0600)
+    assert stat.S_IMODE(server.identities_path.stat().st_mode) == 0o600
+
+
+def test_the_docs_table_is_the_permissions():
+    table = permission_table(NS)
+    for role in STORE_ROLES:
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {role.value} |")]
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        for kind, cell in zip(Kind, cells, strict=True):
+            got = set() if cell == "-" else set(cell.split(", "))
+            assert got == {a.value for a in PERMISSIONS[role].get(kind, ())}, (role, kind, cell)
