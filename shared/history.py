@@ -29,7 +29,6 @@ Runtime library: no torch, nothing from ``shared.tools``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import enum
 import logging
@@ -37,7 +36,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeGuard, TypeVar, overload
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -138,9 +137,16 @@ def message_kind(msg: Any) -> str:
 
 
 # -- messages and cases -------------------------------------------------------------------------
+#: What a stored message carries: ``protocol.Message | None`` as read (None: undecodable), one
+#: message class in what ``RequestCase.of(SomeClass)`` returns.
+_Msg_co = TypeVar("_Msg_co", bound="protocol.Message | None", covariant=True)
+_M = TypeVar("_M", bound=protocol.Message)
+
+
 @dataclass(frozen=True)
-class StreamMessage:
-    """One stored message: where it is, when JetStream stored it, its headers and payload."""
+class StreamMessage(Generic[_Msg_co]):
+    """One stored message: where it is, when JetStream stored it, its headers and payload.
+    ``StreamMessage[ECReady]``: one whose payload is an ``ECReady`` (``RequestCase.of(ECReady)``)."""
 
     stream: str
     seq: int
@@ -148,7 +154,7 @@ class StreamMessage:
     time: float
     headers: dict[str, str]
     data: bytes
-    msg: protocol.Message | None
+    msg: _Msg_co
     error: str = ""
     imported: bool = False
 
@@ -163,13 +169,20 @@ class StreamMessage:
         data: bytes | None,
         *,
         imported: bool = False,
-    ) -> StreamMessage:
+    ) -> Stored:
         data = data or b""
+        msg: protocol.Message | None
         try:
             msg, error = protocol.decode(data), ""
         except protocol.ProtocolError as exc:
             msg, error = None, str(exc)
-        return cls(stream, seq, subject, time_, dict(headers or {}), data, msg, error, imported)
+        return StreamMessage(stream, seq, subject, time_, dict(headers or {}), data, msg, error, imported)
+
+    def carrying(self, msg: _M) -> StreamMessage[_M]:
+        """This message with another payload (a ``FinalResult``'s ``last_chunk`` as a chunk of its own)."""
+        return StreamMessage(
+            self.stream, self.seq, self.subject, self.time, self.headers, self.data, msg, self.error, self.imported
+        )
 
     @property
     def kind(self) -> str:
@@ -201,6 +214,15 @@ class StreamMessage:
             **({"error": self.error} if self.error else {}),
             **({"imported": True} if self.imported else {}),
         }
+
+
+#: A message as read from a stream: any protocol message, or None (undecodable: ``error`` says why).
+Stored = StreamMessage[protocol.Message | None]
+
+
+def holds(m: Stored, kind: type[_M]) -> TypeGuard[StreamMessage[_M]]:
+    """Whether ``m``'s payload is a ``kind`` (and ``m`` so a ``StreamMessage[kind]``)."""
+    return isinstance(m.msg, kind)
 
 
 class RequestStatus(enum.StrEnum):
@@ -246,15 +268,21 @@ class RequestCase:
     """Every message of one request on every stream, in time order."""
 
     request_id: str
-    messages: list[StreamMessage]
+    messages: list[Stored]
     source: str = "live"  # live | imported
     notes: list[str] = field(default_factory=list)
 
-    def of(self, *types: type) -> list[StreamMessage]:
-        return [m for m in self.messages if isinstance(m.msg, types)]
+    @overload
+    def of(self, kind: type[_M], /) -> list[StreamMessage[_M]]: ...
+    @overload
+    def of(self, *kinds: type[protocol.Message]) -> list[StreamMessage[protocol.Message]]: ...
+    def of(self, *kinds: type) -> list[StreamMessage[Any]]:
+        """The messages whose payload is one of ``kinds``, in time order; typed by the class asked
+        for when one is (``of(ECReady)``: ``StreamMessage[ECReady]``), as ``protocol.decode``."""
+        return [m for m in self.messages if isinstance(m.msg, kinds)]
 
-    def _own(self, *types: type) -> list[Any]:
-        return [m.msg for m in self.of(*types) if getattr(m.msg, "request_id", None) == self.request_id]
+    def _own(self, kind: type[_M]) -> list[_M]:
+        return [m.msg for m in self.of(kind) if getattr(m.msg, "request_id", None) == self.request_id]
 
     @property
     def record(self) -> ChatRequestRecord | None:
@@ -265,7 +293,7 @@ class RequestCase:
     def generation_job(self) -> GenerationJob | None:
         """The job the API published (a re-prefill's job has ``reprefill`` > 0)."""
         jobs = self._own(GenerationJob)
-        jobs.sort(key=lambda j: getattr(j, "reprefill", 0))
+        jobs.sort(key=lambda j: j.reprefill)
         return jobs[0] if jobs else None
 
     @property
@@ -279,37 +307,36 @@ class RequestCase:
         return own[-1] if own else None
 
     @property
-    def terminal(self) -> StreamMessage | None:
+    def terminal(self) -> StreamMessage[protocol.Message] | None:
         """The message that ended the request (its FinalResult or ErrorEvent), if any."""
         ends = [m for m in self.of(FinalResult, ErrorEvent) if m.request_id == self.request_id]
         return ends[-1] if ends else None
 
-    def token_chunks(self) -> list[StreamMessage]:
+    def token_chunks(self) -> list[StreamMessage[TokenChunk]]:
         """Every token chunk of the request as stored, a chunk that came with a ``FinalResult``
         (``FinalResult.last_chunk``) included: as a message of its own, at its result's place."""
-        chunks = []
+        chunks: list[StreamMessage[TokenChunk]] = []
         for m in self.of(TokenChunk, FinalResult):
             if m.request_id != self.request_id:
                 continue
-            if isinstance(m.msg, FinalResult):
-                if m.msg.last_chunk is None:
-                    continue
-                m = dataclasses.replace(m, msg=m.msg.last_chunk)
-            chunks.append(m)
+            if holds(m, TokenChunk):
+                chunks.append(m)
+            elif isinstance(m.msg, FinalResult) and m.msg.last_chunk is not None:
+                chunks.append(m.carrying(m.msg.last_chunk))
         return chunks
 
-    def chunks(self) -> list[StreamMessage]:
+    def chunks(self) -> list[StreamMessage[TokenChunk]]:
         """Token chunks of the last attempt (a redelivered job restarts at seq 0), in token order,
         the first copy of each seq (a chunk a worker published again, after an election, is
         stored after the chunks sent behind it; a copy may have been stored after all)."""
         chunks = self.token_chunks()
         if not chunks:
             return []
-        last = max(m.msg.attempt for m in chunks)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
-        by_seq: dict[int, StreamMessage] = {}
+        last = max(m.msg.attempt for m in chunks)
+        by_seq: dict[int, StreamMessage[TokenChunk]] = {}
         for m in chunks:
-            if m.msg.attempt == last:  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
-                by_seq.setdefault(m.msg.seq, m)  # type: ignore[union-attr]  # of(TokenChunk): every msg is a TokenChunk
+            if m.msg.attempt == last:
+                by_seq.setdefault(m.msg.seq, m)
         return [by_seq[seq] for seq in sorted(by_seq)]
 
     @property
@@ -383,7 +410,7 @@ class StreamReader:
         except NotFoundError:
             return None
 
-    async def last(self, stream: str, subject: str) -> StreamMessage | None:
+    async def last(self, stream: str, subject: str) -> Stored | None:
         """The last message on ``subject`` (one request to the server, no scan)."""
         try:
             raw = await self.js.get_last_msg(stream, subject)
@@ -391,7 +418,7 @@ class StreamReader:
             return None
         return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers, raw.data)
 
-    async def first(self, stream: str, subject: str, from_seq: int = 1) -> StreamMessage | None:
+    async def first(self, stream: str, subject: str, from_seq: int = 1) -> Stored | None:
         """The first message on ``subject`` at or after ``from_seq`` (the server's subject index)."""
         try:
             raw = await self.js.get_msg(stream, seq=max(1, from_seq), subject=subject, next=True)
@@ -399,7 +426,7 @@ class StreamReader:
             return None
         return StreamMessage.build(stream, raw.seq or 0, raw.subject or subject, _stamp(raw), raw.headers, raw.data)
 
-    async def by_seq(self, stream: str, seq: int) -> StreamMessage | None:
+    async def by_seq(self, stream: str, seq: int) -> Stored | None:
         try:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:
@@ -413,9 +440,9 @@ class StreamReader:
         *,
         start: float | None = None,
         until: float | None = None,
-        match: Callable[[StreamMessage], bool] | None = None,
+        match: Callable[[Stored], bool] | None = None,
         limit: int = MAX_CASE_MESSAGES,
-    ) -> list[StreamMessage]:
+    ) -> list[Stored]:
         """Messages on ``subject`` stored from ``start`` (unix time; None: the stream's beginning)
         until ``until``, for which ``match`` holds. An ephemeral, unacknowledged consumer does the
         filtering on the server; it examines at most ``max_scan`` messages."""
@@ -433,7 +460,7 @@ class StreamReader:
             psub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
         except NotFoundError:  # no such stream (e.g. a topology without it)
             return []
-        out: list[StreamMessage] = []
+        out: list[Stored] = []
         examined = 0
         try:
             pending = (await psub.consumer_info()).num_pending or 0
@@ -522,14 +549,14 @@ async def _find_live(reader: StreamReader, subjects: Subjects, rid: str) -> Requ
     )
     if record is None and not results:
         return None
-    messages: list[StreamMessage] = ([record] if record else []) + results
+    messages: list[Stored] = ([record] if record else []) + results
     case = RequestCase(rid, messages)
     received = case.received_at
     terminal = case.terminal
     end = terminal.time if terminal is not None else time.time()
     start, until = received - WINDOW_SLACK_S, end + WINDOW_SLACK_S
 
-    def belongs(m: StreamMessage) -> bool:
+    def belongs(m: Stored) -> bool:
         return m.request_id == rid
 
     skip = {subjects.stream_requests, subjects.stream_results, subjects.stream_events}
@@ -540,7 +567,7 @@ async def _find_live(reader: StreamReader, subjects: Subjects, rid: str) -> Requ
             messages += await reader.scan(stream, subject, start=start, until=until, match=belongs)
     case.messages = messages
 
-    def relevant(m: StreamMessage) -> bool:  # another request's event counts if it came while this one ran
+    def relevant(m: Stored) -> bool:  # another request's event counts if it came while this one ran
         return m.request_id == rid or m.time >= received
 
     for item in case.item_hashes():  # events of the request's images, whoever's job produced them
@@ -561,7 +588,7 @@ async def _find_live(reader: StreamReader, subjects: Subjects, rid: str) -> Requ
     return case
 
 
-def ordered(messages: list[StreamMessage]) -> list[StreamMessage]:
+def ordered(messages: list[Stored]) -> list[Stored]:
     """``messages`` without repeats (same stream and seq), in stored-time order."""
     seen: set[tuple[str, int]] = set()
     out = []
@@ -573,7 +600,7 @@ def ordered(messages: list[StreamMessage]) -> list[StreamMessage]:
     return out
 
 
-def _from_imported(m: StreamMessage) -> StreamMessage:
+def _from_imported(m: Stored) -> Stored:
     h = m.headers
     orig_time = _float(h.get(HDR_ORIG_TIME)) or m.time
     orig_seq = int(_float(h.get(HDR_ORIG_SEQ)) or 0)
@@ -631,7 +658,7 @@ async def list_requests(
             continue
         if sm.time < cutoff:
             break
-        if not isinstance(sm.msg, ChatRequestRecord):
+        if not holds(sm, ChatRequestRecord):
             continue
         summary = await _quick_summary(reader, subjects, sm)
         if status is None or summary.status == status:
@@ -639,10 +666,12 @@ async def list_requests(
     return out
 
 
-async def _quick_summary(reader: StreamReader, subjects: Subjects, record_msg: StreamMessage) -> Summary:
-    record: ChatRequestRecord = record_msg.msg  # type: ignore[assignment]  # the caller passes the ChatRequestRecord message
+async def _quick_summary(
+    reader: StreamReader, subjects: Subjects, record_msg: StreamMessage[ChatRequestRecord]
+) -> Summary:
+    record = record_msg.msg
     subject = subjects.tokens(record.request_id)
     last = await reader.last(subjects.stream_results, subject)
     first = await reader.first(subjects.stream_results, subject) if last is not None else None
-    messages = [record_msg] + [m for m in (first, last) if m is not None]
+    messages: list[Stored] = [record_msg, *(m for m in (first, last) if m is not None)]
     return RequestCase(record.request_id, ordered(messages)).summary()

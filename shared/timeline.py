@@ -32,10 +32,11 @@ from typing import Any
 
 from shared import protocol
 from shared.errors import Cancelled
-from shared.history import RequestCase, StreamMessage, Summary, iso_time
+from shared.history import RequestCase, Stored, Summary, iso_time
 from shared.protocol import (
     PREFILL_TIMINGS,
     STAGE_REPLAY,
+    DecodeJob,
     ECFailed,
     ECReady,
     ECSource,
@@ -134,22 +135,39 @@ def _ms(seconds: float | None) -> str:
 
 
 def build_timeline(case: RequestCase) -> Timeline:
-    rid = case.request_id
+    """The request's stages, stage by stage (intake, encode, generation, tokens, decode, end),
+    sorted by start (a point before a span that starts with it)."""
     t0 = case.received_at
     summary = case.summary()
-    stages: list[Stage] = []
-    record, job = case.record, case.generation_job
-    own = [m for m in case.messages if m.request_id == rid]
+    own = [m for m in case.messages if m.request_id == case.request_id]
+    prefill_msgs = [m for m in own if m.stage == Service.PREFILL]
+    taken = prefill_msgs[0].header_time(protocol.HDR_STARTED_AT) if prefill_msgs else None
+    decode_job = next((m for m in own if m.kind == "decode_job"), None)
+    chunks = case.chunks()
+    first_token = chunks[0].time if chunks else None
+    stages = [
+        *_intake_stages(case, own, summary, t0),
+        *_encode_job_stages(case, t0),
+        *_encode_event_stages(case),
+        *_generation_queued_stages(case, taken),
+        *_prefill_stages(case.final, *_worker_timings(case.final, decode_job), taken),
+        *_token_stages(case, t0),
+        *_decode_stages(case, decode_job, first_token),
+        *_end_stages(case, t0),
+    ]
+    stages.sort(key=lambda s: (s.start, 0 if s.end is None else 1))
+    return Timeline(case.request_id, t0, stages, summary, list(case.notes))
 
+
+def _intake_stages(case: RequestCase, own: list[Stored], summary: Summary, t0: float) -> list[Stage]:
+    """``received`` (the replay tool's when it replayed the request) and ``image intake``."""
     first_stage = own[0].stage if own and own[0].stage else Service.API
     detail = f"{summary.images} image(s)"
     if summary.model:
         detail += f", model {summary.model}"
     if summary.replay_of:
         detail += f", replay of {summary.replay_of}"
-    stages.append(
-        Stage(StageName.RECEIVED, STAGE_REPLAY if first_stage == STAGE_REPLAY else Service.API, t0, None, detail)
-    )
+    stages = [Stage(StageName.RECEIVED, STAGE_REPLAY if first_stage == STAGE_REPLAY else Service.API, t0, None, detail)]
     api_out = [m.time for m in own if m.stage == Service.API and m.time >= t0]
     if summary.images and api_out:
         stages.append(
@@ -161,16 +179,18 @@ def build_timeline(case: RequestCase) -> Timeline:
                 f"fetch, decode, hash and store {summary.images} image(s)",
             )
         )
+    return stages
 
-    # -- encode side -----------------------------------------------------------------------
-    queued: dict[str, StreamMessage] = {
-        m.msg.image.item_hash: m  # type: ignore[union-attr]  # of(EncodeJob) holds EncodeJobs only
-        for m in case.of(EncodeJob)
-        if m.request_id == rid
-    }
+
+def _encode_job_stages(case: RequestCase, t0: float) -> list[Stage]:
+    """Per image item: ``encode queued`` (this request's job), or why it had none (``no encode
+    job``, ``encode deduplicated``)."""
+    rid, record, job = case.request_id, case.record, case.generation_job
+    queued = {m.msg.image.item_hash: m for m in case.of(EncodeJob) if m.request_id == rid}
     refs = list(record.images if record else ()) or list(job.images if job else ())
     distinct = {r.item_hash: r for r in refs}
-    ready = {m.msg.item_hash: m for m in case.of(ECReady)}  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
+    ready = {m.msg.item_hash: m for m in case.of(ECReady)}
+    stages: list[Stage] = []
     for item, ref in distinct.items():
         if item in queued:
             continue
@@ -185,7 +205,7 @@ def build_timeline(case: RequestCase) -> Timeline:
                 )
             )
         else:
-            by = ready[item].msg.request_id if item in ready else "another request"  # type: ignore[union-attr]  # of(ECReady) holds ECReady only
+            by = ready[item].msg.request_id if item in ready else "another request"
             stages.append(
                 Stage(
                     StageName.ENCODE_DEDUPLICATED,
@@ -199,9 +219,15 @@ def build_timeline(case: RequestCase) -> Timeline:
         ev_msg = ready.get(item)
         taken = ev_msg.header_time(protocol.HDR_STARTED_AT) if ev_msg else None
         stages.append(Stage(StageName.ENCODE_QUEUED, Service.API, m.time, taken, f"item {item[:12]}"))
+    return stages
+
+
+def _encode_event_stages(case: RequestCase) -> list[Stage]:
+    """What the encoders announced: ``encode`` + ``EC stored``, ``EC announced``, ``encode failed``."""
+    stages: list[Stage] = []
     for m in case.of(ECReady):
-        ev: ECReady = m.msg  # type: ignore[assignment]  # of(ECReady) holds ECReady only
-        whose = "" if ev.request_id == rid else f" (job of request {ev.request_id})"
+        ev = m.msg
+        whose = "" if ev.request_id == case.request_id else f" (job of request {ev.request_id})"
         if ev.encode_started_at:
             end = ev.encode_started_at + ev.encode_s
             stages.append(
@@ -232,85 +258,98 @@ def build_timeline(case: RequestCase) -> Timeline:
                     f"item {ev.item_hash[:12]}: already stored, not recomputed{whose}",
                 )
             )
-    for m in case.of(ECFailed):
-        ev_f: ECFailed = m.msg  # type: ignore[assignment]  # of(ECFailed) holds ECFailed only
+    for f in case.of(ECFailed):
         stages.append(
             Stage(
                 StageName.ENCODE_FAILED,
                 Service.ENCODER,
-                m.time,
+                f.time,
                 None,
-                f"item {ev_f.item_hash[:12]}: {ev_f.code}: {ev_f.message}",
+                f"item {f.msg.item_hash[:12]}: {f.msg.code}: {f.msg.message}",
             )
         )
+    return stages
 
-    # -- generation side -------------------------------------------------------------------
-    gen_msgs = [m for m in case.of(GenerationJob) if m.request_id == rid]
-    prefill_msgs = [m for m in own if m.stage == Service.PREFILL]
-    taken = prefill_msgs[0].header_time(protocol.HDR_STARTED_AT) if prefill_msgs else None
-    for i, gm in enumerate(gen_msgs):
-        again = getattr(gm.msg, "reprefill", 0)
-        name: str = StageName.GENERATION_QUEUED if not again else StageName.REPREFILL_QUEUED
-        took = taken if i == 0 else None
-        gen_job: GenerationJob = gm.msg  # type: ignore[assignment]  # of(GenerationJob) holds GenerationJobs only
+
+def _generation_queued_stages(case: RequestCase, taken: float | None) -> list[Stage]:
+    """``generation queued`` per generation job (the first until a prefill worker ``taken`` it;
+    a re-prefill's job: ``re-prefill queued``, published by the decode worker)."""
+    stages: list[Stage] = []
+    for i, gm in enumerate(m for m in case.of(GenerationJob) if m.request_id == case.request_id):
+        job = gm.msg
+        again = job.reprefill
         stages.append(
             Stage(
-                name,
+                StageName.GENERATION_QUEUED if not again else StageName.REPREFILL_QUEUED,
                 Service.API if not again else Service.DECODE,
                 gm.time,
-                took,
-                f"{len(gen_job.images)} image placeholder(s), max_tokens "
-                f"{gen_job.sampling.max_tokens}, temperature {gen_job.sampling.temperature:g}" + _route(gen_job),
+                taken if i == 0 else None,
+                f"{len(job.images)} image placeholder(s), max_tokens "
+                f"{job.sampling.max_tokens}, temperature {job.sampling.temperature:g}" + _route(job),
             )
         )
+    return stages
 
-    final, error = case.final, case.error
-    decode_jobs = [m for m in own if m.kind == "decode_job"]
+
+def _worker_timings(final: FinalResult | None, decode_job: Stored | None) -> tuple[dict[str, float], dict[str, str]]:
+    """The worker's stage durations and where each image's EC came from: the ``FinalResult``'s,
+    the prefill's from the decode job on E|P|D (the prefill's timings travel in it)."""
     timings: dict[str, float] = dict(final.timings) if final else {}
     sources: dict[str, str] = dict(final.ec_sources) if final else {}
-    if decode_jobs:  # E|P|D: the prefill's timings travel in the decode job
-        dj = decode_jobs[0].msg
+    if decode_job is not None:
+        dj = decode_job.msg if isinstance(decode_job.msg, DecodeJob) else None
         timings = {
-            **dict(getattr(dj, "timings", {}) or {}),
+            **(dict(dj.timings) if dj else {}),
             **{k: v for k, v in timings.items() if k not in PREFILL_TIMINGS},
         }
-        sources = sources or dict(getattr(dj, "ec_sources", {}) or {})
-    if taken is not None:
-        features_end = taken + timings.get(Timing.FEATURES, 0.0)
-        for item, source in sources.items():
-            name, reason = _ec_stage(source)
-            stages.append(
-                Stage(
-                    name, Service.PREFILL, taken, features_end, f"item {item[:12]}" + (f": {reason}" if reason else "")
-                )
-            )
-        prefill_start = features_end + timings.get(Timing.ADMISSION, 0.0)
-        if timings.get(Timing.ADMISSION, 0.0) >= ADMISSION_SHOWN_S:
-            stages.append(
-                Stage(
-                    StageName.WAITING_FOR_SLOT,
-                    Service.PREFILL,
-                    features_end,
-                    prefill_start,
-                    "ready, every engine slot of the worker busy",
-                )
-            )
-        if Timing.PREFILL in timings:
-            stages.append(
-                Stage(
-                    StageName.PREFILL,
-                    Service.PREFILL,
-                    prefill_start,
-                    prefill_start + timings[Timing.PREFILL],
-                    f"{final.prompt_tokens} prompt tokens" if final else "",
-                )
-            )
+        sources = sources or (dict(dj.ec_sources) if dj else {})
+    return timings, sources
 
+
+def _prefill_stages(
+    final: FinalResult | None, timings: dict[str, float], sources: dict[str, str], taken: float | None
+) -> list[Stage]:
+    """From when a prefill worker took the job: each image's EC (``EC from local cache``, ...),
+    ``waiting for an engine slot``, ``prefill``."""
+    if taken is None:
+        return []
+    features_end = taken + timings.get(Timing.FEATURES, 0.0)
+    stages: list[Stage] = []
+    for item, source in sources.items():
+        name, reason = _ec_stage(source)
+        detail = f"item {item[:12]}" + (f": {reason}" if reason else "")
+        stages.append(Stage(name, Service.PREFILL, taken, features_end, detail))
+    prefill_start = features_end + timings.get(Timing.ADMISSION, 0.0)
+    if timings.get(Timing.ADMISSION, 0.0) >= ADMISSION_SHOWN_S:
+        stages.append(
+            Stage(
+                StageName.WAITING_FOR_SLOT,
+                Service.PREFILL,
+                features_end,
+                prefill_start,
+                "ready, every engine slot of the worker busy",
+            )
+        )
+    if Timing.PREFILL in timings:
+        stages.append(
+            Stage(
+                StageName.PREFILL,
+                Service.PREFILL,
+                prefill_start,
+                prefill_start + timings[Timing.PREFILL],
+                f"{final.prompt_tokens} prompt tokens" if final else "",
+            )
+        )
+    return stages
+
+
+def _token_stages(case: RequestCase, t0: float) -> list[Stage]:
+    """``redelivered`` per attempt after the first, and ``first token`` (of the last attempt)."""
     chunks = case.chunks()
     all_chunks = case.token_chunks()
-    attempts = sorted({m.msg.attempt for m in all_chunks})  # type: ignore[union-attr]  # chunks hold TokenChunks only
-    for a in attempts[1:]:
-        first_of = min(m.time for m in all_chunks if m.msg.attempt == a)  # type: ignore[union-attr]  # chunks hold TokenChunks only
+    stages: list[Stage] = []
+    for a in sorted({m.msg.attempt for m in all_chunks})[1:]:
+        first_of = min(m.time for m in all_chunks if m.msg.attempt == a)
         stages.append(
             Stage(
                 StageName.REDELIVERED,
@@ -320,8 +359,8 @@ def build_timeline(case: RequestCase) -> Timeline:
                 f"the job was delivered again (attempt {a}); tokens restart at seq 0",
             )
         )
-    first_token = chunks[0].time if chunks else None
-    if first_token is not None:
+    if chunks:
+        first_token = chunks[0].time
         stages.append(
             Stage(
                 StageName.FIRST_TOKEN,
@@ -331,28 +370,31 @@ def build_timeline(case: RequestCase) -> Timeline:
                 f"TTFT {_ms(first_token - t0)}",
             )
         )
-    end_msg = case.terminal
-    if decode_jobs and first_token is not None:
-        dj_msg = decode_jobs[0]
-        stages.append(
-            Stage(
-                StageName.KV_HANDOFF,
-                Service.PREFILL,
-                first_token,
-                dj_msg.time,
-                f"{getattr(dj_msg.msg, 'kv_nbytes', 0)} bytes KV object",
-            )
-        )
+    return stages
+
+
+def _decode_stages(case: RequestCase, decode_job: Stored | None, first_token: float | None) -> list[Stage]:
+    """E|P|D: ``KV hand-off``, ``decode queued`` and ``decode`` on the decode worker; else the
+    generating worker's ``decode`` (first token to result)."""
+    final, end_msg = case.final, case.terminal
+    if first_token is None:
+        return []
+    if decode_job is not None:
+        kv_nbytes = decode_job.msg.kv_nbytes if isinstance(decode_job.msg, DecodeJob) else 0
+        stages = [
+            Stage(StageName.KV_HANDOFF, Service.PREFILL, first_token, decode_job.time, f"{kv_nbytes} bytes KV object")
+        ]
         decode_taken = (
             end_msg.header_time(protocol.HDR_STARTED_AT) if end_msg and end_msg.stage == Service.DECODE else None
         )
-        stages.append(Stage(StageName.DECODE_QUEUED, Service.PREFILL, dj_msg.time, decode_taken))
+        stages.append(Stage(StageName.DECODE_QUEUED, Service.PREFILL, decode_job.time, decode_taken))
         if decode_taken and end_msg is not None:
             stages.append(
                 Stage(StageName.DECODE, Service.DECODE, decode_taken, end_msg.time, _decode_detail(final, case))
             )
-    elif first_token is not None and end_msg is not None and final is not None:
-        stages.append(
+        return stages
+    if end_msg is not None and final is not None:
+        return [
             Stage(
                 StageName.DECODE,
                 end_msg.stage or Service.PREFILL,
@@ -360,9 +402,17 @@ def build_timeline(case: RequestCase) -> Timeline:
                 end_msg.time,
                 _decode_detail(final, case),
             )
-        )
-    if final is not None and end_msg is not None:
-        stages.append(
+        ]
+    return []
+
+
+def _end_stages(case: RequestCase, t0: float) -> list[Stage]:
+    """``done``, ``error`` or ``cancelled`` (the caller gave up; its workers were told to stop)."""
+    final, error, end_msg = case.final, case.error, case.terminal
+    if end_msg is None:
+        return []
+    if final is not None:
+        return [
             Stage(
                 StageName.DONE,
                 end_msg.stage or Service.PREFILL,
@@ -371,10 +421,10 @@ def build_timeline(case: RequestCase) -> Timeline:
                 f"finish={final.finish_reason}, {final.completion_tokens} tokens, E2E "
                 f"{_ms(end_msg.time - t0)}, worker {final.worker}",
             )
-        )
-    elif error is not None and end_msg is not None:
-        cancelled = error.code == Cancelled.code  # the caller gave up; its workers were told to stop
-        stages.append(
+        ]
+    if error is not None:
+        cancelled = error.code == Cancelled.code
+        return [
             Stage(
                 StageName.CANCELLED if cancelled else StageName.ERROR,
                 error.stage or end_msg.stage or Service.API,
@@ -382,10 +432,8 @@ def build_timeline(case: RequestCase) -> Timeline:
                 None,
                 f"{error.code} (HTTP {error.http_status}): {error.message}",
             )
-        )
-
-    stages.sort(key=lambda s: (s.start, 0 if s.end is None else 1))
-    return Timeline(rid, t0, stages, summary, list(case.notes))
+        ]
+    return []
 
 
 def _queued_time(case: RequestCase, t0: float) -> float:
@@ -486,7 +534,7 @@ def question_text(case: RequestCase) -> str | None:
 
 def answer_text(case: RequestCase) -> str:
     """The generated text as stored (the last attempt's token chunks, in order)."""
-    return "".join(getattr(m.msg, "text", "") for m in case.chunks())
+    return "".join(m.msg.text for m in case.chunks())
 
 
 def bounded(text: str, limit: int = SHOWN_TEXT_CHARS) -> str:
@@ -514,40 +562,7 @@ def render_html(case: RequestCase, tl: Timeline | None = None, *, index_href: st
     )
     back = f'<p><a href="{e(index_href)}">&larr; recent requests</a></p>' if index_href else ""
     t0 = tl.t0
-    lo = min([s.start for s in tl.stages] + [t0]) - t0  # < 0 only for clock skew between machines
-    hi = max([s.end or s.start for s in tl.stages] + [t0]) - t0
-    total = max(hi - lo, 1e-3)
-    label_w, chart_w, row_h, top = 230, 640, 22, 24
-    height = top + row_h * len(tl.stages) + 10
-    svg = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 120}" height="{height}" '
-        f'role="img" aria-label="waterfall of request {e(tl.request_id)}">'
-    ]
-    for i in range(5):  # grid with time ticks
-        x = label_w + chart_w * i / 4
-        svg.append(
-            f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 6}" class="grid"/>'
-            f'<text x="{x:.1f}" y="{top - 10}" class="tick">{(lo + total * i / 4) * 1e3:.1f} ms</text>'
-        )
-    for row, s in enumerate(tl.stages):
-        y = top + row * row_h
-        color = SERVICE_COLORS.get(s.service, "#9c755f")
-        x = label_w + chart_w * (s.start - t0 - lo) / total
-        svg.append(f'<text x="{label_w - 8}" y="{y + 15}" class="label">{e(s.name)}</text>')
-        tip = f"{s.name} ({s.service}) {(s.start - t0) * 1e3:+.1f} ms"
-        if s.end is None:
-            svg.append(
-                f'<path d="M{x:.1f} {y + 4} l6 7 l-6 7 l-6 -7 z" fill="{color}"><title>{e(tip)}</title></path>'
-                f'<text x="{x + 10:.1f}" y="{y + 15}" class="dur">{(s.start - t0) * 1e3:+.1f} ms</text>'
-            )
-        else:
-            w = max(1.5, chart_w * (s.end - s.start) / total)
-            svg.append(
-                f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" rx="2" fill="{color}">'
-                f"<title>{e(tip)}, {_ms(s.duration)}</title></rect>"
-                f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="dur">{_ms(s.duration)}</text>'
-            )
-    svg.append("</svg>")
+    svg = _waterfall_svg(tl)
 
     sm = tl.summary
     facts = [
@@ -598,7 +613,7 @@ pre.text {{ white-space: pre-wrap; overflow-wrap: anywhere; max-width: 1100px; }
 {exchange}
 <h2>Waterfall</h2>
 <div>{legend}</div>
-{"".join(svg)}
+{svg}
 <h2>Stages</h2>
 <table><tr><th>start</th><th>end</th><th>duration</th><th>service</th><th>stage</th><th>detail</th></tr>{rows}</table>
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
@@ -606,3 +621,44 @@ pre.text {{ white-space: pre-wrap; overflow-wrap: anywhere; max-width: 1100px; }
 {msgs}
 </body></html>
 """
+
+
+def _waterfall_svg(tl: Timeline) -> str:
+    """The stages as an inline SVG waterfall: a bar per span, a diamond per point, coloured by service."""
+    e = html.escape
+    t0 = tl.t0
+    lo = min([s.start for s in tl.stages] + [t0]) - t0  # < 0 only for clock skew between machines
+    hi = max([s.end or s.start for s in tl.stages] + [t0]) - t0
+    total = max(hi - lo, 1e-3)
+    label_w, chart_w, row_h, top = 230, 640, 22, 24
+    height = top + row_h * len(tl.stages) + 10
+    svg = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 120}" height="{height}" '
+        f'role="img" aria-label="waterfall of request {e(tl.request_id)}">'
+    ]
+    for i in range(5):  # grid with time ticks
+        x = label_w + chart_w * i / 4
+        svg.append(
+            f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 6}" class="grid"/>'
+            f'<text x="{x:.1f}" y="{top - 10}" class="tick">{(lo + total * i / 4) * 1e3:.1f} ms</text>'
+        )
+    for row, s in enumerate(tl.stages):
+        y = top + row * row_h
+        color = SERVICE_COLORS.get(s.service, "#9c755f")
+        x = label_w + chart_w * (s.start - t0 - lo) / total
+        svg.append(f'<text x="{label_w - 8}" y="{y + 15}" class="label">{e(s.name)}</text>')
+        tip = f"{s.name} ({s.service}) {(s.start - t0) * 1e3:+.1f} ms"
+        if s.end is None:
+            svg.append(
+                f'<path d="M{x:.1f} {y + 4} l6 7 l-6 7 l-6 -7 z" fill="{color}"><title>{e(tip)}</title></path>'
+                f'<text x="{x + 10:.1f}" y="{y + 15}" class="dur">{(s.start - t0) * 1e3:+.1f} ms</text>'
+            )
+        else:
+            w = max(1.5, chart_w * (s.end - s.start) / total)
+            svg.append(
+                f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" rx="2" fill="{color}">'
+                f"<title>{e(tip)}, {_ms(s.duration)}</title></rect>"
+                f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="dur">{_ms(s.duration)}</text>'
+            )
+    svg.append("</svg>")
+    return "".join(svg)

@@ -327,7 +327,7 @@ async def replay_request(
         recorded=case.final,
         recorded_error=case.error if case.final is None else None,
         result=result,
-        recorded_texts=[m.msg.text for m in case.chunks()],  # type: ignore[union-attr]  # chunks() holds TokenChunks only
+        recorded_texts=[m.msg.text for m in case.chunks()],
         replay_texts=texts,
         elapsed_s=time.time() - received,
         notes=notes + case.notes,
