@@ -3,7 +3,11 @@
 * :class:`Bench` - a temporary folder under ``var/`` with an embedded ``nats-server`` and S3 server on
   free ports, the stacks a script asks for (:meth:`Bench.start`: ``shared.tools.launcher.Stack``, one
   topology each, every stack on its own subject prefix, namespace, bucket and vLLM folder, so several
-  share the servers), everything stopped and removed at exit (also on Ctrl-C).
+  share the servers), everything stopped and removed at exit (also on Ctrl-C). ``Bench(..., tls=True)``:
+  every link TLS, as ``epd up --tls`` sets it up - a throwaway CA and server certificates in the folder
+  (``shared.tools.certs.make_certs``), NATS's client port TLS from the first byte, S3 over HTTPS, the API
+  over HTTPS, every client verifying against the CA (:attr:`BenchStack.ssl_context` for the bench's own).
+  A script's ``--tls`` runs a plaintext and a TLS bench side by side (:func:`run_tls_stacks`).
 * :func:`model_dir` - the bench (~130M) or tiny Qwen2-VL, built once into ``var/models``.
 * :func:`run_load` - one load run against a stack with ``epd bench run``'s load generator
   (``shared.tools.bench.runner.run``): TTFT, E2E, stages and EC sources per request; :func:`chat` - one
@@ -28,6 +32,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import statistics
 import sys
 import tempfile
@@ -47,7 +52,7 @@ import numpy as np  # noqa: E402 - after the sys.path setup above
 
 from shared.tools.bench.lean_http import LeanClient  # noqa: E402 - after the sys.path setup above
 from shared.tools.bench.schema import BenchResult, RequestRecord, WorkloadSpec  # noqa: E402 - after the sys.path setup above
-from shared.tools.infra import EmbeddedNats, EmbeddedS3, free_port  # noqa: E402 - after the sys.path setup above
+from shared.tools.infra import EmbeddedNats, EmbeddedS3, ServerTLS, free_port  # noqa: E402 - after the sys.path setup above
 from shared.tools.launcher import Stack  # noqa: E402 - after the sys.path setup above
 from shared.topology import Service  # noqa: E402 - after the sys.path setup above
 
@@ -83,10 +88,17 @@ class BenchStack:
     label: str
     stack: Stack
     model: str
+    #: the CA the API's certificate (and NATS's, S3's) is verified against; None: plaintext
+    ca: Path | None = None
 
     @property
     def url(self) -> str:
         return self.stack.base_url
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client context verifying the API against :attr:`ca`; None for a plaintext stack."""
+        return ssl.create_default_context(cafile=str(self.ca)) if self.ca is not None else None
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(f"--- {p.label}\n{p.log_tail(lines)}" for p in self.stack.processes)
@@ -95,14 +107,26 @@ class BenchStack:
 class Bench:
     """Embedded NATS + S3 in a temporary folder, and the stacks started on them; a context manager.
 
-    ``keep``: leave the folder (logs, NATS and S3 data) behind for a look afterwards."""
+    ``keep``: leave the folder (logs, NATS and S3 data) behind for a look afterwards. ``tls``: every
+    link TLS (the module docstring), with a throwaway CA made in the folder."""
 
-    def __init__(self, name: str, *, keep: bool = False):
+    def __init__(self, name: str, *, keep: bool = False, tls: bool = False):
         (ROOT / "var").mkdir(exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=ROOT / "var"))
         self.keep = keep
-        self.nats = EmbeddedNats(self.work / "nats")
-        self.s3 = EmbeddedS3(self.work / "s3")
+        server_tls: dict[str, ServerTLS] = {}
+        self.ca: Path | None = None
+        #: the API's certificate and key (``EPD_TLS_CERT`` / ``EPD_TLS_KEY``) with ``tls``
+        self.api_tls: dict[str, str] = {}
+        if tls:
+            from shared.tools.certs import make_certs
+
+            certs = make_certs(self.work / "tls", days=1)
+            self.ca = certs.ca_cert
+            server_tls = {n: ServerTLS(crt, key, certs.ca_cert) for n, (crt, key) in certs.servers.items()}
+            self.api_tls = {"EPD_TLS_CERT": str(certs.servers["api"][0]), "EPD_TLS_KEY": str(certs.servers["api"][1])}
+        self.nats = EmbeddedNats(self.work / "nats", tls=server_tls.get("nats"))
+        self.s3 = EmbeddedS3(self.work / "s3", tls=server_tls.get("s3"))
         self.stacks: list[BenchStack] = []
         self._closed = False
 
@@ -142,6 +166,8 @@ class Bench:
             # EPD_ENGINE=vllm: each stack's vLLM caches and IPC sockets in the bench folder, removed with it.
             "EPD_VLLM_DIR": str(self.work / f"vllm-{tag}"),
         }
+        if self.ca is not None:  # every service a client of NATS and S3 over TLS, verified against the CA
+            env |= {"EPD_NATS_TLS_CA": str(self.ca), "EPD_S3_SECURE": "true", "EPD_S3_TLS_CA": str(self.ca)}
         env.update(overrides)
         return env
 
@@ -153,26 +179,34 @@ class Bench:
         timeout: float = 600.0,
         service_env: dict[str, dict[str, dict[str, str]]] | None = None,
         replicas: dict[str, dict[str, int]] | None = None,
+        wait: bool = True,
     ) -> dict[str, BenchStack]:
         """Start one stack per ``label -> (topology, EPD_* overrides)``, all at once (they load their
-        engines in parallel), and wait until every one is ready (an API heartbeat from each worker).
+        engines in parallel), and wait until every one is ready (an API heartbeat from each worker;
+        ``wait=False``: the caller waits, ``stack.wait_ready``).
         ``service_env``: label -> service (``encoder``, ``prefill``, ...) -> more environment for
         that service only (e.g. one engine's core binding); ``replicas``: label -> service -> how
         many workers of it (default one each)."""
         started: dict[str, BenchStack] = {}
         for label, (topology, overrides) in specs.items():
+            services = dict((service_env or {}).get(label, {}))
+            if self.ca is not None:  # the API serves HTTPS (its certificate for its process only, as epd up --tls)
+                api = Service.API.value
+                services[api] = {**self.api_tls, "EPD_TLS_CA": str(self.ca), **services.get(api, {})}
             stack = Stack(
                 env=self.env(model, **overrides),
                 log_dir=self.work / "logs" / label,
                 topology=topology,
                 api_port=free_port(),
-                service_env=dict((service_env or {}).get(label, {})),
+                service_env=services,
                 replicas={Service(k): n for k, n in (replicas or {}).get(label, {}).items()},
             )
-            bs = BenchStack(label, stack, model.name)
+            bs = BenchStack(label, stack, model.name, ca=self.ca)
             self.stacks.append(bs)
             started[label] = bs
             stack.start()
+        if not wait:
+            return started
         t = time.perf_counter()
         for bs in started.values():
             bs.stack.wait_ready(timeout=timeout)
@@ -318,11 +352,18 @@ async def lean_chat(lean: LeanClient, body: dict[str, Any]) -> Probe:
     return probe
 
 
-def client(timeout: float = 600.0) -> httpx.AsyncClient:
+def client(timeout: float = 600.0, *, verify: ssl.SSLContext | None = None) -> httpx.AsyncClient:
+    """The benches' httpx client; ``verify``: an https API's CA (:attr:`BenchStack.ssl_context`)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout, connect=30.0),
         limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        **({"verify": verify} if verify is not None else {}),
     )
+
+
+def lean_client(bs: BenchStack) -> LeanClient:
+    """A :class:`LeanClient` for ``bs``'s API (https verified against its CA on a TLS stack)."""
+    return LeanClient(bs.url, ssl_context=bs.ssl_context)
 
 
 async def timeline(http: httpx.AsyncClient, url: str, request_id: str) -> dict[str, Any]:
@@ -353,7 +394,7 @@ async def debug_docs(bs: BenchStack, records: Iterable[RequestRecord]) -> dict[i
     """Each completed request's ``/debug/requests/<id>?format=json`` (:func:`timeline`), by record
     index; a request whose timeline cannot be read is left out."""
     out: dict[int, dict[str, Any]] = {}
-    async with client(120.0) as http:
+    async with client(120.0, verify=bs.ssl_context) as http:
         for r in records:
             if not (r.ok and r.request_id):
                 continue
@@ -418,7 +459,8 @@ async def run_load(bs: BenchStack, spec: WorkloadSpec, *, label: str, timelines:
     requests, then (``timelines``) each one's stages and EC sources from its timeline."""
     from shared.tools.bench import runner
 
-    result = await runner.run(bs.url, spec, label=label, progress=False, timelines=timelines)
+    tls: dict[str, Any] = {"verify": bs.ssl_context} if bs.ca is not None else {}  # (an https API's CA)
+    result = await runner.run(bs.url, spec, label=label, progress=False, timelines=timelines, **tls)
     return Run(label, [r for run in result.runs for r in run.requests], result)
 
 
@@ -577,6 +619,31 @@ def run_stacks(
     with Bench(name, keep=args.keep) as bench:
         stacks = bench.start(specs, model, timeout=ready_timeout, service_env=service_env, replicas=replicas)
         figures = asyncio.run(measure(args, stacks))
+    return finish(figures)
+
+
+#: a script's ``--tls`` sides: the same stack with every link plaintext, and with every link TLS
+TLS_SIDES = ("plain", "tls")
+
+
+def run_tls_stacks(
+    name: str, args: argparse.Namespace, topology: str, measure: Any, *, ready_timeout: float = 600.0
+) -> int:
+    """A script's ``--tls`` body: one ``topology`` stack on plaintext servers (``plain``) and one on
+    TLS servers (``tls``: :class:`Bench` with ``tls``), started together on the ``--model-size``
+    model, then ``asyncio.run(measure(args, stacks))`` (which takes turns between the two,
+    :func:`alternate`), the load average printed before and after."""
+    model = model_dir(args.model_size)
+    print(f"load average at start: {load_average()}", flush=True)
+    with Bench(name, keep=args.keep) as plain, Bench(f"{name}-tls", keep=args.keep, tls=True) as secure:
+        stacks = {**plain.start({"plain": (topology, {})}, model, wait=False)}
+        stacks |= secure.start({"tls": (topology, {})}, model, wait=False)
+        t = time.perf_counter()
+        for bs in stacks.values():
+            bs.stack.wait_ready(timeout=ready_timeout)
+        print(f"stacks ready (plain and TLS: {topology}) in {time.perf_counter() - t:.1f}s", flush=True)
+        figures = asyncio.run(measure(args, stacks))
+    print(f"load average at the end: {load_average()}", flush=True)
     return finish(figures)
 
 

@@ -1,16 +1,19 @@
 """A minimal HTTP/1.1 client for latency measurements (``bench/p5_fabric_overhead.py``).
 
 One keep-alive connection, the request in one write, a chunked (streamed) response read line by
-line as it arrives, nothing else: no redirects, TLS, proxies, compression or pooling. httpx, the
-other benches' client, spends ~1.3 ms of Python on each streamed request on a 2-core machine of
-ours (its request building and response parsing; a ``GET /v1/models`` through it takes ~0.7 ms);
-this one ~0.1 ms, so what a benchmark times is the server's work, not the client's.
+line as it arrives, nothing else: no redirects, proxies, compression or pooling. httpx, the other
+benches' client, spends ~1.3 ms of Python on each streamed request on a 2-core machine of ours (its
+request building and response parsing; a ``GET /v1/models`` through it takes ~0.7 ms); this one
+~0.1 ms, so what a benchmark times is the server's work, not the client's. An ``https://`` URL is
+TLS, the server verified against ``ssl_context`` (default: the system CAs; the benchmarks' ``--tls``
+give their throwaway CA's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,14 +34,23 @@ class LeanResponse:
 
 
 class LeanClient:
-    """POSTs JSON to one ``http://host:port`` server over one connection (opened on first use,
-    again after a failure). Not for concurrent use: one request at a time."""
+    """POSTs JSON to one ``http://host:port`` (or ``https://host:port``) server over one connection
+    (opened on first use, again after a failure). Not for concurrent use: one request at a time.
 
-    def __init__(self, url: str, timeout: float = 60.0):
+    ``ssl_context``: what an ``https://`` server is verified with (default: the system CAs); it
+    is refused with an ``http://`` URL (a plaintext connection would not use it)."""
+
+    def __init__(self, url: str, timeout: float = 60.0, *, ssl_context: ssl.SSLContext | None = None):
         parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
-            raise ValueError(f"LeanClient needs an http://host:port URL, got {url!r}")
+        if parsed.scheme not in ("http", "https") or parsed.hostname is None or parsed.port is None:
+            raise ValueError(f"LeanClient needs an http://host:port or https://host:port URL, got {url!r}")
+        if ssl_context is not None and parsed.scheme != "https":
+            raise ValueError(f"an ssl_context is for an https:// URL, got {url!r}")
         self.host, self.port, self.timeout = parsed.hostname, parsed.port, timeout
+        #: None: plaintext
+        self.ssl: ssl.SSLContext | None = (
+            (ssl_context or ssl.create_default_context()) if parsed.scheme == "https" else None
+        )
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -60,7 +72,9 @@ class LeanClient:
 
     async def _exchange(self, path: str, data: bytes, on_line: Callable[[str], None]) -> LeanResponse:
         if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=MAX_LINE)
+            self._reader, self._writer = await asyncio.open_connection(
+                self.host, self.port, limit=MAX_LINE, ssl=self.ssl
+            )
         reader = self._reader
         assert reader is not None
         self._writer.write(
