@@ -23,7 +23,9 @@ JSON of ``weed -s3.config``: ``Read`` / ``List`` / ``Write`` scoped as ``<Action
 measured to be enforced per prefix) and :func:`seaweed_bucket_policy`. SeaweedFS's ``Write`` also
 allows DELETE; the bucket policy's Deny statements (principal ``arn:aws:iam::*:user/<identity>``,
 measured) take a delete from a role that may only write and a write from a role that may only
-delete. :func:`permission_table` is docs/security.md's table (checked by a test).
+delete. Rendered for MinIO (Docker Compose): :func:`minio_policy`, one IAM policy per role, written
+into deploy/minio-policies/ by ``epd config docs``. :func:`permission_table` is docs/security.md's
+table (checked by a test).
 """
 
 from __future__ import annotations
@@ -185,6 +187,72 @@ def seaweed_bucket_policy(bucket: str, namespace: str, roles: tuple[Role, ...] =
                     }
                 )
     return {"Version": "2012-10-17", "Statement": statements}
+
+
+# -- MinIO (Docker Compose) -------------------------------------------------------------------------
+#: The S3 actions of each table action on MinIO: a HEAD is a GetObject there, a multipart upload's
+#: parts a PutObject; a listing is ``s3:ListBucket`` on the bucket, scoped by an ``s3:prefix`` condition.
+MINIO_ACTIONS = {_R: "s3:GetObject", _W: "s3:PutObject", _D: "s3:DeleteObject", _L: "s3:ListBucket"}
+#: Beyond the table, every role may ask the bucket's region (the S3 client does before its first
+#: request when ``EPD_S3_REGION`` is unset; it tells nothing about the objects).
+MINIO_BUCKET_LOCATION = "s3:GetBucketLocation"
+
+
+def minio_policy(role: Role | str, bucket: str, namespace: str) -> dict:
+    """``role``'s MinIO IAM policy: one Allow statement per (kind, action) of :data:`PERMISSIONS`,
+    on ``arn:aws:s3:::<bucket>/<prefix>*`` (a listing: on the bucket, ``s3:prefix`` like the
+    prefixes), and the bucket's location. Nothing else is allowed (IAM denies what no statement allows)."""
+    statements: list[dict] = []
+    for kind, actions in PERMISSIONS[Role(role)].items():
+        ps = prefixes(kind, namespace)
+        for action in Action:
+            if action not in actions:
+                continue
+            sid = f"{kind.value.capitalize()}{action.value.capitalize()}"
+            statement: dict = {"Sid": sid, "Effect": "Allow", "Action": [MINIO_ACTIONS[action]]}
+            if action is _L:
+                statement["Resource"] = [f"arn:aws:s3:::{bucket}"]
+                statement["Condition"] = {"StringLike": {"s3:prefix": [f"{p}*" for p in ps]}}
+            else:
+                statement["Resource"] = [f"arn:aws:s3:::{bucket}/{p}*" for p in ps]
+            statements.append(statement)
+    statements.append(
+        {
+            "Sid": "BucketLocation",
+            "Effect": "Allow",
+            "Action": [MINIO_BUCKET_LOCATION],
+            "Resource": [f"arn:aws:s3:::{bucket}"],
+        }
+    )
+    return {"Version": "2012-10-17", "Statement": statements}
+
+
+#: Docker Compose's MinIO policies (one file per role, ``epd config docs`` writes them; minio-init
+#: creates a policy ``epd-<role>`` from each), for Compose's default bucket and namespace.
+COMPOSE_MINIO_POLICIES = Path("deploy/minio-policies")
+COMPOSE_BUCKET = "epd"
+COMPOSE_NAMESPACE = "epd"
+
+
+def compose_minio_policies() -> dict[Path, str]:
+    """deploy/minio-policies/<role>.json for every store role (bucket and namespace ``epd``)."""
+    return {
+        COMPOSE_MINIO_POLICIES / f"{role.value}.json": json.dumps(
+            minio_policy(role, COMPOSE_BUCKET, COMPOSE_NAMESPACE), indent=2
+        )
+        + "\n"
+        for role in STORE_ROLES
+    }
+
+
+def access_key_variable(role: Role | str) -> str:
+    """The variable of ``role``'s access key in Compose's ``.env`` (``S3_ENCODER_ACCESS_KEY``)."""
+    return f"S3_{Role(role).value.upper()}_ACCESS_KEY"
+
+
+def secret_key_variable(role: Role | str) -> str:
+    """The variable of ``role``'s secret key in Compose's ``.env`` (``S3_ENCODER_SECRET_KEY``)."""
+    return f"S3_{Role(role).value.upper()}_SECRET_KEY"
 
 
 # -- the keys of a set-up that runs its own store (epd up, the test stacks) ----------------------------

@@ -1124,3 +1124,101 @@ def tls_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_r
             if not _after(services, name, "certs"):
                 problems.append(f"{name}: starts without waiting for `certs`")
     return problems
+
+
+# -- store identities (one MinIO account per role, docs/security.md "Store identities") -------------
+MINIO_POLICIES = "deploy/minio-policies"
+#: Where minio-init reads the policies (the mount of deploy/minio-policies).
+POLICY_MOUNT = "/policies"
+
+
+def minio_policy_problems(read_file=read_repo_file) -> list[str]:
+    """The committed deploy/minio-policies/<role>.json are what shared/store_auth.py renders."""
+    from shared.store_auth import compose_minio_policies
+
+    problems = []
+    for path, text in compose_minio_policies().items():
+        committed = read_file(str(path))
+        if committed is None:
+            problems.append(f"{path} is missing (`epd config docs` writes it)")
+        elif committed != text:
+            problems.append(
+                f"{path} differs from shared/store_auth.py's permissions: regenerate it (`epd config docs`)"
+            )
+    return problems
+
+
+def _role_call(role: str) -> str:
+    from shared.store_auth import access_key_variable, secret_key_variable
+
+    return f'role_account {role} "${access_key_variable(role)}" "${secret_key_variable(role)}"'
+
+
+#: What minio-init's role_account does for each role (its script, `$$` read as `$`).
+MINIO_INIT_STEPS = {
+    "creates the role's policy from its file": f'mc admin policy create epd "epd-$1" "{POLICY_MOUNT}/$1.json"',
+    "creates the role's account": 'mc admin user add epd "$2" "$3"',
+    "attaches the policy to the account": 'mc admin policy attach epd "epd-$1" --user "$2"',
+    "refuses the root's or another role's access key": '*" $2 "*) echo',
+    "remembers each role's access key (two roles could share one)": 'seen="$seen$2 "',
+}
+
+
+def store_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec]) -> list[str]:
+    """Every epd-serve service reaches the store with its own role's keys only
+    (``EPD_S3_ACCESS_KEY`` / ``EPD_S3_SECRET_KEY`` from ``${S3_<ROLE>_ACCESS_KEY:?...}`` /
+    ``${S3_<ROLE>_SECRET_KEY:?...}``), never the MinIO root account or another role's; minio-init
+    holds every role's keys (required), mounts deploy/minio-policies, and for each role creates its
+    policy from its file, its account, and attaches the one to the other; no other service holds a
+    role's keys."""
+    from shared.store_auth import STORE_ROLES, access_key_variable, secret_key_variable
+
+    services = compose["services"]
+    role_vars = {role.value: (access_key_variable(role), secret_key_variable(role)) for role in STORE_ROLES}
+    every_role_var = {v for pair in role_vars.values() for v in pair}
+    root_vars = {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+    problems = []
+    for name, spec in apps.items():
+        svc = services.get(name)
+        if svc is None:
+            continue
+        role = NATS_ROLE_OF_MODULE[spec.module]
+        env = environment(svc)
+        for setting, var in zip(("EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY"), role_vars[role], strict=True):
+            refs = var_refs(str(env.get(setting, "")))
+            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
+                problems.append(f"{name}: {setting}={env.get(setting)!r} is not its role's ${{{var}:?...}}")
+        given = {r.name for r in var_refs(str(env))}
+        if given & root_vars:
+            problems.append(f"{name}: is handed the MinIO root account {sorted(given & root_vars)}")
+        others = sorted(given & (every_role_var - set(role_vars[role])))
+        if others:
+            problems.append(f"{name}: is handed another role's store keys {others}")
+    init = services.get("minio-init")
+    if init is None:
+        problems.append("no minio-init: nobody creates the roles' accounts")
+    else:
+        env = environment(init)
+        for var in sorted(every_role_var):
+            refs = var_refs(str(env.get(var, "")))
+            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
+                problems.append(f"minio-init: {var}={env.get(var)!r} is not ${{{var}:?...}} (required, no default)")
+        script = "\n".join(str(c) for c in init.get("command") or []).replace("$$", "$")
+        is_mc = "mc " in script  # (the test stand-in's init renders the same table for SeaweedFS)
+        if is_mc:
+            mounts = [str(v) for v in init.get("volumes") or []]
+            if f"./{MINIO_POLICIES}:{POLICY_MOUNT}:ro" not in mounts:
+                problems.append(f"minio-init: {MINIO_POLICIES} is not mounted read-only at {POLICY_MOUNT}")
+            for what, step in MINIO_INIT_STEPS.items():
+                if step not in script:
+                    problems.append(f"minio-init: no `{step}`: it no longer {what}")
+            for role in role_vars:
+                if _role_call(role) not in script:
+                    problems.append(f"minio-init: no account for {role} (`{_role_call(role)}`)")
+    for name, svc in services.items():
+        if name in apps or name == "minio-init":
+            continue
+        given = sorted({r.name for r in var_refs(str(environment(svc)))} & every_role_var)
+        if given:
+            problems.append(f"{name}: is handed the roles' store keys {given}")
+    return problems

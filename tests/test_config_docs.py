@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from shared.store_auth import compose_minio_policies
 from shared.tools import config_docs
 from shared.tools.cli import main
 from shared.tools.nats_identities import COMPOSE_NATS_AUTH, SECURITY_DOC
@@ -19,6 +20,7 @@ def _copy(tmp_path: Path) -> Path:
         config_docs.COMPOSE_FILE,
         SECURITY_DOC,
         COMPOSE_NATS_AUTH,
+        *compose_minio_policies(),
     ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
@@ -43,6 +45,22 @@ def test_a_stale_copy_is_named(tmp_path, capsys):
     # Regenerating repairs both.
     assert main(["config", "docs", "--root", str(root)]) == 0
     assert config_docs.stale_files(root) == []
+
+
+def test_minio_policies_are_generated_and_checked(tmp_path, capsys):
+    """deploy/minio-policies/<role>.json are written by `epd config docs` from shared/store_auth.py;
+    one edited by hand (a statement widened) or removed is named stale, and regenerating repairs it."""
+    root = _copy(tmp_path)
+    encoder, decode = (config_docs.Path("deploy/minio-policies") / f"{r}.json" for r in ("encoder", "decode"))
+    text = (root / encoder).read_text()
+    (root / encoder).write_text(text.replace("epd/epd/media/*", "epd/*", 1))
+    (root / decode).unlink()
+    assert main(["config", "docs", "--check", "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert f"{encoder} is stale" in err and f"{decode} is stale" in err
+    assert main(["config", "docs", "--root", str(root)]) == 0
+    assert config_docs.stale_files(root) == []
+    assert (root / encoder).read_text() == text
 
 
 def test_every_setting_is_documented_with_a_description():

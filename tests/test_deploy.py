@@ -26,6 +26,7 @@ import pytest
 
 from shared import config
 from shared.health import run as health_run
+from shared.store_auth import STORE_ROLES, access_key_variable, secret_key_variable
 from shared.tools.cli import build_parser
 from shared.tools.launcher import service_command
 from shared.tools.models.demo import SHIPPED_DIR
@@ -67,13 +68,16 @@ SETTINGS_OF = {
 }
 #: The NATS password of each deployed role (deploy/nats-auth.conf), in .env.
 NATS_PASSWORDS = {password_variable(role) for role in DEPLOYED_ROLES}
+#: Each store role's MinIO account (deploy/minio-policies, docs/security.md "Store identities"), in .env.
+S3_ACCESS_KEYS = {access_key_variable(role) for role in STORE_ROLES}
+S3_SECRET_KEYS = {secret_key_variable(role) for role in STORE_ROLES}
 SECRETS = {
     "EPD_API_KEYS",
-    "EPD_S3_SECRET_KEY",
     "MINIO_ROOT_PASSWORD",
-    "EPD_S3_ACCESS_KEY",
     "MINIO_ROOT_USER",
     *NATS_PASSWORDS,
+    *S3_ACCESS_KEYS,
+    *S3_SECRET_KEYS,
 }
 # Settings compose deliberately leaves to the defaults, with the reason.
 NOT_FROM_COMPOSE = {
@@ -102,14 +106,16 @@ COMPOSE_ONLY_VARS = {
     "EPD_MINIO_IMAGE",
     "TLS_CERT_HOSTS",
     *NATS_PASSWORDS,
+    *S3_ACCESS_KEYS,
+    *S3_SECRET_KEYS,
 }
 TEST_SECRETS = {
     "EPD_API_KEYS": "sk-deploy-1,sk-deploy-2",
     **{var: f"0f3c9a7d1e5b{i}c" for i, var in enumerate(sorted(NATS_PASSWORDS))},
     "MINIO_ROOT_USER": "epd-admin",
     "MINIO_ROOT_PASSWORD": "a" * 24,
-    "EPD_S3_ACCESS_KEY": "epd-services",
-    "EPD_S3_SECRET_KEY": "b" * 24,
+    **{access_key_variable(role): f"epd-{role.value}" for role in STORE_ROLES},
+    **{secret_key_variable(role): f"{i}b{role.value}" * 4 for i, role in enumerate(STORE_ROLES)},
 }
 
 
@@ -359,7 +365,8 @@ def test_resolved_env_is_valid_settings(compose, name, monkeypatch):
     role = dc.NATS_ROLE_OF_MODULE[APPS[name].module]
     assert settings.nats.nats_user == role
     assert settings.nats.nats_password.get_secret_value() == TEST_SECRETS[password_variable(role)]
-    assert settings.store.s3_secret_key.get_secret_value() == TEST_SECRETS["EPD_S3_SECRET_KEY"]
+    assert settings.store.s3_access_key.get_secret_value() == TEST_SECRETS[access_key_variable(role)]
+    assert settings.store.s3_secret_key.get_secret_value() == TEST_SECRETS[secret_key_variable(role)]
     assert settings.model.engine == ("vllm" if APPS[name].target == "gpu" else "transformers")
     if APPS[name].role:
         assert settings.role == APPS[name].role
@@ -383,7 +390,7 @@ def test_secrets_are_required_and_never_defaulted(compose):
         assert var in variables, var
         assert all(ref.op == ":?" for ref in variables[var]), f"{var} must be ${{{var}:?...}} everywhere"
     example = env_example_values()
-    for var in ("EPD_API_KEYS", "EPD_S3_SECRET_KEY", "MINIO_ROOT_PASSWORD", *NATS_PASSWORDS):
+    for var in ("EPD_API_KEYS", "MINIO_ROOT_PASSWORD", *NATS_PASSWORDS, *S3_SECRET_KEYS):
         assert example[var] == "", f".env.example must not ship a value for {var}"
     # Compose refuses to start with .env.example as it is (secrets empty) ...
     with pytest.raises(dc.MissingVariable) as err:
@@ -421,6 +428,8 @@ def test_env_example_lists_every_variable_compose_reads(compose, monkeypatch):
             assert value == "", (var, value)
         elif var in COMPOSE_DEFAULTS:
             assert value == COMPOSE_DEFAULTS[var]
+        elif var in ("EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY"):  # secrets (compose sets them per role)
+            assert value == "", (var, value)
         elif value == "":
             assert default in (None, ()), (var, default)
         else:
@@ -454,10 +463,10 @@ def test_nats_minio_ports_and_healthchecks(compose):
     assert dc.environment(svcs["minio"])["MC_HOST_local"] == "https://localhost:9000"
     assert "minio-data:/data" in svcs["minio"]["volumes"]
     assert svcs["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
-    # the services' S3 account is not the MinIO root account
+    # the services' S3 accounts are not the MinIO root account: each its role's
     env = dc.environment(svcs["minio"])
     assert env["MINIO_ROOT_USER"].startswith("${MINIO_ROOT_USER:?")
-    assert dc.environment(svcs["api"])["EPD_S3_ACCESS_KEY"].startswith("${EPD_S3_ACCESS_KEY:?")
+    assert dc.environment(svcs["api"])["EPD_S3_ACCESS_KEY"].startswith("${S3_API_ACCESS_KEY:?")
 
 
 # -- NATS identities: one per role (deploy/nats-auth.conf, docs/security.md) -------------------------
@@ -566,6 +575,105 @@ def test_identity_checker_rejects_broken_nats_configurations(compose, cluster):
 
 
 # -- TLS on every link (the one-shot `certs`, deploy/nats.conf's tls blocks, MinIO's --certs-dir) ---
+# -- store identities: one MinIO account per role (deploy/minio-policies, docs/security.md) -----------
+def test_minio_policies_are_the_generated_ones():
+    assert dc.minio_policy_problems() == []
+
+    def edited(relative: str) -> str | None:  # a statement widened by hand
+        text = dc.read_repo_file(relative)
+        return text.replace("arn:aws:s3:::epd/epd/media/*", "arn:aws:s3:::epd/*") if text else text
+
+    assert dc.minio_policy_problems(read_file=edited) == [
+        "deploy/minio-policies/api.json differs from shared/store_auth.py's permissions: regenerate it"
+        " (`epd config docs`)",
+        "deploy/minio-policies/encoder.json differs from shared/store_auth.py's permissions: regenerate it"
+        " (`epd config docs`)",
+        "deploy/minio-policies/prefill.json differs from shared/store_auth.py's permissions: regenerate it"
+        " (`epd config docs`)",
+    ]
+    assert dc.minio_policy_problems(
+        read_file=lambda r: None if r.endswith("decode.json") else dc.read_repo_file(r)
+    ) == ["deploy/minio-policies/decode.json is missing (`epd config docs` writes it)"]
+
+
+def test_each_service_reaches_the_store_as_its_own_role(compose, cluster, cluster_test):
+    for merged in (compose, cluster, cluster_test):
+        assert dc.store_identity_problems(merged, APPS) == []
+    env = dc.environment(compose["services"]["decode-gpu"])
+    assert env["EPD_S3_ACCESS_KEY"].startswith("${S3_DECODE_ACCESS_KEY:?")
+    assert env["EPD_S3_SECRET_KEY"].startswith("${S3_DECODE_SECRET_KEY:?")
+
+
+def _init_script_edit(compose: dict, old: str, new: str) -> dict:
+    (script,) = compose["services"]["minio-init"]["command"]
+    assert old in script, old
+    return dc.broken(compose, "minio-init", command=[script.replace(old, new)])
+
+
+BROKEN_STORE_IDENTITIES = {
+    "the encoder with the prefill's keys": (
+        lambda c: _env_edit(
+            c,
+            "encoder",
+            EPD_S3_ACCESS_KEY="${S3_PREFILL_ACCESS_KEY:?x}",
+            EPD_S3_SECRET_KEY="${S3_PREFILL_SECRET_KEY:?x}",
+        ),
+        "encoder: EPD_S3_ACCESS_KEY='${S3_PREFILL_ACCESS_KEY:?x}' is not its role's ${S3_ENCODER_ACCESS_KEY:?...}",
+    ),
+    "a GPU decode worker with the api's secret": (
+        lambda c: _env_edit(c, "decode-gpu", EPD_S3_SECRET_KEY="${S3_API_SECRET_KEY:?x}"),
+        "decode-gpu: is handed another role's store keys ['S3_API_SECRET_KEY']",
+    ),
+    "the api with the MinIO root account": (
+        lambda c: _env_edit(
+            c, "api", EPD_S3_ACCESS_KEY="${MINIO_ROOT_USER:?x}", EPD_S3_SECRET_KEY="${MINIO_ROOT_PASSWORD:?x}"
+        ),
+        "api: is handed the MinIO root account ['MINIO_ROOT_PASSWORD', 'MINIO_ROOT_USER']",
+    ),
+    "a default secret": (
+        lambda c: _env_edit(c, "prefill", EPD_S3_SECRET_KEY="${S3_PREFILL_SECRET_KEY:-changeme}"),
+        "prefill: EPD_S3_SECRET_KEY='${S3_PREFILL_SECRET_KEY:-changeme}' is not its role's",
+    ),
+    "another service handed a role's keys": (
+        lambda c: _env_edit(c, "prometheus", S3_API_SECRET_KEY="${S3_API_SECRET_KEY:?x}"),
+        "prometheus: is handed the roles' store keys ['S3_API_SECRET_KEY']",
+    ),
+    "minio-init not attaching the policies": (
+        lambda c: _init_script_edit(
+            c, 'if ! out=$$(mc admin policy attach epd "epd-$$1" --user "$$2" 2>&1); then', "if false; then"
+        ),
+        'minio-init: no `mc admin policy attach epd "epd-$1" --user "$2"`: it no longer attaches the policy',
+    ),
+    "minio-init not creating the decode account": (
+        lambda c: _init_script_edit(c, 'role_account decode "$$S3_DECODE_ACCESS_KEY" "$$S3_DECODE_SECRET_KEY"\n', ""),
+        'minio-init: no account for decode (`role_account decode "$S3_DECODE_ACCESS_KEY" "$S3_DECODE_SECRET_KEY"`)',
+    ),
+    "minio-init taking a policy from elsewhere": (
+        lambda c: _init_script_edit(c, '"/policies/$$1.json" >/dev/null', "/tmp/epd-policy.json >/dev/null"),
+        'minio-init: no `mc admin policy create epd "epd-$1" "/policies/$1.json"`',
+    ),
+    "minio-init without the policies": (
+        lambda c: dc.broken(c, "minio-init", volumes=["tls:/tls:ro"]),
+        "minio-init: deploy/minio-policies is not mounted read-only at /policies",
+    ),
+    "minio-init without a role's key": (
+        lambda c: _env_edit(c, "minio-init", S3_ENCODER_SECRET_KEY=None),
+        "minio-init: S3_ENCODER_SECRET_KEY=None is not ${S3_ENCODER_SECRET_KEY:?...} (required, no default)",
+    ),
+    "minio-init letting two roles share an access key": (
+        lambda c: _init_script_edit(c, 'seen="$$seen$$2 "', ":"),
+        'minio-init: no `seen="$seen$2 "`: it no longer remembers each role\'s access key',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_STORE_IDENTITIES))
+def test_store_identity_checker_rejects_broken_copies(compose, case):
+    mutate, expected = BROKEN_STORE_IDENTITIES[case]
+    problems = dc.store_identity_problems(mutate(compose), APPS)
+    assert any(expected in p for p in problems), problems
+
+
 def test_compose_requires_tls_on_every_link(compose, cluster, cluster_test):
     """docker-compose.yml (and the cluster files on top) keep TLS required: NATS's client port
     TLS from the first byte, the cluster routes TLS verified against the CA, MinIO HTTPS (between
@@ -668,7 +776,7 @@ def test_tls_checker_rejects_broken_copies(compose, cluster, case):
 FAKE_MC = """#!/bin/sh
 echo "$*" >> "$MC_LOG"
 case "$*" in
-  "admin policy create "*) cat "$6" > "$MC_LOG.policy" ;;
+  "admin policy create "*) cat "$6" > "$MC_LOG.$5" ;;
   "admin policy attach "*)
     case "$FAKE_ATTACH" in
       already) echo "mc: <ERROR> Unable to attach. The specified policy change is already in effect." >&2; exit 1 ;;
@@ -688,7 +796,9 @@ def run_minio_init(compose, tmp_path, dotenv, **fake):
     (bin_dir / "mc").chmod(0o755)
     log = tmp_path / "mc.log"
     log.unlink(missing_ok=True)
-    script = svc["command"][0].replace("/tmp/epd-policy.json", str(tmp_path / "policy.json"))
+    # the mount of deploy/minio-policies (or, with policies=, another folder standing for it)
+    policies = fake.get("policies", ROOT / dc.MINIO_POLICIES)
+    script = svc["command"][0].replace(f"{dc.POLICY_MOUNT}/", f"{policies}/")
     ca = tmp_path / "ca.crt"
     ca.write_text("the CA\n")
     env = {
@@ -705,23 +815,27 @@ def run_minio_init(compose, tmp_path, dotenv, **fake):
     return proc, calls, log
 
 
-def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
+def test_minio_init_creates_one_account_per_role(compose, tmp_path):
     import json
 
-    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_BUCKET": "epd-b1"}
+    from shared.store_auth import minio_policy
+
+    dotenv = {**env_example_values(), **TEST_SECRETS}
     proc, calls, log = run_minio_init(compose, tmp_path, dotenv)
     assert proc.returncode == 0, proc.stderr
     pw = TEST_SECRETS["MINIO_ROOT_PASSWORD"]
-    assert calls == [
-        f"alias set epd https://minio:9000 epd-admin {pw}",
-        "mb --ignore-existing epd/epd-b1",
-        f"admin policy create epd epd-services {tmp_path / 'policy.json'}",
-        f"admin user add epd epd-services {TEST_SECRETS['EPD_S3_SECRET_KEY']}",
-        "admin policy attach epd epd-services --user epd-services",
-    ]
-    policy = json.loads(Path(f"{log}.policy").read_text())
-    (statement,) = policy["Statement"]
-    assert statement["Resource"] == ["arn:aws:s3:::epd-b1", "arn:aws:s3:::epd-b1/*"]  # that bucket only
+    policies = ROOT / dc.MINIO_POLICIES
+    expected = [f"alias set epd https://minio:9000 epd-admin {pw}", "mb --ignore-existing epd/epd"]
+    for role in STORE_ROLES:
+        r, access, secret = role.value, TEST_SECRETS[access_key_variable(role)], TEST_SECRETS[secret_key_variable(role)]
+        expected += [
+            f"admin policy create epd epd-{r} {policies}/{r}.json",
+            f"admin user add epd {access} {secret}",
+            f"admin policy attach epd epd-{r} --user {access}",
+        ]
+        # each account gets its role's policy, the table's (shared/store_auth.py) for bucket and namespace epd
+        assert json.loads(Path(f"{log}.epd-{r}").read_text()) == minio_policy(role, "epd", "epd")
+    assert calls == expected
     assert pw not in proc.stdout + proc.stderr
     # mc trusts the CA (its config folder's certs/CAs); without TLS, no CA is given
     assert (tmp_path / "mc" / "certs" / "CAs" / "epd-ca.crt").read_text() == "the CA\n"
@@ -740,10 +854,35 @@ def test_minio_init_creates_bucket_and_scoped_account(compose, tmp_path):
     assert calls[0].startswith("alias set epd https://s3.internal:443 ")
 
 
-def test_minio_init_refuses_the_root_account_for_services(compose, tmp_path):
-    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_ACCESS_KEY": TEST_SECRETS["MINIO_ROOT_USER"]}
+def test_minio_init_refuses_policies_of_another_bucket(compose, tmp_path):
+    """The committed policies name the bucket and namespace `epd`: with another bucket, minio-init
+    stops before it creates any account, until policies rendered for it are mounted."""
+    import json
+
+    from shared.store_auth import minio_policy
+
+    dotenv = {**env_example_values(), **TEST_SECRETS, "EPD_S3_BUCKET": "epd-b1", "EPD_NAMESPACE": "ns1"}
     proc, calls, _ = run_minio_init(compose, tmp_path, dotenv)
-    assert proc.returncode == 1 and "must differ" in proc.stderr and calls == []
+    assert proc.returncode == 1 and "not for bucket epd-b1, namespace ns1" in proc.stderr
+    assert not [c for c in calls if c.startswith("admin")]
+    # (control) the policies rendered for that bucket and namespace, mounted in their place
+    mine = tmp_path / "policies"
+    mine.mkdir()
+    for role in STORE_ROLES:
+        (mine / f"{role.value}.json").write_text(json.dumps(minio_policy(role, "epd-b1", "ns1")))
+    proc, calls, _ = run_minio_init(compose, tmp_path, dotenv, policies=mine)
+    assert proc.returncode == 0, proc.stderr
+    assert calls[1] == "mb --ignore-existing epd/epd-b1" and len(calls) == 2 + 3 * len(STORE_ROLES)
+
+
+@pytest.mark.parametrize("var", ["MINIO_ROOT_USER", "S3_API_ACCESS_KEY"])
+def test_minio_init_refuses_a_shared_access_key(compose, tmp_path, var):
+    """A role's access key that is the root's or another role's: minio-init fails (the accounts
+    would merge)."""
+    dotenv = {**env_example_values(), **TEST_SECRETS, "S3_DECODE_ACCESS_KEY": TEST_SECRETS[var]}
+    proc, calls, _ = run_minio_init(compose, tmp_path, dotenv)
+    assert proc.returncode == 1 and "each role gets its own account" in proc.stderr
+    assert "admin user add epd epd-decode" not in " ".join(calls)
 
 
 def test_nats_url_may_list_a_cluster(nats_server):

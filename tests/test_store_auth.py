@@ -15,7 +15,7 @@ import pytest
 from shared.errors import StoreError
 from shared.nats_auth import Role
 from shared.store.format import ec_key, media_key
-from shared.store.kv import kv_key
+from shared.store.kv import kv_key, kv_prefix
 from shared.store.objects import S3ObjectStore
 from shared.store_auth import (
     PERMISSIONS,
@@ -23,7 +23,9 @@ from shared.store_auth import (
     Action,
     Kind,
     allowed,
+    compose_minio_policies,
     load_or_create_keys,
+    minio_policy,
     permission_table,
     prefixes,
     seaweed_bucket_policy,
@@ -199,3 +201,103 @@ def test_the_docs_table_is_the_permissions():
         for kind, cell in zip(Kind, cells, strict=True):
             got = set() if cell == "-" else set(cell.split(", "))
             assert got == {a.value for a in PERMISSIONS[role].get(kind, ())}, (role, kind, cell)
+
+
+# -- MinIO (Docker Compose): the same table as IAM policies, evaluated here ----------------------------
+def _like(pattern: str, value: str) -> bool:
+    """IAM's wildcard match (``*`` any run, ``?`` one character), as MinIO's StringLike and resources."""
+    import fnmatch
+
+    return fnmatch.fnmatchcase(value, pattern.replace("[", "[[]"))
+
+
+def iam_allows(policy: dict, action: str, resource: str, prefix: str | None = None) -> bool:
+    """Whether an IAM policy of Allow statements allows ``action`` on ``resource`` (a listing: with
+    ``s3:prefix`` = ``prefix``). What no statement allows is denied, as in MinIO."""
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow", st  # (a Deny would need evaluating first)
+        if action not in st["Action"] or not any(_like(r, resource) for r in st["Resource"]):
+            continue
+        like = st.get("Condition", {}).get("StringLike", {}).get("s3:prefix")
+        if like is not None and (prefix is None or not any(_like(p, prefix) for p in like)):
+            continue
+        return True
+    return False
+
+
+def minio_may(policy: dict, kind: Kind, action: Action, bucket: str = BUCKET) -> bool:
+    """``action`` on a sample ``kind`` object (a listing: of that kind's keys) under ``policy``."""
+    key = sample_key(kind, "item")
+    if action is Action.LIST:
+        prefix = {Kind.MEDIA: media_key(NS, ""), Kind.KV: kv_prefix(NS)}.get(kind, f"{NS}/{FP}/")
+        return iam_allows(policy, "s3:ListBucket", f"arn:aws:s3:::{bucket}", prefix)
+    s3_action = {Action.READ: "s3:GetObject", Action.WRITE: "s3:PutObject", Action.DELETE: "s3:DeleteObject"}[action]
+    return iam_allows(policy, s3_action, f"arn:aws:s3:::{bucket}/{key}")
+
+
+def minio_matrix(policy: dict) -> dict[tuple[str, str], bool]:
+    return {(k.value, a.value): minio_may(policy, k, a) for k in (Kind.MEDIA, Kind.EC, Kind.KV) for a in Action}
+
+
+def table_matrix(role: Role) -> dict[tuple[str, str], bool]:
+    expected = {(k.value, a.value): allowed(role, k, a) for k in (Kind.MEDIA, Kind.EC, Kind.KV) for a in Action}
+    if allowed(role, Kind.NAMESPACE, Action.LIST):  # the janitor lists every kind's keys
+        expected.update({(k.value, Action.LIST.value): True for k in (Kind.MEDIA, Kind.EC, Kind.KV)})
+    return expected
+
+
+@pytest.mark.parametrize("role", STORE_ROLES, ids=str)
+def test_each_roles_minio_policy_allows_exactly_what_the_table_says(role):
+    """Every role x kind x action under the role's MinIO policy: allowed iff the table allows it; the
+    namespace's listing iff the table's, and nothing of another bucket or outside the namespace."""
+    policy = minio_policy(role, BUCKET, NS)
+    assert minio_matrix(policy) == table_matrix(role)
+    bucket = f"arn:aws:s3:::{BUCKET}"
+    assert iam_allows(policy, "s3:ListBucket", bucket, f"{NS}/") == allowed(role, Kind.NAMESPACE, Action.LIST)
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
+        assert not iam_allows(policy, action, f"{bucket}/other/{FP}/item")  # another namespace
+        assert not iam_allows(policy, action, f"arn:aws:s3:::other/{sample_key(Kind.MEDIA, 'x')}")  # another bucket
+    assert not iam_allows(policy, "s3:ListBucket", bucket, "")  # the whole bucket
+    assert not iam_allows(policy, "s3:ListBucket", bucket, None)
+    # nothing beyond the table's actions and the bucket's region
+    granted = {a for st in policy["Statement"] for a in st["Action"]}
+    assert granted <= {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket", "s3:GetBucketLocation"}
+    assert iam_allows(policy, "s3:GetBucketLocation", bucket)
+    assert not iam_allows(policy, "s3:DeleteBucket", bucket) and not iam_allows(policy, "s3:PutBucketPolicy", bucket)
+
+
+@pytest.mark.parametrize(
+    "role,edit,differs",
+    [
+        # an encoder given KV read, the API given EC write, decode given KV write (cf. the SeaweedFS mutations)
+        (
+            Role.ENCODER,
+            lambda p: p["Statement"][0]["Resource"].append(f"arn:aws:s3:::{BUCKET}/{NS}/kv/*"),
+            ("kv", "read"),
+        ),
+        (
+            Role.API,
+            lambda p: p["Statement"].append(
+                {**p["Statement"][0], "Action": ["s3:PutObject"], "Resource": [f"arn:aws:s3:::{BUCKET}/{NS}/*"]}
+            ),
+            ("ec", "write"),
+        ),
+        (Role.DECODE, lambda p: p["Statement"][0]["Action"].append("s3:PutObject"), ("kv", "write")),
+        # a listing without its prefix condition: the whole bucket
+        (Role.DECODE, lambda p: [st.pop("Condition", None) for st in p["Statement"]], ("media", "list")),
+    ],
+    ids=["encoder-kv-read", "api-ec-write", "decode-kv-write", "list-unconditioned"],
+)
+def test_an_edited_minio_policy_no_longer_matches_the_table(role, edit, differs):
+    """Negative controls of the matrix check: each widened policy is caught."""
+    policy = minio_policy(role, BUCKET, NS)
+    edit(policy)
+    matrix = minio_matrix(policy)
+    assert matrix != table_matrix(role) and matrix[differs] and not table_matrix(role)[differs]
+
+
+def test_compose_minio_policies_are_the_roles_policies_for_epd():
+    files = compose_minio_policies()
+    assert sorted(str(p) for p in files) == sorted(f"deploy/minio-policies/{r.value}.json" for r in STORE_ROLES)
+    for role in STORE_ROLES:
+        assert json.loads(files[next(p for p in files if p.stem == role.value)]) == minio_policy(role, "epd", "epd")

@@ -81,9 +81,7 @@ SECTIONS: tuple[Section, ...] = (
 CHOICES = {"role": [r.value for r in PREFILL_SERVICE_ROLES]}
 
 # Secrets: .env.example never carries a value for them (compose refuses to start until they are set).
-SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_SECRET_KEY")
-# Account names .env.example proposes (names, not secrets; compose requires them set).
-ACCOUNT_NAMES = {"EPD_S3_ACCESS_KEY": "epd-services"}
+SECRET_VARS = ("EPD_API_KEYS", "EPD_NATS_PASSWORD", "EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY")
 # Compose-side defaults that differ from shared/config.py on purpose (container network, mount point).
 COMPOSE_DEFAULTS = {
     "EPD_NATS_URL": "tls://nats:4222",
@@ -122,6 +120,15 @@ COMPOSE_ONLY = (
             "one NATS identity per role ([Security](security.md)): nats-server reads them all"
             " (`deploy/nats-auth.conf`); each service gets its own role's as `EPD_NATS_USER` /"
             " `EPD_NATS_PASSWORD`; viewer and admin are the operator's (`epd replay`, `epd ec` from the host)"
+        ),
+    ),
+    (
+        "S3_API_ACCESS_KEY` / `S3_API_SECRET_KEY`, and the same for `ENCODER`, `PREFILL`, `DECODE",
+        "required",
+        (
+            "one MinIO account per role ([Security](security.md#store-identities)): `minio-init` creates each"
+            " with its role's policy (`deploy/minio-policies/<role>.json`); each service gets its own role's as"
+            " `EPD_S3_ACCESS_KEY` / `EPD_S3_SECRET_KEY`"
         ),
     ),
     (
@@ -296,8 +303,9 @@ def configuration_md() -> str:
         "`EPD_ENGINE=vllm` (GPU services), `EPD_METRICS_PORT=9100` and `EPD_HEALTH_FILE=/tmp/epd-health.json`",
         "(workers). `EPD_WORKER_ID` stays the container's host name plus a random suffix, so replicas differ.",
         "`EPD_NATS_USER` / `EPD_NATS_PASSWORD` are set per service from its role (`api`, `encoder`, `prefill`,",
-        "`decode`) and that role's `NATS_<ROLE>_PASSWORD`. `EPD_API_KEYS`, the `NATS_<ROLE>_PASSWORD`s,",
-        "`EPD_S3_ACCESS_KEY` and `EPD_S3_SECRET_KEY` are required under compose.",
+        "`decode`) and that role's `NATS_<ROLE>_PASSWORD`; `EPD_S3_ACCESS_KEY` / `EPD_S3_SECRET_KEY` likewise",
+        "from that role's `S3_<ROLE>_ACCESS_KEY` / `S3_<ROLE>_SECRET_KEY`. `EPD_API_KEYS`, the",
+        "`NATS_<ROLE>_PASSWORD`s and the `S3_<ROLE>_*_KEY`s are required under compose.",
         "",
     ]
     return "\n".join(out)
@@ -340,10 +348,7 @@ NATS_ADMIN_PASSWORD=
 # MinIO root account: used only by minio and the one-shot minio-init, never by the services.
 MINIO_ROOT_USER=epd-admin
 MINIO_ROOT_PASSWORD=
-# The services' own MinIO account, limited to EPD_S3_BUCKET (created by minio-init).
-# Must differ from MINIO_ROOT_USER; the secret needs at least 8 characters.
-EPD_S3_ACCESS_KEY=epd-services
-EPD_S3_SECRET_KEY=
+{store_accounts}
 
 # ---- cluster deployment only (docker-compose.cluster.yml: 3 NATS nodes, distributed MinIO) ---------
 # COMPOSE_FILE=docker-compose.yml:docker-compose.cluster.yml
@@ -371,9 +376,22 @@ COMPOSE_NOTES = {
 WRITTEN_IN_HEADER = {
     "EPD_MODEL_NAME",
     "EPD_API_KEYS",
-    "EPD_S3_ACCESS_KEY",
-    "EPD_S3_SECRET_KEY",
 }
+
+
+def store_accounts() -> str:
+    """.env.example's MinIO accounts, one per store role (``shared.store_auth``)."""
+    from shared.store_auth import STORE_ROLES, access_key_variable, identity_name, secret_key_variable
+
+    lines = [
+        '# One MinIO account per role (docs/security.md, "Store identities"): minio-init creates each with',
+        "# its role's policy (deploy/minio-policies/<role>.json: only the object prefixes the role needs);",
+        "# each service gets only its own role's keys, as EPD_S3_ACCESS_KEY / EPD_S3_SECRET_KEY. The access",
+        "# keys differ from each other and from MINIO_ROOT_USER; each secret needs at least 8 characters.",
+    ]
+    for role in STORE_ROLES:
+        lines += [f"{access_key_variable(role)}={identity_name(role)}", f"{secret_key_variable(role)}="]
+    return "\n".join(lines)
 
 
 def _wrap(text: str, width: int = 100) -> list[str]:
@@ -393,7 +411,7 @@ def _rule(title: str) -> str:
 
 def env_example(root: Path = ROOT) -> str:
     read_by_compose = compose_variables(root)
-    out = [ENV_HEADER.rstrip("\n")]
+    out = [ENV_HEADER.replace("{store_accounts}", store_accounts()).rstrip("\n")]
     not_read: list[tuple[str, FieldInfo]] = []
     for section in SECTIONS:
         rows = []
@@ -427,6 +445,7 @@ def env_example(root: Path = ROOT) -> str:
 
 # -- the command ----------------------------------------------------------------------------------
 def generated(root: Path = ROOT) -> dict[Path, str]:
+    from shared.store_auth import compose_minio_policies
     from shared.tools.nats_identities import COMPOSE_NATS_AUTH, SECURITY_DOC, compose_nats_auth, security_md
 
     return {
@@ -434,6 +453,7 @@ def generated(root: Path = ROOT) -> dict[Path, str]:
         ENV_EXAMPLE: env_example(root),
         SECURITY_DOC: security_md(),
         COMPOSE_NATS_AUTH: compose_nats_auth(),
+        **compose_minio_policies(),
     }
 
 
@@ -481,7 +501,7 @@ def add_parser(sub: Any) -> None:
         "docs",
         help=(
             "write docs/configuration.md, .env.example (shared/config.py), docs/security.md and"
-            " deploy/nats-auth.conf (shared/nats_auth.py)"
+            " deploy/nats-auth.conf (shared/nats_auth.py), deploy/minio-policies/ (shared/store_auth.py)"
         ),
     )
     docs.add_argument(

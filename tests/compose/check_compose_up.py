@@ -48,6 +48,15 @@ from shared import protocol
 from shared.config import NatsSettings
 from shared.nats_auth import inbox_prefix
 from shared.protocol import kv_stream
+from shared.store_auth import (
+    COMPOSE_BUCKET,
+    COMPOSE_NAMESPACE,
+    STORE_ROLES,
+    access_key_variable,
+    seaweed_bucket_policy,
+    seaweed_identities,
+    secret_key_variable,
+)
 from shared.tools.certs import SERVERS
 from shared.tools.nats_identities import DEPLOYED_ROLES, password_variable
 from tests import deploycheck as dc
@@ -70,6 +79,8 @@ S3_IMAGE = "epd-test/seaweedfs-s3:4.48"
 API_KEY = "sk-compose-" + uuid.uuid4().hex
 # One NATS identity per role (deploy/nats-auth.conf): the test reads the streams as the admin.
 NATS_PASSWORDS = {role.value: "pw" + uuid.uuid4().hex for role in DEPLOYED_ROLES}  # never read as a number
+#: Each store role's (access key, secret key), as a user's .env holds them (S3_<ROLE>_ACCESS_KEY, ...).
+S3_KEYS = {role: (f"epd-{role.value}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex) for role in STORE_ROLES}
 NATS_USER, NATS_PASSWORD = "admin", NATS_PASSWORDS["admin"]
 UP_TIMEOUT_S = 600  # `up --wait`: model loads on a loaded 2-core machine take minutes
 REQUEST_TIMEOUT_S = 300
@@ -314,8 +325,23 @@ def remove_stale_projects() -> None:
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
+def write_s3_roles(path: Path) -> Path:
+    """The S3 stand-in's per-role identities and bucket policy (tests/compose/epd-test-s3.py), from
+    shared/store_auth.py's table as deploy/minio-policies is, with the env file's keys (S3_KEYS)."""
+    roles = {
+        "identities": seaweed_identities(S3_KEYS, COMPOSE_BUCKET, COMPOSE_NAMESPACE),
+        "bucket_policy": seaweed_bucket_policy(COMPOSE_BUCKET, COMPOSE_NAMESPACE),
+        "namespace": COMPOSE_NAMESPACE,
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(roles, f)
+    return path
+
+
 def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
-    """What a user's .env holds: fresh secrets, the model, the stand-in images."""
+    """What a user's .env holds: fresh secrets (one S3 account per role), the model, the stand-in
+    images; and the S3 stand-in's identities of those accounts (EPD_TEST_S3_ROLES)."""
     values = {
         "EPD_API_KEYS": API_KEY,
         # more names the certificates are valid for (the host's, for clients elsewhere)
@@ -323,8 +349,11 @@ def write_env_file(path: Path, model_dir: Path, **extra: str) -> Path:
         **{password_variable(role): password for role, password in NATS_PASSWORDS.items()},
         "MINIO_ROOT_USER": "epd-admin",
         "MINIO_ROOT_PASSWORD": uuid.uuid4().hex,
-        "EPD_S3_ACCESS_KEY": "epd-services",
-        "EPD_S3_SECRET_KEY": uuid.uuid4().hex,
+        **{access_key_variable(role): access for role, (access, _) in S3_KEYS.items()},
+        **{secret_key_variable(role): secret for role, (_, secret) in S3_KEYS.items()},
+        # SeaweedFS refuses a role's GetBucketLocation (MinIO's policies allow it): the region given
+        "EPD_S3_REGION": "us-east-1",
+        "EPD_TEST_S3_ROLES": str(write_s3_roles(path.parent / "s3-roles.json")),
         "EPD_MODEL_DIR": str(model_dir),
         # the tiny model served under the name the bodies ask for (Compose's default is the demo model's)
         "EPD_MODEL_NAME": "qwen2-vl-tiny",
@@ -520,7 +549,7 @@ def test_every_link_is_tls_and_plaintext_is_refused(compose):
     assert asyncio.run(nats_connects(port, "admin", password, compose.tls))
     assert not asyncio.run(nats_connects(port, "admin", password))  # plaintext
     assert not asyncio.run(nats_connects(port, "admin", password, ssl.create_default_context()))  # no CA
-    # S3: the services' account, over https with the CA (positive control), then without it / plain.
+    # S3: the API's account, over https with the CA (positive control), then without it / plain.
     env = dict(line.split("=", 1) for line in compose.env_file.read_text().splitlines() if "=" in line)
     endpoint = f"127.0.0.1:{compose.port('minio', 9000)}"
 
@@ -528,9 +557,11 @@ def test_every_link_is_tls_and_plaintext_is_refused(compose):
         pool = urllib3.PoolManager(
             cert_reqs="CERT_REQUIRED", retries=urllib3.Retry(total=0), timeout=10, **({"ca_certs": ca} if ca else {})
         )
-        client = Minio(endpoint, env["EPD_S3_ACCESS_KEY"], env["EPD_S3_SECRET_KEY"], secure=secure, http_client=pool)
-        try:
-            return client.bucket_exists("epd")
+        access, secret = env[access_key_variable("api")], env[secret_key_variable("api")]
+        client = Minio(endpoint, access, secret, secure=secure, http_client=pool)
+        try:  # (a role may not look the bucket up: the API lists its namespace)
+            list(client.list_objects("epd", prefix=f"{COMPOSE_NAMESPACE}/"))
+            return True
         except Exception as exc:  # noqa: BLE001 - refused, whatever the error
             log.info("S3 client (secure=%s, CA %s) refused: %s", secure, bool(ca), exc)
             return False

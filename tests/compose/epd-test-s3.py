@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Test-only S3 service for docker-compose.yml's ``minio`` / ``minio-init`` (tests/compose/):
-SeaweedFS (``weed mini``) with the same two accounts MinIO gets there.
+SeaweedFS (``weed mini``) with the accounts MinIO gets there: the root and one per role.
 
   epd-test-s3 serve [--certs-dir DIR]   the S3 server on :9000, data in /data. Accounts:
-                      MINIO_ROOT_USER (admin) and EPD_S3_ACCESS_KEY, limited to EPD_S3_BUCKET (like
-                      minio-init's policy). With --certs-dir (MinIO's flag and layout): HTTPS only,
-                      with DIR/public.crt and DIR/private.key.
+                      MINIO_ROOT_USER (admin) and one identity per role, read from the JSON file
+                      EPD_TEST_S3_ROLES names: ``identities`` (shared.store_auth.seaweed_identities,
+                      with the keys of the test's env file: what minio-init's policies grant under
+                      MinIO), ``bucket_policy`` (seaweed_bucket_policy) and ``namespace``; the test
+                      renders it (this image holds no project code). With --certs-dir (MinIO's flag
+                      and layout): HTTPS only, with DIR/public.crt and DIR/private.key.
   epd-test-s3 ready [URL [CA]]  exit 0 once URL (default: the S3 server's /healthz) answers 200 (the
                       healthcheck); an https URL is verified against the CA file
-  epd-test-s3 init    create EPD_S3_BUCKET with the root account and check that the services'
-                      account reaches it (minio-init's job), over HTTPS verified against
-                      EPD_S3_TLS_CA when EPD_S3_SECURE; idempotent
+  epd-test-s3 init    create EPD_S3_BUCKET and set its policy (the roles file's) with the root
+                      account, and check that the API's account lists its namespace (minio-init's
+                      job), over HTTPS verified against EPD_S3_TLS_CA when EPD_S3_SECURE; idempotent
 
 The cluster stand-in (tests/compose/compose.cluster.test.yml, in place of a distributed MinIO): the
 same S3 store split into SeaweedFS's parts, one per container, with replicated volumes. Arguments
@@ -56,9 +59,17 @@ def env(name: str) -> str:
     return value
 
 
+def roles() -> dict:
+    """The roles file (EPD_TEST_S3_ROLES): identities, bucket policy, namespace."""
+    with open(env("EPD_TEST_S3_ROLES")) as f:
+        data = json.load(f)
+    if not data.get("identities") or "bucket_policy" not in data:
+        sys.exit("epd-test-s3: the roles file holds no identities or no bucket policy")
+    return data
+
+
 def write_identities() -> str:
     """The S3 accounts (see the module docstring) in a file only this user can read; its path."""
-    bucket = env("EPD_S3_BUCKET")
     identities = {
         "identities": [
             {
@@ -66,14 +77,13 @@ def write_identities() -> str:
                 "credentials": [{"accessKey": env("MINIO_ROOT_USER"), "secretKey": env("MINIO_ROOT_PASSWORD")}],
                 "actions": ["Admin", "Read", "List", "Tagging", "Write"],
             },
-            # What minio-init's policy grants the services: s3:* on the bucket and its objects, nothing else.
-            {
-                "name": "epd-services",
-                "credentials": [{"accessKey": env("EPD_S3_ACCESS_KEY"), "secretKey": env("EPD_S3_SECRET_KEY")}],
-                "actions": [f"{a}:{bucket}" for a in ("Admin", "Read", "List", "Tagging", "Write")],
-            },
+            # What minio-init's policies grant each role under MinIO, rendered from the same table.
+            *roles()["identities"],
         ]
     }
+    keys = [c["accessKey"] for i in identities["identities"] for c in i["credentials"]]
+    if len(set(keys)) != len(keys):
+        sys.exit("epd-test-s3: two accounts share an access key (each role gets its own, none the root's)")
     os.makedirs("/tmp/epd-s3", mode=0o700, exist_ok=True)
     path = "/tmp/epd-s3/identities.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -180,28 +190,31 @@ def init() -> None:
     from minio import Minio
     from minio.error import S3Error
 
-    if env("EPD_S3_ACCESS_KEY") == env("MINIO_ROOT_USER"):
-        sys.exit("EPD_S3_ACCESS_KEY must differ from MINIO_ROOT_USER: the services get their own account")
+    data = roles()
+    api = next(i for i in data["identities"] if i["name"] == "epd-api")["credentials"][0]
     endpoint, bucket = env("EPD_S3_ENDPOINT"), env("EPD_S3_BUCKET")
     secure = os.environ.get("EPD_S3_SECURE", "").lower() in ("true", "1", "yes", "on")
     ca = os.environ.get("EPD_S3_TLS_CA") or None
     # (the certificate verified against the CA: what minio-init's mc does with it)
     http = urllib3.PoolManager(cert_reqs="CERT_REQUIRED", ca_certs=ca) if secure and ca else None
     root = Minio(endpoint, env("MINIO_ROOT_USER"), env("MINIO_ROOT_PASSWORD"), secure=secure, http_client=http)
-    services = Minio(endpoint, env("EPD_S3_ACCESS_KEY"), env("EPD_S3_SECRET_KEY"), secure=secure, http_client=http)
+    # (a role may not ask the bucket's region: the one the services are given, EPD_S3_REGION)
+    region = os.environ.get("EPD_S3_REGION") or "us-east-1"
+    services = Minio(endpoint, api["accessKey"], api["secretKey"], secure=secure, http_client=http, region=region)
     deadline = time.monotonic() + 120
     while True:  # the filer behind the S3 gateway can lag its /healthz by a moment
         try:
             if not root.bucket_exists(bucket):
                 root.make_bucket(bucket)
-            assert services.bucket_exists(bucket), "the services' account does not see the bucket"
+            root.set_bucket_policy(bucket, json.dumps(data["bucket_policy"]))
+            list(services.list_objects(bucket, prefix=f"{data['namespace']}/"))  # the API's janitor listing
             break
         except (S3Error, OSError) as exc:
             if time.monotonic() > deadline:
                 raise
             print(f"epd-test-s3: init retrying: {exc}", file=sys.stderr)
             time.sleep(1)
-    print(f"bucket {bucket} and its service account are ready")
+    print(f"bucket {bucket}, its policy and the roles' accounts are ready")
 
 
 if __name__ == "__main__":
