@@ -243,6 +243,9 @@ _AUTH_CODES = frozenset(
         "InvalidSecurity",
     }
 )
+#: ``_check_credentials``' probe listing: outside every role's prefixes (``shared.store_auth``), so a
+#: role's good key gets AccessDenied for it, a wrong secret or an unknown key another error
+_CREDENTIALS_PROBE_PREFIX = "epd-credentials-probe/"
 _MIN_PART = 5 * 1024 * 1024
 _MAX_PART = 5 * 1024 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
@@ -352,6 +355,18 @@ class S3ObjectStore(ObjectStore):
                 self._scrub(f"S3 {where} failed: cannot reach the server: {type(exc).__name__}: {reason}")
             ) from exc
 
+    def _check_credentials(self) -> None:
+        """Raise the S3 error of a request this key signed wrongly (or an unknown key); return when
+        the server only refuses it the right (``AccessDenied``), as it does a role's key a listing
+        outside its prefixes."""
+        from minio.error import S3Error
+
+        try:
+            next(iter(self._client.list_objects(self.bucket, prefix=_CREDENTIALS_PROBE_PREFIX)), None)
+        except S3Error as exc:
+            if exc.code != "AccessDenied":
+                raise
+
     # -- operations
     def ensure_bucket(self) -> None:
         from minio.error import S3Error
@@ -366,6 +381,10 @@ class S3ObjectStore(ObjectStore):
                 # whether it is there.
                 if exc.code != "AccessDenied":
                     raise
+                # A HEAD's 403 has no body: a wrong secret answers it as a key without the right
+                # does. A GET's error names which (SignatureDoesNotMatch, InvalidAccessKeyId:
+                # raised; AccessDenied: the key is good, the listing not its to make).
+                self._check_credentials()
                 log.info("S3 key %s may not look up bucket %s: assuming it exists", self.access_key, self.bucket)
                 return
             try:
