@@ -558,7 +558,8 @@ def test_every_link_is_tls_and_plaintext_is_refused(compose):
             cert_reqs="CERT_REQUIRED", retries=urllib3.Retry(total=0), timeout=10, **({"ca_certs": ca} if ca else {})
         )
         access, secret = env[access_key_variable("api")], env[secret_key_variable("api")]
-        client = Minio(endpoint, access, secret, secure=secure, http_client=pool)
+        # (a role may not ask the bucket's region either: the services' EPD_S3_REGION)
+        client = Minio(endpoint, access, secret, secure=secure, http_client=pool, region=env["EPD_S3_REGION"])
         try:  # (a role may not look the bucket up: the API lists its namespace)
             list(client.list_objects("epd", prefix=f"{COMPOSE_NAMESPACE}/"))
             return True
