@@ -1252,6 +1252,45 @@ def weed_s3_tls_args(tls: ServerTLS | None) -> list[str]:
 SEAWEED_REGION = "us-east-1"
 
 
+def write_seaweed_s3_config(
+    path: Path,
+    access_key: str,
+    secret_key: str,
+    role_keys: Mapping[Role, tuple[str, str]] | None,
+    bucket: str,
+    namespace: str,
+) -> None:
+    """Write ``weed -s3.config``'s identities JSON to ``path`` (mode 0600): the admin, and with
+    ``role_keys`` one identity per role scoped to its object prefixes of ``bucket`` / ``namespace``
+    (``shared.store_auth.seaweed_identities``). ``epd up``'s store and the multi-host test's."""
+    identities = [
+        {
+            "name": "epd-admin",
+            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+    ]
+    if role_keys is not None:
+        from shared.store_auth import seaweed_identities
+
+        identities += seaweed_identities(role_keys, bucket, namespace)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"identities": identities}, f)
+    os.chmod(path, 0o600)
+
+
+def seaweed_provision(admin: S3ObjectStore, namespace: str, roles: tuple[Role, ...]) -> None:
+    """As the admin (``admin``: its bucket, the admin's keys): create the bucket (the role
+    identities cannot) and set the bucket policy that narrows SeaweedFS's ``Write`` for ``roles``
+    (``shared.store_auth.seaweed_bucket_policy``)."""
+    from shared.store_auth import seaweed_bucket_policy
+
+    admin.ensure_bucket()
+    policy = seaweed_bucket_policy(admin.bucket, namespace, roles)
+    admin._client.set_bucket_policy(admin.bucket, json.dumps(policy))
+
+
 class EmbeddedS3(_EmbeddedServer):
     """SeaweedFS ``weed mini`` (master + volume + filer + S3 in one process) as an S3 server.
 
@@ -1365,13 +1404,7 @@ class EmbeddedS3(_EmbeddedServer):
     def provision(self) -> None:
         """As the admin: create :attr:`bucket` (the role identities cannot) and set its policy
         (``shared.store_auth.seaweed_bucket_policy``)."""
-        from shared.store_auth import seaweed_bucket_policy
-
-        store = self.admin_store()
-        store.ensure_bucket()
-        roles = tuple(self.role_keys or ())
-        policy = seaweed_bucket_policy(self.bucket, self.namespace, roles)
-        store._client.set_bucket_policy(self.bucket, json.dumps(policy))
+        seaweed_provision(self.admin_store(), self.namespace, tuple(self.role_keys or ()))
 
     def __enter__(self) -> EmbeddedS3:
         super().__enter__()
@@ -1407,23 +1440,9 @@ class EmbeddedS3(_EmbeddedServer):
     def _prepare(self) -> list[str]:
         self.weed_dir.mkdir(parents=True, exist_ok=True)
         self.ports = self._allocate_ports()
-        identities = {
-            "identities": [
-                {
-                    "name": "epd-admin",
-                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }
-            ]
-        }
-        if self.role_keys is not None:
-            from shared.store_auth import seaweed_identities
-
-            identities["identities"] += seaweed_identities(self.role_keys, self.bucket, self.namespace)
-        fd = os.open(self.identities_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(identities, f)
-        os.chmod(self.identities_path, 0o600)
+        write_seaweed_s3_config(
+            self.identities_path, self.access_key, self.secret_key, self.role_keys, self.bucket, self.namespace
+        )
         return [
             "-logtostderr=true",  # glog would otherwise write files into /tmp
             f"-config_dir={self.data_dir}",  # do not pick up ~/.seaweedfs/*.toml

@@ -7,6 +7,11 @@ a ``weed master`` (default replication ``001``: a second copy on another server 
 two ``weed volume`` servers on different hosts, and a ``weed filer`` with the S3 gateway - HTTPS
 only with ``tls`` (the flags of ``epd up --tls``'s store: ``infra.weed_s3_tls_args``). The links
 between the store's own hosts (master, volume servers, filer: HTTP and gRPC) stay plaintext.
+
+The gateway knows an admin and, with ``role_keys``, one identity per role (``shared.store_auth``,
+written as ``epd up``'s store writes them: ``infra.write_seaweed_s3_config``); once it is up the
+admin creates the bucket and sets its policy (``infra.seaweed_provision``), as ``epd up`` does. The
+admin's keys stay with the set-up and the tests' own probes; each service gets its role's.
 """
 
 from __future__ import annotations
@@ -20,10 +25,21 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.tools.infra import ServerTLS, _spawn, find_binary, weed_s3_tls_args
+from shared.nats_auth import Role
+from shared.store.objects import S3ObjectStore
+from shared.tools.infra import (
+    SEAWEED_REGION,
+    ServerTLS,
+    _spawn,
+    find_binary,
+    seaweed_provision,
+    weed_s3_tls_args,
+    write_seaweed_s3_config,
+)
 from tests.multihost.lab import Host
 from tests.stackutil import wait_for
 
@@ -119,7 +135,11 @@ class WeedStore:
     #: the S3 gateway's certificate (None: plain HTTP)
     tls: ServerTLS | None = None
     access_key: str = field(default_factory=lambda: "epdmh" + secrets.token_hex(4))
-    secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    #: one identity per role (``shared.store_auth``) on ``bucket`` / ``namespace``; None: the admin only
+    role_keys: Mapping[Role, tuple[str, str]] | None = field(default=None, repr=False)
+    bucket: str = "epd"
+    namespace: str = "epd"
     master: HostProc | None = None
     volumes: list[HostProc] = field(default_factory=list)
     filer: HostProc | None = None
@@ -187,19 +207,8 @@ class WeedStore:
         wait_for(lambda: http_ok(f"{master_url}/cluster/status"), 30, "the weed master")
         self.volumes = [self.volume_proc(i).start() for i in range(len(self.hosts))]
         wait_for(lambda: self.data_nodes() >= len(self.hosts), 60, "every volume server to join the master")
-        identities = {
-            "identities": [
-                {
-                    "name": "epd-admin",
-                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }
-            ]
-        }
         ident = self.data_dir / "s3-identities.json"
-        fd = os.open(ident, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(identities, f)
+        write_seaweed_s3_config(ident, self.access_key, self.secret_key, self.role_keys, self.bucket, self.namespace)
         self.filer = self._weed(
             "weed-filer",
             head,
@@ -226,7 +235,16 @@ class WeedStore:
         ).start()
         context = self.tls.client_context() if self.tls is not None else None
         wait_for(lambda: http_ok(f"{self.url}/healthz", context=context), 60, "the weed S3 gateway")
+        if self.role_keys is not None:
+            seaweed_provision(self.admin_store(), self.namespace, tuple(self.role_keys))
         return self
+
+    def admin_store(self) -> S3ObjectStore:
+        """The bucket as the admin (the set-up's and the tests' own probes' identity)."""
+        ca = self.tls.ca if self.tls is not None else None
+        return S3ObjectStore(
+            self.url, self.access_key, self.secret_key, self.bucket, region=SEAWEED_REGION, ca_file=ca, max_retries=0
+        )
 
     def data_nodes(self) -> int:
         """Volume servers the master counts as alive."""

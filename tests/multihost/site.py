@@ -24,6 +24,13 @@ peer's certificate verified against the CA), the nodes' monitoring ports (HTTPS)
 CA (``EPD_NATS_TLS_CA``, ``EPD_S3_TLS_CA``, :attr:`Site.client_tls`). ``<data dir>/tls-stranger``
 holds certificates of another CA (a stranger's, for the refusals). Not TLS: the store's own links
 between ``s1``-``s3`` (weed master, volume servers, filer).
+
+The store runs with one identity per role too (``shared.store_auth``, as ``epd up``'s store: keys
+generated under ``<data dir>/s3-roles``, mode 0600; the gateway's identities and the bucket policy
+from the same functions, ``procs.WeedStore``): each service gets its role's
+``EPD_S3_ACCESS_KEY`` / ``EPD_S3_SECRET_KEY`` (and ``EPD_S3_REGION``: a role may not ask the
+bucket's location); the admin's keys make the bucket and its policy and serve the tests' own
+probes. :meth:`Site.store_probe` runs S3 calls with given identities inside a host.
 """
 
 from __future__ import annotations
@@ -42,15 +49,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, env_var
 from shared.nats_auth import SERVICE_ROLES, Role
 from shared.protocol import Subjects
+from shared.store_auth import load_or_create_keys
 from shared.tools.certs import Written, make_certs
-from shared.tools.infra import NatsCluster, ServerTLS
+from shared.tools.infra import SEAWEED_REGION, NatsCluster, ServerTLS
 from shared.tools.nats_identities import PASSWORD_ENV, USER_ENV, NatsIdentities
 from shared.topology import TOPOLOGIES, Topology
 from tests.faultutil import FAULT_DIR_ENV
 from tests.faultutil import MODULE as FAULT_MODULE
-from tests.multihost import probe
+from tests.multihost import probe, store_probe
 from tests.multihost.lab import Host, Lab
 from tests.multihost.load import Login
 from tests.multihost.procs import HostProc, WeedStore, http_get
@@ -105,6 +114,8 @@ class Site:
     #: every role's NATS password (``shared.nats_auth``), kept under the data dir
     identities: NatsIdentities | None = None
     route_password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    #: every store role's (access key, secret key) (``shared.store_auth``), kept under the data dir
+    store_keys: dict[Role, tuple[str, str]] = field(default_factory=dict, repr=False)
     #: the test CA and the servers' certificates (every host's address); a stranger CA's
     certs: Written | None = None
     stranger: Written | None = None
@@ -130,11 +141,18 @@ class Site:
             tls=self.server_tls("nats"),
         )
         store_hosts = [self.lab.hosts[n] for n in STORE_HOSTS]
+        self.store_keys = load_or_create_keys(self.data_dir / "s3-roles")
+        store = WeedStore(
+            store_hosts,
+            self.data_dir / "weed",
+            tls=self.server_tls("s3"),
+            role_keys=self.store_keys,
+            bucket=self.bucket,
+            namespace=self.namespace,
+        )
         with ThreadPoolExecutor(2) as pool:
             nats_started = pool.submit(self.nats.start, timeout=60)
-            store_started = pool.submit(
-                lambda: WeedStore(store_hosts, self.data_dir / "weed", tls=self.server_tls("s3")).start()
-            )
+            store_started = pool.submit(store.start)
             nats_started.result()
             self.store = store_started.result()
         self.env = self._service_env()
@@ -172,10 +190,19 @@ class Site:
         """The subject prefix of this site (``EPD_SUBJECT_PREFIX``)."""
         return f"m{self.tag}"
 
+    @property
+    def bucket(self) -> str:
+        return f"epd-{self.tag}"
+
+    @property
+    def namespace(self) -> str:
+        return f"ns{self.tag}"
+
     def _service_env(self) -> dict[str, str]:
-        """What every service gets (its NATS identity is added per service: :meth:`start_service`)."""
+        """What every service gets (its NATS and store identities are added per service:
+        :meth:`start_service`)."""
         assert self.nats is not None and self.store is not None
-        prefix, namespace, bucket = self.prefix, f"ns{self.tag}", f"epd-{self.tag}"
+        prefix, namespace, bucket = self.prefix, self.namespace, self.bucket
         topology = Topology.E_PD
         env = {
             "EPD_NATS_URL": self.nats.seeds,  # tls://...
@@ -184,8 +211,7 @@ class Site:
             "EPD_S3_ENDPOINT": self.store.endpoint,
             "EPD_S3_SECURE": "true",
             "EPD_S3_TLS_CA": str(self.ca),
-            "EPD_S3_ACCESS_KEY": self.store.access_key,
-            "EPD_S3_SECRET_KEY": self.store.secret_key,
+            env_var("s3_region"): SEAWEED_REGION,  # (a role's key may not ask the bucket's location)
             "EPD_S3_BUCKET": bucket,
             "EPD_NAMESPACE": namespace,
             "EPD_SUBJECT_PREFIX": prefix,
@@ -205,11 +231,14 @@ class Site:
         h = self.lab.hosts[host]
         label = f"{name}@{host}"
         assert self.identities is not None
+        access, secret = self.store_keys[SERVICE_ROLES[name]]
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV)},
             **self.env,
             "EPD_WORKER_ID": f"{name}-{host}",
             **self.identities.env(SERVICE_ROLES[name]),  # its role's identity, no other
+            S3_ACCESS_KEY_ENV: access,  # its role's store identity, no other
+            S3_SECRET_KEY_ENV: secret,
         }
         argv = [sys.executable, "-m", f"services.{name}"]
         if name == "api":
@@ -336,10 +365,43 @@ class Site:
         return Login(role.value, self.identities.passwords[role], ca=self.ca)
 
     @property
-    def nats_secrets(self) -> list[str]:
-        """The NATS passwords of this site: every role's and the routes'."""
-        assert self.identities is not None
-        return [*self.identities.passwords.values(), self.route_password]
+    def secrets(self) -> dict[str, str]:
+        """Every secret of this site (NATS passwords, S3 secret keys), by what it is."""
+        assert self.identities is not None and self.store is not None
+        out = {f"nats password of {r.value}": pw for r, pw in self.identities.passwords.items()}
+        out["nats route password"] = self.route_password
+        out |= {f"s3 secret key of {r.value}": secret for r, (_, secret) in self.store_keys.items()}
+        out["s3 secret key of the admin"] = self.store.secret_key
+        return out
+
+    def store_probe(self, host: str, steps: list[tuple[Role | None, str, str]]) -> list[dict[str, Any]]:
+        """Run ``tests.multihost.store_probe`` inside ``host``: each step (identity: a role, None for
+        the admin; ``put`` / ``get`` / ``stat`` / ``delete``; a key of the site's bucket) in turn,
+        over HTTPS verified against the CA, as the services reach the store. The keys go through the
+        environment, never the command line."""
+        assert self.store is not None
+        names = {None: "admin"} | {r: r.value for r in self.store_keys}
+        keys = {"admin": [self.store.access_key, self.store.secret_key]}
+        keys |= {r.value: list(k) for r, k in self.store_keys.items()}
+        spec = {
+            "url": self.store.url,
+            "ca": str(self.ca),
+            "bucket": self.bucket,
+            "region": SEAWEED_REGION,
+            "steps": [[names[who], op, key] for who, op, key in steps],
+        }
+        env = {**os.environ, store_probe.KEYS_ENV: json.dumps(keys)}
+        done = subprocess.run(
+            [*self.lab.hosts[host].wrap, sys.executable, "-m", store_probe.__name__, json.dumps(spec)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"the store probe in {host} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout)
 
     def nats_logs(self) -> list[tuple[str, Path]]:
         """Every NATS node's logs, (node name, path): the current one and the one a restart

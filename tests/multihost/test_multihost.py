@@ -9,9 +9,11 @@ The strict contract of every fault case: no request lost, wrong or hung, no job 
 its request completed (two FinalResults for one request), no 503 while a quorum of NATS nodes
 is up.
 
-NATS runs with one identity per role (issue 45): case 0 checks that every service is connected
-as its role's identity and nothing it did was refused; case 8, after the faults, that a role's
-limits hold on every node from any host (a client run inside a worker host and an API host).
+NATS and the store run with one identity per role (issue 45): case 0 checks that every service is
+connected to NATS as its role's identity and nothing it did was refused, and that it holds its
+role's store keys and no other; case 8, after the faults, that a role's limits hold on every NATS
+node from any host (a client run inside a worker host and an API host) and at the S3 gateway (an
+S3 client inside a worker host).
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from shared.nats_auth import SERVICE_ROLES, Role
+from shared.store.kv import kv_key
+from shared.store_auth import STORE_ROLES, Kind, prefixes
 from tests.faultutil import post_chat
 from tests.multihost.load import (
     GREEDY,
@@ -164,24 +170,49 @@ def assert_nothing_refused(site: Site) -> None:
     assert not refused, "the NATS nodes refused something:\n" + "\n".join(refused[:20])
 
 
-def assert_no_password_written(site: Site, results: Results | None = None) -> None:
-    """No NATS password (a role's, the routes') is in a log the site wrote, nor in the results."""
+def assert_no_secret_written(site: Site, results: Results | None = None) -> None:
+    """No NATS password (a role's, the routes') and no S3 secret key (a role's, the admin's) is in a
+    log the site wrote (the services', the NATS nodes', the store's), nor in the results."""
     written = site.written_logs()
     if results is not None:
         written += [p for p in (results.path, results.path.with_suffix(".md")) if p.exists()]
     assert len(written) > 10, written  # (a negative control: the logs are there to read)
-    shown = [str(p) for p in written if any(pw in p.read_text(errors="replace") for pw in site.nats_secrets)]
-    assert not shown, f"a NATS password is written in {shown}"
+    assert any(p.name.startswith("weed-filer") for p in written), written  # (the S3 gateway's log is read)
+    assert sum(what.startswith("s3 secret key") for what in site.secrets) == len(STORE_ROLES) + 1, list(site.secrets)
+    texts = {str(p): p.read_text(errors="replace") for p in written}
+    shown = {path: what for path, text in texts.items() for what, secret in site.secrets.items() if secret in text}
+    assert not shown, f"a secret is written in a log: {shown}"
+
+
+def store_identities_held(site: Site) -> dict[str, dict[str, list[str]]]:
+    """Which store identity each service runs with, from its process's environment (as exec'd):
+    label -> ``identity`` (whose access and secret key ``EPD_S3_ACCESS_KEY`` / ``EPD_S3_SECRET_KEY``
+    are: a role, ``admin``) and ``other_secrets`` (any other identity's secret key found there)."""
+    assert site.store is not None
+    keys = {"admin": (site.store.access_key, site.store.secret_key)}
+    keys |= {role.value: pair for role, pair in site.store_keys.items()}
+    out = {}
+    for s in site.services:
+        assert s.proc.popen is not None and s.proc.alive(), s.label
+        raw = Path(f"/proc/{s.proc.popen.pid}/environ").read_bytes().decode(errors="replace")
+        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        held = (env.get(S3_ACCESS_KEY_ENV), env.get(S3_SECRET_KEY_ENV))
+        own = [name for name, pair in keys.items() if pair == held]
+        others = [name for name, (_, secret) in keys.items() if secret in raw and name not in own]
+        out[s.label] = {"identity": own, "other_secrets": others}
+    return out
 
 
 # -- 0. identities ------------------------------------------------------------------------------------
 def test_every_service_connects_as_its_role(site: Site, results: Results):
     """Every service's connection, on whichever node it landed, is authenticated as its role's
     identity (the servers say who: ``/connz?auth=true``); no connection without one; nothing a
-    service did while the site started was refused; no password in a log. Every node requires
-    authentication (without it, ``authorized_user`` is only what a client claims). Mutations: the
-    APIs given the admin's identity, or the cluster without the identities' authorization block,
-    fail here."""
+    service did while the site started was refused; no password or S3 secret in a log. Every node
+    requires authentication (without it, ``authorized_user`` is only what a client claims). Each
+    service's process holds its role's store keys and no other identity's secret (its environment
+    as exec'd). Mutations: the APIs given the admin's identity, or the cluster without the
+    identities' authorization block, fail here; so does a service given the store's admin key
+    (tried on :func:`store_identities_held` with processes in a lab host)."""
     assert site.nats is not None
     auth_required = {}
     for i in site.nats.running():
@@ -196,19 +227,23 @@ def test_every_service_connects_as_its_role(site: Site, results: Results):
             others.append((node, conn.get("ip"), conn.get("name"), conn.get("authorized_user")))
         else:
             users.setdefault(service.label, set()).add(conn.get("authorized_user") or "")
+    store_held = store_identities_held(site)
     results.record(
         "0 identities",
         connections=len(conns),
         users={label: sorted(u) for label, u in sorted(users.items())},
         other_connections=len(others),
         auth_required=auth_required,
+        store_identities={label: held["identity"] for label, held in sorted(store_held.items())},
     )
     assert auth_required == {node.server_name: True for node in site.nats.nodes}, auth_required
     want = {s.label: {SERVICE_ROLES[s.name].value} for s in site.services}
     assert users == want, f"connected as {users}, want {want}"
     assert all(user for *_, user in others), f"connections without an identity: {others}"
+    want_store = {s.label: {"identity": [SERVICE_ROLES[s.name].value], "other_secrets": []} for s in site.services}
+    assert store_held == want_store, f"store identities held {store_held}, want {want_store}"
     assert_nothing_refused(site)
-    assert_no_password_written(site)
+    assert_no_secret_written(site)
 
 
 # -- 1. equality ------------------------------------------------------------------------------------
@@ -493,10 +528,54 @@ def test_rolling_restart_of_the_nats_nodes(site: Site, reference: Reference, res
 
 
 # -- 8. a role's limits across hosts ----------------------------------------------------------------------
+def an_ec_object(site: Site) -> str:
+    """The key of an EC object the site's load wrote (one image request first if none is there: the
+    case run alone), listed by the admin."""
+    assert site.store is not None
+    ec = tuple(prefixes(Kind.EC, site.namespace))
+
+    def listed() -> list[str]:
+        assert site.store is not None
+        return sorted(o.key for o in site.store.admin_store().list(f"{site.namespace}/") if o.key.startswith(ec))
+
+    keys = listed()
+    if not keys:
+        body = chat_body("Describe this image.", [noise_image(9050, IMAGE_SIZE)], **GREEDY)
+        out = post_chat(site.api_urls[0], body, what="an EC object", timeout=CLIENT_TIMEOUT_S, verify=site.client_tls)
+        assert out.status == 200, (out.status, out.error)
+        keys = listed()
+    assert keys, f"no EC object under {site.namespace}/ after an image request"
+    return keys[0]
+
+
+def store_limits_from(site: Site, host: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """From ``host``, with the roles' store identities: the encoder is refused reading a KV object
+    and deleting an EC object; the controls: the prefill identity writes (E|PD's workers hand no KV
+    over: the probe's own object, its role's right) and reads that KV object, the encoder still reads
+    the EC object (the refusal was the delete's), the API deletes it (the janitor's right) and it is
+    gone; the API deletes the probe's KV object. Returns (step, what the gateway did, the step's
+    answer) for each step."""
+    ec = an_ec_object(site)
+    kv = kv_key(site.namespace, uuid.uuid4().hex[:24], f"mh-store-probe-{uuid.uuid4().hex[:12]}", 0)
+    plan_: list[tuple[str, Role, str, str, dict[str, Any]]] = [
+        ("prefill writes KV", Role.PREFILL, "put", kv, {"ok": True}),
+        ("encoder reads KV", Role.ENCODER, "get", kv, {"ok": False, "code": "AccessDenied"}),
+        ("prefill reads KV", Role.PREFILL, "get", kv, {"ok": True, "found": True}),
+        ("encoder deletes EC", Role.ENCODER, "delete", ec, {"ok": False, "code": "AccessDenied"}),
+        ("encoder reads EC (still there)", Role.ENCODER, "stat", ec, {"ok": True, "found": True}),
+        ("api deletes EC", Role.API, "delete", ec, {"ok": True}),
+        ("prefill reads EC (gone)", Role.PREFILL, "stat", ec, {"ok": True, "found": False}),
+        ("api deletes KV", Role.API, "delete", kv, {"ok": True}),
+    ]
+    answers = site.store_probe(host, [(who, op, key) for _, who, op, key, _ in plan_])
+    assert len(answers) == len(plan_), answers
+    return [(step[0], step[4], answer) for step, answer in zip(plan_, answers, strict=True)]
+
+
 def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: Results):
-    """After every fault case: nothing a service did was refused and no password is in a log. Then a
-    client inside worker host w1 as the encoder's identity, on each NATS node in turn, is refused a
-    generation job (shared and routed) and a cancel (the node reports a permissions violation),
+    """After every fault case: nothing a service did was refused and no password or S3 secret is in
+    a log. Then a client inside worker host w1 as the encoder's identity, on each NATS node in turn,
+    is refused a generation job (shared and routed) and a cancel (the node reports a permissions violation),
     while it may look up its own stream; the API's identity inside a1 publishes the same (the
     negative control). Inside w2, no identity and the encoder's name with another role's password
     are refused, and so is a route connection with a wrong password on every cluster port. The
@@ -510,11 +589,18 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
     plaintext route and a TLS one presenting a certificate another CA signed (the handshake);
     with the site's certificate the handshake passes and the wrong password is what is refused
     (the control). Mutation: routes without TLS fails here (dropping ``verify: true`` from the
-    routes' TLS does not: nats-server verifies a route's certificate either way)."""
+    routes' TLS does not: nats-server verifies a route's certificate either way).
+
+    The store (an S3 client inside w1, over HTTPS as the services): the encoder's identity is
+    refused reading a KV object and deleting an EC object the load wrote (``AccessDenied``); the
+    prefill identity reads the KV object and the API's deletes the EC object (the controls;
+    :func:`store_limits_from`). No S3 secret (a role's, the admin's) is in a log either. Mutations
+    (tried on :func:`store_limits_from` with a one-host store in a lab of two hosts): the encoder
+    given KV reads, or a gateway without the bucket policy, fail it."""
     assert site.nats is not None and site.identities is not None
     restore_nats(site)
     assert_nothing_refused(site)
-    assert_no_password_written(site, results)
+    assert_no_secret_written(site, results)
     s = site.subjects
     publish = {
         "generation job": s.generate_jobs,
@@ -530,8 +616,10 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
     plaintext = site.probe("w2", Role.ENCODER, plaintext=True)
     other_ca = site.probe("w2", Role.ENCODER, ca=site.stranger.ca_cert)
     refusals = [line for line in site.violations() if "Violation" in line]
+    store = store_limits_from(site, "w1")
     results.record(
         "8 role limits across hosts",
+        store_from_w1={label: "ok" if a["ok"] else a.get("code") for label, _, a in store},
         encoder_from_w1={n["server_name"]: n.get("refused") for n in encoder["nodes"]},
         api_from_a1={n["server_name"]: n.get("refused") for n in api["nodes"]},
         no_identity_connected=[n["connected"] for n in anonymous["nodes"]],
@@ -575,7 +663,10 @@ def test_a_role_s_limits_hold_on_every_node_from_any_host(site: Site, results: R
             mine,
         )
     assert all("user:encoder" in line for line in refusals if "Publish Violation" in line), refusals
-    assert_no_password_written(site, results)
+    # the store: each step as the table says (the refusals with the gateway's own code)
+    off = [(label, want, answer) for label, want, answer in store if {k: answer.get(k) for k in want} != want]
+    assert not off, f"the store from w1 (step, want, got): {off}"
+    assert_no_secret_written(site, results)
 
 
 # -- 9. what a worker host's wire holds ---------------------------------------------------------------
@@ -589,12 +680,12 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
     """A capture of worker host w1's wire (every frame of its interface, both ways) while image
     requests run - each with a prompt of its own, until w1's prefill worker has run one (its job,
     prompt included, came to w1, and the encoders read the images from the store) - holds, in no
-    TCP stream, a NATS password (a role's, the routes'), the S3 secret or access key or a SigV4
-    signature header, NATS's protocol in the clear (CONNECT, INFO, PUB, MSG, SUB) or a prompt; and
-    every TCP stream of w1 is TLS records (at most one record's worth of head outside them: a
+    TCP stream, a NATS password (a role's, the routes'), an S3 secret or access key (a role's, the
+    admin's) or a SigV4 signature header, NATS's protocol in the clear (CONNECT, INFO, PUB, MSG,
+    SUB) or a prompt; and every TCP stream of w1 is TLS records (at most one record's worth of head outside them: a
     connection captured from its middle). The negative control, in the same capture: a plaintext
     NATS connection from w1 (to a plaintext server in w2) as the encoder, with the encoder's own
-    password, that publishes a prompt, and a plaintext S3 PUT signed with the site's keys - the
+    password, that publishes a prompt, and a plaintext S3 PUT signed with the admin's keys - the
     same check finds the password, the protocol and the prompt, the access key and the signature,
     and the TLS check finds them not TLS. Mutations: the services' S3 without TLS, or the NATS
     client ports without TLS, fail here."""
@@ -673,11 +764,12 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
         control_nats.stop()
     assert all(o.status == 200 for o in sent), [(o.status, o.error) for o in sent]
     streams = cap.tcp_streams(capture.path)
-    secrets = {f"nats password of {r.value}": pw.encode() for r, pw in site.identities.passwords.items()}
+    # every role's NATS password and store keys (the services' S3 requests are signed with theirs) and
+    # the admin's (the control's S3 request)
+    secrets = {what: secret.encode() for what, secret in site.secrets.items()}
+    secrets |= {f"s3 access key of {r.value}": access.encode() for r, (access, _) in site.store_keys.items()}
     secrets |= {
-        "nats route password": site.route_password.encode(),
-        "s3 secret key": site.store.secret_key.encode(),
-        "s3 access key": site.store.access_key.encode(),
+        "s3 access key of the admin": site.store.access_key.encode(),
         "s3 signature": b"AWS4-HMAC-SHA256",
         "control prompt": control_prompt.encode(),
         **{label: text.encode() for label, text in prompts.items()},
@@ -726,7 +818,8 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
     # the negative control: the same checks on the plaintext connections of the same capture
     want_nats = {f"nats password of {role.value}", "nats protocol", "control prompt"}
     assert want_nats <= found["nats"], f"the plaintext NATS control: found {found['nats']}, want {want_nats}"
-    assert {"s3 access key", "s3 signature"} <= found["s3"], f"the plaintext S3 control: found {found['s3']}"
+    want_s3 = {"s3 access key of the admin", "s3 signature"}
+    assert want_s3 <= found["s3"], f"the plaintext S3 control: found {found['s3']}, want {want_s3}"
     assert control_tls and all(records == 0 or outside > TLS_HEAD for records, outside in control_tls.values()), (
         control_tls
     )
