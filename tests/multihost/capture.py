@@ -11,7 +11,8 @@ TLS records.
 ``python -m tests.multihost.capture control NATS_URL SUBJECT S3_ENDPOINT`` is the negative
 control's client, run in the same host: a plaintext NATS connection with the identity in
 :data:`CONTROL_USER_ENV` / :data:`CONTROL_PASSWORD_ENV` that subscribes to ``SUBJECT`` and
-publishes :data:`CONTROL_PROMPT_ENV`'s text there (CONNECT, SUB, PUB and MSG on the wire), and an
+publishes :data:`CONTROL_PROMPT_ENV`'s text there, then :data:`CONTROL_IMAGE_ENV`'s image bytes
+(CONNECT, SUB, PUB and MSG on the wire), and an
 S3 PUT of the same text over plain HTTP signed with the keys in :data:`CONTROL_S3_KEYS_ENV`
 (``ACCESS:SECRET``) - any HTTP server will do: the request is on the wire whatever the answer.
 """
@@ -36,6 +37,8 @@ CONTROL_USER_ENV = "MH_CONTROL_USER"
 CONTROL_PASSWORD_ENV = "MH_CONTROL_PASSWORD"
 CONTROL_PROMPT_ENV = "MH_CONTROL_PROMPT"
 CONTROL_S3_KEYS_ENV = "MH_CONTROL_S3_KEYS"
+#: (hex) an image file's bytes the control's NATS message carries after the prompt
+CONTROL_IMAGE_ENV = "MH_CONTROL_IMAGE"
 #: NATS's protocol in the clear: a client's CONNECT, a publish, a delivery, a server's INFO
 NATS_VERBS = re.compile(rb"CONNECT \{|INFO \{|\b(?:H?PUB|H?MSG|SUB) [A-Za-z0-9_$.>*-]+ ")
 
@@ -224,7 +227,8 @@ if __name__ == "__main__":
         import asyncio
 
         prompt = os.environ[CONTROL_PROMPT_ENV].encode()
-        asyncio.run(_control_nats(sys.argv[2], sys.argv[3], prompt))
+        image = bytes.fromhex(os.environ.get(CONTROL_IMAGE_ENV, ""))
+        asyncio.run(_control_nats(sys.argv[2], sys.argv[3], prompt + image))
         print(_control_s3(sys.argv[4], prompt))
     else:
         raise SystemExit(f"usage: python -m {__name__} capture FILE | control NATS_URL SUBJECT S3_ENDPOINT")

@@ -58,7 +58,7 @@ from tests.multihost.load import (
 )
 from tests.multihost.procs import http_get
 from tests.multihost.site import Site
-from tests.stackutil import chat_body, noise_image, wait_for
+from tests.stackutil import chat_body, noise_image, png_bytes, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -676,17 +676,18 @@ CONTROL_NATS_PORT, CONTROL_MONITOR_PORT = 4333, 8333
 TLS_HEAD = (1 << 14) + 2048 + 5
 
 
-def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, results: Results):
+def test_a_capture_on_a_worker_host_holds_no_secret_no_prompt_and_no_image(site: Site, results: Results):
     """A capture of worker host w1's wire (every frame of its interface, both ways) while image
     requests run - each with a prompt of its own, until w1's prefill worker has run one (its job,
     prompt included, came to w1, and the encoders read the images from the store) - holds, in no
     TCP stream, a NATS password (a role's, the routes'), an S3 secret or access key (a role's, the
     admin's) or a SigV4 signature header, NATS's protocol in the clear (CONNECT, INFO, PUB, MSG,
-    SUB) or a prompt; and every TCP stream of w1 is TLS records (at most one record's worth of head outside them: a
+    SUB), a prompt or an image's bytes (the encoders on w1 read the requests' image files from the store);
+    and every TCP stream of w1 is TLS records (at most one record's worth of head outside them: a
     connection captured from its middle). The negative control, in the same capture: a plaintext
     NATS connection from w1 (to a plaintext server in w2) as the encoder, with the encoder's own
-    password, that publishes a prompt, and a plaintext S3 PUT signed with the admin's keys - the
-    same check finds the password, the protocol and the prompt, the access key and the signature,
+    password, that publishes a prompt and an image file, and a plaintext S3 PUT signed with the admin's keys - the
+    same check finds the password, the protocol, the prompt and the image, the access key and the signature,
     and the TLS check finds them not TLS. Mutations: the services' S3 without TLS, or the NATS
     client ports without TLS, fail here."""
     assert site.nats is not None and site.store is not None and site.identities is not None
@@ -698,6 +699,13 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
     tag = uuid.uuid4().hex[:12]
     prompts = {f"prompt {i}": f"Describe this image, mh-prompt-{tag}-{i}." for i in range(8)}
     control_prompt = f"Describe this image, mh-control-{tag}."
+    # the requests' images: the encoders on w1 read their files from the store (what the API stored)
+    images = [noise_image(9100 + k, IMAGE_SIZE) for k in range(8)]
+    control_image = png_bytes(noise_image(9199, IMAGE_SIZE))
+
+    def middle(data: bytes) -> bytes:  # 64 bytes of a file's middle: its pixels, not a PNG header
+        return data[len(data) // 2 : len(data) // 2 + 64]
+
     role = Role.ENCODER
     password = site.identities.passwords[role]
     control_nats = EmbeddedNats(
@@ -722,6 +730,7 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
             cap.CONTROL_PASSWORD_ENV: password,
             cap.CONTROL_PROMPT_ENV: control_prompt,
             cap.CONTROL_S3_KEYS_ENV: f"{site.store.access_key}:{site.store.secret_key}",
+            cap.CONTROL_IMAGE_ENV: control_image.hex(),
         }
         done = subprocess.run(
             [*w1.wrap, sys.executable, "-m", cap.__name__, "control", control_nats.url, "mh.control", control_s3],
@@ -736,9 +745,7 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
         items = list(prompts.values())
         for round_ in range(2):  # 4 requests at once over both APIs, again if w1's prefill ran none
             batch = items[4 * round_ : 4 * round_ + 4]
-            bodies = [
-                chat_body(p, [noise_image(9100 + 4 * round_ + i, IMAGE_SIZE)], **GREEDY) for i, p in enumerate(batch)
-            ]
+            bodies = [chat_body(p, [images[4 * round_ + i]], **GREEDY) for i, p in enumerate(batch)]
             with ThreadPoolExecutor(len(bodies)) as pool:
                 outs = list(
                     pool.map(
@@ -773,6 +780,8 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
         "s3 signature": b"AWS4-HMAC-SHA256",
         "control prompt": control_prompt.encode(),
         **{label: text.encode() for label, text in prompts.items()},
+        "control image": middle(control_image),
+        **{f"image {k}": middle(png_bytes(image)) for k, image in enumerate(images)},
     }
 
     store_head = site.store.head.address
@@ -816,7 +825,7 @@ def test_a_capture_on_a_worker_host_holds_no_secret_and_no_prompt(site: Site, re
     )
     assert on_w1, "no request was run by w1's prefill worker: the capture saw no job"
     # the negative control: the same checks on the plaintext connections of the same capture
-    want_nats = {f"nats password of {role.value}", "nats protocol", "control prompt"}
+    want_nats = {f"nats password of {role.value}", "nats protocol", "control prompt", "control image"}
     assert want_nats <= found["nats"], f"the plaintext NATS control: found {found['nats']}, want {want_nats}"
     want_s3 = {"s3 access key of the admin", "s3 signature"}
     assert want_s3 <= found["s3"], f"the plaintext S3 control: found {found['s3']}, want {want_s3}"
