@@ -391,17 +391,7 @@ class Site:
             "steps": [[names[who], op, key] for who, op, key in steps],
         }
         env = {**os.environ, store_probe.KEYS_ENV: json.dumps(keys)}
-        done = subprocess.run(
-            [*self.lab.hosts[host].wrap, sys.executable, "-m", store_probe.__name__, json.dumps(spec)],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"the store probe in {host} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout)
+        return self._run_probe(host, store_probe.__name__, spec, env, what="the store probe")
 
     def nats_logs(self) -> list[tuple[str, Path]]:
         """Every NATS node's logs, (node name, path): the current one and the one a restart
@@ -454,7 +444,6 @@ class Site:
         environment, never the command line."""
         assert self.nats is not None and self.identities is not None
         assert self.certs is not None and self.stranger is not None
-        h = self.lab.hosts[host]
         indexes = self.nats.running() if nodes is None else nodes
         urls = [self.nats.url(i) for i in indexes]
         spec = {
@@ -477,8 +466,13 @@ class Site:
         env = {k: v for k, v in os.environ.items() if k not in (USER_ENV, PASSWORD_ENV)}
         if role is not None:
             env[probe.PASSWORD_ENV] = self.identities.passwords[role] if password is None else password
+        return self._run_probe(host, probe.__name__, spec, env, what="the probe")
+
+    def _run_probe(self, host: str, module: str, spec: dict, env: dict[str, str], *, what: str) -> Any:
+        """``python -m module SPEC_JSON`` inside lab host ``host`` (secrets in ``env``, never the
+        command line): its JSON answer; AssertionError with its stderr when it fails."""
         done = subprocess.run(
-            [*h.wrap, sys.executable, "-m", probe.__name__, json.dumps(spec)],
+            [*self.lab.hosts[host].wrap, sys.executable, "-m", module, json.dumps(spec)],
             env=env,
             cwd=REPO,
             capture_output=True,
@@ -486,7 +480,7 @@ class Site:
             timeout=120,
         )
         if done.returncode != 0:
-            raise AssertionError(f"the probe in {host} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            raise AssertionError(f"{what} in {host} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(done.stdout)
 
     def client_urls(self, skip: tuple[int, ...] = ()) -> list[str]:
