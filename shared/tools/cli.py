@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -24,7 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from shared.tools.infra import (
     DEFAULT_NATS_PORT,
@@ -42,8 +43,12 @@ from shared.tools.models.tiny import ARCHS, default_model_dir
 from shared.topology import TOPOLOGIES, Service, Topology
 
 if TYPE_CHECKING:
-    from shared.config import NatsSettings
+    from shared.config import ModelSettings, NatsSettings, StoreSettings
+    from shared.nats_auth import Role
     from shared.tools.certs import Written
+    from shared.tools.forkserver import ForkServer
+    from shared.tools.launcher import Stack
+    from shared.tools.nats_identities import NatsIdentities
 
 DEFAULT_DATA_DIR = Path("var")
 
@@ -158,54 +163,56 @@ def _example_answer(*, video: bool = False) -> str:
     return f"{EXAMPLE.answer!r}: the image is {describe(EXAMPLE.scenes[0])}"
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+@dataclasses.dataclass
+class _UpPlan:
+    """What ``epd up`` serves, read from its flags and the environment before anything starts."""
 
-    from shared.config import (
-        S3_ACCESS_KEY_ENV,
-        S3_SECRET_KEY_ENV,
-        ApiSettings,
-        ModelSettings,
-        NatsSettings,
-        StoreSettings,
-        env_var,
-    )
-    from shared.nats_auth import SERVICE_ROLES, Role
-    from shared.protocol import Subjects
-    from shared.store_auth import load_or_create_keys
-    from shared.tools.forkserver import ForkServer, default_fork_server, not_forkable
-    from shared.tools.launcher import Stack, StackError, Supervisor, shut_down, worker_metrics_port
-    from shared.tools.nats_identities import NatsIdentities
+    model: ModelSettings
+    store: StoreSettings
+    nats: NatsSettings
+    model_path: Path
+    #: the demo model shipped in the repo: the banner promises its answer
+    demo: bool
+    #: the API's keys: --api-key, else EPD_API_KEYS from the environment (the API reads it there)
+    api_keys: tuple[str, ...]
+    data_dir: Path
+    topology: Topology
+    replicas: dict[Service, int]
 
-    started = time.perf_counter()
-    try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
-        model, store, api, nats_settings = ModelSettings(), StoreSettings(), ApiSettings(), NatsSettings()
-    except ValidationError as exc:
-        print(f"epd up: invalid settings in the environment: {exc}", file=sys.stderr)
-        return 2
-    model_path = Path(args.model) if args.model else model.model_path
-    if model_path is None:  # the demo model, trained here and shipped in the repo
-        model_path = SHIPPED_DIR
-    model_path = model_path.resolve()
-    demo = model_path == SHIPPED_DIR.resolve()
-    if (problem := model_folder_problem(model_path, args.engine)) is not None:
-        source = "--model" if args.model else env_var("model_path")
-        print(f"epd up: {source} {model_path}: {problem}", file=sys.stderr)
-        return 2
-    # The API's keys: --api-key, else EPD_API_KEYS from the environment (the API reads it there).
-    api_keys = tuple(args.api_key or ()) or api.api_keys
-    data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
 
-    access_key = store.s3_access_key.get_secret_value()
-    secret_key = store.s3_secret_key.get_secret_value()
-    # (made once the ports are checked: nothing is written before)
+@dataclasses.dataclass
+class _UpHeld:
+    """What ``epd up`` holds so far (None: not made yet): released and stopped at the end, whatever
+    step failed."""
+
+    ports: list[PortReservation] = dataclasses.field(default_factory=list)
     nats: EmbeddedNats | None = None
     s3: EmbeddedS3 | None = None
+    #: the one this run asked for: closed with its services
+    fork_server: ForkServer | None = None
     stack: Stack | None = None
-    fork_server: ForkServer | None = None  # the one this run asked for: closed with its services
-    replicas = {Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders}
-    held: list[PortReservation] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _UpInfra:
+    """NATS and S3 as ``epd up`` started them, with the identities its services get."""
+
+    nats: EmbeddedNats
+    s3: EmbeddedS3
+    identities: NatsIdentities
+    #: each store role's (access key, secret key)
+    s3_role_keys: dict[Role, tuple[str, str]]
+    certs: Written | None
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from shared.tools.launcher import StackError, shut_down
+
+    started = time.perf_counter()
+    plan = _up_plan(args)
+    if plan is None:
+        return 2
+    held = _UpHeld()
 
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
@@ -214,173 +221,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     try:
-        # Before anything starts: a taken API port fails now, not after every worker loaded the
-        # model; and held, with the workers' /metrics ports, until the services start, so NATS's and
-        # S3's own port picks cannot take them.
-        try:
-            held.append(PortReservation([args.port], args.host))
-        except PortInUseError as exc:
-            raise PortInUseError(
-                f"the API port {args.host}:{args.port} is already in use; pick another with --port", port=args.port
-            ) from exc
-        if args.metrics_port:
-            workers = sum(replicas[s] for s in TOPOLOGIES[Topology(args.topology)].worker_services)
-            try:
-                metrics_ports = [worker_metrics_port(args.metrics_port, i) for i in range(workers)]
-                held.append(PortReservation(metrics_ports, args.host))
-            except PortInUseError as exc:
-                raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
-        # --tls: development certificates made once under the data dir (keys mode 0600) and reused;
-        # NATS, S3 and the API serve TLS with them and every client verifies against their CA.
-        certs = _tls_certs(data_dir / TLS_DIR, args.host) if args.tls else None
-        server_tls = {n: ServerTLS(crt, key, certs.ca_cert) for n, (crt, key) in certs.servers.items()} if certs else {}
-        # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode
-        # 0600), the server knows only them, each service connects as its role (docs/security.md).
-        identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(nats_settings.subject_prefix))
-        nats = EmbeddedNats(
-            data_dir / "nats",
-            port=args.nats_port,
-            extra_config=identities.server_config(),
-            max_file_store=_jetstream_file_store(nats_settings, data_dir),
-            tls=server_tls.get("nats"),
-        )
-        # One store identity per role (shared.store_auth): keys generated once under the data dir
-        # (mode 0600), each allowed its role's object prefixes only; the services get their role's
-        # keys, the admin's stay with epd up (it makes the bucket) and the operator's tools.
-        s3_role_keys = load_or_create_keys(data_dir / "s3" / "roles")
-        s3 = EmbeddedS3(
-            data_dir / "s3",
-            port=args.s3_port,
-            access_key=access_key,
-            secret_key=secret_key,
-            tls=server_tls.get("s3"),
-            role_keys=s3_role_keys,
-            bucket=store.s3_bucket,
-            namespace=store.namespace,
-        )
-        if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
-            fork_server = default_fork_server(data_dir / "logs")
-        nats.start()
-        s3.start()
-        env = {
-            "EPD_NATS_URL": nats.url,
-            "EPD_S3_ENDPOINT": s3.endpoint,
-            # (a role's key may not ask the bucket's location: the region is given)
-            env_var("s3_region"): store.s3_region or SEAWEED_REGION,
-            "EPD_MODEL_PATH": str(model_path),
-            "EPD_ENGINE": args.engine,
-            # (--served-model-name / --max-model-len: every service, so the API and both engines agree)
-            **({"EPD_MODEL_NAME": args.served_model_name} if args.served_model_name else {}),
-            **({"EPD_MAX_MODEL_LEN": str(args.max_model_len)} if args.max_model_len else {}),
-            "EPD_HOST": args.host,
-            # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
-            "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(data_dir / "vllm"),
-            **(_tls_client_env(certs.ca_cert) if certs else {}),
-        }
-        env.update(_flag_env(args, api_keys))
-        if args.allow_local_urls:
-            print(
-                f"--allow-local-urls: image URLs on this host are fetched "
-                f"({env_var('url_allow_networks')}={env[env_var('url_allow_networks')]}; a development set-up)"
-            )
-        service_env = _service_env(args, Topology(args.topology))
-        for name, values in service_env.items():
-            print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
-        for name, values in identities.service_env().items():  # (after the print: never shown)
-            service_env[name] = {**values, **service_env.get(name, {})}
-        for name, role in SERVICE_ROLES.items():  # each service's store identity (never shown)
-            role_access, role_secret = s3_role_keys[role]
-            keys = {S3_ACCESS_KEY_ENV: role_access, S3_SECRET_KEY_ENV: role_secret}
-            service_env[name] = {**keys, **service_env.get(name, {})}
-        if certs is not None:  # the API's certificate and key (files): for its service only
-            api_tls = {
-                env_var("tls_cert"): str(certs.servers["api"][0]),
-                env_var("tls_key"): str(certs.servers["api"][1]),
-                env_var("tls_ca"): str(certs.ca_cert),
-            }
-            service_env[Service.API.value] = {**api_tls, **service_env.get(Service.API.value, {})}
-        stack = Stack(
-            env=env,
-            log_dir=data_dir / "logs",
-            topology=args.topology,
-            api_port=args.port,
-            replicas=replicas,
-            service_env=service_env,
-            metrics_port_base=args.metrics_port,
-            fork_server=args.fork_server,
-        )
-        # A vLLM engine uses every CPU it may while it starts: engines that share CPUs start sooner one
-        # after another; on CPUs of their own, all at once (measured: 90 s vs 100-113 s; ``--start``).
-        staggered = args.start == "staggered" or (
-            args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, Topology(args.topology))
-        )
-        timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
-        print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
-        progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
-        for ports in held:  # the API and the workers bind them now
-            ports.release()
-        stack.start(staggered=staggered, timeout=timeout, progress=progress)
-        stack.wait_ready(timeout=timeout, progress=progress)
-        elapsed = time.perf_counter() - started
-        https = stack.base_url.startswith("https://")
-        url = api_url(args.host, args.port, https=https)
-        cacert = Path(stack.api_ca) if https and stack.api_ca else None
-        model_name = args.served_model_name or model.model_name or model_path.name
-
-        def curl(video: bool) -> str:
-            body = _example_request(model_name, demo, video=video)
-            return example_curl(url, body, api_keys=bool(api_keys), cacert=cacert)
-
-        print(
-            f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
-            f"topology {args.topology})\n"
-            f"  NATS {nats.url}   S3 {s3.url}   logs {data_dir / 'logs'}\n"
-            + (
-                f"  TLS: NATS, S3 and the API, verified against the CA {certs.ca_cert} "
-                f"(development certificates in {certs.ca_cert.parent})\n"
-                if certs
-                else ""
-            )
-            + (
-                f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
-                if stack.metrics_ports
-                else ""
-            )
-            + "\nPoint epd ec / epd replay (another shell) at it:\n"
-            + connect_exports(nats.url, s3.endpoint, access_key, secret_key, tls_ca=certs.ca_cert if certs else None)
-            + identities.exports(Role.ADMIN)
-            + "\n"
-            "Try it:\n"
-            + (
-                f"  (API keys are on: export {CLIENT_API_KEY_ENV}=<one of the keys> first; epd up never prints them)\n"
-                if api_keys
-                else ""
-            )
-            + f"  {curl(False)}\n"
-            + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
-            + (
-                "And a video (every frame: media_io_kwargs' fps is the clip's rate):\n"
-                f"  {curl(True)}\n"
-                f"  (the answer is {_example_answer(video=True)})\n\n"
-                if demo
-                else ""
-            )
-            + "A service that exits is restarted (with backoff); Ctrl-C stops everything.",
-            flush=True,
-        )
-        # Like compose's `restart: unless-stopped`: a dead service is started again (its jobs are
-        # redelivered); only losing NATS or the store, which hold the state, ends the stack.
-        supervisor = Supervisor(stack)
-        while True:
-            for server in (nats, s3):
-                if not server.is_running():
-                    raise StackError(
-                        f"{server.name} (pid {server.pid}) exited; stopping the stack. "
-                        f"Log {server.log_path}:\n{server.log_tail(10)}"
-                    )
-            for event in supervisor.check():
-                print(event.line(), flush=True)
-            time.sleep(0.5)
+        _reserve_ports(args, plan, held.ports)
+        infra = _start_infra(args, plan, held)
+        env = _up_env(args, plan, infra)
+        service_env = _up_service_env(args, plan, infra)
+        stack = _start_services(args, plan, env, service_env, held)
+        print(_ready_banner(args, plan, infra, stack, elapsed=time.perf_counter() - started), flush=True)
+        _supervise(stack, (infra.nats, infra.s3))
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 0
@@ -388,9 +235,275 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"epd up failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        for ports in held:
+        for ports in held.ports:
             ports.release()
-        shut_down(stack, (nats, s3), fork_server)  # services together, then NATS, S3 and the fork server together
+        # services together, then NATS, S3 and the fork server together
+        shut_down(held.stack, (held.nats, held.s3), held.fork_server)
+
+
+def _up_plan(args: argparse.Namespace) -> _UpPlan | None:
+    """What ``epd up`` serves; None (said on stderr) for a bad setting or no model folder. Makes
+    the data dir, nothing else."""
+    from pydantic import ValidationError
+
+    from shared.config import ApiSettings, ModelSettings, NatsSettings, StoreSettings, env_var
+
+    try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
+        model, store, api, nats_settings = ModelSettings(), StoreSettings(), ApiSettings(), NatsSettings()
+    except ValidationError as exc:
+        print(f"epd up: invalid settings in the environment: {exc}", file=sys.stderr)
+        return None
+    model_path = Path(args.model) if args.model else model.model_path
+    if model_path is None:  # the demo model, trained here and shipped in the repo
+        model_path = SHIPPED_DIR
+    model_path = model_path.resolve()
+    if (problem := model_folder_problem(model_path, args.engine)) is not None:
+        source = "--model" if args.model else env_var("model_path")
+        print(f"epd up: {source} {model_path}: {problem}", file=sys.stderr)
+        return None
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return _UpPlan(
+        model=model,
+        store=store,
+        nats=nats_settings,
+        model_path=model_path,
+        demo=model_path == SHIPPED_DIR.resolve(),
+        api_keys=tuple(args.api_key or ()) or api.api_keys,
+        data_dir=data_dir,
+        topology=Topology(args.topology),
+        replicas={Service.ENCODER: args.encoders, Service.PREFILL: args.prefills, Service.DECODE: args.decoders},
+    )
+
+
+def _reserve_ports(args: argparse.Namespace, plan: _UpPlan, held: list[PortReservation]) -> None:
+    """Before anything starts: a taken API port fails now, not after every worker loaded the
+    model; and held (in ``held``), with the workers' /metrics ports, until the services start, so
+    NATS's and S3's own port picks cannot take them."""
+    from shared.tools.launcher import worker_metrics_port
+
+    try:
+        held.append(PortReservation([args.port], args.host))
+    except PortInUseError as exc:
+        raise PortInUseError(
+            f"the API port {args.host}:{args.port} is already in use; pick another with --port", port=args.port
+        ) from exc
+    if args.metrics_port:
+        workers = sum(plan.replicas[s] for s in TOPOLOGIES[plan.topology].worker_services)
+        try:
+            metrics_ports = [worker_metrics_port(args.metrics_port, i) for i in range(workers)]
+            held.append(PortReservation(metrics_ports, args.host))
+        except PortInUseError as exc:
+            raise PortInUseError(f"worker /metrics port {exc}; pick another --metrics-port", port=exc.port) from exc
+
+
+def _start_infra(args: argparse.Namespace, plan: _UpPlan, held: _UpHeld) -> _UpInfra:
+    """The certificates (--tls) and identities, then NATS and S3 started (each kept in ``held`` as
+    soon as it is made); the fork server asked for preloads meanwhile."""
+    from shared.protocol import Subjects
+    from shared.store_auth import load_or_create_keys
+    from shared.tools.forkserver import default_fork_server, not_forkable
+    from shared.tools.nats_identities import NatsIdentities
+
+    data_dir = plan.data_dir
+    # --tls: development certificates made once under the data dir (keys mode 0600) and reused;
+    # NATS, S3 and the API serve TLS with them and every client verifies against their CA.
+    certs = _tls_certs(data_dir / TLS_DIR, args.host) if args.tls else None
+    server_tls = {n: ServerTLS(crt, key, certs.ca_cert) for n, (crt, key) in certs.servers.items()} if certs else {}
+    # One NATS identity per role (shared.nats_auth): generated once under the data dir (mode
+    # 0600), the server knows only them, each service connects as its role (docs/security.md).
+    identities = NatsIdentities.under(data_dir / "nats" / "identities", Subjects(plan.nats.subject_prefix))
+    nats = held.nats = EmbeddedNats(
+        data_dir / "nats",
+        port=args.nats_port,
+        extra_config=identities.server_config(),
+        max_file_store=_jetstream_file_store(plan.nats, data_dir),
+        tls=server_tls.get("nats"),
+    )
+    # One store identity per role (shared.store_auth): keys generated once under the data dir
+    # (mode 0600), each allowed its role's object prefixes only; the services get their role's
+    # keys, the admin's stay with epd up (it makes the bucket) and the operator's tools.
+    s3_role_keys = load_or_create_keys(data_dir / "s3" / "roles")
+    s3 = held.s3 = EmbeddedS3(
+        data_dir / "s3",
+        port=args.s3_port,
+        access_key=plan.store.s3_access_key.get_secret_value(),
+        secret_key=plan.store.s3_secret_key.get_secret_value(),
+        tls=server_tls.get("s3"),
+        role_keys=s3_role_keys,
+        bucket=plan.store.s3_bucket,
+        namespace=plan.store.namespace,
+    )
+    if args.fork_server and not not_forkable({"EPD_ENGINE": args.engine}):  # preloads while NATS and S3 start
+        held.fork_server = default_fork_server(data_dir / "logs")
+    nats.start()
+    s3.start()
+    return _UpInfra(nats=nats, s3=s3, identities=identities, s3_role_keys=s3_role_keys, certs=certs)
+
+
+def _up_env(args: argparse.Namespace, plan: _UpPlan, infra: _UpInfra) -> dict[str, str]:
+    """The ``EPD_*`` settings every service gets."""
+    from shared.config import env_var
+
+    env = {
+        "EPD_NATS_URL": infra.nats.url,
+        "EPD_S3_ENDPOINT": infra.s3.endpoint,
+        # (a role's key may not ask the bucket's location: the region is given)
+        env_var("s3_region"): plan.store.s3_region or SEAWEED_REGION,
+        "EPD_MODEL_PATH": str(plan.model_path),
+        "EPD_ENGINE": args.engine,
+        # (--served-model-name / --max-model-len: every service, so the API and both engines agree)
+        **({"EPD_MODEL_NAME": args.served_model_name} if args.served_model_name else {}),
+        **({"EPD_MAX_MODEL_LEN": str(args.max_model_len)} if args.max_model_len else {}),
+        "EPD_HOST": args.host,
+        # vLLM's caches, compile artefacts and IPC sockets stay in the data dir.
+        "EPD_VLLM_DIR": os.environ.get("EPD_VLLM_DIR") or str(plan.data_dir / "vllm"),
+        **(_tls_client_env(infra.certs.ca_cert) if infra.certs else {}),
+    }
+    env.update(_flag_env(args, plan.api_keys))
+    if args.allow_local_urls:
+        print(
+            f"--allow-local-urls: image URLs on this host are fetched "
+            f"({env_var('url_allow_networks')}={env[env_var('url_allow_networks')]}; a development set-up)"
+        )
+    return env
+
+
+def _up_service_env(args: argparse.Namespace, plan: _UpPlan, infra: _UpInfra) -> dict[str, dict[str, str]]:
+    """Each service's own settings: the flags' (printed), then its NATS and store identity and
+    the API's certificate (never printed)."""
+    from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, env_var
+    from shared.nats_auth import SERVICE_ROLES
+
+    service_env = _service_env(args, plan.topology)
+    for name, values in service_env.items():
+        print(f"{name}: {' '.join(f'{k}={v}' for k, v in sorted(values.items()))}")
+    for name, values in infra.identities.service_env().items():  # (after the print: never shown)
+        service_env[name] = {**values, **service_env.get(name, {})}
+    for name, role in SERVICE_ROLES.items():  # each service's store identity (never shown)
+        role_access, role_secret = infra.s3_role_keys[role]
+        keys = {S3_ACCESS_KEY_ENV: role_access, S3_SECRET_KEY_ENV: role_secret}
+        service_env[name] = {**keys, **service_env.get(name, {})}
+    if (certs := infra.certs) is not None:  # the API's certificate and key (files): for its service only
+        api_tls = {
+            env_var("tls_cert"): str(certs.servers["api"][0]),
+            env_var("tls_key"): str(certs.servers["api"][1]),
+            env_var("tls_ca"): str(certs.ca_cert),
+        }
+        service_env[Service.API.value] = {**api_tls, **service_env.get(Service.API.value, {})}
+    return service_env
+
+
+def _start_services(
+    args: argparse.Namespace,
+    plan: _UpPlan,
+    env: dict[str, str],
+    service_env: dict[str, dict[str, str]],
+    held: _UpHeld,
+) -> Stack:
+    """The services of the topology started (the stack kept in ``held`` first) and ready; the
+    ports held for them released just before."""
+    from shared.tools.launcher import Stack
+
+    stack = held.stack = Stack(
+        env=env,
+        log_dir=plan.data_dir / "logs",
+        topology=args.topology,
+        api_port=args.port,
+        replicas=plan.replicas,
+        service_env=service_env,
+        metrics_port_base=args.metrics_port,
+        fork_server=args.fork_server,
+    )
+    # A vLLM engine uses every CPU it may while it starts: engines that share CPUs start sooner one
+    # after another; on CPUs of their own, all at once (measured: 90 s vs 100-113 s; ``--start``).
+    staggered = args.start == "staggered" or (
+        args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, plan.topology)
+    )
+    timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
+    print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
+    progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
+    for ports in held.ports:  # the API and the workers bind them now
+        ports.release()
+    stack.start(staggered=staggered, timeout=timeout, progress=progress)
+    stack.wait_ready(timeout=timeout, progress=progress)
+    return stack
+
+
+def _ready_banner(args: argparse.Namespace, plan: _UpPlan, infra: _UpInfra, stack: Stack, *, elapsed: float) -> str:
+    """What ``epd up`` prints once every service is ready: where it serves, the lines that point
+    the operator's tools at it, and a request to try."""
+    from shared.nats_auth import Role
+
+    https = stack.base_url.startswith("https://")
+    url = api_url(args.host, args.port, https=https)
+    cacert = Path(stack.api_ca) if https and stack.api_ca else None
+    model_name = args.served_model_name or plan.model.model_name or plan.model_path.name
+    certs, demo, api_keys = infra.certs, plan.demo, plan.api_keys
+    access_key = plan.store.s3_access_key.get_secret_value()
+    secret_key = plan.store.s3_secret_key.get_secret_value()
+
+    def curl(video: bool) -> str:
+        body = _example_request(model_name, demo, video=video)
+        return example_curl(url, body, api_keys=bool(api_keys), cacert=cacert)
+
+    return (
+        f"\nepd-serve ready in {elapsed:.1f}s: {url}  (model {model_name}, engine {args.engine}, "
+        f"topology {args.topology})\n"
+        f"  NATS {infra.nats.url}   S3 {infra.s3.url}   logs {plan.data_dir / 'logs'}\n"
+        + (
+            f"  TLS: NATS, S3 and the API, verified against the CA {certs.ca_cert} "
+            f"(development certificates in {certs.ca_cert.parent})\n"
+            if certs
+            else ""
+        )
+        + (
+            f"  worker /metrics: {', '.join(f'{n} :{p}' for n, p in stack.metrics_ports.items())}\n"
+            if stack.metrics_ports
+            else ""
+        )
+        + "\nPoint epd ec / epd replay (another shell) at it:\n"
+        + connect_exports(
+            infra.nats.url, infra.s3.endpoint, access_key, secret_key, tls_ca=certs.ca_cert if certs else None
+        )
+        + infra.identities.exports(Role.ADMIN)
+        + "\n"
+        "Try it:\n"
+        + (
+            f"  (API keys are on: export {CLIENT_API_KEY_ENV}=<one of the keys> first; epd up never prints them)\n"
+            if api_keys
+            else ""
+        )
+        + f"  {curl(False)}\n"
+        + (f"  (the answer is {_example_answer()})\n\n" if demo else "\n")
+        + (
+            "And a video (every frame: media_io_kwargs' fps is the clip's rate):\n"
+            f"  {curl(True)}\n"
+            f"  (the answer is {_example_answer(video=True)})\n\n"
+            if demo
+            else ""
+        )
+        + "A service that exits is restarted (with backoff); Ctrl-C stops everything."
+    )
+
+
+def _supervise(stack: Stack, servers: tuple[EmbeddedNats, EmbeddedS3]) -> NoReturn:
+    """Like compose's `restart: unless-stopped`: a dead service is started again (its jobs are
+    redelivered); only losing NATS or the store, which hold the state, ends the stack
+    (:class:`StackError`). Runs until Ctrl-C (``KeyboardInterrupt``)."""
+    from shared.tools.launcher import StackError, Supervisor
+
+    supervisor = Supervisor(stack)
+    while True:
+        for server in servers:
+            if not server.is_running():
+                raise StackError(
+                    f"{server.name} (pid {server.pid}) exited; stopping the stack. "
+                    f"Log {server.log_path}:\n{server.log_tail(10)}"
+                )
+        for event in supervisor.check():
+            print(event.line(), flush=True)
+        time.sleep(0.5)
 
 
 def model_folder_problem(path: Path, engine: str) -> str | None:
