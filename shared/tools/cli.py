@@ -675,8 +675,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve: disaggregated EPD serving")
     parser.add_argument("--version", action="version", version=f"epd-serve {_version()}", help="print the version")
     sub = parser.add_subparsers(dest="command")
+    _add_up_parser(sub)
+    _add_model_parser(sub)
+    for service in Service:
+        sub.add_parser(service.value, help=f"run the {service} service (EPD_* env settings)").set_defaults(
+            func=_cmd_service(service.value)
+        )
+    _add_tool_parsers(sub)
+    help_without_command(parser)
+    return parser
 
+
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``epd up``: its options in four groups, in the order its help lists them."""
     up = sub.add_parser("up", help="start embedded NATS + S3 and all services")
+    for add in (_add_up_serving, _add_up_addresses, _add_up_processes, _add_up_security):
+        add(up)
+    up.set_defaults(func=_cmd_up)
+
+
+def _add_up_serving(up: argparse.ArgumentParser) -> None:
+    """``epd up``'s options of what it serves, and where it keeps its data."""
     up.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="project-local folder for all data (var)")
     up.add_argument("--model", help="model folder (default: EPD_MODEL_PATH, else the demo model shipped in the repo)")
     up.add_argument(
@@ -702,6 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="agg: one worker does everything; e-pd: encoders + prefill/decode workers; "
         "e-p-d: encoders + prefill workers + decode workers",
     )
+
+
+def _add_up_addresses(up: argparse.ArgumentParser) -> None:
+    """``epd up``'s addresses and ports."""
     up.add_argument("--host", default="127.0.0.1", help="address the API listens on (default %(default)s)")
     up.add_argument("--port", type=int, default=8000, help="port of the API (default %(default)s)")
     up.add_argument(
@@ -713,6 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--s3-port", type=int, default=DEFAULT_S3_PORT, help="port of the embedded S3 server (default %(default)s)"
     )
+
+
+def _add_up_processes(up: argparse.ArgumentParser) -> None:
+    """``epd up``'s worker processes: how many, on which CPUs, with which settings, started how."""
     up.add_argument("--encoders", type=int, default=1, help="encoder worker processes")
     up.add_argument("--prefills", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decoders", type=int, default=1, help="decode worker processes (e-p-d)")
@@ -758,6 +785,10 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers once (shared.tools.forkserver; not for --engine vllm); --no-fork-server: a plain "
         "`python -m services.<name>` each (default: on)",
     )
+
+
+def _add_up_security(up: argparse.ArgumentParser) -> None:
+    """``epd up``'s API keys, local URLs and TLS."""
     up.add_argument(
         "--api-key",
         action="append",
@@ -781,8 +812,10 @@ def build_parser() -> argparse.ArgumentParser:
         "client verifies them against that CA; the printed URL is https and the curl says --cacert. For a stack "
         "reached from other hosts (with --host) or to try TLS; the default, plaintext, is for one host on loopback",
     )
-    up.set_defaults(func=_cmd_up)
 
+
+def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``epd model build-tiny|train-demo``."""
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("build-tiny", help="write a deterministic random-weight model folder")
@@ -804,11 +837,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
     train.set_defaults(func=_cmd_train_demo)
 
-    for service in Service:
-        sub.add_parser(service.value, help=f"run the {service} service (EPD_* env settings)").set_defaults(
-            func=_cmd_service(service.value)
-        )
 
+def _add_tool_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands other modules define: ``epd healthcheck``, ``replay``, ``ec``, ``bench``,
+    ``plan``, ``config``, ``certs``, ``kube``."""
     from shared import health
 
     check = sub.add_parser("healthcheck", help="exit 0 if the api / this worker is healthy (container healthchecks)")
@@ -840,8 +872,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     [config_sub] = [a for a in sub.choices["config"]._actions if isinstance(a, argparse._SubParsersAction)]
     config_show.add_parser(config_sub)  # epd config show
-    help_without_command(parser)
-    return parser
 
 
 def _version() -> str:
