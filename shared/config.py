@@ -14,10 +14,11 @@ each argument to the group that owns it; the rest comes from the environment.
 
 from __future__ import annotations
 
+import enum
 import socket
 import ssl
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, NamedTuple
 
@@ -25,6 +26,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from shared.logs import LogFormat
 from shared.topology import PREFILL_SERVICE_ROLES, Role, Topology
 
 #: every setting reads the variable ENV_PREFIX + its field name in upper case
@@ -48,6 +50,36 @@ CSV = Annotated[tuple[str, ...], NoDecode]
 def _shown(value: object) -> object:
     """A value for an error message: an enum member as its plain value."""
     return str(value) if isinstance(value, str) else value
+
+
+# Closed sets of values a setting takes (StrEnum, as ``Role`` and ``Topology``: a member is its value
+# in env variables, fingerprints and log lines). ``LogFormat`` is ``shared.logs``' own.
+class EngineKind(enum.StrEnum):
+    """The model engines (``EPD_ENGINE``); ``shared.engines.ENGINES`` maps each to its class."""
+
+    TRANSFORMERS = "transformers"
+    VLLM = "vllm"
+
+
+class StoreBackend(enum.StrEnum):
+    """Where the object store keeps its objects (``EPD_STORE_BACKEND``)."""
+
+    #: MinIO or any S3 server
+    S3 = "s3"
+    #: a local folder (``EPD_STORE_FS_ROOT``)
+    FS = "fs"
+
+
+def one_of(kind: type[enum.StrEnum], what: str) -> Callable[[object], object]:
+    """A before-validator of a setting that takes a value of ``kind``: anything else is refused with
+    the values it may take (``unknown engine 'onnx'; supported: transformers, vllm``)."""
+
+    def check(v: object) -> object:
+        if v not in tuple(kind):
+            raise ValueError(f"unknown {what} {_shown(v)!r}; supported: {', '.join(kind)}")
+        return v
+
+    return check
 
 
 def no_separators(v: str) -> str:
@@ -186,7 +218,7 @@ class StoreSettings(SettingsGroup):
     #: the credential fields: never in a dump; a vLLM process reads them from the environment
     SECRET_FIELDS: ClassVar[tuple[str, str]] = ("s3_access_key", "s3_secret_key")
 
-    store_backend: str = "s3"
+    store_backend: StoreBackend = StoreBackend.S3
     """`s3` (MinIO or any S3 server) or `fs` (a local folder, `EPD_STORE_FS_ROOT`)."""
     s3_endpoint: str = "127.0.0.1:9000"
     """S3 endpoint, `host:port`."""
@@ -212,6 +244,7 @@ class StoreSettings(SettingsGroup):
     max_kv_object_bytes: int = Field(1024**3, gt=0, description="largest KV object written or read (E|P|D)")
 
     _check_namespace = field_validator("namespace")(no_separators)
+    _check_backend = field_validator("store_backend", mode="before")(one_of(StoreBackend, "store backend"))
 
     @model_validator(mode="after")
     def _ca_only_with_tls(self) -> StoreSettings:
@@ -265,7 +298,7 @@ class ModelSettings(SettingsGroup):
     """Local model folder in Hugging Face layout; nothing is downloaded (`epd up`: the tiny test model under `var/`)."""
     model_name: str | None = None
     """Model id served in `/v1/models` and expected in requests (unset: the folder name)."""
-    engine: str = "transformers"
+    engine: EngineKind = EngineKind.TRANSFORMERS
     """Model engine: `transformers` or `vllm` (part of the encoder fingerprint: every service must agree)."""
     dtype: str = "float32"
     """Compute dtype (part of the encoder fingerprint)."""
@@ -273,6 +306,8 @@ class ModelSettings(SettingsGroup):
     """Context length served (vLLM's `--max-model-len`; `epd up --max-model-len`): prompt tokens + `max_tokens`
     of a request may not exceed it (400), in both engines and the API (unset: the model's `max_position_embeddings`
     in its `config.json`). It can only lower the model's."""
+
+    _check_engine = field_validator("engine", mode="before")(one_of(EngineKind, "engine"))
 
     def served_model_name(self) -> str:
         if self.model_name:
@@ -446,7 +481,7 @@ class ServiceSettings(BaseSettings):
     """Worker identity in EC object metadata and heartbeats (unset: host name + random suffix)."""
     log_level: str = "INFO"
     """Log level; every line carries the request id."""
-    log_format: str = Field("text", pattern="^(text|json)$")
+    log_format: LogFormat = LogFormat.TEXT
     """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
     ec_use_flush_s: float = Field(
         2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
@@ -459,6 +494,8 @@ class ServiceSettings(BaseSettings):
         "the jobs they started - the others go back to the queue at once; the API: its open requests); "
         "the deployments' stop grace period is this + 15 s (docker-compose.yml, deploy/kubernetes)",
     )
+
+    _check_log_format = field_validator("log_format", mode="before")(one_of(LogFormat, "log format"))
 
     @classmethod
     def settings_customise_sources(

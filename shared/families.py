@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shared.config import EngineKind
 from shared.errors import EngineError, UnsupportedContent
 
 #: engine name -> the ``model_type`` values it serves
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
-    "transformers": ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
-    "vllm": ("internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    EngineKind.TRANSFORMERS: ("gemma3", "internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    EngineKind.VLLM: ("internvl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
 }
 
 
@@ -31,8 +32,8 @@ SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
 #: ``generate`` on the same frames - tests/test_video_engine.py, tests/test_video_stack.py -, and
 #: against a plain vLLM run on the file - tests/test_vllm_families.py)
 VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
-    "transformers": ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
-    "vllm": ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    EngineKind.TRANSFORMERS: ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
+    EngineKind.VLLM: ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"),
 }
 
 
@@ -51,8 +52,8 @@ VIDEO_FAMILIES: dict[str, tuple[str, ...]] = {
 #: ``test_qwen3_vl_frame_size_depends_on_the_video_length``). Its joins are ready (deepstack columns,
 #: the whole video's timestamps); what it lacks is a segment encoded at its video's frame size.
 VIDEO_SEGMENT_FAMILIES: dict[str, tuple[str, ...]] = {
-    "transformers": ("qwen2_5_vl", "qwen2_vl"),
-    "vllm": ("qwen2_5_vl", "qwen2_vl"),
+    EngineKind.TRANSFORMERS: ("qwen2_5_vl", "qwen2_vl"),
+    EngineKind.VLLM: ("qwen2_5_vl", "qwen2_vl"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import enum
 import json
 import logging
 import sys
@@ -62,10 +63,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
-def setup_logging(level: str = "INFO", *, service: str = "", fmt: str = "text") -> None:
-    """Root logging to stderr; ``fmt`` "text" (LOG_FORMAT) or "json" (:class:`JsonFormatter`)."""
+class LogFormat(enum.StrEnum):
+    """How log lines are written (``EPD_LOG_FORMAT``)."""
+
+    #: one line, ``LOG_FORMAT``
+    TEXT = "text"
+    #: one JSON object per line (:class:`JsonFormatter`)
+    JSON = "json"
+
+
+def setup_logging(level: str = "INFO", *, service: str = "", fmt: LogFormat = LogFormat.TEXT) -> None:
+    """Root logging to stderr, written as ``fmt`` says."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service) if fmt == "json" else logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter(service) if fmt == LogFormat.JSON else logging.Formatter(LOG_FORMAT))
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -16,14 +16,23 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from shared.config import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, NatsSettings, StoreSettings, env_var, no_separators
+from shared.config import (
+    S3_ACCESS_KEY_ENV,
+    S3_SECRET_KEY_ENV,
+    EngineKind,
+    NatsSettings,
+    StoreBackend,
+    StoreSettings,
+    env_var,
+    no_separators,
+)
 from shared.identity import ModelIdentity
 from shared.store.ec import ECStore
 from shared.store.factory import open_stores
 from shared.store.kv import KVStore
 
 #: the ``engine`` part of every fingerprint the connectors compute
-ENGINE_NAME = "vllm"
+ENGINE_NAME = EngineKind.VLLM
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -107,9 +116,7 @@ class ConnectorConfig(BaseModel):
             config = cls(store=StoreSettings.from_dump(store), **values)
         except ValidationError as exc:
             raise ValueError(f"invalid {section}: {exc}") from None
-        if config.store.store_backend not in ("s3", "fs"):
-            raise ValueError(f"{section}.store_backend must be 's3' or 'fs', got {config.store.store_backend!r}")
-        if config.store.store_backend == "fs" and "store_fs_root" not in store:
+        if config.store.store_backend is StoreBackend.FS and "store_fs_root" not in store:
             raise ValueError(f"{section}.store_fs_root is required with store_backend 'fs'")
         return config
 
@@ -122,12 +129,14 @@ class ConnectorConfig(BaseModel):
         """Where the store is, for logs."""
         store = self.store
         return (
-            f"{store.s3_endpoint} bucket {store.s3_bucket}" if store.store_backend == "s3" else str(store.store_fs_root)
+            f"{store.s3_endpoint} bucket {store.s3_bucket}"
+            if store.store_backend is StoreBackend.S3
+            else str(store.store_fs_root)
         )
 
     def store_with_credentials(self) -> StoreSettings:
         """The store group with the S3 credentials read from the named env vars (``fs``: none needed)."""
-        if self.store.store_backend == "fs":
+        if self.store.store_backend is StoreBackend.FS:
             return self.store
         access_key = os.environ.get(self.access_key_env, "")
         secret_key = os.environ.get(self.secret_key_env, "")

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from shared.config import EngineKind
 from shared.errors import EngineError
 from shared.topology import Role
 
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENGINES: dict[str, str] = {
-    "transformers": "shared.engines.transformers_engine:TransformersEngine",
-    "vllm": "shared.engines.vllm_engine:VllmEngine",
+    EngineKind.TRANSFORMERS: "shared.engines.transformers_engine:TransformersEngine",
+    EngineKind.VLLM: "shared.engines.vllm_engine:VllmEngine",
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import StoreSettings
+from shared.config import StoreBackend, StoreSettings
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.store.objects import ObjectStore, make_object_store
@@ -30,9 +30,9 @@ class Stores:
 
 
 def _object_store(store: StoreSettings) -> ObjectStore:
-    if store.store_backend == "s3":
+    if store.store_backend is StoreBackend.S3:
         return make_object_store(
-            "s3",
+            StoreBackend.S3,
             endpoint=store.s3_endpoint,
             access_key=store.s3_access_key.get_secret_value(),
             secret_key=store.s3_secret_key.get_secret_value(),
@@ -41,9 +41,7 @@ def _object_store(store: StoreSettings) -> ObjectStore:
             region=store.s3_region,
             ca_file=store.s3_tls_ca,
         )
-    if store.store_backend == "fs":
-        return make_object_store("fs", root=store.store_fs_root)
-    return make_object_store(store.store_backend)  # raises with the list of known kinds
+    return make_object_store(StoreBackend.FS, root=store.store_fs_root)
 
 
 def open_stores(
