@@ -90,6 +90,17 @@ ROUTING_DECISIONS = Counter(
     "it (fallback), the shared queue from the start (no_affinity).",
     ["reason"],
 )
+
+
+class PrefixCacheKind(enum.StrEnum):
+    """The ``kind`` label of ``PREFIX_CACHE_TOKENS``."""
+
+    #: a generation job's prompt tokens
+    QUERY = "query"
+    #: those of them the engine's prefix cache already held
+    HIT = "hit"
+
+
 PREFIX_CACHE_TOKENS = Counter(
     "epd:prefix_cache_tokens_total",
     "Prompt tokens of generation jobs (kind=query) and those the engine's prefix cache already held "

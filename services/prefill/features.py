@@ -561,14 +561,14 @@ class LocalFeatures(FeatureSource):
         if (cached := self.cached(ref)) is not None:
             return cached, ECSource.LOCAL_CACHE
         item = await self.encode(ref)
-        metrics.EC_LOOKUPS.labels(ECSource.LOCAL, "hit", "").inc()
+        metrics.EC_LOOKUPS.labels(ECSource.LOCAL, metrics.LookupOutcome.HIT, "").inc()
         return item, ECSource.LOCAL
 
     def cached(self, ref: ImageRef) -> EncodedImage | None:
         """The item's features from this worker's local cache (counted as a hit), or None."""
         cached = self.cache.get(ref.item_hash)
         if cached is not None:
-            metrics.EC_LOOKUPS.labels(ECSource.LOCAL_CACHE, "hit", "").inc()
+            metrics.EC_LOOKUPS.labels(ECSource.LOCAL_CACHE, metrics.LookupOutcome.HIT, "").inc()
         return cached
 
     async def encode(self, ref: ImageRef) -> EncodedImage:
@@ -635,7 +635,7 @@ class StoredFeatures(LocalFeatures):
         log.warning("encoding %s locally: %s", ref.item_hash[:12], reason.value)
         item = await self.encode(ref)
         await self._write_back(ref, item)
-        metrics.EC_LOOKUPS.labels(ECSource.RECOMPUTED, "hit", reason.value).inc()
+        metrics.EC_LOOKUPS.labels(ECSource.RECOMPUTED, metrics.LookupOutcome.HIT, reason.value).inc()
         return item, recomputed(reason.value)
 
     async def _steal(self, ref: ImageRef, steal: Steal) -> EncodedImage:
@@ -652,7 +652,7 @@ class StoredFeatures(LocalFeatures):
             await steal.fail("the stealing worker could not store it")
         else:
             await steal.announce(item.n_tokens, nbytes, encode_s)
-        metrics.EC_LOOKUPS.labels(ECSource.STOLEN, "hit", "").inc()
+        metrics.EC_LOOKUPS.labels(ECSource.STOLEN, metrics.LookupOutcome.HIT, "").inc()
         return item
 
     async def _from_store(self, ref: ImageRef, request_id: str) -> EncodedImage:
@@ -762,4 +762,4 @@ class ConnectorFeatures(FeatureSource):
                 continue
             n_tokens = (stats.extra.get("ec_items") or {}).get(item, 0) if stats is not None else 0
             await steal.announce(n_tokens, info.size, 0.0)
-            metrics.EC_LOOKUPS.labels(ECSource.STOLEN, "hit", "").inc()
+            metrics.EC_LOOKUPS.labels(ECSource.STOLEN, metrics.LookupOutcome.HIT, "").inc()

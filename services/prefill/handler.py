@@ -282,8 +282,8 @@ class PrefillHandler(ModelHandler):
             handed_off = await self.handoff.run(gen)
             await self.features.settle(job.request_id, gen.stats)  # (no first token: announced now)
             if "cached_tokens" in gen.stats.extra:  # an engine with a prefix cache (vLLM) says how much it held
-                metrics.PREFIX_CACHE_TOKENS.labels("query").inc(gen.stats.prompt_tokens)
-                metrics.PREFIX_CACHE_TOKENS.labels("hit").inc(gen.stats.extra["cached_tokens"])
+                metrics.PREFIX_CACHE_TOKENS.labels(metrics.PrefixCacheKind.QUERY).inc(gen.stats.prompt_tokens)
+                metrics.PREFIX_CACHE_TOKENS.labels(metrics.PrefixCacheKind.HIT).inc(gen.stats.extra["cached_tokens"])
             if handed_off:
                 return  # a decode worker owns the request now
             if claim is not None and not await claim.held():
