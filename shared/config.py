@@ -153,9 +153,12 @@ class NatsSettings(SettingsGroup):
     """The client certificate's private key file."""
     subject_prefix: str = "epd"
     """Prefix of every subject and stream (one per deployment)."""
-    stream_max_age_s: float = Field(24 * 3600, gt=0, description="how long streams keep messages (replay window)")
-    stream_max_bytes: int = Field(1024**3, gt=0, description="size cap per stream (replay window)")
-    dup_window_s: float = Field(120, gt=0, description="JetStream de-duplication window (<= max age)")
+    stream_max_age_s: float = Field(24 * 3600, gt=0)
+    """How long streams keep messages (replay window)"""
+    stream_max_bytes: int = Field(1024**3, gt=0)
+    """Size cap per stream (replay window)"""
+    dup_window_s: float = Field(120, gt=0)
+    """JetStream de-duplication window (<= max age)"""
     ack_wait_s: float = Field(4, gt=0)
     """Seconds before JetStream redelivers a job its worker has not acknowledged: a dead worker's job
     goes to another worker this long after its last sign of life. A running job's worker sends
@@ -241,7 +244,8 @@ class StoreSettings(SettingsGroup):
     """Key prefix inside the bucket."""
     max_ec_object_bytes: int = Field(512 * 1024**2, gt=0)
     """Largest EC object a worker reads."""
-    max_kv_object_bytes: int = Field(1024**3, gt=0, description="largest KV object written or read (E|P|D)")
+    max_kv_object_bytes: int = Field(1024**3, gt=0)
+    """Largest KV object written or read (E|P|D)"""
 
     _check_namespace = field_validator("namespace")(no_separators)
     _check_backend = field_validator("store_backend", mode="before")(one_of(StoreBackend, "store backend"))
@@ -328,33 +332,28 @@ class ModelSettings(SettingsGroup):
 class MediaSettings(SettingsGroup):
     """Limits on the images and videos a process decodes or stores, and how videos are sampled."""
 
-    max_image_bytes: int = Field(20 * 1024**2, gt=0, description="per image, encoded")
-    max_image_pixels: int = Field(40_000_000, gt=0, description="per image, width x height")
-    max_video_bytes: int = Field(32 * 1024**2, gt=0, description="per video file, encoded")
-    max_video_duration_s: float = Field(300.0, gt=0, description="per video, from its frame count and rate")
-    max_video_total_frames: int = Field(18_000, gt=0, description="frames a video's container may hold")
-    max_video_frames: int = Field(
-        64, gt=0, description="frames sampled from one video (what is stored and encoded; fewer: ask a lower fps)"
-    )
-    max_video_frame_pixels: int = Field(
-        1280 * 720, gt=0, description="per video frame, width x height (checked from the header before decoding)"
-    )
-    video_segment_frames: int = Field(
-        16,
-        ge=0,
-        description="a video of more sampled frames is encoded in segments of this many (a multiple of the "
-        "model's temporal patch), each its own encode job and EC object, so several encoders share one video and "
-        "a clip that shares a segment with an earlier one reuses it (where the model's vision tower allows: "
-        "docs/models.md); 0: every video encoded whole",
-    )
-    video_num_frames: int | None = Field(
-        None, gt=0, description="frames sampled from a video when a request says nothing (unset: vLLM's default, 32)"
-    )
-    video_fps: float | None = Field(
-        None,
-        gt=0,
-        description="frames a second sampled from a video when a request says nothing (unset: the loader's default)",
-    )
+    max_image_bytes: int = Field(20 * 1024**2, gt=0)
+    """Per image, encoded."""
+    max_image_pixels: int = Field(40_000_000, gt=0)
+    """Per image, width x height."""
+    max_video_bytes: int = Field(32 * 1024**2, gt=0)
+    """Per video file, encoded."""
+    max_video_duration_s: float = Field(300.0, gt=0)
+    """Per video, from its frame count and rate."""
+    max_video_total_frames: int = Field(18_000, gt=0)
+    """Frames a video's container may hold."""
+    max_video_frames: int = Field(64, gt=0)
+    """Frames sampled from one video (what is stored and encoded; fewer: ask a lower fps)"""
+    max_video_frame_pixels: int = Field(1280 * 720, gt=0)
+    """Per video frame, width x height (checked from the header before decoding)"""
+    video_segment_frames: int = Field(16, ge=0)
+    """A video of more sampled frames is encoded in segments of this many (a multiple of the model's temporal patch),
+    each its own encode job and EC object, so several encoders share one video and a clip that shares a segment with an
+    earlier one reuses it (where the model's vision tower allows: docs/models.md); 0: every video encoded whole."""
+    video_num_frames: int | None = Field(None, gt=0)
+    """Frames sampled from a video when a request says nothing (unset: vLLM's default, 32)"""
+    video_fps: float | None = Field(None, gt=0)
+    """Frames a second sampled from a video when a request says nothing (unset: the loader's default)"""
 
     @property
     def max_stored_media_bytes(self) -> int:
@@ -365,77 +364,56 @@ class MediaSettings(SettingsGroup):
 class EngineSettings(SettingsGroup):
     """How a worker runs its engine: threads, CPUs and the vLLM engine's knobs (workers only)."""
 
-    torch_threads: int = Field(
-        1, ge=1, description="torch threads per process; keep the same value in every stage for bit-identical output"
-    )
-    encode_batch_invariant: bool = Field(
-        True,
-        description="transformers engine: every image gets a vision-tower "
-        "forward of its own, so its features never depend on "
-        "what was encoded with it (bit-identical on any CPU); "
-        "false: concurrent encodes share forwards (features "
-        "may differ in the last bits by batch and CPU)",
-    )
-    cpu_cores: str | None = Field(
-        None,
-        description="CPUs a worker binds itself (and vLLM's engine processes) to, "
-        "Linux list syntax, e.g. 0-1 (unset: all); give the encoder "
-        "and the PD worker disjoint lists on one host",
-    )
-    cpu_nice: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description="CPU priority a worker lowers itself (and vLLM's engine processes) to, as nice(1): "
-        "0 keeps it; 19 yields the cores to every normal process, e.g. a spare PD worker on the "
-        "encoder's cores that generates only when the encoder leaves them idle",
-    )
+    torch_threads: int = Field(1, ge=1)
+    """Torch threads per process; keep the same value in every stage for bit-identical output."""
+    encode_batch_invariant: bool = True
+    """Transformers engine: every image gets a vision-tower forward of its own, so its features never depend on what was
+    encoded with it (bit-identical on any CPU); false: concurrent encodes share forwards (features may differ in the
+    last bits by batch and CPU)"""
+    cpu_cores: str | None = None
+    """CPUs a worker binds itself (and vLLM's engine processes) to, Linux list syntax, e.g. 0-1 (unset: all); give the
+    encoder and the PD worker disjoint lists on one host."""
+    cpu_nice: int = Field(0, ge=0, le=19)
+    """CPU priority a worker lowers itself (and vLLM's engine processes) to, as nice(1): 0 keeps it; 19 yields the cores
+    to every normal process, e.g. a spare PD worker on the encoder's cores that generates only when the encoder leaves
+    them idle."""
     vllm_dir: Path = Path("var/vllm")
     """vLLM engine (`EPD_ENGINE=vllm`): folder of its caches, compile artefacts and IPC sockets."""
-    vllm_enforce_eager: bool = Field(
-        True, description="no torch.compile / CUDA graphs (fast start on CPU; false on GPUs)"
-    )
-    vllm_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size of a generating vLLM engine")
-    vllm_max_num_seqs: int = Field(16, ge=1, description="requests a vLLM engine batches together")
-    vllm_max_num_batched_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="prompt tokens a vLLM engine computes per step (longer prompts are chunked); unset: 256 on "
-        "CPUs for engines without a KV hand-off (a burst's first tokens come sooner), else vLLM's default",
-    )
-    vllm_engine_args: dict[str, Any] = Field(
-        default_factory=dict, description='more vLLM engine args (JSON), e.g. {"gpu_memory_utilization": 0.85}'
-    )
+    vllm_enforce_eager: bool = True
+    """No torch.compile / CUDA graphs (fast start on CPU; false on GPUs)"""
+    vllm_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size of a generating vLLM engine."""
+    vllm_max_num_seqs: int = Field(16, ge=1)
+    """Requests a vLLM engine batches together."""
+    vllm_max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Prompt tokens a vLLM engine computes per step (longer prompts are chunked); unset: 256 on CPUs for engines
+    without a KV hand-off (a burst's first tokens come sooner), else vLLM's default."""
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
+    """More vLLM engine args (JSON), e.g. {"gpu_memory_utilization": 0.85}."""
 
 
 class JanitorSettings(SettingsGroup):
     """The EC store's lifecycle policy (shared.ec_lifecycle.janitor). The janitor runs in the API
     processes (one at a time: a lease) when a bound or a TTL is set; `epd ec` reads it too."""
 
-    ec_max_bytes: int | None = Field(None, gt=0, description="bound of the EC namespace in bytes (LRU eviction)")
-    ec_max_objects: int | None = Field(None, gt=0, description="bound of the EC namespace in objects")
-    ec_ttl_s: float | None = Field(
-        None,
-        gt=0,
-        description="EC objects unused this long are deleted (plus an S3 "
-        "lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)",
-    )
-    ec_purge_retired_after_s: float | None = Field(
-        None, ge=0, description="purge the EC objects of a fingerprint no worker served for this long"
-    )
-    ec_retired_after_s: float = Field(
-        600, gt=0, description="a fingerprint no worker heartbeats for this long is retired"
-    )
-    ec_janitor_interval_s: float = Field(15, gt=0, description="seconds between janitor passes")
-    ec_evict_grace_s: float = Field(
-        60, ge=0, description="objects created or used this recently are never evicted for a bound (requests in flight)"
-    )
-    ec_reconcile_interval_s: float = Field(
-        300, gt=0, description="the janitor lists the store this often to index objects nobody announced"
-    )
-    ec_lifecycle_rule: bool = Field(
-        True, description="with EPD_EC_TTL_S, also set an S3 lifecycle expiration rule on the namespace (a backstop)"
-    )
+    ec_max_bytes: int | None = Field(None, gt=0)
+    """Bound of the EC namespace in bytes (LRU eviction)"""
+    ec_max_objects: int | None = Field(None, gt=0)
+    """Bound of the EC namespace in objects."""
+    ec_ttl_s: float | None = Field(None, gt=0)
+    """EC objects unused this long are deleted (plus an S3 lifecycle rule as a backstop, EPD_EC_LIFECYCLE_RULE)"""
+    ec_purge_retired_after_s: float | None = Field(None, ge=0)
+    """Purge the EC objects of a fingerprint no worker served for this long."""
+    ec_retired_after_s: float = Field(600, gt=0)
+    """A fingerprint no worker heartbeats for this long is retired."""
+    ec_janitor_interval_s: float = Field(15, gt=0)
+    """Seconds between janitor passes."""
+    ec_evict_grace_s: float = Field(60, ge=0)
+    """Objects created or used this recently are never evicted for a bound (requests in flight)"""
+    ec_reconcile_interval_s: float = Field(300, gt=0)
+    """The janitor lists the store this often to index objects nobody announced."""
+    ec_lifecycle_rule: bool = True
+    """With EPD_EC_TTL_S, also set an S3 lifecycle expiration rule on the namespace (a backstop)"""
 
 
 # -- services ---------------------------------------------------------------------------------------
@@ -483,17 +461,12 @@ class ServiceSettings(BaseSettings):
     """Log level; every line carries the request id."""
     log_format: LogFormat = LogFormat.TEXT
     """`text` (one line, `[request_id=...]`) or `json` (one JSON object per line, for log shippers)."""
-    ec_use_flush_s: float = Field(
-        2.0, gt=0, description="uses of EC objects are written to the index in batches this often"
-    )
-    drain_s: float = Field(
-        60,
-        ge=0,
-        le=3600,
-        description="on SIGTERM, how long the process finishes what it runs before it exits (workers: "
-        "the jobs they started - the others go back to the queue at once; the API: its open requests); "
-        "the deployments' stop grace period is this + 15 s (docker-compose.yml, deploy/kubernetes)",
-    )
+    ec_use_flush_s: float = Field(2.0, gt=0)
+    """Uses of EC objects are written to the index in batches this often."""
+    drain_s: float = Field(60, ge=0, le=3600)
+    """On SIGTERM, how long the process finishes what it runs before it exits (workers: the jobs they started - the
+    others go back to the queue at once; the API: its open requests); the deployments' stop grace period is this + 15 s
+    (docker-compose.yml, deploy/kubernetes)"""
 
     _check_log_format = field_validator("log_format", mode="before")(one_of(LogFormat, "log format"))
 
@@ -573,7 +546,8 @@ class ApiSettings(ServiceSettings):
     """Comma-separated Bearer keys (unset: no authentication). When set, `/metrics` and `/debug/*` need a key too."""
     metrics_public: bool = False
     """With API keys set, `/metrics` asks for a key too unless this is on (a scraper on a private network)."""
-    request_timeout_s: float = Field(300, gt=0, description="deadline for a whole request")
+    request_timeout_s: float = Field(300, gt=0)
+    """Deadline for a whole request."""
     max_body_bytes: int = Field(64 * 1024**2, gt=0)
     """Request body limit."""
     max_images_per_request: int = Field(8, ge=0)
@@ -615,15 +589,11 @@ class ApiSettings(ServiceSettings):
     """Comma-separated CIDRs image URLs may resolve to although private or loopback."""
     url_allow_hosts: CSV = ()
     """Comma-separated host names allowed although they resolve to private addresses."""
-    decode_pixel_budget: int | None = Field(
-        None,
-        ge=1,
-        description="pixels the API process decodes at once, all "
-        "requests together (~4 bytes a pixel of memory; unset: two images of "
-        "EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one "
-        "decodes alone",
-    )
-    worker_stale_s: float = Field(10, gt=0, description="a worker is gone after this long without a heartbeat")
+    decode_pixel_budget: int | None = Field(None, ge=1)
+    """Pixels the API process decodes at once, all requests together (~4 bytes a pixel of memory; unset: two images of
+    EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one decodes alone."""
+    worker_stale_s: float = Field(10, gt=0)
+    """A worker is gone after this long without a heartbeat."""
     routing: str = Field(
         "shared",
         pattern="^(affinity|shared)$",
@@ -631,21 +601,14 @@ class ApiSettings(ServiceSettings):
         "(weighed against load; docs/architecture.md, cache-aware routing); `shared`: every job on the shared "
         "queue, whichever worker is free takes it",
     )
-    routing_affinity_weight: float = Field(
-        1.0, ge=0, description="affinity routing: score of a worker per fraction of the request's images it holds"
-    )
-    routing_load_weight: float = Field(
-        1.0, ge=0, description="affinity routing: score taken off a worker per fraction of its engine slots in use"
-    )
-    routing_affinity_timeout_s: float = Field(
-        2.0, gt=0, description="a routed job no worker claimed within this long goes to the shared queue"
-    )
-    routing_takeover_s: float = Field(
-        6.0,
-        gt=0,
-        description="a routed worker whose heartbeat is this old is gone: its job (claimed or not) "
-        "goes to the shared queue",
-    )
+    routing_affinity_weight: float = Field(1.0, ge=0)
+    """Affinity routing: score of a worker per fraction of the request's images it holds."""
+    routing_load_weight: float = Field(1.0, ge=0)
+    """Affinity routing: score taken off a worker per fraction of its engine slots in use."""
+    routing_affinity_timeout_s: float = Field(2.0, gt=0)
+    """A routed job no worker claimed within this long goes to the shared queue."""
+    routing_takeover_s: float = Field(6.0, gt=0)
+    """A routed worker whose heartbeat is this old is gone: its job (claimed or not) goes to the shared queue."""
     topology: Topology = Topology.E_PD
     """Deployment shape: `agg`, `e-pd` or `e-p-d`. The API reads only whether it has encoder workers: with `agg`
     it queues no encode jobs; `e-pd` and `e-p-d` differ in the workers only."""
@@ -705,11 +668,8 @@ class WorkerSettings(ServiceSettings):
     health_file: Path | None = None
     """Workers: heartbeat file for `epd healthcheck`, refreshed every 2 s after a JetStream round trip to the
     worker's consumer and removed when one fails (unset: none)."""
-    unreachable_exit_s: float = Field(
-        60,
-        gt=0,
-        description="a worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it",
-    )
+    unreachable_exit_s: float = Field(60, gt=0)
+    """A worker that cannot reach its consumer this long exits (code 3) for its supervisor to restart it."""
 
 
 #: an encoder worker's pixel budget when its engine's steps do not bound its encodes
@@ -717,23 +677,14 @@ UNBOUNDED_ENCODE_PIXEL_BUDGET = 16_000_000
 
 
 class EncoderSettings(WorkerSettings):
-    encode_jobs_in_flight: int | None = Field(
-        None,
-        ge=1,
-        description="encode jobs an encoder worker holds at once "
-        "(unset: the engine's batch, 16 by default; their "
-        "encodes share forwards, within the pixel budget)",
-    )
-    encode_pixel_budget: int | None = Field(
-        None,
-        ge=1,
-        description="image pixels an encoder worker holds at once (its jobs started, their images "
-        "decoded); a larger image goes alone. Unset: two of its engine's encode steps (vLLM: "
-        "2 x its encoder budget a step, `max_num_batched_tokens` image tokens - 401,408 pixels, two "
-        "448x448 images, for Qwen2-VL on a CPU), so the jobs it has not started stay in the queue for "
-        "another encoder or a stealing worker; 16,000,000 where the engine's steps do not bound it "
-        "(transformers)",
-    )
+    encode_jobs_in_flight: int | None = Field(None, ge=1)
+    """Encode jobs an encoder worker holds at once (unset: the engine's batch, 16 by default; their encodes share
+    forwards, within the pixel budget)"""
+    encode_pixel_budget: int | None = Field(None, ge=1)
+    """Image pixels an encoder worker holds at once (its jobs started, their images decoded); a larger image goes alone.
+    Unset: two of its engine's encode steps (vLLM: 2 x its encoder budget a step, `max_num_batched_tokens` image tokens
+    - 401,408 pixels, two 448x448 images, for Qwen2-VL on a CPU), so the jobs it has not started stay in the queue for
+    another encoder or a stealing worker; 16,000,000 where the engine's steps do not bound it (transformers)"""
 
     def pixel_budget(self, pixels_per_step: int | None) -> int:
         """The budget in effect for an engine that encodes ``pixels_per_step`` a step (``None``: unbounded)."""
@@ -746,57 +697,33 @@ class PrefillSettings(WorkerSettings):
     role: Role = Role.PD
     """`pd`: prefill and decode in one worker (E|PD); `prefill`: prefill, then hand off to decode workers (E|P|D);
     `agg`: encode, prefill and decode in process (the baseline)."""
-    ec_wait_s: float = Field(30, ge=0, description="wait this long for an encoder before encoding locally")
-    encode_steals: int = Field(
-        1,
-        ge=0,
-        le=64,
-        description="queued encode jobs this worker may steal at once: after `EPD_ENCODE_STEAL_AFTER_S` "
-        "without an encoder starting an item, while every live encoder is full (or none is alive), "
-        "the worker's own engine encodes it, stores it and announces it (0: off; roles pd and "
-        "prefill; docs/architecture.md, encode stealing)",
-    )
-    no_encoder_after_s: float = Field(
-        6.0,
-        gt=0,
-        description="with no encoder heartbeat for this long (one crashed or stalled; or none running), "
-        "a job waiting for an encoder stops waiting and this worker encodes the image itself (an "
-        "encoder stopped on purpose counts as gone at once; roles pd and prefill; encoders scaled to "
-        "zero: docs/kubernetes.md)",
-    )
-    encode_steal_after_s: float = Field(
-        0.2,
-        ge=0,
-        description="how long a job waits for an encoder to start its item before this worker "
-        "steals it (`EPD_ENCODE_STEALS`)",
-    )
-    max_concurrent_jobs: int | None = Field(
-        None,
-        ge=1,
-        description="jobs in the engine at once; unset = the "
-        "engine's own batch (vLLM max_num_seqs, transformers decode batch 16), "
-        "printed at start-up",
-    )
-    long_prompt_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="a prompt of more (estimated) tokens is long: at most two long prompts are in "
-        "the engine and not yet prefilled (their first token not out), and shorter ones do not wait "
-        "for them; unset = half the engine's step budget (vLLM max_num_batched_tokens / 2; no such "
-        "rule for transformers, which prefills one prompt at a time itself), 0 = no such rule",
-    )
-    max_waiting_jobs: int = Field(
-        64, ge=0, description="jobs held while they wait for image features (they take no engine slot)"
-    )
+    ec_wait_s: float = Field(30, ge=0)
+    """Wait this long for an encoder before encoding locally."""
+    encode_steals: int = Field(1, ge=0, le=64)
+    """Queued encode jobs this worker may steal at once: after `EPD_ENCODE_STEAL_AFTER_S` without an encoder starting an
+    item, while every live encoder is full (or none is alive), the worker's own engine encodes it, stores it and
+    announces it (0: off; roles pd and prefill; docs/architecture.md, encode stealing)"""
+    no_encoder_after_s: float = Field(6.0, gt=0)
+    """With no encoder heartbeat for this long (one crashed or stalled; or none running), a job waiting for an encoder
+    stops waiting and this worker encodes the image itself (an encoder stopped on purpose counts as gone at once; roles
+    pd and prefill; encoders scaled to zero: docs/kubernetes.md)"""
+    encode_steal_after_s: float = Field(0.2, ge=0)
+    """How long a job waits for an encoder to start its item before this worker steals it (`EPD_ENCODE_STEALS`)"""
+    max_concurrent_jobs: int | None = Field(None, ge=1)
+    """Jobs in the engine at once; unset = the engine's own batch (vLLM max_num_seqs, transformers decode batch 16),
+    printed at start-up."""
+    long_prompt_tokens: int | None = Field(None, ge=0)
+    """A prompt of more (estimated) tokens is long: at most two long prompts are in the engine and not yet prefilled
+    (their first token not out), and shorter ones do not wait for them; unset = half the engine's step budget (vLLM
+    max_num_batched_tokens / 2; no such rule for transformers, which prefills one prompt at a time itself), 0 = no such
+    rule."""
+    max_waiting_jobs: int = Field(64, ge=0)
+    """Jobs held while they wait for image features (they take no engine slot)"""
     local_cache_bytes: int = Field(512 * 1024**2, ge=0)
     """In-memory encoder-output cache per worker (0: off)."""
-    routing_advertised_items: int = Field(
-        64,
-        ge=0,
-        le=4096,
-        description="item hashes of its caches a worker advertises in each heartbeat for affinity "
-        "routing (the most recently used; 17 bytes each)",
-    )
+    routing_advertised_items: int = Field(64, ge=0, le=4096)
+    """Item hashes of its caches a worker advertises in each heartbeat for affinity routing (the most recently used; 17
+    bytes each)"""
 
     @field_validator("role", mode="before")
     @classmethod
@@ -809,12 +736,14 @@ class PrefillSettings(WorkerSettings):
 class DecodeSettings(WorkerSettings):
     """Decode workers (E|P|D): pull decode jobs, load KV objects, batch decode steps."""
 
-    max_batch_size: int = Field(16, ge=1, description="requests decoded together (one forward per step)")
-    max_reprefills: int = Field(2, ge=0, description="re-prefills of one request after unusable KV objects")
-    kv_ttl_s: float = Field(
-        3600, gt=0, description="KV objects older than this are swept (keep it above EPD_REQUEST_TIMEOUT_S)"
-    )
-    kv_sweep_interval_s: float = Field(300, ge=0, description="0 = no sweeping from this worker")
+    max_batch_size: int = Field(16, ge=1)
+    """Requests decoded together (one forward per step)"""
+    max_reprefills: int = Field(2, ge=0)
+    """Re-prefills of one request after unusable KV objects."""
+    kv_ttl_s: float = Field(3600, gt=0)
+    """KV objects older than this are swept (keep it above EPD_REQUEST_TIMEOUT_S)"""
+    kv_sweep_interval_s: float = Field(300, ge=0)
+    """0 = no sweeping from this worker."""
 
 
 class ToolSettings(ServiceSettings):
