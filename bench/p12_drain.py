@@ -132,7 +132,7 @@ async def _once(url: str, kind: str, hand_back: bool) -> float:
         async def _nothing(*_: Any) -> None:
             return None
 
-        a._hand_over_routed = _nothing  # type: ignore[method-assign]  # the control
+        a.routing.hand_over = _nothing  # type: ignore[method-assign]  # the control
     a_run = asyncio.create_task(a.run())
     nc = await connect(settings("t").nats, name="bench-drain")
     b_run = None

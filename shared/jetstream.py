@@ -38,6 +38,7 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NoStreamResponseError, NotFoundError
 from nats.js.errors import ServiceUnavailableError as JSServiceUnavailableError
+from nats.js.kv import KeyValue
 
 from shared import metrics, natsclient, protocol
 from shared.config import NatsSettings
@@ -349,7 +350,7 @@ async def _wait_created(lookup: Callable[[], Awaitable[T]], what: str, user: str
 
 
 async def open_bucket(
-    js: Any,
+    js: JetStreamContext,
     bucket: str,
     *,
     replicas: int,
@@ -357,7 +358,7 @@ async def open_bucket(
     description: str,
     ttl: float | None = None,
     wait_s: float = TOPOLOGY_WAIT_S,
-) -> Any:
+) -> KeyValue:
     """A key-value bucket of one revision per key, on disk, created when missing (safe from several
     processes at once). More ``replicas`` than the cluster has: a ``ConfigError`` that says so,
     naming ``what`` (e.g. "the EC index"). A process whose NATS identity binds only

@@ -79,7 +79,7 @@ class JobOutcome(enum.StrEnum):
     EXPIRED = "expired"
     #: the job itself is invalid (e.g. a model the worker does not serve)
     REJECTED = "rejected"
-    #: a routed job another worker took over (``shared.routing``): dropped before its result
+    #: a routed job another worker took over (``shared.routed_jobs``): dropped before its result
     SUPERSEDED = "superseded"
 
 

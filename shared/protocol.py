@@ -19,7 +19,7 @@ subject                            stream               message
 <p>.ec.invalidated.<fp>            <P>_EVENTS (core)    ECInvalidated (EC objects were evicted / purged)
 <p>.generate.jobs                  <P>_GENERATE         GenerationJob (work; consumer "prefill")
 <p>.generate.routed.<worker>       <P>_GENERATE         GenerationJob routed to one worker (consumer
-                                                        "prefill-routed-<worker>"; ``shared.routing``)
+                                                        "prefill-routed-<worker>"; ``shared.routed_jobs``)
 <p>.decode.jobs                    <P>_DECODE           DecodeJob (work; consumer "decode"; E|P|D)
 <p>.tokens.<request_id>            <P>_RESULTS          TokenChunk / FinalResult / ErrorEvent
 <p>.control.cancel.<request_id>    <P>_CONTROL          RequestCancelled (the caller gave up)
@@ -35,7 +35,7 @@ from workers, ``Epd-Started-At`` (when the worker took the job it publishes for)
 Streams use limits retention (not work-queue) so they keep what passed through them for replay.
 
 Key-value buckets: ``<P>_EC_INDEX`` (EC objects, ``shared.ec_lifecycle.index``), ``<P>_ROUTING_CLAIMS``
-(who runs a routed generation job: the claims of ``shared.routing``) and ``<P>_EC_CLAIMS`` (who encodes
+(who runs a routed generation job: the claims of ``shared.routed_jobs``) and ``<P>_EC_CLAIMS`` (who encodes
 an item: an encoder or a generating worker stealing its job, ``shared.ec_lifecycle.claims``).
 """
 
@@ -293,7 +293,7 @@ class Subjects:
         self.encode_jobs = f"{p}.encode.jobs"
         self.ec_events_all = f"{p}.ec.>"
         self.generate_jobs = f"{p}.generate.jobs"
-        #: Every generation job routed to one worker (``shared.routing``; :meth:`generate_routed`).
+        #: Every generation job routed to one worker (``shared.routed_jobs``; :meth:`generate_routed`).
         self.generate_routed_all = f"{p}.generate.routed.*"
         self.decode_jobs = f"{p}.decode.jobs"
         self.tokens_all = f"{p}.tokens.>"
@@ -311,7 +311,7 @@ class Subjects:
         #: Every ``ECReady`` (the API indexes what encoders announce).
         self.ec_ready_all = f"{p}.ec.ready.>"
         self.ec_index_bucket = f"{P}_EC_INDEX"
-        #: Claims of routed generation jobs: which worker runs each (``shared.routing``).
+        #: Claims of routed generation jobs: which worker runs each (``shared.routed_jobs``).
         self.routing_bucket = f"{P}_ROUTING_CLAIMS"
         #: Who computes an item's encoder output: an encoder or a stealing generating worker
         #: (``shared.ec_lifecycle.claims``).
@@ -340,7 +340,7 @@ class Subjects:
         return f"{self.prefix}.requests.{request_id}"
 
     def generate_routed(self, worker_id: str) -> str:
-        """Where the API publishes a generation job routed to ``worker_id`` (``shared.routing``)."""
+        """Where the API publishes a generation job routed to ``worker_id`` (``shared.routed_jobs``)."""
         return f"{self.prefix}.generate.routed.{route_token(worker_id)}"
 
     @staticmethod

@@ -56,13 +56,15 @@ The runner:
   this worker to the shared queue; heartbeats say "draining" (no new route, and a draining encoder
   counts as gone once it has no job left); finish the started jobs (up to ``EPD_DRAIN_S``), close.
 
-**Routed jobs** (``shared.routing``, a handler with ``routable``): beside the shared consumer the
+**Routed jobs** (``shared.routed_jobs``): the runner is given its routing strategy once, when it is
+built (:class:`~shared.routed_jobs.RoutedJobs` for a handler with ``routable``, else
+:class:`~shared.routed_jobs.SharedQueueOnly`). With routed jobs, beside the shared consumer the
 runner pulls from the worker's own consumer of the jobs the API routed to it, within the same room
 (a routed job may be taken while a pull on the shared queue is outstanding: at most one job over,
-which waits for an engine slot in the admission queue). It claims each routed job before running
-it; a job claimed elsewhere (the API sent it to the shared queue meanwhile) is acked and dropped,
-and the claim is marked done once the job is settled. A handler that finds its claim taken over
-before it sends its result raises :class:`Superseded` (acked, nothing sent).
+which waits for an engine slot in the admission queue); the strategy claims each routed job before
+it runs (a job claimed elsewhere, which the API sent to the shared queue meanwhile, is acked and
+dropped), and the claim is marked done once the job is settled. A handler that finds its claim
+taken over before it sends its result raises :class:`Superseded` (acked, nothing sent).
 """
 
 from __future__ import annotations
@@ -100,15 +102,8 @@ from shared.jetstream import (
 )
 from shared.logs import REQUEST_ID
 from shared.metrics import JobOutcome
-from shared.protocol import GenerationJob, RouteReason, Subjects, WorkerHeartbeat, WorkQueue
-from shared.routing import (
-    CLAIM_FALLBACK,
-    RouteClaim,
-    RoutingClaims,
-    ensure_routed_consumer,
-    fallback_copy,
-    fallback_msg_id,
-)
+from shared.protocol import Subjects, WorkerHeartbeat, WorkQueue
+from shared.routed_jobs import RouteClaim, RoutedJobs, SharedQueueOnly, WorkerRouting
 from shared.topology import Role, Service
 
 log = logging.getLogger(__name__)
@@ -116,9 +111,6 @@ log = logging.getLogger(__name__)
 #: How often a worker proves it can pull (a JetStream round trip), then beats and refreshes its
 #: health file and the consumer lag gauges (``WorkerRunner._liveness``).
 HEARTBEAT_INTERVAL_S = 2.0
-#: How long one pull of a stopping worker's routed consumer waits (``_hand_over_routed``: until
-#: one finds nothing).
-ROUTED_HANDOVER_PULL_S = 0.5
 #: Exit code of a worker that could not reach its consumer for ``EPD_UNREACHABLE_EXIT_S``.
 EXIT_UNREACHABLE = 3
 #: ``in_progress`` beats a running job sends per ack wait: a live worker's job is redelivered only if
@@ -154,7 +146,7 @@ class Reject(Exception):
 
 
 class Superseded(Exception):
-    """Another worker runs this routed job now (its claim was taken over, ``shared.routing``):
+    """Another worker runs this routed job now (its claim was taken over, ``shared.routed_jobs``):
     drop it without sending anything (ack)."""
 
 
@@ -189,7 +181,7 @@ class Delivery:
     published_at: float | None = None
     #: Set by the runner when the job's request is cancelled while the job runs.
     cancel: JobCancel = field(default_factory=lambda: JobCancel())
-    #: A routed job's claim, won by this worker (``shared.routing``); None for the shared queue's jobs.
+    #: A routed job's claim, won by this worker (``shared.routed_jobs``); None for the shared queue's jobs.
     claim: RouteClaim | None = None
 
     @property
@@ -287,8 +279,9 @@ class Handler(abc.ABC):
     #: Whether a running job is stopped when its request is cancelled (the encoder's jobs are
     #: shared by every request with the same image, and short: they run to the end).
     stops_when_cancelled: ClassVar[bool] = True
-    #: Whether the API may route jobs to this worker (``shared.routing``): the runner then also
-    #: consumes the worker's routed subject and sets ``routed`` once it does.
+    #: Whether the API may route jobs to this worker (``shared.routing``): picks the runner's routing
+    #: strategy (``shared.routed_jobs``), which also consumes the worker's routed subject; the runner
+    #: sets ``routed`` once it does.
     routable: ClassVar[bool] = False
     routed: bool = False
 
@@ -457,6 +450,7 @@ class WorkerRunner:
         drain_timeout_s: float | None = None,
         freeze_heap: bool = False,
         pull_timeout_s: float = 1.0,
+        routing: WorkerRouting | None = None,
     ):
         self.handler = handler
         self.settings = settings
@@ -477,8 +471,15 @@ class WorkerRunner:
         # Running jobs by request id (what a cancellation stops).
         self._running: dict[str, set[JobCancel]] = {}
         self._records: RequestRecords | None = None
-        #: routing claims (a ``routable`` handler's worker)
-        self._claims: RoutingClaims | None = None
+        #: How this worker takes the jobs the API routes to it (``shared.routed_jobs``), chosen once:
+        #: by the handler's ``routable`` unless given.
+        self.routing: WorkerRouting = (
+            routing
+            if routing is not None
+            else RoutedJobs(settings.nats, self.subjects, settings.worker_id)
+            if handler.routable
+            else SharedQueueOnly()
+        )
         # Refreshed with every heartbeat while connected and consuming (``epd healthcheck``).
         self.health = HealthFile(settings.health_file) if settings.health_file else None
 
@@ -509,7 +510,8 @@ class WorkerRunner:
             if await confirm_subscriptions(nc, what="cancellations"):
                 self._records.listening()
             psub = await js.pull_subscribe_bind(durable=self.handler.durable, stream=stream)
-            rsub = await self._routed_subscription(js, stream) if self.handler.routable else None
+            rsub = await self.routing.subscribe(js, stream, publisher)
+            self.handler.routed = rsub is not None
             liveness = asyncio.create_task(self._liveness(nc, js, stream))
             log.info("%s worker %s consuming %s/%s", self.name, self.settings.worker_id, stream, self.handler.durable)
             try:
@@ -526,8 +528,7 @@ class WorkerRunner:
                     for sub in (psub, rsub):
                         if sub is not None:
                             await self._stop_pulling(sub)
-                    if rsub is not None:
-                        await self._hand_over_routed(js, stream)
+                    await self.routing.hand_over()
                     await self._drain()
                 finally:  # it beats "draining" until now: no takeover of the jobs this worker finishes
                     liveness.cancel()
@@ -539,16 +540,6 @@ class WorkerRunner:
             await self.handler.close()
             await close_connection(nc)
             log.info("%s worker %s stopped", self.name, self.settings.worker_id)
-
-    async def _routed_subscription(self, js: Any, stream: str) -> Any:
-        """Bind this worker's routed consumer (created here) and open the routing claims."""
-        worker_id = self.settings.worker_id
-        durable = await ensure_routed_consumer(js, self.settings.nats, self.subjects, worker_id)
-        self._claims = await RoutingClaims.open(js, self.subjects, self.settings.nats)
-        rsub = await js.pull_subscribe_bind(durable=durable, stream=stream)
-        self.handler.routed = True
-        log.info("%s worker %s consuming routed jobs %s/%s", self.name, worker_id, stream, durable)
-        return rsub
 
     def _room(self) -> int:
         """Jobs to fetch now: up to ``concurrency`` held, or what the handler's admission allows."""
@@ -650,69 +641,10 @@ class WorkerRunner:
 
     def _hand_back_unstarted(self) -> None:
         """Stop every job that has not started (``Delivery.start``) and give it back: ``settle``
-        naks it (a routed one goes to the shared queue: :meth:`_reroute`)."""
+        naks it (a routed one goes to the shared queue: ``WorkerRouting.hand_back``)."""
         handed = sum(job.hand_back() for jobs in list(self._running.values()) for job in list(jobs))
         if handed:
             log.info("handing back %d job(s) not started", handed)
-
-    async def _hand_over_routed(self, js: Any, stream: str) -> None:
-        """Move the jobs waiting in this worker's routed consumer to the shared queue (each once:
-        the routing claim decides, as the API's watchdog does; ``shared.routing``)."""
-        try:
-            sub = await js.pull_subscribe_bind(
-                durable=self.subjects.routed_consumer(self.settings.worker_id), stream=stream
-            )
-        except Exception as exc:  # noqa: BLE001 - the API's watchdog falls back once the heartbeat stops
-            log.warning("cannot hand over the routed jobs (%s: %s)", type(exc).__name__, exc)
-            return
-        moved = 0
-        try:
-            while True:
-                try:
-                    msgs = await sub.fetch(16, timeout=ROUTED_HANDOVER_PULL_S)
-                except TimeoutError:
-                    break
-                for msg in msgs:
-                    moved += await self._reroute(msg, None)
-        except Exception as exc:  # noqa: BLE001 - as above
-            log.warning("handing over the routed jobs failed (%s: %s)", type(exc).__name__, exc)
-        finally:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # noqa: BLE001 - shutting down anyway
-                log.debug("unsubscribe: %s", exc)
-        if moved:
-            log.info("handed %d routed job(s) over to the shared queue", moved)
-
-    async def _reroute(self, msg: Any, claim: RouteClaim | None) -> bool:
-        """A routed job this stopping worker will not run: win its claim as ``@fallback`` (from
-        this worker's own claim, ``claim``, or a fresh one), publish the shared queue's copy, ack.
-        Lost to someone else: ack only (they run it). True when this worker published the copy."""
-        assert self._claims is not None and self._publisher is not None
-        try:
-            job = protocol.decode(msg.data, GenerationJob)
-        except protocol.ProtocolError:
-            await msg.term()
-            return False
-        rid = job.request_id
-        if claim is not None:
-            won = await self._claims.replace(rid, CLAIM_FALLBACK, claim.revision)
-        else:
-            won, state = await self._claims.claim(rid, CLAIM_FALLBACK)
-            if not won and state is not None and state.value == self.settings.worker_id:
-                won = await self._claims.replace(rid, CLAIM_FALLBACK, state.revision)  # ours, not run
-        if won:
-            detail = f"{self.settings.worker_id} stopping"
-            await self._publisher.publish(
-                self.subjects.generate_jobs,
-                fallback_copy(job, detail),
-                request_id=rid,
-                msg_id=fallback_msg_id(rid),
-                deadline=job.deadline,
-            )
-            metrics.ROUTING_DECISIONS.labels(RouteReason.FALLBACK).inc()
-        await msg.ack()
-        return won
 
     async def _drain(self) -> None:
         if self._tasks:
@@ -722,30 +654,10 @@ class WorkerRunner:
                 task.cancel()
 
     async def _process_routed(self, msg: Any) -> None:
-        """A routed job: claim it, then run it like any other; drop it when claimed elsewhere."""
-        assert self._claims is not None
-        request_id = (msg.headers or {}).get(protocol.HDR_REQUEST_ID, "")
-        token = REQUEST_ID.set(request_id or "-")
-        try:
-            try:
-                won, state = await self._claims.claim(request_id, self.settings.worker_id)
-            except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types: retry the job
-                metrics.ROUTING_CLAIMS.labels("error").inc()
-                log.warning("could not claim the routed job (%s: %s): retrying", type(exc).__name__, exc)
-                await msg.nak(delay=1.0)
-                return
-            if not won or state is None:
-                metrics.ROUTING_CLAIMS.labels("lost").inc()
-                log.info("routed job claimed by %s: dropped", state.value if state else "?")
-                await msg.ack()
-                return
-            metrics.ROUTING_CLAIMS.labels("won" if msg.metadata.num_delivered <= 1 else "redelivered").inc()
-        except Exception:
-            log.exception("could not settle the routed message")
-            return
-        finally:
-            REQUEST_ID.reset(token)
-        await self._process(msg, claim=RouteClaim(self._claims, request_id, self.settings.worker_id, state.revision))
+        """A routed job: run it like any other once the routing strategy won its claim."""
+        claim = await self.routing.take(msg)
+        if claim is not None:
+            await self._process(msg, claim=claim)
 
     async def _process(self, msg: Any, claim: RouteClaim | None = None) -> None:
         meta = msg.metadata
@@ -791,7 +703,7 @@ class WorkerRunner:
             if claim is not None and settlement.action is not Action.NAK:
                 await claim.finish()
             if claim is not None and settlement.reason == HANDED_BACK:
-                await self._reroute(msg, claim)  # (its own consumer is not pulled any more)
+                await self.routing.hand_back(msg, claim)
             elif settlement.action is Action.ACK:
                 await msg.ack()
             elif settlement.action is Action.NAK:

@@ -18,7 +18,7 @@ from shared import metrics, protocol
 from shared.config import EncoderSettings, PrefillSettings, WorkerSettings
 from shared.jetstream import JetStreamPublisher, connect
 from shared.protocol import EncodeJob, GenerationJob, ImageRef, SamplingSpec, Subjects, WorkerHeartbeat
-from shared.routing import CLAIM_FALLBACK, RoutingClaims
+from shared.routed_jobs import CLAIM_FALLBACK, RoutingClaims
 from shared.topology import Role, Service
 from shared.worker import Delivery, Handler, WorkerContext, WorkerRunner
 from tests.stackutil import until

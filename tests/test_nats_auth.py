@@ -23,7 +23,7 @@ from shared.ec_lifecycle.index import ECIndex
 from shared.jetstream import connect, ensure_topology, open_bucket
 from shared.nats_auth import Role
 from shared.protocol import Subjects
-from shared.routing import RoutingClaims
+from shared.routed_jobs import RoutingClaims
 from shared.tools.infra import EmbeddedNats
 from shared.tools.nats_identities import NatsIdentities
 from tests.stackutil import data_url, epd_cli, noise_image, user_message

@@ -1,6 +1,6 @@
-"""Cache-aware routing, in parts: the scorer (pure), the heartbeat summary, and the claims on a
-real JetStream key-value bucket (``shared.routing``); the API's watchdog against a real NATS with
-heartbeats it is fed (``services.api.routing``). The whole stack: tests/test_routing.py."""
+"""Cache-aware routing, in parts: the scorer (pure), the heartbeat summary (``shared.routing``), and
+the claims on a real JetStream key-value bucket (``shared.routed_jobs``); the API's watchdog against
+a real NATS with heartbeats it is fed (``services.api.routing``). The whole stack: tests/test_routing.py."""
 
 from __future__ import annotations
 
@@ -15,19 +15,8 @@ from shared import protocol
 from shared.config import ApiSettings
 from shared.jetstream import JetStreamPublisher, ensure_topology
 from shared.protocol import GenerationJob, ImageRef, RouteReason, SamplingSpec, Subjects, WorkerHeartbeat
-from shared.routing import (
-    CLAIM_FALLBACK,
-    Candidate,
-    RecentItems,
-    RouteClaim,
-    RoutingClaims,
-    advertised,
-    choose,
-    claim_key,
-    done_value,
-    short_hash,
-    takeover_value,
-)
+from shared.routed_jobs import CLAIM_FALLBACK, RouteClaim, RoutingClaims, claim_key, done_value, takeover_value
+from shared.routing import Candidate, RecentItems, advertised, choose, short_hash
 from tests.stackutil import until
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64

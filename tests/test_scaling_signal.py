@@ -17,7 +17,7 @@ from shared import protocol
 from shared.config import PrefillSettings
 from shared.jetstream import ensure_topology
 from shared.protocol import ECReady, FinalResult, Subjects, Timing
-from shared.routing import ensure_routed_consumer
+from shared.routed_jobs import ensure_routed_consumer
 from shared.topology import Service
 from tests.stackutil import until
 

@@ -1,6 +1,6 @@
-"""The API side of cache-aware routing (``EPD_ROUTING=affinity``; the protocol is in
-``shared.routing``): the table of live generating workers, the choice, and one watchdog per
-routed job.
+"""The API side of cache-aware routing (``EPD_ROUTING=affinity``; the policy is in
+``shared.routing``, the claims in ``shared.routed_jobs``): the table of live generating workers,
+the choice, and one watchdog per routed job.
 
 The table comes from the workers' heartbeats (every 2 s; ``WorkerHeartbeat.items / slots /
 free_slots``), kept with the time this process received each (a monotonic clock: no trust in the
@@ -42,18 +42,15 @@ from shared import metrics
 from shared.config import ApiSettings
 from shared.jetstream import Publisher
 from shared.protocol import FinalResult, GenerationJob, RouteReason, Subjects, WorkerHeartbeat
-from shared.routing import (
+from shared.routed_jobs import (
     CLAIM_FALLBACK,
-    Candidate,
-    Decision,
     RoutingClaims,
-    choose,
     claim_key,
     fallback_copy,
     fallback_msg_id,
-    short_hash,
     takeover_value,
 )
+from shared.routing import Candidate, Decision, choose, short_hash
 from shared.topology import Service
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ For each role - ``encoder``, ``prefill`` (PD and prefill workers: the generation
 
 * ``epd:queue_lag_jobs{role}``: the jobs in the role's queue, ``num_pending + num_ack_pending`` summed
   over its consumers - the shared one (what KEDA's ``nats-jetstream`` scaler reads) and, for the
-  generation queue, every worker's routed consumer (``shared.routing``), which that scaler misses;
+  generation queue, every worker's routed consumer (``shared.routed_jobs``), which that scaler misses;
 * ``epd:job_cost_seconds{role}``: the role's cost per job, the median of its last
   :data:`COST_WINDOW` jobs' busy seconds, from the stage timings ``epd plan`` sizes fleets with:
   an encode's ``encode_s`` (every ``ECReady`` of a real encode, an encoder's or a steal's), a

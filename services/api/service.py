@@ -43,7 +43,7 @@ from shared.identity import ModelIdentity
 from shared.jetstream import JetStreamPublisher, close_connection, connect, ensure_topology
 from shared.media import LoadedImage, MediaLimits
 from shared.protocol import ChatRequestRecord, ImageRef, MediaKind, SamplingSpec, Subjects, WorkerHeartbeat
-from shared.routing import RoutingClaims
+from shared.routed_jobs import RoutingClaims
 from shared.store.ec import ECStore
 from shared.store.factory import open_stores
 from shared.topology import TOPOLOGIES

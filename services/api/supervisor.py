@@ -61,7 +61,7 @@ class DeliverySupervisor:
         return [
             self.subjects.max_deliveries_advisory(stream, consumer)
             for stream, consumer in (
-                # the shared consumer and every worker's routed one (``shared.routing``)
+                # the shared consumer and every worker's routed one (``shared.routed_jobs``)
                 (self.subjects.stream_generate, "*"),
                 (self.subjects.stream_decode, protocol.CONSUMER_DECODE),
                 (self.subjects.stream_encode, protocol.CONSUMER_ENCODER),

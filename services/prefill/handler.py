@@ -54,7 +54,8 @@ from shared.logs import plain
 from shared.metrics import JobOutcome
 from shared.model_worker import ModelHandler, job_prompt, sampling_params
 from shared.protocol import ECSource, FinalResult, GenerationJob, Timing, WorkerHeartbeat
-from shared.routing import RecentItems, RouteClaim, advertised
+from shared.routed_jobs import RouteClaim
+from shared.routing import RecentItems, advertised
 from shared.store.ec import ECStore
 from shared.store.kv import KVStore
 from shared.token_stream import TokenOutput

@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
 
+from shared.claims import BucketSpec, KvClaims
 from shared.config import NatsSettings
-from shared.jetstream import open_bucket
 from shared.protocol import Subjects
 
 log = logging.getLogger(__name__)
@@ -84,26 +83,18 @@ class Claim:
 
 
 class EncodeClaims:
-    """The ``<P>_EC_CLAIMS`` bucket (module docstring). Raises what nats-py raises when NATS does
-    not answer: callers fail open (see the module docstring)."""
+    """The ``<P>_EC_CLAIMS`` bucket (module docstring) over :class:`shared.claims.KvClaims`. Raises
+    what nats-py raises when NATS does not answer: callers fail open (see the module docstring)."""
 
-    def __init__(self, kv: Any):
-        self.kv = kv
+    def __init__(self, claims: KvClaims):
+        self.claims = claims
 
     @classmethod
-    async def open(cls, js: Any, subjects: Subjects, settings: NatsSettings) -> EncodeClaims:
+    async def open(cls, js: JetStreamContext, subjects: Subjects, settings: NatsSettings) -> EncodeClaims:
         """Open the bucket, creating it when missing."""
         description = "epd encode claims: which worker computes an item's encoder output"
-        return cls(
-            await open_bucket(
-                js,
-                subjects.ec_claims_bucket,
-                replicas=settings.stream_replicas,
-                what="the encode claims",
-                ttl=claim_ttl_s(settings),
-                description=description,
-            )
-        )
+        spec = BucketSpec("the encode claims", description, settings.stream_replicas, claim_ttl_s(settings))
+        return cls(await KvClaims.open(js, subjects.ec_claims_bucket, spec))
 
     async def get(self, fingerprint: str, item_hash: str) -> Claim | None:
         held = await self.held(fingerprint, item_hash)
@@ -111,41 +102,29 @@ class EncodeClaims:
 
     async def held(self, fingerprint: str, item_hash: str) -> tuple[Claim, int] | None:
         """The item's claim and its revision (None: unclaimed)."""
-        try:
-            entry = await self.kv.get(claim_key(fingerprint, item_hash))
-        except KeyNotFoundError:
-            return None
-        if entry.value is None or entry.revision is None:
-            return None
-        return Claim.parse(entry.value.decode()), entry.revision
+        state = await self.claims.get(claim_key(fingerprint, item_hash))
+        return None if state is None else (Claim.parse(state.value), state.revision)
 
     async def for_encoder(self, fingerprint: str, item_hash: str, worker_id: str) -> Claim | None:
         """An encoder is about to encode the item: None when it should (its claim is written),
         else the stealer that took it."""
-        key = claim_key(fingerprint, item_hash)
-        value = (ENCODER_PREFIX + worker_id).encode()
-        try:
-            await self.kv.create(key, value)
+        key, value = claim_key(fingerprint, item_hash), ENCODER_PREFIX + worker_id
+        if await self.claims.create(key, value) is not None:
             return None
-        except KeyWrongLastSequenceError:
-            pass
         held = await self.get(fingerprint, item_hash)
         if held is not None and held.stealer:
             return held
-        await self.kv.put(key, value)  # an earlier encoder's claim (a redelivery, a re-encode): ours now
+        await self.claims.put(key, value)  # an earlier encoder's claim (a redelivery, a re-encode): ours now
         return None
 
     async def steal(self, fingerprint: str, item_hash: str, worker_id: str, *, lapsed: int | None = None) -> int | None:
         """A generating worker takes the item: its claim's revision when it won, None when someone
         holds the item. ``lapsed``: the revision of another stealer's claim whose lease lapsed -
         taken over only if no one renewed or took it since."""
-        key, value = claim_key(fingerprint, item_hash), (STEAL_PREFIX + worker_id).encode()
-        try:
-            if lapsed is None:
-                return int(await self.kv.create(key, value))
-            return int(await self.kv.update(key, value, last=lapsed))
-        except KeyWrongLastSequenceError:
-            return None
+        key, value = claim_key(fingerprint, item_hash), STEAL_PREFIX + worker_id
+        if lapsed is None:
+            return await self.claims.create(key, value)
+        return await self.claims.swap(key, value, lapsed)
 
     async def renew(self, fingerprint: str, item_hash: str, worker_id: str, revision: int) -> int | None:
         """Keep a steal's claim (of ``revision``) alive: its new revision, or None when it is no
@@ -157,6 +136,6 @@ class EncodeClaims:
         """The item is announced: forget the claim (best effort; it expires anyway). ``revision``:
         only if the claim is still that one (a steal taken over belongs to its new owner)."""
         try:
-            await self.kv.delete(claim_key(fingerprint, item_hash), last=revision)
+            await self.claims.delete(claim_key(fingerprint, item_hash), revision)
         except Exception as exc:  # noqa: BLE001 - nats raises several unrelated types (a revision mismatch too); the key expires
             log.debug("could not release the encode claim of %s: %s: %s", item_hash[:12], type(exc).__name__, exc)
