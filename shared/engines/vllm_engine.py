@@ -296,6 +296,18 @@ def batched_tokens(given: int | None, *, max_num_seqs: int, kv_role: str | None,
     return given
 
 
+def _export_s3_credentials(extra_config: dict[str, Any], credentials: tuple[Any, Any]) -> None:
+    """Export the S3 ``credentials`` (secret values) under the env names a connector's
+    ``extra_config`` reads them from, where those are unset: vLLM's processes inherit them."""
+    names = (
+        extra_config.get("access_key_env", S3_ACCESS_KEY_ENV),
+        extra_config.get("secret_key_env", S3_SECRET_KEY_ENV),
+    )
+    for env_name, secret in zip(names, credentials):
+        value = secret.get_secret_value() if hasattr(secret, "get_secret_value") else str(secret)
+        os.environ.setdefault(env_name, value)
+
+
 class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
     """A model folder served by vLLM, optionally as an EC producer or consumer and a KV producer
     or consumer."""
@@ -345,17 +357,27 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         self._model_id = model_id or self.model_dir.name
         self.env = configure_vllm_environment(Path(work_dir))
         if (ec_role or kv_role) and s3_credentials is not None:
-            extra = ec_extra_config or kv_extra_config or {}
-            for env_name, secret in zip(
-                (extra.get("access_key_env", S3_ACCESS_KEY_ENV), extra.get("secret_key_env", S3_SECRET_KEY_ENV)),
-                s3_credentials,
-            ):
-                value = secret.get_secret_value() if hasattr(secret, "get_secret_value") else str(secret)
-                os.environ.setdefault(env_name, value)
+            _export_s3_credentials(ec_extra_config or kv_extra_config or {}, s3_credentials)
+        # vLLM's arguments before the processor: vLLM is imported before transformers loads the folder
+        self.engine_args = self._vllm_engine_args(
+            dtype=dtype,
+            connector=connector,
+            ec_extra_config=ec_extra_config,
+            kv_extra_config=kv_extra_config,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            engine_args=engine_args,
+        )
+        self._load_processor()
+        self._start(start_timeout_s)
 
+    # -- start-up steps ---------------------------------------------------------------------
+    def _load_processor(self) -> None:
+        """The model folder's processor, tokenizer, placeholder token ids and chat template."""
         from transformers import AutoConfig, AutoProcessor
-        from vllm import AsyncEngineArgs
-        from vllm.config import ECTransferConfig, KVTransferConfig, StructuredOutputsConfig
 
         config = AutoConfig.from_pretrained(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
@@ -371,12 +393,32 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         if not self.chat_template:
             raise EngineError(f"model folder {self.model_dir} has no chat template")
 
+    def _vllm_engine_args(
+        self,
+        *,
+        dtype: str,
+        connector: tuple[str, str],
+        ec_extra_config: dict[str, Any] | None,
+        kv_extra_config: dict[str, Any] | None,
+        enforce_eager: bool,
+        max_model_len: int | None,
+        kv_cache_gib: float,
+        max_num_seqs: int,
+        max_num_batched_tokens: int | None,
+        engine_args: dict[str, Any] | None,
+    ) -> Any:
+        """vLLM's ``AsyncEngineArgs`` of this engine: its model, connectors and limits, then
+        ``engine_args`` over them."""
+        from vllm import AsyncEngineArgs
+        from vllm.config import ECTransferConfig, KVTransferConfig, StructuredOutputsConfig
+
+        ec_role, kv_role = self.ec_role, self.kv_role
         ec_transfer_config = None
         if ec_role:
             ec_transfer_config = ECTransferConfig(
                 ec_connector=connector[0],
                 ec_connector_module_path=connector[1],
-                ec_role=ec_role,  # type: ignore[arg-type]  # a str checked above to be one of these Literal roles
+                ec_role=ec_role,  # type: ignore[arg-type]  # a str __init__ checked to be one of these Literal roles
                 ec_connector_extra_config=dict(ec_extra_config or {}),
             )
         kv_transfer_config = None
@@ -385,7 +427,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
             kv_transfer_config = KVTransferConfig(
                 kv_connector=KV_CONNECTOR_CLASS,
                 kv_connector_module_path=KV_CONNECTOR_MODULE,
-                kv_role=kv_role,  # type: ignore[arg-type]  # a str checked above to be one of these Literal roles
+                kv_role=kv_role,  # type: ignore[arg-type]  # a str __init__ checked to be one of these Literal roles
                 kv_connector_extra_config=dict(kv_extra or {}),
             )
         args: dict[str, Any] = dict(
@@ -414,8 +456,11 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         if max_num_batched_tokens is not None:
             args["max_num_batched_tokens"] = max_num_batched_tokens
         args.update(engine_args or {})
-        self.engine_args = AsyncEngineArgs(**args)
+        return AsyncEngineArgs(**args)
 
+    def _start(self, start_timeout_s: float) -> None:
+        """Start vLLM on its own event loop thread (blocking, up to ``start_timeout_s``) and take
+        the model identity its connectors compute."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -434,7 +479,7 @@ class VllmEngine(Engine, FeaturesThroughConnector, KVConnectorHandoff):
         log.info(
             "vLLM engine %s (%s) started in %.1fs; encoder fingerprint %s",
             self.model_dir,
-            ec_role or "plain",
+            self.ec_role or "plain",
             self.start_seconds,
             self._identity.fingerprint,
         )
