@@ -1,4 +1,4 @@
-"""``services.api.app.EpdApp``: the generation routes served in front of FastAPI's router."""
+"""``services.api.asgi.EpdApp``: the generation routes served in front of FastAPI's router."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.testclient import TestClient
 
-from services.api.app import EpdApp
+from services.api.asgi import EpdApp
 
 
 class Refused(Exception):

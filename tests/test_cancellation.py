@@ -20,7 +20,7 @@ import threading
 import httpx
 import pytest
 
-from services.api.app import EventStreamResponse
+from services.api.asgi import EventStreamResponse
 from shared.protocol import DecodeJob, ECFailed, ECReady, ErrorEvent, RequestCancelled, TokenChunk
 from shared.tools.infra import free_port
 from tests.stackutil import (
@@ -318,14 +318,14 @@ def test_an_event_stream_ends_quietly_when_its_client_disconnects_and_cancels_no
 
 
 def test_a_wait_for_a_request_ends_with_its_interruption_and_lets_other_cancellations_through():
-    """``_unless_interrupted`` (the API's waits for a request's events): the API starting to stop
+    """``unless_interrupted`` (the API's waits for a request's events): the API starting to stop
     ends the wait with a 503 error and the client's disconnect with ``ClientDisconnected``, the
     awaited work cancelled where it waits either way; a cancellation from elsewhere is not
     converted, even when it comes with an interruption; a result comes back with nothing left
     listening; a wait that starts after the stop does not start its work."""
     from starlette.requests import Request
 
-    from services.api.app import ClientDisconnected, _unless_interrupted
+    from services.api.interrupts import ClientDisconnected, unless_interrupted
     from services.api.service import StopSignal
     from shared.errors import ServiceUnavailable
 
@@ -352,7 +352,7 @@ def test_a_wait_for_a_request_ends_with_its_interruption_and_lets_other_cancella
         request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
         if how == "stopped before":
             stopping.set()
-        waiting = asyncio.ensure_future(_unless_interrupted(work(), stopping, request))
+        waiting = asyncio.ensure_future(unless_interrupted(work(), stopping, request))
         if how != "stopped before" and how != "result":
             await asked.wait()
             if how in ("stop", "stop and cancel"):
@@ -392,7 +392,7 @@ def test_a_wait_for_a_request_ends_with_its_interruption_and_lets_other_cancella
             return "finished anyway"
 
         async def waiting() -> tuple[str, int]:
-            result = await _unless_interrupted(work(), stopping)
+            result = await unless_interrupted(work(), stopping)
             task = asyncio.current_task()
             assert task is not None
             return result, task.cancelling()
@@ -426,7 +426,7 @@ def test_an_event_streams_last_chunk_ends_the_response_in_one_message_and_its_cl
     write); the generator's clean-up runs after it - to its end, awaits included, though the server
     now answers ``receive`` with a disconnect (uvicorn does once a response is complete). Control:
     a generator without a ``LastChunk`` gets the end as a message of its own."""
-    from services.api.app import LastChunk
+    from services.api.asgi import LastChunk
 
     async def main(last: bool) -> tuple[list[tuple[bytes, bool]], list[str]]:
         sent: list[tuple[bytes, bool]] = []

@@ -349,7 +349,7 @@ def test_the_index_fits_a_1280_px_window(tmp_path):
     table's fixed layout removed -> ~2000 px."""
     import time
 
-    from services.api.app import _requests_index_html
+    from services.api.debug_pages import requests_index_html
 
     rows = [
         history.Summary(
@@ -367,7 +367,7 @@ def test_the_index_fits_a_1280_px_window(tmp_path):
         for i in range(6)
     ]
     # The page has no script: a copy with one reports its width in the title.
-    page = _requests_index_html(rows, status=None, since_s=3600).replace(
+    page = requests_index_html(rows, status=None, since_s=3600).replace(
         "</body>", "<script>document.title = 'W' + document.documentElement.scrollWidth</script></body>"
     )
     path = tmp_path / "index.html"

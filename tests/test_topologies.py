@@ -142,7 +142,7 @@ def env(nats_server, s3_server, tiny_model_dir):
 
 @pytest.mark.parametrize("topology, queued", [("agg", False), ("e-pd", True)])
 def test_api_queues_encode_jobs_except_in_agg(env, topology, queued):
-    from services.api.app import ApiService
+    from services.api.service import ApiService
 
     settings = ApiSettings(**env, topology=topology)
 

@@ -3,7 +3,7 @@ header, one access-log line, the ``http_requests_total`` / ``http_request_durati
 metrics and, when configured, CORS.
 
 One pure ASGI wrapper around the whole app, the generation routes served in front of FastAPI
-included (``services.api.app.EpdApp``): Starlette's middlewares would each wrap ``send`` and
+included (``services.api.asgi.EpdApp``): Starlette's middlewares would each wrap ``send`` and
 ``receive`` again and never see those routes.
 """
 
@@ -13,14 +13,13 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import msgspec
 from starlette.middleware.cors import CORSMiddleware
 
 from shared import metrics
-from shared.config import ApiSettings
 
 ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
 
@@ -42,19 +41,27 @@ def client_request_id(scope: MutableMapping[str, Any]) -> str | None:
     return scope.get(CLIENT_REQUEST_ID)
 
 
-def with_cors(app: ASGIApp, settings: ApiSettings) -> ASGIApp:
-    """``app`` behind Starlette's CORS middleware when ``EPD_ALLOWED_ORIGINS`` is set (preflight
-    ``OPTIONS`` answered, ``Access-Control-*`` headers on the responses to allowed origins, and
-    ``X-Request-Id`` readable by the page); else ``app`` as it is (a browser's cross-origin call
-    is refused by the browser; a preflight gets a 405)."""
-    if not settings.allowed_origins:
+def with_cors(
+    app: ASGIApp,
+    *,
+    origins: Sequence[str],
+    methods: Sequence[str],
+    headers: Sequence[str],
+    credentials: bool,
+) -> ASGIApp:
+    """``app`` behind Starlette's CORS middleware when ``origins`` (``EPD_ALLOWED_ORIGINS``) are
+    given (preflight ``OPTIONS`` answered, ``Access-Control-*`` headers on the responses to allowed
+    origins, and ``X-Request-Id`` readable by the page); else ``app`` as it is (a browser's
+    cross-origin call is refused by the browser; a preflight gets a 405). ``methods``, ``headers``,
+    ``credentials``: ``EPD_ALLOWED_METHODS``, ``EPD_ALLOWED_HEADERS``, ``EPD_ALLOW_CREDENTIALS``."""
+    if not origins:
         return app
     return CORSMiddleware(
         app,
-        allow_origins=list(settings.allowed_origins),
-        allow_methods=list(settings.allowed_methods),
-        allow_headers=list(settings.allowed_headers),
-        allow_credentials=settings.allow_credentials,
+        allow_origins=list(origins),
+        allow_methods=list(methods),
+        allow_headers=list(headers),
+        allow_credentials=credentials,
         expose_headers=["X-Request-Id"],
     )
 
@@ -63,7 +70,7 @@ class HttpConventions:
     """The outermost ASGI layer of the API (see the module's docstring).
 
     ``X-Request-Id``: a client's valid one is echoed on the response (and the generation routes
-    make it part of their request id, ``services.api.app``); one of another shape is refused
+    make it part of their request id, ``services.api.serving_generation``); one of another shape is refused
     with a 400; without one the response carries the request's own id (a generation request's
     ``chatcmpl-...``) or a fresh one."""
 
