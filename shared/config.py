@@ -70,6 +70,15 @@ class StoreBackend(enum.StrEnum):
     FS = "fs"
 
 
+class RoutingMode(enum.StrEnum):
+    """Where the API sends generation jobs (``EPD_ROUTING``; ``shared.routing``)."""
+
+    #: a request with images to the generating worker that holds them, weighed against load
+    AFFINITY = "affinity"
+    #: every job on the shared queue: whichever worker is free takes it
+    SHARED = "shared"
+
+
 def one_of(kind: type[enum.StrEnum], what: str) -> Callable[[object], object]:
     """A before-validator of a setting that takes a value of ``kind``: anything else is refused with
     the values it may take (``unknown engine 'onnx'; supported: transformers, vllm``)."""
@@ -594,13 +603,13 @@ class ApiSettings(ServiceSettings):
     EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one decodes alone."""
     worker_stale_s: float = Field(10, gt=0)
     """A worker is gone after this long without a heartbeat."""
-    routing: str = Field(
-        "shared",
-        pattern="^(affinity|shared)$",
+    routing: RoutingMode = Field(
+        RoutingMode.SHARED,
         description="`affinity`: send a request with images to the generating worker that holds them "
         "(weighed against load; docs/architecture.md, cache-aware routing); `shared`: every job on the shared "
         "queue, whichever worker is free takes it",
     )
+    _check_routing = field_validator("routing", mode="before")(one_of(RoutingMode, "routing"))
     routing_affinity_weight: float = Field(1.0, ge=0)
     """Affinity routing: score of a worker per fraction of the request's images it holds."""
     routing_load_weight: float = Field(1.0, ge=0)

@@ -25,7 +25,7 @@ from services.api.schemas import MediaURL, ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
 from shared import protocol
 from shared.client import ChoiceStreams, RequestClient, Submission, item_hash_of
-from shared.config import ApiSettings
+from shared.config import ApiSettings, RoutingMode
 from shared.decode_budget import DecodeBudget
 from shared.ec_lifecycle.claims import EncodeClaims
 from shared.ec_lifecycle.process import ECLifecycle, start_api_lifecycle
@@ -221,7 +221,7 @@ class ApiService:
             model=self.model_name,
             model_path=str(self.identity.model_path),
         )
-        if settings.routing == "affinity":
+        if settings.routing is RoutingMode.AFFINITY:
             self.router = Router(self.nc, self.subjects, publisher, settings, fingerprint=self.fingerprint)
             await self.router.start()
         self.client = RequestClient(
