@@ -56,7 +56,10 @@ from shared.jetstream import TRACE_HEADERS, set_trace, subscribe_typed
 from shared.protocol import (
     ErrorEvent,
     FinalResult,
+    GenerationJob,
+    SamplingSpec,
     Subjects,
+    TokenChunk,
     WorkerHeartbeat,
 )
 from shared.store.ec import ECStore
@@ -234,6 +237,63 @@ async def replay_request(
     """
     reader = reader or StreamReader(nc)
     case = await find_case(nc, subjects, request_id, reader=reader)
+    job = await _replayable_job(case, reader, subjects, request_id)
+    notes: list[str] = []
+    distinct = list(dict.fromkeys(ref.item_hash for ref in job.images))
+    # Images first (cheap, and the clearer error): each needs its media or an EC object.
+    stored = await _require_stored_images(store, namespace, job, distinct, request_id, notes)
+    fingerprint, encoders = await _live_encoder_version(nc, subjects, job, worker_wait_s, notes)
+    if fingerprint != job.fingerprint:
+        stored = await _stored_images(store, namespace, fingerprint, distinct, notes)
+    sampling = _replay_sampling(job.sampling, request_id, keep_seed=keep_seed, notes=notes)
+
+    replay_id = new_replay_id()
+    # The recorded images, re-keyed to this namespace's media; the client queues an encode job for
+    # each whose EC object is missing, like the API does, when an encoder of this version is alive.
+    images = [msgspec.structs.replace(ref, media_key=make_media_key(namespace, ref.item_hash)) for ref in job.images]
+    ec_store = ECStore(store, namespace=namespace, fingerprint=fingerprint, producer="epd-replay") if store else None
+    encode = bool(encoders) and stored is not None
+
+    timeout = timeout_s if timeout_s else min(max(job.deadline - job.created_at, 10.0), 3600.0)
+    received = time.time()
+    ec_index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=stream_replicas)
+    client = RequestClient(nc, subjects, ec_index=ec_index, store=ec_store, source="replay")
+    record = case.record
+    submission = Submission(
+        request_id=replay_id,
+        model=job.model,
+        messages=job.messages,
+        sampling=sampling,
+        stream=job.stream,
+        received_at=received,
+        deadline=received + timeout,
+        body=record.body if record else {},
+        images=images,
+        replay_of=request_id,
+        fingerprint=fingerprint,
+        prompt=job.prompt,
+        tools=job.tools,
+    )
+    chunks, result = await _run_replay(client, submission, encode=encode, images=len(distinct), timeout=timeout)
+    return ReplayOutcome(
+        original_id=request_id,
+        replay_id=replay_id,
+        greedy=sampling.temperature == 0,
+        seed=sampling.seed,
+        recorded=case.final,
+        recorded_error=case.error if case.final is None else None,
+        result=result,
+        recorded_texts=[m.msg.text for m in case.chunks()],
+        replay_texts=chunk_texts(chunks),
+        elapsed_s=time.time() - received,
+        notes=notes + case.notes,
+    )
+
+
+async def _replayable_job(
+    case: RequestCase, reader: StreamReader, subjects: Subjects, request_id: str
+) -> GenerationJob:
+    """The recorded generation job of ``case``, else :class:`MessagesExpired` saying why it is gone."""
     job = case.generation_job
     if job is None:
         hint = await retention_hint(reader, subjects.stream_generate)
@@ -241,19 +301,36 @@ async def replay_request(
             f"request {request_id} has no generation job left on {subjects.generate_jobs} "
             f"(expired or trimmed), so it cannot be replayed: {hint}"
         )
-    notes: list[str] = []
-    distinct = list(dict.fromkeys(ref.item_hash for ref in job.images))
-    # Images first (cheap, and the clearer error): each needs its media or an EC object.
-    stored = await _stored_images(store, namespace, job.fingerprint, distinct, notes)
+    return job
+
+
+async def _require_stored_images(
+    store: ObjectStore | None,
+    namespace: str,
+    job: GenerationJob,
+    items: list[str],
+    request_id: str,
+    notes: list[str],
+) -> dict[str, tuple[bool, bool]] | None:
+    """:func:`_stored_images` of the recorded encoder version; :class:`MediaExpired` for an image
+    with neither its media nor its EC object left."""
+    stored = await _stored_images(store, namespace, job.fingerprint, items, notes)
     if stored is not None:
-        for item in distinct:
+        for item in items:
             if not stored[item][0] and not stored[item][1]:
                 raise MediaExpired(
                     f"image {item[:16]} of request {request_id} is no longer in the store (no media object "
                     f"{make_media_key(namespace, item)}, no EC object for encoder {job.fingerprint}): it cannot be "
                     "replayed here. `epd replay export` carries the images of a case for this reason"
                 )
+    return stored
 
+
+async def _live_encoder_version(
+    nc: NATS, subjects: Subjects, job: GenerationJob, worker_wait_s: float, notes: list[str]
+) -> tuple[str, list[WorkerHeartbeat]]:
+    """The encoder fingerprint the live prefill workers serve (noted when it changed since the
+    recording) and the live encoders of it; :class:`NoLiveWorkers` without a prefill worker."""
     workers = await live_workers(nc, subjects, wait_s=worker_wait_s)
     prefills = workers.get(Service.PREFILL, [])
     if not prefills:
@@ -267,50 +344,32 @@ async def replay_request(
             f"encoder fingerprint changed since the recording ({job.fingerprint} -> {fingerprint}): "
             "a changed model or processor may change the output"
         )
-        stored = await _stored_images(store, namespace, fingerprint, distinct, notes)
-    encoders = [hb for hb in workers.get(Service.ENCODER, []) if hb.fingerprint == fingerprint]
+    return fingerprint, [hb for hb in workers.get(Service.ENCODER, []) if hb.fingerprint == fingerprint]
 
-    sampling = job.sampling
+
+def _replay_sampling(sampling: SamplingSpec, request_id: str, *, keep_seed: bool, notes: list[str]) -> SamplingSpec:
+    """The recorded sampling, with the original's derived seed where it sampled without one and
+    ``keep_seed``."""
     if sampling.seed is None and sampling.temperature > 0:
         if keep_seed:
             sampling = msgspec.structs.replace(sampling, seed=protocol.effective_seed(request_id, None))
             notes.append(f"sampled without a client seed: replaying with the original's derived seed {sampling.seed}")
         else:
             notes.append("sampled without a client seed and --new-seed: the replay samples with its own seed")
+    return sampling
 
-    replay_id = new_replay_id()
-    # The recorded images, re-keyed to this namespace's media; the client queues an encode job for
-    # each whose EC object is missing, like the API does, when an encoder of this version is alive.
-    images = [msgspec.structs.replace(ref, media_key=make_media_key(namespace, ref.item_hash)) for ref in job.images]
-    ec_store = ECStore(store, namespace=namespace, fingerprint=fingerprint, producer="epd-replay") if store else None
-    encode = bool(encoders) and stored is not None
 
-    timeout = timeout_s if timeout_s else min(max(job.deadline - job.created_at, 10.0), 3600.0)
-    received = time.time()
-    deadline = received + timeout
-    ec_index = await ECIndex.open(nc.jetstream(), subjects.ec_index_bucket, replicas=stream_replicas)
-    client = RequestClient(nc, subjects, ec_index=ec_index, store=ec_store, source="replay")
-    record = case.record
-    submission = Submission(
-        request_id=replay_id,
-        model=job.model,
-        messages=job.messages,
-        sampling=sampling,
-        stream=job.stream,
-        received_at=received,
-        deadline=deadline,
-        body=record.body if record else {},
-        images=images,
-        replay_of=request_id,
-        fingerprint=fingerprint,
-        prompt=job.prompt,
-        tools=job.tools,
-    )
-    trace = set_trace(protocol.STAGE_REPLAY, received_at=received)
+async def _run_replay(
+    client: RequestClient, submission: Submission, *, encode: bool, images: int, timeout: float
+) -> tuple[list[TokenChunk], FinalResult | ErrorEvent]:
+    """Submit the replay and collect its tokens and result (traced as a replay); :class:`ReplayTimeout`
+    past its deadline."""
+    replay_id, request_id = submission.request_id, submission.replay_of
+    trace = set_trace(protocol.STAGE_REPLAY, received_at=submission.received_at)
     try:
         tokens = await client.submit(submission, encode=encode)
-        log.info("replaying %s as %s (%d image(s))", request_id, replay_id, len(distinct))
-        chunks, result = await tokens.collect()
+        log.info("replaying %s as %s (%d image(s))", request_id, replay_id, images)
+        return await tokens.collect()
     except DeadlineExceeded as exc:
         raise ReplayTimeout(
             f"replay {replay_id} of {request_id} produced no result within {timeout:.0f} s; "
@@ -318,20 +377,6 @@ async def replay_request(
         ) from exc
     finally:
         TRACE_HEADERS.reset(trace)
-    texts = chunk_texts(chunks)
-    return ReplayOutcome(
-        original_id=request_id,
-        replay_id=replay_id,
-        greedy=sampling.temperature == 0,
-        seed=sampling.seed,
-        recorded=case.final,
-        recorded_error=case.error if case.final is None else None,
-        result=result,
-        recorded_texts=[m.msg.text for m in case.chunks()],
-        replay_texts=texts,
-        elapsed_s=time.time() - received,
-        notes=notes + case.notes,
-    )
 
 
 async def _stored_images(
