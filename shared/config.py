@@ -603,12 +603,10 @@ class ApiSettings(ServiceSettings):
     EPD_MAX_IMAGE_PIXELS); images wait in arrival order, a larger one decodes alone."""
     worker_stale_s: float = Field(10, gt=0)
     """A worker is gone after this long without a heartbeat."""
-    routing: RoutingMode = Field(
-        RoutingMode.SHARED,
-        description="`affinity`: send a request with images to the generating worker that holds them "
-        "(weighed against load; docs/architecture.md, cache-aware routing); `shared`: every job on the shared "
-        "queue, whichever worker is free takes it",
-    )
+    routing: RoutingMode = RoutingMode.SHARED
+    """`affinity`: send a request with images to the generating worker that holds them (weighed against load;
+    docs/architecture.md, cache-aware routing); `shared`: every job on the shared queue, whichever worker is free takes
+    it."""
     _check_routing = field_validator("routing", mode="before")(one_of(RoutingMode, "routing"))
     routing_affinity_weight: float = Field(1.0, ge=0)
     """Affinity routing: score of a worker per fraction of the request's images it holds."""

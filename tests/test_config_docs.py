@@ -76,6 +76,26 @@ def test_every_setting_is_documented_with_a_description():
         assert f"# {var}=" in env
 
 
+def test_settings_are_documented_in_one_style():
+    """Each setting's description is the docstring under it (pydantic's ``use_attribute_docstrings``),
+    never ``Field(description=...)``: one style to read and to write."""
+    import ast
+    import inspect
+
+    from shared import config
+
+    tree = ast.parse(inspect.getsource(config))
+    in_field = [
+        f"{cls.name}.{st.target.id}"
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef)
+        for st in cls.body
+        if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and isinstance(st.value, ast.Call)
+        if any(k.arg == "description" for k in st.value.keywords)
+    ]
+    assert in_field == []
+
+
 def test_env_example_ships_no_secret():
     active = {}
     for line in (ROOT / config_docs.ENV_EXAMPLE).read_text().splitlines():
