@@ -10,6 +10,9 @@ Each service builds its settings once in ``main()`` and passes them (or the grou
 down; nothing below reads the environment. Secrets are ``SecretStr`` so they never show up in reprs
 or logs. ``ApiSettings(nats_url=...)`` (flat keyword arguments, as tests and tools write them) hands
 each argument to the group that owns it; the rest comes from the environment.
+
+Each setting is documented by the docstring under it (``Field`` carries only its constraints): that
+text is its row of docs/configuration.md and its line of .env.example (``epd config docs``).
 """
 
 from __future__ import annotations
