@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from services.api.routing import Router
+from services.api.service import router_tuning
 from shared import protocol
 from shared.config import ApiSettings
 from shared.jetstream import JetStreamPublisher, ensure_topology
@@ -264,7 +265,7 @@ def test_watchdog_falls_back_only_when_the_target_does_not_run_the_job(claims_en
         nc = await nats.connect(url)
         js = nc.jetstream()
         await ensure_topology(js, nats_settings, subjects)
-        router = Router(nc, subjects, JetStreamPublisher(js), settings)
+        router = Router(nc, subjects, JetStreamPublisher(js), settings.nats, router_tuning(settings))
         await router.start()
         try:
             router.on_heartbeat(_hb("w1", [A]))

@@ -39,7 +39,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from shared import metrics
-from shared.config import ApiSettings
+from shared.config import NatsSettings
 from shared.jetstream import Publisher
 from shared.protocol import FinalResult, GenerationJob, RouteReason, Subjects, WorkerHeartbeat
 from shared.routed_jobs import (
@@ -77,6 +77,22 @@ class _Worker:
     learned: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
 
+@dataclass(frozen=True)
+class RouterTuning:
+    """The router's settings (the API's ``EPD_ROUTING_*`` and ``EPD_WORKER_STALE_S``)."""
+
+    #: score of a worker per fraction of the request's images it holds
+    affinity_weight: float
+    #: score taken off a worker per fraction of its engine slots in use
+    load_weight: float
+    #: a routed job no worker claimed within this long goes to the shared queue
+    affinity_timeout_s: float
+    #: a routed worker whose heartbeat is this old is gone: its job goes to the shared queue
+    takeover_s: float
+    #: a worker is gone after this long without a heartbeat
+    worker_stale_s: float
+
+
 class Router:
     """Routes generation jobs (``RequestClient(router=...)``): see the module docstring."""
 
@@ -85,14 +101,16 @@ class Router:
         nc: NATS,
         subjects: Subjects,
         publisher: Publisher,
-        settings: ApiSettings,
+        nats: NatsSettings,
+        tuning: RouterTuning,
         *,
         fingerprint: str = "",
     ):
         self.nc = nc
         self.subjects = subjects
         self.publisher = publisher
-        self.settings = settings
+        self.nats = nats
+        self.tuning = tuning
         self.fingerprint = fingerprint
         self.claims: RoutingClaims | None = None
         self.workers: dict[str, _Worker] = {}
@@ -103,7 +121,7 @@ class Router:
         self._sub: Any = None
 
     async def start(self) -> None:
-        self.claims = await RoutingClaims.open(self.nc.jetstream(), self.subjects, self.settings.nats)
+        self.claims = await RoutingClaims.open(self.nc.jetstream(), self.subjects, self.nats)
         self._sub = await self.nc.subscribe(self.subjects.routing_claims_all, cb=self._on_claim)
 
     async def stop(self) -> None:
@@ -130,7 +148,7 @@ class Router:
     def alive(self, worker_id: str, within_s: float | None = None) -> bool:
         """Whether ``worker_id`` beat within ``within_s`` (default ``EPD_ROUTING_TAKEOVER_S``)."""
         w = self.workers.get(worker_id)
-        limit = self.settings.routing_takeover_s if within_s is None else within_s
+        limit = self.tuning.takeover_s if within_s is None else within_s
         return w is not None and time.monotonic() - w.seen_at <= limit
 
     def _learn(self, worker_id: str, item_hashes: list[str]) -> None:
@@ -158,14 +176,14 @@ class Router:
         """The live generating workers that take routed jobs, as the scorer sees them."""
         now = time.monotonic()
         # a worker the watchdog would take jobs from is no candidate (nor one the API calls gone)
-        stale = self.settings.routing_takeover_s
+        stale = self.tuning.takeover_s
         out = []
         for worker_id, w in list(self.workers.items()):
             hb = w.hb
             if now - w.seen_at > FORGET_S:  # gone for good (a restarted worker has a new id)
                 del self.workers[worker_id]
                 continue
-            if not hb.routable or hb.draining or not self.alive(worker_id, min(self.settings.worker_stale_s, stale)):
+            if not hb.routable or hb.draining or not self.alive(worker_id, min(self.tuning.worker_stale_s, stale)):
                 continue
             if self.fingerprint and hb.fingerprint and hb.fingerprint != self.fingerprint:
                 continue
@@ -188,8 +206,8 @@ class Router:
         return choose(
             self.candidates(),
             [ref.item_hash for ref in job.stored_items],
-            affinity_weight=self.settings.routing_affinity_weight,
-            load_weight=self.settings.routing_load_weight,
+            affinity_weight=self.tuning.affinity_weight,
+            load_weight=self.tuning.load_weight,
         )
 
     # -- publishing --------------------------------------------------------------------------
@@ -249,7 +267,7 @@ class Router:
         """The watchdog of one routed job (module docstring)."""
         assert self.claims is not None
         rid, target = job.request_id, job.routed_to
-        until = time.time() + self.settings.routing_affinity_timeout_s
+        until = time.time() + self.tuning.affinity_timeout_s
         try:
             # 1. until the target claims it, it times out, or the target is gone
             while key not in self._values:
@@ -257,7 +275,7 @@ class Router:
                 if left <= 0 or not self.alive(target):
                     won, state = await self._retrying(job, functools.partial(self.claims.claim, rid, CLAIM_FALLBACK))
                     if won:
-                        timeout = self.settings.routing_affinity_timeout_s
+                        timeout = self.tuning.affinity_timeout_s
                         await self._fallback(
                             job,
                             f"not claimed by {target} within {timeout:g}s"
@@ -280,7 +298,7 @@ class Router:
                         return
                     replace = functools.partial(self.claims.replace, rid, takeover_value(target), state.revision)
                     if await self._retrying(job, replace):
-                        takeover = self.settings.routing_takeover_s
+                        takeover = self.tuning.takeover_s
                         await self._fallback(job, f"{target} gone after claiming it (no heartbeat for {takeover:g}s)")
                         return
                     continue

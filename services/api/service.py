@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import nats
 
-from services.api.routing import Router
+from services.api.routing import Router, RouterTuning
 from services.api.scaling import ScalingSignal
 from services.api.schemas import MediaURL, ParsedRequest, redact_images
 from services.api.supervisor import DeliverySupervisor
@@ -215,14 +215,19 @@ class ApiService:
         self.ec = await start_api_lifecycle(
             self.nc,
             self.subjects,
-            self.settings,
             self.store,
+            nats=settings.nats,
+            store_settings=settings.store,
+            janitor=settings.janitor,
+            flush_s=settings.ec_use_flush_s,
+            holder=f"api-{settings.worker_id}",
             fingerprint=self.fingerprint,
             model=self.model_name,
             model_path=str(self.identity.model_path),
         )
         if settings.routing is RoutingMode.AFFINITY:
-            self.router = Router(self.nc, self.subjects, publisher, settings, fingerprint=self.fingerprint)
+            tuning = router_tuning(settings)
+            self.router = Router(self.nc, self.subjects, publisher, settings.nats, tuning, fingerprint=self.fingerprint)
             await self.router.start()
         self.client = RequestClient(
             self.nc,
@@ -451,3 +456,14 @@ class ApiService:
         """Give up on a request that has not ended: its workers stop (``RequestClient.abandon``)."""
         if not events.ended:
             self.spawn(events.cancel(error))
+
+
+def router_tuning(settings: ApiSettings) -> RouterTuning:
+    """What the router is handed of the API's settings."""
+    return RouterTuning(
+        affinity_weight=settings.routing_affinity_weight,
+        load_weight=settings.routing_load_weight,
+        affinity_timeout_s=settings.routing_affinity_timeout_s,
+        takeover_s=settings.routing_takeover_s,
+        worker_stale_s=settings.worker_stale_s,
+    )

@@ -17,7 +17,7 @@ from shared.ec_lifecycle.uses import UseRecorder
 from shared.protocol import Subjects
 
 if TYPE_CHECKING:
-    from shared.config import ApiSettings, JanitorSettings
+    from shared.config import JanitorSettings, NatsSettings, StoreSettings
 
 log = logging.getLogger(__name__)
 
@@ -97,34 +97,45 @@ def policy_from_settings(janitor: JanitorSettings) -> Policy:
 
 
 async def start_api_lifecycle(
-    nc: Any, subjects: Subjects, settings: ApiSettings, store: Any, *, fingerprint: str, model: str, model_path: str
+    nc: Any,
+    subjects: Subjects,
+    store: Any,
+    *,
+    nats: NatsSettings,
+    store_settings: StoreSettings,
+    janitor: JanitorSettings,
+    flush_s: float,
+    holder: str,
+    fingerprint: str,
+    model: str,
+    model_path: str,
 ) -> ECLifecycle:
     """The API process's lifecycle: recorder, announcement index, fingerprint registry, and the
     janitor when ``EPD_EC_MAX_BYTES`` / ``EPD_EC_MAX_OBJECTS`` / ``EPD_EC_TTL_S`` /
-    ``EPD_EC_PURGE_RETIRED_AFTER_S`` is set (plus the S3 lifecycle backstop with a TTL)."""
-    lifecycle = await ECLifecycle.open(
-        nc, subjects, flush_s=settings.ec_use_flush_s, replicas=settings.nats.stream_replicas
-    )
+    ``EPD_EC_PURGE_RETIRED_AFTER_S`` is set (plus the S3 lifecycle backstop with a TTL).
+    ``nats``, ``store_settings``, ``janitor``: the API's settings groups; ``flush_s``:
+    ``EPD_EC_USE_FLUSH_S``; ``holder``: who the janitor's lease names."""
+    lifecycle = await ECLifecycle.open(nc, subjects, flush_s=flush_s, replicas=nats.stream_replicas)
     await lifecycle.index_announcements()
     await lifecycle.fingerprint_seen(fingerprint, model=model, model_path=model_path)
-    policy = policy_from_settings(settings.janitor)
+    policy = policy_from_settings(janitor)
     if policy.active:
         lifecycle.janitor = Janitor(
             nc=nc,
             subjects=subjects,
             index=lifecycle.index,
             store=store.store,
-            namespace=settings.store.namespace,
-            holder=f"api-{settings.worker_id}",
+            namespace=store_settings.namespace,
+            holder=holder,
             policy=policy,
-            interval_s=settings.janitor.ec_janitor_interval_s,
-            reconcile_interval_s=settings.janitor.ec_reconcile_interval_s,
-            flush_s=settings.ec_use_flush_s,
-            tombstone_keep_s=max(600.0, 2 * settings.nats.dup_window_s),
+            interval_s=janitor.ec_janitor_interval_s,
+            reconcile_interval_s=janitor.ec_reconcile_interval_s,
+            flush_s=flush_s,
+            tombstone_keep_s=max(600.0, 2 * nats.dup_window_s),
         )
-        if policy.ttl_s is not None and settings.janitor.ec_lifecycle_rule:
+        if policy.ttl_s is not None and janitor.ec_lifecycle_rule:
             await asyncio.to_thread(
-                set_expiration_rule, store.store, f"{settings.store.namespace}/", expiration_days(policy.ttl_s)
+                set_expiration_rule, store.store, f"{store_settings.namespace}/", expiration_days(policy.ttl_s)
             )
         lifecycle.janitor.start()
         log.info(
