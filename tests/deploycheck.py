@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import re
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -947,6 +947,45 @@ def nats_auth_conf_problems(text: str | None) -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class DeployedApp:
+    """An epd-serve service of ``apps`` as the compose model defines it."""
+
+    name: str
+    spec: AppSpec
+    service: Mapping
+    env: dict[str, str]
+
+    @property
+    def role(self) -> str:
+        """Its identity, by the module it runs: its NATS user and its store role."""
+        return NATS_ROLE_OF_MODULE[self.spec.module]
+
+
+def deployed_apps(compose: Mapping, apps: Mapping[str, AppSpec]) -> Iterator[DeployedApp]:
+    """Each service of ``apps`` the compose model has, in ``apps``' order (a missing one is
+    :func:`compose_problems`' to report)."""
+    services = compose["services"]
+    for name, spec in apps.items():
+        svc = services.get(name)
+        if svc is not None:
+            yield DeployedApp(name, spec, svc, environment(svc))
+
+
+def handed(compose: Mapping, variables: Iterable[str], *, skip: Iterable[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each service not in ``skip`` whose environment names any of ``variables``: (its name,
+    those variables, sorted)."""
+    wanted, skipped = set(variables), set(skip)
+    for name, svc in compose["services"].items():
+        if name not in skipped and (given := sorted({r.name for r in var_refs(str(environment(svc)))} & wanted)):
+            yield name, given
+
+
+def _required(value: str, var: str) -> bool:
+    """Whether ``value`` is exactly ``${var:?...}``: the variable, required, no default."""
+    return [(r.name, r.op) for r in var_refs(value)] == [(var, ":?")]
+
+
 def nats_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_repo_file) -> list[str]:
     """Every NATS node knows every deployed role as a user with permissions, its password read
     from a required variable of the node's environment (none on the command line, which would
@@ -982,29 +1021,21 @@ def nats_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_f
                 problems.append(f"{name}: {flag} on the command line replaces the per-role users")
         env = environment(svc)
         for var in variables.values():
-            refs = var_refs(str(env.get(var, "")))
-            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
+            if not _required(env.get(var, ""), var):
                 problems.append(f"{name}: {var}={env.get(var)!r} is not ${{{var}:?...}} (required, no default)")
-    for name, spec in apps.items():
-        svc = services.get(name)
-        if svc is None:
-            continue
-        role = NATS_ROLE_OF_MODULE[spec.module]
-        env = environment(svc)
-        if env.get("EPD_NATS_USER") != role:
-            problems.append(f"{name}: EPD_NATS_USER={env.get('EPD_NATS_USER')!r}, expected its role {role!r}")
-        refs = var_refs(str(env.get("EPD_NATS_PASSWORD", "")))
-        if [(r.name, r.op) for r in refs] != [(variables[role], ":?")]:
+    for app in deployed_apps(compose, apps):
+        if app.env.get("EPD_NATS_USER") != app.role:
             problems.append(
-                f"{name}: EPD_NATS_PASSWORD={env.get('EPD_NATS_PASSWORD')!r} is not its role's "
-                f"${{{variables[role]}:?...}}"
+                f"{app.name}: EPD_NATS_USER={app.env.get('EPD_NATS_USER')!r}, expected its role {app.role!r}"
             )
-    for name, svc in services.items():
-        if name in apps or "EPD_NATS_IMAGE" in str(svc.get("image", "")):  # a NATS server, switched off or not
-            continue
-        given = sorted({r.name for r in var_refs(str(environment(svc))) if r.name in variables.values()})
-        if given:
-            problems.append(f"{name}: is handed NATS passwords {given}")
+        if not _required(app.env.get("EPD_NATS_PASSWORD", ""), variables[app.role]):
+            problems.append(
+                f"{app.name}: EPD_NATS_PASSWORD={app.env.get('EPD_NATS_PASSWORD')!r} is not its role's "
+                f"${{{variables[app.role]}:?...}}"
+            )
+    servers = [name for name, svc in services.items() if "EPD_NATS_IMAGE" in str(svc.get("image", ""))]
+    for name, given in handed(compose, variables.values(), skip=[*apps, *servers]):  # (a server, on or off)
+        problems.append(f"{name}: is handed NATS passwords {given}")
     return problems
 
 
@@ -1096,13 +1127,11 @@ def tls_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_r
         script = " ".join(str(c) for c in init.get("command") or [])
         if "mc " in script and "certs/CAs" not in script:  # (the test stand-in's init reads EPD_S3_TLS_CA)
             problems.append("minio-init: mc is not given the CA (its config folder's certs/CAs)")
-    for name, spec in apps.items():
-        svc = services.get(name)
-        if svc is None:
-            continue
+    for app in deployed_apps(compose, apps):
+        name, svc = app.name, app.service
         env = {
             k: interpolate(str(v), {})
-            for k, v in environment(svc).items()
+            for k, v in app.env.items()
             if k in (*TLS_CLIENT_SETTINGS, "EPD_S3_SECURE", "EPD_TLS_CERT", "EPD_TLS_KEY", "EPD_TLS_CA")
         }  # the defaults
         for var in TLS_CLIENT_SETTINGS:
@@ -1112,7 +1141,7 @@ def tls_problems(compose: Mapping, apps: Mapping[str, AppSpec], read_file=read_r
                 problems.append(f"{name}: {var}={env[var]} is not in a mount")
         if env.get("EPD_S3_SECURE", "").lower() != "true":
             problems.append(f"{name}: EPD_S3_SECURE is not true by default (plain HTTP to the store)")
-        if spec.health_role == "api":
+        if app.spec.health_role == "api":
             for var in ("EPD_TLS_CERT", "EPD_TLS_KEY", "EPD_TLS_CA"):
                 if not env.get(var) or not _mounted(svc, env[var]):
                     problems.append(f"{name}: {var}={env.get(var)!r} is not a mounted file (the API would serve HTTP)")
@@ -1178,30 +1207,24 @@ def store_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec]) -> li
     every_role_var = {v for pair in role_vars.values() for v in pair}
     root_vars = {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
     problems = []
-    for name, spec in apps.items():
-        svc = services.get(name)
-        if svc is None:
-            continue
-        role = NATS_ROLE_OF_MODULE[spec.module]
-        env = environment(svc)
-        for setting, var in zip(("EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY"), role_vars[role], strict=True):
-            refs = var_refs(str(env.get(setting, "")))
-            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
-                problems.append(f"{name}: {setting}={env.get(setting)!r} is not its role's ${{{var}:?...}}")
-        given = {r.name for r in var_refs(str(env))}
+    for app in deployed_apps(compose, apps):
+        own = role_vars[app.role]
+        for setting, var in zip(("EPD_S3_ACCESS_KEY", "EPD_S3_SECRET_KEY"), own, strict=True):
+            if not _required(app.env.get(setting, ""), var):
+                problems.append(f"{app.name}: {setting}={app.env.get(setting)!r} is not its role's ${{{var}:?...}}")
+        given = {r.name for r in var_refs(str(app.env))}
         if given & root_vars:
-            problems.append(f"{name}: is handed the MinIO root account {sorted(given & root_vars)}")
-        others = sorted(given & (every_role_var - set(role_vars[role])))
+            problems.append(f"{app.name}: is handed the MinIO root account {sorted(given & root_vars)}")
+        others = sorted(given & (every_role_var - set(own)))
         if others:
-            problems.append(f"{name}: is handed another role's store keys {others}")
+            problems.append(f"{app.name}: is handed another role's store keys {others}")
     init = services.get("minio-init")
     if init is None:
         problems.append("no minio-init: nobody creates the roles' accounts")
     else:
         env = environment(init)
         for var in sorted(every_role_var):
-            refs = var_refs(str(env.get(var, "")))
-            if [(r.name, r.op) for r in refs] != [(var, ":?")]:
+            if not _required(env.get(var, ""), var):
                 problems.append(f"minio-init: {var}={env.get(var)!r} is not ${{{var}:?...}} (required, no default)")
         script = "\n".join(str(c) for c in init.get("command") or []).replace("$$", "$")
         is_mc = "mc " in script  # (the test stand-in's init renders the same table for SeaweedFS)
@@ -1215,10 +1238,6 @@ def store_identity_problems(compose: Mapping, apps: Mapping[str, AppSpec]) -> li
             for role in role_vars:
                 if _role_call(role) not in script:
                     problems.append(f"minio-init: no account for {role} (`{_role_call(role)}`)")
-    for name, svc in services.items():
-        if name in apps or name == "minio-init":
-            continue
-        given = sorted({r.name for r in var_refs(str(environment(svc)))} & every_role_var)
-        if given:
-            problems.append(f"{name}: is handed the roles' store keys {given}")
+    for name, given in handed(compose, every_role_var, skip=[*apps, "minio-init"]):
+        problems.append(f"{name}: is handed the roles' store keys {given}")
     return problems
