@@ -43,7 +43,7 @@ from shared.tools.models.tiny import ARCHS, default_model_dir
 from shared.topology import TOPOLOGIES, Service, Topology
 
 if TYPE_CHECKING:
-    from shared.config import ModelSettings, NatsSettings, StoreSettings
+    from shared.config import EngineKind, ModelSettings, NatsSettings, StoreSettings
     from shared.nats_auth import Role
     from shared.tools.certs import Written
     from shared.tools.forkserver import ForkServer
@@ -171,6 +171,8 @@ class _UpPlan:
     store: StoreSettings
     nats: NatsSettings
     model_path: Path
+    #: --engine (a value of no engine is refused with the model folder: no family it serves)
+    engine: EngineKind
     #: the demo model shipped in the repo: the banner promises its answer
     demo: bool
     #: the API's keys: --api-key, else EPD_API_KEYS from the environment (the API reads it there)
@@ -246,7 +248,7 @@ def _up_plan(args: argparse.Namespace) -> _UpPlan | None:
     the data dir, nothing else."""
     from pydantic import ValidationError
 
-    from shared.config import ApiSettings, ModelSettings, NatsSettings, StoreSettings, env_var
+    from shared.config import ApiSettings, EngineKind, ModelSettings, NatsSettings, StoreSettings, env_var
 
     try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
         model, store, api, nats_settings = ModelSettings(), StoreSettings(), ApiSettings(), NatsSettings()
@@ -268,6 +270,7 @@ def _up_plan(args: argparse.Namespace) -> _UpPlan | None:
         store=store,
         nats=nats_settings,
         model_path=model_path,
+        engine=EngineKind(args.engine),
         demo=model_path == SHIPPED_DIR.resolve(),
         api_keys=tuple(args.api_key or ()) or api.api_keys,
         data_dir=data_dir,
@@ -403,6 +406,7 @@ def _start_services(
 ) -> Stack:
     """The services of the topology started (the stack kept in ``held`` first) and ready; the
     ports held for them released just before."""
+    from shared.config import EngineKind
     from shared.tools.launcher import Stack
 
     stack = held.stack = Stack(
@@ -418,9 +422,9 @@ def _start_services(
     # A vLLM engine uses every CPU it may while it starts: engines that share CPUs start sooner one
     # after another; on CPUs of their own, all at once (measured: 90 s vs 100-113 s; ``--start``).
     staggered = args.start == "staggered" or (
-        args.start == "auto" and args.engine == "vllm" and not _own_cpus(service_env, plan.topology)
+        args.start == "auto" and plan.engine is EngineKind.VLLM and not _own_cpus(service_env, plan.topology)
     )
-    timeout = args.ready_timeout or (600.0 if args.engine == "vllm" else 180.0)
+    timeout = args.ready_timeout or (600.0 if plan.engine is EngineKind.VLLM else 180.0)
     print(f"starting services{' one worker service at a time' if staggered else ''}...", flush=True)
     progress = lambda line: print(line, flush=True)  # noqa: E731 - a one-line callback
     for ports in held.ports:  # the API and the workers bind them now
@@ -625,13 +629,14 @@ def _own_cpus(service_env: dict[str, dict[str, str]], topology: Topology) -> boo
 
 def _service_env(args: argparse.Namespace, topology: Topology) -> dict[str, dict[str, str]]:
     """Per-service settings from ``--cores`` and ``--service-env`` (``SystemExit`` on a bad one)."""
+    from shared.config import EngineKind
     from shared.cpus import available_cpus, parse_cpu_list, split_cpus
     from shared.topology import TOPOLOGIES
 
     workers = [s.value for s in TOPOLOGIES[topology].worker_services]
     out: dict[str, dict[str, str]] = {}
     specs = args.cores
-    if specs is None and args.engine == "vllm" and len(workers) > 1:
+    if specs is None and args.engine == EngineKind.VLLM and len(workers) > 1:
         # vLLM binds each engine's threads itself, every engine to the same core(s) (on 2 CPUs all
         # take CPU 0): split the CPUs between the worker services unless told otherwise.
         specs = ["auto"]
