@@ -74,7 +74,7 @@ class GenerationRoutes:
         submitted = False  # a generation job was published: from then on the workers record the end
         try:
             parsed = self._parse(parse_json_body(await read_body(request, self.limits.max_body_bytes)), endpoint)
-            if parsed.echo and isinstance(parsed.prompt, tuple):
+            if parsed.echo and isinstance(parsed.prompt, tuple):  # (a completion's token-id prompt)
                 parsed.echo_text = await self.served.tokenizer.decode(parsed.prompt, param="prompt")
             deadline = received_at + self.limits.request_timeout_s
             await service.wait_connected(deadline)
