@@ -266,8 +266,6 @@ def train_demo_model(
     model folder's weights instead of random ones (fine-tuning it). ``template_weights``: how often
     each template is drawn (:class:`shapes.Template` order)."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,28 +276,7 @@ def train_demo_model(
     templates = list(shapes.Template)
     held_out = [shapes.make_case(t, i) for t in templates for i in range(16)]
     aux = _AuxHeads(model, SPEC.lm_dim)
-    decay: list[Any] = []
-    no_decay: list[Any] = []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": 0.01},
-            {"params": no_decay, "weight_decay": 0.0},
-            {"params": aux.parameters(), "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.98),
-    )
-    warmup = max(1, steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = _optimizer(model, aux, lr=lr, steps=steps)
     started = time.monotonic()
     case_no = TRAIN_SEED_BASE + seed * 10_000_000
     rng = random.Random(seed)
@@ -321,19 +298,67 @@ def train_demo_model(
         sched.step()
         if step % 100 == 0 or step == steps - 1:
             model.eval()
-            ok = _answer_accuracy(model, processor, held_out, eos)
+            _log_progress(model, processor, held_out, eos, step=step, steps=steps, loss=loss, started=started)
             model.train()
-            by_template = {t.value: sum(o for o, c in zip(ok, held_out) if c.template is t) / 16 for t in templates}
-            logger.info(
-                "step %d/%d loss %.4f held-out answer accuracy %.3f %s (%.0f s)",
-                step,
-                steps,
-                float(loss.detach()),
-                sum(ok) / len(ok),
-                " ".join(f"{t}={a:.2f}" for t, a in by_template.items()),
-                time.monotonic() - started,
-            )
     model.eval()
+    _write_model_folder(model, processor, out)
+    logger.info("trained the demo model in %.0f s into %s", time.monotonic() - started, out)
+    return out
+
+
+def _optimizer(model: Any, aux: _AuxHeads, *, lr: float, steps: int) -> tuple[Any, Any]:
+    """AdamW (weight decay on the matrices only, none on norms, biases and the auxiliary heads)
+    and its schedule: a linear warm-up over the first 5 % of ``steps``, then a cosine down to 5 %."""
+    import torch
+
+    decay: list[Any] = []
+    no_decay: list[Any] = []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.01},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": aux.parameters(), "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def _log_progress(
+    model: Any, processor: Any, held_out: list[Any], eos: str, *, step: int, steps: int, loss: Any, started: float
+) -> None:
+    """The loss and the held-out answer accuracy, overall and per template (``model`` in eval mode)."""
+    ok = _answer_accuracy(model, processor, held_out, eos)
+    templates = list(shapes.Template)
+    by_template = {t.value: sum(o for o, c in zip(ok, held_out) if c.template is t) / 16 for t in templates}
+    logger.info(
+        "step %d/%d loss %.4f held-out answer accuracy %.3f %s (%.0f s)",
+        step,
+        steps,
+        float(loss.detach()),
+        sum(ok) / len(ok),
+        " ".join(f"{t}={a:.2f}" for t, a in by_template.items()),
+        time.monotonic() - started,
+    )
+
+
+def _write_model_folder(model: Any, processor: Any, out: Path) -> None:
+    """The trained model's folder: its weights (tensors in name order, mode 0644), configs and
+    processor files, the JSON canonical (the same training writes the same bytes)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     with tempfile.TemporaryDirectory(prefix="epd-demo-") as tmp:
         tmp_path = Path(tmp)
         model.save_pretrained(tmp_path / "model")
@@ -348,8 +373,6 @@ def train_demo_model(
             shutil.copyfile(path, out / path.name)
     _canonicalize_json_files(out)
     assert processor.chat_template == QWEN2_VL_CHAT_TEMPLATE
-    logger.info("trained the demo model in %.0f s into %s", time.monotonic() - started, out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
