@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import re
@@ -14,12 +15,13 @@ import signal
 import ssl
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import numpy as np
 from PIL import Image
 
@@ -39,6 +41,18 @@ GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True, return_token_ids=Tr
 VLLM_TIERS = frozenset({"vllm"})
 #: The running test's marker names, set by ``tests/conftest.py`` before its fixtures are set up.
 _running_markers: set[str] = set()
+
+
+@contextlib.asynccontextmanager
+async def opened_claims(kind: Any, claims_env: tuple[str, Subjects, Any]) -> AsyncIterator[Any]:
+    """``kind.open`` (``EncodeClaims``, ``RoutingClaims``) on the ``claims_env`` fixture's buckets, over a
+    NATS connection of its own, closed on the way out."""
+    url, subjects, settings = claims_env
+    nc = await nats.connect(url)
+    try:
+        yield await kind.open(nc.jetstream(), subjects, settings)
+    finally:
+        await nc.close()
 
 
 def set_running_test_markers(names: Iterable[str]) -> None:

@@ -27,6 +27,7 @@ from tests.stackutil import (
     final_result,
     metric_value,
     noise_image,
+    opened_claims,
     scrape,
     start_stack,
     wait_for,
@@ -125,12 +126,8 @@ def test_an_encoders_heartbeat_says_its_slots_and_how_many_are_free(tmp_path, ti
 
 
 def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(claims_env) -> None:
-    url, subjects, settings = claims_env
-
     async def main():
-        nc = await nats.connect(url)
-        try:
-            claims = await EncodeClaims.open(nc.jetstream(), subjects, settings)
+        async with opened_claims(EncodeClaims, claims_env) as claims:
             # an encoder started item a: no steal; another encoder (a redelivery) still encodes it
             assert await claims.for_encoder("fp", "a", "enc-1") is None
             assert await claims.steal("fp", "a", "pd-1") is None
@@ -157,8 +154,6 @@ def test_a_steal_needs_an_unclaimed_item_and_an_encoder_yields_only_to_a_steal(c
             assert await claims.steal("fp", "b", "pd-2") is not None
             # claims are per model version
             assert await claims.steal("other-fp", "a", "pd-1") is not None
-        finally:
-            await nc.close()
 
     asyncio.run(main())
 

@@ -18,7 +18,7 @@ from shared.jetstream import JetStreamPublisher, ensure_topology
 from shared.protocol import GenerationJob, ImageRef, RouteReason, SamplingSpec, Subjects, WorkerHeartbeat
 from shared.routed_jobs import CLAIM_FALLBACK, RouteClaim, RoutingClaims, claim_key, done_value, takeover_value
 from shared.routing import Candidate, RecentItems, advertised, choose, short_hash
-from tests.stackutil import until
+from tests.stackutil import opened_claims, until
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -175,12 +175,8 @@ def test_exactly_one_of_many_concurrent_claimers_wins(claims_env) -> None:
 
 
 def test_takeover_is_compare_and_set_and_fences_the_old_owner(claims_env) -> None:
-    url, subjects, settings = claims_env
-
     async def main():
-        nc = await nats.connect(url)
-        try:
-            claims = await RoutingClaims.open(nc.jetstream(), subjects, settings)
+        async with opened_claims(RoutingClaims, claims_env) as claims:
             won, state = await claims.claim("req-2", "w0")
             assert won and state is not None
             mine = RouteClaim(claims, "req-2", "w0", state.revision)
@@ -198,8 +194,6 @@ def test_takeover_is_compare_and_set_and_fences_the_old_owner(claims_env) -> Non
             await RouteClaim(claims, "req-3", "w1", state.revision).finish()
             assert not await claims.replace("req-3", takeover_value("w1"), state.revision)
             assert (await claims.get("req-3")).value == done_value("w1")
-        finally:
-            await nc.close()
 
     asyncio.run(main())
 
