@@ -32,13 +32,15 @@ import httpx
 import pytest
 from PIL import Image
 
-from shared.config import ToolSettings
+from shared.config import StoreSettings, ToolSettings
 from shared.cpus import available_cpus, format_cpu_list, parse_cpu_list, split_cpus
+from shared.ec_lifecycle.janitor import expiration_days, get_expiration_days
 from shared.media import content_hash_of
 from shared.protocol import EncodeJob, FinalResult
+from shared.store.objects import S3ObjectStore
 from shared.store_auth import load_or_create_keys
 from shared.tools.cli import DEFAULT_DATA_DIR, build_parser
-from shared.tools.infra import free_port_block, port_available
+from shared.tools.infra import SEAWEED_REGION, free_port_block, port_available
 from shared.tools.launcher import Stack
 from shared.tools.models.demo import MODEL_NAME, SHIPPED_DIR
 from shared.tools.models.shapes import EXAMPLE
@@ -279,6 +281,8 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     }
+    if topology is not None:  # an EC TTL: its S3 lifecycle backstop is set (the default case: none)
+        env["EPD_EC_TTL_S"] = "86400"
     out_path = tmp_path / "epd-up.out"
     with out_path.open("wb") as out:
         proc = subprocess.Popen(
@@ -341,6 +345,20 @@ def test_epd_up_serves_the_printed_request_and_stops_everything_on_sigint(
         else:  # control: without --cores every process may run anywhere, at the priority it started with
             assert all(cores == set(available_cpus()) for cores in bound.values()), bound
             assert set(nice.values()) == {0}, nice
+        # EPD_EC_TTL_S's S3 lifecycle backstop is on the bucket (set by the admin: the API's role key
+        # may not set a bucket's rules), and the API did not try and warn; without a TTL, no rule.
+        admin = StoreSettings()
+        admin_store = S3ObjectStore(
+            f"http://127.0.0.1:{s3_port}",
+            admin.s3_access_key.get_secret_value(),
+            admin.s3_secret_key.get_secret_value(),
+            admin.s3_bucket,
+            region=SEAWEED_REGION,
+        )
+        days = get_expiration_days(admin_store, f"{admin.namespace}/")
+        assert days == (None if topology is None else expiration_days(86400)), days
+        api_log = (data_dir / "logs" / "api-0.log").read_text()
+        assert "refused a lifecycle rule" not in api_log, api_log[-2000:]
         metrics = dict(re.findall(r"(\S+) :(\d+)", METRICS.search(output())["ports"]))
         assert sorted(metrics) == sorted(f"{w}-0" for w in workers)
         ports = listening_ports([p.pid for p in children])

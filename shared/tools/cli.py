@@ -43,7 +43,7 @@ from shared.tools.models.tiny import ARCHS, default_model_dir
 from shared.topology import TOPOLOGIES, Service, Topology
 
 if TYPE_CHECKING:
-    from shared.config import EngineKind, ModelSettings, NatsSettings, StoreSettings
+    from shared.config import EngineKind, JanitorSettings, ModelSettings, NatsSettings, StoreSettings
     from shared.nats_auth import Role
     from shared.tools.certs import Written
     from shared.tools.forkserver import ForkServer
@@ -170,6 +170,8 @@ class _UpPlan:
     model: ModelSettings
     store: StoreSettings
     nats: NatsSettings
+    #: the EC lifecycle's (EPD_EC_TTL_S's S3 backstop is a bucket setting: epd up's admin sets it)
+    janitor: JanitorSettings
     model_path: Path
     #: --engine (a value of no engine is refused with the model folder: no family it serves)
     engine: EngineKind
@@ -248,10 +250,19 @@ def _up_plan(args: argparse.Namespace) -> _UpPlan | None:
     the data dir, nothing else."""
     from pydantic import ValidationError
 
-    from shared.config import ApiSettings, EngineKind, ModelSettings, NatsSettings, StoreSettings, env_var
+    from shared.config import (
+        ApiSettings,
+        EngineKind,
+        JanitorSettings,
+        ModelSettings,
+        NatsSettings,
+        StoreSettings,
+        env_var,
+    )
 
     try:  # the settings epd up reads itself; a bad one is said now, not in a service's traceback
         model, store, api, nats_settings = ModelSettings(), StoreSettings(), ApiSettings(), NatsSettings()
+        janitor = JanitorSettings()
     except ValidationError as exc:
         print(f"epd up: invalid settings in the environment: {exc}", file=sys.stderr)
         return None
@@ -269,6 +280,7 @@ def _up_plan(args: argparse.Namespace) -> _UpPlan | None:
         model=model,
         store=store,
         nats=nats_settings,
+        janitor=janitor,
         model_path=model_path,
         engine=EngineKind(args.engine),
         demo=model_path == SHIPPED_DIR.resolve(),
@@ -303,6 +315,7 @@ def _reserve_ports(args: argparse.Namespace, plan: _UpPlan, held: list[PortReser
 def _start_infra(args: argparse.Namespace, plan: _UpPlan, held: _UpHeld) -> _UpInfra:
     """The certificates (--tls) and identities, then NATS and S3 started (each kept in ``held`` as
     soon as it is made); the fork server asked for preloads meanwhile."""
+    from shared.ec_lifecycle.janitor import set_expiration_rule
     from shared.protocol import Subjects
     from shared.store_auth import load_or_create_keys
     from shared.tools.forkserver import default_fork_server, not_forkable
@@ -341,7 +354,19 @@ def _start_infra(args: argparse.Namespace, plan: _UpPlan, held: _UpHeld) -> _UpI
         held.fork_server = default_fork_server(data_dir / "logs")
     nats.start()
     s3.start()
+    if (days := _ec_backstop_days(plan)) is not None:  # (a bucket setting: the admin's, as the bucket's policy)
+        set_expiration_rule(s3.admin_store(), f"{plan.store.namespace}/", days)
     return _UpInfra(nats=nats, s3=s3, identities=identities, s3_role_keys=s3_role_keys, certs=certs)
+
+
+def _ec_backstop_days(plan: _UpPlan) -> int | None:
+    """The days of EPD_EC_TTL_S's S3 lifecycle backstop (``EPD_EC_LIFECYCLE_RULE``), which ``epd up``
+    sets itself as the store's admin (the API, on its role's key, may not and is told not to); None:
+    no rule."""
+    from shared.ec_lifecycle.janitor import expiration_days
+
+    ttl_s, wanted = plan.janitor.ec_ttl_s, plan.janitor.ec_lifecycle_rule
+    return expiration_days(ttl_s) if ttl_s is not None and wanted else None
 
 
 def _up_env(args: argparse.Namespace, plan: _UpPlan, infra: _UpInfra) -> dict[str, str]:
@@ -387,6 +412,9 @@ def _up_service_env(args: argparse.Namespace, plan: _UpPlan, infra: _UpInfra) ->
         role_access, role_secret = infra.s3_role_keys[role]
         keys = {S3_ACCESS_KEY_ENV: role_access, S3_SECRET_KEY_ENV: role_secret}
         service_env[name] = {**keys, **service_env.get(name, {})}
+    if _ec_backstop_days(plan) is not None:  # set as the admin (_start_infra); a role key may not
+        api = Service.API.value
+        service_env[api] = {env_var("ec_lifecycle_rule"): "0", **service_env.get(api, {})}
     if (certs := infra.certs) is not None:  # the API's certificate and key (files): for its service only
         api_tls = {
             env_var("tls_cert"): str(certs.servers["api"][0]),
