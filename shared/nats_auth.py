@@ -255,7 +255,11 @@ def api_permissions(subjects: Subjects) -> Permissions:
     for stream, _ in _work_consumers(s):
         perms.add(pub=[f"{JS_API}.CONSUMER.INFO.{stream}.*", f"{JS_API}.CONSUMER.LIST.{stream}"])
     perms = perms.merged(_kv(s.ec_index_bucket)).merged(_scan(s, kv_stream(s.ec_index_bucket)))
-    perms.add(pub=[f"{JS_API}.STREAM.PURGE.{kv_stream(s.ec_index_bucket)}"])  # tombstones (janitor)
+    # the janitor's tombstone purge (``purge_deletes``): nats-py reads the markers through an ordered
+    # consumer it creates on the legacy subject, which names no consumer (``_scan``'s pattern needs
+    # one); the index stream has no work consumer to protect
+    index_stream = kv_stream(s.ec_index_bucket)
+    perms.add(pub=[f"{JS_API}.STREAM.PURGE.{index_stream}", f"{JS_API}.CONSUMER.CREATE.{index_stream}"])
     return perms.merged(_kv(s.routing_bucket, watch=True)).merged(_kv(s.ec_claims_bucket, write=False))
 
 

@@ -231,6 +231,39 @@ def test_key_value_buckets_are_open_to_their_roles_only(auth_server):
     }
 
 
+def test_the_api_purges_the_ec_index_tombstones_as_its_role(auth_server):
+    """The EC janitor's tombstone purge (``Janitor._purge_tombstones``: ``purge_deletes`` of the index
+    bucket, which nats-py reads through an ordered consumer created on the legacy subject without a
+    name, then purges each marker) works on the API's identity: a deleted key's marker is in the
+    stream before and gone after, and nothing was refused. (The janitor logs a failure at debug and
+    tries next pass: refused, the markers stayed for good.)"""
+    import nats.js.errors
+
+    key = "ec.fp.tombstone"
+    stream = protocol.kv_stream(S.ec_index_bucket)
+    subject = protocol.kv_key_subject_prefix(S.ec_index_bucket) + key
+
+    @run_as(auth_server, Role.API)
+    async def outcome(api: Session):
+        index = await ECIndex.open(api.js, S.ec_index_bucket)
+        await index.kv.put(key, b"{}")
+        await index.kv.delete(key)
+        marker = await api.js.get_last_msg(stream, subject)  # the delete marker
+        try:
+            await asyncio.wait_for(index.kv.purge_deletes(olderthan=0), 10)
+        except (TimeoutError, nats.errors.Error) as exc:  # (refused: the consumer's create is never answered)
+            return marker, f"purge failed: {type(exc).__name__}", await api.refused("CONSUMER.CREATE")
+        try:
+            left = await api.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            left = None
+        return marker, left, await api.refused("CONSUMER.CREATE")
+
+    marker, left, refused = outcome
+    assert (marker.headers or {}).get("KV-Operation") == "DEL", marker  # (so "gone" below can fail)
+    assert (left, refused) == (None, False), outcome
+
+
 def test_work_consumers_serve_their_role_only(auth_server):
     """An encoder binds and takes its jobs; nobody else pulls its queue or deletes its consumer
     (the viewer's scans may make consumers on the stream, not use the work one)."""
